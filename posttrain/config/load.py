@@ -1,0 +1,158 @@
+"""YAML + dotted overrides -> a validated, frozen `Recipe`.
+
+    recipe = load_recipe("recipes/sft.yaml", ["train.max_steps=20", "model.name_or_path=tiny/"], SFTAlgoConfig)
+
+Unknown keys fail with the closest valid name; values are checked against the field's type and range.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from posttrain.config.schema import Recipe
+from posttrain.errors import UserError
+
+
+def load_recipe(path: str | None, overrides: list[str], algo_cls: type) -> Recipe:
+    """Read a recipe file (optional), apply `key.sub=value` overrides, build and validate the dataclasses."""
+    raw: dict[str, Any] = {}
+    where = "defaults"
+    if path:
+        p = Path(path)
+        if not p.is_file():
+            raise UserError(f"recipe file {path} does not exist; pass --config with a YAML recipe (see recipes/)")
+        try:
+            raw = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise UserError(f"recipe {path} is not valid YAML: {e}") from None
+        if not isinstance(raw, dict):
+            raise UserError(f"recipe {path} must be a mapping of sections (model:, data:, train:, ...)")
+        where = str(path)
+    for item in overrides:
+        apply_override(raw, item)
+    recipe = build(Recipe, raw, where, "", algo_cls)
+    from posttrain.config.validate import validate
+
+    validate(recipe)
+    return recipe
+
+
+def apply_override(raw: dict, item: str) -> None:
+    """`train.max_steps=20` -> raw['train']['max_steps'] = 20 (the value parsed as YAML, so 1e-4, true, null work)."""
+    if "=" not in item:
+        raise UserError(f"override '{item}' must look like key.sub=value (for example train.max_steps=20)")
+    key, _, value = item.partition("=")
+    parts = key.strip().split(".")
+    node = raw
+    for part in parts[:-1]:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise UserError(f"override '{item}': '{part}' is a value, not a section")
+    try:
+        node[parts[-1]] = yaml.safe_load(value) if value != "" else ""
+    except yaml.YAMLError:
+        node[parts[-1]] = value
+
+
+def build(cls: type, raw: Any, where: str, prefix: str, algo_cls: type | None = None) -> Any:
+    """Recursively turn a mapping into the dataclass `cls`, checking keys and types."""
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise UserError(f"{where}: '{prefix.rstrip('.') or 'recipe'}' must be a mapping, got {raw!r}")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    for key in raw:
+        if key not in fields:
+            raise UserError(unknown_key_message(where, prefix + str(key), list(fields), prefix))
+    kwargs = {}
+    for name, value in raw.items():
+        hint = hints[name]
+        if cls is Recipe and name == "algo":
+            kwargs[name] = build(algo_cls, value, where, "algo.")
+        else:
+            kwargs[name] = coerce(hint, value, where, prefix + name)
+    try:
+        return cls(**kwargs)
+    except TypeError as e:
+        raise UserError(f"{where}: section '{prefix.rstrip('.')}': {e}") from None
+
+
+def unknown_key_message(where: str, key: str, valid: list[str], prefix: str) -> str:
+    leaf = key.rsplit(".", 1)[-1]
+    close = difflib.get_close_matches(leaf, valid, n=1, cutoff=0.5)
+    hint = f"; did you mean '{prefix}{close[0]}'?" if close else f"; valid keys here: {', '.join(sorted(valid))}"
+    return f"{where}: unknown key '{key}'{hint}"
+
+
+def coerce(hint: Any, value: Any, where: str, key: str) -> Any:
+    """Check (and gently convert) one value against its annotation."""
+    origin = typing.get_origin(hint)
+    args = typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        inner = [a for a in args if a is not type(None)]
+        return coerce(inner[0], value, where, key)
+    if dataclasses.is_dataclass(hint):
+        return build(hint, value, where, key + ".")
+    if origin is tuple:
+        if isinstance(value, str):
+            value = [value]
+        if not isinstance(value, (list, tuple)):
+            raise UserError(f"{where}: '{key}' must be a list, got {value!r}")
+        item_type = args[0] if args else Any
+        return tuple(coerce(item_type, v, where, f"{key}[{i}]") for i, v in enumerate(value))
+    if hint is Any:
+        return value
+    if hint is dict or origin is dict:
+        if not isinstance(value, dict):
+            raise UserError(f"{where}: '{key}' must be a mapping, got {value!r}")
+        return dict(value)
+    if hint is bool:
+        if isinstance(value, bool):
+            return value
+        raise UserError(f"{where}: '{key}' must be true or false, got {value!r}")
+    if hint is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        raise UserError(f"{where}: '{key}' must be an integer, got {value!r}")
+    if hint is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        raise UserError(f"{where}: '{key}' must be a number, got {value!r}")
+    if hint is str:
+        if isinstance(value, bool) or value is None:
+            # YAML reads unquoted no/yes/off as booleans: a classic trap for mixed_precision: no
+            raise UserError(f"{where}: '{key}' must be a string, got {value!r} (quote it in YAML, e.g. '{value}')")
+        return str(value)
+    return value
+
+
+def to_dict(obj: Any) -> Any:
+    """A recipe as plain data (for config.yaml)."""
+    if dataclasses.is_dataclass(obj):
+        return {f.name: to_dict(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    if isinstance(obj, (list, tuple)):
+        return [to_dict(v) for v in obj]
+    if isinstance(obj, dict):
+        return {k: to_dict(v) for k, v in obj.items()}
+    return obj
+
+
+def dump_yaml(recipe: Recipe) -> str:
+    return yaml.safe_dump(to_dict(recipe), sort_keys=False)

@@ -1,0 +1,197 @@
+"""The recipe: frozen, typed dataclasses that YAML mirrors one to one.
+
+Every field has a default and a one-line docstring (the string literal under it). Derived values are functions
+(`global_batch_size`, ...), never fields mutated later. `posttrain.config.load` turns YAML + `key.sub=value`
+overrides into a `Recipe` and rejects unknown keys with the closest valid name.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+
+@dataclass(frozen=True)
+class LoraConfig:
+    enabled: bool = False
+    """Train LoRA adapters (peft) instead of all weights."""
+    r: int = 16
+    """Adapter rank."""
+    alpha: int = 32
+    """LoRA scaling numerator (lora_alpha)."""
+    dropout: float = 0.0
+    """Dropout on the adapter input."""
+    target_modules: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    """Module names that get adapters."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    name_or_path: str = "tiny/"
+    """Hub id or local directory of the model to train."""
+    tokenizer_name_or_path: Optional[str] = None
+    """Tokenizer location when it differs from the model's."""
+    revision: Optional[str] = None
+    """Hub revision (branch, tag or commit)."""
+    dtype: str = "float32"
+    """Weights dtype when loading: float32, bfloat16, float16 or auto."""
+    attn_implementation: str = "sdpa"
+    """Attention kernel: sdpa, eager, flash_attention_2, ..."""
+    trust_remote_code: bool = False
+    """Run code shipped with the model repository (off unless you trust it)."""
+    chat_template: Optional[str] = None
+    """Jinja chat template (or path to a .jinja file) overriding the tokenizer's."""
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    """LoRA adapters (model.lora.*)."""
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    train: str = ""
+    """Training data: a .jsonl/.json/.parquet/.csv file, a save_to_disk directory, or a hub dataset name."""
+    eval: Optional[str] = None
+    """Optional held-out data in the same forms."""
+    train_split: str = "train"
+    """Split to read from a hub dataset or DatasetDict directory."""
+    eval_split: str = "test"
+    """Split to read for eval from a hub dataset or DatasetDict directory."""
+    max_length: int = 512
+    """Longest tokenized sequence (prompt + completion); longer rows are truncated and counted."""
+    max_prompt_length: Optional[int] = None
+    """Longest prompt for prompt-only data (GRPO); longer prompts are truncated from the left."""
+    packing: bool = False
+    """Padding-free packing: concatenate sequences, restart position ids, keep attention inside each sequence."""
+    completion_only_loss: bool = True
+    """Prompt-completion data: train only on completion tokens."""
+    assistant_only_loss: bool = True
+    """Conversational data: train only on assistant turns."""
+    num_proc: Optional[int] = None
+    """Worker processes for tokenisation (None: in-process)."""
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    per_device_train_batch_size: int = 8
+    """Sequences (or pairs, or prompts x generations) per device per micro-batch."""
+    per_device_eval_batch_size: int = 8
+    """Sequences per device per eval batch."""
+    gradient_accumulation_steps: int = 1
+    """Micro-batches per optimiser step."""
+    learning_rate: float = 1.0e-4
+    """Peak learning rate (AdamW)."""
+    weight_decay: float = 0.0
+    """AdamW decoupled weight decay (not applied to biases and norms)."""
+    adam_beta1: float = 0.9
+    """AdamW beta1."""
+    adam_beta2: float = 0.999
+    """AdamW beta2."""
+    adam_epsilon: float = 1.0e-8
+    """AdamW epsilon."""
+    lr_scheduler_type: str = "linear"
+    """Schedule after warmup: constant, linear or cosine."""
+    warmup_steps: int = 0
+    """Linear warmup steps (overrides warmup_ratio when > 0)."""
+    warmup_ratio: float = 0.0
+    """Warmup as a fraction of total steps."""
+    max_steps: int = -1
+    """Optimiser steps to run; -1 derives them from num_train_epochs."""
+    num_train_epochs: float = 1.0
+    """Passes over the training data when max_steps is -1."""
+    max_grad_norm: float = 1.0
+    """Clip the global gradient norm to this (0 disables clipping)."""
+    mixed_precision: str = "no"
+    """Autocast precision: 'no', bf16 or fp16."""
+    gradient_checkpointing: bool = False
+    """Recompute activations in backward to save memory."""
+    logging_steps: int = 10
+    """Log metrics every this many optimiser steps."""
+    eval_steps: int = 0
+    """Evaluate every this many steps when an eval set is given (0: only at the end)."""
+    save_steps: int = 0
+    """Checkpoint every this many steps (0: only at the end)."""
+    save_total_limit: Optional[int] = 2
+    """Keep only the newest this many checkpoints (None keeps all)."""
+    save_final_model: bool = True
+    """Export the trained model to output_dir/final as a Hugging Face directory."""
+    resume_from_checkpoint: Optional[str] = None
+    """auto (newest checkpoint in output_dir) or a checkpoint path."""
+    overwrite_output_dir: bool = False
+    """Allow starting afresh in an output_dir that already holds a different run."""
+    dataloader_seed: Optional[int] = None
+    """Seed of the data order (defaults to the recipe seed)."""
+    ddp_timeout: int = 1800
+    """Seconds a collective may wait before the run fails instead of hanging."""
+    report: bool = True
+    """Write report.html with plotted curves at the end."""
+    tensorboard: bool = True
+    """Write TensorBoard events to output_dir/tensorboard."""
+    max_steps_per_run: Optional[int] = None
+    """Stop (after saving a checkpoint) once this many steps ran in this process; for preemptible jobs and tests."""
+
+
+@dataclass(frozen=True)
+class GenerationConfig:
+    engine: str = "hf"
+    """Generation engine: hf (transformers generate), vllm (in-process) or server (remote)."""
+    max_completion_length: int = 64
+    """Most new tokens per completion."""
+    temperature: float = 1.0
+    """Sampling temperature (0: greedy)."""
+    top_p: float = 1.0
+    """Nucleus sampling threshold."""
+    top_k: int = 0
+    """Sample among the k most likely tokens (0: off)."""
+    batch_size: Optional[int] = None
+    """Prompts per generate call (None: all of the step's prompts at once)."""
+
+
+@dataclass(frozen=True)
+class RewardConfig:
+    name: str = ""
+    """Built-in reward (exact_match, format, length_penalty, reward_model) or an import path 'module:function'."""
+    weight: float = 1.0
+    """Weight of this reward in the total."""
+    kwargs: dict = field(default_factory=dict)
+    """Keyword arguments passed to the reward function."""
+    timeout: float = 60.0
+    """Seconds the function may take per batch."""
+    on_error: str = "raise"
+    """raise: stop the run naming the function and sample; skip: give the sample reward 0 and count it."""
+
+
+@dataclass(frozen=True)
+class SFTAlgoConfig:
+    """Supervised fine-tuning: cross-entropy over the loss mask. No knobs of its own yet."""
+
+
+@dataclass(frozen=True)
+class Recipe:
+    output_dir: str = "runs/run"
+    """Run directory: config.yaml, metrics.jsonl, checkpoints/, final/, report."""
+    seed: int = 42
+    """Seed for weights init (where random), data order, dropout and sampling."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """Model and tokenizer."""
+    data: DataConfig = field(default_factory=DataConfig)
+    """Datasets and tokenisation."""
+    train: TrainConfig = field(default_factory=TrainConfig)
+    """Optimiser, batch, schedule, precision, checkpoints, logging."""
+    algo: Any = field(default_factory=SFTAlgoConfig)
+    """The algorithm's own knobs; its type depends on the command (sft, rm, dpo, grpo)."""
+    generation: GenerationConfig = field(default_factory=GenerationConfig)
+    """Sampling for online algorithms."""
+    rewards: tuple[RewardConfig, ...] = ()
+    """Reward functions for online algorithms."""
+
+
+def total_steps(train: TrainConfig, micro_batches_per_epoch: int) -> int:
+    """Optimiser steps of the run: max_steps, or epochs x ceil(micro-batches per epoch / accumulation)."""
+    if train.max_steps > 0:
+        return train.max_steps
+    steps_per_epoch = max(1, -(-micro_batches_per_epoch // train.gradient_accumulation_steps))
+    return max(1, int(round(train.num_train_epochs * steps_per_epoch)))
+
+
+def global_batch_size(train: TrainConfig, world_size: int) -> int:
+    """Sequences per optimiser step across all processes."""
+    return train.per_device_train_batch_size * train.gradient_accumulation_steps * world_size

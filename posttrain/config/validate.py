@@ -1,0 +1,72 @@
+"""Range and consistency checks on a built recipe, run before anything heavy is loaded."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from posttrain.config.schema import Recipe
+from posttrain.errors import UserError
+
+CHOICES = {
+    "model.dtype": ("float32", "bfloat16", "float16", "auto"),
+    "train.lr_scheduler_type": ("constant", "linear", "cosine"),
+    "train.mixed_precision": ("no", "bf16", "fp16"),
+    "generation.engine": ("hf", "vllm", "server"),
+}
+POSITIVE = (
+    "train.per_device_train_batch_size",
+    "train.per_device_eval_batch_size",
+    "train.gradient_accumulation_steps",
+    "train.learning_rate",
+    "train.logging_steps",
+    "train.num_train_epochs",
+    "data.max_length",
+    "generation.max_completion_length",
+    "train.ddp_timeout",
+)
+NON_NEGATIVE = ("train.weight_decay", "train.warmup_steps", "train.max_grad_norm", "train.save_steps", "train.eval_steps")
+
+
+def get(recipe: Recipe, dotted: str):
+    value = recipe
+    for part in dotted.split("."):
+        value = getattr(value, part)
+    return value
+
+
+def validate(recipe: Recipe) -> None:
+    for key, choices in CHOICES.items():
+        if get(recipe, key) not in choices:
+            raise UserError(f"{key} is {get(recipe, key)!r}; choose one of {', '.join(choices)}")
+    for key in POSITIVE:
+        if not get(recipe, key) > 0:
+            raise UserError(f"{key} must be > 0, got {get(recipe, key)!r}")
+    for key in NON_NEGATIVE:
+        if get(recipe, key) < 0:
+            raise UserError(f"{key} must be >= 0, got {get(recipe, key)!r}")
+    t = recipe.train
+    if not 0.0 <= t.warmup_ratio < 1.0:
+        raise UserError(f"train.warmup_ratio must be in [0, 1), got {t.warmup_ratio}")
+    if t.max_steps == 0 or t.max_steps < -1:
+        raise UserError(f"train.max_steps must be a positive number of steps or -1 (use num_train_epochs), got {t.max_steps}")
+    if t.save_total_limit is not None and t.save_total_limit < 1:
+        raise UserError(f"train.save_total_limit must be >= 1 or null, got {t.save_total_limit}")
+    if t.resume_from_checkpoint is not None and t.overwrite_output_dir:
+        raise UserError("train.resume_from_checkpoint and train.overwrite_output_dir conflict: resume keeps the run, overwrite discards it; pick one")
+    if not recipe.data.train:
+        raise UserError("data.train is empty: give a .jsonl/.json/.parquet/.csv file, a save_to_disk directory or a hub dataset name")
+    if recipe.data.max_prompt_length is not None and recipe.data.max_prompt_length <= 0:
+        raise UserError(f"data.max_prompt_length must be > 0 or null, got {recipe.data.max_prompt_length}")
+    g = recipe.generation
+    if g.temperature < 0 or not 0 < g.top_p <= 1 or g.top_k < 0:
+        raise UserError(f"generation: need temperature >= 0, 0 < top_p <= 1, top_k >= 0; got {g.temperature}, {g.top_p}, {g.top_k}")
+    for i, r in enumerate(recipe.rewards):
+        if not r.name:
+            raise UserError(f"rewards[{i}].name is empty: name a built-in reward or an import path module:function")
+        if r.on_error not in ("raise", "skip"):
+            raise UserError(f"rewards[{i}].on_error must be raise or skip, got {r.on_error!r}")
+    check_algo = getattr(recipe.algo, "validate", None)
+    if check_algo is not None:
+        check_algo(recipe)
+    if dataclasses.is_dataclass(recipe.model.lora) and recipe.model.lora.enabled and recipe.model.lora.r <= 0:
+        raise UserError(f"model.lora.r must be > 0, got {recipe.model.lora.r}")

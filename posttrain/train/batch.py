@@ -1,0 +1,77 @@
+"""The batch record every algorithm sees: a typed dataclass with named optional fields.
+
+Token alignment: `completion_mask_BT[b, t]` is True when token `input_ids_BT[b, t]` is trained on, i.e. predicted
+by the logits at position t - 1. Shifted views (`[:, 1:]`) are taken by `ops.logprobs`, nowhere else.
+Layouts:
+- padded: `attention_mask_BT` marks real tokens (right padding); `position_ids_BT` is None.
+- packed (padding-free): B == 1, sequences concatenated, `attention_mask_BT` is None, `position_ids_BT` restarts at 0
+  for every sequence (transformers keeps attention inside each sequence), `sequence_index_BT` numbers them.
+- preference: the first `num_pairs` rows are the chosen sequences, the next `num_pairs` their rejected partners.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+
+@dataclass(frozen=True)
+class Batch:
+    input_ids_BT: torch.Tensor
+    """Token ids, int64."""
+    completion_mask_BT: torch.Tensor
+    """bool: tokens the loss is taken over (completion / assistant tokens, or all tokens for plain text)."""
+    attention_mask_BT: Optional[torch.Tensor] = None
+    """Padded layout: 1 for real tokens, 0 for padding."""
+    position_ids_BT: Optional[torch.Tensor] = None
+    """Packed layout: positions restarting at 0 per sequence."""
+    sequence_index_BT: Optional[torch.Tensor] = None
+    """Packed layout: which sequence (0..n-1) each token belongs to; -1 for none."""
+    num_sequences: int = 0
+    """Sequences in the micro-batch (rows when padded, packed sequences when packed)."""
+    num_pairs: int = 0
+    """Preference batches: number of (chosen, rejected) pairs; rows [0, P) chosen, [P, 2P) rejected."""
+    margin_B: Optional[torch.Tensor] = None
+    """Reward-model pairs: optional required margin per pair."""
+    ref_logprobs_B: Optional[torch.Tensor] = None
+    """Preference batches: reference log-prob sum per sequence (chosen then rejected), when precomputed."""
+    example_index_B: Optional[torch.Tensor] = None
+    """Dataset row index of each sequence (or pair); keys the precomputed-reference cache."""
+    # --- online RL ---
+    advantages_B: Optional[torch.Tensor] = None
+    """Per-sequence advantage."""
+    old_logprobs_BT: Optional[torch.Tensor] = None
+    """Log-probs of the sampling policy, aligned with input_ids_BT (position 0 unused)."""
+    ref_logprobs_BT: Optional[torch.Tensor] = None
+    """Log-probs of the reference policy, aligned with input_ids_BT (position 0 unused)."""
+    truncated_B: Optional[torch.Tensor] = None
+    """bool: completion hit max_completion_length without end of sequence."""
+
+    def to(self, device: torch.device) -> "Batch":
+        moved = {
+            f.name: getattr(self, f.name).to(device)
+            for f in dataclasses.fields(self)
+            if isinstance(getattr(self, f.name), torch.Tensor)
+        }
+        return dataclasses.replace(self, **moved)
+
+    def model_inputs(self) -> dict:
+        """Keyword arguments for a transformers forward pass."""
+        inputs = {"input_ids": self.input_ids_BT}
+        if self.attention_mask_BT is not None:
+            inputs["attention_mask"] = self.attention_mask_BT
+        if self.position_ids_BT is not None:
+            inputs["position_ids"] = self.position_ids_BT
+        return inputs
+
+    def rows(self, start: int, stop: int) -> "Batch":
+        """Rows [start, stop) of a padded batch (for chunked forwards)."""
+        sliced = {}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, torch.Tensor) and value.dim() >= 1 and value.shape[0] == self.input_ids_BT.shape[0]:
+                sliced[f.name] = value[start:stop]
+        return dataclasses.replace(self, num_sequences=stop - start, **sliced)
