@@ -1,0 +1,41 @@
+"""Supervised fine-tuning: token cross-entropy over the completion mask.
+
+    posttrain sft --config recipes/sft.yaml
+
+The loss of a step is (sum of -log p over completion tokens of all micro-batches and ranks) / (their count): the
+loop passes that global count as `normaliser`, so accumulation and world size do not change the update.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from posttrain.algorithms.base import Models
+from posttrain.algorithms.forward import policy_logprobs
+from posttrain.config.schema import Recipe, SFTAlgoConfig
+from posttrain.losses.sft import sft_loss_sum
+from posttrain.train.batch import Batch
+
+
+class SFT:
+    name = "sft"
+    data_kind = "sft"
+    model_kind = "causal_lm"
+    needs_reference = False
+
+    def __init__(self, recipe: Recipe):
+        self.config: SFTAlgoConfig = recipe.algo
+
+    def prepare(self, batch: Batch, models: Models) -> Batch:
+        return batch
+
+    def count(self, batch: Batch) -> torch.Tensor:
+        return batch.completion_mask_BT.sum()
+
+    def loss(self, model, batch: Batch, normaliser: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        logprobs_BT = policy_logprobs(model, batch)
+        mask_BT = batch.completion_mask_BT
+        loss = sft_loss_sum(logprobs_BT, mask_BT) / normaliser
+        n = mask_BT.sum().clamp(min=1)
+        metrics = {"mean_token_logprob": (logprobs_BT.detach() * mask_BT).sum() / n}
+        return loss, metrics

@@ -1,0 +1,146 @@
+"""Save, resume and export, through the backend.
+
+    output_dir/checkpoints/step-N/   model + optimizer (engine format via Accelerate), trainer_state.json
+    output_dir/final/                a Hugging Face directory (safetensors, config, tokenizer, generation config)
+
+Every directory is written under a temporary name and renamed when complete, so a kill during a save never leaves
+a broken newest checkpoint; `resume_from_checkpoint: auto` only ever sees complete ones. The data position is the
+step number (see train/sources.py), so trainer_state.json + engine state is everything needed to continue exactly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+from typing import Any, Optional
+
+from posttrain.errors import UserError
+from posttrain.train.loop import TrainState
+
+STEP_DIR = re.compile(r"^step-(\d+)$")
+
+
+def list_checkpoints(output_dir: str | Path) -> list[Path]:
+    root = Path(output_dir) / "checkpoints"
+    if not root.is_dir():
+        return []
+    found = [p for p in root.iterdir() if p.is_dir() and STEP_DIR.match(p.name) and (p / "trainer_state.json").is_file()]
+    return sorted(found, key=lambda p: int(STEP_DIR.match(p.name).group(1)))
+
+
+def resolve_resume(output_dir: str, resume: Optional[str]) -> Optional[Path]:
+    """`auto` -> newest complete checkpoint (or None: a fresh start); a path must be a checkpoint directory."""
+    if resume is None:
+        return None
+    if resume == "auto":
+        found = list_checkpoints(output_dir)
+        return found[-1] if found else None
+    path = Path(resume)
+    if not (path / "trainer_state.json").is_file():
+        raise UserError(
+            f"train.resume_from_checkpoint={resume}: not a checkpoint directory (no trainer_state.json); "
+            f"use 'auto' or one of {[str(p) for p in list_checkpoints(output_dir)] or 'the checkpoints/step-N directories'}"
+        )
+    return path
+
+
+def read_trainer_state(path: Path) -> dict[str, Any]:
+    return json.loads((path / "trainer_state.json").read_text())
+
+
+class Checkpointer:
+    def __init__(self, backend, output_dir: str, save_total_limit: Optional[int], run_facts: dict[str, Any]):
+        self.backend = backend
+        self.root = Path(output_dir) / "checkpoints"
+        self.save_total_limit = save_total_limit
+        self.run_facts = run_facts  # world size, global batch, engine: checked on resume
+        self.last_saved_step = -1
+
+    def save(self, state: TrainState, model, optimizer, scheduler) -> Path:
+        if state.step == self.last_saved_step:
+            return self.root / f"step-{state.step}"
+        final = self.root / f"step-{state.step}"
+        tmp = self.root / f".tmp-step-{state.step}"
+        if self.backend.is_main:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+        self.backend.barrier()
+        self.backend.save_state(str(tmp))
+        if self.backend.is_main:
+            payload = {
+                "state": dataclasses.asdict(state),
+                "scheduler": {k: v for k, v in scheduler.state_dict().items() if k != "lr_lambdas"},
+                "run": self.run_facts,
+            }
+            (tmp / "trainer_state.json").write_text(json.dumps(payload, indent=2))
+            if final.exists():
+                shutil.rmtree(final)
+            os.replace(tmp, final)
+            self._rotate()
+        self.backend.barrier()
+        self.last_saved_step = state.step
+        return final
+
+    def _rotate(self) -> None:
+        if self.save_total_limit is None:
+            return
+        found = list_checkpoints(self.root.parent)
+        for old in found[: max(0, len(found) - self.save_total_limit)]:
+            shutil.rmtree(old, ignore_errors=True)
+
+    def load(self, path: Path, model, optimizer, scheduler) -> TrainState:
+        payload = read_trainer_state(path)
+        self.check_compatible(path, payload["run"])
+        self.backend.load_state(str(path))
+        scheduler.load_state_dict({**scheduler.state_dict(), **payload["scheduler"]})
+        for group, lr in zip(optimizer.param_groups, scheduler.get_last_lr()):
+            group["lr"] = lr
+        self.last_saved_step = payload["state"]["step"]
+        return TrainState(**payload["state"])
+
+    def check_compatible(self, path: Path, saved: dict[str, Any]) -> None:
+        """Resume continues exactly only with the same global batch; sharded engines also need the same world."""
+        now = self.run_facts
+        if saved.get("global_batch") != now["global_batch"]:
+            raise UserError(
+                f"{path} was written with a global batch of {saved.get('global_batch')} "
+                f"({saved.get('world_size')} processes x per-device {saved.get('per_device_train_batch_size')} x "
+                f"accumulation {saved.get('gradient_accumulation_steps')}); this run has {now['global_batch']}. "
+                "Change train.gradient_accumulation_steps (or the batch size) so the global batch matches, "
+                "or start a new output_dir"
+            )
+        sharded = saved.get("engine", "").startswith(("deepspeed", "fsdp")) or now["engine"].startswith(("deepspeed", "fsdp"))
+        if sharded and (saved.get("world_size") != now["world_size"] or saved.get("engine") != now["engine"]):
+            raise UserError(
+                f"{path} holds {saved.get('engine')} state sharded over {saved.get('world_size')} processes; this run is "
+                f"{now['engine']} on {now['world_size']}. Resume with the same launcher config and process count, "
+                "or export final/ and start a new run from it"
+            )
+
+
+def export_final(backend, model, tokenizer, output_dir: str, merge_lora: bool = True) -> Optional[Path]:
+    """Write output_dir/final as a Hugging Face directory that from_pretrained (and vLLM) can load."""
+    state_dict = backend.full_state_dict(model)
+    final = Path(output_dir) / "final"
+    tmp = Path(output_dir) / ".tmp-final"
+    if backend.is_main:
+        shutil.rmtree(tmp, ignore_errors=True)
+        unwrapped = backend.unwrap(model)
+        if merge_lora and hasattr(unwrapped, "merge_and_unload"):
+            from posttrain.models.load import merge_lora as merge
+
+            unwrapped = merge(unwrapped)
+            state_dict = unwrapped.state_dict()
+        unwrapped.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+        if getattr(unwrapped, "generation_config", None) is not None:
+            unwrapped.generation_config.save_pretrained(tmp)
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+    backend.barrier()
+    return final if backend.is_main else None

@@ -1,0 +1,88 @@
+"""argv -> recipe -> run.
+
+    posttrain sft  --config recipes/sft.yaml train.max_steps=20 model.name_or_path=tiny/
+    posttrain make-tiny-model --out tiny/
+    posttrain demo
+
+Exit codes: 0 done; 2 the input is wrong (the message says what, where and what to do); 1 anything else.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import traceback
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from posttrain.algorithms import ALGORITHMS
+
+    parser = argparse.ArgumentParser(prog="posttrain", description="Post-training for language models.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name in ALGORITHMS:
+        p = sub.add_parser(name, help=f"train with {name}")
+        p.add_argument("--config", "-c", help="recipe YAML (see recipes/)")
+        p.add_argument("overrides", nargs="*", help="key.sub=value overrides, e.g. train.max_steps=20")
+    tiny = sub.add_parser("make-tiny-model", help="write a small random model + locally trained tokenizer")
+    tiny.add_argument("--out", required=True, help="directory to write")
+    tiny.add_argument("--arch", default="llama", choices=["llama", "qwen2"])
+    tiny.add_argument("--seed", type=int, default=0)
+    demo = sub.add_parser("demo", help="tiny model, synthetic arithmetic task, SFT -> DPO -> GRPO on CPU")
+    demo.add_argument("--out", default="runs/demo", help="where the demo writes its runs")
+    demo.add_argument("--quick", action="store_true", help="a much shorter run (smoke test)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    from posttrain.errors import UserError
+
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "make-tiny-model":
+            from posttrain.models.tiny import make_tiny_model
+
+            path = make_tiny_model(args.out, arch=args.arch, seed=args.seed)
+            print(f"wrote {path}")
+            return 0
+        if args.command == "demo":
+            from posttrain.demo import run_demo
+
+            run_demo(args.out, quick=args.quick)
+            return 0
+        from posttrain.algorithms import ALGORITHMS
+        from posttrain.config.load import load_recipe
+        from posttrain.run import run
+
+        recipe = load_recipe(args.config, args.overrides, ALGORITHMS[args.command][0])
+        result = run(args.command, recipe)
+        if result.final_dir is not None:
+            print(f"final model: {result.final_dir}")
+        return 0
+    except UserError as e:
+        print(f"posttrain: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("posttrain: interrupted", file=sys.stderr)
+        return 1
+    except Exception:  # the user sees the real error (and which rank) instead of a hang
+        rank = os.environ.get("RANK")
+        where = f" on rank {rank}" if rank is not None else ""
+        print(f"posttrain: failed{where}:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
+        abort_process_group()
+        return 1
+
+
+def abort_process_group() -> None:
+    """Tear the process group down so peers blocked in a collective fail fast instead of waiting for the timeout."""
+    try:
+        from posttrain.distributed.backend import abort
+
+        abort()
+    except Exception:
+        pass
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

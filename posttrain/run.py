@@ -1,0 +1,221 @@
+"""The composition root: recipe -> checks -> backend, models, data source, algorithm -> the loop -> export.
+
+Order matters and is deliberate:
+  1. everything that can be wrong with the user's input is checked (data parsed and tokenised, model path, output
+     directory) before a model is loaded or anything is written;
+  2. the backend (process group, DeepSpeed plugin) exists before models are made, so ZeRO-3 can partition them
+     at construction;
+  3. rank 0 writes; every rank trains.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+from posttrain.checkpoint import Checkpointer, export_final, resolve_resume
+from posttrain.config.load import dump_yaml
+from posttrain.config.schema import Recipe, global_batch_size, total_steps
+from posttrain.errors import UserError
+
+RUN_ARTIFACTS = ("config.yaml", "metrics.jsonl", "tensorboard", "checkpoints", "final", "report.html", "curves.png",
+                 "samples.jsonl", "ref_logprobs.safetensors")
+
+
+@dataclass
+class RunResult:
+    output_dir: Path
+    final_dir: Optional[Path]
+    steps: int
+    metrics: list[dict[str, Any]]
+
+
+def check_output_dir(recipe: Recipe) -> Optional[Path]:
+    """Refuse to clobber a different run. Returns the checkpoint to resume from, if any."""
+    out = Path(recipe.output_dir)
+    t = recipe.train
+    if out.exists() and not out.is_dir():
+        raise UserError(f"output_dir {out} is a file; choose a directory")
+    resume = resolve_resume(str(out), t.resume_from_checkpoint)
+    if resume is not None or t.overwrite_output_dir:
+        return resume
+    if out.is_dir() and any(out.iterdir()):
+        has_run = (out / "config.yaml").exists()
+        what = "already holds a run (config.yaml)" if has_run else "is not empty"
+        raise UserError(
+            f"output_dir {out} {what}; pass train.resume_from_checkpoint=auto to continue it, "
+            "train.overwrite_output_dir=true to replace it, or choose another output_dir"
+        )
+    return None
+
+
+def clear_previous_run(out: Path) -> None:
+    """overwrite_output_dir: remove only what a posttrain run writes; the user's other files stay."""
+    for name in RUN_ARTIFACTS:
+        target = out / name
+        if target.is_dir():
+            shutil.rmtree(target)
+        elif target.exists():
+            target.unlink()
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    torch.manual_seed(seed)
+    try:
+        import numpy as np
+
+        np.random.seed(seed)
+    except ImportError:
+        pass
+
+
+def load_examples(recipe: Recipe, algorithm, tokenizer, which: str):
+    """Rows -> tokenised examples for the algorithm's data kind; raises UserError naming the file/row."""
+    from posttrain import data
+
+    source = recipe.data.train if which == "train" else recipe.data.eval
+    split = recipe.data.train_split if which == "train" else recipe.data.eval_split
+    rows = data.load_rows(source, split, f"data.{which}")
+    tokenize = {"sft": data.tokenize_sft, "preference": data.tokenize_preference, "prompt": data.tokenize_prompts}
+    return tokenize[algorithm.data_kind](rows, tokenizer, recipe.data, f"data.{which}")
+
+
+def make_collate(recipe: Recipe, algorithm, tokenizer):
+    from posttrain import data
+
+    pad_id = tokenizer.pad_token_id
+    if algorithm.data_kind == "preference":
+        return lambda examples: data.collate_preference(examples, pad_id)
+    if recipe.data.packing:
+        return data.collate_packed
+    return lambda examples: data.collate_padded(examples, pad_id)
+
+
+def load_policy(recipe: Recipe, algorithm):
+    from posttrain.models import load
+
+    if algorithm.model_kind == "seq_cls":
+        model = load.load_sequence_classifier(recipe.model, recipe.train.gradient_checkpointing)
+    else:
+        model = load.load_causal_lm(recipe.model, recipe.train.gradient_checkpointing)
+    if recipe.model.lora.enabled:
+        model = load.apply_lora(model, recipe.model.lora, task=algorithm.model_kind)
+    return model
+
+
+def run(command: str, recipe: Recipe) -> RunResult:
+    from posttrain.algorithms import ALGORITHMS
+    from posttrain.algorithms.base import Models
+    from posttrain.distributed.backend import Backend
+    from posttrain.logging import MetricsLogger, read_metrics, write_report
+    from posttrain.models.load import check_model_source, count_parameters, load_tokenizer
+    from posttrain.train.loop import LoopContext, evaluate, train
+    from posttrain.train.optim import make_optimizer, make_scheduler
+    from posttrain.train.sources import DatasetSource, eval_batches
+
+    started = time.time()
+    algorithm = ALGORITHMS[command][1](recipe)
+    t = recipe.train
+
+    # 1. the user's input, before anything heavy
+    check_model_source(recipe.model)
+    resume_from = check_output_dir(recipe)
+    tokenizer = load_tokenizer(recipe.model)
+    train_examples, train_stats = load_examples(recipe, algorithm, tokenizer, "train")
+    eval_examples, eval_stats = (None, None)
+    if recipe.data.eval:
+        eval_examples, eval_stats = load_examples(recipe, algorithm, tokenizer, "eval")
+
+    # 2. processes and engines; then models
+    backend = Backend(recipe)
+    out = Path(recipe.output_dir)
+    if backend.is_main:
+        out.mkdir(parents=True, exist_ok=True)
+        if t.overwrite_output_dir:
+            clear_previous_run(out)
+        (out / "config.yaml").write_text(dump_yaml(recipe))
+    backend.barrier()
+    seed_everything(recipe.seed)
+    model = load_policy(recipe, algorithm)
+    total_params, trainable_params = count_parameters(model)
+    optimizer = make_optimizer(model, t)
+    model, optimizer = backend.prepare(model, optimizer)
+    reference = None
+    if algorithm.needs_reference:
+        from posttrain.models.reference import make_reference
+
+        reference = backend.prepare_frozen(make_reference(recipe.model, algorithm.model_kind))
+    models = Models(policy=model, reference=reference, tokenizer=tokenizer)
+
+    # 3. data source, schedule, state
+    collate = make_collate(recipe, algorithm, tokenizer)
+    make_source = getattr(algorithm, "make_source", None)
+    if make_source is not None:
+        source = make_source(backend, models, train_examples)
+    else:
+        source = DatasetSource(train_examples, collate, t.per_device_train_batch_size, t.gradient_accumulation_steps,
+                               backend.world_size, backend.rank, t.dataloader_seed if t.dataloader_seed is not None else recipe.seed)
+    steps = total_steps(t, source.micro_batches_per_epoch())
+    scheduler = make_scheduler(optimizer, t, steps)
+    facts = {
+        "world_size": backend.world_size,
+        "engine": backend.describe()["engine"],
+        "global_batch": global_batch_size(t, backend.world_size),
+        "per_device_train_batch_size": t.per_device_train_batch_size,
+        "gradient_accumulation_steps": t.gradient_accumulation_steps,
+    }
+    checkpointer = Checkpointer(backend, str(out), t.save_total_limit, facts)
+    from posttrain.train.loop import TrainState
+
+    state = TrainState()
+    if resume_from is not None:
+        state = checkpointer.load(resume_from, model, optimizer, scheduler)
+    setup = getattr(algorithm, "setup", None)
+    if setup is not None:
+        setup(backend, models, train_examples, collate, out)
+
+    logger = MetricsLogger(str(out), steps, state.step, backend.is_main, tensorboard=t.tensorboard)
+    summary = dict(
+        command=command,
+        parameters=f"{total_params / 1e6:.2f}M ({trainable_params / 1e6:.2f}M trainable)",
+        rows=train_stats.get("rows"),
+        tokens=train_stats.get("tokens"),
+        truncated=train_stats.get("truncated", 0),
+        dropped={k: v for k, v in train_stats.items() if k.startswith("dropped") and v} or 0,
+        steps=steps,
+        per_device_batch=t.per_device_train_batch_size,
+        accumulation=t.gradient_accumulation_steps,
+        global_batch=facts["global_batch"],
+        **backend.describe(),
+        resumed_from=str(resume_from) if resume_from else None,
+    )
+    logger.info("posttrain " + " | ".join(f"{k}={v}" for k, v in summary.items() if v is not None))
+    eval_fn = None
+    if eval_examples is not None:
+        batches = eval_batches(eval_examples, collate, t.per_device_eval_batch_size, backend.world_size, backend.rank)
+        eval_fn = lambda: evaluate(backend, algorithm, models, batches)  # noqa: E731
+
+    # 4. train, export, report
+    ctx = LoopContext(backend=backend, algorithm=algorithm, models=models, optimizer=optimizer, scheduler=scheduler,
+                      source=source, total_steps=steps, logger=logger, checkpointer=checkpointer, state=state,
+                      evaluate=eval_fn)
+    state = train(ctx)
+    logger.close()
+    final_dir = None
+    if state.step >= steps and t.save_final_model:
+        final_dir = export_final(backend, model, tokenizer, str(out))
+    if backend.is_main and t.report:
+        report = write_report(out, f"posttrain {command}: {out.name}",
+                              {**summary, "minutes": f"{(time.time() - started) / 60:.1f}"})
+        logger.info(f"report: {report}")
+    metrics = read_metrics(out) if backend.is_main else []
+    backend.end()
+    return RunResult(output_dir=out, final_dir=final_dir, steps=state.step, metrics=metrics)

@@ -1,0 +1,177 @@
+"""THE training loop, shared by every algorithm. Read it top to bottom; each step is a few commented phases.
+
+    for step in range(start, total):
+        1. micro-batches of this rank for the step (offline data, or fresh rollouts)
+        2. algorithm.prepare: what needs no gradient (reference / old log-probs)
+        3. the global normaliser: loss units summed over micro-batches and ranks, once
+        4. forward + backward per micro-batch (gradient sync only on the last)
+        5. clip, optimiser step, LR schedule
+        6. metrics reduced across ranks once; rank 0 logs
+        7. eval and checkpoint when due
+
+Because every micro-batch's loss is divided by the same global count (phase 3), 1 process x 4 accumulation steps,
+2 processes x 2 and one micro-batch of 4 give the same update.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+import torch
+
+from posttrain.algorithms.base import Algorithm, Models
+from posttrain.train.batch import Batch
+
+
+@dataclass
+class TrainState:
+    """What a checkpoint must restore besides weights and optimiser: where the run is."""
+
+    step: int = 0
+    tokens_seen: int = 0
+    samples_seen: int = 0
+    elapsed_seconds: float = 0.0
+    best_eval_loss: Optional[float] = None
+
+
+@dataclass
+class LoopContext:
+    """Everything the loop uses, assembled once by run.py."""
+
+    backend: Any
+    algorithm: Algorithm
+    models: Models
+    optimizer: Any
+    scheduler: Any
+    source: Any
+    total_steps: int
+    logger: Any
+    checkpointer: Any
+    state: TrainState = field(default_factory=TrainState)
+    evaluate: Optional[Callable[[], dict[str, float]]] = None
+    on_log: Optional[Callable[[int, dict[str, float]], None]] = None
+
+
+def count_tokens(batch: Batch) -> int:
+    if batch.attention_mask_BT is not None:
+        return int(batch.attention_mask_BT.sum())
+    return int(batch.input_ids_BT.numel())
+
+
+def train(ctx: LoopContext) -> TrainState:
+    backend, algorithm, models, state = ctx.backend, ctx.algorithm, ctx.models, ctx.state
+    t = backend.recipe.train
+    model = models.policy
+    model.train()
+    window: dict[str, float] = {}
+    window_steps = 0
+    window_tokens = 0
+    window_start = time.perf_counter()
+    steps_this_run = 0
+
+    while state.step < ctx.total_steps:
+        step_start = time.perf_counter()
+
+        # 1. this rank's micro-batches for the step
+        micro_batches = [b.to(backend.device) for b in ctx.source.step_batches(state.step)]
+
+        # 2. what needs no gradient
+        with torch.no_grad():
+            micro_batches = [algorithm.prepare(b, models) for b in micro_batches]
+
+        # 3. one global normaliser for the whole step (tokens, sequences or pairs over micro-batches and ranks)
+        local_count = torch.stack([algorithm.count(b).float() for b in micro_batches]).sum()
+        normaliser = backend.all_reduce_sum(local_count.to(backend.device)).clamp(min=1.0)
+
+        # 4. forward + backward; gradients sync on the last micro-batch only
+        step_loss = torch.zeros((), device=backend.device)
+        metric_sums: dict[str, torch.Tensor] = {}
+        for batch in micro_batches:
+            with backend.accumulate(model):
+                with backend.autocast():
+                    loss, metrics = algorithm.loss(model, batch, normaliser)
+                backend.backward(loss)
+            step_loss += loss.detach().float()
+            for key, value in metrics.items():
+                metric_sums[key] = metric_sums.get(key, 0.0) + value.detach().float()
+
+        # 5. clip + optimiser + schedule
+        grad_norm = backend.step(model, ctx.optimizer)
+        ctx.scheduler.step()
+        state.step += 1
+        steps_this_run += 1
+
+        # 6. reduce once across ranks: [loss, tokens, *metrics means]
+        tokens = sum(count_tokens(b) for b in micro_batches)
+        keys = sorted(metric_sums)
+        local = torch.stack(
+            [step_loss, torch.tensor(float(tokens), device=backend.device)]
+            + [metric_sums[k].to(backend.device) / len(micro_batches) for k in keys]
+        )
+        reduced = backend.all_reduce_sum(local)
+        global_tokens = int(reduced[1])
+        state.tokens_seen += global_tokens
+        state.samples_seen += sum(b.num_pairs or b.num_sequences for b in micro_batches) * backend.world_size
+        step_metrics = {"loss": float(reduced[0]), "grad_norm": float(grad_norm)}
+        step_metrics.update({k: float(v) / backend.world_size for k, v in zip(keys, reduced[2:])})
+        step_metrics.update(getattr(ctx.source, "last_metrics", {}))
+        for key, value in step_metrics.items():
+            window[key] = window.get(key, 0.0) + value
+        window_steps += 1
+        window_tokens += global_tokens
+        state.elapsed_seconds += time.perf_counter() - step_start
+
+        if state.step % t.logging_steps == 0 or state.step == ctx.total_steps:
+            elapsed = time.perf_counter() - window_start
+            record = {k: v / window_steps for k, v in window.items()}
+            record.update(
+                step=state.step,
+                learning_rate=ctx.scheduler.get_last_lr()[0],
+                tokens_per_second=window_tokens / max(elapsed, 1e-9),
+                num_tokens=state.tokens_seen,
+                peak_memory_mb=max(backend.all_gather_object(backend.peak_memory_bytes())) / 2**20,
+            )
+            ctx.logger.log(state.step, record)
+            if ctx.on_log is not None:
+                ctx.on_log(state.step, record)
+            window, window_steps, window_tokens, window_start = {}, 0, 0, time.perf_counter()
+        else:
+            ctx.logger.progress(state.step, step_metrics["loss"])
+
+        # 7. eval and checkpoint when due
+        last = state.step == ctx.total_steps
+        if ctx.evaluate is not None and ((t.eval_steps and state.step % t.eval_steps == 0) or last):
+            ctx.logger.log(state.step, ctx.evaluate())
+            model.train()
+        stop_early = t.max_steps_per_run is not None and steps_this_run >= t.max_steps_per_run and not last
+        if (t.save_steps and state.step % t.save_steps == 0) or last or stop_early:
+            ctx.checkpointer.save(state, model, ctx.optimizer, ctx.scheduler)
+        if stop_early:
+            break
+    return state
+
+
+def evaluate(backend, algorithm: Algorithm, models: Models, batches: list[tuple[Batch, float]]) -> dict[str, float]:
+    """Mean loss per unit over the whole eval set (all ranks) and the algorithm's metrics averaged over batches."""
+    model = models.policy
+    model.eval()
+    total = torch.zeros(2, device=backend.device)
+    metric_sums: dict[str, torch.Tensor] = {}
+    with torch.no_grad():
+        for batch, weight in batches:
+            batch = algorithm.prepare(batch.to(backend.device), models)
+            with backend.autocast():
+                loss_sum, metrics = algorithm.loss(model, batch, torch.ones((), device=backend.device))
+            count = algorithm.count(batch).float()
+            total += torch.stack([loss_sum.detach().float() * weight, count.to(backend.device) * weight])
+            for key, value in metrics.items():
+                metric_sums[key] = metric_sums.get(key, 0.0) + value.detach().float() * weight
+    keys = sorted(metric_sums)
+    local = torch.cat([total, torch.stack([metric_sums[k] for k in keys]) if keys else torch.zeros(0, device=backend.device)])
+    local = torch.cat([local, torch.tensor([float(sum(w for _, w in batches))], device=backend.device)])
+    reduced = backend.all_reduce_sum(local)
+    out = {"eval/loss": float(reduced[0] / reduced[1].clamp(min=1))}
+    out.update({f"eval/{k}": float(v / reduced[-1].clamp(min=1)) for k, v in zip(keys, reduced[2:-1])})
+    return out

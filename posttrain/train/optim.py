@@ -1,0 +1,35 @@
+"""AdamW with decoupled weight decay (not on biases or norms) and the LR schedules, from torch / transformers."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from transformers import get_scheduler
+
+from posttrain.config.schema import TrainConfig
+
+SCHEDULES = {"constant": "constant_with_warmup", "linear": "linear", "cosine": "cosine"}
+
+
+def make_optimizer(model: torch.nn.Module, t: TrainConfig) -> torch.optim.Optimizer:
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            (no_decay if p.ndim < 2 or "norm" in name.lower() else decay).append(p)
+    groups = [{"params": decay, "weight_decay": t.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    groups = [g for g in groups if g["params"]]
+    return torch.optim.AdamW(groups, lr=t.learning_rate, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_epsilon)
+
+
+def warmup_steps(t: TrainConfig, total_steps: int) -> int:
+    return t.warmup_steps if t.warmup_steps > 0 else math.ceil(t.warmup_ratio * total_steps)
+
+
+def make_scheduler(optimizer: torch.optim.Optimizer, t: TrainConfig, total_steps: int):
+    return get_scheduler(
+        SCHEDULES[t.lr_scheduler_type],
+        optimizer=optimizer,
+        num_warmup_steps=warmup_steps(t, total_steps),
+        num_training_steps=total_steps,
+    )

@@ -1,0 +1,100 @@
+"""Where a step's micro-batches come from.
+
+`DatasetSource` serves offline data (SFT, RM, DPO). The global sample order is one infinite stream: epoch e is a
+permutation of the dataset seeded by (seed, e), epochs concatenated. Step s takes the next `global_batch` samples of
+that stream and splits them over ranks and micro-batches. So the order depends on the seed and the global batch
+size only — not on how the global batch is split — which is what makes 1x4, 2x2 and 4x1 runs identical and makes
+resume exact: the data position is just the step number.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Protocol, Sequence
+
+import torch
+
+from posttrain.train.batch import Batch
+
+
+class Source(Protocol):
+    def step_batches(self, step: int) -> list[Batch]:
+        """This rank's `gradient_accumulation_steps` micro-batches for optimiser step `step`."""
+        ...
+
+
+class SampleOrder:
+    """The seeded global stream of dataset indices."""
+
+    def __init__(self, num_examples: int, seed: int):
+        self.num_examples = num_examples
+        self.seed = seed
+        self._perms: dict[int, list[int]] = {}
+
+    def index(self, position: int) -> int:
+        epoch, offset = divmod(position, self.num_examples)
+        if epoch not in self._perms:
+            g = torch.Generator().manual_seed(self.seed * 100_003 + epoch)
+            self._perms = {epoch: torch.randperm(self.num_examples, generator=g).tolist()}
+        return self._perms[epoch][offset]
+
+
+class DatasetSource:
+    def __init__(
+        self,
+        examples: Sequence[dict],
+        collate: Callable[[list[dict]], Batch],
+        per_device_batch_size: int,
+        gradient_accumulation_steps: int,
+        world_size: int,
+        rank: int,
+        seed: int,
+    ):
+        self.examples = examples
+        self.collate = collate
+        self.micro = per_device_batch_size
+        self.accumulation = gradient_accumulation_steps
+        self.world_size = world_size
+        self.rank = rank
+        self.order = SampleOrder(len(examples), seed)
+
+    @property
+    def global_batch(self) -> int:
+        return self.micro * self.accumulation * self.world_size
+
+    def micro_batches_per_epoch(self) -> int:
+        """Per-rank micro-batches in one pass over the data (for epoch-based schedules)."""
+        return -(-len(self.examples) // (self.micro * self.world_size))
+
+    def step_indices(self, step: int) -> list[list[int]]:
+        """Dataset indices of this rank's micro-batches: micro-batch k of rank r is slot k * world + r."""
+        start = step * self.global_batch
+        out = []
+        for k in range(self.accumulation):
+            slot = k * self.world_size + self.rank
+            positions = range(start + slot * self.micro, start + (slot + 1) * self.micro)
+            out.append([self.order.index(p) for p in positions])
+        return out
+
+    def step_batches(self, step: int) -> list[Batch]:
+        batches = []
+        for indices in self.step_indices(step):
+            batch = self.collate([self.examples[i] for i in indices])
+            batches.append(dataclasses.replace(batch, example_index_B=torch.tensor(indices)))
+        return batches
+
+
+def eval_batches(
+    examples: Sequence[dict], collate: Callable[[list[dict]], Batch], batch_size: int, world_size: int, rank: int
+) -> list[tuple[Batch, float]]:
+    """This rank's eval micro-batches with a weight (0 for a filler batch), the same COUNT on every rank so that
+    collective forwards (ZeRO-3) stay in step."""
+    out = []
+    chunk = batch_size * world_size
+    for start in range(0, len(examples), chunk):
+        mine = list(range(start + rank * batch_size, min(start + (rank + 1) * batch_size, len(examples))))
+        weight = 1.0 if mine else 0.0
+        mine = mine or [start]
+        batch = collate([examples[i] for i in mine])
+        out.append((dataclasses.replace(batch, example_index_B=torch.tensor(mine)), weight))
+    return out
