@@ -1,0 +1,246 @@
+"""Models and tokenizers from a hub id or a local directory, LoRA adapters, parameter counts.
+
+    check_model_source(recipe.model)                       # UserError before anything heavy loads
+    tokenizer = load_tokenizer(recipe.model)               # pad token guaranteed, right padding
+    model = load_causal_lm(recipe.model, gradient_checkpointing=True)
+    model = apply_lora(model, recipe.model.lora)           # only with model.lora.enabled
+    with disable_adapter(model):                           # the frozen base: reference log-probs for free
+        ...
+    plain = merge_lora(model)                              # for export
+
+Loading only calls `from_pretrained`: under Accelerate + DeepSpeed ZeRO-3, transformers itself partitions the
+weights while loading (zero.Init), so nothing here moves devices or knows about the launcher.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+from pathlib import Path
+from typing import Iterator
+
+from posttrain.config.schema import LoraConfig, ModelConfig
+from posttrain.errors import UserError
+
+DTYPES = ("float32", "bfloat16", "float16", "auto")
+TASKS = ("causal_lm", "seq_cls")
+_HUB_ID = re.compile(r"^[\w.-]+(/[\w.-]+)?$")
+_MAKE_TINY = "make a local one with `posttrain make-tiny-model --out tiny/`"
+
+
+def check_model_source(model_cfg: ModelConfig, what: str = "model.name_or_path") -> None:
+    """Fail early when a local model (or tokenizer) path is missing or not a Hugging Face directory.
+
+    Anything that looks like a path (exists, starts with ./ ../ / ~, ends with /, or has more than one /) must be a
+    directory holding config.json; a hub id (`name` or `org/name`) passes through to from_pretrained.
+    """
+    _check_source(model_cfg.name_or_path, what, ("config.json",))
+    if model_cfg.tokenizer_name_or_path:
+        key = what.rsplit(".", 1)[0] + ".tokenizer_name_or_path" if "." in what else "tokenizer_name_or_path"
+        _check_source(model_cfg.tokenizer_name_or_path, key, ("tokenizer_config.json", "tokenizer.json"))
+
+
+def _looks_local(source: str) -> bool:
+    return Path(source).expanduser().exists() or source.startswith(("./", "../", "/", "~")) or source.endswith("/") or (
+        _HUB_ID.match(source) is None
+    )
+
+
+def _check_source(source: str, what: str, marker_files: tuple[str, ...]) -> None:
+    if not source:
+        raise UserError(f"{what} is empty: give a hub id (org/name) or a local model directory; {_MAKE_TINY}")
+    if not _looks_local(source):
+        return
+    path = Path(source).expanduser()
+    if not path.exists():
+        raise UserError(
+            f"{what}: local path '{source}' does not exist. Give a hub id (org/name) or a model directory; {_MAKE_TINY}"
+        )
+    if not path.is_dir() or not any((path / name).is_file() for name in marker_files):
+        raise UserError(
+            f"{what}: '{source}' is not a Hugging Face model directory (it has no {' or '.join(marker_files)}). "
+            "Point it at the directory written by save_pretrained (for a finished run: <output_dir>/final)"
+        )
+
+
+def _source(model_cfg: ModelConfig) -> str:
+    src = model_cfg.name_or_path
+    return str(Path(src).expanduser()) if _looks_local(src) else src
+
+
+def load_tokenizer(model_cfg: ModelConfig):
+    """AutoTokenizer with the recipe's chat template override, a pad token (eos when it has none), right padding."""
+    from transformers import AutoTokenizer
+
+    check_model_source(model_cfg)
+    if model_cfg.tokenizer_name_or_path:
+        src = model_cfg.tokenizer_name_or_path
+        src, revision = (str(Path(src).expanduser()) if _looks_local(src) else src), None
+    else:
+        src, revision = _source(model_cfg), model_cfg.revision
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(
+            src, revision=revision, trust_remote_code=model_cfg.trust_remote_code
+        )
+    except (OSError, ValueError) as e:
+        raise UserError(f"could not load the tokenizer from '{src}': {e}") from e
+    if model_cfg.chat_template:
+        tokenizer.chat_template = _read_chat_template(model_cfg.chat_template)
+        try:
+            tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False)
+        except Exception as e:  # jinja raises several types; all mean the template is broken
+            raise UserError(f"model.chat_template does not render: {type(e).__name__}: {e}") from e
+    if tokenizer.pad_token is None:
+        if tokenizer.eos_token is None:
+            raise UserError(f"the tokenizer of '{src}' has neither a pad nor an eos token; set one in its tokenizer_config.json")
+        tokenizer.pad_token = tokenizer.eos_token
+    tokenizer.padding_side = "right"
+    return tokenizer
+
+
+def _read_chat_template(value: str) -> str:
+    """model.chat_template is inline Jinja, or a path to a .jinja file."""
+    if "{" in value:
+        return value
+    path = Path(value).expanduser()
+    if not path.is_file():
+        raise UserError(
+            f"model.chat_template: '{value}' is neither a Jinja template (no {{% or {{{{ in it) nor an existing file"
+        )
+    return path.read_text()
+
+
+def _dtype(name: str):
+    import torch
+
+    table = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "auto": "auto"}
+    if name not in table:
+        raise UserError(f"model.dtype must be one of {', '.join(DTYPES)}, got '{name}'")
+    return table[name]
+
+
+def _from_pretrained(auto_cls, model_cfg: ModelConfig, gradient_checkpointing: bool, **extra):
+    check_model_source(model_cfg)
+    src = _source(model_cfg)
+    try:
+        model = auto_cls.from_pretrained(
+            src,
+            dtype=_dtype(model_cfg.dtype),
+            attn_implementation=model_cfg.attn_implementation,
+            revision=model_cfg.revision,
+            trust_remote_code=model_cfg.trust_remote_code,
+            **extra,
+        )
+    except (OSError, ValueError, ImportError) as e:
+        raise UserError(f"could not load model.name_or_path '{src}': {type(e).__name__}: {e}") from e
+    if gradient_checkpointing:
+        # activation_checkpointing_enable is the name from transformers 5.x on; the old one warns there.
+        enable = getattr(model, "activation_checkpointing_enable", None)
+        if enable is not None:
+            enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.config.use_cache = False
+    return model
+
+
+def load_causal_lm(model_cfg: ModelConfig, gradient_checkpointing: bool = False):
+    """AutoModelForCausalLM from the recipe's source, dtype, attention kernel, revision; optional checkpointing."""
+    from transformers import AutoModelForCausalLM
+
+    return _from_pretrained(AutoModelForCausalLM, model_cfg, gradient_checkpointing)
+
+
+def load_sequence_classifier(model_cfg: ModelConfig, gradient_checkpointing: bool = False, pad_token_id=None):
+    """A one-score head (num_labels=1) on the model; from a causal-LM checkpoint the head starts freshly initialised.
+
+    The model scores each sequence at its last non-pad token, so config.pad_token_id must be the tokenizer's
+    (taken from `load_tokenizer(model_cfg)` when not given).
+    """
+    from transformers import AutoModelForSequenceClassification
+
+    if pad_token_id is None:
+        pad_token_id = load_tokenizer(model_cfg).pad_token_id
+    model = _from_pretrained(
+        AutoModelForSequenceClassification, model_cfg, gradient_checkpointing, num_labels=1, pad_token_id=pad_token_id
+    )
+    model.config.pad_token_id = pad_token_id
+    return model
+
+
+def apply_lora(model, lora_cfg: LoraConfig, task: str = "causal_lm"):
+    """Wrap the model in peft LoRA adapters; only adapters (and, for seq_cls, the score head) stay trainable."""
+    try:
+        import peft
+    except ImportError:
+        raise UserError("model.lora.enabled needs peft: pip install posttrain[peft]") from None
+    if task not in TASKS:
+        raise ValueError(f"task must be one of {TASKS}, got {task!r}")
+    linear_names = sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules() if _is_linear(m)})
+    if not set(lora_cfg.target_modules) & set(linear_names):
+        raise UserError(
+            f"model.lora.target_modules {list(lora_cfg.target_modules)} match no layer of this model; "
+            f"its linear layers are named: {', '.join(linear_names)}"
+        )
+    config = peft.LoraConfig(
+        r=lora_cfg.r,
+        lora_alpha=lora_cfg.alpha,
+        lora_dropout=lora_cfg.dropout,
+        target_modules=list(lora_cfg.target_modules),
+        bias="none",
+        task_type=peft.TaskType.CAUSAL_LM if task == "causal_lm" else peft.TaskType.SEQ_CLS,
+    )
+    return peft.get_peft_model(model, config)
+
+
+def _is_linear(module) -> bool:
+    import torch
+
+    return isinstance(module, torch.nn.Linear) or type(module).__name__ == "Conv1D"
+
+
+def _unwrap(model):
+    """Through DDP / DeepSpeed (.module) and torch.compile (._orig_mod) wrappers."""
+    while True:
+        inner = getattr(model, "module", None)
+        if inner is None:
+            inner = getattr(model, "_orig_mod", None)
+        if inner is None:
+            return model
+        model = inner
+
+
+def is_peft_model(model) -> bool:
+    return hasattr(_unwrap(model), "disable_adapter")
+
+
+@contextlib.contextmanager
+def disable_adapter(model) -> Iterator[None]:
+    """Inside the block the LoRA model computes exactly as its frozen base (reference log-probs without a copy)."""
+    inner = _unwrap(model)
+    if not hasattr(inner, "disable_adapter"):
+        raise TypeError(f"disable_adapter needs a peft (LoRA) model, got {type(inner).__name__}")
+    with inner.disable_adapter():
+        yield
+
+
+def merge_lora(model):
+    """Fold the adapters into the weights and return the plain transformers model (a non-LoRA model as is).
+
+    The adapters are merged in place: the LoRA model must not be trained further afterwards.
+    """
+    inner = _unwrap(model)
+    if not hasattr(inner, "merge_and_unload"):
+        return inner
+    return inner.merge_and_unload(safe_merge=True)
+
+
+def count_parameters(model) -> tuple[int, int]:
+    """(total, trainable) parameter counts; shared (tied) weights once; full sizes under ZeRO-3 partitioning."""
+    total = trainable = 0
+    for p in model.parameters():
+        n = getattr(p, "ds_numel", None) or p.numel()
+        total += n
+        if p.requires_grad:
+            trainable += n
+    return total, trainable
