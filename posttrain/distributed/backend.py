@@ -46,7 +46,7 @@ class Backend:
             cpu=use_cpu,
             mixed_precision=t.mixed_precision,
             gradient_accumulation_steps=t.gradient_accumulation_steps,
-            kwargs_handlers=[pg],
+            kwargs_handlers=[pg] if int(os.environ.get("WORLD_SIZE", "1")) > 1 else [],
             step_scheduler_with_optimizer=False,
         )
         self.world_size = self.accelerator.num_processes

@@ -70,6 +70,9 @@ def train(ctx: LoopContext) -> TrainState:
     window_tokens = 0
     window_start = time.perf_counter()
     steps_this_run = 0
+    if ctx.evaluate is not None and state.step == 0:
+        ctx.logger.log(0, ctx.evaluate())  # the starting point, so the report shows how far eval moved
+        model.train()
 
     while state.step < ctx.total_steps:
         step_start = time.perf_counter()

@@ -1,0 +1,95 @@
+"""Recipes: YAML + overrides -> frozen dataclasses, strict validation, every shipped recipe loads."""
+
+from pathlib import Path
+
+import pytest
+
+from posttrain.algorithms import ALGORITHMS
+from posttrain.config import SFTAlgoConfig, dump_yaml, load_recipe
+from posttrain.config.load import apply_override
+from posttrain.errors import UserError
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def write(tmp_path, text):
+    p = tmp_path / "r.yaml"
+    p.write_text(text)
+    return str(p)
+
+
+def test_overrides_parse_values_and_nested_keys(tmp_path):
+    path = write(tmp_path, "data:\n  train: a.jsonl\ntrain:\n  max_steps: 5\n")
+    r = load_recipe(path, ["train.max_steps=20", "train.learning_rate=3e-4", "model.lora.enabled=true",
+                           "model.lora.target_modules=[q_proj,v_proj]"], SFTAlgoConfig)
+    assert r.train.max_steps == 20
+    assert r.train.learning_rate == pytest.approx(3e-4)
+    assert r.model.lora.enabled is True
+    assert r.model.lora.target_modules == ("q_proj", "v_proj")
+    assert r.data.train == "a.jsonl"
+
+
+def test_unknown_key_suggests_closest(tmp_path):
+    path = write(tmp_path, "data:\n  train: a.jsonl\ntrain:\n  learning_rte: 0.1\n")
+    with pytest.raises(UserError, match=r"unknown key 'train.learning_rte'.*did you mean 'train.learning_rate'"):
+        load_recipe(path, [], SFTAlgoConfig)
+
+
+def test_unknown_override_section(tmp_path):
+    with pytest.raises(UserError, match="unknown key 'trian'.*did you mean 'train'"):
+        load_recipe(None, ["data.train=a.jsonl", "trian.max_steps=3"], SFTAlgoConfig)
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("train.learning_rate=0", "train.learning_rate must be > 0"),
+        ("train.learning_rate=-1e-4", "train.learning_rate must be > 0"),
+        ("train.per_device_train_batch_size=0", "per_device_train_batch_size must be > 0"),
+        ("train.per_device_train_batch_size=two", "must be an integer"),
+        ("train.max_steps=0", "train.max_steps must be"),
+        ("train.lr_scheduler_type=wavy", "choose one of constant, linear, cosine"),
+        ("train.mixed_precision=no", "quote it in YAML"),
+        ("train.warmup_ratio=1.5", "warmup_ratio"),
+        ("model.lora.enabled=maybe", "must be true or false"),
+    ],
+)
+def test_invalid_values(override, message):
+    with pytest.raises(UserError, match=message):
+        load_recipe(None, ["data.train=a.jsonl", override], SFTAlgoConfig)
+
+
+def test_conflicting_options():
+    with pytest.raises(UserError, match="conflict"):
+        load_recipe(None, ["data.train=a.jsonl", "train.resume_from_checkpoint=auto", "train.overwrite_output_dir=true"],
+                    SFTAlgoConfig)
+
+
+def test_missing_recipe_file_and_bad_override():
+    with pytest.raises(UserError, match="does not exist"):
+        load_recipe("nope.yaml", [], SFTAlgoConfig)
+    with pytest.raises(UserError, match="key.sub=value"):
+        apply_override({}, "train.max_steps")
+
+
+def test_recipe_is_frozen_and_round_trips(tmp_path):
+    r = load_recipe(None, ["data.train=a.jsonl", "train.max_steps=7"], SFTAlgoConfig)
+    with pytest.raises(Exception):
+        r.train.max_steps = 3  # frozen
+    again = load_recipe(write(tmp_path, dump_yaml(r)), [], SFTAlgoConfig)
+    assert again == r
+
+
+def shipped_recipes():
+    return sorted(p for p in (ROOT / "recipes").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("path", shipped_recipes(), ids=lambda p: p.name)
+def test_every_shipped_recipe_loads(path):
+    command = path.stem.split("_")[0]
+    assert command in ALGORITHMS, f"{path.name}: recipe names start with the command ({', '.join(ALGORITHMS)})"
+    recipe = load_recipe(str(path), [], ALGORITHMS[command][0])
+    assert recipe.output_dir
+    for source in (recipe.data.train, recipe.data.eval):
+        if source and source.startswith("examples/"):
+            assert (ROOT / source).exists(), f"{path.name} names {source}, which is not shipped"
