@@ -1,0 +1,1 @@
+"""Pure objectives: sft, preference (DPO family, Bradley-Terry), policy (clipped surrogate, KL, aggregation)."""
