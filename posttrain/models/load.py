@@ -63,9 +63,9 @@ def _check_source(source: str, what: str, marker_files: tuple[str, ...]) -> None
         )
 
 
-def _source(model_cfg: ModelConfig) -> str:
-    src = model_cfg.name_or_path
-    return str(Path(src).expanduser()) if _looks_local(src) else src
+def _resolve(source: str) -> str:
+    """What from_pretrained gets: a hub id as is, a local path with ~ expanded."""
+    return str(Path(source).expanduser()) if _looks_local(source) else source
 
 
 def load_tokenizer(model_cfg: ModelConfig):
@@ -73,11 +73,10 @@ def load_tokenizer(model_cfg: ModelConfig):
     from transformers import AutoTokenizer
 
     check_model_source(model_cfg)
-    if model_cfg.tokenizer_name_or_path:
-        src = model_cfg.tokenizer_name_or_path
-        src, revision = (str(Path(src).expanduser()) if _looks_local(src) else src), None
+    if model_cfg.tokenizer_name_or_path:  # model.revision names a commit of the model's repository, not this one
+        src, revision = _resolve(model_cfg.tokenizer_name_or_path), None
     else:
-        src, revision = _source(model_cfg), model_cfg.revision
+        src, revision = _resolve(model_cfg.name_or_path), model_cfg.revision
     try:
         tokenizer = AutoTokenizer.from_pretrained(
             src, revision=revision, trust_remote_code=model_cfg.trust_remote_code
@@ -92,7 +91,9 @@ def load_tokenizer(model_cfg: ModelConfig):
             raise UserError(f"model.chat_template does not render: {type(e).__name__}: {e}") from e
     if tokenizer.pad_token is None:
         if tokenizer.eos_token is None:
-            raise UserError(f"the tokenizer of '{src}' has neither a pad nor an eos token; set one in its tokenizer_config.json")
+            raise UserError(
+                f"the tokenizer of '{src}' has neither a pad nor an eos token; set pad_token in tokenizer_config.json"
+            )
         tokenizer.pad_token = tokenizer.eos_token
     tokenizer.padding_side = "right"
     return tokenizer
@@ -121,7 +122,7 @@ def _dtype(name: str):
 
 def _from_pretrained(auto_cls, model_cfg: ModelConfig, gradient_checkpointing: bool, **extra):
     check_model_source(model_cfg)
-    src = _source(model_cfg)
+    src = _resolve(model_cfg.name_or_path)
     try:
         model = auto_cls.from_pretrained(
             src,

@@ -12,7 +12,11 @@ from posttrain.models.load import TASKS, load_causal_lm, load_sequence_classifie
 
 
 def make_reference(model_cfg: ModelConfig, task: str = "causal_lm"):
-    """A second, frozen copy of the model at `model_cfg` (causal_lm or seq_cls), in eval mode with requires_grad off."""
+    """A second, frozen copy of the model at `model_cfg` (causal_lm or seq_cls), in eval mode with requires_grad off.
+
+    For seq_cls from a causal-LM checkpoint the score head is freshly initialised, so it matches the policy's only
+    when both are loaded after the same seeding.
+    """
     if task not in TASKS:
         raise ValueError(f"task must be one of {TASKS}, got {task!r}")
     load = load_causal_lm if task == "causal_lm" else load_sequence_classifier

@@ -1,12 +1,12 @@
 """A tiny random causal LM with a locally trained tokenizer: for tests, the demo and benchmarks (no downloads).
 
     from posttrain.models.tiny import make_tiny_model
-    make_tiny_model("tiny/", arch="llama", seed=0)        # ~0.2M parameters, a second or two on a CPU
-    make_tiny_model("bench-model/", hidden_size=512, num_layers=8, num_heads=8, num_kv_heads=4, intermediate_size=1408)
+    make_tiny_model("tiny/", arch="llama", seed=0)        # ~0.1M parameters, about a second on a CPU
+    make_tiny_model("bench/", hidden_size=512, num_layers=8, num_heads=8, num_kv_heads=4, intermediate_size=1408)  # 24M
 
-The tokenizer is byte-level BPE (any NFC-normalised text round-trips through encode/decode), splits every digit into
-its own token (so arithmetic tasks are learnable by a small model), and carries a ChatML chat template. The directory loads with
-`AutoTokenizer.from_pretrained` / `AutoModelForCausalLM.from_pretrained` like any hub model.
+The tokenizer is byte-level BPE (~630 tokens; any NFC-normalised text round-trips through encode/decode), puts every
+digit in its own token (so arithmetic tasks are learnable by a small model), and carries a ChatML chat template.
+The directory loads with `AutoTokenizer.from_pretrained` / `AutoModelForCausalLM.from_pretrained` like any hub model.
 """
 
 from __future__ import annotations
@@ -40,7 +40,8 @@ ARCHS = ("llama", "qwen2")
 # split, byte-level) is Qwen2Tokenizer's own, because transformers 5 loads any qwen2 directory with Qwen2Tokenizer,
 # which rebuilds the pipeline from its defaults; matching it makes both archs tokenize identically.
 PRETOKENIZE_REGEX = (
-    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|"""
+    r"""\s+(?!\S)|\s+"""
 )
 
 _SENTENCES = (
@@ -83,7 +84,7 @@ def _corpus(seed: int = 1234) -> list[str]:
 
 
 def train_tokenizer(vocab_size: int = 768):
-    """Byte-level BPE with individual digits and the ChatML special tokens, as a transformers PreTrainedTokenizerFast."""
+    """Byte-level BPE, one token per digit, ChatML special tokens; as a transformers PreTrainedTokenizerFast."""
     from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -127,7 +128,7 @@ def make_tiny_model(
     intermediate_size: int = 128,
     max_position_embeddings: int = 1024,
 ) -> Path:
-    """Write a random-init `arch` (llama or qwen2) causal LM, float32, tied embeddings, plus its tokenizer, to out_dir."""
+    """Write a random-init `arch` (llama or qwen2) causal LM (float32, tied embeddings) and its tokenizer to out_dir."""
     import torch
     from transformers import AutoModelForCausalLM, GenerationConfig, LlamaConfig, Qwen2Config
 
