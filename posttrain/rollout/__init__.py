@@ -1,0 +1,6 @@
+"""Generation engines behind one interface (see `posttrain.rollout.base`): HF generate now; vLLM and a server later."""
+
+from posttrain.rollout.base import Completions, GenerationEngine, SamplingParams
+from posttrain.rollout.hf import HFEngine, make_engine
+
+__all__ = ["Completions", "GenerationEngine", "HFEngine", "SamplingParams", "make_engine"]

@@ -1,0 +1,127 @@
+"""A trained reward model as a reward function: one scalar per prompt + completion.
+
+    scorer = RewardModelScorer("runs/rm/final", device="cuda", batch_size=16)
+    scorer(["What is 2 + 3?"], [" 5"])                                  # plain prompts: prompt + completion text
+    scorer([[{"role": "user", "content": "Hi"}]], ["Hello!"])           # messages: the chat template, completion as
+                                                                         # the assistant turn
+In a recipe: `{name: reward_model, kwargs: {path: runs/rm/final}}`; the model loads once per process, at start-up.
+"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from typing import Optional
+
+from posttrain.errors import UserError
+
+
+class RewardModelScorer:
+    """Scores text with an AutoModelForSequenceClassification (num_labels 1) saved as a Hugging Face directory.
+
+    model_dir: a directory written by `posttrain rm` (its final/). device: cuda when available, else cpu.
+    max_length: keep the last this many tokens of each text (the score reads the end), None: no truncation.
+    dtype: weights dtype (auto: as saved).
+    """
+
+    def __init__(
+        self,
+        model_dir: str,
+        device: Optional[str] = None,
+        batch_size: int = 8,
+        max_length: Optional[int] = None,
+        dtype: str = "auto",
+    ):
+        import torch
+        from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
+
+        path = Path(model_dir).expanduser()
+        if not (path / "config.json").is_file():
+            raise UserError(
+                f"reward model directory {model_dir} has no config.json; give a directory written by `posttrain rm` "
+                "(its final/) or any Hugging Face sequence-classification model directory"
+            )
+        if batch_size < 1:
+            raise UserError(f"reward_model: batch_size must be >= 1, got {batch_size}")
+        config = AutoConfig.from_pretrained(path)
+        architectures = getattr(config, "architectures", None) or []
+        if architectures and not any(a.endswith("ForSequenceClassification") for a in architectures):
+            raise UserError(
+                f"{model_dir} holds a {architectures[0]}, not a reward model (a *ForSequenceClassification with one "
+                "label, as `posttrain rm` writes); its score head would be random"
+            )
+        if config.num_labels != 1:
+            raise UserError(
+                f"{model_dir} has {config.num_labels} labels; a reward model has exactly one (num_labels 1)"
+            )
+        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.batch_size = batch_size
+        self.max_length = max_length
+        self.tokenizer = AutoTokenizer.from_pretrained(path)
+        torch_dtype = dtype if dtype == "auto" else getattr(torch, dtype)
+        self.model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=1, dtype=torch_dtype)
+        self.model.to(self.device).eval()
+        self.pad_id = self.tokenizer.pad_token_id
+        if self.pad_id is None:
+            self.pad_id = self.tokenizer.eos_token_id if self.tokenizer.eos_token_id is not None else 0
+        if self.model.config.pad_token_id is None:
+            self.model.config.pad_token_id = self.pad_id  # the head reads the last non-pad token
+
+    def encode(self, prompt, completion: str) -> list[int]:
+        """Token ids of prompt + completion; messages go through the chat template with the completion as reply."""
+        if isinstance(prompt, str):
+            ids = self.tokenizer(prompt + completion)["input_ids"]
+        else:
+            messages = list(prompt) + [{"role": "assistant", "content": completion}]
+            text = self.tokenizer.apply_chat_template(messages, tokenize=False)
+            ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        return ids[-self.max_length :] if self.max_length else ids
+
+    def __call__(self, prompts: list, completions: list[str], **columns) -> list[float]:
+        import torch
+
+        encoded = [self.encode(p, c) for p, c in zip(prompts, completions)]
+        scores: list[float] = []
+        for start in range(0, len(encoded), self.batch_size):
+            chunk = encoded[start : start + self.batch_size]
+            width = max(len(ids) for ids in chunk)
+            input_ids = torch.full((len(chunk), width), self.pad_id, dtype=torch.long)
+            attention_mask = torch.zeros((len(chunk), width), dtype=torch.long)
+            for row, ids in enumerate(chunk):  # right padding
+                input_ids[row, : len(ids)] = torch.tensor(ids, dtype=torch.long)
+                attention_mask[row, : len(ids)] = 1
+            with torch.no_grad():
+                logits = self.model(
+                    input_ids=input_ids.to(self.device), attention_mask=attention_mask.to(self.device)
+                ).logits
+            scores += logits[:, 0].float().cpu().tolist()
+        return scores
+
+
+_SCORERS: dict[tuple, RewardModelScorer] = {}
+_SCORERS_LOCK = threading.Lock()
+
+
+def load_scorer(
+    path: str, device: Optional[str] = None, batch_size: int = 8, max_length: Optional[int] = None, dtype: str = "auto"
+) -> RewardModelScorer:
+    """One scorer per directory and settings per process: the recipe's reward_model entry loads its model once."""
+    key = (str(Path(path).expanduser().resolve()), device, batch_size, max_length, dtype)
+    with _SCORERS_LOCK:
+        if key not in _SCORERS:
+            _SCORERS[key] = RewardModelScorer(*key)
+        return _SCORERS[key]
+
+
+def reward_model(
+    prompts: list,
+    completions: list[str],
+    path: str,
+    device: Optional[str] = None,
+    batch_size: int = 8,
+    max_length: Optional[int] = None,
+    dtype: str = "auto",
+    **columns,
+) -> list[float]:
+    """The built-in `reward_model` reward: the score of the reward model at `path` (see RewardModelScorer)."""
+    return load_scorer(path, device, batch_size, max_length, dtype)(prompts, completions)

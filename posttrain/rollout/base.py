@@ -1,0 +1,120 @@
+"""The generation-engine interface: prompt token ids in, completion token ids and their log-probs out.
+
+Online algorithms (GRPO, PPO) sample completions from the current policy, score them and train on them. The loop
+only ever talks to a `GenerationEngine`, so where the sampling happens is a launch-time choice:
+
+- hf (`posttrain.rollout.hf.HFEngine`): transformers `model.generate` on the policy itself, in the training process.
+  No second copy of the weights and no weight sync; works on a CPU, under DDP, and under ZeRO-3 (the caller passes a
+  context manager that gathers the partitioned parameters for the duration of a `generate` call). The default.
+- vllm (later): a vLLM engine in the training process, weights pushed in with `load_weights` after each optimiser
+  step; `sleep`/`wake` free and restore its KV cache so training gets the GPU memory back in between.
+- server (later): a vLLM server in other processes or on other nodes; `load_weights` streams the weights to it.
+
+    engine = make_engine("hf", model=model, tokenizer=tokenizer)
+    params = SamplingParams(max_new_tokens=64, temperature=1.0, seed=step)
+    out = engine.generate([tokenizer("What is 2 + 3?")["input_ids"]], params)
+    out.completion_ids[0], out.logprobs[0], out.truncated[0]
+
+Log-probs contract: `logprobs[i][t]` is log_softmax(logits / temperature)[completion_ids[i][t]] of the model's raw
+logits (temperature 1 when sampling greedily), which is what the trainer computes with
+`posttrain.ops.logprobs.token_logprobs(logits, ids, temperature)`. Top-k/top-p shape what is sampled, not the
+log-probs, exactly as in the trainer's forward pass.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Iterable, Optional, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    import torch
+
+    from posttrain.config.schema import GenerationConfig
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_new_tokens: int = 64
+    """Most new tokens per completion."""
+    temperature: float = 1.0
+    """Sampling temperature; 0 means greedy (argmax) decoding."""
+    top_p: float = 1.0
+    """Nucleus sampling threshold (1.0: off)."""
+    top_k: int = 0
+    """Sample among the k most likely tokens (0: off)."""
+    seed: Optional[int] = None
+    """Seed of the sampling RNG for this call (None: the global RNG as it stands). Same seed, same completions."""
+
+    def __post_init__(self):
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0 (0: greedy), got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0: off), got {self.top_k}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    @property
+    def logprob_temperature(self) -> float:
+        """The temperature log-probs are computed at: the sampling temperature, or 1.0 when greedy."""
+        return self.temperature if self.temperature > 0 else 1.0
+
+    @classmethod
+    def from_config(cls, cfg: "GenerationConfig", seed: Optional[int] = None) -> "SamplingParams":
+        """The recipe's `generation.*` section as sampling parameters."""
+        return cls(
+            max_new_tokens=cfg.max_completion_length,
+            temperature=cfg.temperature,
+            top_p=cfg.top_p,
+            top_k=cfg.top_k,
+            seed=seed,
+        )
+
+
+@dataclass(frozen=True)
+class Completions:
+    """One completion per prompt, in prompt order."""
+
+    completion_ids: list[list[int]]
+    """New tokens only, no padding; ends with the eos token when the model produced one."""
+    logprobs: list[list[float]]
+    """log_softmax(logits / temperature) of each completion token (temperature 1 when greedy); same lengths."""
+    truncated: list[bool]
+    """True when the completion hit max_new_tokens without an eos token."""
+
+    def __post_init__(self):
+        if not len(self.completion_ids) == len(self.logprobs) == len(self.truncated):
+            raise ValueError(
+                f"Completions: {len(self.completion_ids)} completions, {len(self.logprobs)} log-prob lists, "
+                f"{len(self.truncated)} truncated flags; they must match"
+            )
+        for i, (ids, lps) in enumerate(zip(self.completion_ids, self.logprobs)):
+            if len(ids) != len(lps):
+                raise ValueError(f"Completions: completion {i} has {len(ids)} tokens but {len(lps)} log-probs")
+
+    def __len__(self) -> int:
+        return len(self.completion_ids)
+
+
+@runtime_checkable
+class GenerationEngine(Protocol):
+    def generate(self, prompt_ids: list[list[int]], params: SamplingParams) -> Completions:
+        """Sample one completion per prompt (prompts are unpadded token-id lists, any lengths)."""
+        ...
+
+    def load_weights(self, named_tensors: Iterable[tuple[str, "torch.Tensor"]]) -> None:
+        """Make the engine sample from these weights (names as in the policy's `named_parameters()`)."""
+        ...
+
+    def sleep(self) -> None:
+        """Release what the engine holds on the accelerator between generations (KV cache, weights)."""
+        ...
+
+    def wake(self) -> None:
+        """Take back what `sleep` released, before the next `generate`."""
+        ...

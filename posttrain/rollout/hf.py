@@ -1,0 +1,225 @@
+"""The HF engine: transformers `model.generate` on the policy model itself, in the training process.
+
+    engine = HFEngine(model, tokenizer)                     # model: the unwrapped policy (accelerator.unwrap_model)
+    out = engine.generate(prompt_ids, SamplingParams(max_new_tokens=32, temperature=0.7, seed=3))
+
+Under DeepSpeed ZeRO-3 each rank holds a shard of every parameter, so the caller passes
+`gather=lambda: deepspeed.zero.GatheredParameters(list(model.parameters()))` (from `posttrain.distributed`); the
+engine enters it around each `generate` call and never imports deepspeed itself.
+
+Only the sampling knobs of `SamplingParams` shape the distribution: the model's own generation_config.json
+(repetition penalty, min_new_tokens, ...) is overridden with neutral values, because the reported log-probs, and the
+trainer's, are those of plain softmax(logits / temperature); anything else would make the samples off-policy.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Callable, ContextManager, Iterable, Optional
+
+import torch
+
+from posttrain.errors import UserError
+from posttrain.rollout.base import Completions, GenerationEngine, SamplingParams
+
+# Logits processors transformers would otherwise pick up from the model's generation_config.json.
+NEUTRAL_GENERATION = dict(
+    num_beams=1,
+    num_return_sequences=1,
+    min_new_tokens=0,
+    repetition_penalty=1.0,
+    encoder_repetition_penalty=1.0,
+    no_repeat_ngram_size=0,
+    typical_p=1.0,
+    epsilon_cutoff=0.0,
+    eta_cutoff=0.0,
+    renormalize_logits=False,
+    remove_invalid_values=False,
+)
+
+
+class HFEngine:
+    """`GenerationEngine` over transformers generate. Shares the policy in-process: no weight copies, no sync.
+
+    model: a causal LM (the unwrapped policy, or a separate copy). tokenizer: gives eos and pad ids.
+    gather: factory of a context manager entered around generation (ZeRO-3 parameter gathering), or None.
+    batch_size: prompts per `model.generate` call (None: all at once).
+    """
+
+    def __init__(
+        self,
+        model,
+        tokenizer,
+        gather: Optional[Callable[[], ContextManager]] = None,
+        batch_size: Optional[int] = None,
+    ):
+        if batch_size is not None and batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1 or None, got {batch_size}")
+        eos_id = tokenizer.eos_token_id
+        if eos_id is None:
+            raise UserError("the tokenizer has no eos token; set one (tokenizer.eos_token) so generation can stop")
+        self.model = model
+        self.tokenizer = tokenizer
+        self.gather = gather
+        self.batch_size = batch_size
+        self.eos_id = int(eos_id)
+        self.pad_id = int(tokenizer.pad_token_id) if tokenizer.pad_token_id is not None else self.eos_id
+
+    # --- GenerationEngine ---
+
+    def generate(self, prompt_ids: list[list[int]], params: SamplingParams) -> Completions:
+        for i, ids in enumerate(prompt_ids):
+            if len(ids) == 0:
+                raise ValueError(f"prompt {i} is empty; every prompt needs at least one token")
+        if not prompt_ids:
+            return Completions([], [], [])
+        step = self.batch_size or len(prompt_ids)
+        ids: list[list[int]] = []
+        logprobs: list[list[float]] = []
+        truncated: list[bool] = []
+        with self._generation_mode(), self._rng(params.seed):
+            for start in range(0, len(prompt_ids), step):
+                chunk = self._generate_chunk(prompt_ids[start : start + step], params)
+                ids += chunk.completion_ids
+                logprobs += chunk.logprobs
+                truncated += chunk.truncated
+        return Completions(ids, logprobs, truncated)
+
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy tensors into the model's parameters and buffers by name.
+
+        When the engine wraps the policy itself (the usual case) the tensors are the parameters and nothing is copied.
+        """
+        targets = self.model.state_dict(keep_vars=True)
+        with torch.no_grad():
+            for name, tensor in named_tensors:
+                target = targets.get(name)
+                if target is None:
+                    raise KeyError(f"load_weights: the engine model has no parameter or buffer named '{name}'")
+                if target.shape != tensor.shape:
+                    raise ValueError(
+                        f"load_weights: '{name}' has shape {tuple(tensor.shape)}, "
+                        f"the engine model's is {tuple(target.shape)}"
+                    )
+                if target.data_ptr() == tensor.data_ptr() and target.device == tensor.device:
+                    continue
+                target.data.copy_(tensor.detach())
+
+    def sleep(self) -> None:
+        """Nothing to release: the engine is the policy itself and the KV cache lives only inside a generate call."""
+
+    def wake(self) -> None:
+        """Nothing to restore (see `sleep`)."""
+
+    # --- internals ---
+
+    def _generate_chunk(self, prompts: list[list[int]], params: SamplingParams) -> Completions:
+        device = _device_of(self.model)
+        width = max(len(p) for p in prompts)
+        input_ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
+        attention_mask = torch.zeros((len(prompts), width), dtype=torch.long)
+        for row, p in enumerate(prompts):  # left padding: every prompt ends at the same column
+            input_ids[row, width - len(p) :] = torch.tensor(p, dtype=torch.long)
+            attention_mask[row, width - len(p) :] = 1
+        out = self.model.generate(
+            input_ids=input_ids.to(device),
+            attention_mask=attention_mask.to(device),
+            generation_config=self._generation_config(params),
+        )
+        new_BN = out.sequences[:, width:].cpu()
+        # Raw logits, one (B, V) tensor per new token; processed `scores` would carry top-k/top-p masking.
+        temperature = params.logprob_temperature
+        logprobs_BN = torch.stack(
+            [
+                torch.log_softmax(logits_BV.float() / temperature, dim=-1)
+                .gather(-1, new_BN[:, n, None].to(logits_BV.device))
+                .squeeze(-1)
+                .cpu()
+                for n, logits_BV in enumerate(out.logits)
+            ],
+            dim=1,
+        )
+        ids, logprobs, truncated = [], [], []
+        for row in range(new_BN.shape[0]):
+            tokens = new_BN[row].tolist()
+            stop = tokens.index(self.eos_id) + 1 if self.eos_id in tokens else len(tokens)
+            ids.append(tokens[:stop])
+            logprobs.append(logprobs_BN[row, :stop].tolist())
+            truncated.append(stop == len(tokens) and tokens[-1] != self.eos_id)  # ran out of tokens, no eos
+        return Completions(ids, logprobs, truncated)
+
+    def _generation_config(self, params: SamplingParams):
+        from transformers import GenerationConfig
+
+        sampling = {}
+        if not params.greedy:
+            sampling = dict(temperature=params.temperature, top_p=params.top_p, top_k=params.top_k)
+            if getattr(getattr(self.model, "generation_config", None), "min_p", None) is not None:
+                sampling["min_p"] = 0.0  # a model default would otherwise apply
+        return GenerationConfig(
+            max_new_tokens=params.max_new_tokens,
+            do_sample=not params.greedy,
+            use_cache=True,
+            eos_token_id=self.eos_id,
+            pad_token_id=self.pad_id,
+            return_dict_in_generate=True,
+            output_logits=True,
+            **NEUTRAL_GENERATION,
+            **sampling,
+        )
+
+    @contextlib.contextmanager
+    def _generation_mode(self):
+        """eval() (no dropout, no gradient checkpointing), the KV cache on, and the caller's gather; all restored."""
+        model = self.model
+        was_training = model.training
+        config = getattr(model, "config", None)
+        use_cache = getattr(config, "use_cache", None)
+        gather = self.gather() if self.gather is not None else contextlib.nullcontext()
+        try:
+            model.eval()
+            if use_cache is False:
+                config.use_cache = True  # gradient checkpointing turns it off for training
+            with gather, torch.no_grad():
+                yield
+        finally:
+            if use_cache is False:
+                config.use_cache = False
+            model.train(was_training)
+
+    def _rng(self, seed: Optional[int]):
+        """Seed the global RNG for this call and put it back afterwards, so training randomness is unaffected."""
+        if seed is None:
+            return contextlib.nullcontext()
+        device = _device_of(self.model)
+        devices = [device] if device.type == "cuda" else []
+        return _seeded(seed, devices)
+
+
+@contextlib.contextmanager
+def _seeded(seed: int, devices: list):
+    with torch.random.fork_rng(devices=devices):
+        torch.manual_seed(seed)
+        yield
+
+
+def _device_of(model) -> torch.device:
+    device = getattr(model, "device", None)
+    if isinstance(device, torch.device):
+        return device
+    return next(model.parameters()).device
+
+
+ENGINES: dict[str, type] = {"hf": HFEngine}
+NOT_YET = ("vllm", "server")
+
+
+def make_engine(name: str, **kwargs) -> GenerationEngine:
+    """The engine called `name` (recipe `generation.engine`), built with `kwargs` (for hf: model, tokenizer, ...)."""
+    if name in NOT_YET:
+        raise UserError(
+            f"generation.engine={name} needs a GPU and `pip install posttrain[vllm]`; not available in this build yet"
+        )
+    if name not in ENGINES:
+        raise UserError(f"generation.engine={name!r} is not an engine; choose one of {', '.join([*ENGINES, *NOT_YET])}")
+    return ENGINES[name](**kwargs)

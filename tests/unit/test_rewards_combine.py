@@ -1,0 +1,180 @@
+"""RewardSet: weights, missing values, error policy, timeouts, output validation; reward_metrics."""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+
+import pytest
+import torch
+
+from posttrain.errors import UserError
+from posttrain.rewards.combine import Reward, RewardError, RewardSet, reward_metrics
+
+PROMPTS = ["What is 2 + 2?", "Name a colour.", "Say hi."]
+COMPLETIONS = ["4", "blue", "hello there"]
+
+
+def constant(value):
+    return lambda prompts, completions, **columns: [value] * len(completions)
+
+
+def by_length(prompts, completions, **columns):
+    return [float(len(c)) for c in completions]
+
+
+def fails_on_blue(prompts, completions, **columns):
+    for c in completions:
+        if c == "blue":
+            raise ValueError("cannot score colours")
+    return [1.0] * len(completions)
+
+
+def test_weighted_total():
+    rewards = RewardSet([Reward("one", constant(1.0), 0.5), Reward("len", by_length, 2.0)])
+    total, per_function, skipped = rewards.score(PROMPTS, COMPLETIONS)
+    # 0.5 * 1 + 2 * len: 0.5 + 2, 0.5 + 8, 0.5 + 22
+    assert total.tolist() == [2.5, 8.5, 22.5]
+    assert per_function["one"].tolist() == [1.0, 1.0, 1.0]
+    assert per_function["len"].tolist() == [1.0, 4.0, 11.0]
+    assert skipped == 0
+    assert total.dtype == torch.float32 and rewards.names == ["one", "len"]
+
+
+def test_none_counts_as_missing_and_zero():
+    def some_none(prompts, completions, **columns):
+        return [1.0, None, 3]
+
+    total, per_function, skipped = RewardSet([("a", some_none, 2.0, 5.0, "raise"), ("b", constant(True), 1.0)]).score(
+        PROMPTS, COMPLETIONS
+    )
+    assert total.tolist() == [3.0, 1.0, 7.0]
+    assert per_function["a"][1].isnan() and per_function["b"].tolist() == [1.0, 1.0, 1.0]
+    assert skipped == 1
+
+
+def test_columns_are_passed_aligned():
+    seen = {}
+
+    def wants_answer(prompts, completions, answer):  # no **columns: gets only what it names
+        seen["answer"] = answer
+        return [float(c == a) for c, a in zip(completions, answer)]
+
+    columns = {"answer": ["4", "red", "hi"], "source": ["x", "y", "z"]}
+    total, _, _ = RewardSet([Reward("match", wants_answer)]).score(PROMPTS, COMPLETIONS, columns)
+    assert total.tolist() == [1.0, 0.0, 0.0] and seen["answer"] == columns["answer"]
+    with pytest.raises(ValueError, match="column 'answer' has 2 values for 3"):
+        RewardSet([Reward("match", wants_answer)]).score(PROMPTS, COMPLETIONS, {"answer": ["4", "red"]})
+
+
+def test_raise_names_function_and_sample():
+    rewards = RewardSet([Reward("colour_check", fails_on_blue, on_error="raise")])
+    with pytest.raises(RewardError) as info:
+        rewards.score(PROMPTS, COMPLETIONS)
+    message = str(info.value)
+    assert "reward 'colour_check' raised ValueError: cannot score colours on sample 1" in message
+    assert "Name a colour." in message and "'blue'" in message
+    assert isinstance(info.value.__cause__, ValueError)
+    assert not isinstance(info.value, UserError)
+
+
+def test_skip_makes_the_batch_missing():
+    rewards = RewardSet([Reward("colour_check", fails_on_blue, 1.0, on_error="skip"), Reward("one", constant(1.0))])
+    total, per_function, skipped = rewards.score(PROMPTS, COMPLETIONS)
+    assert per_function["colour_check"].isnan().all()
+    assert total.tolist() == [1.0, 1.0, 1.0]
+    assert skipped == 3
+
+
+def test_timeout_raise_and_skip():
+    release = threading.Event()
+
+    def slow(prompts, completions, **columns):
+        release.wait(5)
+        return [1.0] * len(completions)
+
+    try:
+        start = time.monotonic()
+        with pytest.raises(RewardError, match=r"reward 'slow' did not return within 0.2s on a batch of 3"):
+            RewardSet([Reward("slow", slow, timeout=0.2)]).score(PROMPTS, COMPLETIONS)
+        assert time.monotonic() - start < 2
+        total, per_function, skipped = RewardSet(
+            [Reward("slow", slow, timeout=0.2, on_error="skip"), Reward("one", constant(1.0), 3.0)]
+        ).score(PROMPTS, COMPLETIONS)
+        assert per_function["slow"].isnan().all() and total.tolist() == [3.0, 3.0, 3.0] and skipped == 3
+    finally:
+        release.set()
+
+
+def test_functions_run_concurrently():
+    """Two 0.5 s functions with 0.9 s timeouts both finish: they do not wait for each other."""
+
+    def sleepy(prompts, completions, **columns):
+        time.sleep(0.5)
+        return [1.0] * len(completions)
+
+    total, _, skipped = RewardSet([Reward("a", sleepy, timeout=0.9), Reward("b", sleepy, timeout=0.9)]).score(
+        PROMPTS, COMPLETIONS
+    )
+    assert total.tolist() == [2.0, 2.0, 2.0] and skipped == 0
+
+
+def test_function_raising_its_own_timeout_error_is_an_error_not_a_timeout():
+    def network(prompts, completions, **columns):
+        raise TimeoutError("verifier service timed out")
+
+    with pytest.raises(RewardError, match="raised TimeoutError: verifier service timed out on sample 0"):
+        RewardSet([Reward("net", network)]).score(PROMPTS, COMPLETIONS)
+
+
+def test_user_error_propagates_even_when_skipping():
+    def needs_column(prompts, completions, **columns):
+        raise UserError("the data has no 'answer' column")
+
+    with pytest.raises(UserError, match="no 'answer' column"):
+        RewardSet([Reward("m", needs_column, on_error="skip")]).score(PROMPTS, COMPLETIONS)
+
+
+@pytest.mark.parametrize(
+    "output, message",
+    [
+        ([1.0, 2.0], "returned 2 values for 3 completions"),
+        ([1.0, "good", 0.0], "returned 'good' for sample 1"),
+        ([1.0, math.inf, 0.0], "returned inf for sample 1"),
+        (1.0, "returned a float"),
+        ("abc", "returned a str"),
+    ],
+)
+def test_bad_output_is_a_reward_error_even_when_skipping(output, message):
+    rewards = RewardSet([Reward("bad", lambda p, c, **k: output, on_error="skip")])
+    with pytest.raises(RewardError, match=f"reward 'bad' {message}"):
+        rewards.score(PROMPTS, COMPLETIONS)
+
+
+def test_tensor_output_and_nan_are_accepted():
+    total, per_function, skipped = RewardSet(
+        [Reward("t", lambda p, c, **k: torch.tensor([1.0, float("nan"), 2.0]))]
+    ).score(PROMPTS, COMPLETIONS)
+    assert total.tolist() == [1.0, 0.0, 2.0] and skipped == 1
+
+
+def test_construction_checks():
+    with pytest.raises(ValueError, match="unique, a repeats"):
+        RewardSet([Reward("a", by_length), Reward("a", by_length)])
+    with pytest.raises(ValueError, match="on_error must be raise or skip"):
+        RewardSet([Reward("a", by_length, on_error="ignore")])
+    with pytest.raises(ValueError, match="timeout must be > 0"):
+        RewardSet([Reward("a", by_length, timeout=0)])
+    with pytest.raises(ValueError, match="2 prompts for 3 completions"):
+        RewardSet([Reward("a", by_length)]).score(PROMPTS[:2], COMPLETIONS)
+
+
+def test_reward_metrics_are_nan_aware():
+    metrics = reward_metrics(
+        {"a": torch.tensor([1.0, float("nan"), 3.0]), "b": torch.tensor([2.0, 2.0]), "c": torch.tensor([float("nan")])}
+    )
+    assert metrics["rewards/a/mean"].item() == 2.0 and metrics["rewards/a/std"].item() == 1.0  # population std
+    assert metrics["rewards/b/mean"].item() == 2.0 and metrics["rewards/b/std"].item() == 0.0
+    assert metrics["rewards/c/mean"].isnan() and metrics["rewards/c/std"].isnan()
+    assert all(v.dim() == 0 and v.dtype == torch.float32 for v in metrics.values())

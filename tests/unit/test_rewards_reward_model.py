@@ -1,0 +1,101 @@
+"""RewardModelScorer on a tiny random sequence-classification model saved like `posttrain rm` saves one."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForSequenceClassification, AutoTokenizer, LlamaConfig, LlamaForSequenceClassification
+
+from posttrain.config.schema import RewardConfig
+from posttrain.errors import UserError
+from posttrain.rewards.load import load_reward
+from posttrain.rewards.reward_model import RewardModelScorer, load_scorer
+
+PROMPTS = ["What is 2 + 2?", "Say something nice about the sea."]
+COMPLETIONS = [" 4", " The sea is calm and blue today, a fine sight."]
+CHAT = [[{"role": "user", "content": p}] for p in PROMPTS]
+
+
+def save_classifier(out, tokenizer, num_labels=1):
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_labels=num_labels,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=None,
+        eos_token_id=tokenizer.eos_token_id,
+    )
+    torch.manual_seed(0)
+    model = LlamaForSequenceClassification(config)
+    with torch.no_grad():
+        model.score.weight.normal_(0, 1.0)  # scores far enough apart to tell texts apart
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model_dir):
+    return AutoTokenizer.from_pretrained(tiny_model_dir)
+
+
+@pytest.fixture(scope="module")
+def rm_dir(tmp_path_factory, tokenizer):
+    return save_classifier(tmp_path_factory.mktemp("rm"), tokenizer)
+
+
+def reference_score(rm_dir, text: str, add_special_tokens: bool = True) -> float:
+    model = AutoModelForSequenceClassification.from_pretrained(rm_dir).eval()
+    ids = AutoTokenizer.from_pretrained(rm_dir)(text, add_special_tokens=add_special_tokens, return_tensors="pt")
+    with torch.no_grad():
+        return model(**ids).logits[0, 0].item()
+
+
+def test_scores_plain_prompts(rm_dir):
+    scorer = RewardModelScorer(str(rm_dir), device="cpu", batch_size=2)
+    scores = scorer(PROMPTS, COMPLETIONS)
+    assert len(scores) == 2 and all(isinstance(s, float) for s in scores)
+    for prompt, completion, score in zip(PROMPTS, COMPLETIONS, scores):
+        assert score == pytest.approx(reference_score(rm_dir, prompt + completion), abs=1e-5)
+    assert scores[0] != pytest.approx(scores[1])
+
+
+def test_scores_chat_prompts_with_the_template(rm_dir, tokenizer):
+    scores = RewardModelScorer(str(rm_dir), device="cpu")(CHAT, COMPLETIONS)
+    for messages, completion, score in zip(CHAT, COMPLETIONS, scores):
+        text = tokenizer.apply_chat_template(messages + [{"role": "assistant", "content": completion}], tokenize=False)
+        assert text.endswith(completion + "<|im_end|>\n")
+        assert score == pytest.approx(reference_score(rm_dir, text, add_special_tokens=False), abs=1e-5)
+
+
+def test_batching_and_padding_do_not_change_scores(rm_dir):
+    batched = RewardModelScorer(str(rm_dir), device="cpu", batch_size=8)(PROMPTS * 2, COMPLETIONS * 2)
+    single = RewardModelScorer(str(rm_dir), device="cpu", batch_size=1)(PROMPTS * 2, COMPLETIONS * 2)
+    assert batched == pytest.approx(single, abs=1e-5)
+
+
+def test_max_length_keeps_the_end(rm_dir, tokenizer):
+    scorer = RewardModelScorer(str(rm_dir), device="cpu", max_length=5)
+    ids = scorer.encode(PROMPTS[1], COMPLETIONS[1])
+    assert ids == tokenizer(PROMPTS[1] + COMPLETIONS[1])["input_ids"][-5:]
+
+
+def test_builtin_reward_model_loads_once(rm_dir):
+    reward = load_reward(RewardConfig(name="reward_model", kwargs={"path": str(rm_dir), "device": "cpu"}))
+    assert reward.name == "reward_model"
+    scores = reward.fn(PROMPTS, COMPLETIONS, answer=["x", "y"])
+    assert scores == pytest.approx(RewardModelScorer(str(rm_dir), device="cpu")(PROMPTS, COMPLETIONS), abs=1e-6)
+    assert load_scorer(str(rm_dir), device="cpu") is load_scorer(path=str(rm_dir), device="cpu", batch_size=8)
+
+
+def test_rejects_what_is_not_a_reward_model(tmp_path, tiny_model_dir, tokenizer):
+    with pytest.raises(UserError, match="no config.json"):
+        RewardModelScorer(str(tmp_path / "missing"))
+    with pytest.raises(UserError, match="holds a LlamaForCausalLM, not a reward model"):
+        RewardModelScorer(str(tiny_model_dir))
+    with pytest.raises(UserError, match="has 2 labels"):
+        RewardModelScorer(str(save_classifier(tmp_path / "two", tokenizer, num_labels=2)))

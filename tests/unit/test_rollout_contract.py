@@ -1,0 +1,148 @@
+"""The contract every generation engine keeps, checked against the trainer's own teacher-forced log-probs.
+
+Parametrised over the engines this build has; an engine is built from a model directory, so engines that load their
+own copy of the weights (vLLM) fit the same tests.
+"""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from posttrain.rollout.base import Completions, GenerationEngine, SamplingParams
+from posttrain.rollout.hf import HFEngine
+
+PROMPTS = [
+    "What is 12 + 7?",
+    "Hello",
+    "The quick brown fox jumps over the lazy dog. Tell me more about the fox, please.",
+    "Good morning! Can you explain how this works?",
+]
+
+
+def hf_engine(model_dir, tokenizer=None, **kwargs) -> GenerationEngine:
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    return HFEngine(model, tokenizer or AutoTokenizer.from_pretrained(model_dir), **kwargs)
+
+
+ENGINES = {"hf": hf_engine}
+
+
+@pytest.fixture(scope="module")
+def model_dir(tiny_model_dir, tmp_path_factory):
+    """The tiny model with larger random weights: peaked next-token distributions, so greedy text varies."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.2)
+    out = tmp_path_factory.mktemp("peaked")
+    model.save_pretrained(out)
+    AutoTokenizer.from_pretrained(tiny_model_dir).save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir):
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def tokenizer(model_dir):
+    return AutoTokenizer.from_pretrained(model_dir)
+
+
+@pytest.fixture(scope="module")
+def prompt_ids(tokenizer):
+    ids = [tokenizer(p)["input_ids"] for p in PROMPTS]
+    assert len({len(p) for p in ids}) == len(ids)  # different lengths: batching needs padding
+    return ids
+
+
+@pytest.fixture(scope="module", params=sorted(ENGINES))
+def make(request, model_dir):
+    return lambda **kwargs: ENGINES[request.param](model_dir, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def engine(make):
+    return make()
+
+
+def teacher_forced_logprobs(model, prompt: list[int], completion: list[int], temperature: float) -> torch.Tensor:
+    """What the trainer computes: one forward over prompt + completion, log_softmax(logits / T) at the tokens."""
+    with torch.no_grad():
+        logits_TV = model(torch.tensor([prompt + completion])).logits[0]
+    scaled_CV = logits_TV[len(prompt) - 1 : -1].float() / temperature
+    return torch.log_softmax(scaled_CV, dim=-1).gather(-1, torch.tensor(completion)[:, None]).squeeze(-1)
+
+
+def test_is_a_generation_engine(engine):
+    assert isinstance(engine, GenerationEngine)
+
+
+def test_greedy_is_deterministic(engine, prompt_ids):
+    params = SamplingParams(max_new_tokens=10, temperature=0)
+    first, second = engine.generate(prompt_ids, params), engine.generate(prompt_ids, params)
+    assert isinstance(first, Completions) and len(first) == len(prompt_ids)
+    assert first.completion_ids == second.completion_ids
+    assert all(len(ids) == 10 for ids in first.completion_ids)
+
+
+def test_seeded_sampling_is_reproducible(engine, prompt_ids):
+    params = SamplingParams(max_new_tokens=10, temperature=1.0, seed=123)
+    first, second = engine.generate(prompt_ids, params), engine.generate(prompt_ids, params)
+    assert first.completion_ids == second.completion_ids
+    assert first.logprobs == second.logprobs
+    other = engine.generate(prompt_ids, SamplingParams(max_new_tokens=10, temperature=1.0, seed=124))
+    assert other.completion_ids != first.completion_ids
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(max_new_tokens=12, temperature=1.0, seed=0),
+        SamplingParams(max_new_tokens=12, temperature=0.7, seed=1),
+        SamplingParams(max_new_tokens=12, temperature=0.7, top_k=5, top_p=0.9, seed=2),  # raw logits, not masked scores
+        SamplingParams(max_new_tokens=12, temperature=0),  # greedy: scored at temperature 1
+    ],
+    ids=["t1.0", "t0.7", "t0.7-topk-topp", "greedy"],
+)
+def test_logprobs_match_teacher_forcing(engine, reference, prompt_ids, params):
+    out = engine.generate(prompt_ids, params)
+    for prompt, ids, logprobs in zip(prompt_ids, out.completion_ids, out.logprobs):
+        assert len(logprobs) == len(ids) > 0
+        expected = teacher_forced_logprobs(reference, prompt, ids, params.logprob_temperature)
+        torch.testing.assert_close(torch.tensor(logprobs), expected, atol=1e-4, rtol=0)
+
+
+def test_batched_matches_one_at_a_time(engine, prompt_ids):
+    params = SamplingParams(max_new_tokens=10, temperature=0)
+    batched = engine.generate(prompt_ids, params)
+    single = [engine.generate([p], params) for p in prompt_ids]
+    assert batched.completion_ids == [s.completion_ids[0] for s in single]
+    for b, s in zip(batched.logprobs, single):
+        torch.testing.assert_close(torch.tensor(b), torch.tensor(s.logprobs[0]), atol=1e-4, rtol=0)
+
+
+def test_stops_at_eos_and_flags_truncation(make, tokenizer, prompt_ids):
+    """Pick as eos a token that one sampled completion contains and another lacks; re-sample with the same seed."""
+    params = SamplingParams(max_new_tokens=12, temperature=1.0, seed=7)
+    free = make().generate(prompt_ids, params)
+    assert tokenizer.eos_token_id not in sum(free.completion_ids, [])  # nothing stopped the first run early
+    assert all(free.truncated) and all(len(ids) == 12 for ids in free.completion_ids)
+    eos = next(t for t in free.completion_ids[0][2:] if any(t not in ids for ids in free.completion_ids[1:]))
+    stub = types.SimpleNamespace(eos_token_id=eos, pad_token_id=tokenizer.pad_token_id)
+    out = make(tokenizer=stub).generate(prompt_ids, params)
+    for ids, logprobs, truncated, full in zip(out.completion_ids, out.logprobs, out.truncated, free.completion_ids):
+        if eos in full:
+            expected = full[: full.index(eos) + 1]
+            assert (ids, truncated) == (expected, False)
+        else:
+            assert (ids, truncated) == (full, True)
+        assert len(logprobs) == len(ids)
+    assert out.truncated.count(False) >= 1 and out.truncated.count(True) >= 1
