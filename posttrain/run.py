@@ -199,7 +199,10 @@ def run(command: str, recipe: Recipe) -> RunResult:
     )
     logger.info("posttrain " + " | ".join(f"{k}={v}" for k, v in summary.items() if v is not None))
     eval_fn = None
-    if eval_examples is not None:
+    algorithm_evaluate = getattr(algorithm, "evaluate", None)  # online algorithms: eval by generating, not a loss
+    if eval_examples is not None and algorithm_evaluate is not None:
+        eval_fn = lambda: algorithm_evaluate(backend, models, eval_examples)  # noqa: E731
+    elif eval_examples is not None:
         batches = eval_batches(eval_examples, collate, t.per_device_eval_batch_size, backend.world_size, backend.rank)
         eval_fn = lambda: evaluate(backend, algorithm, models, batches)  # noqa: E731
 

@@ -6,11 +6,13 @@ An algorithm class takes the Recipe and provides: name, data_kind ('sft' | 'pref
 algorithms build their rollout source).
 """
 
+from posttrain.algorithms.grpo import GRPO, GRPOAlgoConfig
 from posttrain.algorithms.sft import SFT
 from posttrain.config.schema import SFTAlgoConfig
 
 ALGORITHMS: dict[str, tuple[type, type]] = {
     "sft": (SFTAlgoConfig, SFT),
+    "grpo": (GRPOAlgoConfig, GRPO),
 }
 
 

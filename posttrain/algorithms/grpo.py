@@ -1,0 +1,187 @@
+"""GRPO family: sample G completions per prompt, score them, train on group-relative advantages.
+
+    posttrain grpo --config recipes/grpo.yaml
+
+Covers GRPO (Shao et al. 2024), DAPO's token-level loss and clip-higher (Yu et al. 2025), Dr. GRPO (Liu et al.
+2025) and GSPO's sequence-level ratio (Zheng et al. 2025), picked by `algo.loss_type`, `algo.epsilon_high`,
+`algo.scale_rewards` and `algo.importance_sampling_level`. Sampling, scoring and batching live in
+`posttrain.train.rollout_source`; the math lives in `ops.advantages`, `losses.policy`; this file wires them.
+
+Batch semantics (stated here once; the checks below enforce them):
+- `train.per_device_train_batch_size` counts COMPLETIONS (sequences) per device per micro-batch.
+- completions per device per step = per_device_train_batch_size x gradient_accumulation_steps; it must be a
+  multiple of `algo.num_generations`, because a prompt's G completions are generated, scored and given advantages on
+  one device (no collective inside a group). prompts per device per step = that / num_generations.
+- completions per step, all devices = per_device_train_batch_size x gradient_accumulation_steps x world size;
+  unique prompts per step = that / num_generations.
+- with `num_iterations` = n > 1, one such generation batch is reused for n optimiser steps (its old log-probs taken
+  once, before the first of them), so checkpoints must fall on multiples of n.
+
+Per step: tokens are scored at the sampling temperature, the clipped surrogate (+ beta * k3 KL to the reference) is
+aggregated by `loss_type` with the global normaliser the loop computes from `count`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from posttrain.algorithms.base import Models
+from posttrain.algorithms.forward import policy_logits, policy_logprobs
+from posttrain.config.schema import Recipe
+from posttrain.errors import UserError
+from posttrain.losses.policy import IMPORTANCE_LEVELS, LOSS_AGGREGATIONS, add_kl_penalty, clipped_surrogate
+from posttrain.ops.advantages import REWARD_SCALES
+from posttrain.ops.logprobs import entropy_BT, masked_mean, token_logprobs
+from posttrain.train.batch import Batch
+
+
+@dataclass(frozen=True)
+class GRPOAlgoConfig:
+    num_generations: int = 8
+    """G: completions sampled per prompt (the group the advantages are relative to); >= 2."""
+    beta: float = 0.0
+    """Weight of the k3 KL(policy || reference) penalty; 0 loads no reference model."""
+    loss_type: str = "dapo"
+    """Aggregation of per-token losses: dapo (token mean over the step), grpo (mean of sequence means), dr_grpo
+    (token sum / (sequences x max_completion_length)) or bnpo (token mean per micro-batch)."""
+    epsilon: float = 0.2
+    """Lower clip range of the importance ratio: 1 - epsilon."""
+    epsilon_high: Optional[float] = None
+    """Upper clip range: 1 + epsilon_high (DAPO's clip-higher uses 0.28); null: the same as epsilon."""
+    scale_rewards: str = "group"
+    """Divide centred rewards by the group's std (group), the std of the whole step (batch) or nothing (none)."""
+    num_iterations: int = 1
+    """Optimiser steps per generation batch (PPO epochs, mu); > 1 takes old log-probs once per batch."""
+    importance_sampling_level: str = "token"
+    """Importance ratio per token (GRPO) or one length-normalised ratio per sequence (GSPO)."""
+    mask_truncated_completions: bool = False
+    """Leave completions that hit max_completion_length without EOS out of the loss (DAPO)."""
+    log_samples: int = 2
+    """Prompt groups written to output_dir/samples.jsonl at each logging step (0: none)."""
+
+    def validate(self, recipe: Recipe) -> None:
+        """Everything checkable before the processes start; the loader calls it after building the recipe."""
+        choices = {"loss_type": LOSS_AGGREGATIONS, "scale_rewards": REWARD_SCALES,
+                   "importance_sampling_level": IMPORTANCE_LEVELS}
+        for key, table in choices.items():
+            if getattr(self, key) not in table:
+                raise UserError(f"algo.{key} is {getattr(self, key)!r}; choose one of {', '.join(table)}")
+        if self.num_generations < 2:
+            raise UserError(f"algo.num_generations must be >= 2 (advantages compare completions of one prompt), "
+                            f"got {self.num_generations}")
+        if self.beta < 0 or self.epsilon <= 0 or (self.epsilon_high is not None and self.epsilon_high < 0):
+            raise UserError(f"need algo.beta >= 0, algo.epsilon > 0 and algo.epsilon_high >= 0; got {self.beta}, "
+                            f"{self.epsilon}, {self.epsilon_high}")
+        if self.num_iterations < 1 or self.log_samples < 0:
+            raise UserError(f"need algo.num_iterations >= 1 and algo.log_samples >= 0; got {self.num_iterations}, "
+                            f"{self.log_samples}")
+        if not recipe.rewards:
+            raise UserError("grpo needs at least one reward: add `rewards: [{name: exact_match}]` to the recipe "
+                            "(built-ins: exact_match, format, length_penalty, reward_model; or 'module:function')")
+        if recipe.generation.temperature == 0:
+            raise UserError("generation.temperature=0 samples greedily: every completion of a prompt is the same and "
+                            "GRPO learns nothing; set generation.temperature > 0 (1.0 is usual)")
+        t = recipe.train
+        per_device = t.per_device_train_batch_size * t.gradient_accumulation_steps
+        if per_device % self.num_generations:
+            g = self.num_generations
+            raise UserError(
+                f"train.per_device_train_batch_size ({t.per_device_train_batch_size}) x "
+                f"train.gradient_accumulation_steps ({t.gradient_accumulation_steps}) = {per_device} completions per "
+                f"device per step, which is not a multiple of algo.num_generations ({g}): each prompt's {g} "
+                f"completions must be sampled on one device. Make the product a multiple of {g} (e.g. "
+                f"per_device_train_batch_size={g} or gradient_accumulation_steps={g}), or pick a num_generations "
+                f"that divides {per_device}"
+            )
+        if recipe.generation.batch_size is not None and recipe.generation.batch_size < 1:
+            raise UserError(f"generation.batch_size must be >= 1 or null, got {recipe.generation.batch_size}")
+        n = self.num_iterations
+        for key, value in (("train.save_steps", t.save_steps), ("train.max_steps_per_run", t.max_steps_per_run)):
+            if n > 1 and value and value % n:
+                raise UserError(
+                    f"{key}={value} is not a multiple of algo.num_iterations={n}: a checkpoint in the middle of a "
+                    f"generation batch could not resume exactly; use a multiple of {n}"
+                )
+
+
+class GRPO:
+    name = "grpo"
+    data_kind = "prompt"
+    model_kind = "causal_lm"
+
+    def __init__(self, recipe: Recipe):
+        from posttrain.rewards import load_rewards
+
+        self.recipe = recipe
+        self.config: GRPOAlgoConfig = recipe.algo
+        self.temperature = recipe.generation.temperature
+        self.aggregation = LOSS_AGGREGATIONS[self.config.loss_type]
+        # with LoRA the reference is the policy with its adapters off: no second copy
+        self.needs_reference = self.config.beta > 0 and not recipe.model.lora.enabled
+        self.rewards = load_rewards(recipe.rewards)  # a bad reward fails here, before any model is loaded
+
+    # --- hooks used by run.py ----------------------------------------------------------------------------------
+
+    def make_source(self, backend, models: Models, train_examples):
+        from posttrain.train.rollout_source import RolloutSource
+
+        self.source = RolloutSource(self.recipe, backend, models, self, train_examples, self.rewards)
+        return self.source
+
+    def evaluate(self, backend, models: Models, eval_examples) -> dict[str, float]:
+        """Held-out greedy accuracy (exact_match), mean total reward and completion length, over all ranks; with
+        the source's engine, so it runs wherever generation does."""
+        from posttrain.algorithms.grpo_eval import evaluate_prompts
+
+        return evaluate_prompts(backend, self.source.engine, models.tokenizer, eval_examples, self.rewards,
+                                self.recipe.generation)
+
+    # --- what the loop calls -------------------------------------------------------------------------------------
+
+    def prepare(self, batch: Batch, models: Models) -> Batch:
+        """Old log-probs (num_iterations > 1) and reference log-probs (beta > 0), unless the batch has them.
+
+        The rollout source calls this once per generation batch, right after sampling, so reused batches keep the
+        log-probs of the policy that sampled them; the loop's own call then finds them present.
+        """
+        updates = {}
+        if self.config.num_iterations > 1 and batch.old_logprobs_BT is None:
+            updates["old_logprobs_BT"] = policy_logprobs(models.policy, batch, self.temperature)
+        if self.config.beta > 0 and batch.ref_logprobs_BT is None:
+            updates["ref_logprobs_BT"] = self._reference_logprobs(models, batch)
+        return dataclasses.replace(batch, **updates) if updates else batch
+
+    def _reference_logprobs(self, models: Models, batch: Batch) -> torch.Tensor:
+        if models.reference is not None:
+            return policy_logprobs(models.reference, batch, self.temperature)
+        from posttrain.models.load import disable_adapter
+
+        with disable_adapter(models.policy) if self.recipe.model.lora.enabled else contextlib.nullcontext():
+            return policy_logprobs(models.policy, batch, self.temperature)
+
+    def count(self, batch: Batch) -> torch.Tensor:
+        return self.aggregation.count(batch.completion_mask_BT, self.recipe.generation.max_completion_length)
+
+    def loss(self, model, batch: Batch, normaliser: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        cfg = self.config
+        mask_BT = batch.completion_mask_BT
+        logits_BTV = policy_logits(model, batch)
+        logprobs_BT = token_logprobs(logits_BTV, batch.input_ids_BT, temperature=self.temperature)
+        # num_iterations == 1: the sampling policy is the current one, so the ratio is 1 with the right gradient
+        old_BT = batch.old_logprobs_BT if batch.old_logprobs_BT is not None else logprobs_BT.detach()
+        epsilon_high = cfg.epsilon if cfg.epsilon_high is None else cfg.epsilon_high
+        loss_BT, clip_fraction = clipped_surrogate(logprobs_BT, old_BT, batch.advantages_B, mask_BT, cfg.epsilon,
+                                                   epsilon_high, level=cfg.importance_sampling_level)
+        metrics = {"clip_fraction": clip_fraction}
+        if cfg.beta > 0:
+            loss_BT, kl_BT = add_kl_penalty(loss_BT, logprobs_BT, batch.ref_logprobs_BT, cfg.beta)
+            metrics["kl"] = masked_mean(kl_BT.detach(), mask_BT)
+        loss = self.aggregation.aggregate(loss_BT, mask_BT, normaliser)
+        with torch.no_grad():
+            metrics["entropy"] = masked_mean(entropy_BT(logits_BTV.detach(), temperature=self.temperature), mask_BT)
+        return loss, metrics

@@ -1,0 +1,215 @@
+"""Online micro-batches: sample completions from the current policy, score them, attach advantages.
+
+    source = RolloutSource(recipe, backend, models, algorithm, train_examples, rewards)   # built by GRPO.make_source
+    micro_batches = source.step_batches(step)        # this rank's gradient_accumulation_steps micro-batches
+    source.last_metrics                               # reward / length / timing figures of the step, all ranks
+
+A generation batch (see posttrain/algorithms/grpo.py for the batch semantics) is made in phases:
+  1. prompts: the next `prompts per step` positions of the seeded global prompt order (SampleOrder), the same for
+     any world size; rank r takes the r-th contiguous slice, so each prompt's G completions stay on one rank;
+  2. generate: G completions per prompt with the engine, `generation.batch_size` prompts per call, each call seeded
+     by (seed, global position of its first prompt): resume reproduces it, and so does any accumulation split;
+     with generation.batch_size=1 so does any world size;
+  3. score: the RewardSet on this rank's completions; the step's total rewards are gathered from all ranks (one
+     small all_gather) so advantages, `scale_rewards=batch` and the metrics are computed on the whole step,
+     identically on every rank;
+  4. batches: prompt + completion rows, right padded, split into micro-batches; old and reference log-probs are
+     taken now (algorithm.prepare), once, so a batch reused for num_iterations steps keeps them.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+
+from posttrain.data.collate import collate_padded
+from posttrain.ops.advantages import group_advantages, zero_std_fraction
+from posttrain.rewards import reward_metrics
+from posttrain.rollout import SamplingParams, make_engine
+from posttrain.train.batch import Batch
+from posttrain.train.sources import SampleOrder
+
+logger = logging.getLogger(__name__)
+
+
+def sampling_seed(seed: int, position: int) -> int:
+    """The seed of a generate call whose first prompt sits at `position` of the global prompt order."""
+    return (seed * 1_000_003 + position) % (2**62)
+
+
+@dataclass
+class Generation:
+    """One generation batch of this rank: its micro-batches (prepared) and what it measured."""
+
+    index: int
+    batches: list[Batch]
+    metrics: dict[str, float]
+
+
+class RolloutSource:
+    def __init__(self, recipe, backend, models, algorithm, examples, rewards):
+        t, cfg = recipe.train, recipe.algo
+        self.recipe, self.backend, self.models, self.algorithm = recipe, backend, models, algorithm
+        self.examples, self.rewards = examples, rewards
+        self.tokenizer = models.tokenizer
+        self.group = cfg.num_generations
+        self.micro = t.per_device_train_batch_size
+        self.accumulation = t.gradient_accumulation_steps
+        self.iterations = cfg.num_iterations
+        self.prompts_per_rank = self.micro * self.accumulation // self.group  # validated: a whole number
+        self.prompts_per_step = self.prompts_per_rank * backend.world_size
+        self.order = SampleOrder(len(examples), t.dataloader_seed if t.dataloader_seed is not None else recipe.seed)
+        self.engine = self._make_engine()
+        self._generation: Generation | None = None
+        self._handed_out = time.perf_counter()
+        self._metrics: dict[str, float] = {}
+
+    def _make_engine(self):
+        policy = self.models.policy
+        return make_engine(self.recipe.generation.engine, model=self.backend.unwrap(policy), tokenizer=self.tokenizer,
+                           gather=lambda: self.backend.gathered_parameters(policy))
+
+    def micro_batches_per_epoch(self) -> int:
+        """Per-rank micro-batches for one pass over the prompts (each reused num_iterations times)."""
+        completions = len(self.examples) * self.group
+        return -(-completions // (self.micro * self.backend.world_size)) * self.iterations
+
+    @property
+    def last_metrics(self) -> dict[str, float]:
+        """The step's figures; time/train is the time since the micro-batches were handed to the loop."""
+        return {**self._metrics, "time/train": time.perf_counter() - self._handed_out}
+
+    def step_batches(self, step: int) -> list[Batch]:
+        index = step // self.iterations
+        if self._generation is None or self._generation.index != index:
+            if step % self.iterations and self._generation is None:
+                logger.warning("resuming at step %d, inside generation batch %d (num_iterations=%d): the batch is "
+                               "sampled again from the current policy", step, index, self.iterations)
+            self._generation = self._generate(index, step)
+            self._metrics = self._generation.metrics
+        else:  # a reused batch: nothing was generated, scored or prepared for this step
+            self._metrics = {**self._generation.metrics, "time/generate": 0.0, "time/score": 0.0, "time/ref": 0.0}
+        self._handed_out = time.perf_counter()
+        return list(self._generation.batches)
+
+    # --- the phases ------------------------------------------------------------------------------------------------
+
+    def _generate(self, index: int, step: int) -> Generation:
+        backend, group = self.backend, self.group
+        first = index * self.prompts_per_step + backend.rank * self.prompts_per_rank
+        positions = list(range(first, first + self.prompts_per_rank))
+        dataset_index = [self.order.index(p) for p in positions]
+        prompts = [self.examples[i] for i in dataset_index]
+
+        # 2. generate
+        started = time.perf_counter()
+        prompt_ids, completion_ids, truncated = self._sample(prompts, positions)
+        generated = time.perf_counter()
+
+        # 3. score this rank's completions; gather the step's rewards from every rank
+        texts = self.tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
+        columns = {key: [p["columns"][key] for p in prompts for _ in range(group)] for key in prompts[0]["columns"]}
+        columns.setdefault("completion_ids", completion_ids)
+        total_B, per_function, skipped = self.rewards.score(
+            [p["prompt"] for p in prompts for _ in range(group)], texts, columns)
+        lengths = [len(ids) for ids in completion_ids]
+        mine = dict(total=total_B.tolist(), per_function={k: v.tolist() for k, v in per_function.items()},
+                    skipped=skipped, lengths=lengths, truncated=truncated)
+        everyone = backend.all_gather_object(mine)
+        global_total_B = torch.tensor([r for part in everyone for r in part["total"]])
+        advantages_B = group_advantages(global_total_B, group, self.recipe.algo.scale_rewards)
+        start = backend.rank * len(total_B)
+        advantages_B = advantages_B[start : start + len(total_B)]
+        scored = time.perf_counter()
+
+        # 4. micro-batches, with old / reference log-probs taken once
+        batches = self._micro_batches(prompt_ids, completion_ids, truncated, advantages_B,
+                                      [i for i in dataset_index for _ in range(group)])
+        with torch.no_grad(), backend.autocast():
+            batches = [self.algorithm.prepare(b.to(backend.device), self.models) for b in batches]
+        prepared = time.perf_counter()
+
+        metrics = step_metrics(everyone, global_total_B, group)
+        metrics.update({"time/generate": generated - started, "time/score": scored - generated,
+                        "time/ref": prepared - scored})
+        if backend.is_main:
+            self._write_samples(step, prompts, texts, total_B, per_function, advantages_B, truncated)
+        return Generation(index, batches, metrics)
+
+    def _sample(self, prompts: list[dict], positions: list[int]):
+        """G completions per prompt, `generation.batch_size` prompts per engine call. Every rank makes the same number
+        of calls (equal prompts per rank), as ZeRO-3's parameter gathering needs."""
+        gen = self.recipe.generation
+        per_call = gen.batch_size or len(prompts)
+        prompt_ids, completion_ids, truncated = [], [], []
+        for start in range(0, len(prompts), per_call):
+            rows = [p["prompt_ids"] for p in prompts[start : start + per_call] for _ in range(self.group)]
+            params = SamplingParams.from_config(gen, seed=sampling_seed(self.recipe.seed, positions[start]))
+            with self.backend.autocast():
+                out = self.engine.generate(rows, params)
+            prompt_ids += rows
+            completion_ids += out.completion_ids
+            truncated += out.truncated
+        return prompt_ids, completion_ids, truncated
+
+    def _micro_batches(self, prompt_ids, completion_ids, truncated, advantages_B, dataset_index) -> list[Batch]:
+        masked = self.recipe.algo.mask_truncated_completions
+        rows = [
+            {"input_ids": p + c, "completion_mask": [0] * len(p) + [int(not (masked and cut))] * len(c)}
+            for p, c, cut in zip(prompt_ids, completion_ids, truncated)
+        ]
+        pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
+        batches = []
+        for start in range(0, len(rows), self.micro):
+            stop = start + self.micro
+            batch = collate_padded(rows[start:stop], pad_id)
+            batches.append(replace(batch, advantages_B=advantages_B[start:stop].float(),
+                                   truncated_B=torch.tensor(truncated[start:stop], dtype=torch.bool),
+                                   example_index_B=torch.tensor(dataset_index[start:stop])))
+        return batches
+
+    def _write_samples(self, step: int, prompts, texts, total_B, per_function, advantages_B, truncated) -> None:
+        """Every logging step: a few prompt groups of rank 0, appended to output_dir/samples.jsonl."""
+        t, groups = self.recipe.train, self.recipe.algo.log_samples
+        due = [s + 1 for s in range(step, step + self.iterations) if (s + 1) % t.logging_steps == 0]
+        if not due or not groups:
+            return
+        records = []
+        for i in range(min(groups, len(prompts)) * self.group):
+            records.append({
+                "step": due[0],
+                "prompt": prompts[i // self.group]["prompt"],
+                "completion": texts[i],
+                "reward": float(total_B[i]),
+                "rewards": {k: (None if v[i].isnan() else float(v[i])) for k, v in per_function.items()},
+                "advantage": float(advantages_B[i]),
+                "truncated": bool(truncated[i]),
+            })
+        with (Path(self.recipe.output_dir) / "samples.jsonl").open("a") as f:
+            f.writelines(json.dumps(r) + "\n" for r in records)
+
+
+def step_metrics(everyone: list[dict], total_B: torch.Tensor, group: int) -> dict[str, float]:
+    """Reward, length and truncation figures of the whole step from every rank's gathered numbers."""
+    per_function = {name: torch.tensor([r for part in everyone for r in part["per_function"][name]])
+                    for name in everyone[0]["per_function"]}
+    lengths = torch.tensor([n for part in everyone for n in part["lengths"]], dtype=torch.float32)
+    truncated = torch.tensor([c for part in everyone for c in part["truncated"]], dtype=torch.float32)
+    metrics = {
+        "reward/mean": total_B.mean(),
+        "reward/std": total_B.std(unbiased=False),
+        "frac_reward_zero_std": zero_std_fraction(total_B, group),
+        "completion_length/mean": lengths.mean(),
+        "completion_length/max": lengths.max(),
+        "completion_length/min": lengths.min(),
+        "truncated_fraction": truncated.mean(),
+        **reward_metrics(per_function),
+    }
+    out = {k: float(v) for k, v in metrics.items()}
+    out["rewards/skipped"] = float(sum(part["skipped"] for part in everyone))
+    return out

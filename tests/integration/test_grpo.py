@@ -1,0 +1,196 @@
+"""GRPO end to end on the tiny model (CPU, fp32): every parameter moves, the metrics are there, each variant runs,
+resume is exact, accumulation does not change the update, and bad batch sizes or failing rewards stop the run
+with a message that names what to change."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tests.integration.helpers import final_weights, max_weight_diff, metrics, run_cli, step_losses, write_task_data
+
+HERE = "tests.integration.test_grpo"
+
+
+def length_reward(prompts, completions, **columns):
+    """Varies within a group even for a random model: longer text, more reward."""
+    return [len(c) / 40.0 for c in completions]
+
+
+def raising_reward(prompts, completions, **columns):
+    raise ValueError("this reward always fails")
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    return write_task_data(tmp_path_factory.mktemp("data"), n_train=32, n_eval=6)
+
+
+def base(tiny_model_dir, data, out, *extra):
+    return [
+        f"model.name_or_path={tiny_model_dir}",
+        f"data.train={data['prompts_train']}",
+        f"output_dir={out}",
+        "train.learning_rate=1e-3",
+        "train.logging_steps=1",
+        "train.report=false",
+        "train.tensorboard=false",
+        "train.max_steps=3",
+        "train.per_device_train_batch_size=8",
+        "generation.max_completion_length=8",
+        "algo.num_generations=4",
+        f"rewards=[{{name: '{HERE}:length_reward'}}]",
+        "seed=3",
+        *extra,
+    ]
+
+
+@pytest.fixture
+def reference_loads(monkeypatch):
+    """How many reference models the run builds."""
+    import posttrain.models.reference as reference
+
+    calls = []
+    real = reference.make_reference
+    monkeypatch.setattr(reference, "make_reference", lambda *a, **k: calls.append(1) or real(*a, **k))
+    return calls
+
+
+def test_three_steps_change_every_parameter(tiny_model_dir, data, tmp_path, reference_loads):
+    out = tmp_path / "run"
+    assert run_cli("grpo", *base(tiny_model_dir, data, out)) == 0
+    rows = metrics(out)
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    keys = ["loss", "grad_norm", "clip_fraction", "entropy", "reward/mean", "reward/std", "frac_reward_zero_std",
+            "rewards/length_reward/mean", "rewards/length_reward/std", "completion_length/mean",
+            "completion_length/max", "truncated_fraction", "time/generate", "time/score", "time/ref", "time/train"]
+    for r in rows:
+        for key in keys:
+            assert key in r and torch.isfinite(torch.tensor(r[key])), (key, r)
+        assert "kl" not in r
+    assert any(r["reward/std"] > 0 for r in rows)
+    initial = load_file(str(next(tiny_model_dir.glob("*.safetensors"))))
+    trained = final_weights(out)
+    unchanged = [k for k in initial if torch.equal(initial[k], trained[k])]
+    assert not unchanged, f"parameters not updated: {unchanged}"
+    assert reference_loads == []  # beta = 0: no reference model
+    samples = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
+    assert sorted({s["step"] for s in samples}) == [1, 2, 3]
+    assert {"prompt", "completion", "reward", "rewards", "advantage", "truncated"} <= samples[0].keys()
+
+
+def test_beta_adds_kl_against_a_reference(tiny_model_dir, data, tmp_path, reference_loads):
+    out = tmp_path / "run"
+    assert run_cli("grpo", *base(tiny_model_dir, data, out, "algo.beta=0.1", "train.max_steps=2")) == 0
+    rows = metrics(out)
+    assert all("kl" in r and r["kl"] >= 0 for r in rows)
+    assert rows[0]["kl"] == pytest.approx(0.0, abs=1e-6)  # the policy starts as the reference
+    assert rows[1]["kl"] > 0
+    assert len(reference_loads) == 1
+
+
+def test_lora_takes_the_reference_from_the_disabled_adapter(tiny_model_dir, data, tmp_path, reference_loads):
+    pytest.importorskip("peft")
+    out = tmp_path / "run"
+    assert run_cli("grpo", *base(tiny_model_dir, data, out, "algo.beta=0.1", "train.max_steps=2",
+                                 "model.lora.enabled=true", "model.lora.r=4", "train.save_final_model=false")) == 0
+    rows = metrics(out)
+    assert rows[0]["kl"] == pytest.approx(0.0, abs=1e-6) and rows[1]["kl"] > 0
+    assert reference_loads == []
+
+
+@pytest.mark.parametrize("extra", [
+    ["algo.loss_type=grpo"],
+    ["algo.loss_type=bnpo", "train.per_device_train_batch_size=4", "train.gradient_accumulation_steps=2"],
+    ["algo.loss_type=dr_grpo", "algo.scale_rewards=none"],
+    ["algo.importance_sampling_level=sequence", "algo.scale_rewards=batch"],
+    ["algo.mask_truncated_completions=true", "algo.epsilon_high=0.28"],
+], ids=lambda e: e[0].split(".")[-1])
+def test_variants_train(tiny_model_dir, data, tmp_path, extra):
+    out = tmp_path / "run"
+    assert run_cli("grpo", *base(tiny_model_dir, data, out, "train.max_steps=2", "train.save_final_model=false",
+                                 *extra)) == 0
+    losses = step_losses(out)
+    assert sorted(losses) == [1, 2] and all(torch.isfinite(torch.tensor(v)) for v in losses.values())
+
+
+def test_num_iterations_reuses_the_generation_batch(tiny_model_dir, data, tmp_path):
+    out = tmp_path / "run"
+    assert run_cli("grpo", *base(tiny_model_dir, data, out, "algo.num_iterations=2", "train.max_steps=4",
+                                 "train.save_final_model=false", "algo.epsilon=0.01")) == 0
+    rows = {r["step"]: r for r in metrics(out)}
+    assert rows[2]["time/generate"] == 0.0 and rows[4]["time/generate"] == 0.0
+    assert rows[1]["time/generate"] > 0 and rows[3]["time/generate"] > 0
+    assert rows[2]["reward/mean"] == rows[1]["reward/mean"]  # the same completions
+    assert rows[1]["clip_fraction"] == 0.0  # first pass: the policy is the sampler
+    assert rows[2]["clip_fraction"] > 0  # second pass: ratios moved away from 1 against the stored old log-probs
+
+
+def test_resume_continues_exactly(tiny_model_dir, data, tmp_path):
+    full, split = tmp_path / "full", tmp_path / "split"
+    common = ["train.max_steps=4", "train.save_steps=2", "algo.beta=0.05", "train.lr_scheduler_type=cosine"]
+    assert run_cli("grpo", *base(tiny_model_dir, data, full, *common)) == 0
+    assert run_cli("grpo", *base(tiny_model_dir, data, split, *common, "train.max_steps_per_run=2")) == 0
+    assert run_cli("grpo", *base(tiny_model_dir, data, split, *common, "train.resume_from_checkpoint=auto")) == 0
+    a, b = step_losses(full), step_losses(split)
+    assert sorted(b) == [1, 2, 3, 4]
+    for step in a:
+        assert b[step] == pytest.approx(a[step], abs=1e-6), (step, a, b)
+    assert max_weight_diff(final_weights(full), final_weights(split)) < 1e-6
+
+
+def test_accumulation_gives_the_same_update(tiny_model_dir, data, tmp_path):
+    runs = {
+        "mb4": ["train.per_device_train_batch_size=4", "train.gradient_accumulation_steps=1"],
+        "mb1_acc4": ["train.per_device_train_batch_size=1", "train.gradient_accumulation_steps=4"],
+        "mb2_acc2": ["train.per_device_train_batch_size=2", "train.gradient_accumulation_steps=2"],
+    }
+    for name, extra in runs.items():
+        assert run_cli("grpo", *base(tiny_model_dir, data, tmp_path / name, "algo.num_generations=2", *extra)) == 0
+    ref_rows, ref_weights = metrics(tmp_path / "mb4"), final_weights(tmp_path / "mb4")
+    assert any(r["loss"] != 0 for r in ref_rows)
+    for name in ("mb1_acc4", "mb2_acc2"):
+        rows = metrics(tmp_path / name)
+        for ref, row in zip(ref_rows, rows):
+            assert row["reward/mean"] == ref["reward/mean"], name  # identical samples
+            assert row["loss"] == pytest.approx(ref["loss"], abs=1e-5), (name, ref["step"])
+        assert max_weight_diff(ref_weights, final_weights(tmp_path / name)) < 1e-5, name
+
+
+def test_eval_logs_held_out_accuracy(tiny_model_dir, data, tmp_path):
+    out = tmp_path / "run"
+    assert run_cli("grpo", *base(tiny_model_dir, data, out, f"data.eval={data['prompts_eval']}", "train.max_steps=1",
+                                 "train.save_final_model=false")) == 0
+    evals = [r for r in metrics(out) if "eval/accuracy" in r]
+    assert [r["step"] for r in evals] == [0, 1]
+    assert all(0.0 <= r["eval/accuracy"] <= 1.0 and "eval/reward" in r for r in evals)
+
+
+def test_batch_that_splits_a_group_exits_2(tiny_model_dir, data, tmp_path, capsys):
+    out = tmp_path / "run"
+    code = run_cli("grpo", *base(tiny_model_dir, data, out, "train.per_device_train_batch_size=3",
+                                 "train.gradient_accumulation_steps=2"))
+    err = capsys.readouterr().err
+    assert code == 2, err
+    for fragment in ("per_device_train_batch_size (3)", "gradient_accumulation_steps (2)", "num_generations (4)"):
+        assert fragment in err, (fragment, err)
+    assert not out.exists()
+
+
+def test_raising_reward_stops_the_run_naming_it(tiny_model_dir, data, tmp_path, capsys):
+    code = run_cli("grpo", *base(tiny_model_dir, data, tmp_path / "run", f"rewards=[{{name: '{HERE}:raising_reward'}}]"))
+    err = capsys.readouterr().err
+    assert code == 1 and "raising_reward" in err and "this reward always fails" in err, err
+
+
+def test_skipped_reward_continues(tiny_model_dir, data, tmp_path):
+    out = tmp_path / "run"
+    rewards = f"rewards=[{{name: '{HERE}:raising_reward', on_error: skip}}, {{name: '{HERE}:length_reward'}}]"
+    assert run_cli("grpo", *base(tiny_model_dir, data, out, rewards, "train.max_steps=2",
+                                 "train.save_final_model=false")) == 0
+    rows = metrics(out)
+    assert [r["step"] for r in rows] == [1, 2]
+    assert all(r["rewards/skipped"] == 8 and r["reward/std"] > 0 for r in rows)
