@@ -169,7 +169,7 @@ class RewardSet:
         if error is None:
             raise RewardError(
                 f"reward '{reward.name}' {what} on a batch of {size} completions (first prompt: "
-                f"{excerpt(prompts[0])!r}); raise its timeout in the recipe's rewards, or set on_error: skip"
+                f"{excerpt(prompts[0] if prompts else '')!r}); raise its timeout in the recipe's rewards, or set on_error: skip"
             )
         culprit = self._find_failing_sample(reward, prompts, completions, columns)
         if culprit is not None:
@@ -178,7 +178,7 @@ class RewardSet:
                 f"on sample {index} (prompt: {excerpt(prompts[index])!r}; completion: {excerpt(completions[index])!r})"
             )
         else:
-            where = f"on a batch of {size} completions (first prompt: {excerpt(prompts[0])!r})"
+            where = f"on a batch of {size} completions (first prompt: {excerpt(prompts[0] if prompts else '')!r})"
         raise RewardError(
             f"reward '{reward.name}' raised {type(error).__name__}: {error} {where}; fix the function, "
             "or set on_error: skip to count such batches as missing"

@@ -19,7 +19,7 @@ from posttrain.errors import UserError
 class RewardModelScorer:
     """Scores text with an AutoModelForSequenceClassification (num_labels 1) saved as a Hugging Face directory.
 
-    model_dir: a directory written by `posttrain rm` (its final/). device: cuda when available, else cpu.
+    model_dir: a directory written by `posttrain rm` (its final/), or a hub id. device: cuda when available, else cpu.
     max_length: keep the last this many tokens of each text (the score reads the end), None: no truncation.
     dtype: weights dtype (auto: as saved).
     """
@@ -33,17 +33,19 @@ class RewardModelScorer:
         dtype: str = "auto",
     ):
         import torch
-        from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
+        from transformers import AutoConfig
 
-        path = Path(model_dir).expanduser()
-        if not (path / "config.json").is_file():
-            raise UserError(
-                f"reward model directory {model_dir} has no config.json; give a directory written by `posttrain rm` "
-                "(its final/) or any Hugging Face sequence-classification model directory"
-            )
+        from posttrain.config.schema import ModelConfig
+        from posttrain.models.load import check_model_source, load_sequence_classifier, load_tokenizer
+
         if batch_size < 1:
             raise UserError(f"reward_model: batch_size must be >= 1, got {batch_size}")
-        config = AutoConfig.from_pretrained(path)
+        source = ModelConfig(name_or_path=str(model_dir), dtype=dtype)
+        check_model_source(source, what="reward_model kwargs.path")
+        try:
+            config = AutoConfig.from_pretrained(str(Path(model_dir).expanduser()))
+        except (OSError, ValueError) as e:
+            raise UserError(f"reward_model kwargs.path: cannot read the model config of '{model_dir}': {e}") from None
         architectures = getattr(config, "architectures", None) or []
         if architectures and not any(a.endswith("ForSequenceClassification") for a in architectures):
             raise UserError(
@@ -54,18 +56,14 @@ class RewardModelScorer:
             raise UserError(
                 f"{model_dir} has {config.num_labels} labels; a reward model has exactly one (num_labels 1)"
             )
+        # The loaders `posttrain rm` trains with: same pad token, so the head reads the same last token.
+        self.tokenizer = load_tokenizer(source)
+        self.model = load_sequence_classifier(source, pad_token_id=self.tokenizer.pad_token_id)
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        self.batch_size = batch_size
-        self.max_length = max_length
-        self.tokenizer = AutoTokenizer.from_pretrained(path)
-        torch_dtype = dtype if dtype == "auto" else getattr(torch, dtype)
-        self.model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=1, dtype=torch_dtype)
         self.model.to(self.device).eval()
         self.pad_id = self.tokenizer.pad_token_id
-        if self.pad_id is None:
-            self.pad_id = self.tokenizer.eos_token_id if self.tokenizer.eos_token_id is not None else 0
-        if self.model.config.pad_token_id is None:
-            self.model.config.pad_token_id = self.pad_id  # the head reads the last non-pad token
+        self.batch_size = batch_size
+        self.max_length = max_length
 
     def encode(self, prompt, completion: str) -> list[int]:
         """Token ids of prompt + completion; messages go through the chat template with the completion as reply."""
@@ -106,7 +104,8 @@ def load_scorer(
     path: str, device: Optional[str] = None, batch_size: int = 8, max_length: Optional[int] = None, dtype: str = "auto"
 ) -> RewardModelScorer:
     """One scorer per directory and settings per process: the recipe's reward_model entry loads its model once."""
-    key = (str(Path(path).expanduser().resolve()), device, batch_size, max_length, dtype)
+    local = Path(path).expanduser()
+    key = (str(local.resolve()) if local.exists() else path, device, batch_size, max_length, dtype)
     with _SCORERS_LOCK:
         if key not in _SCORERS:
             _SCORERS[key] = RewardModelScorer(*key)

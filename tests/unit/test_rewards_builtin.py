@@ -116,7 +116,7 @@ def test_builtin_table():
         ("length_penalty", {"max_length": 10, "target_length": 10}, "target_length < kwargs.max_length"),
         ("length_penalty", {"max_length": 10, "unit": "words"}, "chars or tokens"),
         ("reward_model", {}, "needs kwargs path"),
-        ("reward_model", {"path": "/no/such/dir"}, "has no config.json"),
+        ("reward_model", {"path": "/no/such/dir"}, "local path '/no/such/dir' does not exist"),
     ],
 )
 def test_check_builtin_kwargs_rejects(name, kwargs, message):

@@ -93,7 +93,7 @@ def test_builtin_reward_model_loads_once(rm_dir):
 
 
 def test_rejects_what_is_not_a_reward_model(tmp_path, tiny_model_dir, tokenizer):
-    with pytest.raises(UserError, match="no config.json"):
+    with pytest.raises(UserError, match="reward_model kwargs.path: local path .* does not exist"):
         RewardModelScorer(str(tmp_path / "missing"))
     with pytest.raises(UserError, match="holds a LlamaForCausalLM, not a reward model"):
         RewardModelScorer(str(tiny_model_dir))
