@@ -98,6 +98,9 @@ class GRPOAlgoConfig:
                 f"per_device_train_batch_size={g} or gradient_accumulation_steps={g}), or pick a num_generations "
                 f"that divides {per_device}"
             )
+        if recipe.data.packing:
+            raise UserError("data.packing does not apply to grpo (rollout batches are built padded); set "
+                            "data.packing=false")
         if recipe.generation.batch_size is not None and recipe.generation.batch_size < 1:
             raise UserError(f"generation.batch_size must be >= 1 or null, got {recipe.generation.batch_size}")
         n = self.num_iterations

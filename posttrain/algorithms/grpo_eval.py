@@ -65,7 +65,8 @@ def evaluate_prompts(backend, engine, tokenizer, examples: list[dict], rewards, 
     weight_B = torch.tensor(weights, dtype=torch.float64)
     local = torch.stack([
         torch.tensor(float(correct), dtype=torch.float64), torch.tensor(float(counted), dtype=torch.float64),
-        (total_B.double() * weight_B).sum(), (torch.tensor([len(c) for c in ids], dtype=torch.float64) * weight_B).sum(),
+        (total_B.double() * weight_B).sum(),
+        (torch.tensor([len(c) for c in ids], dtype=torch.float64) * weight_B).sum(),
         weight_B.sum(),
     ])
     correct, counted, reward_sum, length_sum, n = backend.all_reduce_sum(local.to(backend.device)).tolist()

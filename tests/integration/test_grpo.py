@@ -181,7 +181,8 @@ def test_batch_that_splits_a_group_exits_2(tiny_model_dir, data, tmp_path, capsy
 
 
 def test_raising_reward_stops_the_run_naming_it(tiny_model_dir, data, tmp_path, capsys):
-    code = run_cli("grpo", *base(tiny_model_dir, data, tmp_path / "run", f"rewards=[{{name: '{HERE}:raising_reward'}}]"))
+    rewards = f"rewards=[{{name: '{HERE}:raising_reward'}}]"
+    code = run_cli("grpo", *base(tiny_model_dir, data, tmp_path / "run", rewards))
     err = capsys.readouterr().err
     assert code == 1 and "raising_reward" in err and "this reward always fails" in err, err
 
@@ -194,3 +195,22 @@ def test_skipped_reward_continues(tiny_model_dir, data, tmp_path):
     rows = metrics(out)
     assert [r["step"] for r in rows] == [1, 2]
     assert all(r["rewards/skipped"] == 8 and r["reward/std"] > 0 for r in rows)
+
+
+@pytest.mark.parametrize("override, message", [
+    ("algo.num_generations=1", "num_generations must be >= 2"),
+    ("algo.loss_type=ppo", "choose one of dapo, grpo, dr_grpo, bnpo"),
+    ("algo.scale_rewards=rank", "choose one of group, batch, none"),
+    ("generation.temperature=0", "generation.temperature > 0"),
+    ("rewards=[]", "grpo needs at least one reward"),
+    ("data.packing=true", "data.packing"),
+    ("algo.num_iterations=2", "train.save_steps=3 is not a multiple of algo.num_iterations=2"),
+])
+def test_recipe_checks(override, message):
+    from posttrain.algorithms.grpo import GRPOAlgoConfig
+    from posttrain.config.load import load_recipe
+    from posttrain.errors import UserError
+
+    with pytest.raises(UserError, match=message):
+        load_recipe(None, ["data.train=a.jsonl", "rewards=[{name: exact_match}]", "train.per_device_train_batch_size=8",
+                           "train.save_steps=3", override], GRPOAlgoConfig)
