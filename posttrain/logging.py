@@ -28,7 +28,9 @@ class MetricsLogger:
             from torch.utils.tensorboard import SummaryWriter
 
             self.writer = SummaryWriter(log_dir=str(Path(output_dir) / "tensorboard"), purge_step=start_step + 1)
-        self.bar = tqdm(total=total_steps, initial=start_step, desc="train", dynamic_ncols=True, file=sys.stderr)
+        # disable=None: a live bar on a terminal; in a log file (CI, nohup) one plain line per logging step instead
+        self.bar = tqdm(total=total_steps, initial=start_step, desc="train", dynamic_ncols=True, file=sys.stderr,
+                        disable=None)
 
     def _truncate_after(self, step: int) -> None:
         """A resumed run rewrites history after its checkpoint, so the file never holds two versions of a step."""
@@ -50,18 +52,25 @@ class MetricsLogger:
             self.writer.flush()
         if self.bar is not None:
             shown = {k: f"{record[k]:.4g}" for k in ("loss", "eval/loss", "learning_rate", "tokens_per_second") if k in record}
+            if self.bar.disable:
+                print(f"step {step}/{self.bar.total} " + " ".join(f"{k}={v}" for k, v in shown.items()), flush=True)
+                return
             self.bar.set_postfix(shown, refresh=False)
             self.bar.n = step
             self.bar.refresh()
 
     def progress(self, step: int, loss: float) -> None:
-        if self.bar is not None:
+        if self.bar is not None and not self.bar.disable:
             self.bar.n = step
             self.bar.refresh()
 
     def info(self, message: str) -> None:
-        if self.enabled:
-            (self.bar.write if self.bar is not None else print)(message)
+        if not self.enabled:
+            return
+        if self.bar is not None and not self.bar.disable:
+            self.bar.write(message)
+        else:
+            print(message, flush=True)
 
     def close(self) -> None:
         if self.bar is not None:
