@@ -1,0 +1,72 @@
+"""Chat templates: render conversations and find the characters a loss mask should cover, for any template.
+
+A turn's trained text is what the model must produce after being prompted with the conversation so far plus the
+generation prompt: `render(messages[:i+1])` minus `render(messages[:i], add_generation_prompt=True)`. That holds
+for any template with the prefix property (rendering a prefix of a conversation gives a prefix of the string);
+templates without it (ones that rewrite earlier turns, or count turns up front) are refused rather than guessed at.
+
+Whitespace after the end-of-turn token (ChatML's "\n" after <|im_end|>) is not trained: generation stops at the
+end-of-turn token, so the model never produces it. The end-of-turn token itself is trained, so the model learns to
+stop.
+"""
+
+from __future__ import annotations
+
+from posttrain.errors import UserError
+
+Span = tuple[int, int]
+
+
+def require_chat_template(tokenizer, what: str) -> None:
+    if not getattr(tokenizer, "chat_template", None):
+        raise UserError(
+            f"{what} holds conversations (lists of messages) but the tokenizer has no chat template; "
+            "set model.chat_template to a Jinja template or a .jinja file"
+        )
+
+
+def render(tokenizer, messages: list[dict], add_generation_prompt: bool = False) -> str:
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+
+
+def _no_prefix_property(where: str, option: str | None) -> UserError:
+    fix = f"set {option}=false or fix the template" if option else "fix the template"
+    return UserError(
+        f"{where}: the chat template does not render a conversation's beginning as the beginning of the whole "
+        f"conversation (it rewrites or reorders earlier turns), so the trained tokens cannot be found; {fix} "
+        "(model.chat_template)"
+    )
+
+
+def split_rendered(
+    tokenizer, prompt: list[dict], completion: list[dict], where: str, option: str | None = None
+) -> tuple[str, str]:
+    """(prompt text with generation prompt, completion text) such that their concatenation is the rendered whole."""
+    prompt_text = render(tokenizer, prompt, add_generation_prompt=True)
+    full = render(tokenizer, prompt + completion)
+    if not full.startswith(prompt_text):
+        raise _no_prefix_property(where, option)
+    return prompt_text, full[len(prompt_text):].rstrip()
+
+
+def assistant_spans(tokenizer, messages: list[dict], full: str, first: int, where: str, option: str) -> list[Span]:
+    """Character spans in `full` (the rendered conversation) of the assistant turns messages[first:].
+
+    An assistant turn that opens the conversation is not trained: it answers nothing, and transformers cannot
+    render the empty conversation before it.
+    """
+    spans = []
+    for i in range(max(first, 1), len(messages)):
+        if messages[i]["role"] != "assistant":
+            continue
+        before = render(tokenizer, messages[:i], add_generation_prompt=True)
+        through = render(tokenizer, messages[: i + 1])
+        if not (through.startswith(before) and full.startswith(through)):
+            raise _no_prefix_property(where, option)
+        spans.append((len(before), max(len(before), len(through.rstrip()))))
+    return spans
+
+
+def mask_from_spans(offsets: list[Span], spans: list[Span]) -> list[int]:
+    """1 for each token whose characters overlap a span (special tokens added outside the text have empty offsets)."""
+    return [int(any(lo < span_hi and hi > span_lo for span_lo, span_hi in spans)) for lo, hi in offsets]

@@ -1,0 +1,163 @@
+"""Reading rows: local files, save_to_disk directories, or hub datasets -> one `datasets.Dataset`.
+
+    rows = load_rows("data/train.jsonl", what="data.train")
+    rows = load_rows("HuggingFaceH4/ultrachat_200k", split="train_sft")
+
+JSON, JSON Lines and CSV are parsed here, so a broken row is reported as `file line N` (and CSV cells stay text);
+parquet, save_to_disk directories and hub names are handed to `datasets`. Errors are `UserError`s that name the
+file and the recipe key (`what`).
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+
+import datasets
+
+from posttrain.errors import UserError
+
+SUFFIXES = (".jsonl", ".json", ".parquet", ".csv")
+
+
+def load_rows(source: str, split: str = "train", what: str = "data.train") -> datasets.Dataset:
+    """One split of rows from a .jsonl/.json/.parquet/.csv file, a save_to_disk directory or a hub dataset name."""
+    path = Path(source).expanduser()
+    is_file = path.suffix.lower() in SUFFIXES or path.is_file()
+    if is_file:
+        rows = _read_file(path, what)
+    elif path.is_dir():
+        rows = _read_dir(path, split, what)
+    elif source.startswith((".", "/", "~")):
+        raise UserError(f"{what}: {source} does not exist")
+    else:
+        rows = _read_hub(source, split, what)
+    if len(rows) == 0:
+        name = source if is_file else f"{source} (split {split!r})"
+        raise UserError(f"{what}: {name} holds no rows; give a dataset with at least one row")
+    return rows
+
+
+def _read_file(path: Path, what: str) -> datasets.Dataset:
+    if not path.is_file():
+        raise UserError(f"{what}: file {path} does not exist")
+    suffix = path.suffix.lower()
+    if suffix not in SUFFIXES:
+        known = ", ".join(SUFFIXES)
+        raise UserError(f"{what}: {path} has an unknown extension {suffix or '(none)'!r}; use one of {known}")
+    if suffix in (".jsonl", ".json"):
+        return _from_records(_read_json(path, what), path, what)
+    if suffix == ".csv":
+        return _from_records(_read_csv(path, what), path, what)
+    try:
+        return datasets.Dataset.from_parquet(str(path))
+    except Exception as e:  # pyarrow raises many types for a broken file
+        raise UserError(f"{what}: could not read {path}: {e}") from None
+
+
+def _read_json(path: Path, what: str) -> list[tuple[str, dict]]:
+    """(where, row) pairs, where is 'line N' or 'item N'. A .json file holds one array of objects or is JSON Lines."""
+    text = path.read_text(encoding="utf-8")
+    if path.suffix.lower() == ".json" and text.lstrip().startswith("["):
+        try:
+            items = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise UserError(f"{what}: {path} line {e.lineno}: not valid JSON: {e.msg}") from None
+        for i, item in enumerate(items):
+            if not isinstance(item, dict):
+                raise UserError(f"{what}: {path} item {i}: expected a JSON object (one row), got {type(item).__name__}")
+        return [(f"item {i}", item) for i, item in enumerate(items)]
+    records = []
+    for number, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            item = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise UserError(f"{what}: {path} line {number}: not valid JSON: {e.msg} (column {e.colno})") from None
+        if not isinstance(item, dict):
+            got = type(item).__name__
+            raise UserError(f"{what}: {path} line {number}: expected a JSON object (one row), got {got}")
+        records.append((f"line {number}", item))
+    return records
+
+
+def _read_csv(path: Path, what: str) -> list[tuple[str, dict]]:
+    """Every cell is text (no guessing that " 4" is the number 4); the first line names the columns."""
+    with path.open(newline="", encoding="utf-8") as f:
+        reader = csv.DictReader(f)
+        try:
+            records = [(f"line {reader.line_num}", row) for row in reader]
+        except csv.Error as e:
+            raise UserError(f"{what}: {path} line {reader.line_num}: not valid CSV: {e}") from None
+    for where, row in records:
+        if None in row or None in row.values():
+            count = "more" if None in row else "fewer"
+            raise UserError(f"{what}: {path} {where}: has {count} cells than the header names")
+    return records
+
+
+def _from_records(records: list[tuple[str, dict]], path: Path, what: str) -> datasets.Dataset:
+    """Columns are the union of all rows' keys (a row without one holds null there, which detect_format names)."""
+    rows = [row for _, row in records]
+    columns = list(dict.fromkeys(k for row in rows for k in row))
+    try:
+        return datasets.Dataset.from_dict({c: [row.get(c) for row in rows] for c in columns})
+    except Exception as e:  # Arrow cannot hold a column whose rows disagree in type: find the row that breaks it
+        for column in columns:
+            first = None
+            for where, row in records:
+                shape = _shape(row.get(column))
+                if shape == "null":
+                    continue
+                if first is None:
+                    first = shape
+                elif shape != first:
+                    raise UserError(
+                        f"{what}: {path} {where}: column {column!r} holds {shape} where earlier rows hold "
+                        f"{first}; every row must use the same type per column"
+                    ) from None
+        raise UserError(f"{what}: could not build a dataset from {path}: {e}") from None
+
+
+def _shape(value) -> str:
+    """A coarse type name for comparing rows: 'string', 'number', 'list of object', ..."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "boolean"
+    if isinstance(value, (int, float)):
+        return "number"
+    if isinstance(value, str):
+        return "string"
+    if isinstance(value, dict):
+        return "object"
+    if isinstance(value, list):
+        inner = sorted({_shape(v) for v in value} - {"null"})
+        return "list of " + (" or ".join(inner) if inner else "nothing")
+    return type(value).__name__
+
+
+def _read_dir(path: Path, split: str, what: str) -> datasets.Dataset:
+    if not ((path / "dataset_dict.json").is_file() or (path / "state.json").is_file()):
+        return _read_hub(str(path), split, what)  # a folder of data files: datasets picks the builder
+    loaded = datasets.load_from_disk(str(path))
+    if isinstance(loaded, datasets.DatasetDict):
+        if split not in loaded:
+            raise UserError(f"{what}: {path} has no split {split!r}; it has {', '.join(loaded)}")
+        return loaded[split]
+    return loaded
+
+
+def _read_hub(name: str, split: str, what: str) -> datasets.Dataset:
+    try:
+        rows = datasets.load_dataset(name, split=split)
+    except (OSError, ValueError) as e:  # not found / offline (OSError subclasses), no such split (ValueError)
+        raise UserError(
+            f"{what}: {name!r} is not a local file or directory, and loading it as a hub dataset (split {split!r}) "
+            f"failed: {e}"
+        ) from None
+    if not isinstance(rows, datasets.Dataset):
+        raise UserError(f"{what}: {name!r} split {split!r} did not load as one table of rows")
+    return rows

@@ -1,0 +1,245 @@
+"""Tokenisation, once, up front: dataset rows -> lists of token ids (+ loss masks), with counts of what was cut.
+
+    examples, stats = tokenize_sft(rows, tokenizer, recipe.data, "data.train")        # SFT
+    examples, stats = tokenize_preference(rows, tokenizer, recipe.data, "data.train") # RM, DPO family
+    examples, stats = tokenize_prompts(rows, tokenizer, recipe.data, "data.train")    # GRPO, PPO
+
+Every example's `completion_mask[0]` is 0: the first token is predicted by nothing (see posttrain.train.batch).
+Standard (string) rows are tokenised with the tokenizer's own special tokens (BOS) and completions end with EOS;
+conversational rows are rendered with the chat template, which writes its own special tokens.
+Rows that leave nothing to train are dropped and counted in `stats`; if none are left, a UserError says why.
+"""
+
+from __future__ import annotations
+
+import datasets
+
+from posttrain.config import DataConfig
+from posttrain.data.chat import assistant_spans, mask_from_spans, render, require_chat_template, split_rendered
+from posttrain.data.formats import DataFormat, clean_messages, detect_format
+from posttrain.errors import UserError
+
+
+def _ids(tokenizer, text: str, special_tokens: bool) -> list[int]:
+    return tokenizer(text, add_special_tokens=special_tokens)["input_ids"]
+
+
+def _with_eos(tokenizer, ids: list[int]) -> list[int]:
+    eos = tokenizer.eos_token_id
+    return ids + [eos] if eos is not None and (not ids or ids[-1] != eos) else ids
+
+
+def _detect(dataset, tokenizer, what: str, accepts, needs: str) -> DataFormat:
+    fmt = detect_format(dataset, what)
+    if not accepts(fmt):
+        raise UserError(f"{what}: {needs}; this dataset is {fmt.kind} data (columns {dataset.column_names})")
+    if fmt.conversational:
+        require_chat_template(tokenizer, what)
+    return fmt
+
+
+# --- SFT --------------------------------------------------------------------------------------------------------------
+
+
+def tokenize_sft(dataset: datasets.Dataset, tokenizer, data_cfg: DataConfig, what: str = "data.train"):
+    """Rows -> [{"input_ids", "completion_mask"}], stats {rows, examples, tokens, completion_tokens, truncated,
+    dropped_no_completion}. Sequences are cut to data_cfg.max_length (their start is kept)."""
+    fmt = _detect(dataset, tokenizer, what, lambda f: f.kind in ("language_modeling", "prompt_completion"),
+                  "SFT needs text, messages or prompt + completion rows")
+    stats = dict(rows=len(dataset), examples=0, tokens=0, completion_tokens=0, truncated=0, dropped_no_completion=0)
+    examples = []
+    for i, row in enumerate(dataset.select_columns(list(fmt.columns()))):
+        if fmt.conversational:
+            input_ids, mask = _sft_conversation(row, tokenizer, data_cfg, f"{what} row {i}")
+        else:
+            input_ids, mask = _sft_text(row, tokenizer, data_cfg)
+        if len(input_ids) > data_cfg.max_length:
+            input_ids, mask = input_ids[: data_cfg.max_length], mask[: data_cfg.max_length]
+            stats["truncated"] += 1
+        mask[0] = 0
+        if not any(mask):
+            stats["dropped_no_completion"] += 1
+            continue
+        examples.append({"input_ids": input_ids, "completion_mask": mask})
+        stats["tokens"] += len(input_ids)
+        stats["completion_tokens"] += sum(mask)
+    stats["examples"] = len(examples)
+    if not examples:
+        raise UserError(
+            f"{what}: no row has a token to train on within data.max_length={data_cfg.max_length} "
+            f"({stats['rows']} rows, {stats['truncated']} truncated); raise data.max_length or check that rows have "
+            "completions / assistant turns"
+        )
+    return examples, stats
+
+
+def _sft_text(row: dict, tokenizer, data_cfg: DataConfig) -> tuple[list[int], list[int]]:
+    if "text" in row:
+        input_ids = _with_eos(tokenizer, _ids(tokenizer, row["text"], True))
+        return input_ids, [1] * len(input_ids)
+    prompt_ids = _ids(tokenizer, row["prompt"], True)
+    completion_ids = _with_eos(tokenizer, _ids(tokenizer, row["completion"], False))
+    prompt_mask = [0 if data_cfg.completion_only_loss else 1] * len(prompt_ids)
+    return prompt_ids + completion_ids, prompt_mask + [1] * len(completion_ids)
+
+
+def _sft_conversation(row: dict, tokenizer, data_cfg: DataConfig, where: str) -> tuple[list[int], list[int]]:
+    if "messages" in row:
+        prompt, messages = [], clean_messages(row["messages"])
+    else:
+        prompt = clean_messages(row["prompt"])
+        messages = prompt + clean_messages(row["completion"])
+    completion_only = data_cfg.completion_only_loss and bool(prompt)  # only prompt-completion rows have a prompt
+    full = render(tokenizer, messages)
+    if data_cfg.assistant_only_loss:
+        first = len(prompt) if completion_only else 0
+        spans = assistant_spans(tokenizer, messages, full, first, where, "data.assistant_only_loss")
+    elif completion_only:
+        prompt_text, completion_text = split_rendered(
+            tokenizer, prompt, messages[len(prompt):], where, "data.completion_only_loss"
+        )
+        spans = [(len(prompt_text), len(prompt_text) + len(completion_text))]
+    else:
+        spans = [(0, len(full))]
+    encoded = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
+    return encoded["input_ids"], mask_from_spans(encoded["offset_mapping"], spans)
+
+
+# --- preference pairs -------------------------------------------------------------------------------------------------
+
+
+def tokenize_preference(dataset: datasets.Dataset, tokenizer, data_cfg: DataConfig, what: str = "data.train"):
+    """Rows -> [{"prompt_ids", "chosen_ids", "rejected_ids"(, "margin")}], stats {rows, pairs, tokens (of both
+    sequences of each pair), truncated, dropped_prompt_mismatch, dropped_identical, dropped_empty}.
+    Completions end with the end-of-turn / EOS token. Implicit prompts: the shared string prefix (standard) or the
+    messages before the last assistant turn, which must be equal in chosen and rejected (conversational)."""
+    fmt = _detect(dataset, tokenizer, what, lambda f: f.kind == "preference",
+                  "preference training needs prompt + chosen + rejected (or chosen + rejected) rows")
+    has_margin = "margin" in dataset.column_names
+    stats = dict(rows=len(dataset), pairs=0, tokens=0, truncated=0,
+                 dropped_prompt_mismatch=0, dropped_identical=0, dropped_empty=0)
+    examples = []
+    for i, row in enumerate(dataset.select_columns(list(fmt.columns()) + (["margin"] if has_margin else []))):
+        where = f"{what} row {i}"
+        split = _split_pair(row, fmt)
+        if isinstance(split, str):
+            stats[f"dropped_{split}"] += 1
+            continue
+        prompt, chosen, rejected = split
+        if fmt.conversational:
+            prompt_text, chosen_text = split_rendered(tokenizer, prompt, chosen, where)
+            _, rejected_text = split_rendered(tokenizer, prompt, rejected, where)
+            prompt_ids = _ids(tokenizer, prompt_text, False)
+            chosen_ids, rejected_ids = _ids(tokenizer, chosen_text, False), _ids(tokenizer, rejected_text, False)
+        else:
+            prompt_ids = _ids(tokenizer, prompt, True)
+            chosen_ids = _with_eos(tokenizer, _ids(tokenizer, chosen, False))
+            rejected_ids = _with_eos(tokenizer, _ids(tokenizer, rejected, False))
+        example, truncated = _fit_pair(prompt_ids, chosen_ids, rejected_ids, data_cfg.max_length)
+        stats["truncated"] += truncated
+        if has_margin:
+            example["margin"] = _margin(row["margin"], where)
+        examples.append(example)
+        stats["tokens"] += 2 * len(example["prompt_ids"]) + len(example["chosen_ids"]) + len(example["rejected_ids"])
+    stats["pairs"] = len(examples)
+    if not examples:
+        raise UserError(
+            f"{what}: no usable preference pair in {stats['rows']} rows: {stats['dropped_prompt_mismatch']} had "
+            f"no prompt shared by chosen and rejected, {stats['dropped_identical']} had chosen == rejected, "
+            f"{stats['dropped_empty']} had an empty chosen or rejected"
+        )
+    return examples, stats
+
+
+def _margin(value, where: str) -> float:
+    try:  # a number, or text from a CSV cell
+        if not isinstance(value, bool):
+            return float(value)
+    except (TypeError, ValueError):
+        pass
+    raise UserError(f"{where}: column 'margin' must be a number, got {value!r:.40}")
+
+
+def _split_pair(row: dict, fmt: DataFormat):
+    """(prompt, chosen, rejected) completions, or the reason to drop the pair: prompt_mismatch, empty, identical."""
+    if fmt.conversational:
+        chosen, rejected = clean_messages(row["chosen"]), clean_messages(row["rejected"])
+        if fmt.implicit_prompt:
+            cut_c, cut_r = _last_assistant(chosen), _last_assistant(rejected)
+            if cut_c is None or cut_r is None:
+                return "empty"
+            if cut_c == 0 or chosen[:cut_c] != rejected[:cut_r]:
+                return "prompt_mismatch"
+            prompt, chosen, rejected = chosen[:cut_c], chosen[cut_c:], rejected[cut_r:]
+        else:
+            prompt = clean_messages(row["prompt"])
+        empty = _no_text(chosen) or _no_text(rejected)
+    else:
+        prompt, chosen, rejected = row.get("prompt"), row["chosen"], row["rejected"]
+        if fmt.implicit_prompt:
+            prompt, chosen, rejected = _shared_prefix(chosen, rejected)
+            if not prompt:
+                return "prompt_mismatch"
+        empty = not chosen.strip() or not rejected.strip()
+    if chosen == rejected:
+        return "identical"
+    if empty:
+        return "empty"
+    return prompt, chosen, rejected
+
+
+def _no_text(messages: list[dict]) -> bool:
+    """No message, or only blank string contents (a tool call's None content is not blank)."""
+    return all(isinstance(m.get("content"), str) and not m["content"].strip() for m in messages)
+
+
+def _last_assistant(messages: list[dict]):
+    return next((i for i in range(len(messages) - 1, -1, -1) if messages[i]["role"] == "assistant"), None)
+
+
+def _shared_prefix(chosen: str, rejected: str) -> tuple[str, str, str]:
+    """TRL's implicit prompt: the longest common prefix, leaving a space that ends it to the completions."""
+    n = 0
+    while n < min(len(chosen), len(rejected)) and chosen[n] == rejected[n]:
+        n += 1
+    if n < min(len(chosen), len(rejected)) and n > 0 and chosen[n - 1] == " ":
+        n -= 1
+    return chosen[:n], chosen[n:], rejected[n:]
+
+
+def _fit_pair(prompt_ids: list[int], chosen_ids: list[int], rejected_ids: list[int], max_length: int):
+    """Cut so that prompt + completion <= max_length for both: keep the prompt's last tokens (down to half the
+    budget at least), then the completions' first tokens. Returns (example, 1 if anything was cut else 0)."""
+    longest = max(len(chosen_ids), len(rejected_ids))
+    if len(prompt_ids) + longest <= max_length:
+        return {"prompt_ids": prompt_ids, "chosen_ids": chosen_ids, "rejected_ids": rejected_ids}, 0
+    keep = min(len(prompt_ids), max(max_length - longest, max_length // 2))
+    room = max_length - keep
+    prompt_ids = prompt_ids[len(prompt_ids) - keep:]
+    return {"prompt_ids": prompt_ids, "chosen_ids": chosen_ids[:room], "rejected_ids": rejected_ids[:room]}, 1
+
+
+# --- prompts for generation -------------------------------------------------------------------------------------------
+
+
+def tokenize_prompts(dataset: datasets.Dataset, tokenizer, data_cfg: DataConfig, what: str = "data.train"):
+    """Rows -> [{"prompt_ids", "prompt", "columns"}] where columns holds the row's other values (for rewards);
+    stats {rows, tokens, truncated}. Prompts longer than data_cfg.max_prompt_length keep their last tokens."""
+    fmt = _detect(dataset, tokenizer, what, lambda f: "prompt" in f.columns(), "generation needs a 'prompt' column")
+    limit = data_cfg.max_prompt_length
+    stats = dict(rows=len(dataset), tokens=0, truncated=0)
+    examples = []
+    for row in dataset:
+        prompt = row["prompt"]
+        if fmt.conversational:
+            prompt = clean_messages(prompt)
+            prompt_ids = _ids(tokenizer, render(tokenizer, prompt, add_generation_prompt=True), False)
+        else:
+            prompt_ids = _ids(tokenizer, prompt, True)
+        if limit is not None and len(prompt_ids) > limit:
+            prompt_ids = prompt_ids[len(prompt_ids) - limit:]
+            stats["truncated"] += 1
+        stats["tokens"] += len(prompt_ids)
+        columns = {k: v for k, v in row.items() if k != "prompt"}
+        examples.append({"prompt_ids": prompt_ids, "prompt": prompt, "columns": columns})
+    return examples, stats
