@@ -15,6 +15,11 @@ A generation batch (see posttrain/algorithms/grpo.py for the batch semantics) is
      identically on every rank;
   4. batches: prompt + completion rows, right padded, split into micro-batches; old and reference log-probs are
      taken now (algorithm.prepare), once, so a batch reused for num_iterations steps keeps them.
+
+last_metrics (whole step, all ranks): reward/mean|std, rewards/<name>/mean|std, rewards/skipped,
+frac_reward_zero_std, completion_length/mean|max|min, truncated_fraction; and this rank's seconds per phase:
+time/generate, time/score (with the gather and advantages), time/ref (old and reference log-probs), time/train
+(from handing the micro-batches over to the loop reading the metrics: forward, backward, optimiser step).
 """
 
 from __future__ import annotations
@@ -59,9 +64,8 @@ class RolloutSource:
         self.tokenizer = models.tokenizer
         self.group = cfg.num_generations
         self.micro = t.per_device_train_batch_size
-        self.accumulation = t.gradient_accumulation_steps
         self.iterations = cfg.num_iterations
-        self.prompts_per_rank = self.micro * self.accumulation // self.group  # validated: a whole number
+        self.prompts_per_rank = self.micro * t.gradient_accumulation_steps // self.group  # validated: whole
         self.prompts_per_step = self.prompts_per_rank * backend.world_size
         self.order = SampleOrder(len(examples), t.dataloader_seed if t.dataloader_seed is not None else recipe.seed)
         self.engine = self._make_engine()
@@ -100,6 +104,7 @@ class RolloutSource:
     # --- the phases ------------------------------------------------------------------------------------------------
 
     def _generate(self, index: int, step: int) -> Generation:
+        # 1. this rank's slice of the step's prompts
         backend, group = self.backend, self.group
         first = index * self.prompts_per_step + backend.rank * self.prompts_per_rank
         positions = list(range(first, first + self.prompts_per_rank))
