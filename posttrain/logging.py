@@ -51,7 +51,8 @@ class MetricsLogger:
                     self.writer.add_scalar(key, value, step)
             self.writer.flush()
         if self.bar is not None:
-            shown = {k: f"{record[k]:.4g}" for k in ("loss", "eval/loss", "learning_rate", "tokens_per_second") if k in record}
+            keys = ("loss", "rewards/mean", "learning_rate", "tokens_per_second") + tuple(k for k in record if k.startswith("eval/"))
+            shown = {k: f"{record[k]:.4g}" for k in keys if isinstance(record.get(k), (int, float))}
             if self.bar.disable:
                 print(f"step {step}/{self.bar.total} " + " ".join(f"{k}={v}" for k, v in shown.items()), flush=True)
                 return

@@ -16,13 +16,18 @@ def question(a: int, b: int) -> str:
     return f"What is {a} + {b}?"
 
 
-def arithmetic_problems(n: int, seed: int, max_operand: int = 99, exclude: set | None = None) -> list[tuple[int, int]]:
-    """n distinct (a, b) pairs, avoiding the pairs in `exclude` (so held-out sets never overlap training)."""
+def arithmetic_problems(n: int, seed: int, max_operand: int = 99, exclude: set | None = None,
+                        max_addend: int | None = None) -> list[tuple[int, int]]:
+    """n distinct (a, b) pairs with a <= max_operand and b <= max_addend (default max_operand), avoiding the pairs in
+    `exclude` (so held-out sets never overlap training)."""
+    max_addend = max_operand if max_addend is None else max_addend
     rng = random.Random(seed)
     seen = set(exclude or ())
+    if n > (max_operand + 1) * (max_addend + 1) - len(seen):
+        raise ValueError(f"only {(max_operand + 1) * (max_addend + 1) - len(seen)} distinct problems left, asked for {n}")
     out = []
     while len(out) < n:
-        pair = (rng.randint(0, max_operand), rng.randint(0, max_operand))
+        pair = (rng.randint(0, max_operand), rng.randint(0, max_addend))
         if pair not in seen:
             seen.add(pair)
             out.append(pair)
@@ -71,10 +76,11 @@ def write_jsonl(rows: list[dict], path: Path) -> Path:
     return path
 
 
-def write_example_data(out: str | Path, n_train: int = 2000, n_eval: int = 200, seed: int = 0) -> dict[str, Path]:
+def write_example_data(out: str | Path, n_train: int = 2000, n_eval: int = 200, seed: int = 0,
+                       max_addend: int | None = None) -> dict[str, Path]:
     out = Path(out)
-    held_out = arithmetic_problems(n_eval, seed + 1)
-    train = arithmetic_problems(n_train, seed, exclude=set(held_out))
+    held_out = arithmetic_problems(n_eval, seed + 1, max_addend=max_addend)
+    train = arithmetic_problems(n_train, seed, exclude=set(held_out), max_addend=max_addend)
     return {
         "sft_train": write_jsonl(sft_rows(train), out / "sft_train.jsonl"),
         "sft_eval": write_jsonl(sft_rows(held_out), out / "sft_eval.jsonl"),
