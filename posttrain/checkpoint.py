@@ -18,6 +18,7 @@ import shutil
 from pathlib import Path
 from typing import Any, Optional
 
+from posttrain.config.schema import global_batch_size
 from posttrain.errors import UserError
 from posttrain.train.loop import TrainState
 
@@ -70,6 +71,7 @@ class Checkpointer:
             tmp.mkdir(parents=True)
         self.backend.barrier()
         self.backend.save_state(str(tmp))
+        self.backend.barrier()  # every rank has written its files (shards, RNG state) before the rename
         if self.backend.is_main:
             payload = {
                 "state": dataclasses.asdict(state),
@@ -93,8 +95,9 @@ class Checkpointer:
             shutil.rmtree(old, ignore_errors=True)
 
     def load(self, path: Path, model, optimizer, scheduler) -> TrainState:
+        """Engine state, scheduler and where the run was. `check_compatible` has already passed (run.py calls it
+        right after the backend starts, before any model is loaded)."""
         payload = read_trainer_state(path)
-        self.check_compatible(path, payload["run"])
         self.backend.load_state(str(path))
         scheduler.load_state_dict({**scheduler.state_dict(), **payload["scheduler"]})
         for group, lr in zip(optimizer.param_groups, scheduler.get_last_lr()):
@@ -102,39 +105,66 @@ class Checkpointer:
         self.last_saved_step = payload["state"]["step"]
         return TrainState(**payload["state"])
 
-    def check_compatible(self, path: Path, saved: dict[str, Any]) -> None:
-        """Resume continues exactly only with the same global batch; sharded engines also need the same world."""
-        now = self.run_facts
-        if saved.get("global_batch") != now["global_batch"]:
-            raise UserError(
-                f"{path} was written with a global batch of {saved.get('global_batch')} "
-                f"({saved.get('world_size')} processes x per-device {saved.get('per_device_train_batch_size')} x "
-                f"accumulation {saved.get('gradient_accumulation_steps')}); this run has {now['global_batch']}. "
-                "Change train.gradient_accumulation_steps (or the batch size) so the global batch matches, "
-                "or start a new output_dir"
-            )
-        sharded = saved.get("engine", "").startswith(("deepspeed", "fsdp")) or now["engine"].startswith(("deepspeed", "fsdp"))
-        if sharded and (saved.get("world_size") != now["world_size"] or saved.get("engine") != now["engine"]):
-            raise UserError(
-                f"{path} holds {saved.get('engine')} state sharded over {saved.get('world_size')} processes; this run is "
-                f"{now['engine']} on {now['world_size']}. Resume with the same launcher config and process count, "
-                "or export final/ and start a new run from it"
-            )
+
+def run_facts(backend, t) -> dict[str, Any]:
+    """What a checkpoint records about the launch, and what resuming compares: world, engine, batch split."""
+    return {
+        "world_size": backend.world_size,
+        "nodes": backend.num_nodes,
+        "engine": backend.describe()["engine"],
+        "global_batch": global_batch_size(t, backend.world_size),
+        "per_device_train_batch_size": t.per_device_train_batch_size,
+        "gradient_accumulation_steps": t.gradient_accumulation_steps,
+    }
+
+
+def check_compatible(path: Path, now: dict[str, Any]) -> None:
+    """Stop before training unless the checkpoint at `path` can be continued exactly by this launch.
+
+    The data position is the step number over a stream cut into global batches (train/sources.py), so the global
+    batch must match; how it is split (processes x micro-batch x accumulation) may change. Full-weight engines
+    (single process, DDP) hold the whole model and optimiser in one file, so any process count can continue them.
+    DeepSpeed and FSDP checkpoints are sharded per rank: same engine and process count only.
+    """
+    saved = read_trainer_state(path)["run"]
+    if saved.get("global_batch") != now["global_batch"]:
+        raise UserError(
+            f"{path} was written with a global batch of {saved.get('global_batch')} "
+            f"({saved.get('world_size')} processes x per-device {saved.get('per_device_train_batch_size')} x "
+            f"accumulation {saved.get('gradient_accumulation_steps')}); this run has {now['global_batch']} "
+            f"({now['world_size']} processes x per-device {now['per_device_train_batch_size']} x accumulation "
+            f"{now['gradient_accumulation_steps']}). Change train.gradient_accumulation_steps (or the batch size) so "
+            "the global batch matches, or start a new output_dir"
+        )
+    sharded = any(str(e).startswith(("deepspeed", "fsdp")) for e in (saved.get("engine", ""), now["engine"]))
+    if sharded and (saved.get("world_size") != now["world_size"] or saved.get("engine") != now["engine"]):
+        raise UserError(
+            f"{path} holds {saved.get('engine')} state sharded over {saved.get('world_size')} processes; this run is "
+            f"{now['engine']} on {now['world_size']}. Resume with the same launcher config and process count, "
+            "or start a new run from a model exported with the old launch (final/)"
+        )
 
 
 def export_final(backend, model, tokenizer, output_dir: str, merge_lora: bool = True) -> Optional[Path]:
-    """Write output_dir/final as a Hugging Face directory that from_pretrained (and vLLM) can load."""
-    state_dict = backend.full_state_dict(model)
+    """Write output_dir/final as a Hugging Face directory that from_pretrained (and vLLM) can load.
+
+    Every rank calls it: the full weights are gathered from the shards (ZeRO-3, FSDP) and rank 0 writes them."""
+    unwrapped = backend.unwrap(model)
+    if merge_lora and hasattr(unwrapped, "merge_and_unload"):
+        from posttrain.distributed.backend import drop_tied_aliases
+        from posttrain.models.load import merge_lora as merge
+
+        # merging needs the whole base weights: under ZeRO-3 every rank gathers them and merges the same way
+        with backend.gathered_parameters(model):
+            unwrapped = merge(unwrapped)
+            state_dict = {k: v.detach().to("cpu", copy=True) for k, v in unwrapped.state_dict().items()} if backend.is_main else {}
+        state_dict = drop_tied_aliases(unwrapped, state_dict)
+    else:
+        state_dict = backend.full_state_dict(model)
     final = Path(output_dir) / "final"
     tmp = Path(output_dir) / ".tmp-final"
     if backend.is_main:
         shutil.rmtree(tmp, ignore_errors=True)
-        unwrapped = backend.unwrap(model)
-        if merge_lora and hasattr(unwrapped, "merge_and_unload"):
-            from posttrain.models.load import merge_lora as merge
-
-            unwrapped = merge(unwrapped)
-            state_dict = unwrapped.state_dict()
         unwrapped.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
         if getattr(unwrapped, "generation_config", None) is not None:

@@ -20,9 +20,9 @@ from typing import Any, Optional
 
 import torch
 
-from posttrain.checkpoint import Checkpointer, export_final, resolve_resume
+from posttrain.checkpoint import Checkpointer, check_compatible, export_final, resolve_resume, run_facts
 from posttrain.config.load import dump_yaml
-from posttrain.config.schema import Recipe, global_batch_size, total_steps
+from posttrain.config.schema import Recipe, total_steps
 from posttrain.errors import UserError
 
 RUN_ARTIFACTS = ("config.yaml", "metrics.jsonl", "tensorboard", "checkpoints", "final", "report.html", "curves.png",
@@ -136,6 +136,9 @@ def run(command: str, recipe: Recipe) -> RunResult:
 
     # 2. processes and engines; then models
     backend = Backend(recipe)
+    facts = run_facts(backend, t)
+    if resume_from is not None:  # a checkpoint this launch cannot continue exactly stops here, before any model
+        check_compatible(resume_from, facts)
     out = Path(recipe.output_dir)
     if backend.is_main:
         out.mkdir(parents=True, exist_ok=True)
@@ -165,13 +168,6 @@ def run(command: str, recipe: Recipe) -> RunResult:
                                backend.world_size, backend.rank, t.dataloader_seed if t.dataloader_seed is not None else recipe.seed)
     steps = total_steps(t, source.micro_batches_per_epoch())
     scheduler = make_scheduler(optimizer, t, steps)
-    facts = {
-        "world_size": backend.world_size,
-        "engine": backend.describe()["engine"],
-        "global_batch": global_batch_size(t, backend.world_size),
-        "per_device_train_batch_size": t.per_device_train_batch_size,
-        "gradient_accumulation_steps": t.gradient_accumulation_steps,
-    }
     checkpointer = Checkpointer(backend, str(out), t.save_total_limit, facts)
     from posttrain.train.loop import TrainState
 

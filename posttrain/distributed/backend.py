@@ -9,53 +9,211 @@ Loss scaling: algorithms return a loss already divided by the GLOBAL count of lo
 (non-DeepSpeed) divides by the accumulation steps and DeepSpeed's engine does the same; DDP, FSDP and ZeRO average
 gradients over ranks. `backward` multiplies by accumulation x world size so that, after both, the gradient is
 exactly d(sum of unit losses / global count).
+
+CPU (tests, laptops): Accelerate only turns DeepSpeed / FSDP on for accelerator devices and, on CPU, only talks
+over gloo when asked. So on CPU the process group is made here first (gloo, the recipe's timeout), and then the
+engine the launcher asked for is switched on over it; see `_make_accelerator`.
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
+import functools
+import gc
+import json
 import os
 import resource
+import warnings
 from datetime import timedelta
-from typing import Any, Iterator
+from typing import Any, Iterator, Optional
 
 import torch
 import torch.distributed as dist
-from accelerate import Accelerator
+from accelerate import Accelerator, PartialState
 from accelerate.utils import DistributedType, InitProcessGroupKwargs
 
-from posttrain.config.schema import Recipe
+from posttrain.config.schema import Recipe, TrainConfig
 from posttrain.errors import UserError
+
+# DeepSpeed still calls the torch collectives that torch 2.x deprecates; one warning per call buries the log.
+warnings.filterwarnings("ignore", message=r".*torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor).*")
+
+
+def _env_flag(name: str) -> bool:
+    return os.environ.get(name, "").lower() in ("1", "true", "yes")
+
+
+def launcher_engine() -> Optional[str]:
+    """The engine the launcher asked for through Accelerate's environment: 'deepspeed', 'fsdp' or None."""
+    if _env_flag("ACCELERATE_USE_DEEPSPEED"):
+        return "deepspeed"
+    if _env_flag("ACCELERATE_USE_FSDP"):
+        return "fsdp"
+    return None
+
+
+def _disagree(value: Any, recipe_value: Any) -> bool:
+    if isinstance(recipe_value, bool):
+        return str(value).lower() not in (str(recipe_value).lower(), str(int(recipe_value)))
+    if isinstance(recipe_value, (int, float)):
+        try:
+            return float(value) != float(recipe_value)
+        except (TypeError, ValueError):
+            return True
+    return str(value) != str(recipe_value)
+
+
+def _check_agrees(source: str, key: str, value: Any, recipe_key: str, recipe_value: Any, fix: str,
+                  expected: Any = None) -> None:
+    """`value` is what a launcher or DeepSpeed config says; None or "auto" leaves the choice to the recipe. Otherwise
+    it must equal `expected` (by default the recipe's value itself), or the run stops naming both."""
+    if value is None or value == "auto" or not _disagree(value, recipe_value if expected is None else expected):
+        return
+    raise UserError(
+        f"{source} sets {key}={value!r} but the recipe has {recipe_key}={recipe_value!r}. The recipe is the source "
+        f"of truth: {fix}, or change {recipe_key}, so that they agree"
+    )
+
+
+def check_launcher_settings(t: TrainConfig) -> None:
+    """Numbers an `accelerate launch` config may also set, checked against the recipe before anything starts.
+
+    `mixed_precision: 'no'` is taken as "not set": accelerate launch exports 'no' whenever the config omits it.
+    """
+    where = "the accelerate config"
+    launcher_mp = os.environ.get("ACCELERATE_MIXED_PRECISION", "no")
+    if launcher_mp != "no":
+        _check_agrees(where, "mixed_precision", launcher_mp, "train.mixed_precision", t.mixed_precision,
+                      f"remove mixed_precision from {where}")
+    for variable, key, recipe_key, recipe_value in (
+        ("ACCELERATE_GRADIENT_ACCUMULATION_STEPS", "gradient_accumulation_steps", "train.gradient_accumulation_steps",
+         t.gradient_accumulation_steps),
+        ("ACCELERATE_GRADIENT_CLIPPING", "gradient_clipping", "train.max_grad_norm", t.max_grad_norm),
+    ):
+        _check_agrees(f"{where} (deepspeed_config)", key, os.environ.get(variable), recipe_key, recipe_value,
+                      f"remove {key} from {where} (or set it to auto)")
+
+
+def deepspeed_values(t: TrainConfig, world_size: int) -> dict[str, tuple[str, Any]]:
+    """The DeepSpeed config keys the recipe decides: key -> (where the recipe says it, value)."""
+    return {
+        "train_micro_batch_size_per_gpu": ("train.per_device_train_batch_size", t.per_device_train_batch_size),
+        "gradient_accumulation_steps": ("train.gradient_accumulation_steps", t.gradient_accumulation_steps),
+        "gradient_clipping": ("train.max_grad_norm", t.max_grad_norm),
+        "train_batch_size": (
+            f"per_device_train_batch_size x gradient_accumulation_steps x {world_size} processes",
+            t.per_device_train_batch_size * t.gradient_accumulation_steps * world_size,
+        ),
+    }
+
+
+def check_deepspeed_json(user: dict[str, Any], path: str, t: TrainConfig, world_size: int) -> None:
+    """A user's DeepSpeed JSON may leave the recipe's numbers out or say "auto"; a value it spells out must agree.
+    It must not define the optimizer or schedule either: those come from the recipe too."""
+    for section in ("optimizer", "scheduler"):
+        if section in user:
+            raise UserError(
+                f"the DeepSpeed config {path} defines an {section!r} section; posttrain builds AdamW and the LR "
+                f"schedule from the recipe (train.learning_rate, train.lr_scheduler_type, ...): remove {section!r} "
+                f"from {path}"
+            )
+    source = f"the DeepSpeed config {path}"
+    for key, (recipe_key, value) in deepspeed_values(t, world_size).items():
+        _check_agrees(source, key, user.get(key), recipe_key, value, f'set {key} to "auto" in {path}')
+    for precision in ("bf16", "fp16"):
+        _check_agrees(source, f"{precision}.enabled", (user.get(precision) or {}).get("enabled"),
+                      "train.mixed_precision", t.mixed_precision, f'set {precision}.enabled to "auto" in {path}',
+                      expected=t.mixed_precision == precision)
+
+
+def _check_not_a_lone_cpu_process() -> None:
+    """`accelerate launch --cpu --num_processes 2` (or a config with use_cpu and no multi-process type) starts ONE
+    process that expects mpirun to have started the others; it would train alone as if nothing were wrong."""
+    launched = any(k in os.environ for k in ("LOCAL_RANK", "WORLD_SIZE", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE"))
+    if _env_flag("ACCELERATE_USE_CPU") and "MASTER_ADDR" in os.environ and not launched:
+        raise UserError(
+            "accelerate launch --cpu with several processes starts only one here (it expects mpirun). Use "
+            "`torchrun --nproc_per_node N -m posttrain ...`, or `accelerate launch --config_file "
+            "recipes/accelerate/ddp.yaml --num_processes N -m posttrain ...` (without --cpu: with no GPU, posttrain "
+            "runs every process on the CPU over gloo)"
+        )
+
+
+def _make_accelerator(t: TrainConfig, use_cpu: bool) -> Accelerator:
+    timeout = timedelta(seconds=t.ddp_timeout)
+    engine = launcher_engine()
+    _check_not_a_lone_cpu_process()
+    launched = "LOCAL_RANK" in os.environ  # torchrun / accelerate launch set it, a plain `posttrain` does not
+    if use_cpu and engine is not None:
+        if not launched:
+            raise UserError(
+                f"ACCELERATE_USE_{engine.upper()}=true asks for {engine}, which needs a launcher: run through "
+                "`torchrun --nproc_per_node N -m posttrain ...` or `accelerate launch --config_file ... -m posttrain ...`"
+            )
+        # the gloo group first, with the right world size; the engine is then enabled over it (cpu=False below)
+        PartialState(cpu=True, backend="gloo", timeout=timeout)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    handlers = [InitProcessGroupKwargs(backend="gloo" if use_cpu else "nccl", timeout=timeout)] if world > 1 else []
+    try:
+        accelerator = Accelerator(
+            cpu=use_cpu and engine is None,
+            mixed_precision=t.mixed_precision,
+            gradient_accumulation_steps=t.gradient_accumulation_steps,
+            kwargs_handlers=handlers,
+            step_scheduler_with_optimizer=False,
+        )
+    except ValueError as e:  # Accelerate's own checks of the launcher configuration
+        raise UserError(f"the launcher configuration does not work: {e}") from e
+    if use_cpu and engine == "fsdp" and accelerator.distributed_type == DistributedType.MULTI_CPU:
+        _enable_fsdp_on_cpu(t.mixed_precision)
+    running = {DistributedType.DEEPSPEED: "deepspeed", DistributedType.FSDP: "fsdp"}.get(accelerator.distributed_type)
+    if engine is not None and running != engine:  # never a silent fallback to plain data parallelism
+        raise UserError(
+            f"the launcher asked for {engine} but Accelerate started {accelerator.distributed_type.value}; "
+            "ACCELERATE_USE_CPU=true (accelerate launch --cpu / use_cpu: true with a single-process launcher) turns "
+            "engines off: drop it, posttrain runs on the CPU by itself when there is no GPU"
+        )
+    return accelerator
+
+
+def _enable_fsdp_on_cpu(mixed_precision: str) -> None:
+    """Accelerate switches to FSDP only for GPU-like devices; FSDP2's fully_shard itself runs on CPU over gloo
+    (FSDP1 does not), so the state Accelerate would have built is set here."""
+    from accelerate.state import AcceleratorState
+    from accelerate.utils import FullyShardedDataParallelPlugin
+
+    plugin = FullyShardedDataParallelPlugin()
+    if plugin.fsdp_version != 2:
+        raise UserError(
+            "FSDP on CPU needs FSDP2: set fsdp_version: 2 in the accelerate config (or FSDP_VERSION=2); "
+            "FSDP1 runs only on GPUs"
+        )
+    if mixed_precision != "no":
+        plugin.set_mixed_precision(mixed_precision)
+    state = AcceleratorState()
+    state.fsdp_plugin = plugin
+    state.distributed_type = DistributedType.FSDP
+    PartialState._shared_state["distributed_type"] = DistributedType.FSDP
 
 
 class Backend:
     def __init__(self, recipe: Recipe):
         t = recipe.train
         self.recipe = recipe
-        use_cpu = not torch.cuda.is_available() or os.environ.get("ACCELERATE_USE_CPU", "").lower() in ("1", "true")
-        launcher_mp = os.environ.get("ACCELERATE_MIXED_PRECISION")
-        if launcher_mp and launcher_mp != t.mixed_precision:
-            raise UserError(
-                f"the accelerate config sets mixed_precision={launcher_mp!r} but the recipe has "
-                f"train.mixed_precision={t.mixed_precision!r}; make them agree (the recipe is the source of truth)"
-            )
+        use_cpu = not torch.cuda.is_available() or _env_flag("ACCELERATE_USE_CPU")
         if use_cpu and t.mixed_precision == "fp16":
             raise UserError("train.mixed_precision=fp16 needs a CUDA GPU; on CPU use bf16 or 'no'")
-        pg = InitProcessGroupKwargs(backend="gloo" if use_cpu else "nccl", timeout=timedelta(seconds=t.ddp_timeout))
-        self.accelerator = Accelerator(
-            cpu=use_cpu,
-            mixed_precision=t.mixed_precision,
-            gradient_accumulation_steps=t.gradient_accumulation_steps,
-            kwargs_handlers=[pg] if int(os.environ.get("WORLD_SIZE", "1")) > 1 else [],
-            step_scheduler_with_optimizer=False,
-        )
+        check_launcher_settings(t)
+        _reset_accelerate_state()  # an earlier run in this process (tests, the demo) that stopped on an error
+        self.accelerator = _make_accelerator(t, use_cpu)
         self.world_size = self.accelerator.num_processes
         self.rank = self.accelerator.process_index
         self.is_main = self.accelerator.is_main_process
         self.device = self.accelerator.device
-        self.num_nodes = int(os.environ.get("NNODES", os.environ.get("PET_NNODES", "0")) or 0) or max(
-            1, self.world_size // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", self.world_size)))
-        )
+        # torchrun gives every worker the number of nodes (agents) as GROUP_WORLD_SIZE
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", self.world_size))
+        self.num_nodes = int(os.environ.get("GROUP_WORLD_SIZE", 0)) or max(1, self.world_size // max(1, local_world))
         if self.is_deepspeed:
             self._fill_deepspeed_config()
 
@@ -87,10 +245,13 @@ class Backend:
         if self.is_deepspeed:
             engine = f"deepspeed-zero{self.zero_stage}"
             zero = self.accelerator.state.deepspeed_plugin.deepspeed_config.get("zero_optimization", {})
-            parts = [k for k in ("offload_optimizer", "offload_param") if zero.get(k, {}).get("device", "none") != "none"]
+            parts = [k.replace("offload_", "") for k in ("offload_optimizer", "offload_param")
+                     if (zero.get(k) or {}).get("device", "none") not in ("none", None)]
             offload = ",".join(parts) or "none"
         elif self.is_fsdp:
-            engine = f"fsdp{getattr(self.accelerator.state.fsdp_plugin, 'fsdp_version', 1)}"
+            plugin = self.accelerator.state.fsdp_plugin
+            engine = f"fsdp{getattr(plugin, 'fsdp_version', 1)}"
+            offload = "param,optimizer" if _fsdp_offloads(plugin) else "none"
         return {
             "world_size": self.world_size,
             "nodes": self.num_nodes,
@@ -102,37 +263,19 @@ class Backend:
 
     # --- DeepSpeed: the recipe is the one source of truth ----------------------------------------------------
     def _fill_deepspeed_config(self) -> None:
+        """Every batch / accumulation / clipping / precision value comes from the recipe; a user DeepSpeed JSON
+        that says otherwise stops the run here, before any model is made."""
         t = self.recipe.train
         plugin = self.accelerator.state.deepspeed_plugin
+        path = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE", "none")
+        if path != "none":
+            with open(path) as f:  # what the user wrote, before Accelerate added its defaults
+                check_deepspeed_json(json.load(f), path, t, self.world_size)
         config = plugin.deepspeed_config
-        wanted = {
-            "train_micro_batch_size_per_gpu": ("train.per_device_train_batch_size", t.per_device_train_batch_size),
-            "gradient_accumulation_steps": ("train.gradient_accumulation_steps", t.gradient_accumulation_steps),
-            "gradient_clipping": ("train.max_grad_norm", t.max_grad_norm),
-            "train_batch_size": (
-                "per_device_train_batch_size x gradient_accumulation_steps x world size",
-                t.per_device_train_batch_size * t.gradient_accumulation_steps * self.world_size,
-            ),
-        }
-        for key, (recipe_key, value) in wanted.items():
-            current = config.get(key, "auto")
-            if current == "auto":
-                config[key] = value
-            elif float(current) != float(value):
-                raise UserError(
-                    f"the DeepSpeed config sets {key}={current} but the recipe gives {recipe_key}={value}; "
-                    f"set {key} to \"auto\" in the DeepSpeed config (or change the recipe) so they agree"
-                )
-        for precision, enabled in (("bf16", t.mixed_precision == "bf16"), ("fp16", t.mixed_precision == "fp16")):
-            section = config.setdefault(precision, {})
-            current = section.get("enabled", "auto")
-            if current == "auto":
-                section["enabled"] = enabled
-            elif bool(current) != enabled:
-                raise UserError(
-                    f"the DeepSpeed config sets {precision}.enabled={current} but the recipe has "
-                    f"train.mixed_precision={t.mixed_precision!r}; make them agree (or use \"auto\")"
-                )
+        for key, (_, value) in deepspeed_values(t, self.world_size).items():
+            config[key] = value
+        for precision in ("bf16", "fp16"):
+            config.setdefault(precision, {})["enabled"] = t.mixed_precision == precision
         plugin.gradient_accumulation_steps = t.gradient_accumulation_steps
 
     # --- training --------------------------------------------------------------------------------------------
@@ -225,8 +368,27 @@ class Backend:
             yield
 
     def full_state_dict(self, model) -> dict[str, torch.Tensor]:
-        """The whole model's weights (gathered from shards) on rank 0; other ranks may get an empty dict."""
-        return self.accelerator.get_state_dict(model)
+        """The whole model's weights (gathered from shards) on rank 0, tied weights once; other ranks get {}.
+
+        Every rank must call it (it is a collective under ZeRO-3 and FSDP)."""
+        if self.is_deepspeed and self.zero_stage == 3:
+            state = self._gather_zero3(model)
+        else:
+            state = self.accelerator.get_state_dict(model)
+        return drop_tied_aliases(self.unwrap(model), state) if self.is_main else {}
+
+    def _gather_zero3(self, model) -> dict[str, torch.Tensor]:
+        """ZeRO-3: gather one parameter at a time (so no rank ever holds two full copies) into rank 0's CPU memory.
+        Does not depend on stage3_gather_16bit_weights_on_model_save."""
+        import deepspeed
+
+        unwrapped = self.unwrap(model)
+        state = unwrapped.state_dict() if self.is_main else {}  # buffers; parameter entries are replaced below
+        for name, param in unwrapped.named_parameters():
+            with deepspeed.zero.GatheredParameters([param]):
+                if self.is_main:
+                    state[name] = param.detach().to("cpu", copy=True)
+        return state
 
     def save_state(self, path: str) -> None:
         self.accelerator.save_state(path, safe_serialization=True)
@@ -235,6 +397,7 @@ class Backend:
         self.accelerator.load_state(path)
 
     def peak_memory_bytes(self) -> int:
+        """Peak CUDA memory allocated on GPU; peak resident set size of this process on CPU."""
         if self.device.type == "cuda":
             return torch.cuda.max_memory_allocated(self.device)
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
@@ -242,13 +405,46 @@ class Backend:
     def end(self) -> None:
         """Leave the process clean: trackers closed, process group destroyed, Accelerate's singletons reset (so a
         second run in the same process, as in tests and the demo, starts from scratch)."""
-        from accelerate.state import AcceleratorState, GradientState
-
         self.accelerator.end_training()
         if dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()
-        AcceleratorState._reset_state(reset_partial_state=True)
-        GradientState._reset_state()
+            # The models and engines still hold the process groups; they are freed with them, in reference
+            # cycles that Python would only break while shutting the interpreter down, where freeing a gloo group
+            # aborts the process now and then ("terminate called without an active exception"). Collect them
+            # at exit instead, while the interpreter is still whole.
+            _collect_at_exit()
+        _reset_accelerate_state()
+
+
+@functools.cache
+def _collect_at_exit() -> None:
+    atexit.register(gc.collect)
+
+
+def _reset_accelerate_state() -> None:
+    """Accelerate keeps its state in process-wide singletons; a new Backend starts from none."""
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+
+
+def _fsdp_offloads(plugin) -> bool:
+    """FSDP1 keeps a CPUOffload(offload_params=...), FSDP2 an OffloadPolicy (CPUOffloadPolicy when on)."""
+    policy = getattr(plugin, "cpu_offload", None)
+    return bool(getattr(policy, "offload_params", False)) or type(policy).__name__ == "CPUOffloadPolicy"
+
+
+def drop_tied_aliases(model, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A tied weight (lm_head = embed_tokens) under one name, as save_pretrained writes it from an unsharded model.
+    Gathered copies no longer share storage, so save_pretrained cannot see the tie by itself."""
+    first: dict[int, str] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        if id(param) in first and first[id(param)] in state:
+            state.pop(name, None)
+        else:
+            first.setdefault(id(param), name)
+    return state
 
 
 def abort() -> None:

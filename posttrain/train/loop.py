@@ -129,13 +129,16 @@ def train(ctx: LoopContext) -> TrainState:
         if state.step % t.logging_steps == 0 or state.step == ctx.total_steps:
             elapsed = time.perf_counter() - window_start
             record = {k: v / window_steps for k, v in window.items()}
+            peak_mb = [b / 2**20 for b in backend.all_gather_object(backend.peak_memory_bytes())]
             record.update(
                 step=state.step,
                 learning_rate=ctx.scheduler.get_last_lr()[0],
                 tokens_per_second=window_tokens / max(elapsed, 1e-9),
                 num_tokens=state.tokens_seen,
-                peak_memory_mb=max(backend.all_gather_object(backend.peak_memory_bytes())) / 2**20,
+                peak_memory_mb=max(peak_mb),
             )
+            if len(peak_mb) > 1:  # CUDA peak on GPU, peak RSS on CPU, per rank: where the memory goes
+                record.update({f"peak_memory_mb/rank{r}": mb for r, mb in enumerate(peak_mb)})
             ctx.logger.log(state.step, record)
             if ctx.on_log is not None:
                 ctx.on_log(state.step, record)

@@ -1,0 +1,30 @@
+"""The small SFT run every distributed test shares: tiny model, arithmetic task, 4 steps, a checkpoint at step 2."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+STEPS = 4
+
+
+def sft_overrides(model_dir: Path, data: dict[str, Path], out: Path, *extra: str) -> list[str]:
+    return [
+        f"model.name_or_path={model_dir}",
+        f"data.train={data['sft_train']}",
+        f"output_dir={out}",
+        "train.learning_rate=3e-3",
+        "train.logging_steps=1",
+        "train.report=false",
+        "train.tensorboard=false",
+        "seed=3",
+        f"train.max_steps={STEPS}",
+        "train.save_steps=2",
+        *extra,
+    ]
+
+
+ONE_PROCESS_SPLITS = {  # global batch 4, split three ways
+    "mb4": ["train.per_device_train_batch_size=4", "train.gradient_accumulation_steps=1"],
+    "mb1_acc4": ["train.per_device_train_batch_size=1", "train.gradient_accumulation_steps=4"],
+}
+TWO_PROCESS_SPLIT = ["train.per_device_train_batch_size=1", "train.gradient_accumulation_steps=2"]
