@@ -60,7 +60,7 @@ def one(layout: str, steps: int, batch: int, dtype: str, workdir: Path) -> dict:
         f"model.name_or_path={model_dir}", f"data.train={data}", f"output_dir={workdir / layout}",
         f"data.packing={'true' if layout == 'packed' else 'false'}", "data.max_length=512",
         f"train.per_device_train_batch_size={batch}", f"train.max_steps={steps}", "train.logging_steps=1",
-        f"train.mixed_precision={'bf16' if dtype == 'bf16' else 'no'}", "train.save_final_model=false",
+        "train.mixed_precision=" + ("bf16" if dtype == "bf16" else "'no'"), "train.save_final_model=false",
         "train.report=false", "train.tensorboard=false", "train.save_steps=0",
     ], ALGORITHMS["sft"][0])
     result = run("sft", recipe)

@@ -151,12 +151,13 @@ def run(command: str, recipe: Recipe) -> RunResult:
     total_params, trainable_params = count_parameters(model)
     optimizer = make_optimizer(model, t)
     model, optimizer = backend.prepare(model, optimizer)
-    reference = None
+    # the Models record is the only owner of the reference, so an algorithm's setup may free it (precomputed
+    # reference log-probs); extra["eval_examples"] lets it precompute for the eval set too
+    models = Models(policy=model, tokenizer=tokenizer, extra={"eval_examples": eval_examples})
     if algorithm.needs_reference:
         from posttrain.models.reference import make_reference
 
-        reference = backend.prepare_frozen(make_reference(recipe.model, algorithm.model_kind))
-    models = Models(policy=model, reference=reference, tokenizer=tokenizer)
+        models.reference = backend.prepare_frozen(make_reference(recipe.model, algorithm.model_kind))
 
     # 3. data source, schedule, state
     collate = make_collate(recipe, algorithm, tokenizer)

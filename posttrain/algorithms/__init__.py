@@ -6,13 +6,17 @@ An algorithm class takes the Recipe and provides: name, data_kind ('sft' | 'pref
 algorithms build their rollout source).
 """
 
+from posttrain.algorithms.dpo import DPO, DPOAlgoConfig
 from posttrain.algorithms.grpo import GRPO, GRPOAlgoConfig
+from posttrain.algorithms.rm import RM, RMAlgoConfig
 from posttrain.algorithms.sft import SFT
 from posttrain.config.schema import SFTAlgoConfig
 
 ALGORITHMS: dict[str, tuple[type, type]] = {
     "sft": (SFTAlgoConfig, SFT),
     "grpo": (GRPOAlgoConfig, GRPO),
+    "rm": (RMAlgoConfig, RM),
+    "dpo": (DPOAlgoConfig, DPO),
 }
 
 

@@ -37,6 +37,7 @@ def load_recipe(path: str | None, overrides: list[str], algo_cls: type) -> Recip
         where = str(path)
     for item in overrides:
         apply_override(raw, item)
+    raw.setdefault("algo", {})  # the command's own algo config, with its defaults, even without an algo: section
     recipe = build(Recipe, raw, where, "", algo_cls)
     from posttrain.config.validate import validate
 

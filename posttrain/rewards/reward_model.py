@@ -66,13 +66,22 @@ class RewardModelScorer:
         self.max_length = max_length
 
     def encode(self, prompt, completion: str) -> list[int]:
-        """Token ids of prompt + completion; messages go through the chat template with the completion as reply."""
+        """Token ids of prompt + completion exactly as `posttrain rm` tokenised its pairs (posttrain.data), so the
+        head reads the token it was trained to read: plain text is the prompt (with the tokenizer's special tokens)
+        then the completion ending in EOS; messages are the chat template's prompt with generation prompt, then the
+        assistant turn through its end-of-turn token (whitespace the template puts after it is not scored)."""
+        from posttrain.data.chat import split_rendered
+        from posttrain.data.tokenize import _with_eos
+
+        tok = self.tokenizer
         if isinstance(prompt, str):
-            ids = self.tokenizer(prompt + completion)["input_ids"]
+            ids = tok(prompt)["input_ids"] + _with_eos(tok, tok(completion, add_special_tokens=False)["input_ids"])
         else:
-            messages = list(prompt) + [{"role": "assistant", "content": completion}]
-            text = self.tokenizer.apply_chat_template(messages, tokenize=False)
-            ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+            turn = [{"role": "assistant", "content": completion}]
+            prompt_text, completion_text = split_rendered(tok, list(prompt), turn, "reward_model")
+            ids = tok(prompt_text, add_special_tokens=False)["input_ids"] + tok(
+                completion_text, add_special_tokens=False
+            )["input_ids"]
         return ids[-self.max_length :] if self.max_length else ids
 
     def __call__(self, prompts: list, completions: list[str], **columns) -> list[float]:

@@ -48,19 +48,25 @@ def rm_dir(tmp_path_factory, tokenizer):
     return save_classifier(tmp_path_factory.mktemp("rm"), tokenizer)
 
 
-def reference_score(rm_dir, text: str, add_special_tokens: bool = True) -> float:
+def reference_score(rm_dir, ids: list[int]) -> float:
     model = AutoModelForSequenceClassification.from_pretrained(rm_dir).eval()
-    ids = AutoTokenizer.from_pretrained(rm_dir)(text, add_special_tokens=add_special_tokens, return_tensors="pt")
     with torch.no_grad():
-        return model(**ids).logits[0, 0].item()
+        return model(input_ids=torch.tensor([ids])).logits[0, 0].item()
 
 
-def test_scores_plain_prompts(rm_dir):
+def plain_ids(tokenizer, prompt: str, completion: str) -> list[int]:
+    """As posttrain.data tokenises a standard pair for `posttrain rm`: prompt with special tokens, completion + EOS."""
+    return tokenizer(prompt)["input_ids"] + tokenizer(completion, add_special_tokens=False)["input_ids"] + [
+        tokenizer.eos_token_id
+    ]
+
+
+def test_scores_plain_prompts(rm_dir, tokenizer):
     scorer = RewardModelScorer(str(rm_dir), device="cpu", batch_size=2)
     scores = scorer(PROMPTS, COMPLETIONS)
     assert len(scores) == 2 and all(isinstance(s, float) for s in scores)
     for prompt, completion, score in zip(PROMPTS, COMPLETIONS, scores):
-        assert score == pytest.approx(reference_score(rm_dir, prompt + completion), abs=1e-5)
+        assert score == pytest.approx(reference_score(rm_dir, plain_ids(tokenizer, prompt, completion)), abs=1e-5)
     assert scores[0] != pytest.approx(scores[1])
 
 
@@ -69,7 +75,12 @@ def test_scores_chat_prompts_with_the_template(rm_dir, tokenizer):
     for messages, completion, score in zip(CHAT, COMPLETIONS, scores):
         text = tokenizer.apply_chat_template(messages + [{"role": "assistant", "content": completion}], tokenize=False)
         assert text.endswith(completion + "<|im_end|>\n")
-        assert score == pytest.approx(reference_score(rm_dir, text, add_special_tokens=False), abs=1e-5)
+        # as `posttrain rm` trained: prompt + generation prompt, then the turn through <|im_end|> (not the "\n")
+        prompt_text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        ids = tokenizer(prompt_text, add_special_tokens=False)["input_ids"] + tokenizer(
+            completion + "<|im_end|>", add_special_tokens=False
+        )["input_ids"]
+        assert score == pytest.approx(reference_score(rm_dir, ids), abs=1e-5)
 
 
 def test_batching_and_padding_do_not_change_scores(rm_dir):
@@ -81,7 +92,7 @@ def test_batching_and_padding_do_not_change_scores(rm_dir):
 def test_max_length_keeps_the_end(rm_dir, tokenizer):
     scorer = RewardModelScorer(str(rm_dir), device="cpu", max_length=5)
     ids = scorer.encode(PROMPTS[1], COMPLETIONS[1])
-    assert ids == tokenizer(PROMPTS[1] + COMPLETIONS[1])["input_ids"][-5:]
+    assert ids == plain_ids(tokenizer, PROMPTS[1], COMPLETIONS[1])[-5:]
 
 
 def test_builtin_reward_model_loads_once(rm_dir):

@@ -1,0 +1,258 @@
+"""Direct preference optimisation and its family: sigmoid (DPO), ipo, hinge, robust (label smoothing / cDPO), simpo.
+
+    posttrain dpo --config recipes/dpo.yaml
+    posttrain dpo --config recipes/dpo_simpo.yaml          # reference-free, length-normalised
+
+Per pair, with sequence log-probs summed (or, for ipo and simpo, averaged) over the completion tokens:
+
+    logits = (policy_chosen - ref_chosen) - (policy_rejected - ref_rejected)   # simpo: policy_chosen - policy_rejected
+    loss   = PREFERENCE_LOSSES[loss_type](logits) + rpo_alpha * (mean token NLL of the chosen completion)
+
+The step's loss is the sum over its pairs / the global pair count (the loop's normaliser), so accumulation and world
+size do not change the update. Chosen and rejected go through the model in one concatenated forward.
+
+The reference is a frozen copy of the starting model (loaded by run.py), or, with model.lora.enabled, the policy
+with its adapter switched off (no copy), or, with algo.precompute_ref_logprobs, a table of its log-probs computed
+once before training and cached in the run directory (the copy is then freed). simpo needs none.
+
+Metrics: rewards/chosen, rewards/rejected (beta x log-ratio, the implicit reward), rewards/margins,
+rewards/accuracies (chosen reward > rejected), logps/chosen, logps/rejected (the policy's, as the loss sees them).
+`preference_accuracy` scores held-out pairs outside a run (the demo's before/after number).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+from posttrain.algorithms import preference_logps as pl
+from posttrain.algorithms.base import Models
+from posttrain.config.schema import Recipe
+from posttrain.errors import UserError
+from posttrain.losses.preference import PREFERENCE_LOSSES, implicit_rewards, preference_logits
+from posttrain.models.load import _unwrap
+from posttrain.train.batch import Batch
+
+USES_LABEL_SMOOTHING = ("sigmoid", "robust", "simpo")
+
+
+@dataclass(frozen=True)
+class DPOAlgoConfig:
+    """The DPO family's knobs (algo.*)."""
+
+    loss_type: str = "sigmoid"
+    """sigmoid (DPO), ipo, hinge, robust (label-noise robust DPO) or simpo (reference-free, length-normalised)."""
+    beta: float = 0.1
+    """Strength of the implicit KL to the reference (DPO's beta; IPO's tau; SimPO's reward scale, typically 2-10)."""
+    label_smoothing: float = 0.0
+    """Assumed fraction of flipped preference labels, in [0, 0.5): cDPO for sigmoid, robust DPO for robust, simpo."""
+    simpo_gamma: float = 0.5
+    """SimPO's target reward margin gamma (loss_type simpo only)."""
+    rpo_alpha: float = 0.0
+    """Weight of an SFT term on the chosen completion (RPO): its mean token NLL per pair; 0 turns it off."""
+    precompute_ref_logprobs: bool = False
+    """Score every pair with the reference once before training, cache it (ref_logprobs.safetensors), free the copy."""
+
+    def validate(self, recipe: Recipe) -> None:
+        if self.loss_type not in PREFERENCE_LOSSES:
+            raise UserError(f"algo.loss_type is {self.loss_type!r}; choose one of {', '.join(PREFERENCE_LOSSES)}")
+        if not self.beta > 0:
+            raise UserError(f"algo.beta must be > 0, got {self.beta}")
+        if not 0 <= self.label_smoothing < 0.5:
+            raise UserError(f"algo.label_smoothing must be in [0, 0.5), got {self.label_smoothing}")
+        if self.label_smoothing > 0 and self.loss_type not in USES_LABEL_SMOOTHING:
+            raise UserError(
+                f"algo.label_smoothing={self.label_smoothing} has no effect with loss_type {self.loss_type}; "
+                f"it applies "
+                f"to {', '.join(USES_LABEL_SMOOTHING)}. Set it to 0 or change algo.loss_type"
+            )
+        if self.rpo_alpha < 0:
+            raise UserError(f"algo.rpo_alpha must be >= 0, got {self.rpo_alpha}")
+        if self.simpo_gamma < 0:
+            raise UserError(f"algo.simpo_gamma must be >= 0, got {self.simpo_gamma}")
+
+
+class DPO:
+    name = "dpo"
+    data_kind = "preference"
+    model_kind = "causal_lm"
+
+    def __init__(self, recipe: Recipe):
+        self.recipe = recipe
+        self.config: DPOAlgoConfig = recipe.algo
+        self.spec = PREFERENCE_LOSSES[self.config.loss_type]
+        self.lora = recipe.model.lora.enabled
+        self.tables: Optional[dict[str, torch.Tensor]] = None
+        self.autocast = None
+
+    @property
+    def uses_reference(self) -> bool:
+        return not self.spec.reference_free
+
+    @property
+    def needs_reference(self) -> bool:
+        """A frozen copy for run.py to load: not for simpo, and not with LoRA (the adapter-off policy is the base)."""
+        return self.uses_reference and not self.lora
+
+    # --- before training ------------------------------------------------------------------------------------------
+    def setup(self, backend, models: Models, train_examples, collate, out) -> None:
+        """Remember the autocast context (the reference runs under the policy's precision); with
+        precompute_ref_logprobs, fill the reference table (or reuse the run directory's cache) and free the copy."""
+        self.autocast = backend.autocast
+        if not (self.uses_reference and self.config.precompute_ref_logprobs):
+            return
+        splits = {"train": train_examples}
+        eval_examples = models.extra.get("eval_examples")
+        if eval_examples:
+            splits["eval"] = eval_examples
+        path = Path(out) / pl.CACHE_FILE
+        identity = pl.cache_identity(self.recipe, splits)
+        tables = pl.load_cached_tables(path, identity) if backend.is_main else None
+        tables = backend.broadcast_object(tables)
+        if tables is None:
+            batch_size = self.recipe.train.per_device_eval_batch_size
+            tables = {name: pl.compute_reference_table(backend, models, examples, collate, batch_size, self.lora)
+                      for name, examples in splits.items()}
+            if backend.is_main:
+                pl.save_tables(path, tables, identity)
+            backend.barrier()
+        self.tables = tables
+        pl.free_reference(models)
+
+    # --- the loop's three calls -----------------------------------------------------------------------------------
+    def prepare(self, batch: Batch, models: Models) -> Batch:
+        if not self.uses_reference or batch.ref_logprobs_B is not None:
+            return batch
+        if self.tables is not None:
+            # the loop trains with the policy in train mode and evaluates it in eval mode; eval batches index the
+            # eval examples. The mode is read on the model inside the engine: DeepSpeed's engine.eval() switches its
+            # module but leaves the engine's own flag set.
+            split = "train" if _unwrap(models.policy).training else "eval"
+            if split not in self.tables:
+                raise RuntimeError(f"no precomputed reference log-probs for the {split} examples")
+            return pl.with_reference(batch, pl.lookup(self.tables[split], batch))
+        return pl.with_reference(batch, pl.reference_sums(models, batch, self.lora, self.autocast))
+
+    def count(self, batch: Batch) -> torch.Tensor:
+        return torch.tensor(float(batch.num_pairs), device=batch.input_ids_BT.device)
+
+    def loss(self, model, batch: Batch, normaliser: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        c, p = self.config, batch.num_pairs
+        sums_B, counts_B = pl.sequence_logps(model, batch)
+        policy_B = pl.reduce_logps(sums_B, counts_B, self.spec.length_normalised)
+        policy_chosen_P, policy_rejected_P = pl.split_pairs(policy_B, p)
+        ref_chosen_P = ref_rejected_P = None
+        if self.uses_reference:
+            if batch.ref_logprobs_B is None:
+                raise RuntimeError("DPO.loss needs batch.ref_logprobs_B; call prepare first")
+            ref_B = pl.reduce_logps(batch.ref_logprobs_B.to(sums_B.dtype), counts_B, self.spec.length_normalised)
+            ref_chosen_P, ref_rejected_P = pl.split_pairs(ref_B, p)
+        logits_P = preference_logits(policy_chosen_P, policy_rejected_P, ref_chosen_P, ref_rejected_P)
+        loss_P = self.spec.loss(logits_P, beta=c.beta, label_smoothing=c.label_smoothing, simpo_gamma=c.simpo_gamma)
+        metrics: dict[str, torch.Tensor] = {}
+        if c.rpo_alpha > 0:
+            chosen_sums_P, chosen_counts_P = pl.split_pairs(sums_B, p)[0], pl.split_pairs(counts_B, p)[0]
+            nll_P = -chosen_sums_P / chosen_counts_P.clamp(min=1)
+            loss_P = loss_P + c.rpo_alpha * nll_P
+            metrics["nll_loss"] = nll_P.detach().mean()
+        chosen_rewards_P, rejected_rewards_P = implicit_rewards(
+            policy_chosen_P, policy_rejected_P, ref_chosen_P, ref_rejected_P, beta=c.beta
+        )
+        metrics.update({
+            "rewards/chosen": chosen_rewards_P.mean(),
+            "rewards/rejected": rejected_rewards_P.mean(),
+            "rewards/margins": (chosen_rewards_P - rejected_rewards_P).mean(),
+            "rewards/accuracies": (chosen_rewards_P > rejected_rewards_P).float().mean(),
+            "logps/chosen": policy_chosen_P.detach().mean(),
+            "logps/rejected": policy_rejected_P.detach().mean(),
+        })
+        return loss_P.sum() / normaliser, metrics
+
+
+# --- held-out preference accuracy (outside a run) -------------------------------------------------------------------
+
+
+def preference_accuracy(
+    model_or_dir: Any,
+    tokenizer: Any = None,
+    examples: Any = (),
+    *,
+    reference: Any = None,
+    length_normalised: bool = False,
+    batch_size: int = 16,
+    max_length: int = 512,
+    device: Optional[str] = None,
+) -> float:
+    """Fraction of pairs whose chosen completion the model prefers: log p(chosen) > log p(rejected) under the policy,
+    or, given a `reference` (model or directory), the implicit reward log-ratio (policy - reference) of chosen >
+    rejected, as DPO's rewards/accuracies.
+
+    model_or_dir: a causal LM or a Hugging Face directory (a run's final/). tokenizer: None loads it from the
+    directory. examples: preference rows (dicts with prompt/chosen/rejected, as in examples/data/pref_eval.jsonl),
+    a path to such a file, or tokenised pairs (prompt_ids, chosen_ids, rejected_ids). Ties count as wrong.
+    """
+    from posttrain.data import collate_preference
+
+    model, tokenizer = _model_and_tokenizer(model_or_dir, tokenizer, device)
+    ref = _model_and_tokenizer(reference, tokenizer, device)[0] if reference is not None else None
+    pairs = _tokenised_pairs(examples, tokenizer, max_length)
+    if not pairs:
+        raise UserError("preference_accuracy: no preference pairs to score")
+    run_device = next(model.parameters()).device
+    correct = 0
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            for start in range(0, len(pairs), batch_size):
+                batch = collate_preference(pairs[start : start + batch_size], tokenizer.pad_token_id).to(run_device)
+                sums_B, counts_B = pl.sequence_logps(model, batch)
+                if ref is not None:
+                    sums_B = sums_B - pl.sequence_logps(ref, batch.to(next(ref.parameters()).device))[0].to(run_device)
+                scores_B = pl.reduce_logps(sums_B, counts_B, length_normalised)
+                chosen_P, rejected_P = pl.split_pairs(scores_B, batch.num_pairs)
+                correct += int((chosen_P > rejected_P).sum())
+    finally:
+        model.train(was_training)
+    return correct / len(pairs)
+
+
+def _model_and_tokenizer(model_or_dir: Any, tokenizer: Any, device: Optional[str]):
+    if not isinstance(model_or_dir, (str, Path)):
+        if tokenizer is None:
+            raise UserError("preference_accuracy: pass the tokenizer along with a model object")
+        return model_or_dir, tokenizer
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = Path(model_or_dir).expanduser()
+    if not (path / "config.json").is_file():
+        raise UserError(f"preference_accuracy: {model_or_dir} is not a Hugging Face model directory (no config.json)")
+    model = AutoModelForCausalLM.from_pretrained(path)
+    model.to(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if tokenizer is None:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        if tokenizer.pad_token is None:
+            tokenizer.pad_token = tokenizer.eos_token
+    return model, tokenizer
+
+
+def _tokenised_pairs(examples: Any, tokenizer, max_length: int) -> list[dict]:
+    from posttrain.config.schema import DataConfig
+    from posttrain.data import load_rows, tokenize_preference
+
+    if isinstance(examples, (str, Path)):
+        rows = load_rows(str(examples), "train", "preference_accuracy examples")
+    else:
+        examples = list(examples)
+        if examples and "chosen_ids" in examples[0]:
+            return examples
+        import datasets
+
+        rows = datasets.Dataset.from_list(examples) if examples else None
+    if rows is None or len(rows) == 0:
+        return []
+    pairs, _ = tokenize_preference(rows, tokenizer, DataConfig(train="-", max_length=max_length), "preference_accuracy")
+    return pairs
