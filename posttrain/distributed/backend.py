@@ -24,6 +24,7 @@ import gc
 import json
 import os
 import resource
+import time
 import warnings
 from datetime import timedelta
 from typing import Any, Iterator, Optional
@@ -169,11 +170,11 @@ def _make_accelerator(t: TrainConfig, use_cpu: bool) -> Accelerator:
         _enable_fsdp_on_cpu(t.mixed_precision)
     running = {DistributedType.DEEPSPEED: "deepspeed", DistributedType.FSDP: "fsdp"}.get(accelerator.distributed_type)
     if engine is not None and running != engine:  # never a silent fallback to plain data parallelism
-        raise UserError(
-            f"the launcher asked for {engine} but Accelerate started {accelerator.distributed_type.value}; "
-            "ACCELERATE_USE_CPU=true (accelerate launch --cpu / use_cpu: true with a single-process launcher) turns "
-            "engines off: drop it, posttrain runs on the CPU by itself when there is no GPU"
-        )
+        why = ("ACCELERATE_USE_CPU=true (accelerate launch --cpu) turns engines off: drop it, posttrain runs on the "
+               "CPU by itself when there is no GPU") if _env_flag("ACCELERATE_USE_CPU") else (
+               "start the processes with torchrun or accelerate launch")
+        raise UserError(f"the launcher asked for {engine} but Accelerate started "
+                        f"{accelerator.distributed_type.value}: {why}")
     return accelerator
 
 
@@ -280,6 +281,13 @@ class Backend:
 
     # --- training --------------------------------------------------------------------------------------------
     def prepare(self, model, optimizer):
+        if self.is_fsdp and hasattr(model, "merge_and_unload") and self.recipe.train.save_final_model:
+            # fail now rather than after training: merging adapters into FSDP2 shards is not implemented
+            raise UserError(
+                "model.lora under FSDP: final/ (adapters merged into the weights) cannot be written from FSDP "
+                "shards yet. Train LoRA under DDP or DeepSpeed (e.g. recipes/accelerate/zero3.yaml), or set "
+                "train.save_final_model=false and keep the checkpoints"
+            )
         return self.accelerator.prepare(model, optimizer)
 
     def prepare_frozen(self, model):
@@ -408,17 +416,48 @@ class Backend:
         self.accelerator.end_training()
         if dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()
-            # The models and engines still hold the process groups; they are freed with them, in reference
-            # cycles that Python would only break while shutting the interpreter down, where freeing a gloo group
-            # aborts the process now and then ("terminate called without an active exception"). Collect them
-            # at exit instead, while the interpreter is still whole.
-            _collect_at_exit()
+            _settle_at_exit()
         _reset_accelerate_state()
 
 
 @functools.cache
-def _collect_at_exit() -> None:
-    atexit.register(gc.collect)
+def _settle_at_exit() -> None:
+    atexit.register(_let_gloo_workers_finish)
+
+
+def _gloo_workers_running() -> bool:
+    """Whether a gloo worker thread of this process is running or runnable (Linux /proc; False elsewhere)."""
+    try:
+        tasks = os.listdir("/proc/self/task")
+    except OSError:
+        return False
+    for tid in tasks:
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                if not f.read().startswith("pt_gloo_runloop"):
+                    continue
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] == "R":
+                    return True
+        except OSError:
+            continue
+    return False
+
+
+def _let_gloo_workers_finish(limit_s: float = 2.0) -> None:
+    """At exit, before the interpreter shuts down: let gloo's worker threads finish releasing their last work.
+
+    destroy_process_group() does not stop them (the engines keep the group alive). A worker that was preempted
+    right after a collective completed drops that work later, and dropping its tensors takes the GIL; if that
+    happens while Python is finalizing, the process aborts ("terminate called without an active exception") after
+    a run that succeeded. Sleeping here releases the GIL until the workers are idle (bounded by `limit_s`).
+    """
+    gc.collect()
+    deadline = time.monotonic() + limit_s
+    idle_checks = 0
+    while idle_checks < 3 and time.monotonic() < deadline:
+        time.sleep(0.005)
+        idle_checks = 0 if _gloo_workers_running() else idle_checks + 1
 
 
 def _reset_accelerate_state() -> None:
