@@ -19,12 +19,14 @@
 them. `accelerate_config` is a file name under recipes/accelerate/ (without .yaml) or any path, e.g. a TRL config.
 `env` adds environment variables (e.g. ACCELERATE_USE_DEEPSPEED=true for torchrun). Every process gets
 OMP_NUM_THREADS=1, offline Hugging Face, a free rendezvous port, and TORCH_EXTENSIONS_DIR (DeepSpeed's JIT-built
-CPU ops are compiled once, ~1 min each, then reused). Why assert the world size: `accelerate launch --cpu
---num_processes 2` silently starts ONE process, so a distributed test that does not check proves nothing.
+CPU ops are compiled once, tens of seconds each, then reused). Why assert the world size: a launch that quietly
+starts ONE process (as `accelerate launch --cpu --num_processes 2` does; posttrain now refuses that one) would
+pass any equivalence test, so a distributed test that does not check proves nothing.
 
 Hooks: `hooks=["name"]` imports tests/distributed/hooks/name.py in every worker (through hooks/site/sitecustomize.py on
 PYTHONPATH), so a test can inject a failure or inspect the engine's parameters without any test switch in product
 code. Write a hook's findings under the run's output_dir and read them back in the test (see hooks/engine_facts.py).
+Hooks load in launched workers only (they have a RANK), not in a plain `launch(1, ...)` process.
 """
 
 from __future__ import annotations
