@@ -1,7 +1,8 @@
 """One SFT recipe under DDP, DeepSpeed ZeRO-2, ZeRO-3 and FSDP2 on 2 CPU processes (gloo).
 
 For each engine: the run really has 2 processes; its per-step losses and final weights equal those of 1 process x
-micro-batch 4 and of 1 process x accumulation 4 (1e-5, fp32); replicas stay identical and sharded engines really
+micro-batch 4 and of 1 process x accumulation 4 (1e-5, fp32), as do those of 1 process x accumulation 4 under the
+engine itself; replicas stay identical and sharded engines really
 shard (ZeRO-3 from construction, through zero.Init); final/ holds exactly the gathered parameters; and resuming
 from the step-2 checkpoint under the same launch gives the same next losses and weights.
 """
@@ -11,7 +12,7 @@ from __future__ import annotations
 import pytest
 
 from tests.distributed.launch import ENGINE_NAMES, ENGINES, SHARDED_PARAMETERS, launch
-from tests.distributed.recipes import STEPS, TWO_PROCESS_SPLIT, sft_overrides
+from tests.distributed.recipes import ONE_PROCESS_SPLITS, STEPS, TWO_PROCESS_SPLIT, sft_overrides
 from tests.integration.helpers import max_weight_diff
 
 pytestmark = pytest.mark.distributed
@@ -40,6 +41,19 @@ def test_two_processes_match_one(engine, one_process, two_process_run):
     last = run.metrics()[-1]
     assert {"peak_memory_mb/rank0", "peak_memory_mb/rank1"} <= set(last), last
     assert last["peak_memory_mb"] == max(last["peak_memory_mb/rank0"], last["peak_memory_mb/rank1"])
+
+
+@pytest.mark.parametrize("engine", [e for e in ENGINES if e != "ddp"])  # 1 process "ddp" is the plain run above
+def test_one_process_under_the_engine_matches(engine, one_process, tiny_model_dir, task_data, tmp_path):
+    """1 process x micro-batch 1 x accumulation 4 with the engine on (one GPU with ZeRO-3 offload, say)."""
+    run = launch(1, "sft", sft_overrides(tiny_model_dir, task_data, tmp_path / "run", *ONE_PROCESS_SPLITS["mb1_acc4"]),
+                 **ENGINES[engine])
+    run.check_world(1)
+    assert run.facts["engine"] == ENGINE_NAMES[engine]
+    ref_losses, ref_weights = one_process["mb4"]
+    for step, value in ref_losses.items():
+        assert run.losses()[step] == pytest.approx(value, abs=1e-5), (engine, step)
+    assert max_weight_diff(ref_weights, run.final_weights()) < 1e-5
 
 
 @pytest.mark.parametrize("engine", list(ENGINES))
