@@ -2,9 +2,9 @@
 
 For each engine: the run really has 2 processes; its per-step losses and final weights equal those of 1 process x
 micro-batch 4 and of 1 process x accumulation 4 (1e-5, fp32), as do those of 1 process x accumulation 4 under the
-engine itself; replicas stay identical and sharded engines really
-shard (ZeRO-3 from construction, through zero.Init); final/ holds exactly the gathered parameters; and resuming
-from the step-2 checkpoint under the same launch gives the same next losses and weights.
+engine itself; replicas stay identical and sharded engines really shard (ZeRO-3 from construction, through
+zero.Init); final/ holds exactly the gathered parameters; and resuming from the step-2 checkpoint under the same
+launch gives the same next losses and weights.
 """
 
 from __future__ import annotations
