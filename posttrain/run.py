@@ -95,7 +95,7 @@ def make_collate(recipe: Recipe, algorithm, tokenizer):
     if algorithm.data_kind == "preference":
         return lambda examples: data.collate_preference(examples, pad_id)
     if recipe.data.packing:
-        return data.collate_packed
+        return lambda examples: data.collate_packed(examples, row_length=recipe.data.max_length, pad_id=pad_id)
     return lambda examples: data.collate_padded(examples, pad_id)
 
 

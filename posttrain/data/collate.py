@@ -31,31 +31,52 @@ def collate_padded(examples: list[dict], pad_id: int) -> Batch:
     )
 
 
-def collate_packed(examples: list[dict]) -> Batch:
-    """[{"input_ids", "completion_mask"}] -> one padding-free row: sequences concatenated, position ids restarting
-    at 0 (transformers finds the boundaries from them and keeps attention inside each sequence).
+def collate_packed(examples: list[dict], row_length: int | None = None, pad_id: int = 0) -> Batch:
+    """[{"input_ids", "completion_mask"}] -> padding-free rows: sequences concatenated, position ids restarting at 0
+    (transformers finds the boundaries from them and keeps attention inside each sequence).
+
+    row_length None: one row holding everything. Otherwise sequences are packed first-fit-decreasing into rows of at
+    most `row_length` tokens, so attention cost stays ~rows x row_length^2 instead of (all tokens)^2; rows shorter
+    than the longest are filled with `pad_id` tokens that form their own segment and are never trained.
 
     Each sequence's first token is left out of the completion mask: it would be predicted from the previous
-    sequence's last token.
+    sequence's last token. `sequence_index_BT` numbers sequences in the order given (-1 for filler).
     """
-    input_ids, mask, positions, index = [], [], [], []
-    for n, e in enumerate(examples):
-        length = len(e["input_ids"])
-        input_ids += e["input_ids"]
-        mask += [0] + list(e["completion_mask"][1:])
-        positions += range(length)
-        index += [n] * length
+    order = sorted(range(len(examples)), key=lambda n: -len(examples[n]["input_ids"]))
+    bins: list[list[int]] = []
+    sizes: list[int] = []
+    for n in order if row_length else range(len(examples)):
+        length = len(examples[n]["input_ids"])
+        slot = next((b for b, size in enumerate(sizes) if row_length and size + length <= row_length), None)
+        if slot is None and (row_length or not bins):
+            bins.append([])
+            sizes.append(0)
+            slot = len(bins) - 1
+        slot = 0 if slot is None else slot
+        bins[slot].append(n)
+        sizes[slot] += length
+    width = max(sizes)
+    rows = {"input_ids": [], "mask": [], "positions": [], "index": []}
+    for members, size in zip(bins, sizes):
+        ids, mask, positions, index = [], [], [], []
+        for n in sorted(members):
+            e = examples[n]
+            ids += e["input_ids"]
+            mask += [0] + list(e["completion_mask"][1:])
+            positions += range(len(e["input_ids"]))
+            index += [n] * len(e["input_ids"])
+        filler = width - size
+        rows["input_ids"].append(ids + [pad_id] * filler)
+        rows["mask"].append(mask + [0] * filler)
+        rows["positions"].append(positions + list(range(filler)))
+        rows["index"].append(index + [-1] * filler)
     return Batch(
-        input_ids_BT=_one_row(input_ids),
-        completion_mask_BT=_one_row(mask).bool(),
-        position_ids_BT=_one_row(positions),
-        sequence_index_BT=_one_row(index),
+        input_ids_BT=torch.tensor(rows["input_ids"], dtype=torch.long),
+        completion_mask_BT=torch.tensor(rows["mask"], dtype=torch.long).bool(),
+        position_ids_BT=torch.tensor(rows["positions"], dtype=torch.long),
+        sequence_index_BT=torch.tensor(rows["index"], dtype=torch.long),
         num_sequences=len(examples),
     )
-
-
-def _one_row(values: list[int]) -> torch.Tensor:
-    return torch.tensor([values], dtype=torch.long)
 
 
 def collate_preference(examples: list[dict], pad_id: int) -> Batch:

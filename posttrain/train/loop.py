@@ -57,6 +57,8 @@ class LoopContext:
 def count_tokens(batch: Batch) -> int:
     if batch.attention_mask_BT is not None:
         return int(batch.attention_mask_BT.sum())
+    if batch.sequence_index_BT is not None:  # packed rows: filler tokens are not data
+        return int((batch.sequence_index_BT >= 0).sum())
     return int(batch.input_ids_BT.numel())
 
 

@@ -82,8 +82,8 @@ def masked_token_logprobs(model, batch) -> list[torch.Tensor]:
     mask_BT = batch.completion_mask_BT[:, 1:]
     if batch.sequence_index_BT is None:
         return [logprobs_BT[b][mask_BT[b]] for b in range(logprobs_BT.shape[0])]
-    index_T = batch.sequence_index_BT[0, 1:]
-    return [logprobs_BT[0][mask_BT[0] & (index_T == n)] for n in range(batch.num_sequences)]
+    index_BT = batch.sequence_index_BT[:, 1:]
+    return [logprobs_BT[mask_BT & (index_BT == n)] for n in range(batch.num_sequences)]
 
 
 def sft_examples():
@@ -95,12 +95,18 @@ def sft_examples():
     return [chats[0], one_token, pair[0], chats[1]], len(tok)
 
 
+@pytest.mark.parametrize("row_length", [None, 40])
 @pytest.mark.parametrize("attn_implementation", ["sdpa", "eager"])
-def test_packed_equals_padded(attn_implementation):
+def test_packed_equals_padded(attn_implementation, row_length):
     examples, vocab_size = sft_examples()
     model = tiny_llama(attn_implementation, vocab_size)
     padded = masked_token_logprobs(model, collate_padded(examples, pad_id=0))
-    packed = masked_token_logprobs(model, collate_packed(examples))
+    packed_batch = collate_packed(examples, row_length=row_length, pad_id=0)
+    if row_length is not None:  # several rows, none longer than row_length unless one sequence is
+        longest = max(len(e["input_ids"]) for e in examples)
+        assert packed_batch.input_ids_BT.shape[0] > 1
+        assert packed_batch.input_ids_BT.shape[1] <= max(row_length, longest)
+    packed = masked_token_logprobs(model, packed_batch)
     trained = [sum(e["completion_mask"][1:]) for e in examples]
     assert [p.numel() for p in packed] == [p.numel() for p in padded] == trained and trained[1] == 0
     for a, b in zip(packed, padded):
