@@ -35,7 +35,7 @@ class DemoSize:
 
 # two-digit + one-digit addition: 1000 distinct problems, 200 held out; the step counts leave SFT short of perfect so
 # that DPO and GRPO have something to add
-FULL = DemoSize(hidden_size=128, num_layers=4, n_train=800, n_eval=200, max_addend=9, sft_steps=700, dpo_steps=60,
+FULL = DemoSize(hidden_size=128, num_layers=4, n_train=800, n_eval=200, max_addend=9, sft_steps=700, dpo_steps=100,
                 grpo_steps=100)
 QUICK = DemoSize(hidden_size=64, num_layers=2, n_train=400, n_eval=40, max_addend=9, sft_steps=20, dpo_steps=4,
                  grpo_steps=4)
@@ -97,11 +97,15 @@ def run_demo(out_dir: str = "runs/demo", quick: bool = False) -> dict:
     results["dpo_pref_accuracy_before"] = preference_accuracy(sft.final_dir, data["pref_eval"])
     dpo = stage("dpo", out, [
         f"model.name_or_path={sft.final_dir}", f"data.train={data['pref_train']}", f"data.eval={data['pref_eval']}",
-        "data.max_length=64", "train.per_device_train_batch_size=16", "train.learning_rate=2e-4",
+        "data.max_length=64", "train.per_device_train_batch_size=16", "train.learning_rate=5e-5",
         "train.lr_scheduler_type=constant", f"train.max_steps={size.dpo_steps}", "train.logging_steps=5",
         f"train.eval_steps={max(1, size.dpo_steps // 2)}", "algo.beta=0.1",
     ])
     results["dpo_pref_accuracy_after"] = preference_accuracy(dpo.final_dir, data["pref_eval"])
+    # DPO's own held-out metric: how often the implicit reward beta * log(pi / pi_ref) ranks the right sum first
+    # (50% is chance: before training pi == pi_ref and every pair is a tie)
+    results["dpo_implicit_reward_accuracy"] = [r for r in dpo.metrics if "eval/rewards/accuracies" in r][-1][
+        "eval/rewards/accuracies"]
     results["dpo_accuracy"] = held_out_accuracy(dpo.final_dir, data["prompts_eval"])
     print(f"[demo] held-out preference accuracy: {results['dpo_pref_accuracy_before']:.1%} -> "
           f"{results['dpo_pref_accuracy_after']:.1%}; exact match after DPO {results['dpo_accuracy']:.1%}", flush=True)
@@ -110,7 +114,7 @@ def run_demo(out_dir: str = "runs/demo", quick: bool = False) -> dict:
     grpo = stage("grpo", out, [
         f"model.name_or_path={dpo.final_dir}", f"data.train={data['prompts_train']}", f"data.eval={data['prompts_eval']}",
         "data.max_length=64", "data.max_prompt_length=48", "train.per_device_train_batch_size=64",
-        "train.learning_rate=5e-4", "train.lr_scheduler_type=constant", f"train.max_steps={size.grpo_steps}",
+        "train.learning_rate=1e-4", "train.lr_scheduler_type=constant", f"train.max_steps={size.grpo_steps}",
         "train.logging_steps=5", f"train.eval_steps={max(1, size.grpo_steps // 3)}", "generation.max_completion_length=6",
         "generation.temperature=1.0", "algo.num_generations=8", "algo.beta=0.0",
         "rewards=[{name: exact_match}]",
@@ -125,7 +129,8 @@ def run_demo(out_dir: str = "runs/demo", quick: bool = False) -> dict:
     print(f"  exact-match accuracy  after SFT {results['sft_accuracy']:.1%} | after DPO {results['dpo_accuracy']:.1%} "
           f"| after GRPO {results['grpo_accuracy']:.1%}")
     print(f"  preference accuracy   before DPO {results['dpo_pref_accuracy_before']:.1%} "
-          f"| after DPO {results['dpo_pref_accuracy_after']:.1%}")
+          f"| after DPO {results['dpo_pref_accuracy_after']:.1%} (log p(right) > log p(wrong) under the policy)")
+    print(f"  DPO implicit-reward accuracy on held-out pairs: {results['dpo_implicit_reward_accuracy']:.1%} (chance 50%)")
     print(f"  {results['minutes']:.1f} minutes; reports: " + ", ".join(results["reports"].values()))
     print(f"  summary: {out / 'demo_results.json'}")
     return results
