@@ -41,17 +41,6 @@ def base(tiny_model_dir, data, out, *extra):
     ]
 
 
-@pytest.fixture
-def reference_loads(monkeypatch):
-    """How many frozen reference copies the run builds."""
-    import posttrain.models.reference as reference
-
-    calls = []
-    real = reference.make_reference
-    monkeypatch.setattr(reference, "make_reference", lambda *a, **k: calls.append(1) or real(*a, **k))
-    return calls
-
-
 def assert_same_update(a: dict, b: dict) -> None:
     """The same weights after the same steps, up to float noise. Adam's first steps move every weight by about lr x
     sign(gradient), so an entry whose gradient is ~0 (float noise around 0 differs between batch layouts) can move

@@ -48,17 +48,6 @@ def base(tiny_model_dir, data, out, *extra):
     ]
 
 
-@pytest.fixture
-def reference_loads(monkeypatch):
-    """How many reference models the run builds."""
-    import posttrain.models.reference as reference
-
-    calls = []
-    real = reference.make_reference
-    monkeypatch.setattr(reference, "make_reference", lambda *a, **k: calls.append(1) or real(*a, **k))
-    return calls
-
-
 def test_three_steps_change_every_parameter(tiny_model_dir, data, tmp_path, reference_loads):
     out = tmp_path / "run"
     assert run_cli("grpo", *base(tiny_model_dir, data, out)) == 0

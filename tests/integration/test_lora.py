@@ -38,16 +38,6 @@ def base(tiny_model_dir, train, out, *extra):
     ]
 
 
-@pytest.fixture
-def reference_loads(monkeypatch):
-    import posttrain.models.reference as reference
-
-    calls = []
-    real = reference.make_reference
-    monkeypatch.setattr(reference, "make_reference", lambda *a, **k: calls.append(1) or real(*a, **k))
-    return calls
-
-
 def adapted_model(tiny_model_dir, checkpoint, task="causal_lm", seed=3):
     """The peft model as training left it: the base with adapters, loaded from a checkpoint's model.safetensors."""
     from posttrain.config import LoraConfig, ModelConfig
