@@ -7,7 +7,7 @@
 2. a synthetic task with a checkable answer: addition of a one-digit number to a two-digit one, asked and answered in chat (posttrain/tasks.py);
 3. SFT on it, then held-out exact-match accuracy;
 4. DPO on preferences (the right sum preferred to a near miss), held-out preference accuracy before and after;
-5. GRPO with the exact-match reward, held-out accuracy before and after.
+5. GRPO from the SFT model with the exact-match reward, held-out accuracy before and after.
 Each stage is an ordinary posttrain run (config.yaml, metrics.jsonl, report.html) under the demo directory.
 """
 
@@ -35,8 +35,8 @@ class DemoSize:
 
 # two-digit + one-digit addition: 1000 distinct problems, 200 held out; the step counts leave SFT short of perfect so
 # that DPO and GRPO have something to add
-FULL = DemoSize(hidden_size=128, num_layers=4, n_train=800, n_eval=200, max_addend=9, sft_steps=700, dpo_steps=100,
-                grpo_steps=100)
+FULL = DemoSize(hidden_size=128, num_layers=4, n_train=800, n_eval=200, max_addend=9, sft_steps=800, dpo_steps=100,
+                grpo_steps=400)
 QUICK = DemoSize(hidden_size=64, num_layers=2, n_train=400, n_eval=40, max_addend=9, sft_steps=20, dpo_steps=4,
                  grpo_steps=4)
 
@@ -110,11 +110,11 @@ def run_demo(out_dir: str = "runs/demo", quick: bool = False) -> dict:
     print(f"[demo] held-out preference accuracy: {results['dpo_pref_accuracy_before']:.1%} -> "
           f"{results['dpo_pref_accuracy_after']:.1%}; exact match after DPO {results['dpo_accuracy']:.1%}", flush=True)
 
-    print(f"\n[demo 3/3] GRPO with the exact-match reward ({size.grpo_steps} steps)", flush=True)
+    print(f"\n[demo 3/3] GRPO from the SFT model with the exact-match reward ({size.grpo_steps} steps)", flush=True)
     grpo = stage("grpo", out, [
-        f"model.name_or_path={dpo.final_dir}", f"data.train={data['prompts_train']}", f"data.eval={data['prompts_eval']}",
+        f"model.name_or_path={sft.final_dir}", f"data.train={data['prompts_train']}", f"data.eval={data['prompts_eval']}",
         "data.max_length=64", "data.max_prompt_length=48", "train.per_device_train_batch_size=64",
-        "train.learning_rate=1e-4", "train.lr_scheduler_type=constant", f"train.max_steps={size.grpo_steps}",
+        "train.learning_rate=2e-4", "train.lr_scheduler_type=constant", f"train.max_steps={size.grpo_steps}",
         "train.logging_steps=5", f"train.eval_steps={max(1, size.grpo_steps // 3)}", "generation.max_completion_length=6",
         "generation.temperature=1.0", "algo.num_generations=8", "algo.beta=0.0",
         "rewards=[{name: exact_match}]",
