@@ -1,6 +1,6 @@
 """`posttrain demo`: the whole pipeline on a laptop CPU, no downloads.
 
-    posttrain demo                 # ~10 minutes on 2 CPU cores
+    posttrain demo                 # about 2 minutes on 2 CPU cores
     posttrain demo --quick         # a smoke run in a couple of minutes
 
 1. a tiny random Llama-style model + a tokenizer trained here (posttrain make-tiny-model);
