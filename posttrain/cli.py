@@ -35,6 +35,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    code = run_command(argv)
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        # A launched worker leaves without interpreter teardown: there, gloo's worker threads can abort a finished,
+        # successful process ("terminate called without an active exception"). Everything is written and closed.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
+
+
+def run_command(argv: list[str] | None = None) -> int:
     from posttrain.errors import UserError
 
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
