@@ -12,7 +12,8 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
 
-from tests.integration.helpers import final_weights, max_weight_diff, metrics, run_cli, step_losses, write_task_data
+from tests.integration.helpers import (assert_resume_is_exact, final_weights, metrics, run_cli, step_losses,
+                                      write_task_data)
 from tests.integration.test_dpo import assert_same_update
 
 
@@ -105,17 +106,10 @@ def test_margin_column_is_subtracted(tiny_model_dir, tmp_path):
 
 
 def test_resume_continues_exactly(tiny_model_dir, data, tmp_path):
-    full, split = tmp_path / "full", tmp_path / "split"
     common = ["train.max_steps=4", "train.save_steps=2", "train.lr_scheduler_type=cosine", "train.warmup_steps=1",
               "algo.center_rewards_coefficient=0.01"]
-    assert run_cli("rm", *base(tiny_model_dir, data, full, *common)) == 0
-    assert run_cli("rm", *base(tiny_model_dir, data, split, *common, "train.max_steps_per_run=2")) == 0
-    assert run_cli("rm", *base(tiny_model_dir, data, split, *common, "train.resume_from_checkpoint=auto")) == 0
-    a, b = step_losses(full), step_losses(split)
-    assert sorted(b) == [1, 2, 3, 4]
-    for step in a:
-        assert b[step] == pytest.approx(a[step], abs=1e-6), (step, a, b)
-    assert max_weight_diff(final_weights(full), final_weights(split)) < 1e-6
+    assert_resume_is_exact("rm", lambda out, *extra: base(tiny_model_dir, data, out, *extra), tmp_path, common,
+                           stop_after=2, steps=4)
 
 
 def test_accumulation_gives_the_same_update(tiny_model_dir, data, tmp_path):
