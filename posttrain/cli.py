@@ -31,6 +31,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo", help="tiny model, synthetic arithmetic task, SFT -> DPO -> GRPO on CPU")
     demo.add_argument("--out", default="runs/demo", help="where the demo writes its runs")
     demo.add_argument("--quick", action="store_true", help="a much shorter run (smoke test)")
+    demo.add_argument("--seed", type=int, default=0, help="model initialisation, problems drawn and run seeds")
     return parser
 
 
@@ -60,7 +61,7 @@ def run_command(argv: list[str] | None = None) -> int:
         if args.command == "demo":
             from posttrain.demo import run_demo
 
-            run_demo(args.out, quick=args.quick)
+            run_demo(args.out, quick=args.quick, seed=args.seed)
             return 0
         from posttrain.algorithms import ALGORITHMS
         from posttrain.config.load import load_recipe

@@ -1,14 +1,20 @@
 """`posttrain demo`: the whole pipeline on a laptop CPU, no downloads.
 
-    posttrain demo                 # about 2 minutes on 2 CPU cores
-    posttrain demo --quick         # a smoke run in a couple of minutes
+    posttrain demo                 # about 4 minutes on 2 CPU cores
+    posttrain demo --quick         # a smoke run in under a minute
 
 1. a tiny random Llama-style model + a tokenizer trained here (posttrain make-tiny-model);
-2. a synthetic task with a checkable answer: addition of a one-digit number to a two-digit one, asked and answered in chat (posttrain/tasks.py);
-3. SFT on it, then held-out exact-match accuracy;
-4. DPO on preferences (the right sum preferred to a near miss), held-out preference accuracy before and after;
-5. GRPO from the SFT model with the exact-match reward, held-out accuracy before and after.
-Each stage is an ordinary posttrain run (config.yaml, metrics.jsonl, report.html) under the demo directory.
+2. a synthetic task with a checkable answer: a number up to 999 plus a one-digit number, asked and answered in chat
+   (posttrain/tasks.py). 10,000 distinct problems, so the model has to learn to add rather than memorise;
+3. SFT on demonstrations from a sloppy demonstrator, who forgets the carry in half of the problems that carry (as
+   real demonstrations hold mistakes); then held-out exact-match accuracy;
+4. DPO on preferences over other problems (the right sum preferred to the forgotten carry or a near miss), with an SFT
+   term on the right answer (rpo_alpha): held-out preference accuracy (the policy's own log p(right) > log p(wrong))
+   and exact match, before and after;
+5. GRPO from the SFT model on other problems with the exact-match reward, held-out exact match before and after.
+Held-out problems are never trained on; DPO and GRPO train on problems SFT never saw. Each stage is an ordinary
+posttrain run (config.yaml, metrics.jsonl, report.html with its curves: eval/logps/accuracies for DPO and eval/accuracy
+for GRPO start at the SFT model's value at step 0) under the demo directory.
 """
 
 from __future__ import annotations
@@ -25,30 +31,31 @@ from posttrain.tasks import write_example_data
 class DemoSize:
     hidden_size: int
     num_layers: int
-    n_train: int
-    n_eval: int
-    max_addend: int
+    n_train: int  # SFT problems
+    n_rl: int  # further problems for DPO pairs and GRPO prompts
+    n_eval: int  # held-out problems
     sft_steps: int
     dpo_steps: int
     grpo_steps: int
+    max_operand: int = 999
+    max_addend: int = 9
+    carry_slip: float = 0.5  # share of carrying SFT demonstrations that forget the carry
 
 
-# two-digit + one-digit addition: 1000 distinct problems, 200 held out; the step counts leave SFT short of perfect so
-# that DPO and GRPO have something to add
-FULL = DemoSize(hidden_size=128, num_layers=4, n_train=800, n_eval=200, max_addend=9, sft_steps=800, dpo_steps=100,
-                grpo_steps=400)
-QUICK = DemoSize(hidden_size=64, num_layers=2, n_train=400, n_eval=40, max_addend=9, sft_steps=20, dpo_steps=4,
+FULL = DemoSize(hidden_size=128, num_layers=4, n_train=4000, n_rl=2000, n_eval=200, sft_steps=1600, dpo_steps=200,
+                grpo_steps=200)
+QUICK = DemoSize(hidden_size=64, num_layers=2, n_train=400, n_rl=200, n_eval=40, sft_steps=20, dpo_steps=4,
                  grpo_steps=4)
 
 
-def stage(command: str, out: Path, overrides: list[str]):
+def stage(command: str, out: Path, overrides: list[str], seed: int = 0):
     """One ordinary posttrain run, in-process, with the demo's run directory."""
     from posttrain.algorithms import ALGORITHMS
     from posttrain.config.load import load_recipe
     from posttrain.run import run
 
     common = [f"output_dir={out / command}", "train.overwrite_output_dir=true", "train.save_steps=0",
-              "train.save_total_limit=1", "seed=0"]
+              "train.save_total_limit=1", f"seed={seed}"]
     recipe = load_recipe(None, common + overrides, ALGORITHMS[command][0])
     return run(command, recipe)
 
@@ -71,36 +78,40 @@ def preference_accuracy(model_dir: Path, pairs_file: Path) -> float:
     return accuracy(str(model_dir), examples=str(pairs_file))
 
 
-def run_demo(out_dir: str = "runs/demo", quick: bool = False) -> dict:
+def run_demo(out_dir: str = "runs/demo", quick: bool = False, seed: int = 0) -> dict:
+    """seed: the tiny model's initialisation, the problems drawn and every run's seed."""
     from posttrain.models.tiny import make_tiny_model
 
     size = QUICK if quick else FULL
     out = Path(out_dir)
     started = time.time()
     tiny = make_tiny_model(out / "tiny", hidden_size=size.hidden_size, num_layers=size.num_layers, num_heads=4,
-                           num_kv_heads=2, intermediate_size=4 * size.hidden_size, seed=0)
-    data = write_example_data(out / "data", n_train=size.n_train, n_eval=size.n_eval, max_addend=size.max_addend)
+                           num_kv_heads=2, intermediate_size=4 * size.hidden_size, seed=seed)
+    data = write_example_data(out / "data", n_train=size.n_train, n_eval=size.n_eval, max_operand=size.max_operand,
+                              max_addend=size.max_addend, n_rl=size.n_rl, carry_slip=size.carry_slip, seed=seed)
     results: dict = {}
 
-    print(f"\n[demo 1/3] SFT on {size.n_train} addition problems ({size.sft_steps} steps)", flush=True)
+    print(f"\n[demo 1/3] SFT on {size.n_train} addition problems, the carry forgotten in {size.carry_slip:.0%} of "
+          f"those that carry ({size.sft_steps} steps)", flush=True)
     sft = stage("sft", out, [
         f"model.name_or_path={tiny}", f"data.train={data['sft_train']}", f"data.eval={data['sft_eval']}",
         "data.packing=true", "data.max_length=64", "train.per_device_train_batch_size=32",
         "train.learning_rate=3e-3", "train.lr_scheduler_type=cosine", "train.warmup_ratio=0.05",
         "train.weight_decay=0.01", f"train.max_steps={size.sft_steps}", "train.logging_steps=10",
         f"train.eval_steps={max(1, size.sft_steps // 4)}",
-    ])
+    ], seed)
     results["sft_accuracy"] = held_out_accuracy(sft.final_dir, data["prompts_eval"])
     print(f"[demo] SFT held-out exact-match accuracy: {results['sft_accuracy']:.1%}", flush=True)
 
-    print(f"\n[demo 2/3] DPO: the right sum preferred to a near miss ({size.dpo_steps} steps)", flush=True)
+    print(f"\n[demo 2/3] DPO on {size.n_rl} new problems: the right sum preferred to the forgotten carry or a near miss "
+          f"({size.dpo_steps} steps)", flush=True)
     results["dpo_pref_accuracy_before"] = preference_accuracy(sft.final_dir, data["pref_eval"])
     dpo = stage("dpo", out, [
         f"model.name_or_path={sft.final_dir}", f"data.train={data['pref_train']}", f"data.eval={data['pref_eval']}",
         "data.max_length=64", "train.per_device_train_batch_size=16", "train.learning_rate=5e-5",
         "train.lr_scheduler_type=constant", f"train.max_steps={size.dpo_steps}", "train.logging_steps=5",
-        f"train.eval_steps={max(1, size.dpo_steps // 2)}", "algo.beta=0.1",
-    ])
+        f"train.eval_steps={max(1, size.dpo_steps // 4)}", "algo.beta=0.1", "algo.rpo_alpha=1.0",
+    ], seed)
     results["dpo_pref_accuracy_after"] = preference_accuracy(dpo.final_dir, data["pref_eval"])
     # DPO's own held-out metric: how often the implicit reward beta * log(pi / pi_ref) ranks the right sum first
     # (50% is chance: before training pi == pi_ref and every pair is a tie)
@@ -110,18 +121,20 @@ def run_demo(out_dir: str = "runs/demo", quick: bool = False) -> dict:
     print(f"[demo] held-out preference accuracy: {results['dpo_pref_accuracy_before']:.1%} -> "
           f"{results['dpo_pref_accuracy_after']:.1%}; exact match after DPO {results['dpo_accuracy']:.1%}", flush=True)
 
-    print(f"\n[demo 3/3] GRPO from the SFT model with the exact-match reward ({size.grpo_steps} steps)", flush=True)
+    print(f"\n[demo 3/3] GRPO from the SFT model on {size.n_rl} new prompts with the exact-match reward "
+          f"({size.grpo_steps} steps)", flush=True)
     grpo = stage("grpo", out, [
         f"model.name_or_path={sft.final_dir}", f"data.train={data['prompts_train']}", f"data.eval={data['prompts_eval']}",
-        "data.max_length=64", "data.max_prompt_length=48", "train.per_device_train_batch_size=64",
-        "train.learning_rate=2e-4", "train.lr_scheduler_type=constant", f"train.max_steps={size.grpo_steps}",
-        "train.logging_steps=5", f"train.eval_steps={max(1, size.grpo_steps // 3)}", "generation.max_completion_length=6",
+        "data.max_length=64", "data.max_prompt_length=48", "train.per_device_train_batch_size=128",
+        "train.learning_rate=1e-4", "train.lr_scheduler_type=constant", f"train.max_steps={size.grpo_steps}",
+        "train.logging_steps=5", f"train.eval_steps={max(1, size.grpo_steps // 4)}", "generation.max_completion_length=6",
         "generation.temperature=1.0", "algo.num_generations=8", "algo.beta=0.0",
         "rewards=[{name: exact_match}]",
-    ])
+    ], seed)
     results["grpo_accuracy"] = held_out_accuracy(grpo.final_dir, data["prompts_eval"])
     results["minutes"] = (time.time() - started) / 60
     results["held_out_prompts"] = size.n_eval
+    results["seed"] = seed
     results["reports"] = {name: str(out / name / "report.html") for name in ("sft", "dpo", "grpo")}
     (out / "demo_results.json").write_text(json.dumps(results, indent=2))
 

@@ -10,7 +10,6 @@ Order matters and is deliberate:
 
 from __future__ import annotations
 
-import os
 import random
 import shutil
 import time

@@ -34,8 +34,21 @@ def arithmetic_problems(n: int, seed: int, max_operand: int = 99, exclude: set |
     return out
 
 
+def carries(a: int, b: int) -> bool:
+    """Whether adding the ones digits carries into the tens."""
+    return a % 10 + b % 10 >= 10
+
+
+def forgot_carry(a: int, b: int) -> int:
+    """The sum written with the carry into the tens forgotten (57 + 8 -> 55): the classic slip."""
+    return a + b - 10 if carries(a, b) else a + b
+
+
 def wrong_answer(a: int, b: int, rng: random.Random) -> int:
-    """A plausible wrong sum: off by one in a digit, so preference pairs are about correctness, not format."""
+    """A plausible wrong sum: the forgotten carry where the problem carries, otherwise off by a little in one digit, so
+    preference pairs are about correctness, not format."""
+    if carries(a, b):
+        return forgot_carry(a, b)
     right = a + b
     for _ in range(10):
         candidate = right + rng.choice([-10, -1, 1, 10, 2, -2])
@@ -44,14 +57,17 @@ def wrong_answer(a: int, b: int, rng: random.Random) -> int:
     return right + 1
 
 
-def sft_rows(problems) -> list[dict]:
-    """Conversational prompt-completion rows."""
-    return [
-        {"prompt": [{"role": "user", "content": question(a, b)}],
-         "completion": [{"role": "assistant", "content": str(a + b)}],
-         "answer": str(a + b)}
-        for a, b in problems
-    ]
+def sft_rows(problems, carry_slip: float = 0.0, seed: int = 0) -> list[dict]:
+    """Conversational prompt-completion rows. `carry_slip`: the share of carrying problems whose demonstrated answer
+    forgets the carry, as a sloppy demonstrator would (the `answer` column always holds the true sum)."""
+    rng = random.Random(seed)
+    rows = []
+    for a, b in problems:
+        shown = forgot_carry(a, b) if carries(a, b) and rng.random() < carry_slip else a + b
+        rows.append({"prompt": [{"role": "user", "content": question(a, b)}],
+                     "completion": [{"role": "assistant", "content": str(shown)}],
+                     "answer": str(a + b)})
+    return rows
 
 
 def preference_rows(problems, seed: int) -> list[dict]:
@@ -77,16 +93,21 @@ def write_jsonl(rows: list[dict], path: Path) -> Path:
 
 
 def write_example_data(out: str | Path, n_train: int = 2000, n_eval: int = 200, seed: int = 0,
-                       max_addend: int | None = None) -> dict[str, Path]:
+                       max_operand: int = 99, max_addend: int | None = None, n_rl: int = 0,
+                       carry_slip: float = 0.0) -> dict[str, Path]:
+    """The task's files under `out`: sft_*, pref_*, prompts_* (train and held-out eval). With `n_rl` > 0 the
+    preference and prompt training files use n_rl further problems that SFT never saw (as when post-training asks new
+    questions), otherwise the SFT problems. `carry_slip` makes the SFT demonstrations sloppy (see sft_rows)."""
     out = Path(out)
-    held_out = arithmetic_problems(n_eval, seed + 1, max_addend=max_addend)
-    train = arithmetic_problems(n_train, seed, exclude=set(held_out), max_addend=max_addend)
+    held_out = arithmetic_problems(n_eval, seed + 1, max_operand, max_addend=max_addend)
+    problems = arithmetic_problems(n_train + n_rl, seed, max_operand, exclude=set(held_out), max_addend=max_addend)
+    train, later = problems[:n_train], (problems[n_train:] if n_rl else problems[:n_train])
     return {
-        "sft_train": write_jsonl(sft_rows(train), out / "sft_train.jsonl"),
+        "sft_train": write_jsonl(sft_rows(train, carry_slip, seed), out / "sft_train.jsonl"),
         "sft_eval": write_jsonl(sft_rows(held_out), out / "sft_eval.jsonl"),
-        "pref_train": write_jsonl(preference_rows(train, seed), out / "pref_train.jsonl"),
+        "pref_train": write_jsonl(preference_rows(later, seed), out / "pref_train.jsonl"),
         "pref_eval": write_jsonl(preference_rows(held_out, seed + 1), out / "pref_eval.jsonl"),
-        "prompts_train": write_jsonl(prompt_rows(train), out / "prompts_train.jsonl"),
+        "prompts_train": write_jsonl(prompt_rows(later), out / "prompts_train.jsonl"),
         "prompts_eval": write_jsonl(prompt_rows(held_out), out / "prompts_eval.jsonl"),
     }
 

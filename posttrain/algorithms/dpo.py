@@ -16,8 +16,10 @@ with its adapter switched off (no copy), or, with algo.precompute_ref_logprobs, 
 once before training and cached in the run directory (the copy is then freed). simpo needs none.
 
 Metrics: rewards/chosen, rewards/rejected (beta x log-ratio, the implicit reward), rewards/margins,
-rewards/accuracies (chosen reward > rejected), logps/chosen, logps/rejected (the policy's, as the loss sees them).
-`preference_accuracy` scores held-out pairs outside a run (the demo's before/after number).
+rewards/accuracies (chosen reward > rejected), logps/chosen, logps/rejected (the policy's, as the loss sees them),
+logps/accuracies (the policy's own preference: summed log p(chosen) > log p(rejected); at step 0 it is the starting
+model's, where rewards/accuracies is 0 because every pair is a tie). `preference_accuracy` computes either outside a
+run (the demo's before/after number).
 """
 
 from __future__ import annotations
@@ -168,6 +170,7 @@ class DPO:
             "rewards/accuracies": (chosen_rewards_P > rejected_rewards_P).float().mean(),
             "logps/chosen": policy_chosen_P.detach().mean(),
             "logps/rejected": policy_rejected_P.detach().mean(),
+            "logps/accuracies": torch.gt(*pl.split_pairs(sums_B.detach(), p)).float().mean(),
         })
         return loss_P.sum() / normaliser, metrics
 

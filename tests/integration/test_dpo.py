@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from tests.integration.helpers import final_weights, max_weight_diff, metrics, run_cli, step_losses, write_task_data
 
 DPO_METRICS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies", "logps/chosen",
-               "logps/rejected")
+               "logps/rejected", "logps/accuracies")
 
 
 @pytest.fixture(scope="module")
@@ -188,7 +188,10 @@ def test_preference_accuracy_matches_the_runs_metric(tiny_model_dir, data, tmp_p
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     assert preference_accuracy(model, tokenizer, rows, reference=model) == 0.0
     plain = preference_accuracy(out / "final", examples=rows)
-    assert 0.0 <= plain <= 1.0
+    assert plain == pytest.approx(final_eval["eval/logps/accuracies"], abs=1e-6)
+    start = [r for r in metrics(out) if "eval/logps/accuracies" in r][0]
+    assert start["step"] == 0 and start["eval/rewards/accuracies"] == 0.0
+    assert start["eval/logps/accuracies"] == pytest.approx(preference_accuracy(model, tokenizer, rows), abs=1e-6)
 
 
 def test_sequence_logps_match_a_naive_log_softmax(tiny_model_dir, data):
