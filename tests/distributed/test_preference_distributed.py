@@ -72,7 +72,9 @@ def check_matches(result, reference_dir, engine):
         for name, value in expected.items():
             if name in ("loss", "eval/loss") or name.startswith(("rewards/", "logps/", "eval/rewards", "accuracy",
                                                                  "margin", "eval/accuracy", "eval/margin")):
-                assert two[key][name] == pytest.approx(value, abs=1e-5), (engine, key, name, two[key], expected)
+                # float32 sums over other batch shapes: 1e-5 absolute, or relative for scores and log-probs far from 0
+                assert two[key][name] == pytest.approx(value, rel=3e-5, abs=1e-5), (engine, key, name, two[key],
+                                                                                     expected)
     assert sorted(step_losses(result.output_dir)) == list(range(1, STEPS + 1))
     assert_same_update(final_weights(reference_dir), result.final_weights())
 
