@@ -7,12 +7,13 @@ import pytest
 
 from tests.distributed.launch import ENGINES, Result, launch
 from tests.distributed.recipes import ONE_PROCESS_SPLITS, TWO_PROCESS_SPLIT, sft_overrides
-from tests.integration.helpers import final_weights, run_cli, step_losses, write_task_data
+from posttrain.tasks import write_example_data
+from tests.integration.helpers import final_weights, run_cli, step_losses
 
 
 @pytest.fixture(scope="session")
 def task_data(tmp_path_factory):
-    return write_task_data(tmp_path_factory.mktemp("dist-data"))
+    return write_example_data(tmp_path_factory.mktemp("dist-data"), n_train=64, n_eval=16)
 
 
 @pytest.fixture(scope="session")

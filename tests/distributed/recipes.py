@@ -4,23 +4,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from tests.integration.helpers import run_overrides
+
 STEPS = 4
 
 
 def sft_overrides(model_dir: Path, data: dict[str, Path], out: Path, *extra: str) -> list[str]:
-    return [
-        f"model.name_or_path={model_dir}",
-        f"data.train={data['sft_train']}",
-        f"output_dir={out}",
-        "train.learning_rate=3e-3",
-        "train.logging_steps=1",
-        "train.report=false",
-        "train.tensorboard=false",
-        "seed=3",
-        f"train.max_steps={STEPS}",
-        "train.save_steps=2",
-        *extra,
-    ]
+    return run_overrides(model_dir, data["sft_train"], out, f"train.max_steps={STEPS}", "train.save_steps=2", *extra)
 
 
 ONE_PROCESS_SPLITS = {  # global batch 4, split three ways

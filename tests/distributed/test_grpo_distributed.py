@@ -11,7 +11,8 @@ from __future__ import annotations
 import pytest
 
 from tests.distributed.launch import launch
-from tests.integration.helpers import max_weight_diff, write_task_data
+from posttrain.tasks import write_example_data
+from tests.integration.helpers import max_weight_diff, run_overrides
 
 pytestmark = pytest.mark.distributed
 
@@ -20,20 +21,17 @@ REWARD = "tests.integration.test_grpo:length_reward"
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
-    return write_task_data(tmp_path_factory.mktemp("data"), n_train=32, n_eval=5)  # 5: the eval shares are 3 and 2
+    return write_example_data(tmp_path_factory.mktemp("data"), n_train=32, n_eval=5)  # 5: the eval shares are 3 and 2
 
 
 def overrides(tiny_model_dir, data, out, per_device):
-    return [
-        f"model.name_or_path={tiny_model_dir}", f"data.train={data['prompts_train']}",
-        f"data.eval={data['prompts_eval']}", f"output_dir={out}", "seed=5",
-        "train.max_steps=2", "train.logging_steps=1", "train.learning_rate=1e-3",
-        "train.report=false", "train.tensorboard=false",
+    return run_overrides(
+        tiny_model_dir, data["prompts_train"], out, f"data.eval={data['prompts_eval']}", "train.max_steps=2",
         f"train.per_device_train_batch_size={per_device}", "train.gradient_accumulation_steps=2",
         "generation.max_completion_length=8", "generation.batch_size=1",
         "algo.num_generations=2", "algo.beta=0.05", "algo.scale_rewards=batch",
-        f"rewards=[{{name: '{REWARD}'}}]",
-    ]
+        f"rewards=[{{name: '{REWARD}'}}]", learning_rate="1e-3", seed=5,
+    )
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,8 @@ import pytest
 from safetensors.torch import load_file
 
 from tests.distributed.launch import ENGINE_NAMES, launch
-from tests.integration.helpers import final_weights, metrics, run_cli, step_losses, write_task_data
+from posttrain.tasks import write_example_data
+from tests.integration.helpers import final_weights, metrics, run_cli, run_overrides, step_losses
 from tests.integration.test_dpo import assert_same_update
 
 pytestmark = pytest.mark.distributed
@@ -26,16 +27,12 @@ LORA = ["model.lora.enabled=true", "model.lora.r=4", "model.lora.alpha=8"]
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
-    return write_task_data(tmp_path_factory.mktemp("data"), n_train=16, n_eval=4)
+    return write_example_data(tmp_path_factory.mktemp("data"), n_train=16, n_eval=4)
 
 
 def overrides(tiny_model_dir, data, out, *extra):
-    return [
-        f"model.name_or_path={tiny_model_dir}", f"data.train={data['pref_train']}", f"output_dir={out}",
-        f"data.eval={data['pref_eval']}", "train.per_device_eval_batch_size=1",
-        "train.learning_rate=3e-3", "train.logging_steps=1", "train.report=false", "train.tensorboard=false",
-        f"train.max_steps={STEPS}", "seed=3", *extra,
-    ]
+    return run_overrides(tiny_model_dir, data["pref_train"], out, f"data.eval={data['pref_eval']}",
+                         "train.per_device_eval_batch_size=1", f"train.max_steps={STEPS}", *extra)
 
 
 ONE = ["train.per_device_train_batch_size=4", "train.gradient_accumulation_steps=1"]

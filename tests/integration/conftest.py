@@ -4,6 +4,15 @@ from __future__ import annotations
 
 import pytest
 
+from posttrain.tasks import write_example_data
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    """The arithmetic task's files, 32 training and 8 held-out problems (modules that need other sizes define their
+    own `data`)."""
+    return write_example_data(tmp_path_factory.mktemp("data"), n_train=32, n_eval=8)
+
 
 @pytest.fixture
 def reference_loads(monkeypatch):

@@ -10,20 +10,17 @@ import torch
 from safetensors.torch import load_file
 
 from posttrain.cli import main
-from posttrain.tasks import arithmetic_problems, preference_rows, prompt_rows, sft_rows, write_jsonl
 
 
-def write_task_data(root: Path, n_train: int = 64, n_eval: int = 16) -> dict[str, Path]:
-    held = arithmetic_problems(n_eval, 1)
-    train = arithmetic_problems(n_train, 0, exclude=set(held))
-    return {
-        "sft_train": write_jsonl(sft_rows(train), root / "sft_train.jsonl"),
-        "sft_eval": write_jsonl(sft_rows(held), root / "sft_eval.jsonl"),
-        "pref_train": write_jsonl(preference_rows(train, 0), root / "pref_train.jsonl"),
-        "pref_eval": write_jsonl(preference_rows(held, 1), root / "pref_eval.jsonl"),
-        "prompts_train": write_jsonl(prompt_rows(train), root / "prompts_train.jsonl"),
-        "prompts_eval": write_jsonl(prompt_rows(held), root / "prompts_eval.jsonl"),
-    }
+BATCH_4 = ["train.per_device_train_batch_size=4", "train.per_device_eval_batch_size=4"]
+
+
+def run_overrides(model_dir, train_file, out, *extra: str, learning_rate: str = "3e-3", seed: int = 3) -> list[str]:
+    """The overrides every small test run shares: the tiny model, one training file, a metrics row every step and no
+    report or tensorboard files; `extra` comes last and wins."""
+    return [f"model.name_or_path={model_dir}", f"data.train={train_file}", f"output_dir={out}",
+            f"train.learning_rate={learning_rate}", "train.logging_steps=1", "train.report=false",
+            "train.tensorboard=false", f"seed={seed}", *extra]
 
 
 def run_cli(command: str, *overrides: str, config: str | None = None) -> int:

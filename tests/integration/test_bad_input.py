@@ -6,12 +6,13 @@ import json
 
 import pytest
 
-from tests.integration.helpers import run_cli, write_task_data
+from posttrain.tasks import write_example_data
+from tests.integration.helpers import run_cli
 
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
-    return write_task_data(tmp_path_factory.mktemp("data"), n_train=8, n_eval=4)
+    return write_example_data(tmp_path_factory.mktemp("data"), n_train=8, n_eval=4)
 
 
 def sft(tiny_model_dir, train, out, *extra):

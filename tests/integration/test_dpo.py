@@ -14,31 +14,15 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from tests.integration.helpers import final_weights, max_weight_diff, metrics, run_cli, step_losses, write_task_data
+from tests.integration.helpers import (BATCH_4, final_weights, max_weight_diff, metrics, run_cli, run_overrides,
+                                      step_losses)
 
 DPO_METRICS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies", "logps/chosen",
                "logps/rejected", "logps/accuracies")
 
 
-@pytest.fixture(scope="module")
-def data(tmp_path_factory):
-    return write_task_data(tmp_path_factory.mktemp("data"), n_train=32, n_eval=8)
-
-
 def base(tiny_model_dir, data, out, *extra):
-    return [
-        f"model.name_or_path={tiny_model_dir}",
-        f"data.train={data['pref_train']}",
-        f"output_dir={out}",
-        "train.learning_rate=3e-3",
-        "train.logging_steps=1",
-        "train.report=false",
-        "train.tensorboard=false",
-        "train.per_device_train_batch_size=4",
-        "train.per_device_eval_batch_size=4",
-        "seed=3",
-        *extra,
-    ]
+    return run_overrides(tiny_model_dir, data["pref_train"], out, *BATCH_4, *extra)
 
 
 def assert_same_update(a: dict, b: dict) -> None:

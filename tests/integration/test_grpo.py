@@ -10,8 +10,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from posttrain.tasks import write_example_data
 from tests.integration.helpers import (assert_resume_is_exact, final_weights, max_weight_diff, metrics, run_cli,
-                                      step_losses, write_task_data)
+                                      run_overrides, step_losses)
 
 HERE = "tests.integration.test_grpo"
 
@@ -27,26 +28,14 @@ def raising_reward(prompts, completions, **columns):
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
-    return write_task_data(tmp_path_factory.mktemp("data"), n_train=32, n_eval=6)
+    return write_example_data(tmp_path_factory.mktemp("data"), n_train=32, n_eval=6)
 
 
 def base(tiny_model_dir, data, out, *extra):
-    return [
-        f"model.name_or_path={tiny_model_dir}",
-        f"data.train={data['prompts_train']}",
-        f"output_dir={out}",
-        "train.learning_rate=1e-3",
-        "train.logging_steps=1",
-        "train.report=false",
-        "train.tensorboard=false",
-        "train.max_steps=3",
-        "train.per_device_train_batch_size=8",
-        "generation.max_completion_length=8",
-        "algo.num_generations=4",
-        f"rewards=[{{name: '{HERE}:length_reward'}}]",
-        "seed=3",
-        *extra,
-    ]
+    return run_overrides(tiny_model_dir, data["prompts_train"], out, "train.max_steps=3",
+                         "train.per_device_train_batch_size=8", "generation.max_completion_length=8",
+                         "algo.num_generations=4", f"rewards=[{{name: '{HERE}:length_reward'}}]", *extra,
+                         learning_rate="1e-3")
 
 
 def test_three_steps_change_every_parameter(tiny_model_dir, data, tmp_path, reference_loads):

@@ -11,31 +11,14 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
-from tests.integration.helpers import final_weights, max_weight_diff, metrics, run_cli, step_losses, write_task_data
+from tests.integration.helpers import (BATCH_4, final_weights, max_weight_diff, metrics, run_cli, run_overrides,
+                                      step_losses)
 
 LORA = ["model.lora.enabled=true", "model.lora.r=4", "model.lora.alpha=8"]
 
 
-@pytest.fixture(scope="module")
-def data(tmp_path_factory):
-    return write_task_data(tmp_path_factory.mktemp("data"), n_train=32, n_eval=8)
-
-
 def base(tiny_model_dir, train, out, *extra):
-    return [
-        f"model.name_or_path={tiny_model_dir}",
-        f"data.train={train}",
-        f"output_dir={out}",
-        "train.learning_rate=1e-2",
-        "train.logging_steps=1",
-        "train.report=false",
-        "train.tensorboard=false",
-        "train.per_device_train_batch_size=4",
-        "train.per_device_eval_batch_size=4",
-        "seed=3",
-        *LORA,
-        *extra,
-    ]
+    return run_overrides(tiny_model_dir, train, out, *BATCH_4, *LORA, *extra, learning_rate="1e-2")
 
 
 def adapted_model(tiny_model_dir, checkpoint, task="causal_lm", seed=3):

@@ -12,30 +12,13 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
 
-from tests.integration.helpers import (assert_resume_is_exact, final_weights, metrics, run_cli, step_losses,
-                                      write_task_data)
+from tests.integration.helpers import (BATCH_4, assert_resume_is_exact, final_weights, metrics, run_cli, run_overrides,
+                                      step_losses)
 from tests.integration.test_dpo import assert_same_update
 
 
-@pytest.fixture(scope="module")
-def data(tmp_path_factory):
-    return write_task_data(tmp_path_factory.mktemp("data"), n_train=32, n_eval=8)
-
-
 def base(tiny_model_dir, data, out, *extra):
-    return [
-        f"model.name_or_path={tiny_model_dir}",
-        f"data.train={data['pref_train']}",
-        f"output_dir={out}",
-        "train.learning_rate=3e-3",
-        "train.logging_steps=1",
-        "train.report=false",
-        "train.tensorboard=false",
-        "train.per_device_train_batch_size=4",
-        "train.per_device_eval_batch_size=4",
-        "seed=3",
-        *extra,
-    ]
+    return run_overrides(tiny_model_dir, data["pref_train"], out, *BATCH_4, *extra)
 
 
 def initial_classifier(tiny_model_dir, seed=3):

@@ -9,26 +9,17 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from tests.integration.helpers import final_weights, max_weight_diff, metrics, run_cli, step_losses, write_task_data
+from posttrain.tasks import write_example_data
+from tests.integration.helpers import final_weights, max_weight_diff, metrics, run_cli, run_overrides, step_losses
 
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
-    return write_task_data(tmp_path_factory.mktemp("data"))
+    return write_example_data(tmp_path_factory.mktemp("data"), n_train=64, n_eval=16)
 
 
 def base(tiny_model_dir, data, out, *extra):
-    return [
-        f"model.name_or_path={tiny_model_dir}",
-        f"data.train={data['sft_train']}",
-        f"output_dir={out}",
-        "train.learning_rate=3e-3",
-        "train.logging_steps=1",
-        "train.report=false",
-        "train.tensorboard=false",
-        "seed=3",
-        *extra,
-    ]
+    return run_overrides(tiny_model_dir, data["sft_train"], out, *extra)
 
 
 def test_three_steps_change_every_parameter_and_export_loads(tiny_model_dir, data, tmp_path):
