@@ -281,13 +281,6 @@ class Backend:
 
     # --- training --------------------------------------------------------------------------------------------
     def prepare(self, model, optimizer):
-        if self.is_fsdp and hasattr(model, "merge_and_unload") and self.recipe.train.save_final_model:
-            # fail now rather than after training: merging adapters into FSDP2 shards is not implemented
-            raise UserError(
-                "model.lora under FSDP: final/ (adapters merged into the weights) cannot be written from FSDP "
-                "shards yet. Train LoRA under DDP or DeepSpeed (e.g. recipes/accelerate/zero3.yaml), or set "
-                "train.save_final_model=false and keep the checkpoints"
-            )
         return self.accelerator.prepare(model, optimizer)
 
     def prepare_frozen(self, model):

@@ -236,6 +236,37 @@ def merge_lora(model):
     return inner.merge_and_unload(safe_merge=True)
 
 
+def merge_lora_state(peft_model, state: dict):
+    """The plain model with the adapters folded in, built on CPU from `state` (the LoRA model's full state dict, as
+    gathered from FSDP shards on rank 0) and the structure of `peft_model`, which is left untouched. The copy is made
+    on the meta device and takes the gathered tensors as they are, so no further copy of the weights is allocated."""
+    import copy
+
+    import torch
+    from peft import get_peft_model
+    from torch.distributed.fsdp import FSDPModule
+
+    base = peft_model.get_base_model()
+    cls = next(c for c in type(base).__mro__ if not issubclass(c, FSDPModule))  # fully_shard subclasses the model
+    name = peft_model.active_adapter
+    with torch.device("meta"):
+        fresh = get_peft_model(cls._from_config(base.config), copy.deepcopy(peft_model.peft_config[name]), name)
+    _, unexpected = fresh.load_state_dict(state, strict=False, assign=True)
+    if unexpected:
+        raise RuntimeError(f"merging LoRA from gathered weights: unexpected entries {unexpected[:5]}")
+    fresh.get_base_model().tie_weights()  # a tied lm_head was gathered once, under the embedding's name
+    buffers = dict(peft_model.named_buffers())  # buffers are not sharded; non-persistent ones are in no state dict
+    for key, buffer in list(fresh.named_buffers()):
+        if buffer.is_meta:
+            module_name, _, leaf = key.rpartition(".")
+            fresh.get_submodule(module_name).register_buffer(leaf, buffers[key].detach().to("cpu", copy=True),
+                                                             persistent=False)
+    still_meta = [n for n, p in fresh.named_parameters() if p.is_meta]
+    if still_meta:
+        raise RuntimeError(f"merging LoRA from gathered weights: no values for {still_meta[:5]}")
+    return fresh.merge_and_unload(safe_merge=True)
+
+
 def count_parameters(model) -> tuple[int, int]:
     """(total, trainable) parameter counts; shared (tied) weights once; full sizes under ZeRO-3 partitioning."""
     total = trainable = 0

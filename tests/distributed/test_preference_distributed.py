@@ -4,7 +4,8 @@ process with the same global batch (2 processes x micro-batch 1 x accumulation 2
 DPO runs with a live frozen reference everywhere (under ZeRO-3 the reference is itself a sharded inference engine),
 and with precompute_ref_logprobs under ZeRO-3 and FSDP2: every rank scores its slice of the pairs in step with the
 others, one all-reduce assembles the table, and the cached table equals the one-process table. LoRA DPO (reference
-= the adapter-off policy) runs under DDP and ZeRO-3. Three steps each.
+= the adapter-off policy) runs under DDP, ZeRO-3 and FSDP2, LoRA RM under FSDP2; the merged final/ equals the
+one-process one. Three steps each.
 """
 
 from __future__ import annotations
@@ -102,8 +103,17 @@ def test_dpo_precomputed_reference_under_sharding(engine, tiny_model_dir, data, 
         assert (mine[split] - theirs[split]).abs().max() < 1e-5, split
 
 
-@pytest.mark.parametrize("engine", ["ddp", "zero3"])
+@pytest.mark.parametrize("engine", ["ddp", "zero3", "fsdp2"])
 def test_dpo_lora_two_processes_match_one(engine, tiny_model_dir, data, tmp_path, single):
     result = launch(2, "dpo", overrides(tiny_model_dir, data, tmp_path / "run", *TWO, *LORA),
                     accelerate_config=ENGINES[engine])
     check_matches(result, single("dpo", "lora"), engine)
+
+
+def test_rm_lora_under_fsdp2_exports_the_merged_model(tiny_model_dir, data, tmp_path, single):
+    """FSDP2 shards the LoRA model; final/ is merged on rank 0 from the gathered state (the score head is a peft
+    modules_to_save copy) and equals the one-process merged export, with no adapter entries left."""
+    result = launch(2, "rm", overrides(tiny_model_dir, data, tmp_path / "run", *TWO, *LORA),
+                    accelerate_config=ENGINES["fsdp2"])
+    check_matches(result, single("rm", "lora"), "fsdp2")
+    assert not [k for k in result.final_weights() if "lora" in k or "modules_to_save" in k or "base_layer" in k]
