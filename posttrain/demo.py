@@ -42,6 +42,9 @@ class DemoSize:
     carry_slip: float = 0.5  # share of carrying SFT demonstrations that forget the carry
 
 
+# Why this shape (measured, 2 CPU cores): with the 1,000 two-digit + one-digit problems the model memorised its
+# training problems (89.5% vs 76.5% held out) and GRPO on them raised only those; with clean demonstrations SFT
+# reached ~92% and left GRPO nothing it could generalise. Sloppy carries leave a real, general mistake to correct.
 FULL = DemoSize(hidden_size=128, num_layers=4, n_train=4000, n_rl=2000, n_eval=200, sft_steps=1600, dpo_steps=200,
                 grpo_steps=200)
 QUICK = DemoSize(hidden_size=64, num_layers=2, n_train=400, n_rl=200, n_eval=40, sft_steps=20, dpo_steps=4,
