@@ -124,7 +124,8 @@ def check_compatible(path: Path, now: dict[str, Any]) -> None:
     The data position is the step number over a stream cut into global batches (train/sources.py), so the global
     batch must match; how it is split (processes x micro-batch x accumulation) may change. Full-weight engines
     (single process, DDP) hold the whole model and optimiser in one file, so any process count can continue them.
-    DeepSpeed and FSDP checkpoints are sharded per rank: same engine and process count only.
+    FSDP2 writes torch.distributed.checkpoint shards, which load into any sharding: same engine, any process count.
+    DeepSpeed checkpoints are sharded per rank: same engine and process count only.
     """
     saved = read_trainer_state(path)["run"]
     if saved.get("global_batch") != now["global_batch"]:
@@ -137,11 +138,14 @@ def check_compatible(path: Path, now: dict[str, Any]) -> None:
             "the global batch matches, or start a new output_dir"
         )
     sharded = any(str(e).startswith(("deepspeed", "fsdp")) for e in (saved.get("engine", ""), now["engine"]))
-    if sharded and (saved.get("world_size") != now["world_size"] or saved.get("engine") != now["engine"]):
+    reshards = str(now["engine"]).startswith("fsdp")  # torch.distributed.checkpoint reads shards into any layout
+    if sharded and (saved.get("engine") != now["engine"] or
+                    (saved.get("world_size") != now["world_size"] and not reshards)):
         raise UserError(
             f"{path} holds {saved.get('engine')} state sharded over {saved.get('world_size')} processes; this run is "
-            f"{now['engine']} on {now['world_size']}. Resume with the same launcher config and process count, "
-            "or start a new run from a model exported with the old launch (final/)"
+            f"{now['engine']} on {now['world_size']}. Resume with the same launcher config and process count "
+            "(FSDP2: same config, any process count), or start a new run from a model exported with the old launch "
+            "(final/)"
         )
 
 

@@ -126,3 +126,20 @@ def test_resume_with_another_process_count(two_process_run, tiny_model_dir, task
     err = capsys.readouterr().err
     assert "deepspeed-zero2 state sharded over 2 processes" in err and "single on 1" in err, err
     assert [p.name for p in (sharded / "checkpoints").iterdir()] == ["step-2"] and not (sharded / "final").exists()
+
+
+def test_fsdp2_resumes_on_another_process_count(two_process_run, tiny_model_dir, task_data, tmp_path):
+    """FSDP2 checkpoints are torch.distributed.checkpoint shards, which load into another sharding: a 2-process run
+    stopped at step 2 continues on 1 FSDP2 process (micro-batch 1 x accumulation 4) with the same losses."""
+    fsdp2 = two_process_run("fsdp2")
+    assert fsdp2.ok, fsdp2.output[-3000:]
+    one = fsdp2.copy_at(2, tmp_path / "fsdp2-to-one")
+    result = launch(1, "sft", sft_overrides(tiny_model_dir, task_data, one, *ONE_PROCESS_SPLITS["mb1_acc4"],
+                                            "train.resume_from_checkpoint=auto"), accelerate_config="fsdp2")
+    assert result.ok, result.output[-4000:]
+    assert result.facts["engine"] == "fsdp2" and result.facts["world_size"] == "1"
+    losses, full = step_losses(one), fsdp2.losses()
+    assert sorted(losses) == list(range(1, STEPS + 1))
+    for step in range(3, STEPS + 1):
+        assert losses[step] == pytest.approx(full[step], abs=1e-5), (step, losses, full)
+    assert max_weight_diff(result.final_weights(), fsdp2.final_weights()) < 1e-5
