@@ -87,6 +87,17 @@ def read_metrics(output_dir: str | Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+def eval_endpoints(rows: list[dict[str, Any]]) -> list[tuple[str, tuple[int, float], tuple[int, float]]]:
+    """(metric, (step, value) at its first evaluation, (step, value) at its last) for every eval/ metric: with an
+    evaluation at step 0 the first is the starting model's."""
+    out = []
+    for key in sorted({k for r in rows for k in r if k.startswith("eval/")}):
+        points = [(r["step"], r[key]) for r in rows if isinstance(r.get(key), (int, float))]
+        if points:
+            out.append((key, points[0], points[-1]))
+    return out
+
+
 def write_report(output_dir: str | Path, title: str, extra: Optional[dict[str, Any]] = None) -> Path:
     """report.html + curves.png: every numeric metric against step, plus a table of `extra` facts."""
     import matplotlib
@@ -115,10 +126,16 @@ def write_report(output_dir: str | Path, title: str, extra: Optional[dict[str, A
     facts = "".join(
         f"<tr><th>{html.escape(str(k))}</th><td>{html.escape(str(v))}</td></tr>" for k, v in (extra or {}).items()
     )
+    evals = "".join(
+        f"<tr><th>{html.escape(key)}</th><td>{first:.4g} (step {s0})</td><td>{last:.4g} (step {s1})</td></tr>"
+        for key, (s0, first), (s1, last) in eval_endpoints(rows)
+    )
     page = (
         f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title></head><body>"
-        f"<h1>{html.escape(title)}</h1><table>{facts}</table><img src='curves.png' alt='training curves'>"
-        f"<p>{len(rows)} logged rows in metrics.jsonl</p></body></html>"
+        f"<h1>{html.escape(title)}</h1><table>{facts}</table>"
+        + (f"<h2>Held-out evaluation</h2><table><tr><th>metric</th><th>first</th><th>last</th></tr>{evals}</table>"
+           if evals else "")
+        + f"<img src='curves.png' alt='training curves'><p>{len(rows)} logged rows in metrics.jsonl</p></body></html>"
     )
     report = output_dir / "report.html"
     report.write_text(page)

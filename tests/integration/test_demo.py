@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from posttrain.cli import main
 
 
@@ -20,3 +22,11 @@ def test_quick_demo_writes_reports_and_results(tmp_path):
         assert any("loss" in r for r in rows)
     grpo_rows = [json.loads(line) for line in (out / "grpo" / "metrics.jsonl").read_text().splitlines()]
     assert any("eval/accuracy" in r for r in grpo_rows)
+    # the reports show the held-out numbers before (step 0: the SFT model) and after
+    dpo_rows = [json.loads(line) for line in (out / "dpo" / "metrics.jsonl").read_text().splitlines()]
+    before = next(r for r in dpo_rows if "eval/logps/accuracies" in r)
+    assert before["step"] == 0
+    assert before["eval/logps/accuracies"] == pytest.approx(results["dpo_pref_accuracy_before"], abs=1e-6)
+    page = (out / "dpo" / "report.html").read_text()
+    assert "Held-out evaluation" in page and "<th>eval/logps/accuracies</th>" in page and "(step 0)" in page
+    assert "<th>eval/accuracy</th>" in (out / "grpo" / "report.html").read_text()
