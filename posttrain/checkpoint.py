@@ -23,6 +23,8 @@ from posttrain.errors import UserError
 from posttrain.train.loop import TrainState
 
 STEP_DIR = re.compile(r"^step-(\d+)$")
+UNIVERSAL_DIR = ".universal"  # converted DeepSpeed checkpoints, read once on resume and removed
+DEEPSPEED_TAG = "pytorch_model"  # the tag Accelerate saves the DeepSpeed engine under
 
 
 def list_checkpoints(output_dir: str | Path) -> list[Path]:
@@ -103,6 +105,10 @@ class Checkpointer:
         for group, lr in zip(optimizer.param_groups, scheduler.get_last_lr()):
             group["lr"] = lr
         self.last_saved_step = payload["state"]["step"]
+        if path.parent.name == UNIVERSAL_DIR:  # a converted copy (to_universal): read, no longer needed
+            self.backend.barrier()
+            if self.backend.is_main:
+                shutil.rmtree(path.parent, ignore_errors=True)
         return TrainState(**payload["state"])
 
 
@@ -118,14 +124,16 @@ def run_facts(backend, t) -> dict[str, Any]:
     }
 
 
-def check_compatible(path: Path, now: dict[str, Any]) -> None:
-    """Stop before training unless the checkpoint at `path` can be continued exactly by this launch.
+def check_compatible(path: Path, now: dict[str, Any]) -> bool:
+    """Stop before training unless the checkpoint at `path` can be continued exactly by this launch; True when it
+    must first be converted to DeepSpeed's universal format (`to_universal`).
 
     The data position is the step number over a stream cut into global batches (train/sources.py), so the global
     batch must match; how it is split (processes x micro-batch x accumulation) may change. Full-weight engines
     (single process, DDP) hold the whole model and optimiser in one file, so any process count can continue them.
-    FSDP2 writes torch.distributed.checkpoint shards, which load into any sharding: same engine, any process count.
-    DeepSpeed checkpoints are sharded per rank: same engine and process count only.
+    FSDP2 writes torch.distributed.checkpoint shards, which load into any sharding. DeepSpeed shards per rank; its
+    universal format (each parameter's weights and optimiser state whole) loads into any process count. The engine
+    itself must stay the same.
     """
     saved = read_trainer_state(path)["run"]
     if saved.get("global_batch") != now["global_batch"]:
@@ -138,15 +146,37 @@ def check_compatible(path: Path, now: dict[str, Any]) -> None:
             "the global batch matches, or start a new output_dir"
         )
     sharded = any(str(e).startswith(("deepspeed", "fsdp")) for e in (saved.get("engine", ""), now["engine"]))
-    reshards = str(now["engine"]).startswith("fsdp")  # torch.distributed.checkpoint reads shards into any layout
-    if sharded and (saved.get("engine") != now["engine"] or
-                    (saved.get("world_size") != now["world_size"] and not reshards)):
+    if sharded and saved.get("engine") != now["engine"]:
         raise UserError(
             f"{path} holds {saved.get('engine')} state sharded over {saved.get('world_size')} processes; this run is "
-            f"{now['engine']} on {now['world_size']}. Resume with the same launcher config and process count "
-            "(FSDP2: same config, any process count), or start a new run from a model exported with the old launch "
-            "(final/)"
+            f"{now['engine']} on {now['world_size']}. Resume with the same launcher config (any process count), "
+            "or start a new run from a model exported with the old launch (final/)"
         )
+    return str(now["engine"]).startswith("deepspeed") and saved.get("world_size") != now["world_size"]
+
+
+def to_universal(backend, path: Path, output_dir: str | Path) -> Path:
+    """A copy of the DeepSpeed checkpoint at `path` in DeepSpeed's universal format, under
+    output_dir/.universal/step-N (rank 0 converts, the others wait; `path` itself is left as it is). Loading it needs
+    backend.load_universal() before the engine is built; `Checkpointer.load` removes the copy once it is read."""
+    target = Path(output_dir) / UNIVERSAL_DIR / path.name
+    if backend.is_main:
+        import argparse
+        import contextlib
+        import io
+
+        from deepspeed.checkpoint.ds_to_universal import main as convert
+
+        shutil.rmtree(target, ignore_errors=True)
+        target.mkdir(parents=True)
+        shutil.copy2(path / "trainer_state.json", target / "trainer_state.json")
+        args = argparse.Namespace(input_folder=str(path / DEEPSPEED_TAG), output_folder=str(target / DEEPSPEED_TAG),
+                                  num_extract_workers=1, num_merge_workers=1, keep_temp_folder=False, strict=True,
+                                  inject_missing_state=True)
+        with contextlib.redirect_stdout(io.StringIO()):  # the converter prints every stage
+            convert(args)
+    backend.barrier()
+    return target
 
 
 def export_final(backend, model, tokenizer, output_dir: str, merge_lora: bool = True) -> Optional[Path]:

@@ -19,13 +19,14 @@ from typing import Any, Optional
 
 import torch
 
-from posttrain.checkpoint import Checkpointer, check_compatible, export_final, resolve_resume, run_facts
+from posttrain.checkpoint import (UNIVERSAL_DIR, Checkpointer, check_compatible, export_final, resolve_resume,
+                                  run_facts, to_universal)
 from posttrain.config.load import dump_yaml
 from posttrain.config.schema import Recipe, total_steps
 from posttrain.errors import UserError
 
 RUN_ARTIFACTS = ("config.yaml", "metrics.jsonl", "tensorboard", "checkpoints", "final", "report.html", "curves.png",
-                 "samples.jsonl", "ref_logprobs.safetensors")
+                 "samples.jsonl", "ref_logprobs.safetensors", UNIVERSAL_DIR)
 
 
 @dataclass
@@ -136,9 +137,12 @@ def run(command: str, recipe: Recipe) -> RunResult:
     # 2. processes and engines; then models
     backend = Backend(recipe)
     facts = run_facts(backend, t)
-    if resume_from is not None:  # a checkpoint this launch cannot continue exactly stops here, before any model
-        check_compatible(resume_from, facts)
+    # a checkpoint this launch cannot continue exactly stops here, before any model
+    universal = resume_from is not None and check_compatible(resume_from, facts)
     out = Path(recipe.output_dir)
+    if universal:  # DeepSpeed on another process count: continue from the universal format
+        resume_from = to_universal(backend, resume_from, out)
+        backend.load_universal()
     if backend.is_main:
         out.mkdir(parents=True, exist_ok=True)
         if t.overwrite_output_dir:

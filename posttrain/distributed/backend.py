@@ -279,6 +279,11 @@ class Backend:
             config.setdefault(precision, {})["enabled"] = t.mixed_precision == precision
         plugin.gradient_accumulation_steps = t.gradient_accumulation_steps
 
+    def load_universal(self) -> None:
+        """Have the DeepSpeed engine built by `prepare` read checkpoints in the universal format (see
+        checkpoint.to_universal)."""
+        self.accelerator.state.deepspeed_plugin.deepspeed_config.setdefault("checkpoint", {})["load_universal"] = True
+
     # --- training --------------------------------------------------------------------------------------------
     def prepare(self, model, optimizer):
         return self.accelerator.prepare(model, optimizer)

@@ -9,7 +9,7 @@ import json
 import pytest
 import yaml
 
-from tests.distributed.launch import launch
+from tests.distributed.launch import ENGINE_NAMES, ENGINES, launch
 from tests.distributed.recipes import ONE_PROCESS_SPLITS, STEPS, TWO_PROCESS_SPLIT, sft_overrides
 from tests.integration.helpers import max_weight_diff, run_cli, step_losses
 
@@ -117,7 +117,7 @@ def test_resume_with_another_process_count(two_process_run, tiny_model_dir, task
                                          "train.resume_from_checkpoint=auto")) == 2
     assert "global batch of 4" in capsys.readouterr().err
 
-    # a ZeRO checkpoint is sharded over 2 ranks: 1 process stops before training, saying why
+    # a ZeRO checkpoint cannot be continued by another engine (one plain process): it stops before training, saying why
     zero2 = two_process_run("zero2")
     assert zero2.ok, zero2.output[-3000:]
     sharded = zero2.copy_at(2, tmp_path / "zero2-to-one")
@@ -128,18 +128,25 @@ def test_resume_with_another_process_count(two_process_run, tiny_model_dir, task
     assert [p.name for p in (sharded / "checkpoints").iterdir()] == ["step-2"] and not (sharded / "final").exists()
 
 
-def test_fsdp2_resumes_on_another_process_count(two_process_run, tiny_model_dir, task_data, tmp_path):
-    """FSDP2 checkpoints are torch.distributed.checkpoint shards, which load into another sharding: a 2-process run
-    stopped at step 2 continues on 1 FSDP2 process (micro-batch 1 x accumulation 4) with the same losses."""
-    fsdp2 = two_process_run("fsdp2")
-    assert fsdp2.ok, fsdp2.output[-3000:]
-    one = fsdp2.copy_at(2, tmp_path / "fsdp2-to-one")
+@pytest.mark.parametrize("engine", ["fsdp2", "zero2", "zero3"])
+def test_sharded_checkpoints_resume_on_another_process_count(engine, two_process_run, tiny_model_dir, task_data,
+                                                             tmp_path):
+    """A 2-process run stopped at step 2 continues on 1 process of the same engine (micro-batch 1 x accumulation 4)
+    with the same losses and final weights: FSDP2's torch.distributed.checkpoint shards load into another sharding;
+    a DeepSpeed checkpoint is converted to DeepSpeed's universal format first (the original is left as it was)."""
+    run = two_process_run(engine)
+    assert run.ok, run.output[-3000:]
+    one = run.copy_at(2, tmp_path / f"{engine}-to-one")
+    files = lambda: sorted(p.relative_to(one) for p in (one / "checkpoints" / "step-2").rglob("*"))  # noqa: E731
+    saved = files()
     result = launch(1, "sft", sft_overrides(tiny_model_dir, task_data, one, *ONE_PROCESS_SPLITS["mb1_acc4"],
-                                            "train.resume_from_checkpoint=auto"), accelerate_config="fsdp2")
+                                            "train.resume_from_checkpoint=auto"), **ENGINES[engine])
     assert result.ok, result.output[-4000:]
-    assert result.facts["engine"] == "fsdp2" and result.facts["world_size"] == "1"
-    losses, full = step_losses(one), fsdp2.losses()
+    assert result.facts["engine"] == ENGINE_NAMES[engine] and result.facts["world_size"] == "1"
+    losses, full = step_losses(one), run.losses()
     assert sorted(losses) == list(range(1, STEPS + 1))
     for step in range(3, STEPS + 1):
         assert losses[step] == pytest.approx(full[step], abs=1e-5), (step, losses, full)
-    assert max_weight_diff(result.final_weights(), fsdp2.final_weights()) < 1e-5
+    assert max_weight_diff(result.final_weights(), run.final_weights()) < 1e-5
+    assert files() == saved  # the checkpoint read is left as it was
+    assert not (one / ".universal").exists()  # the converted copy is gone once read

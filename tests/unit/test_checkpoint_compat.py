@@ -1,5 +1,5 @@
-"""Which launches may continue a checkpoint: the global batch always; the process count only where the engine's
-files can be read into another layout (whole weights, or FSDP2's torch.distributed.checkpoint shards)."""
+"""Which launches may continue a checkpoint: the same global batch always, the same engine for sharded state; the
+process count may change (DeepSpeed's via its universal format: check_compatible says when to convert)."""
 
 from __future__ import annotations
 
@@ -22,23 +22,25 @@ def saved(tmp_path, run: dict):
     return tmp_path
 
 
-@pytest.mark.parametrize("before, after", [
-    (("ddp", 2), ("single", 1)),
-    (("single", 1), ("ddp", 2)),
-    (("fsdp2", 2), ("fsdp2", 1)),
-    (("fsdp2", 2), ("fsdp2", 4)),
-    (("deepspeed-zero3", 2), ("deepspeed-zero3", 2)),
+@pytest.mark.parametrize("before, after, convert", [
+    (("ddp", 2), ("single", 1), False),
+    (("single", 1), ("ddp", 2), False),
+    (("fsdp2", 2), ("fsdp2", 1), False),
+    (("fsdp2", 2), ("fsdp2", 4), False),
+    (("deepspeed-zero3", 2), ("deepspeed-zero3", 2), False),
+    (("deepspeed-zero2", 2), ("deepspeed-zero2", 1), True),
+    (("deepspeed-zero3", 1), ("deepspeed-zero3", 4), True),
 ])
-def test_launches_that_continue(tmp_path, before, after):
+def test_launches_that_continue(tmp_path, before, after, convert):
     (e0, w0), (e1, w1) = before, after
     path = saved(tmp_path, facts(e0, w0, accumulation=4 // w0))
-    check_compatible(path, facts(e1, w1, accumulation=4 // w1))
+    assert check_compatible(path, facts(e1, w1, accumulation=4 // w1)) is convert
 
 
 @pytest.mark.parametrize("before, after, says", [
-    (("deepspeed-zero2", 2), ("deepspeed-zero2", 1), "deepspeed-zero2 state sharded over 2 processes"),
-    (("fsdp2", 2), ("single", 1), "this run is single on 1"),
+    (("deepspeed-zero2", 2), ("single", 1), "deepspeed-zero2 state sharded over 2 processes; this run is single on 1"),
     (("fsdp2", 2), ("deepspeed-zero3", 2), "this run is deepspeed-zero3 on 2"),
+    (("deepspeed-zero2", 2), ("deepspeed-zero3", 2), "this run is deepspeed-zero3 on 2"),
     (("ddp", 2), ("fsdp2", 2), "this run is fsdp2 on 2"),
 ])
 def test_launches_that_stop_and_say_why(tmp_path, before, after, says):
