@@ -364,12 +364,27 @@ class Backend:
 
     @contextlib.contextmanager
     def gathered_parameters(self, model) -> Iterator[None]:
-        """Full parameters on every rank for the duration (ZeRO-3 generation / export); a no-op elsewhere."""
+        """Full parameters on every rank for the duration (generation, export), gathered once: no forward inside
+        makes a collective call, so ranks may run different numbers of forwards. A no-op where nothing is sharded."""
         if self.is_deepspeed and self.zero_stage == 3:
             import deepspeed
 
             with deepspeed.zero.GatheredParameters(list(model.parameters())):
                 yield
+        elif self.is_fsdp:
+            from torch.distributed.fsdp import FSDPModule
+
+            sharded = [m for m in self.unwrap(model).modules() if isinstance(m, FSDPModule)]
+            for module in sharded:  # every rank, same order
+                module.set_reshard_after_forward(False, recurse=False)
+                module.unshard()
+            try:
+                yield
+            finally:
+                after_forward = self.accelerator.state.fsdp_plugin.reshard_after_forward
+                for module in sharded:
+                    module.reshard()
+                    module.set_reshard_after_forward(bool(after_forward), recurse=False)
         else:
             yield
 

@@ -42,7 +42,8 @@ class HFEngine:
     """`GenerationEngine` over transformers generate. Shares the policy in-process: no weight copies, no sync.
 
     model: a causal LM (the unwrapped policy, or a separate copy). tokenizer: gives eos and pad ids.
-    gather: factory of a context manager entered around generation (ZeRO-3 parameter gathering), or None.
+    gather: factory of a context manager entered around generation that gives the model its full parameters once for
+    the whole call (ZeRO-3, FSDP2: `Backend.gathered_parameters`) instead of an all-gather per forward, or None.
     batch_size: prompts per `model.generate` call (None: all at once).
     """
 
@@ -125,7 +126,7 @@ class HFEngine:
             input_ids=input_ids.to(device),
             attention_mask=attention_mask.to(device),
             generation_config=self._generation_config(params),
-        )
+        )  # under ZeRO-3 / FSDP transformers keeps the ranks stepping together until the last completion ends
         new_BN = out.sequences[:, width:].cpu()
         # Raw logits, one (B, V) tensor per new token; processed `scores` would carry top-k/top-p masking.
         temperature = params.logprob_temperature

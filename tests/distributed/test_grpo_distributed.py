@@ -44,7 +44,7 @@ def single(tiny_model_dir, data, tmp_path_factory):
 
 
 @pytest.mark.parametrize("engine, accelerate_config", [("ddp", None), ("deepspeed-zero2", "zero2"),
-                                                       ("deepspeed-zero3", "zero3")])
+                                                       ("deepspeed-zero3", "zero3"), ("fsdp2", "fsdp2")])
 def test_two_processes_match_one(tiny_model_dir, data, tmp_path, single, engine, accelerate_config):
     result = launch(2, "grpo", overrides(tiny_model_dir, data, tmp_path / "run", per_device=2),
                     accelerate_config=accelerate_config)
@@ -62,3 +62,20 @@ def test_two_processes_match_one(tiny_model_dir, data, tmp_path, single, engine,
             if name in expected:
                 assert got[name] == pytest.approx(expected[name], abs=1e-5), (engine, key, name)
     assert max_weight_diff(single.final_weights(), result.final_weights()) < 1e-4
+
+
+@pytest.mark.parametrize("accelerate_config", ["zero3", "fsdp2"])
+def test_ranks_generating_different_lengths_finish_together(tiny_model_dir, data, tmp_path, accelerate_config):
+    """Rank 0's completions all stop after one token, rank 1's run on: the sharded policy still generates on both
+    (transformers keeps the ranks stepping together) and the run finishes. Under FSDP2 the parameters are gathered
+    once per generate call: at most one all-gather per sharded module, not one per module per decoding step."""
+    out = tmp_path / "run"
+    result = launch(2, "grpo", overrides(tiny_model_dir, data, out, per_device=2), accelerate_config=accelerate_config,
+                    hooks=["uneven_generation"], env={"POSTTRAIN_HOOK_OUT": str(out / "hooks")}, timeout=150)
+    assert result.ok, result.output[-4000:]
+    result.check_world(2)
+    ranks = result.hook_report("uneven_generation")
+    assert ranks[0]["longest"] == 1 and ranks[1]["longest"] > 1, ranks
+    if accelerate_config == "fsdp2":  # gathering per forward made 16-17 all-gathers per call here
+        assert ranks[0]["gathers"] == ranks[1]["gathers"], ranks
+        assert all(0 < n <= ranks[0]["fsdp_modules"] for n in ranks[0]["gathers"]), ranks
