@@ -161,20 +161,10 @@ def to_universal(backend, path: Path, output_dir: str | Path) -> Path:
     backend.load_universal() before the engine is built; `Checkpointer.load` removes the copy once it is read."""
     target = Path(output_dir) / UNIVERSAL_DIR / path.name
     if backend.is_main:
-        import argparse
-        import contextlib
-        import io
-
-        from deepspeed.checkpoint.ds_to_universal import main as convert
-
         shutil.rmtree(target, ignore_errors=True)
         target.mkdir(parents=True)
         shutil.copy2(path / "trainer_state.json", target / "trainer_state.json")
-        args = argparse.Namespace(input_folder=str(path / DEEPSPEED_TAG), output_folder=str(target / DEEPSPEED_TAG),
-                                  num_extract_workers=1, num_merge_workers=1, keep_temp_folder=False, strict=True,
-                                  inject_missing_state=True)
-        with contextlib.redirect_stdout(io.StringIO()):  # the converter prints every stage
-            convert(args)
+        backend.convert_to_universal(path / DEEPSPEED_TAG, target / DEEPSPEED_TAG)
     backend.barrier()
     return target
 
@@ -191,7 +181,7 @@ def export_final(backend, model, tokenizer, output_dir: str, merge_lora: bool = 
         # FSDP2 parameters are DTensor shards: gather the LoRA model's state to rank 0 and merge a CPU copy there
         state_dict = backend.full_state_dict(model)
         if backend.is_main:
-            unwrapped = merge_lora_state(unwrapped, state_dict)
+            unwrapped = merge_lora_state(unwrapped, state_dict, backend.model_class(unwrapped.get_base_model()))
             state_dict = drop_tied_aliases(unwrapped, dict(unwrapped.state_dict()))
     elif merge_lora and hasattr(unwrapped, "merge_and_unload"):
         from posttrain.distributed.backend import drop_tied_aliases

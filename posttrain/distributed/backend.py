@@ -27,6 +27,7 @@ import resource
 import time
 import warnings
 from datetime import timedelta
+from pathlib import Path
 from typing import Any, Iterator, Optional
 
 import torch
@@ -278,6 +279,27 @@ class Backend:
         for precision in ("bf16", "fp16"):
             config.setdefault(precision, {})["enabled"] = t.mixed_precision == precision
         plugin.gradient_accumulation_steps = t.gradient_accumulation_steps
+
+    @staticmethod
+    def convert_to_universal(engine_dir: Path, target_dir: Path) -> None:
+        """One DeepSpeed engine checkpoint (the per-rank shards under engine_dir) rewritten in DeepSpeed's universal
+        format under target_dir: each parameter's weights and optimiser state whole. Called on one rank."""
+        import argparse
+        import io
+
+        from deepspeed.checkpoint.ds_to_universal import main as convert
+
+        args = argparse.Namespace(input_folder=str(engine_dir), output_folder=str(target_dir), num_extract_workers=1,
+                                  num_merge_workers=1, keep_temp_folder=False, strict=True, inject_missing_state=True)
+        with contextlib.redirect_stdout(io.StringIO()):  # the converter prints every stage
+            convert(args)
+
+    @staticmethod
+    def model_class(module) -> type:
+        """The class a module was built as: fully_shard swaps an FSDP2 module's class for a subclass of FSDPModule."""
+        from torch.distributed.fsdp import FSDPModule
+
+        return next(c for c in type(module).__mro__ if not issubclass(c, FSDPModule))
 
     def load_universal(self) -> None:
         """Have the DeepSpeed engine built by `prepare` read checkpoints in the universal format (see

@@ -236,21 +236,20 @@ def merge_lora(model):
     return inner.merge_and_unload(safe_merge=True)
 
 
-def merge_lora_state(peft_model, state: dict):
+def merge_lora_state(peft_model, state: dict, model_class: type):
     """The plain model with the adapters folded in, built on CPU from `state` (the LoRA model's full state dict, as
-    gathered from FSDP shards on rank 0) and the structure of `peft_model`, which is left untouched. The copy is made
-    on the meta device and takes the gathered tensors as they are, so no further copy of the weights is allocated."""
+    gathered from FSDP shards on rank 0) and the structure of `peft_model`, which is left untouched. `model_class`:
+    the transformers class of the base model (sharding may have swapped the instance's class). The copy is made on
+    the meta device and takes the gathered tensors as they are, so no further copy of the weights is allocated."""
     import copy
 
     import torch
     from peft import get_peft_model
-    from torch.distributed.fsdp import FSDPModule
 
-    base = peft_model.get_base_model()
-    cls = next(c for c in type(base).__mro__ if not issubclass(c, FSDPModule))  # fully_shard subclasses the model
     name = peft_model.active_adapter
     with torch.device("meta"):
-        fresh = get_peft_model(cls._from_config(base.config), copy.deepcopy(peft_model.peft_config[name]), name)
+        fresh = get_peft_model(model_class._from_config(peft_model.get_base_model().config),
+                               copy.deepcopy(peft_model.peft_config[name]), name)
     _, unexpected = fresh.load_state_dict(state, strict=False, assign=True)
     if unexpected:
         raise RuntimeError(f"merging LoRA from gathered weights: unexpected entries {unexpected[:5]}")

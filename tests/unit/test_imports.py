@@ -1,7 +1,8 @@
-"""STYLE rule 5: the pure layers never import distributed machinery or vLLM.
+"""STYLE rule 5: only posttrain/distributed/ imports distributed machinery, only posttrain/rollout/ vLLM.
 
-Only posttrain/distributed/ may import torch.distributed, accelerate or deepspeed, and only posttrain/rollout/
-may import vllm. This reads the source with ast (nothing is imported), so it also covers imports inside functions.
+Every module outside posttrain/distributed/ is read (the pure layers ops/, losses/, algorithms/, rewards/, config/
+included) for torch.distributed, accelerate and deepspeed, and outside posttrain/rollout/ for vllm. This reads the
+source with ast (nothing is imported), so it also covers imports inside functions.
 """
 
 import ast
@@ -12,6 +13,7 @@ import pytest
 PACKAGE = Path(__file__).resolve().parents[2] / "posttrain"
 PURE_PACKAGES = ("ops", "losses", "algorithms", "rewards", "config")
 FORBIDDEN = ("torch.distributed", "accelerate", "deepspeed", "vllm")
+ALLOWED_IN = {"distributed": ("torch.distributed", "accelerate", "deepspeed"), "rollout": ("vllm",)}
 
 
 def imported_modules(source: str) -> list[tuple[int, str]]:
@@ -31,16 +33,16 @@ def imported_modules(source: str) -> list[tuple[int, str]]:
     return found
 
 
-def forbidden_imports(source: str) -> list[str]:
+def forbidden_imports(source: str, allowed: tuple[str, ...] = ()) -> list[str]:
     return [
         f"line {line}: {module}"
         for line, module in imported_modules(source)
-        if any(module == banned or module.startswith(banned + ".") for banned in FORBIDDEN)
+        if any((module == banned or module.startswith(banned + ".")) and banned not in allowed for banned in FORBIDDEN)
     ]
 
 
-def pure_source_files() -> list[Path]:
-    return sorted(path for package in PURE_PACKAGES for path in (PACKAGE / package).rglob("*.py"))
+def source_files() -> list[Path]:
+    return sorted(PACKAGE.rglob("*.py"))
 
 
 def test_the_pure_packages_exist():
@@ -48,9 +50,10 @@ def test_the_pure_packages_exist():
         assert (PACKAGE / package / "__init__.py").is_file(), f"posttrain/{package}/ is gone; update PURE_PACKAGES"
 
 
-@pytest.mark.parametrize("path", pure_source_files(), ids=lambda p: str(p.relative_to(PACKAGE)))
-def test_pure_module_imports_no_distributed_or_vllm(path):
-    bad = forbidden_imports(path.read_text(encoding="utf-8"))
+@pytest.mark.parametrize("path", source_files(), ids=lambda p: str(p.relative_to(PACKAGE)))
+def test_module_imports_distributed_machinery_or_vllm_only_in_its_layer(path):
+    layer = path.relative_to(PACKAGE).parts[0]
+    bad = forbidden_imports(path.read_text(encoding="utf-8"), ALLOWED_IN.get(layer, ()))
     assert not bad, (
         f"{path.relative_to(PACKAGE.parent)} imports {', '.join(bad)}; only posttrain/distributed/ may import "
         "torch.distributed, accelerate or deepspeed, and only posttrain/rollout/ vllm (STYLE rule 5)"
@@ -78,3 +81,11 @@ def test_checker_catches(source):
 @pytest.mark.parametrize("source", ["import torch", "from torch import nn", "import accelerated_things", "import math"])
 def test_checker_allows(source):
     assert not forbidden_imports(source)
+
+
+def test_each_layer_may_import_only_its_own_machinery():
+    distributed, rollout = ALLOWED_IN["distributed"], ALLOWED_IN["rollout"]
+    assert not forbidden_imports("import deepspeed\nfrom accelerate import Accelerator", distributed)
+    assert forbidden_imports("from vllm import LLM", distributed)
+    assert not forbidden_imports("from vllm import LLM", rollout)
+    assert forbidden_imports("import torch.distributed as dist", rollout)
