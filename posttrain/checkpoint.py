@@ -174,23 +174,21 @@ def export_final(backend, model, tokenizer, output_dir: str, merge_lora: bool = 
 
     Every rank calls it: the full weights are gathered from the shards (ZeRO-3, FSDP) and rank 0 writes them."""
     unwrapped = backend.unwrap(model)
-    if merge_lora and hasattr(unwrapped, "merge_and_unload") and backend.is_fsdp:
+    if merge_lora and hasattr(unwrapped, "merge_and_unload"):
         from posttrain.distributed.backend import drop_tied_aliases
-        from posttrain.models.load import merge_lora_state
+        from posttrain.models.load import merge_lora as merge, merge_lora_state
 
-        # FSDP2 parameters are DTensor shards: gather the LoRA model's state to rank 0 and merge a CPU copy there
-        state_dict = backend.full_state_dict(model)
-        if backend.is_main:
-            unwrapped = merge_lora_state(unwrapped, state_dict, backend.model_class(unwrapped.get_base_model()))
-            state_dict = drop_tied_aliases(unwrapped, dict(unwrapped.state_dict()))
-    elif merge_lora and hasattr(unwrapped, "merge_and_unload"):
-        from posttrain.distributed.backend import drop_tied_aliases
-        from posttrain.models.load import merge_lora as merge
-
-        # merging needs the whole base weights: under ZeRO-3 every rank gathers them and merges the same way
-        with backend.gathered_parameters(model):
-            unwrapped = merge(unwrapped)
-            state_dict = {k: v.detach().to("cpu", copy=True) for k, v in unwrapped.state_dict().items()} if backend.is_main else {}
+        if backend.is_fsdp:
+            # FSDP2 parameters are DTensor shards: gather the LoRA model's state to rank 0 and merge a CPU copy there
+            state_dict = backend.full_state_dict(model)
+            if backend.is_main:
+                unwrapped = merge_lora_state(unwrapped, state_dict, backend.model_class(unwrapped.get_base_model()))
+                state_dict = dict(unwrapped.state_dict())
+        else:
+            # merging needs the whole base weights: under ZeRO-3 every rank gathers them and merges the same way
+            with backend.gathered_parameters(model):
+                unwrapped = merge(unwrapped)
+                state_dict = {k: v.detach().to("cpu", copy=True) for k, v in unwrapped.state_dict().items()} if backend.is_main else {}
         state_dict = drop_tied_aliases(unwrapped, state_dict)
     else:
         state_dict = backend.full_state_dict(model)

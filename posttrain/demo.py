@@ -1,6 +1,6 @@
 """`posttrain demo`: the whole pipeline on a laptop CPU, no downloads.
 
-    posttrain demo                 # about 4 minutes on 2 CPU cores
+    posttrain demo                 # 2-4 minutes on 2 CPU cores
     posttrain demo --quick         # a smoke run in under a minute
 
 1. a tiny random Llama-style model + a tokenizer trained here (posttrain make-tiny-model);

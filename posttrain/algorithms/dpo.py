@@ -144,6 +144,7 @@ class DPO:
     def loss(self, model, batch: Batch, normaliser: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         c, p = self.config, batch.num_pairs
         sums_B, counts_B = pl.sequence_logps(model, batch)
+        chosen_sums_P, rejected_sums_P = pl.split_pairs(sums_B, p)
         policy_B = pl.reduce_logps(sums_B, counts_B, self.spec.length_normalised)
         policy_chosen_P, policy_rejected_P = pl.split_pairs(policy_B, p)
         ref_chosen_P = ref_rejected_P = None
@@ -156,8 +157,7 @@ class DPO:
         loss_P = self.spec.loss(logits_P, beta=c.beta, label_smoothing=c.label_smoothing, simpo_gamma=c.simpo_gamma)
         metrics: dict[str, torch.Tensor] = {}
         if c.rpo_alpha > 0:
-            chosen_sums_P, chosen_counts_P = pl.split_pairs(sums_B, p)[0], pl.split_pairs(counts_B, p)[0]
-            nll_P = -chosen_sums_P / chosen_counts_P.clamp(min=1)
+            nll_P = -chosen_sums_P / pl.split_pairs(counts_B, p)[0].clamp(min=1)
             loss_P = loss_P + c.rpo_alpha * nll_P
             metrics["nll_loss"] = nll_P.detach().mean()
         chosen_rewards_P, rejected_rewards_P = implicit_rewards(
@@ -170,7 +170,7 @@ class DPO:
             "rewards/accuracies": (chosen_rewards_P > rejected_rewards_P).float().mean(),
             "logps/chosen": policy_chosen_P.detach().mean(),
             "logps/rejected": policy_rejected_P.detach().mean(),
-            "logps/accuracies": torch.gt(*pl.split_pairs(sums_B.detach(), p)).float().mean(),
+            "logps/accuracies": (chosen_sums_P > rejected_sums_P).float().mean(),
         })
         return loss_P.sum() / normaliser, metrics
 
