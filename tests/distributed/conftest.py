@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 
 from tests.distributed.launch import ENGINES, Result, launch
-from tests.distributed.recipes import ONE_PROCESS_SPLITS, TWO_PROCESS_SPLIT, sft_overrides
+from tests.distributed.recipes import TWO_PROCESS_SPLIT, sft_overrides
 from posttrain.tasks import write_example_data
-from tests.integration.helpers import final_weights, run_cli, step_losses
+from tests.integration.helpers import ONE_PROCESS_SPLITS, final_weights, run_cli, step_losses
 
 
 @pytest.fixture(scope="session")

@@ -13,8 +13,4 @@ def sft_overrides(model_dir: Path, data: dict[str, Path], out: Path, *extra: str
     return run_overrides(model_dir, data["sft_train"], out, f"train.max_steps={STEPS}", "train.save_steps=2", *extra)
 
 
-ONE_PROCESS_SPLITS = {  # global batch 4, split three ways
-    "mb4": ["train.per_device_train_batch_size=4", "train.gradient_accumulation_steps=1"],
-    "mb1_acc4": ["train.per_device_train_batch_size=1", "train.gradient_accumulation_steps=4"],
-}
 TWO_PROCESS_SPLIT = ["train.per_device_train_batch_size=1", "train.gradient_accumulation_steps=2"]

@@ -12,8 +12,8 @@ from __future__ import annotations
 import pytest
 
 from tests.distributed.launch import ENGINE_NAMES, ENGINES, SHARDED_PARAMETERS, launch
-from tests.distributed.recipes import ONE_PROCESS_SPLITS, STEPS, TWO_PROCESS_SPLIT, sft_overrides
-from tests.integration.helpers import max_weight_diff
+from tests.distributed.recipes import STEPS, TWO_PROCESS_SPLIT, sft_overrides
+from tests.integration.helpers import ONE_PROCESS_SPLITS, max_weight_diff
 
 pytestmark = pytest.mark.distributed
 

@@ -10,8 +10,8 @@ import pytest
 import yaml
 
 from tests.distributed.launch import ENGINE_NAMES, ENGINES, launch
-from tests.distributed.recipes import ONE_PROCESS_SPLITS, STEPS, TWO_PROCESS_SPLIT, sft_overrides
-from tests.integration.helpers import max_weight_diff, run_cli, step_losses
+from tests.distributed.recipes import STEPS, TWO_PROCESS_SPLIT, sft_overrides
+from tests.integration.helpers import ONE_PROCESS_SPLITS, max_weight_diff, run_cli, step_losses
 
 pytestmark = pytest.mark.distributed
 

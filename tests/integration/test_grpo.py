@@ -11,8 +11,8 @@ import torch
 from safetensors.torch import load_file
 
 from posttrain.tasks import write_example_data
-from tests.integration.helpers import (assert_resume_is_exact, final_weights, max_weight_diff, metrics, run_cli,
-                                      run_overrides, step_losses)
+from tests.integration.helpers import (ONE_PROCESS_SPLITS, assert_resume_is_exact, final_weights, max_weight_diff,
+                                       metrics, run_cli, run_overrides, step_losses)
 
 HERE = "tests.integration.test_grpo"
 
@@ -116,8 +116,7 @@ def test_resume_continues_exactly(tiny_model_dir, data, tmp_path):
 
 def test_accumulation_gives_the_same_update(tiny_model_dir, data, tmp_path):
     runs = {
-        "mb4": ["train.per_device_train_batch_size=4", "train.gradient_accumulation_steps=1"],
-        "mb1_acc4": ["train.per_device_train_batch_size=1", "train.gradient_accumulation_steps=4"],
+        **ONE_PROCESS_SPLITS,
         "mb2_acc2": ["train.per_device_train_batch_size=2", "train.gradient_accumulation_steps=2"],
     }
     for name, extra in runs.items():
