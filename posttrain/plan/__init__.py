@@ -1,0 +1,126 @@
+"""`posttrain plan`: will this recipe fit, under which engine, at which micro-batch? From config.json alone.
+
+    posttrain plan --config recipes/dpo.yaml model.name_or_path=Qwen/Qwen2.5-1.5B --gpus 8 --gpu-memory 80GiB
+    posttrain plan --command grpo --config recipes/grpo.yaml --gpus 1 --gpu-memory 80GiB --json
+
+The arithmetic is in plan/estimate.py (pure, unit-tested against hand counts); plan/shape.py reads the model's
+shape on the meta device; plan/recommend.py searches engines and micro-batches. `estimate_for_run` is what a run
+logs at start next to the peak it then measures.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from typing import Optional
+
+from posttrain.errors import UserError
+from posttrain.plan.estimate import ENGINES, GIB, Breakdown, estimate
+from posttrain.plan.recommend import format_table, launch_command, make_plan, to_json
+from posttrain.plan.shape import model_shape
+from posttrain.plan.workload import algorithm_facts, workload_from_recipe
+
+_UNITS = {"": GIB, "b": 1, "kb": 1000, "mb": 1000**2, "gb": 1000**3, "tb": 1000**4, "kib": 2**10, "mib": 2**20,
+          "gib": GIB, "tib": 2**40}
+
+
+def parse_memory(text: str, what: str = "--gpu-memory") -> int:
+    """'80GiB', '40GB', '24' (GiB) -> bytes."""
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text or "")
+    if not match or match.group(2).lower() not in _UNITS:
+        raise UserError(f"{what} '{text}' is not a memory size; write it like 80GiB, 40GB or 24 (GiB)")
+    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+
+
+def infer_algorithm(config: Optional[str], overrides: list[str]) -> str:
+    """The algorithm whose algo config has every key the recipe's algo: section (and overrides) sets; sft if none."""
+    from posttrain.algorithms import ALGORITHMS
+
+    keys = set()
+    if config:
+        import yaml
+
+        try:
+            keys = set(((yaml.safe_load(open(config)) or {}).get("algo") or {}).keys())
+        except (OSError, yaml.YAMLError, AttributeError) as e:
+            raise UserError(f"could not read the recipe {config}: {e}") from None
+    keys |= {o.split("=", 1)[0][5:] for o in overrides if o.startswith("algo.")}
+    if not keys:
+        return "sft"
+    matches = [name for name, (cls, _) in ALGORITHMS.items()
+               if keys <= {f.name for f in dataclasses.fields(cls)}]
+    if len(matches) != 1:
+        raise UserError(f"cannot tell the algorithm from the recipe's algo keys ({', '.join(sorted(keys))}): "
+                        f"pass --algorithm ({', '.join(ALGORITHMS)})")
+    return matches[0]
+
+
+def detect_gpu_memory() -> Optional[int]:
+    import torch
+
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_properties(0).total_memory
+    return None
+
+
+def engine_for(engine: str, offload: str = "none") -> str:
+    """Backend.describe()'s engine / offload words -> the name in estimate.ENGINES."""
+    name = {"single": "ddp", "ddp": "ddp", "deepspeed-zero1": "zero1", "deepspeed-zero2": "zero2",
+            "deepspeed-zero3": "zero3", "fsdp2": "fsdp2", "fsdp1": "fsdp2"}.get(engine, "ddp")
+    if offload != "none" and name in ("zero2", "zero3"):
+        return f"{name}_offload"
+    return name
+
+
+def estimate_for_run(command: str, recipe, engine: str, offload: str, world_size: int) -> Breakdown:
+    """The estimate of this recipe as it is being launched (logged at start beside the measured peak)."""
+    shape = model_shape(recipe.model, algorithm_facts(command, recipe)["task"])
+    return estimate(shape, workload_from_recipe(command, recipe), ENGINES[engine_for(engine, offload)], world_size,
+                    detect_gpu_memory() or 0)
+
+
+def run_plan(command: str, recipe, config: Optional[str], overrides: list[str], gpus: int, nodes: int,
+             gpu_memory: Optional[str], as_json: bool) -> str:
+    """The text (or JSON) `posttrain plan` prints."""
+    if gpus < 1 or nodes < 1 or gpus % nodes:
+        raise UserError(f"--gpus ({gpus}) must be a positive multiple of --nodes ({nodes})")
+    gpu_bytes = parse_memory(gpu_memory) if gpu_memory else detect_gpu_memory()
+    if gpu_bytes is None:
+        raise UserError("no GPU here to read the memory of: pass --gpu-memory (e.g. --gpu-memory 80GiB)")
+    t = recipe.train
+    task = algorithm_facts(command, recipe)["task"]
+    shape = model_shape(recipe.model, task)
+    lora_shape = None  # what LoRA would need (its frozen copies are counted as without it: an upper bound)
+    if not recipe.model.lora.enabled:
+        lora_shape = model_shape(dataclasses.replace(recipe.model, lora=dataclasses.replace(recipe.model.lora,
+                                                                                            enabled=True)), task)
+
+    def workload_for(batch: int, length: Optional[int] = None):
+        return workload_from_recipe(command, recipe, batch, length)
+
+    plan = make_plan(shape, workload_for, t.per_device_train_batch_size, t.gradient_accumulation_steps, gpus,
+                     gpu_bytes, nodes, lora_shape, recipe.data.max_length)
+    line = None
+    if plan.recommended is not None:
+        line = launch_command(plan.recommended, command, config, overrides, gpus, nodes,
+                              (t.per_device_train_batch_size, t.gradient_accumulation_steps))
+    if as_json:
+        return json.dumps({"command": command, "model": recipe.model.name_or_path, "parameters": shape.parameters,
+                           "trainable": shape.trainable, **to_json(plan, line)}, indent=2)
+    lines = [
+        f"posttrain plan: {command}, {recipe.model.name_or_path}: {shape.parameters / 1e9:.3f}B parameters "
+        f"({shape.trainable / 1e9:.3f}B trainable), {gpus} GPU(s) of {gpu_bytes / GIB:.1f} GiB on {nodes} node(s)",
+        f"per device at the recipe's batch (per_device_train_batch_size={t.per_device_train_batch_size}, "
+        f"gradient_accumulation_steps={t.gradient_accumulation_steps}), GiB; fits = peak <= 90% of the GPU:",
+        format_table(plan),
+    ]
+    if plan.recommended is not None:
+        r = plan.recommended
+        lines += [f"recommended: {r.engine.name}, per_device_train_batch_size={r.per_device_batch} x "
+                  f"gradient_accumulation_steps={r.accumulation} (peak {r.breakdown.peak_bytes / GIB:.2f} GiB per "
+                  f"GPU, {r.breakdown.cpu_bytes / GIB:.2f} GiB CPU RAM per GPU)", f"  {line}"]
+    else:
+        lines += ["nothing fits on these GPUs; what would:"] + [f"  - {s}" for s in plan.suggestions]
+    lines.append("estimates are within about 15% of measured peaks where docs/planning.md says they were checked")
+    return "\n".join(lines)

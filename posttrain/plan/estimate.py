@@ -1,0 +1,252 @@
+"""Per-device peak memory of a training run, from the model's shape and the recipe's numbers: pure arithmetic.
+
+    shape = ModelShape(parameters=..., trainable=..., vocab_size=..., hidden_size=..., ...)   # plan/shape.py reads it
+    workload = Workload(algorithm="dpo", sequences=16, sequence_length=512, ...)             # plan/workload.py
+    breakdown = estimate(shape, workload, ENGINES["zero3"], world_size=8)
+    breakdown.peak_bytes, breakdown.parts()                     # where the bytes go, per device
+
+The model of a step (bytes per device; P parameters, P_t trainable, N world size, s = 1/N where sharded):
+  persistent  parameters (weights dtype; ZeRO-3/FSDP2: /N), gradients (/N from ZeRO-2 on), optimizer state (AdamW's
+              two moments, plus DeepSpeed's fp32 master copy under bf16/fp16; /N from ZeRO-1 on), the frozen
+              reference / reward-model copies the algorithm keeps, DDP's gradient buckets (one more gradient copy);
+  transient   the largest of three phases that never overlap:
+              training   activations kept for backward (per token per layer, counted from the Llama / Qwen2 forward;
+                         with gradient checkpointing one layer input per layer plus one layer recomputed), the logits
+                         and their gradient (B x T x V twice), the chunked log-softmax's float32 work rows, and
+                         under ZeRO-3 / FSDP2 two layers gathered (the one computing, the one prefetched);
+              optimizer  torch AdamW's foreach temporaries (one trainable-parameter copy in fp32);
+              generation KV cache of every sequence of a generate call at full length, the last-position logits,
+                         and under ZeRO-3 / FSDP2 the whole model gathered for HF generate.
+Offload moves the optimizer state (and with it the fp32 gradients) or the parameters to CPU RAM (`cpu_bytes`).
+Colocated vLLM holds its share of the GPU whatever the training needs (`vllm_bytes`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Optional
+
+GIB = 2**30
+LOGPROB_CHUNK = 1024  # rows of ops.logprobs.token_logprobs' float32 log-softmax work (its chunk_size)
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What memory depends on, read from config.json (see plan/shape.py)."""
+
+    parameters: int
+    """All parameters, tied weights once."""
+    trainable: int
+    """Parameters that get gradients and optimizer state (LoRA: adapters, plus a classifier head)."""
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    intermediate_size: int
+    largest_layer: int = 0
+    """Parameters of the largest decoder layer (what ZeRO-3 / FSDP2 gathers at once); 0: parameters / layers."""
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    @property
+    def layer_parameters(self) -> int:
+        return self.largest_layer or self.parameters // max(1, self.num_layers)
+
+
+@dataclass(frozen=True)
+class Workload:
+    """One device's share of a step, from the recipe (see plan/workload.py)."""
+
+    algorithm: str
+    sequences: int
+    """Rows per micro-batch through the policy (DPO: 2 x pairs; GRPO: completions)."""
+    sequence_length: int
+    """Tokens per row (padded or packed length)."""
+    weight_bytes: int = 4
+    """Bytes per stored weight (model.dtype)."""
+    compute_bytes: int = 4
+    """Bytes per activation (2 under bf16/fp16 autocast or bf16 weights)."""
+    mixed_precision: bool = False
+    """train.mixed_precision is bf16/fp16 (DeepSpeed then keeps an fp32 master copy)."""
+    gradient_checkpointing: bool = False
+    frozen_copies: int = 0
+    """Frozen full models kept besides the policy (DPO / GRPO reference, reward model)."""
+    lm_head: bool = True
+    """False for a sequence classifier (RM): no B x T x V logits."""
+    eager_attention: bool = False
+    """attn_implementation=eager materialises B x heads x T x T scores; sdpa / flash do not."""
+    generation_sequences: int = 0
+    """Sequences in one generate call (prompts per call x num_generations); 0: no generation."""
+    generation_length: int = 0
+    """Prompt + completion tokens of a generated sequence."""
+    vllm_fraction: float = 0.0
+    """Share of the GPU a colocated vLLM reserves (gpu_memory_utilization); 0: none."""
+
+
+@dataclass(frozen=True)
+class Engine:
+    name: str
+    zero_stage: int = 0
+    """0: DDP / one process; 1, 2, 3: DeepSpeed ZeRO; FSDP2 shards like stage 3."""
+    fsdp: bool = False
+    offload_optimizer: bool = False
+    offload_param: bool = False
+    accelerate_config: Optional[str] = None
+    """recipes/accelerate/<name>.yaml that launches it (None: torchrun)."""
+
+    @property
+    def shards_parameters(self) -> bool:
+        return self.fsdp or self.zero_stage == 3
+
+
+# Fastest first: less sharding means fewer collectives, offload means PCIe traffic every step.
+ENGINES: dict[str, Engine] = {
+    "ddp": Engine("ddp"),
+    "zero1": Engine("zero1", zero_stage=1, accelerate_config="zero1"),
+    "zero2": Engine("zero2", zero_stage=2, accelerate_config="zero2"),
+    "fsdp2": Engine("fsdp2", fsdp=True, accelerate_config="fsdp2"),
+    "zero3": Engine("zero3", zero_stage=3, accelerate_config="zero3"),
+    "zero2_offload": Engine("zero2_offload", zero_stage=2, offload_optimizer=True, accelerate_config="zero2_offload"),
+    "zero3_offload": Engine("zero3_offload", zero_stage=3, offload_optimizer=True, offload_param=True,
+                            accelerate_config="zero3_offload"),
+}
+
+
+@dataclass(frozen=True)
+class Breakdown:
+    """Bytes per device, by what holds them. `peak_bytes` = persistent + the largest transient phase."""
+
+    parameters: int
+    gradients: int
+    optimizer: int
+    frozen_copies: int
+    activations: int
+    logits: int
+    gathered: int
+    """ZeRO-3 / FSDP2: layers gathered for the forward / backward."""
+    optimizer_step: int
+    generation: int
+    """KV cache + last-position logits + (ZeRO-3 / FSDP2) the whole model gathered for HF generate."""
+    vllm: int
+    cpu_bytes: int
+    """CPU RAM per device for offloaded optimizer state / gradients / parameters."""
+
+    @property
+    def persistent_bytes(self) -> int:
+        return self.parameters + self.gradients + self.optimizer + self.frozen_copies + self.vllm
+
+    @property
+    def training_bytes(self) -> int:
+        return self.activations + self.logits + self.gathered
+
+    @property
+    def peak_bytes(self) -> int:
+        return self.persistent_bytes + max(self.training_bytes, self.optimizer_step, self.generation)
+
+    def parts(self) -> dict[str, int]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+def activation_elements_per_token(shape: ModelShape, gradient_checkpointing: bool) -> int:
+    """Activation elements one token keeps for backward in one decoder layer (Llama / Qwen2 / Mistral blocks).
+
+    Counted from what autograd saves: 2 RMSNorms (the normalised input and the weighted output: 2h each), q / k / v
+    projections (h + 2kv), rotary embedding (the rotated halves and the results: 2h + 2kv), the attention output and
+    its contiguous copy before o_proj (2h), the residual sum (h), the MLP (gate, silu(gate), up, their product: 4I).
+    With gradient checkpointing a layer keeps only its input (h).
+    """
+    h, kv, i = shape.hidden_size, shape.kv_size, shape.intermediate_size
+    if gradient_checkpointing:
+        return h
+    return 10 * h + 4 * kv + 4 * i
+
+
+def activation_bytes(shape: ModelShape, w: Workload) -> int:
+    """All layers' saved activations for one micro-batch (plus one recomputed layer under checkpointing)."""
+    tokens = w.sequences * w.sequence_length
+    per_layer = activation_elements_per_token(shape, w.gradient_checkpointing) * tokens * w.compute_bytes
+    total = per_layer * shape.num_layers + 3 * shape.hidden_size * tokens * w.compute_bytes  # embeddings, final norm
+    if w.gradient_checkpointing:
+        total += activation_elements_per_token(shape, False) * tokens * w.compute_bytes
+    if w.eager_attention:  # softmax(QK^T) kept per layer (one layer's worth under checkpointing)
+        layers = 1 if w.gradient_checkpointing else shape.num_layers
+        total += layers * w.sequences * shape.num_heads * w.sequence_length**2 * w.compute_bytes
+    return total
+
+
+def logits_bytes(shape: ModelShape, w: Workload) -> int:
+    """The logits (kept for the log-softmax backward) and their gradient, plus float32 log-softmax work rows."""
+    if not w.lm_head:
+        return 0
+    tokens = w.sequences * w.sequence_length
+    return 2 * tokens * shape.vocab_size * w.compute_bytes + 2 * min(tokens, LOGPROB_CHUNK) * shape.vocab_size * 4
+
+
+def generation_bytes(shape: ModelShape, w: Workload, engine: Engine, world_size: int) -> int:
+    """One HF generate call: keys and values of every layer at full length, last-position logits, gathered model."""
+    if not w.generation_sequences:
+        return 0
+    kv_cache = 2 * shape.num_layers * shape.kv_size * w.generation_length * w.generation_sequences * w.compute_bytes
+    logits = w.generation_sequences * shape.vocab_size * 4 * 2  # float32 scores + the sampling distribution
+    gathered = 0
+    if engine.shards_parameters:  # every rank holds the whole model for the call, besides its own shard
+        gathered = shape.parameters * w.weight_bytes - _share(shape.parameters * w.weight_bytes, world_size)
+    return kv_cache + logits + gathered
+
+
+def _share(total: int, world_size: int) -> int:
+    return -(-total // world_size)
+
+
+def estimate(shape: ModelShape, w: Workload, engine: Engine, world_size: int = 1, gpu_bytes: int = 0) -> Breakdown:
+    """Peak memory per device of `w` under `engine` on `world_size` devices (see the module docstring).
+
+    `gpu_bytes` (the device's memory) is needed only for a colocated vLLM's share."""
+    p, t, n = shape.parameters, shape.trainable, world_size
+    deepspeed = engine.zero_stage > 0
+    # DeepSpeed under bf16/fp16 holds 16-bit weights and gradients and an fp32 master copy beside AdamW's moments
+    weight_bytes = 2 if deepspeed and w.mixed_precision else w.weight_bytes
+    master = 4 if deepspeed and weight_bytes < 4 else 0
+    optimizer = t * ((8 + master) if deepspeed else 2 * weight_bytes)
+    parameters = p * weight_bytes
+    gradients = t * weight_bytes
+    if engine.zero_stage >= 1 or engine.fsdp:
+        optimizer = _share(optimizer, n)
+    if engine.zero_stage >= 2 or engine.fsdp:
+        gradients = _share(gradients, n)
+    if engine.shards_parameters:
+        parameters = _share(parameters, n)
+    if engine.name == "ddp" and n > 1:
+        gradients *= 2  # DDP's flat buckets hold a second copy of the gradients
+    cpu = 0
+    if engine.offload_optimizer:
+        cpu += optimizer + gradients
+        optimizer, gradients = 0, 0
+    if engine.offload_param:
+        cpu += parameters
+        parameters = 0
+    frozen = w.frozen_copies * p * weight_bytes
+    if engine.zero_stage == 3:  # prepare_frozen shards the reference under ZeRO-3 only
+        frozen = w.frozen_copies * _share(p * weight_bytes, n)
+    gathered = 2 * shape.layer_parameters * weight_bytes if engine.shards_parameters else 0
+    optimizer_step = 0 if deepspeed else _share(t, n if engine.fsdp else 1) * 4
+    return Breakdown(
+        parameters=parameters,
+        gradients=gradients,
+        optimizer=optimizer,
+        frozen_copies=frozen,
+        activations=activation_bytes(shape, w),
+        logits=logits_bytes(shape, w),
+        gathered=gathered,
+        optimizer_step=optimizer_step,
+        generation=generation_bytes(shape, w, engine, n),
+        vllm=int(w.vllm_fraction * gpu_bytes),
+        cpu_bytes=cpu,
+    )
