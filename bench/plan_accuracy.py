@@ -1,0 +1,138 @@
+"""`posttrain plan`'s estimate against the measured peak of a real run: a few steps of a recipe, both numbers printed.
+
+    .venv/bin/python bench/plan_accuracy.py --algorithm sft                        # tiny model, CPU
+    .venv/bin/python bench/plan_accuracy.py --algorithm dpo --model 20m            # the ~20M bench model
+    .venv/bin/python bench/plan_accuracy.py --algorithm grpo --model Qwen/Qwen2.5-0.5B train.mixed_precision=bf16
+    accelerate launch --config_file recipes/accelerate/zero3.yaml --num_processes 1 bench/plan_accuracy.py \\
+        --algorithm sft --model Qwen/Qwen2.5-1.5B --engine zero3 model.dtype=bfloat16 train.mixed_precision=bf16
+
+Data are synthetic and long, so every row is cut at data.max_length (every completion runs to
+generation.max_completion_length as far as sampling allows): the estimate assumes full-length rows, and so the run
+must have them. Packing is off (a packed micro-batch's token count depends on the data).
+
+"Measured peak":
+- GPU: torch.cuda.max_memory_allocated over the whole run (what the caching allocator handed out; the CUDA context
+  and the allocator's reserved-but-free blocks are not in it, nor in the estimate).
+- CPU: the peak of live bytes allocated through torch's CPU allocator over the whole run, from the profiler's
+  memory events ([memory] allocations and frees, in time order). This is the CPU counterpart of
+  max_memory_allocated. Peak RSS (the run's logged peak_memory_mb on CPU) is not comparable: it includes the
+  interpreter, the libraries (~0.5 GB) and freed-but-kept pages, which dwarf a tiny model.
+Prints one markdown table row: model | algorithm | engine | device | batch x length | estimate | measured | error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+MODELS = {"tiny": {}, "20m": dict(hidden_size=512, num_layers=8, num_heads=8, num_kv_heads=4, intermediate_size=1408)}
+WORDS = "the model learns to add numbers and answer questions about short stories in plain words".split()
+
+
+def long_text(rng: random.Random, words: int = 400) -> str:
+    return " ".join(rng.choice(WORDS) for _ in range(words))
+
+
+def write_data(algorithm: str, path: Path, rows: int = 256) -> None:
+    rng = random.Random(0)
+    with path.open("w") as f:
+        for _ in range(rows):
+            prompt = [{"role": "user", "content": long_text(rng)}]
+            if algorithm == "sft":
+                row = {"prompt": [{"role": "user", "content": long_text(rng, 20)}], "completion": [{"role": "assistant", "content": long_text(rng)}]}
+            elif algorithm in ("dpo", "rm"):
+                row = {"prompt": [{"role": "user", "content": long_text(rng, 20)}],
+                       "chosen": [{"role": "assistant", "content": long_text(rng)}],
+                       "rejected": [{"role": "assistant", "content": long_text(rng)}]}
+            else:
+                row = {"prompt": prompt, "answer": "1"}
+            f.write(json.dumps(row) + "\n")
+
+
+def cpu_peak_bytes(profiler) -> int:
+    """The largest count of live bytes the CPU allocator reported at any allocation or free while profiling
+    (every allocation event carries the running total since the profiler started)."""
+    from torch._C._profiler import _EventType
+
+    peak, stack = 0, list(profiler.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        event = stack.pop()
+        stack.extend(event.children)
+        if event.tag == _EventType.Allocation and event.extra_fields.device.type == torch.device("cpu").type:
+            peak = max(peak, event.extra_fields.total_allocated)
+    return peak
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--algorithm", default="sft", choices=["sft", "dpo", "grpo", "rm"])
+    parser.add_argument("--model", default="tiny", help="tiny, 20m (made here) or a model directory / hub id")
+    parser.add_argument("--engine", default=None, help="the engine name for the estimate (default: what runs)")
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("overrides", nargs="*", help="recipe overrides, e.g. train.per_device_train_batch_size=4")
+    args = parser.parse_args()
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+    from posttrain.algorithms import ALGORITHMS
+    from posttrain.config.load import load_recipe
+    from posttrain.models.tiny import make_tiny_model
+    from posttrain.plan import estimate_for_run
+    from posttrain.run import run
+
+    work = Path(tempfile.mkdtemp(prefix="plan-accuracy-"))
+    model = args.model
+    if model in MODELS:
+        model = str(make_tiny_model(work / model, **MODELS[model]))
+    data = work / "data.jsonl"
+    write_data(args.algorithm, data)
+    recipe_file = ROOT / "recipes" / f"{args.algorithm}.yaml"
+    overrides = [f"model.name_or_path={model}", f"data.train={data}", "data.eval=null", f"output_dir={work / 'run'}",
+                 f"train.max_steps={args.steps}", "train.report=false", "train.tensorboard=false",
+                 "train.save_final_model=false", "train.save_steps=0", f"train.logging_steps={args.steps}",
+                 "data.packing=false"]
+    if args.algorithm == "dpo":
+        overrides.append("algo.precompute_ref_logprobs=false")  # keep the frozen reference copy: it is estimated
+    if args.algorithm == "grpo":
+        overrides.append("data.max_prompt_length=64")
+    recipe = load_recipe(str(recipe_file), overrides + args.overrides, ALGORITHMS[args.algorithm][0])
+
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+        result = run(args.algorithm, recipe)
+        measured = torch.cuda.max_memory_allocated()
+    else:
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as profiler:
+            result = run(args.algorithm, recipe)
+        measured = cpu_peak_bytes(profiler)
+    if int(os.environ.get("RANK", "0")) != 0:
+        return
+    facts = result.metrics[-1] if result.metrics else {}
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    engine = args.engine or ("ddp" if world > 1 else "single")
+    breakdown = estimate_for_run(args.algorithm, recipe, engine, "none", world)
+    t = recipe.train
+    rows = t.per_device_train_batch_size * (2 if args.algorithm in ("dpo", "rm") else 1)
+    length = recipe.data.max_length if args.algorithm != "grpo" else (
+        recipe.data.max_prompt_length + recipe.generation.max_completion_length)
+    error = (breakdown.peak_bytes - measured) / measured * 100
+    mib = 2**20
+    print(json.dumps({"estimate_parts_mib": {k: round(v / mib, 2) for k, v in breakdown.parts().items()},
+                      "logged_peak_memory_mb": facts.get("peak_memory_mb")}))
+    print(f"| {args.model} | {args.algorithm} | {engine} | {'cuda' if cuda else 'cpu'} | {rows} x {length} | "
+          f"{breakdown.peak_bytes / mib:.1f} MiB | {measured / mib:.1f} MiB | {error:+.1f}% |")
+
+
+if __name__ == "__main__":
+    main()
