@@ -1,0 +1,157 @@
+"""posttrain.plan: byte counts worked out by hand for a small known shape, parameter counts from a 7B config.json
+(meta device, no weights), and the recommendation for that 7B model on 8 x 40 GB."""
+
+import json
+
+import pytest
+
+from posttrain.config.load import load_recipe
+from posttrain.config.schema import SFTAlgoConfig
+from posttrain.errors import UserError
+from posttrain.plan import parse_memory, run_plan
+from posttrain.plan.estimate import ENGINES, ModelShape, Workload, estimate
+from posttrain.plan.recommend import make_plan, splits
+
+# 1000 parameters, 2 layers, h=8, 2 heads (head_dim 4), 1 kv head (kv=4), I=16, V=10
+SHAPE = ModelShape(parameters=1000, trainable=1000, vocab_size=10, hidden_size=8, num_layers=2, num_heads=2,
+                   num_kv_heads=1, intermediate_size=16)
+FP32 = Workload(algorithm="sft", sequences=2, sequence_length=4)  # 8 tokens, fp32 weights and activations
+# activations: per token per layer 10h + 4kv + 4I = 80 + 16 + 64 = 160 elements; x 8 tokens x 4 B x 2 layers
+# = 10240, + embeddings / final norm 3h x 8 tokens x 4 B = 768
+ACTIVATIONS = 10240 + 768
+# logits + their gradient 2 x 8 x 10 x 4 = 640, float32 log-softmax rows 2 x 8 x 10 x 4 = 640
+LOGITS = 1280
+
+
+def test_one_process_fp32_by_hand():
+    b = estimate(SHAPE, FP32, ENGINES["ddp"], world_size=1)
+    assert (b.parameters, b.gradients, b.optimizer) == (4000, 4000, 8000)  # 4 B each; AdamW's 2 moments
+    assert b.activations == ACTIVATIONS
+    assert b.logits == LOGITS
+    assert b.optimizer_step == 4000 and b.gathered == 0 and b.generation == 0
+    assert b.peak_bytes == 16000 + ACTIVATIONS + LOGITS
+
+
+def test_ddp_keeps_a_bucket_copy_of_the_gradients():
+    assert estimate(SHAPE, FP32, ENGINES["ddp"], world_size=2).gradients == 8000
+
+
+def test_zero3_shards_everything_and_gathers_two_layers():
+    b = estimate(SHAPE, FP32, ENGINES["zero3"], world_size=4)
+    assert (b.parameters, b.gradients, b.optimizer) == (1000, 1000, 2000)  # fp32: no master copy; 8000 / 4
+    assert b.gathered == 2 * 500 * 4  # two layers of 1000 / 2 parameters
+    assert b.optimizer_step == 0  # DeepSpeed's fused step
+    assert b.peak_bytes == 4000 + ACTIVATIONS + LOGITS + 4000
+
+
+def test_zero2_bf16_master_copy():
+    bf16 = Workload(algorithm="sft", sequences=2, sequence_length=4, compute_bytes=2, mixed_precision=True)
+    b = estimate(SHAPE, bf16, ENGINES["zero2"], world_size=2)
+    assert b.parameters == 2000  # 16-bit weights, whole
+    assert b.gradients == 1000  # 16-bit, halved
+    assert b.optimizer == 1000 * (8 + 4) // 2  # fp32 moments + fp32 master, halved
+    assert b.logits == 2 * 8 * 10 * 2 + 640
+
+
+def test_zero3_offload_moves_state_to_cpu():
+    b = estimate(SHAPE, FP32, ENGINES["zero3_offload"], world_size=4)
+    assert (b.parameters, b.gradients, b.optimizer) == (0, 0, 0)
+    assert b.cpu_bytes == 1000 + 1000 + 2000
+
+
+def test_gradient_checkpointing_keeps_layer_inputs_and_one_layer():
+    w = Workload(algorithm="sft", sequences=2, sequence_length=4, gradient_checkpointing=True)
+    # 8 B-elements per token per layer (h) x 8 tokens x 4 B x 2 layers + 768 + one layer recomputed (160 x 8 x 4)
+    assert estimate(SHAPE, w, ENGINES["ddp"]).activations == 8 * 8 * 4 * 2 + 768 + 160 * 8 * 4
+
+
+def test_generation_kv_cache_and_zero3_gathered_copy():
+    w = Workload(algorithm="grpo", sequences=2, sequence_length=4, generation_sequences=4, generation_length=6)
+    kv_cache = 2 * 2 * 4 * 6 * 4 * 4  # keys and values x layers x kv x length x sequences x 4 B
+    last_logits = 4 * 10 * 4 * 2
+    assert estimate(SHAPE, w, ENGINES["ddp"]).generation == kv_cache + last_logits
+    assert estimate(SHAPE, w, ENGINES["zero3"], world_size=4).generation == kv_cache + last_logits + 4000 - 1000
+
+
+def test_frozen_reference_copy_sharded_only_under_zero3():
+    w = Workload(algorithm="dpo", sequences=2, sequence_length=4, frozen_copies=1)
+    assert estimate(SHAPE, w, ENGINES["zero2"], world_size=4).frozen_copies == 4000
+    assert estimate(SHAPE, w, ENGINES["zero3"], world_size=4).frozen_copies == 1000
+
+
+def test_vllm_share_and_splits():
+    w = Workload(algorithm="grpo", sequences=2, sequence_length=4, vllm_fraction=0.25)
+    assert estimate(SHAPE, w, ENGINES["ddp"], gpu_bytes=8000).vllm == 2000
+    assert splits(4, 2) == [(8, 1), (4, 2), (2, 4), (1, 8)]
+
+
+def test_parse_memory():
+    assert parse_memory("80GiB") == 80 * 2**30
+    assert parse_memory("40GB") == 40 * 10**9
+    assert parse_memory("24") == 24 * 2**30
+    with pytest.raises(UserError, match="--gpu-memory"):
+        parse_memory("lots")
+
+
+# --- a 7B config.json, no weights -------------------------------------------------------------------------------------
+
+LLAMA_7B = dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=4096, intermediate_size=11008,
+                num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32, vocab_size=32000,
+                max_position_embeddings=4096, tie_word_embeddings=False, rms_norm_eps=1e-5)
+H, I, L, V = 4096, 11008, 32, 32000
+PARAMS_7B = 2 * V * H + L * (4 * H * H + 3 * H * I + 2 * H) + H  # embeddings + lm_head, 32 blocks, final norm
+LORA_7B = L * 16 * (4 * (H + H) + 3 * (H + I))  # r=16 on q, k, v, o (h -> h) and gate, up, down (h <-> I)
+
+
+@pytest.fixture(scope="module")
+def config_7b(tmp_path_factory):
+    path = tmp_path_factory.mktemp("llama7b")
+    (path / "config.json").write_text(json.dumps(LLAMA_7B))
+    return path
+
+
+def _recipe(path, *more):
+    return load_recipe(None, [f"model.name_or_path={path}/", "data.train=rows.jsonl", "model.dtype=bfloat16", "train.mixed_precision=bf16",
+                              "data.max_length=2048", "train.per_device_train_batch_size=4",
+                              "train.gradient_accumulation_steps=4", "train.gradient_checkpointing=true", *more],
+                       SFTAlgoConfig)
+
+
+def test_7b_counts_from_config_json(config_7b):
+    from posttrain.plan.shape import model_shape
+
+    recipe = _recipe(config_7b)
+    shape = model_shape(recipe.model)
+    assert shape.parameters == PARAMS_7B == 6_738_415_616
+    assert shape.trainable == PARAMS_7B
+    assert shape.largest_layer == 4 * H * H + 3 * H * I + 2 * H
+    lora = model_shape(_recipe(config_7b, "model.lora.enabled=true").model)
+    assert lora.trainable == LORA_7B
+    assert lora.parameters == PARAMS_7B + LORA_7B
+
+
+def test_7b_on_8x40gb_ddp_does_not_fit_zero3_does(config_7b):
+    from posttrain.plan.shape import model_shape
+    from posttrain.plan.workload import workload_from_recipe
+
+    recipe = _recipe(config_7b)
+    shape = model_shape(recipe.model)
+    plan = make_plan(shape, lambda b, n=None: workload_from_recipe("sft", recipe, b, n), 4, 4, gpus=8,
+                     gpu_bytes=40 * 10**9)
+    table = {o.engine.name: o for o in plan.at_recipe_batch}
+    # DDP: 16-bit weights + gradients (+ bucket copy) + bf16 AdamW moments alone are 2+4+4 = 10 B x 6.7B = 67 GB
+    assert not table["ddp"].fits and table["ddp"].breakdown.parameters == 2 * PARAMS_7B
+    assert table["zero3"].fits
+    assert table["zero3"].breakdown.optimizer == -(-PARAMS_7B * 12 // 8)
+    assert plan.recommended is not None and plan.recommended.fits
+    assert plan.recommended.per_device_batch * plan.recommended.accumulation == 16  # the global batch is kept
+    text = run_plan("sft", recipe, "r.yaml", [], 8, 1, "40GB", as_json=False)
+    assert "accelerate launch --config_file recipes/accelerate/" in text and "--num_processes 8" in text
+
+
+def test_nothing_fits_says_what_would(config_7b):
+    recipe = _recipe(config_7b)
+    # 2 GiB: even ZeRO-3 with everything offloaded cannot hold two gathered 16-bit layers (2 x 0.4 GB) + activations
+    out = json.loads(run_plan("sft", recipe, None, [], 1, 1, "2GiB", as_json=True))
+    assert out["recommended"] is None and out["suggestions"]
+    assert all(not e["fits"] for e in out["engines"])
