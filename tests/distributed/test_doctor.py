@@ -1,0 +1,46 @@
+"""posttrain doctor under a launcher: passes on 2 gloo processes; a wrong MASTER_ADDR and a rank that never joins
+fail within the timeout, naming what is wrong, instead of hanging."""
+
+import subprocess
+import sys
+import time
+
+from tests.distributed.launch import ROOT, free_port, launch, worker_env
+
+
+def test_doctor_passes_on_two_gloo_processes(tmp_path):
+    r = launch(2, "doctor", [f"output_dir={tmp_path / 'run'}", "--timeout", "60"], config="recipes/sft.yaml",
+               timeout=180)
+    assert r.returncode == 0, r.output[-4000:]
+    for rank in (0, 1):
+        assert f"[rank {rank}] PASS  rendezvous: 2 ranks joined" in r.output, r.output[-4000:]
+        assert f"[rank {rank}] PASS  all_reduce" in r.output
+    assert "PASS  same recipe" in r.output and "is shared by all ranks" in r.output
+    assert "doctor: all checks passed" in r.output and "FAIL" not in r.output
+
+
+def _doctor_alone(rank: int, port: int, timeout: float = 3) -> tuple[subprocess.CompletedProcess, float]:
+    """One rank of a 2-rank group started by hand, its partner never started."""
+    env = worker_env(env={"RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(rank), "MASTER_ADDR": "127.0.0.1",
+                          "MASTER_PORT": str(port)})
+    started = time.perf_counter()
+    done = subprocess.run([sys.executable, "-m", "posttrain", "doctor", "--timeout", str(timeout)], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=120)
+    return done, time.perf_counter() - started
+
+
+def test_wrong_master_addr_fails_within_the_timeout():
+    done, seconds = _doctor_alone(rank=1, port=free_port())  # nobody listens there
+    out = done.stdout + done.stderr
+    assert seconds < 60  # start-up (imports) + the 3 s deadline, not a rendezvous timeout of minutes
+    assert done.returncode == 1, out[-3000:]
+    assert "FAIL  rendezvous: MASTER_ADDR:MASTER_PORT 127.0.0.1:" in out and "not reachable from rank 1" in out
+    assert "fix: set MASTER_ADDR" in out
+
+
+def test_a_rank_that_never_joins_is_named():
+    done, seconds = _doctor_alone(rank=0, port=free_port())
+    out = done.stdout + done.stderr
+    assert seconds < 60
+    assert done.returncode == 1, out[-3000:]
+    assert "1 of 2 ranks joined within 3 s; missing ranks [1]" in out
