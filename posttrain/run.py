@@ -197,6 +197,10 @@ def run(command: str, recipe: Recipe) -> RunResult:
         **backend.describe(),
         resumed_from=str(resume_from) if resume_from else None,
     )
+    # `posttrain plan`'s estimate, logged beside the measured peak_memory_mb so drift shows (docs/planning.md)
+    from posttrain.plan import estimated_peak_mb
+
+    summary["estimated_peak_memory_mb"] = estimated_peak_mb(command, recipe, backend.describe())
     logger.info("posttrain " + " | ".join(f"{k}={v}" for k, v in summary.items() if v is not None))
     eval_fn = None
     algorithm_evaluate = getattr(algorithm, "evaluate", None)  # online algorithms: eval by generating, not a loss
@@ -209,7 +213,7 @@ def run(command: str, recipe: Recipe) -> RunResult:
     # 4. train, export, report
     ctx = LoopContext(backend=backend, algorithm=algorithm, models=models, optimizer=optimizer, scheduler=scheduler,
                       source=source, total_steps=steps, logger=logger, checkpointer=checkpointer, state=state,
-                      evaluate=eval_fn)
+                      evaluate=eval_fn, memory_estimate_mb=summary["estimated_peak_memory_mb"])
     state = train(ctx)
     logger.close()
     final_dir = None

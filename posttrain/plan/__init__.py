@@ -80,6 +80,17 @@ def estimate_for_run(command: str, recipe, engine: str, offload: str, world_size
                     detect_gpu_memory() or 0)
 
 
+def estimated_peak_mb(command: str, recipe, described: dict) -> Optional[float]:
+    """The run's estimated peak per device in MiB from Backend.describe()'s facts; None when the model's shape
+    cannot be read (a custom architecture): the estimate is a diagnostic and never stops a run."""
+    try:
+        breakdown = estimate_for_run(command, recipe, described["engine"], described["offload"],
+                                     described["world_size"])
+    except Exception:  # noqa: BLE001 - see above
+        return None
+    return round(breakdown.peak_bytes / 2**20, 1)
+
+
 def run_plan(command: str, recipe, config: Optional[str], overrides: list[str], gpus: int, nodes: int,
              gpu_memory: Optional[str], as_json: bool) -> str:
     """The text (or JSON) `posttrain plan` prints."""

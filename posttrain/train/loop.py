@@ -52,6 +52,8 @@ class LoopContext:
     state: TrainState = field(default_factory=TrainState)
     evaluate: Optional[Callable[[], dict[str, float]]] = None
     on_log: Optional[Callable[[int, dict[str, float]], None]] = None
+    memory_estimate_mb: Optional[float] = None
+    """`posttrain plan`'s peak estimate, logged beside the measured peak_memory_mb."""
 
 
 def count_tokens(batch: Batch) -> int:
@@ -139,6 +141,8 @@ def train(ctx: LoopContext) -> TrainState:
                 num_tokens=state.tokens_seen,
                 peak_memory_mb=max(peak_mb),
             )
+            if ctx.memory_estimate_mb is not None:
+                record["estimated_peak_memory_mb"] = ctx.memory_estimate_mb
             if len(peak_mb) > 1:  # CUDA peak on GPU, peak RSS on CPU, per rank: where the memory goes
                 record.update({f"peak_memory_mb/rank{r}": mb for r, mb in enumerate(peak_mb)})
             ctx.logger.log(state.step, record)
