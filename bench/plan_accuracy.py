@@ -26,6 +26,7 @@ import argparse
 import json
 import os
 import random
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -38,11 +39,11 @@ MODELS = {"tiny": {}, "20m": dict(hidden_size=512, num_layers=8, num_heads=8, nu
 WORDS = "the model learns to add numbers and answer questions about short stories in plain words".split()
 
 
-def long_text(rng: random.Random, words: int = 400) -> str:
+def long_text(rng: random.Random, words: int = 200) -> str:
     return " ".join(rng.choice(WORDS) for _ in range(words))
 
 
-def write_data(algorithm: str, path: Path, rows: int = 256) -> None:
+def write_data(algorithm: str, path: Path, rows: int = 64) -> None:
     rng = random.Random(0)
     with path.open("w") as f:
         for _ in range(rows):
@@ -72,6 +73,54 @@ def cpu_peak_bytes(profiler) -> int:
     return peak
 
 
+def measure(algorithm: str, model: str = "tiny", steps: int = 3, overrides: tuple[str, ...] = (),
+            engine: str | None = None) -> dict:
+    """Run `steps` steps of recipes/<algorithm>.yaml on long synthetic rows; the estimate and the measured peak."""
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    from posttrain.algorithms import ALGORITHMS
+    from posttrain.config.load import load_recipe
+    from posttrain.models.tiny import make_tiny_model
+    from posttrain.plan import estimate_for_run
+    from posttrain.run import run
+
+    work = Path(tempfile.mkdtemp(prefix="plan-accuracy-"))
+    if model in MODELS:
+        model = str(make_tiny_model(work / model, **MODELS[model]))
+    data = work / "data.jsonl"
+    write_data(algorithm, data)
+    recipe_file = ROOT / "recipes" / f"{algorithm}.yaml"
+    fixed = [f"model.name_or_path={model}", f"data.train={data}", "data.eval=null", f"output_dir={work / 'run'}",
+             f"train.max_steps={steps}", "train.report=false", "train.tensorboard=false",
+             "train.save_final_model=false", "train.save_steps=0", f"train.logging_steps={steps}", "data.packing=false"]
+    if algorithm == "dpo":
+        fixed.append("algo.precompute_ref_logprobs=false")  # keep the frozen reference copy: it is estimated
+    if algorithm == "grpo":
+        fixed.append("data.max_prompt_length=64")
+    recipe = load_recipe(str(recipe_file), fixed + list(overrides), ALGORITHMS[algorithm][0])
+
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+        result = run(algorithm, recipe)
+        measured = torch.cuda.max_memory_allocated()
+    else:
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as profiler:
+            result = run(algorithm, recipe)
+        measured = cpu_peak_bytes(profiler)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    engine = engine or ("ddp" if world > 1 else "single")
+    breakdown = estimate_for_run(algorithm, recipe, engine, "none", world)
+    rows = recipe.train.per_device_train_batch_size * (2 if algorithm in ("dpo", "rm") else 1)
+    length = recipe.data.max_length if algorithm != "grpo" else (
+        recipe.data.max_prompt_length + recipe.generation.max_completion_length)
+    shutil.rmtree(work, ignore_errors=True)
+    return {"estimate": breakdown.peak_bytes, "measured": measured, "breakdown": breakdown.parts(), "engine": engine,
+            "device": "cuda" if cuda else "cpu", "rows": rows, "length": length,
+            "logged_peak_memory_mb": (result.metrics[-1] if result.metrics else {}).get("peak_memory_mb")}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--algorithm", default="sft", choices=["sft", "dpo", "grpo", "rm"])
@@ -80,58 +129,15 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("overrides", nargs="*", help="recipe overrides, e.g. train.per_device_train_batch_size=4")
     args = parser.parse_args()
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-
-    from posttrain.algorithms import ALGORITHMS
-    from posttrain.config.load import load_recipe
-    from posttrain.models.tiny import make_tiny_model
-    from posttrain.plan import estimate_for_run
-    from posttrain.run import run
-
-    work = Path(tempfile.mkdtemp(prefix="plan-accuracy-"))
-    model = args.model
-    if model in MODELS:
-        model = str(make_tiny_model(work / model, **MODELS[model]))
-    data = work / "data.jsonl"
-    write_data(args.algorithm, data)
-    recipe_file = ROOT / "recipes" / f"{args.algorithm}.yaml"
-    overrides = [f"model.name_or_path={model}", f"data.train={data}", "data.eval=null", f"output_dir={work / 'run'}",
-                 f"train.max_steps={args.steps}", "train.report=false", "train.tensorboard=false",
-                 "train.save_final_model=false", "train.save_steps=0", f"train.logging_steps={args.steps}",
-                 "data.packing=false"]
-    if args.algorithm == "dpo":
-        overrides.append("algo.precompute_ref_logprobs=false")  # keep the frozen reference copy: it is estimated
-    if args.algorithm == "grpo":
-        overrides.append("data.max_prompt_length=64")
-    recipe = load_recipe(str(recipe_file), overrides + args.overrides, ALGORITHMS[args.algorithm][0])
-
-    cuda = torch.cuda.is_available()
-    if cuda:
-        torch.cuda.reset_peak_memory_stats()
-        result = run(args.algorithm, recipe)
-        measured = torch.cuda.max_memory_allocated()
-    else:
-        from torch.profiler import ProfilerActivity, profile
-
-        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as profiler:
-            result = run(args.algorithm, recipe)
-        measured = cpu_peak_bytes(profiler)
+    m = measure(args.algorithm, args.model, args.steps, tuple(args.overrides), args.engine)
     if int(os.environ.get("RANK", "0")) != 0:
         return
-    facts = result.metrics[-1] if result.metrics else {}
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    engine = args.engine or ("ddp" if world > 1 else "single")
-    breakdown = estimate_for_run(args.algorithm, recipe, engine, "none", world)
-    t = recipe.train
-    rows = t.per_device_train_batch_size * (2 if args.algorithm in ("dpo", "rm") else 1)
-    length = recipe.data.max_length if args.algorithm != "grpo" else (
-        recipe.data.max_prompt_length + recipe.generation.max_completion_length)
-    error = (breakdown.peak_bytes - measured) / measured * 100
     mib = 2**20
-    print(json.dumps({"estimate_parts_mib": {k: round(v / mib, 2) for k, v in breakdown.parts().items()},
-                      "logged_peak_memory_mb": facts.get("peak_memory_mb")}))
-    print(f"| {args.model} | {args.algorithm} | {engine} | {'cuda' if cuda else 'cpu'} | {rows} x {length} | "
-          f"{breakdown.peak_bytes / mib:.1f} MiB | {measured / mib:.1f} MiB | {error:+.1f}% |")
+    error = (m["estimate"] - m["measured"]) / m["measured"] * 100
+    print(json.dumps({"estimate_parts_mib": {k: round(v / mib, 2) for k, v in m["breakdown"].items()},
+                      "logged_peak_memory_mb": m["logged_peak_memory_mb"]}))
+    print(f"| {args.model} | {args.algorithm} | {m['engine']} | {m['device']} | {m['rows']} x {m['length']} | "
+          f"{m['estimate'] / mib:.1f} MiB | {m['measured'] / mib:.1f} MiB | {error:+.1f}% |")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,25 @@
+"""posttrain plan's estimate within 15% of the tiny model's measured peak on CPU (the CPU allocator's live bytes,
+see bench/plan_accuracy.py), for the three memory shapes: SFT, DPO with its reference copy, GRPO with generation."""
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[2] / "bench" / "plan_accuracy.py"
+
+
+def _bench():
+    spec = importlib.util.spec_from_file_location("plan_accuracy", BENCH)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("algorithm", ["sft", "dpo", "grpo"])
+def test_estimate_within_15_percent_of_measured_on_cpu(algorithm):
+    m = _bench().measure(algorithm, "tiny", steps=2)
+    assert m["device"] == "cpu"
+    assert abs(m["estimate"] - m["measured"]) <= 0.15 * m["measured"], m
+    assert m["breakdown"]["frozen_copies"] > 0 if algorithm == "dpo" else m["breakdown"]["frozen_copies"] == 0
+    assert (m["breakdown"]["generation"] > 0) == (algorithm == "grpo")
