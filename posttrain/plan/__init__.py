@@ -76,8 +76,9 @@ def engine_for(engine: str, offload: str = "none") -> str:
 def estimate_for_run(command: str, recipe, engine: str, offload: str, world_size: int) -> Breakdown:
     """The estimate of this recipe as it is being launched (logged at start beside the measured peak)."""
     shape = model_shape(recipe.model, algorithm_facts(command, recipe)["task"])
-    return estimate(shape, workload_from_recipe(command, recipe), ENGINES[engine_for(engine, offload)], world_size,
-                    detect_gpu_memory() or 0)
+    gpu_bytes = detect_gpu_memory()
+    return estimate(shape, workload_from_recipe(command, recipe, on_gpu=gpu_bytes is not None),
+                    ENGINES[engine_for(engine, offload)], world_size, gpu_bytes or 0)
 
 
 def estimated_peak_mb(command: str, recipe, described: dict) -> Optional[float]:

@@ -6,15 +6,19 @@
     breakdown.peak_bytes, breakdown.parts()                     # where the bytes go, per device
 
 The model of a step (bytes per device; P parameters, P_t trainable, N world size, s = 1/N where sharded):
-  persistent  parameters (weights dtype; ZeRO-3/FSDP2: /N), gradients (/N from ZeRO-2 on), optimizer state (AdamW's
-              two moments, plus DeepSpeed's fp32 master copy under bf16/fp16; /N from ZeRO-1 on), the frozen
-              reference / reward-model copies the algorithm keeps, DDP's gradient buckets (one more gradient copy);
+  persistent  parameters (weights dtype; ZeRO-3/FSDP2: /N), optimizer state (AdamW's two moments, plus DeepSpeed's
+              fp32 master copy under bf16/fp16; /N from ZeRO-1 on), the frozen reference / reward-model copies the
+              algorithm keeps, gradient buffers that outlive a step (DeepSpeed's partitions, /N from ZeRO-2 on;
+              DDP's buckets);
   transient   the largest of three phases that never overlap:
               training   activations kept for backward (per token per layer, counted from the Llama / Qwen2 forward;
                          with gradient checkpointing one layer input per layer plus one layer recomputed), the logits
-                         and their gradient (B x T x V twice), the chunked log-softmax's float32 work rows, and
-                         under ZeRO-3 / FSDP2 two layers gathered (the one computing, the one prefetched);
-              optimizer  torch AdamW's foreach temporaries (one trainable-parameter copy in fp32);
+                         and their gradient (B x T x V twice), the chunked log-softmax's float32 work rows, under
+                         ZeRO-3 / FSDP2 two layers gathered (the one computing, the one prefetched), and with
+                         accumulation > 1 the parameters' .grad of the earlier micro-batches (at accumulation 1 the
+                         peak is the start of backward: no .grad yet, and activations free as gradients appear);
+              optimizer  the .grad tensors and torch AdamW's foreach temporaries (one trainable-parameter copy;
+                         none on CPU, where AdamW steps one tensor at a time);
               generation KV cache of every sequence of a generate call at full length, the last-position logits,
                          and under ZeRO-3 / FSDP2 the whole model gathered for HF generate.
 Offload moves the optimizer state (and with it the fp32 gradients) or the parameters to CPU RAM (`cpu_bytes`).
@@ -75,6 +79,10 @@ class Workload:
     """Bytes per activation (2 under bf16/fp16 autocast or bf16 weights)."""
     mixed_precision: bool = False
     """train.mixed_precision is bf16/fp16 (DeepSpeed then keeps an fp32 master copy)."""
+    accumulation: int = 1
+    """gradient_accumulation_steps: above 1, gradients live through the later micro-batches' forwards."""
+    foreach_optimizer: bool = True
+    """torch AdamW's foreach step (its default on GPU; on CPU it steps one tensor at a time)."""
     gradient_checkpointing: bool = False
     frozen_copies: int = 0
     """Frozen full models kept besides the policy (DPO / GRPO reference, reward model)."""
@@ -125,6 +133,9 @@ class Breakdown:
 
     parameters: int
     gradients: int
+    """The parameters' .grad (torch engines): from backward to the optimizer step."""
+    gradient_buffers: int
+    """Gradient storage that outlives a step: DeepSpeed's (partitioned) buffers, DDP's buckets."""
     optimizer: int
     frozen_copies: int
     activations: int
@@ -137,18 +148,21 @@ class Breakdown:
     vllm: int
     cpu_bytes: int
     """CPU RAM per device for offloaded optimizer state / gradients / parameters."""
+    gradients_in_forward: int = 0
+    """The .grad bytes alive during a later micro-batch's forward (accumulation > 1), else 0."""
 
     @property
     def persistent_bytes(self) -> int:
-        return self.parameters + self.gradients + self.optimizer + self.frozen_copies + self.vllm
+        return self.parameters + self.gradient_buffers + self.optimizer + self.frozen_copies + self.vllm
 
     @property
     def training_bytes(self) -> int:
-        return self.activations + self.logits + self.gathered
+        return self.activations + self.logits + self.gathered + self.gradients_in_forward
 
     @property
     def peak_bytes(self) -> int:
-        return self.persistent_bytes + max(self.training_bytes, self.optimizer_step, self.generation)
+        return self.persistent_bytes + max(self.training_bytes, self.gradients + self.optimizer_step,
+                                           self.generation)
 
     def parts(self) -> dict[str, int]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
@@ -223,12 +237,15 @@ def estimate(shape: ModelShape, w: Workload, engine: Engine, world_size: int = 1
         gradients = _share(gradients, n)
     if engine.shards_parameters:
         parameters = _share(parameters, n)
-    if engine.name == "ddp" and n > 1:
-        gradients *= 2  # DDP's flat buckets hold a second copy of the gradients
+    buffers = 0
+    if deepspeed:  # DeepSpeed reduces .grad into its own buffers at once
+        buffers, gradients = gradients, 0
+    elif engine.name == "ddp" and n > 1:
+        buffers = gradients  # DDP's flat buckets hold a second copy of the gradients
     cpu = 0
     if engine.offload_optimizer:
-        cpu += optimizer + gradients
-        optimizer, gradients = 0, 0
+        cpu += optimizer + buffers
+        optimizer, buffers = 0, 0
     if engine.offload_param:
         cpu += parameters
         parameters = 0
@@ -236,10 +253,11 @@ def estimate(shape: ModelShape, w: Workload, engine: Engine, world_size: int = 1
     if engine.zero_stage == 3:  # prepare_frozen shards the reference under ZeRO-3 only
         frozen = w.frozen_copies * _share(p * weight_bytes, n)
     gathered = 2 * shape.layer_parameters * weight_bytes if engine.shards_parameters else 0
-    optimizer_step = 0 if deepspeed else _share(t, n if engine.fsdp else 1) * 4
+    optimizer_step = 0 if deepspeed or not w.foreach_optimizer else _share(t, n if engine.fsdp else 1) * 4
     return Breakdown(
         parameters=parameters,
         gradients=gradients,
+        gradient_buffers=buffers,
         optimizer=optimizer,
         frozen_copies=frozen,
         activations=activation_bytes(shape, w),
@@ -249,4 +267,5 @@ def estimate(shape: ModelShape, w: Workload, engine: Engine, world_size: int = 1
         generation=generation_bytes(shape, w, engine, n),
         vllm=int(w.vllm_fraction * gpu_bytes),
         cpu_bytes=cpu,
+        gradients_in_forward=gradients if w.accumulation > 1 else 0,
     )

@@ -137,7 +137,7 @@ def launch_command(option: Option, command: str, config: Optional[str], override
             f"--num_processes {gpus}{multi} {tail}")
 
 
-COLUMNS = ("parameters", "gradients", "optimizer", "frozen_copies", "activations", "logits", "gathered",
+COLUMNS = ("parameters", "gradients", "gradient_buffers", "optimizer", "frozen_copies", "activations", "logits", "gathered",
            "generation", "vllm")
 
 
@@ -146,7 +146,8 @@ def _gib(n: int) -> str:
 
 
 def format_table(plan: Plan) -> str:
-    head = ["engine", "fits", "peak"] + [c.replace("_copies", "") for c in COLUMNS] + ["cpu"]
+    head = ["engine", "fits", "peak"] + [c.replace("_copies", "").replace("gradient_", "grad_") for c in COLUMNS] + [
+        "cpu"]
     rows = [head]
     for option in plan.at_recipe_batch:
         b = option.breakdown

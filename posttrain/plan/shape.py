@@ -6,6 +6,8 @@ allocated (a 70B config counts in seconds).
 
 from __future__ import annotations
 
+import functools
+
 from posttrain.config.schema import ModelConfig
 from posttrain.errors import UserError
 from posttrain.plan.estimate import ModelShape
@@ -43,6 +45,7 @@ def lora_parameters(model, target_modules, r: int) -> int:
     return total
 
 
+@functools.lru_cache(maxsize=8)  # plan asks for the same shape again (with and without LoRA, per engine)
 def model_shape(model_cfg: ModelConfig, task: str = "causal_lm") -> ModelShape:
     """Parameter counts (tied weights once) and the sizes activations depend on, for the recipe's model."""
     import torch

@@ -34,8 +34,10 @@ def algorithm_facts(command: str, recipe: Recipe) -> dict:
 
 
 def workload_from_recipe(command: str, recipe: Recipe, per_device_batch: Optional[int] = None,
-                         max_length: Optional[int] = None, vllm_fraction: Optional[float] = None) -> Workload:
-    """The recipe's micro-batch (or `per_device_batch`) at its lengths (or `max_length`) as a Workload."""
+                         max_length: Optional[int] = None, vllm_fraction: Optional[float] = None,
+                         on_gpu: bool = True) -> Workload:
+    """The recipe's micro-batch (or `per_device_batch`) at its lengths (or `max_length`) as a Workload; `on_gpu`
+    False for a run on CPU (its AdamW steps tensor by tensor)."""
     t, d, g = recipe.train, recipe.data, recipe.generation
     facts = algorithm_facts(command, recipe)
     batch = per_device_batch or t.per_device_train_batch_size
@@ -49,6 +51,8 @@ def workload_from_recipe(command: str, recipe: Recipe, per_device_batch: Optiona
         weight_bytes=weight_bytes,
         compute_bytes=2 if mixed else weight_bytes,
         mixed_precision=mixed,
+        foreach_optimizer=on_gpu,
+        accumulation=t.per_device_train_batch_size * t.gradient_accumulation_steps // batch,
         gradient_checkpointing=t.gradient_checkpointing,
         frozen_copies=facts["frozen"],
         lm_head=facts["task"] == "causal_lm",

@@ -26,19 +26,33 @@ LOGITS = 1280
 def test_one_process_fp32_by_hand():
     b = estimate(SHAPE, FP32, ENGINES["ddp"], world_size=1)
     assert (b.parameters, b.gradients, b.optimizer) == (4000, 4000, 8000)  # 4 B each; AdamW's 2 moments
+    assert b.gradient_buffers == 0 and b.gradients_in_forward == 0
     assert b.activations == ACTIVATIONS
     assert b.logits == LOGITS
     assert b.optimizer_step == 4000 and b.gathered == 0 and b.generation == 0
-    assert b.peak_bytes == 16000 + ACTIVATIONS + LOGITS
+    # accumulation 1: the peak is the start of backward (activations, no .grad yet), not the optimizer step (8000)
+    assert b.peak_bytes == 12000 + ACTIVATIONS + LOGITS
+
+
+def test_accumulation_keeps_gradients_through_the_next_forward():
+    w = Workload(algorithm="sft", sequences=2, sequence_length=4, accumulation=2)
+    assert estimate(SHAPE, w, ENGINES["ddp"]).peak_bytes == 12000 + 4000 + ACTIVATIONS + LOGITS
+
+
+def test_cpu_adamw_steps_tensor_by_tensor():
+    w = Workload(algorithm="sft", sequences=2, sequence_length=4, foreach_optimizer=False)
+    assert estimate(SHAPE, w, ENGINES["ddp"]).optimizer_step == 0
 
 
 def test_ddp_keeps_a_bucket_copy_of_the_gradients():
-    assert estimate(SHAPE, FP32, ENGINES["ddp"], world_size=2).gradients == 8000
+    b = estimate(SHAPE, FP32, ENGINES["ddp"], world_size=2)
+    assert (b.gradients, b.gradient_buffers) == (4000, 4000)
 
 
 def test_zero3_shards_everything_and_gathers_two_layers():
     b = estimate(SHAPE, FP32, ENGINES["zero3"], world_size=4)
-    assert (b.parameters, b.gradients, b.optimizer) == (1000, 1000, 2000)  # fp32: no master copy; 8000 / 4
+    assert (b.parameters, b.gradient_buffers, b.optimizer) == (1000, 1000, 2000)  # fp32: no master; 8000 / 4
+    assert b.gradients == 0  # reduced into DeepSpeed's buffers at once
     assert b.gathered == 2 * 500 * 4  # two layers of 1000 / 2 parameters
     assert b.optimizer_step == 0  # DeepSpeed's fused step
     assert b.peak_bytes == 4000 + ACTIVATIONS + LOGITS + 4000
@@ -48,14 +62,14 @@ def test_zero2_bf16_master_copy():
     bf16 = Workload(algorithm="sft", sequences=2, sequence_length=4, compute_bytes=2, mixed_precision=True)
     b = estimate(SHAPE, bf16, ENGINES["zero2"], world_size=2)
     assert b.parameters == 2000  # 16-bit weights, whole
-    assert b.gradients == 1000  # 16-bit, halved
+    assert b.gradient_buffers == 1000  # 16-bit, halved
     assert b.optimizer == 1000 * (8 + 4) // 2  # fp32 moments + fp32 master, halved
     assert b.logits == 2 * 8 * 10 * 2 + 640
 
 
 def test_zero3_offload_moves_state_to_cpu():
     b = estimate(SHAPE, FP32, ENGINES["zero3_offload"], world_size=4)
-    assert (b.parameters, b.gradients, b.optimizer) == (0, 0, 0)
+    assert (b.parameters, b.gradient_buffers, b.optimizer) == (0, 0, 0)
     assert b.cpu_bytes == 1000 + 1000 + 2000
 
 
