@@ -92,6 +92,10 @@ def estimated_peak_mb(command: str, recipe, described: dict) -> Optional[float]:
     return round(breakdown.peak_bytes / 2**20, 1)
 
 
+def _count(n: int) -> str:
+    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M"
+
+
 def run_plan(command: str, recipe, config: Optional[str], overrides: list[str], gpus: int, nodes: int,
              gpu_memory: Optional[str], as_json: bool) -> str:
     """The text (or JSON) `posttrain plan` prints."""
@@ -121,8 +125,8 @@ def run_plan(command: str, recipe, config: Optional[str], overrides: list[str], 
         return json.dumps({"command": command, "model": recipe.model.name_or_path, "parameters": shape.parameters,
                            "trainable": shape.trainable, **to_json(plan, line)}, indent=2)
     lines = [
-        f"posttrain plan: {command}, {recipe.model.name_or_path}: {shape.parameters / 1e9:.3f}B parameters "
-        f"({shape.trainable / 1e9:.3f}B trainable), {gpus} GPU(s) of {gpu_bytes / GIB:.1f} GiB on {nodes} node(s)",
+        f"posttrain plan: {command}, {recipe.model.name_or_path}: {_count(shape.parameters)} parameters "
+        f"({_count(shape.trainable)} trainable), {gpus} GPU(s) of {gpu_bytes / GIB:.1f} GiB on {nodes} node(s)",
         f"per device at the recipe's batch (per_device_train_batch_size={t.per_device_train_batch_size}, "
         f"gradient_accumulation_steps={t.gradient_accumulation_steps}), GiB; fits = peak <= 90% of the GPU:",
         format_table(plan),

@@ -2,6 +2,7 @@
 (meta device, no weights), and the recommendation for that 7B model on 8 x 40 GB."""
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -109,6 +110,7 @@ def test_parse_memory():
 
 # --- a 7B config.json, no weights -------------------------------------------------------------------------------------
 
+RECIPES = Path(__file__).resolve().parents[2] / "recipes"
 LLAMA_7B = dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=4096, intermediate_size=11008,
                 num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32, vocab_size=32000,
                 max_position_embeddings=4096, tie_word_embeddings=False, rms_norm_eps=1e-5)
@@ -169,3 +171,17 @@ def test_nothing_fits_says_what_would(config_7b):
     out = json.loads(run_plan("sft", recipe, None, [], 1, 1, "2GiB", as_json=True))
     assert out["recommended"] is None and out["suggestions"]
     assert all(not e["fits"] for e in out["engines"])
+
+
+def test_the_algorithm_is_told_by_the_recipe():
+    from posttrain.plan import infer_algorithm
+
+    for name in ("sft", "dpo", "grpo", "rm"):
+        assert infer_algorithm(str(RECIPES / f"{name}.yaml"), []) == name
+    with pytest.raises(UserError, match="--algorithm"):
+        infer_algorithm(None, ["algo.beta=0.1"])  # dpo and grpo both have beta
+
+
+def test_bad_launch_shape_is_a_user_error(config_7b):
+    with pytest.raises(UserError, match="--gpus"):
+        run_plan("sft", _recipe(config_7b), None, [], 3, 2, "80GiB", as_json=False)
