@@ -200,7 +200,8 @@ def run(command: str, recipe: Recipe) -> RunResult:
     # `posttrain plan`'s estimate, logged beside the measured peak_memory_mb so drift shows (docs/planning.md)
     from posttrain.plan import estimated_peak_mb
 
-    summary["estimated_peak_memory_mb"] = estimated_peak_mb(command, recipe, backend.describe())
+    summary["estimated_peak_memory_mb"] = estimated_peak_mb(command, recipe, backend.describe(),
+                                                            (total_params, trainable_params))
     logger.info("posttrain " + " | ".join(f"{k}={v}" for k, v in summary.items() if v is not None))
     eval_fn = None
     algorithm_evaluate = getattr(algorithm, "evaluate", None)  # online algorithms: eval by generating, not a loss

@@ -18,7 +18,7 @@ from typing import Optional
 from posttrain.errors import UserError
 from posttrain.plan.estimate import ENGINES, GIB, Breakdown, estimate
 from posttrain.plan.recommend import format_table, launch_command, make_plan, to_json
-from posttrain.plan.shape import model_shape
+from posttrain.plan.shape import model_shape, read_config, shape_from_config
 from posttrain.plan.workload import algorithm_facts, workload_from_recipe
 
 _UNITS = {"": GIB, "b": 1, "kb": 1000, "mb": 1000**2, "gb": 1000**3, "tb": 1000**4, "kib": 2**10, "mib": 2**20,
@@ -73,20 +73,26 @@ def engine_for(engine: str, offload: str = "none") -> str:
     return name
 
 
-def estimate_for_run(command: str, recipe, engine: str, offload: str, world_size: int) -> Breakdown:
-    """The estimate of this recipe as it is being launched (logged at start beside the measured peak)."""
-    shape = model_shape(recipe.model, algorithm_facts(command, recipe)["task"])
+def estimate_for_run(command: str, recipe, engine: str, offload: str, world_size: int,
+                     counts: Optional[tuple[int, int]] = None) -> Breakdown:
+    """The estimate of this recipe as it is being launched (logged at start beside the measured peak). `counts`:
+    the loaded model's (total, trainable) parameters, which spare building the model on the meta device."""
+    if counts is not None:
+        shape = shape_from_config(read_config(recipe.model), *counts)
+    else:
+        shape = model_shape(recipe.model, algorithm_facts(command, recipe)["task"])
     gpu_bytes = detect_gpu_memory()
     return estimate(shape, workload_from_recipe(command, recipe, on_gpu=gpu_bytes is not None),
                     ENGINES[engine_for(engine, offload)], world_size, gpu_bytes or 0)
 
 
-def estimated_peak_mb(command: str, recipe, described: dict) -> Optional[float]:
-    """The run's estimated peak per device in MiB from Backend.describe()'s facts; None when the model's shape
-    cannot be read (a custom architecture): the estimate is a diagnostic and never stops a run."""
+def estimated_peak_mb(command: str, recipe, described: dict, counts: tuple[int, int]) -> Optional[float]:
+    """The run's estimated peak per device in MiB from Backend.describe()'s facts and the loaded model's (total,
+    trainable) parameter counts; None when the model's config cannot be read as a decoder (a custom architecture):
+    the estimate is a diagnostic and never stops a run."""
     try:
         breakdown = estimate_for_run(command, recipe, described["engine"], described["offload"],
-                                     described["world_size"])
+                                     described["world_size"], counts)
     except Exception:  # noqa: BLE001 - see above
         return None
     return round(breakdown.peak_bytes / 2**20, 1)

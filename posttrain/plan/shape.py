@@ -71,8 +71,14 @@ def model_shape(model_cfg: ModelConfig, task: str = "causal_lm") -> ModelShape:
         if task == "seq_cls":
             trainable += sum(p.numel() for n, p in model.named_parameters() if n.startswith("score."))
         parameters += trainable
-    text = _text_config(config)
     layers = [m for m in model.modules() if type(m).__name__.endswith("DecoderLayer")]
+    largest = max((sum(p.numel() for p in m.parameters()) for m in layers), default=0)
+    return shape_from_config(config, parameters, trainable, largest)
+
+
+def shape_from_config(config, parameters: int, trainable: int, largest_layer: int = 0) -> ModelShape:
+    """The shape with counts already known (a run counts its loaded model; no meta build needed)."""
+    text = _text_config(config)
     hidden = text.hidden_size
     heads = text.num_attention_heads
     return ModelShape(
@@ -84,5 +90,5 @@ def model_shape(model_cfg: ModelConfig, task: str = "causal_lm") -> ModelShape:
         num_heads=heads,
         num_kv_heads=getattr(text, "num_key_value_heads", None) or heads,
         intermediate_size=getattr(text, "intermediate_size", None) or 4 * hidden,
-        largest_layer=max((sum(p.numel() for p in m.parameters()) for m in layers), default=0),
+        largest_layer=largest_layer,
     )
