@@ -1,0 +1,43 @@
+"""The `plan` and `doctor` subcommands of the command line (posttrain/cli.py adds them and calls `run_plan_or_doctor`).
+
+    posttrain plan --config recipes/dpo.yaml --gpus 8 --gpu-memory 80GiB
+    torchrun --nproc_per_node 8 -m posttrain doctor --config recipes/dpo.yaml
+"""
+
+from __future__ import annotations
+
+
+def add_plan_and_doctor(sub) -> None:
+    plan = sub.add_parser("plan", help="estimate per-GPU memory for a recipe under each engine; recommend one")
+    plan.add_argument("--config", "-c", help="recipe YAML (see recipes/)")
+    plan.add_argument("--algorithm", help="sft, rm, dpo or grpo (default: told by the recipe's algo: keys)")
+    plan.add_argument("--gpus", type=int, default=1, help="GPUs in all (default 1)")
+    plan.add_argument("--nodes", type=int, default=1, help="nodes the GPUs are on (default 1)")
+    plan.add_argument("--gpu-memory", help="memory of one GPU, e.g. 80GiB (default: this machine's GPU)")
+    plan.add_argument("--json", action="store_true", help="print JSON")
+    plan.add_argument("overrides", nargs="*", help="key.sub=value overrides, e.g. data.max_length=2048")
+    doctor = sub.add_parser("doctor", help="check GPUs, versions, the process group and disk before a launch")
+    doctor.add_argument("--config", "-c", help="recipe YAML: checks its output_dir's disk and that every rank has it")
+    doctor.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for every rank (default 60)")
+    doctor.add_argument("--build-ops", action="store_true", help="also compile DeepSpeed's CPU Adam (tens of s)")
+    doctor.add_argument("overrides", nargs="*", help="key.sub=value overrides of the recipe")
+
+
+def run_plan_or_doctor(args) -> int:
+    from posttrain.algorithms import ALGORITHMS
+    from posttrain.config.load import load_recipe
+    from posttrain.errors import UserError
+
+    if args.command == "doctor":
+        from posttrain.distributed.doctor import run_doctor
+
+        return run_doctor(args.config, args.overrides, args.timeout, args.build_ops)
+    from posttrain.plan import infer_algorithm, run_plan
+
+    algorithm = args.algorithm or infer_algorithm(args.config, args.overrides)
+    if algorithm not in ALGORITHMS:
+        raise UserError(f"--algorithm {algorithm!r} is not one of {', '.join(ALGORITHMS)}")
+    recipe = load_recipe(args.config, args.overrides, ALGORITHMS[algorithm][0])
+    print(run_plan(algorithm, recipe, args.config, args.overrides, args.gpus, args.nodes, args.gpu_memory,
+                   args.json))
+    return 0
