@@ -16,7 +16,8 @@ The model of a step (bytes per device; P parameters, P_t trainable, N world size
                          and their gradient (B x T x V twice), the chunked log-softmax's float32 work rows, under
                          ZeRO-3 / FSDP2 two layers gathered (the one computing, the one prefetched), and with
                          accumulation > 1 the parameters' .grad of the earlier micro-batches (at accumulation 1 the
-                         peak is the start of backward: no .grad yet, and activations free as gradients appear);
+                         peak is the start of backward: no .grad yet, and activations free as gradients appear),
+                         and under torch autocast (DDP, one process) its 16-bit copies of the fp32 weights;
               optimizer  the .grad tensors and torch AdamW's foreach temporaries (one trainable-parameter copy;
                          none on CPU, where AdamW steps one tensor at a time);
               generation KV cache of every sequence of a generate call at full length, the last-position logits,
@@ -150,6 +151,8 @@ class Breakdown:
     """CPU RAM per device for offloaded optimizer state / gradients / parameters."""
     gradients_in_forward: int = 0
     """The .grad bytes alive during a later micro-batch's forward (accumulation > 1), else 0."""
+    autocast_copies: int = 0
+    """torch autocast's 16-bit copies of fp32 weights, cached for the whole forward (DDP / one process)."""
 
     @property
     def persistent_bytes(self) -> int:
@@ -157,7 +160,7 @@ class Breakdown:
 
     @property
     def training_bytes(self) -> int:
-        return self.activations + self.logits + self.gathered + self.gradients_in_forward
+        return self.activations + self.logits + self.gathered + self.gradients_in_forward + self.autocast_copies
 
     @property
     def peak_bytes(self) -> int:
@@ -203,7 +206,7 @@ def logits_bytes(shape: ModelShape, w: Workload) -> int:
     return 2 * tokens * shape.vocab_size * w.compute_bytes + 2 * min(tokens, LOGPROB_CHUNK) * shape.vocab_size * 4
 
 
-def generation_bytes(shape: ModelShape, w: Workload, engine: Engine, world_size: int) -> int:
+def generation_bytes(shape: ModelShape, w: Workload, engine: Engine, world_size: int, weight_bytes: int) -> int:
     """One HF generate call: keys and values of every layer at full length, last-position logits, gathered model."""
     if not w.generation_sequences:
         return 0
@@ -211,7 +214,7 @@ def generation_bytes(shape: ModelShape, w: Workload, engine: Engine, world_size:
     logits = w.generation_sequences * shape.vocab_size * 4 * 2  # float32 scores + the sampling distribution
     gathered = 0
     if engine.shards_parameters:  # every rank holds the whole model for the call, besides its own shard
-        gathered = shape.parameters * w.weight_bytes - _share(shape.parameters * w.weight_bytes, world_size)
+        gathered = shape.parameters * weight_bytes - _share(shape.parameters * weight_bytes, world_size)
     return kv_cache + logits + gathered
 
 
@@ -264,8 +267,9 @@ def estimate(shape: ModelShape, w: Workload, engine: Engine, world_size: int = 1
         logits=logits_bytes(shape, w),
         gathered=gathered,
         optimizer_step=optimizer_step,
-        generation=generation_bytes(shape, w, engine, n),
+        generation=generation_bytes(shape, w, engine, n, weight_bytes),
         vllm=int(w.vllm_fraction * gpu_bytes),
         cpu_bytes=cpu,
         gradients_in_forward=gradients if w.accumulation > 1 else 0,
+        autocast_copies=2 * p if w.mixed_precision and weight_bytes == 4 and not engine.fsdp and not deepspeed else 0,
     )

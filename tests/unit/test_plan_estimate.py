@@ -68,6 +68,12 @@ def test_zero2_bf16_master_copy():
     assert b.logits == 2 * 8 * 10 * 2 + 640
 
 
+def test_autocast_caches_16_bit_weight_copies_in_torch_engines_only():
+    w = Workload(algorithm="sft", sequences=2, sequence_length=4, compute_bytes=2, mixed_precision=True)
+    assert estimate(SHAPE, w, ENGINES["ddp"]).autocast_copies == 2000  # fp32 weights, bf16 copies
+    assert estimate(SHAPE, w, ENGINES["zero2"], world_size=2).autocast_copies == 0  # DeepSpeed holds bf16 weights
+
+
 def test_zero3_offload_moves_state_to_cpu():
     b = estimate(SHAPE, FP32, ENGINES["zero3_offload"], world_size=4)
     assert (b.parameters, b.gradient_buffers, b.optimizer) == (0, 0, 0)
