@@ -16,9 +16,9 @@ def _bench():
     return module
 
 
-@pytest.mark.parametrize("algorithm", ["sft", "dpo", "grpo"])
-def test_estimate_within_15_percent_of_measured_on_cpu(algorithm):
-    m = _bench().measure(algorithm, "tiny", steps=2)
+@pytest.mark.parametrize("algorithm, steps", [("sft", 2), ("dpo", 2), ("grpo", 1)])  # grpo: generation is slow
+def test_estimate_within_15_percent_of_measured_on_cpu(algorithm, steps):
+    m = _bench().measure(algorithm, "tiny", steps=steps)
     assert m["device"] == "cpu"
     assert abs(m["estimate"] - m["measured"]) <= 0.15 * m["measured"], m
     assert m["breakdown"]["frozen_copies"] > 0 if algorithm == "dpo" else m["breakdown"]["frozen_copies"] == 0
