@@ -107,7 +107,7 @@ class _LinearTokenLogprobs(torch.autograd.Function):
         logsumexp_N = torch.empty(n, dtype=dtype, device=hidden_NH.device)
         for start in range(0, n, chunk_size):
             stop = min(start + chunk_size, n)
-            scaled_nV = (hidden_NH[start:stop] @ weight_VH.t()).to(dtype) / temperature
+            scaled_nV = _scaled_logits(hidden_NH[start:stop], weight_VH, dtype, temperature)
             logsumexp_N[start:stop] = torch.logsumexp(scaled_nV, dim=-1)
             logprobs_N[start:stop] = scaled_nV.gather(-1, targets_N[start:stop, None]).squeeze(-1) - logsumexp_N[start:stop]
         ctx.save_for_backward(hidden_NH, weight_VH, targets_N, logsumexp_N)
@@ -126,10 +126,10 @@ class _LinearTokenLogprobs(torch.autograd.Function):
             for start in range(0, hidden_NH.shape[0], ctx.chunk_size):
                 stop = min(start + ctx.chunk_size, hidden_NH.shape[0])
                 hidden_nH = hidden_NH[start:stop]
-                scaled_nV = (hidden_nH @ weight_VH.t()).to(logsumexp_N.dtype) / ctx.temperature
+                scaled_nV = _scaled_logits(hidden_nH, weight_VH, logsumexp_N.dtype, ctx.temperature)
                 g_n1 = grad_N[start:stop, None]
-                # d logp[target] / d logits = (onehot(target) - softmax) / temperature
-                dlogits_nV = torch.exp(scaled_nV - logsumexp_N[start:stop, None]).mul_(-g_n1)
+                # d logp[target] / d logits = (onehot(target) - softmax) / temperature; in place: one chunk buffer
+                dlogits_nV = scaled_nV.sub_(logsumexp_N[start:stop, None]).exp_().mul_(-g_n1)
                 dlogits_nV.scatter_add_(-1, targets_N[start:stop, None], g_n1)
                 dlogits_nV.div_(ctx.temperature)
                 if not enabled:  # autocast picks the matmul dtype itself; without it, the operands' dtype
@@ -143,12 +143,18 @@ class _LinearTokenLogprobs(torch.autograd.Function):
         return grad_hidden_NH, grad_weight_VH, None, None, None
 
 
+def _scaled_logits(hidden_nH: torch.Tensor, weight_VH: torch.Tensor, dtype: torch.dtype, temperature: float):
+    """(hidden @ weight.T) / temperature in `dtype`, divided in place: the matmul's output is a fresh buffer."""
+    logits_nV = (hidden_nH @ weight_VH.t()).to(dtype)
+    return logits_nV.div_(temperature) if temperature != 1.0 else logits_nV
+
+
 def _autocast_state(device_type: str) -> tuple[str, bool, torch.dtype]:
     return device_type, torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type)
 
 
-LINEAR_CHUNK_ELEMENTS = 2**26
-"""Logits elements per chunk of `linear_token_logprobs` (256 MiB of float32): a few hundred rows for a 150k vocab."""
+LINEAR_CHUNK_ELEMENTS = 2**25
+"""Logits elements per chunk of `linear_token_logprobs` (128 MiB of float32): ~220 rows for a 150k vocabulary."""
 
 
 def linear_token_logprobs(
