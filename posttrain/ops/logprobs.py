@@ -93,6 +93,90 @@ def token_logprobs(
     return _shift_right(logprobs_N.view(batch, length))
 
 
+class _LinearTokenLogprobs(torch.autograd.Function):
+    """log_softmax((hidden @ weight.T) / temperature)[target], `chunk_size` rows at a time: the (N, V) logits exist
+    one chunk at a time, forward and backward (which recomputes them). Matmuls run in the autocast state of the
+    forward, as the model's own lm_head would; softmax math is float32."""
+
+    @staticmethod
+    def forward(ctx, hidden_NH, weight_VH, targets_N, temperature, chunk_size):
+        autocast = _autocast_state(hidden_NH.device.type)
+        n = hidden_NH.shape[0]
+        dtype = _compute_dtype(hidden_NH)
+        logprobs_N = torch.empty(n, dtype=dtype, device=hidden_NH.device)
+        logsumexp_N = torch.empty(n, dtype=dtype, device=hidden_NH.device)
+        for start in range(0, n, chunk_size):
+            stop = min(start + chunk_size, n)
+            scaled_nV = _scaled_logits(hidden_NH[start:stop], weight_VH, dtype, temperature)
+            logsumexp_N[start:stop] = torch.logsumexp(scaled_nV, dim=-1)
+            logprobs_N[start:stop] = scaled_nV.gather(-1, targets_N[start:stop, None]).squeeze(-1) - logsumexp_N[start:stop]
+        ctx.save_for_backward(hidden_NH, weight_VH, targets_N, logsumexp_N)
+        ctx.temperature, ctx.chunk_size, ctx.autocast = temperature, chunk_size, autocast
+        return logprobs_N
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_N):
+        hidden_NH, weight_VH, targets_N, logsumexp_N = ctx.saved_tensors
+        device_type, enabled, autocast_dtype = ctx.autocast
+        grad_hidden_NH = torch.empty_like(hidden_NH) if ctx.needs_input_grad[0] else None
+        grad_weight_VH = torch.zeros_like(weight_VH, dtype=torch.float32) if ctx.needs_input_grad[1] else None
+        grad_N = grad_N.to(logsumexp_N.dtype)
+        with torch.autocast(device_type, dtype=autocast_dtype, enabled=enabled):
+            for start in range(0, hidden_NH.shape[0], ctx.chunk_size):
+                stop = min(start + ctx.chunk_size, hidden_NH.shape[0])
+                hidden_nH = hidden_NH[start:stop]
+                scaled_nV = _scaled_logits(hidden_nH, weight_VH, logsumexp_N.dtype, ctx.temperature)
+                g_n1 = grad_N[start:stop, None]
+                # d logp[target] / d logits = (onehot(target) - softmax) / temperature; in place: one chunk buffer
+                dlogits_nV = scaled_nV.sub_(logsumexp_N[start:stop, None]).exp_().mul_(-g_n1)
+                dlogits_nV.scatter_add_(-1, targets_N[start:stop, None], g_n1)
+                dlogits_nV.div_(ctx.temperature)
+                if not enabled:  # autocast picks the matmul dtype itself; without it, the operands' dtype
+                    dlogits_nV = dlogits_nV.to(weight_VH.dtype)
+                if grad_hidden_NH is not None:
+                    grad_hidden_NH[start:stop] = (dlogits_nV @ weight_VH).to(hidden_NH.dtype)
+                if grad_weight_VH is not None:
+                    grad_weight_VH += (dlogits_nV.t() @ hidden_nH).float()
+        if grad_weight_VH is not None:
+            grad_weight_VH = grad_weight_VH.to(weight_VH.dtype)
+        return grad_hidden_NH, grad_weight_VH, None, None, None
+
+
+def _scaled_logits(hidden_nH: torch.Tensor, weight_VH: torch.Tensor, dtype: torch.dtype, temperature: float):
+    """(hidden @ weight.T) / temperature in `dtype`, divided in place: the matmul's output is a fresh buffer."""
+    logits_nV = (hidden_nH @ weight_VH.t()).to(dtype)
+    return logits_nV.div_(temperature) if temperature != 1.0 else logits_nV
+
+
+def _autocast_state(device_type: str) -> tuple[str, bool, torch.dtype]:
+    return device_type, torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type)
+
+
+LINEAR_CHUNK_ELEMENTS = 2**25
+"""Logits elements per chunk of `linear_token_logprobs` (128 MiB of float32): ~220 rows for a 150k vocabulary."""
+
+
+def linear_token_logprobs(
+    hidden_BTH: torch.Tensor, weight_VH: torch.Tensor, input_ids_BT: torch.Tensor, temperature: float = 1.0,
+    chunk_size: int | None = None,
+) -> torch.Tensor:
+    """`token_logprobs(hidden_BTH @ weight_VH.T, input_ids_BT, temperature)` without ever making the logits.
+
+    The output layer (lm_head, no bias) and the log-softmax are fused and chunked over the flattened B*T rows, forward
+    and backward, so neither the (B, T, V) logits nor their gradient exist: for a 150k vocabulary that is the largest
+    tensor of a training step. `chunk_size` rows at a time (default: about LINEAR_CHUNK_ELEMENTS logits per chunk).
+    """
+    batch, length, hidden = hidden_BTH.shape
+    chunk_size = chunk_size or max(1, LINEAR_CHUNK_ELEMENTS // weight_VH.shape[0])
+    _check(temperature, chunk_size)
+    logprobs_N = _LinearTokenLogprobs.apply(
+        hidden_BTH.reshape(batch * length, hidden), weight_VH, _next_tokens(input_ids_BT).reshape(-1), temperature,
+        chunk_size,
+    )
+    return _shift_right(logprobs_N.view(batch, length))
+
+
 def entropy_BT(logits_BTV: torch.Tensor, chunk_size: int = 1024, temperature: float = 1.0) -> torch.Tensor:
     """Entropy of the next-token distribution that predicts token t, at position t (position 0 = 0) -> entropy_BT.
 

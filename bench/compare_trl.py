@@ -1,0 +1,342 @@
+"""posttrain and TRL side by side: the same generated model, data and settings; one table of the figures that matter.
+
+    .venv/bin/python bench/compare_trl.py --algo sft --size 20m --bs 4 --seq 256 --steps 12
+    .venv/bin/python bench/compare_trl.py --algo dpo --size 20m --bs 2 --seq 256
+    .venv/bin/python bench/compare_trl.py --algo grpo --size tiny --bs 8 --gens 4 --completion 32
+    python bench/compare_trl.py --algo sft --size 0.5b --bs 8 --seq 1024 --precision bf16 [--gc] [--packing]  # GPU
+
+Each tool runs in a fresh process (clean peak memory, its own start-up cost), one after the other and `--repeats`
+times in alternating order, so neither side always runs on a warmer machine; the best repeat of each side is shown.
+TRL (`pip install trl`) is optional: without it only posttrain's rows print.
+
+Figures (steady state: the first `--warmup` steps are dropped):
+- s/step: mean seconds between consecutive optimiser steps.
+- tokens/s: trained tokens per second. SFT rows are all longer than --seq, so each holds exactly --seq tokens and
+  both tools train bs x seq tokens a step; DPO counts bs x 2 sequences x their prompt+response tokens; GRPO counts
+  prompt+completion tokens of the step's completions as each tool reports them.
+- peak memory: CUDA max_memory_allocated on a GPU; on a CPU the process's peak resident set size (both tools pay
+  the same interpreter and library baseline, which is part of the figure).
+- MFU: achieved FLOP/s (6 x parameters + 12 x layers x hidden x seq per trained token, forward + backward) over
+  989 TFLOP/s on CUDA (H100 SXM dense bf16), or over this machine's measured matmul FLOP/s in the run's dtype on CPU.
+- start-up: from launching the process to the end of the first optimiser step (imports, loading, tokenising, the
+  first step).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import resource
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+SIZES = {  # Llama shapes; vocab None keeps the locally trained tokenizer's vocabulary
+    "tiny": dict(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128, vocab=None),
+    "vocab": dict(hidden_size=256, num_layers=4, num_heads=8, num_kv_heads=4, intermediate_size=688, vocab=151936),
+    "20m": dict(hidden_size=512, num_layers=8, num_heads=8, num_kv_heads=4, intermediate_size=1408, vocab=None),
+    "0.5b": dict(hidden_size=896, num_layers=24, num_heads=14, num_kv_heads=2, intermediate_size=4864, vocab=151936),
+    "1.5b": dict(hidden_size=1536, num_layers=28, num_heads=12, num_kv_heads=2, intermediate_size=8960, vocab=151936),
+}
+VOCAB_WORDS = ("one two three four five six seven eight nine ten the a cat dog tree house road river sky sun moon "
+               "star red blue green small big fast slow is was runs sees likes eats good bad yes no").split()
+H100_BF16_PEAK = 989e12
+
+
+def length_reward(prompts, completions, **_):
+    """GRPO's reward in this benchmark: longer completions score higher (cheap, the same for both tools)."""
+    return [min(len(c if isinstance(c, str) else str(c)), 200) / 200 for c in completions]
+
+
+# ----------------------------------------------------------------------------------------------------- inputs
+def prepare(work: Path, size: str, seq: int) -> None:
+    """The model (random weights, local tokenizer) and the three data files, made once per work directory."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from posttrain.models.tiny import make_tiny_model
+
+    shape = dict(SIZES[size])
+    vocab = shape.pop("vocab")
+    model_dir = work / "model"
+    if not (model_dir / "config.json").exists():
+        make_tiny_model(model_dir, max_position_embeddings=max(1024, 2 * seq), **shape)
+        if vocab is not None:  # real vocabulary size: the logits cost what they cost on the real model
+            config = AutoConfig.from_pretrained(model_dir)
+            config.vocab_size = vocab
+            torch.manual_seed(0)
+            AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(model_dir)
+    rng = random.Random(0)
+    say = lambda n: " ".join(rng.choice(VOCAB_WORDS) for _ in range(n))  # noqa: E731
+    files = {
+        "sft": [{"prompt": say(16), "completion": say(2 * seq)} for _ in range(2000)],
+        "dpo": [{"prompt": say(seq // 8), "chosen": say(seq // 3), "rejected": say(seq // 3)} for _ in range(2000)],
+        "grpo": [{"prompt": say(12), "answer": "yes"} for _ in range(2000)],
+    }
+    for name, rows in files.items():
+        path = work / f"{name}.jsonl"
+        if not path.exists():
+            path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def parameters_and_dims(model_dir: Path) -> tuple[int, int, int]:
+    config = json.loads((model_dir / "config.json").read_text())
+    h, layers, inter, vocab = (config["hidden_size"], config["num_hidden_layers"], config["intermediate_size"],
+                               config["vocab_size"])
+    kv = config["num_key_value_heads"] * (h // config["num_attention_heads"])
+    per_layer = 2 * h * h + 2 * h * kv + 3 * h * inter
+    return layers * per_layer + vocab * h, layers, h
+
+
+def matmul_probe(device: str, precision: str) -> float:
+    """This device's sustained matmul FLOP/s in the run's dtype (CPU: the denominator of MFU)."""
+    import torch
+
+    dtype = torch.bfloat16 if precision != "fp32" else torch.float32
+    n = 4096 if device == "cuda" else 1024
+    a, b = torch.randn(n, n, dtype=dtype, device=device), torch.randn(n, n, dtype=dtype, device=device)
+    a @ b
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    sync()
+    count, start = 0, time.perf_counter()
+    while time.perf_counter() - start < 1.0:
+        a @ b
+        count += 1
+    sync()
+    return count * 2 * n**3 / (time.perf_counter() - start)
+
+
+# ----------------------------------------------------------------------------------------------------- children
+def peak_memory_bytes() -> int:
+    import torch
+
+    if torch.cuda.is_available():
+        return torch.cuda.max_memory_allocated()
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def run_posttrain(a, work: Path, started: float) -> dict:
+    """Through posttrain's own entry point; step ends are read from metrics.jsonl as it is written."""
+    from posttrain.cli import main as posttrain_main
+
+    out = work / f"posttrain-{a.algo}"
+    shutil.rmtree(out, ignore_errors=True)  # the watcher below must see only this run's metrics
+    overrides = [
+        f"model.name_or_path={work / 'model'}", f"output_dir={out}",
+        f"train.max_steps={a.steps}", "train.logging_steps=1", f"train.per_device_train_batch_size={a.bs}",
+        "train.learning_rate=1e-6", "train.lr_scheduler_type=constant", "train.save_final_model=false",
+        "train.report=false", "train.tensorboard=false", "train.save_steps=0",
+        f"train.gradient_checkpointing={str(a.gc).lower()}", f"train.mixed_precision={a.precision_value}",
+        f"data.train={work / f'{a.algo}.jsonl'}", "seed=0",
+    ]
+    if a.algo == "sft":
+        overrides += [f"data.max_length={a.seq}", f"data.packing={str(a.packing).lower()}"]
+    elif a.algo == "dpo":
+        overrides += [f"data.max_length={a.seq}", "algo.precompute_ref_logprobs=false"]
+    else:
+        overrides += ["data.max_length=512", "data.max_prompt_length=128", f"algo.num_generations={a.gens}",
+                      f"generation.max_completion_length={a.completion}", "algo.beta=0.0",
+                      "rewards=[{name: 'compare_trl:length_reward'}]"]
+    ends: list[float] = []
+    metrics = out / "metrics.jsonl"
+    done = threading.Event()
+
+    def watch() -> None:  # the wall-clock moment each step's metrics line appears
+        seen = 0
+        while not done.is_set():
+            if metrics.exists():
+                lines = [x for x in metrics.read_text().splitlines() if '"tokens_per_second"' in x]
+                ends.extend([time.perf_counter()] * (len(lines) - seen))
+                seen = len(lines)
+            time.sleep(0.005)
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    code = posttrain_main([a.algo, *overrides])
+    done.set()
+    watcher.join()
+    if code:
+        raise SystemExit(f"posttrain {a.algo} exited {code}")
+    rows = [json.loads(x) for x in metrics.read_text().splitlines() if '"tokens_per_second"' in x]
+    tokens = [rows[0]["num_tokens"]] + [rows[i]["num_tokens"] - rows[i - 1]["num_tokens"] for i in range(1, len(rows))]
+    return {"ends": ends, "tokens": tokens, "started": started, "peak": peak_memory_bytes(),
+            "loss": [r["loss"] for r in rows]}
+
+
+def run_trl(a, work: Path, started: float) -> dict:
+    import torch
+    from datasets import load_dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+
+    tokenizer = AutoTokenizer.from_pretrained(work / "model")
+    model = AutoModelForCausalLM.from_pretrained(work / "model", dtype=torch.float32, attn_implementation="sdpa")
+    ends: list[float] = []
+
+    class StepEnds(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            ends.append(time.perf_counter())
+
+    common = dict(output_dir=str(work / f"trl-{a.algo}"), per_device_train_batch_size=a.bs, max_steps=a.steps,
+                  learning_rate=1e-6, lr_scheduler_type="constant", logging_steps=1, save_strategy="no",
+                  report_to="none", bf16=a.precision == "bf16", gradient_checkpointing=a.gc, dataloader_num_workers=0,
+                  disable_tqdm=True, seed=0, use_cpu=not torch.cuda.is_available())
+    data = load_dataset("json", data_files=str(work / f"{a.algo}.jsonl"), split="train")
+    if a.algo == "sft":
+        from trl import SFTConfig, SFTTrainer
+
+        trainer = SFTTrainer(model=model, args=SFTConfig(max_length=a.seq, packing=a.packing, **common),
+                             train_dataset=data, processing_class=tokenizer)
+    elif a.algo == "dpo":
+        from trl import DPOConfig, DPOTrainer
+
+        trainer = DPOTrainer(model=model, args=DPOConfig(max_length=a.seq, **common), train_dataset=data,
+                             processing_class=tokenizer)
+    else:
+        from trl import GRPOConfig, GRPOTrainer
+
+        config = GRPOConfig(num_generations=a.gens, max_completion_length=a.completion, beta=0.0, temperature=1.0,
+                            **common)
+        trainer = GRPOTrainer(model=model, args=config, train_dataset=data, processing_class=tokenizer,
+                              reward_funcs=[length_reward])
+    trainer.add_callback(StepEnds())
+    trainer.train()
+    logged = [h for h in trainer.state.log_history if "loss" in h]
+    seen = [h.get("num_tokens") for h in logged]
+    tokens = None
+    if all(s is not None for s in seen) and len(seen) == len(ends):
+        tokens = [seen[0]] + [seen[i] - seen[i - 1] for i in range(1, len(seen))]
+    return {"ends": ends, "tokens": tokens, "started": started, "peak": peak_memory_bytes(),
+            "loss": [h["loss"] for h in logged]}
+
+
+def child(a) -> None:
+    import torch
+
+    torch.manual_seed(0)
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+    started = float(os.environ["COMPARE_STARTED"])
+    raw = (run_posttrain if a.tool == "posttrain" else run_trl)(a, Path(a.work), started)
+    print("RESULT " + json.dumps(raw), flush=True)
+
+
+# ----------------------------------------------------------------------------------------------------- figures
+def figures(raw: dict, a, work: Path, probe: float, on_cuda: bool) -> dict:
+    ends, k = raw["ends"], min(a.warmup, len(raw["ends"]) - 2)
+    gaps = [ends[i] - ends[i - 1] for i in range(k + 1, len(ends))]
+    sec = sum(gaps) / len(gaps)
+    if a.algo == "sft" and not a.packing:
+        step_tokens = a.bs * a.seq  # every row is longer than seq: truncated to exactly seq tokens
+    elif raw["tokens"]:
+        step_tokens = sum(raw["tokens"][k + 1:]) / len(gaps)
+    else:
+        step_tokens = None
+    out = {"s/step": sec, "tokens/s": step_tokens / sec if step_tokens else None,
+           "peak GB": raw["peak"] / 2**30, "start-up s": ends[0] - raw["started"], "first loss": raw["loss"][0]}
+    if step_tokens and a.algo != "grpo":
+        params, layers, hidden = parameters_and_dims(work / "model")
+        seq = a.seq if a.algo == "sft" else step_tokens / (2 * a.bs)
+        achieved = out["tokens/s"] * (6 * params + 12 * layers * hidden * seq)
+        out["MFU"] = achieved / (H100_BF16_PEAK if on_cuda else probe)
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--algo", choices=["sft", "dpo", "grpo"], default="sft")
+    p.add_argument("--size", choices=list(SIZES), default="tiny")
+    p.add_argument("--steps", type=int, default=12)
+    p.add_argument("--warmup", type=int, default=3, help="steps left out of the steady state")
+    p.add_argument("--bs", type=int, default=4, help="per-device batch: sequences (SFT), pairs (DPO), completions (GRPO)")
+    p.add_argument("--seq", type=int, default=256, help="max_length (SFT, DPO)")
+    p.add_argument("--gens", type=int, default=4, help="GRPO completions per prompt")
+    p.add_argument("--completion", type=int, default=32, help="GRPO max completion tokens")
+    p.add_argument("--precision", choices=["fp32", "bf16"], default="fp32", help="fp32, or bf16 autocast")
+    p.add_argument("--gc", action="store_true", help="gradient checkpointing")
+    p.add_argument("--packing", action="store_true")
+    p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--tools", default="posttrain,trl")
+    p.add_argument("--work", help="keep model and data here (default: a temporary directory)")
+    p.add_argument("--tool", help=argparse.SUPPRESS)
+    a = p.parse_args()
+    a.precision_value = "bf16" if a.precision == "bf16" else "'no'"
+    if a.tool:
+        return child(a)
+
+    import torch
+
+    on_cuda = torch.cuda.is_available()
+    tools = [t for t in a.tools.split(",") if t != "trl" or _has_trl()]
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(a.work or tmp)
+        work.mkdir(parents=True, exist_ok=True)
+        prepare(work, a.size, a.seq)
+        probe = matmul_probe("cuda" if on_cuda else "cpu", a.precision)
+        params = parameters_and_dims(work / "model")[0]
+        best: dict[str, dict] = {}
+        for r in range(a.repeats):
+            for tool in tools if r % 2 == 0 else tools[::-1]:
+                args = _without_work(sys.argv[1:]) + ["--tool", tool, "--work", str(work)]
+                env = {**os.environ, "TQDM_DISABLE": "1",
+                       "PYTHONPATH": f"{Path(__file__).parent}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+                env["COMPARE_STARTED"] = repr(time.perf_counter())  # CLOCK_MONOTONIC: the same clock in the child
+                done = subprocess.run([sys.executable, __file__, *args], capture_output=True, text=True, env=env)
+                line = [x for x in done.stdout.splitlines() if x.startswith("RESULT ")]
+                if done.returncode or not line:
+                    sys.exit(f"{tool} failed:\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}")
+                row = figures(json.loads(line[0][7:]), a, work, probe, on_cuda)
+                if tool not in best or row["s/step"] < best[tool]["s/step"]:
+                    best[tool] = row
+    device = torch.cuda.get_device_name() if on_cuda else f"CPU, {torch.get_num_threads()} threads"
+    print(f"\n{a.algo} | size {a.size} ({params / 1e6:.1f}M params) | bs {a.bs} | seq {a.seq}"
+          f" | {a.precision} | gc {a.gc} | packing {a.packing} | {device} | torch {torch.__version__} | best of "
+          f"{a.repeats}")
+    keys = ["s/step", "tokens/s", "peak GB", "MFU", "start-up s", "first loss"]
+    print("| tool | " + " | ".join(keys) + " |\n" + "|---" * (len(keys) + 1) + "|")
+    for tool, row in best.items():
+        print(f"| {tool} | " + " | ".join(_fmt(k, row.get(k)) for k in keys) + " |")
+    if len(best) == 2:
+        ours, theirs = best["posttrain"], best["trl"]
+        print(f"posttrain / TRL: speed {theirs['s/step'] / ours['s/step']:.2f}x, memory "
+              f"{ours['peak GB'] / theirs['peak GB']:.2f}x, start-up {ours['start-up s'] / theirs['start-up s']:.2f}x")
+
+
+def _without_work(argv: list[str]) -> list[str]:
+    out, skip = [], False
+    for arg in argv:
+        if skip or arg == "--work" or arg.startswith("--work="):
+            skip = arg == "--work"
+            continue
+        out.append(arg)
+    return out
+
+
+def _has_trl() -> bool:
+    try:
+        import trl  # noqa: F401
+    except ImportError:
+        print("trl is not installed (pip install trl): posttrain's rows only")
+        return False
+    return True
+
+
+def _fmt(key: str, value) -> str:
+    if value is None:
+        return "-"
+    if key == "MFU":
+        return f"{value:.1%}"
+    if key == "tokens/s":
+        return f"{value:,.0f}"
+    return f"{value:.3f}" if key in ("s/step", "first loss") else f"{value:.2f}"
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,99 @@
+"""ops.linear_token_logprobs (output layer + log-softmax fused and chunked) against the unfused reference, and the
+model-level fused path of algorithms.forward.policy_logprobs against the logits path on the tiny model."""
+
+import pytest
+import torch
+
+from posttrain.ops.logprobs import linear_token_logprobs, token_logprobs
+
+
+def hidden_batch(B=3, T=5, H=6, V=11, seed=0, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    hidden_BTH = torch.randn(B, T, H, generator=g, dtype=dtype)
+    weight_VH = torch.randn(V, H, generator=g, dtype=dtype)
+    input_ids_BT = torch.randint(0, V, (B, T), generator=g)
+    return hidden_BTH, weight_VH, input_ids_BT
+
+
+def unfused(hidden_BTH, weight_VH, input_ids_BT, temperature=1.0):
+    return token_logprobs(hidden_BTH @ weight_VH.t(), input_ids_BT, temperature=temperature)
+
+
+def test_by_hand():
+    # one row predicts token 1 from hidden [1, 0]: logits = [0, log 3] -> log p(1) = log(3/4)
+    hidden_BTH = torch.tensor([[[1.0, 0.0], [0.0, 0.0]]])
+    weight_VH = torch.tensor([[0.0, 5.0], [torch.log(torch.tensor(3.0)).item(), 1.0]])
+    got = linear_token_logprobs(hidden_BTH, weight_VH, torch.tensor([[0, 1]]))
+    assert got[0].tolist() == pytest.approx([0.0, torch.log(torch.tensor(0.75)).item()], abs=1e-6)
+
+
+@pytest.mark.parametrize("chunk_size", [1, 4, 15, 1000])  # B*T = 15
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_values_and_gradients_match_the_unfused_path(chunk_size, temperature):
+    hidden_BTH, weight_VH, input_ids_BT = hidden_batch()
+    weights_BT = torch.randn(input_ids_BT.shape, generator=torch.Generator().manual_seed(3))
+    ours = [hidden_BTH.clone().requires_grad_(), weight_VH.clone().requires_grad_()]
+    ref = [hidden_BTH.clone().requires_grad_(), weight_VH.clone().requires_grad_()]
+    got = linear_token_logprobs(*ours, input_ids_BT, temperature, chunk_size=chunk_size)
+    want = unfused(*ref, input_ids_BT, temperature)
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+    (got * weights_BT).sum().backward()
+    (want * weights_BT).sum().backward()
+    for mine, theirs in zip(ours, ref):
+        torch.testing.assert_close(mine.grad, theirs.grad, atol=1e-5, rtol=1e-5)
+
+
+def test_gradcheck_float64():
+    hidden_BTH, weight_VH, input_ids_BT = hidden_batch(B=2, T=3, H=4, V=5, dtype=torch.float64)
+    inputs = (hidden_BTH.requires_grad_(), weight_VH.requires_grad_())
+    assert torch.autograd.gradcheck(lambda h, w: linear_token_logprobs(h, w, input_ids_BT, 0.9, chunk_size=2), inputs)
+
+
+def test_bf16_autocast_matches_the_unfused_path_under_autocast():
+    hidden_BTH, weight_VH, input_ids_BT = hidden_batch(H=16, V=64, seed=4)
+    results = []
+    for fn in (linear_token_logprobs, unfused):
+        h, w = hidden_BTH.clone().requires_grad_(), weight_VH.clone().requires_grad_()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = fn(h, w, input_ids_BT)
+        out.sum().backward()
+        results.append((out.detach(), h.grad, w.grad))
+    assert results[0][0].dtype == torch.float32
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, atol=2e-2, rtol=2e-2)  # both in bf16 matmuls; chunking changes rounding
+
+
+def test_policy_logprobs_fused_equals_the_logits_path(tiny_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    from posttrain.algorithms.forward import fusable_head, policy_logits, policy_logprobs
+    from posttrain.train.batch import Batch
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    assert fusable_head(model) is model.lm_head
+    g = torch.Generator().manual_seed(0)
+    input_ids_BT = torch.randint(3, model.config.vocab_size, (2, 9), generator=g)
+    attention_mask_BT = torch.ones_like(input_ids_BT)
+    attention_mask_BT[1, 6:] = 0
+    batch = Batch(input_ids_BT=input_ids_BT, completion_mask_BT=attention_mask_BT.bool(),
+                  attention_mask_BT=attention_mask_BT, num_sequences=2)
+    fused = policy_logprobs(model, batch, temperature=0.8)
+    assert "forward" not in vars(model.lm_head)  # the swap is undone
+    (fused * batch.completion_mask_BT).sum().backward()
+    fused_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    reference = token_logprobs(policy_logits(model, batch), input_ids_BT, temperature=0.8)
+    (reference * batch.completion_mask_BT).sum().backward()
+    torch.testing.assert_close(fused, reference, atol=1e-5, rtol=1e-5)
+    for name, param in model.named_parameters():
+        torch.testing.assert_close(fused_grads[name], param.grad, atol=1e-5, rtol=1e-4, msg=name)
+
+
+def test_heads_that_are_not_plain_take_the_logits_path(tiny_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    from posttrain.algorithms.forward import fusable_head
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    model.config.model_type = "gemma2"  # soft-caps its logits after the head
+    assert fusable_head(model) is None
