@@ -33,6 +33,7 @@ from typing import Optional
 
 GIB = 2**30
 LOGPROB_CHUNK = 1024  # rows of ops.logprobs.token_logprobs' float32 log-softmax work (its chunk_size)
+LINEAR_CHUNK = 2**25  # logits elements per chunk of ops.logprobs.linear_token_logprobs (LINEAR_CHUNK_ELEMENTS)
 
 
 @dataclass(frozen=True)
@@ -51,6 +52,8 @@ class ModelShape:
     intermediate_size: int
     largest_layer: int = 0
     """Parameters of the largest decoder layer (what ZeRO-3 / FSDP2 gathers at once); 0: parameters / layers."""
+    fused_head: bool = False
+    """The output layer can be fused with the log-softmax (algorithms.forward.FUSED_HEAD_MODELS)."""
 
     @property
     def head_dim(self) -> int:
@@ -89,6 +92,8 @@ class Workload:
     """Frozen full models kept besides the policy (DPO / GRPO reference, reward model)."""
     lm_head: bool = True
     """False for a sequence classifier (RM): no B x T x V logits."""
+    logprobs_only: bool = False
+    """The loss needs log-probs only (SFT, DPO): a fusable head then never makes the logits."""
     eager_attention: bool = False
     """attn_implementation=eager materialises B x heads x T x T scores; sdpa / flash do not."""
     generation_sequences: int = 0
@@ -203,6 +208,8 @@ def logits_bytes(shape: ModelShape, w: Workload) -> int:
     if not w.lm_head:
         return 0
     tokens = w.sequences * w.sequence_length
+    if w.logprobs_only and shape.fused_head:  # ops.linear_token_logprobs: float32 chunks of LINEAR_CHUNK rows
+        return 2 * min(tokens, max(1, LINEAR_CHUNK // shape.vocab_size)) * shape.vocab_size * 4
     return 2 * tokens * shape.vocab_size * w.compute_bytes + 2 * min(tokens, LOGPROB_CHUNK) * shape.vocab_size * 4
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 
+from posttrain.algorithms.forward import FUSED_HEAD_MODELS
 from posttrain.config.schema import ModelConfig
 from posttrain.errors import UserError
 from posttrain.plan.estimate import ModelShape
@@ -91,4 +92,5 @@ def shape_from_config(config, parameters: int, trainable: int, largest_layer: in
         num_kv_heads=getattr(text, "num_key_value_heads", None) or heads,
         intermediate_size=getattr(text, "intermediate_size", None) or 4 * hidden,
         largest_layer=largest_layer,
+        fused_head=getattr(config, "model_type", None) in FUSED_HEAD_MODELS,
     )

@@ -56,6 +56,7 @@ def workload_from_recipe(command: str, recipe: Recipe, per_device_batch: Optiona
         gradient_checkpointing=t.gradient_checkpointing,
         frozen_copies=facts["frozen"],
         lm_head=facts["task"] == "causal_lm",
+        logprobs_only=command in ("sft", "dpo"),
         eager_attention=recipe.model.attn_implementation == "eager",
     )
     if not facts["generate"]:

@@ -191,3 +191,12 @@ def test_the_algorithm_is_told_by_the_recipe():
 def test_bad_launch_shape_is_a_user_error(config_7b):
     with pytest.raises(UserError, match="--gpus"):
         run_plan("sft", _recipe(config_7b), None, [], 3, 2, "80GiB", as_json=False)
+
+
+def test_fused_output_layer_never_makes_the_logits():
+    import dataclasses
+
+    fused = dataclasses.replace(SHAPE, fused_head=True)
+    w = Workload(algorithm="sft", sequences=2, sequence_length=4, logprobs_only=True)
+    assert estimate(fused, w, ENGINES["ddp"]).logits == 2 * 8 * 10 * 4  # one float32 chunk (all 8 rows) and its work
+    assert estimate(SHAPE, w, ENGINES["ddp"]).logits == LOGITS  # a head that cannot be fused: the logits path
