@@ -15,11 +15,14 @@ import json
 import os
 import re
 import shutil
+import sys
 from pathlib import Path
 from typing import Any, Optional
 
+from posttrain import checkpoint_files as files
 from posttrain.config.schema import global_batch_size
 from posttrain.errors import UserError
+from posttrain.train.guard import require_finite
 from posttrain.train.loop import TrainState
 
 STEP_DIR = re.compile(r"^step-(\d+)$")
@@ -39,9 +42,15 @@ def resolve_resume(output_dir: str, resume: Optional[str]) -> Optional[Path]:
     """`auto` -> newest complete checkpoint (or None: a fresh start); a path must be a checkpoint directory."""
     if resume is None:
         return None
-    if resume == "auto":
-        found = list_checkpoints(output_dir)
-        return found[-1] if found else None
+    if resume == "auto":  # the newest checkpoint that matches its manifest; a damaged one is passed over, loudly
+        for path in reversed(list_checkpoints(output_dir)):
+            problem = files.verify(path)
+            if problem is None:
+                return path
+            if os.environ.get("RANK", "0") == "0":
+                print(f"posttrain: warning: checkpoint {path} is damaged ({problem}); trying the one before it",
+                      file=sys.stderr, flush=True)
+        return None
     path = Path(resume)
     if not (path / "trainer_state.json").is_file():
         raise UserError(
@@ -66,24 +75,35 @@ class Checkpointer:
     def save(self, state: TrainState, model, optimizer, scheduler) -> Path:
         if state.step == self.last_saved_step:
             return self.root / f"step-{state.step}"
+        require_finite(self.backend, [model], f"step {state.step}")  # a NaN model never replaces a good checkpoint
         final = self.root / f"step-{state.step}"
         tmp = self.root / f".tmp-step-{state.step}"
+        previous = (list_checkpoints(self.root.parent) or [None])[-1]
+        try:
+            if self.backend.is_main:
+                shutil.rmtree(tmp, ignore_errors=True)
+                tmp.mkdir(parents=True)
+            self.backend.barrier()
+            self.backend.save_state(str(tmp))
+            self.backend.barrier()  # every rank has written its files (shards, RNG state) before the rename
+            if self.backend.is_main:
+                payload = {
+                    "state": dataclasses.asdict(state),
+                    "scheduler": {k: v for k, v in scheduler.state_dict().items() if k != "lr_lambdas"},
+                    "run": self.run_facts,
+                }
+                (tmp / "trainer_state.json").write_text(json.dumps(payload, indent=2))
+                files.write_manifest(tmp)
+                files.fsync_tree(tmp)
+        except Exception as e:
+            if files.is_disk_full(e):
+                raise files.disk_full_error(e, tmp, previous) from e
+            raise
         if self.backend.is_main:
-            shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir(parents=True)
-        self.backend.barrier()
-        self.backend.save_state(str(tmp))
-        self.backend.barrier()  # every rank has written its files (shards, RNG state) before the rename
-        if self.backend.is_main:
-            payload = {
-                "state": dataclasses.asdict(state),
-                "scheduler": {k: v for k, v in scheduler.state_dict().items() if k != "lr_lambdas"},
-                "run": self.run_facts,
-            }
-            (tmp / "trainer_state.json").write_text(json.dumps(payload, indent=2))
             if final.exists():
                 shutil.rmtree(final)
             os.replace(tmp, final)
+            files.fsync_dir(self.root)
             self._rotate()
         self.backend.barrier()
         self.last_saved_step = state.step
@@ -173,6 +193,7 @@ def export_final(backend, model, tokenizer, output_dir: str, merge_lora: bool = 
     """Write output_dir/final as a Hugging Face directory that from_pretrained (and vLLM) can load.
 
     Every rank calls it: the full weights are gathered from the shards (ZeRO-3, FSDP) and rank 0 writes them."""
+    require_finite(backend, [model], "exporting final/")
     unwrapped = backend.unwrap(model)
     if merge_lora and hasattr(unwrapped, "merge_and_unload"):
         from posttrain.distributed.backend import drop_tied_aliases
@@ -200,8 +221,10 @@ def export_final(backend, model, tokenizer, output_dir: str, merge_lora: bool = 
         tokenizer.save_pretrained(tmp)
         if getattr(unwrapped, "generation_config", None) is not None:
             unwrapped.generation_config.save_pretrained(tmp)
+        files.fsync_tree(tmp)
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)
+        files.fsync_dir(final.parent)
     backend.barrier()
     return final if backend.is_main else None

@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run_command(argv: list[str] | None = None) -> int:
-    from posttrain.errors import UserError
+    from posttrain.errors import RunStopped, UserError
 
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     args = build_parser().parse_args(argv)
@@ -75,6 +75,12 @@ def run_command(argv: list[str] | None = None) -> int:
     except UserError as e:
         print(f"posttrain: error: {e}", file=sys.stderr)
         return 2
+    except RunStopped as e:  # on purpose, work saved: one line (from rank 0 when every rank stops alike)
+        if not e.shared or os.environ.get("RANK", "0") == "0":
+            rank = os.environ.get("RANK")
+            where = f" (rank {rank})" if rank is not None and not e.shared else ""
+            print(f"posttrain: {'error' if e.exit_code == 1 else 'stopped'}{where}: {e}", file=sys.stderr, flush=True)
+        return e.exit_code
     except KeyboardInterrupt:
         print("posttrain: interrupted", file=sys.stderr)
         return 1
