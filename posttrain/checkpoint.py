@@ -96,7 +96,7 @@ class Checkpointer:
                 files.write_manifest(tmp)
                 files.fsync_tree(tmp)
         except Exception as e:
-            if files.is_disk_full(e):
+            if files.is_disk_full(e, self.root):
                 raise files.disk_full_error(e, tmp, previous) from e
             raise
         if self.backend.is_main:

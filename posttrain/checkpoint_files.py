@@ -86,8 +86,14 @@ def tree_bytes(root: Optional[Path]) -> int:
     return sum(p.stat().st_size for p in root.rglob("*") if p.is_file()) if root is not None and root.is_dir() else 0
 
 
-def is_disk_full(error: BaseException) -> bool:
-    """ENOSPC / EDQUOT / EFBIG anywhere in the chain (torch.save and safetensors wrap the OSError in their own)."""
+def is_disk_full(error: BaseException, directory: Path) -> bool:
+    """ENOSPC / EDQUOT / EFBIG anywhere in the chain, or (torch.save reports a full disk as "iostream error", with no
+    errno) a disk under `directory` with less than 1 MiB left."""
+    try:
+        if shutil.disk_usage(directory).free < 2**20:
+            return True
+    except OSError:
+        pass
     seen = 0
     while error is not None and seen < 8:
         if isinstance(error, OSError) and error.errno in DISK_FULL:
