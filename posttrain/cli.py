@@ -87,9 +87,25 @@ def run_command(argv: list[str] | None = None) -> int:
     except Exception:  # the user sees the real error (and which rank) instead of a hang
         rank = os.environ.get("RANK")
         where = f" on rank {rank}" if rank is not None else ""
+        lost = lost_peers()
+        if lost:  # a peer died (kill -9, out of memory, node loss): that is the news, not this rank's traceback
+            print(f"posttrain: error (rank {rank}): lost rank {', '.join(map(str, lost))}: its process ended "
+                  "(killed or crashed), so this rank stops too. Checkpoints already saved are complete; continue "
+                  "with train.resume_from_checkpoint=auto", file=sys.stderr, flush=True)
+            abort_process_group()
+            return 1
         print(f"posttrain: failed{where}:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
         abort_process_group()
         return 1
+
+
+def lost_peers() -> list[int]:
+    try:
+        from posttrain.distributed.backend import lost_ranks
+
+        return lost_ranks()
+    except Exception:
+        return []
 
 
 def abort_process_group() -> None:
