@@ -21,8 +21,9 @@ def test_a_killed_rank_stops_the_run_with_its_name_and_resume_is_exact(two_proce
     assert reference.ok, reference.output[-3000:]
     overrides = sft_overrides(tiny_model_dir, task_data, tmp_path / "run", *TWO_PROCESS_SPLIT, "train.ddp_timeout=900")
     killed_at = tmp_path / "killed-at"
-    killed = launch(2, "sft", overrides, hooks=["kill_rank"], timeout=300, **ENGINES["zero3"],
-                    env={"POSTTRAIN_TEST_KILL_RANK": "1", "POSTTRAIN_TEST_KILLED_AT": str(killed_at)})
+    killed = launch(2, "sft", overrides, hooks=["fail_rank"], timeout=300, **ENGINES["zero3"],
+                    env={"POSTTRAIN_TEST_FAIL_HOW": "kill", "POSTTRAIN_TEST_FAIL_CALL": "5",  # in step 3
+                         "POSTTRAIN_TEST_KILLED_AT": str(killed_at)})
     stopped_after = time.time() - float(killed_at.read_text())
     assert not killed.ok and "killed after" not in killed.output
     assert "posttrain: error (rank 0): lost rank 1" in killed.output, killed.output[-4000:]
