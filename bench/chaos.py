@@ -46,7 +46,7 @@ def overrides(args, data: dict, model: Path, out: Path) -> list[str]:
         return common + [f"data.train={data['sft_train']}", f"train.per_device_train_batch_size={4 // world}",
                          "train.learning_rate=3e-3"]
     return common + [f"data.train={data['prompts_train']}", f"train.per_device_train_batch_size={8 // world}",
-                     "algo.num_generations=4", "generation.max_completion_length=8", "rewards=[{name: exact_match}]",
+                     "algo.num_generations=4", "generation.max_completion_length=8", "rewards=[{name: length_penalty, kwargs: {max_length: 40}}]",
                      "train.learning_rate=1e-3"]
 
 
