@@ -147,7 +147,7 @@ class Chaos:
                 return kind
             if kind == "rank" and time.perf_counter() >= deadline:
                 return self.kill_rank(proc, log)
-            time.sleep(0.002)
+            time.sleep(0.005)
         return None
 
     def kill_rank(self, proc: subprocess.Popen, log: Path) -> str | None:
