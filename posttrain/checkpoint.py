@@ -21,7 +21,7 @@ from typing import Any, Optional
 
 from posttrain import checkpoint_files as files
 from posttrain.config.schema import global_batch_size
-from posttrain.errors import UserError
+from posttrain.errors import RunStopped, UserError
 from posttrain.train.guard import require_finite
 from posttrain.train.loop import TrainState
 
@@ -73,33 +73,38 @@ class Checkpointer:
         self.last_saved_step = -1
 
     def save(self, state: TrainState, model, optimizer, scheduler) -> Path:
+        """`_save`, and a full disk said as such: the partial copy removed, the previous checkpoint named intact."""
+        previous = (list_checkpoints(self.root.parent) or [None])[-1]
+        try:
+            return self._save(state, model, optimizer, scheduler)
+        except RunStopped:
+            raise
+        except Exception as e:
+            if files.is_disk_full(e, self.root):
+                raise files.disk_full_error(e, self.root / f".tmp-step-{state.step}", previous) from e
+            raise
+
+    def _save(self, state: TrainState, model, optimizer, scheduler) -> Path:
         if state.step == self.last_saved_step:
             return self.root / f"step-{state.step}"
         require_finite(self.backend, [model], f"step {state.step}")  # a NaN model never replaces a good checkpoint
         final = self.root / f"step-{state.step}"
         tmp = self.root / f".tmp-step-{state.step}"
-        previous = (list_checkpoints(self.root.parent) or [None])[-1]
-        try:
-            if self.backend.is_main:
-                shutil.rmtree(tmp, ignore_errors=True)
-                tmp.mkdir(parents=True)
-            self.backend.barrier()
-            self.backend.save_state(str(tmp))
-            self.backend.barrier()  # every rank has written its files (shards, RNG state) before the rename
-            if self.backend.is_main:
-                payload = {
-                    "state": dataclasses.asdict(state),
-                    "scheduler": {k: v for k, v in scheduler.state_dict().items() if k != "lr_lambdas"},
-                    "run": self.run_facts,
-                }
-                (tmp / "trainer_state.json").write_text(json.dumps(payload, indent=2))
-                files.write_manifest(tmp)
-                files.fsync_tree(tmp)
-        except Exception as e:
-            if files.is_disk_full(e, self.root):
-                raise files.disk_full_error(e, tmp, previous) from e
-            raise
         if self.backend.is_main:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+        self.backend.barrier()
+        self.backend.save_state(str(tmp))
+        self.backend.barrier()  # every rank has written its files (shards, RNG state) before the rename
+        if self.backend.is_main:
+            payload = {
+                "state": dataclasses.asdict(state),
+                "scheduler": {k: v for k, v in scheduler.state_dict().items() if k != "lr_lambdas"},
+                "run": self.run_facts,
+            }
+            (tmp / "trainer_state.json").write_text(json.dumps(payload, indent=2))
+            files.write_manifest(tmp)  # sizes and checksums: `auto` tells a complete checkpoint from a damaged one
+            files.fsync_tree(tmp)  # the data is on disk before the rename makes the checkpoint visible
             if final.exists():
                 shutil.rmtree(final)
             os.replace(tmp, final)
