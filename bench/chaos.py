@@ -244,9 +244,10 @@ def main(argv_: list[str] | None = None) -> dict:
     reference = chaos.reference()
     while chaos.kills < args.kills and len(chaos.failures) == 0:
         chaos.episode(reference)
+        result = chaos.summary()  # so far: a long run stopped early still has its figures
+        print(f"kills {result['kills']} {result['kinds']} | resumes {result['resumes']} | episodes "
+              f"{result['episodes']} | failures {result['failures']} | max |dw| {result['max_abs_dw']:.3g}", flush=True)
     result = chaos.summary()
-    print(f"kills {result['kills']} {result['kinds']} | resumes {result['resumes']} | episodes {result['episodes']} | "
-          f"failures {result['failures']} | max |dw| {result['max_abs_dw']:.3g}")
     for problem in chaos.failures:
         print(f"  FAILURE: {problem}")
     print(json.dumps(result))
