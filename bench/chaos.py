@@ -168,7 +168,7 @@ class Chaos:
             return "rank"
         with log.open() as f:
             text = f.read()
-        named = f"rank {rank}" in text[text.rfind("--- start"):]
+        named = f"lost rank {rank}" in text[text.rfind("--- start"):]
         print(f"  rank {rank} killed: the run stopped in {time.perf_counter() - killed_at:.1f} s"
               f"{'' if named else ' WITHOUT naming the lost rank'}", flush=True)
         if not named:
