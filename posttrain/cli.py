@@ -101,7 +101,7 @@ def run_command(argv: list[str] | None = None) -> int:
 
 def lost_peers() -> list[int]:
     try:
-        from posttrain.distributed.backend import lost_ranks
+        from posttrain.distributed.peers import lost_ranks
 
         return lost_ranks()
     except Exception:

@@ -24,7 +24,6 @@ import gc
 import json
 import os
 import resource
-import socket
 import time
 import warnings
 from datetime import timedelta
@@ -37,6 +36,7 @@ from accelerate import Accelerator, PartialState
 from accelerate.utils import DistributedType, InitProcessGroupKwargs
 
 from posttrain.config.schema import Recipe, TrainConfig
+from posttrain.distributed import peers
 from posttrain.errors import UserError
 
 # DeepSpeed still calls the torch collectives that torch 2.x deprecates; one warning per call buries the log.
@@ -219,8 +219,8 @@ class Backend:
         self.num_nodes = int(os.environ.get("GROUP_WORLD_SIZE", 0)) or max(1, self.world_size // max(1, local_world))
         if self.is_deepspeed:
             self._fill_deepspeed_config()
-        if self.world_size > 1:  # who is where, so a rank whose peer dies can say which (lost_ranks)
-            _PEERS[:] = self.all_gather_object((socket.gethostname(), os.getpid()))
+        if self.world_size > 1:  # who is where, so a rank whose peer dies can say which
+            peers.record(self.all_gather_object(peers.me()))
 
     # --- what is running -------------------------------------------------------------------------------------
     @property
@@ -537,26 +537,6 @@ def drop_tied_aliases(model, state: dict[str, torch.Tensor]) -> dict[str, torch.
         else:
             first.setdefault(id(param), name)
     return state
-
-
-_PEERS: list[tuple[str, int]] = []  # (host, pid) of every rank of this process group, in rank order
-
-
-def lost_ranks() -> list[int]:
-    """The ranks on this host whose process has ended (killed, crashed): when a collective fails because a peer
-    went away, the error names the rank. Ranks on other hosts cannot be checked from here."""
-    here = socket.gethostname()
-    lost = []
-    for rank, (host, pid) in enumerate(_PEERS):
-        if host != here or pid == os.getpid():
-            continue
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                gone = f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")  # dead, not yet reaped by the launcher
-        except OSError:
-            gone = True
-        lost += [rank] if gone else []
-    return lost
 
 
 def abort() -> None:
