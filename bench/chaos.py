@@ -3,7 +3,7 @@
     .venv/bin/python bench/chaos.py --algo sft --kills 20
     .venv/bin/python bench/chaos.py --algo grpo --kills 20
     .venv/bin/python bench/chaos.py --algo sft --engine zero3 --kills 20    # 2 processes; some kills hit one rank
-    .venv/bin/python bench/chaos.py --kills 3 --steps 6 --kinds checkpoint,export,random   # what CI runs (tests/)
+    .venv/bin/python bench/chaos.py --kills 2 --steps 4 --kinds checkpoint,export   # what CI runs (tests/)
 
 Each kill is drawn from: a random moment of the run, during a checkpoint write (a .tmp-step-N directory exists),
 during the export (.tmp-final exists), and with 2 processes, one rank of the two (the other must then stop by itself
