@@ -70,19 +70,40 @@ def env() -> dict[str, str]:
     return out
 
 
-def worker_pid(session: int, rank: int) -> int | None:
-    """The training process of `rank` among the processes of a launcher's session (Linux /proc)."""
+def descendants(root: int) -> list[int]:
+    """Every process below `root` (Linux /proc). torchrun starts each worker in a session of its own, so killing
+    the launcher's process group would leave the workers running as orphans."""
+    parent = {}
     for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
         try:
-            if os.getsid(int(entry.name)) != session:
-                continue
-            environ = (entry / "environ").read_bytes().split(b"\0")
+            parent[int(entry.name)] = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (ValueError, OSError):
+            continue
+    found, frontier = [], [root]
+    while frontier:
+        children = [pid for pid, ppid in parent.items() if ppid in frontier]
+        found += children
+        frontier = children
+    return found
+
+
+def kill_all(proc: subprocess.Popen) -> None:
+    """kill -9 the launcher and every process it started (a job killed by the scheduler, a lost machine)."""
+    for pid in [proc.pid] + descendants(proc.pid):
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, signal.SIGKILL)
+    proc.wait()
+
+
+def worker_pid(launcher: int, rank: int) -> int | None:
+    """The training process of `rank` among the processes the launcher started."""
+    for pid in descendants(launcher):
+        try:
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
         except OSError:
             continue
-        if f"RANK={rank}".encode() in environ and b"LOCAL_RANK=" + str(rank).encode() in environ:
-            return int(entry.name)
+        if f"RANK={rank}".encode() in environ and f"LOCAL_RANK={rank}".encode() in environ:
+            return pid
     return None
 
 
@@ -142,8 +163,7 @@ class Chaos:
         while proc.poll() is None:
             if (kind == "random" and time.perf_counter() >= deadline) or (kind == "checkpoint" and saving(out)) or (
                     kind == "export" and exporting(out)):
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+                kill_all(proc)
                 return kind
             if kind == "rank" and time.perf_counter() >= deadline:
                 return self.kill_rank(proc, log)
@@ -154,8 +174,7 @@ class Chaos:
         rank = self.rng.choice([0, 1])
         pid = worker_pid(proc.pid, rank)
         if pid is None:  # not started yet or already gone: kill the whole run instead
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+            kill_all(proc)
             return "random"
         os.kill(pid, signal.SIGKILL)
         killed_at = time.perf_counter()
@@ -163,8 +182,7 @@ class Chaos:
             proc.wait(timeout=self.args.stop_bound)
         except subprocess.TimeoutExpired:
             self.failures.append(f"rank {1 - rank} still running {self.args.stop_bound:.0f} s after rank {rank} died")
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+            kill_all(proc)
             return "rank"
         with log.open() as f:
             text = f.read()
@@ -173,8 +191,6 @@ class Chaos:
               f"{'' if named else ' WITHOUT naming the lost rank'}", flush=True)
         if not named:
             self.failures.append(f"the lost rank {rank} was not named")
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(proc.pid, signal.SIGKILL)  # leftovers of the launcher's session, if any
         return "rank"
 
     def check_checkpoints(self, out: Path) -> None:
