@@ -22,6 +22,7 @@ import contextlib
 import json
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -186,7 +187,10 @@ class Chaos:
             return "rank"
         with log.open() as f:
             text = f.read()
-        named = f"lost rank {rank}" in text[text.rfind("--- start"):]
+        text = text[text.rfind("--- start"):]
+        # the survivor says "lost rank N" once its collective fails; killed before it got that far (still loading),
+        # it is stopped by the launcher, whose report names the rank that failed first
+        named = f"lost rank {rank}" in text or re.search(rf"Root Cause[^\[]*\[0\]:[^\[]*rank\s*:\s*{rank}\b", text)
         print(f"  rank {rank} killed: the run stopped in {time.perf_counter() - killed_at:.1f} s"
               f"{'' if named else ' WITHOUT naming the lost rank'}", flush=True)
         if not named:
