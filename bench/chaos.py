@@ -123,6 +123,12 @@ def max_dw(a: dict, b: dict) -> float:
     return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
 
 
+def training(log: Path) -> bool:
+    """This start of the run has logged a step (the last section of its log shows one)."""
+    text = log.read_text(errors="replace")
+    return re.search(r"^step \d+/", text[text.rfind("--- start"):], re.M) is not None
+
+
 def saving(out: Path) -> bool:
     return any((out / "checkpoints").glob(".tmp-step-*"))
 
@@ -159,14 +165,19 @@ class Chaos:
         """Wait for the moment of the drawn kind and kill; None when the run ended first."""
         kinds = ["random", "checkpoint", "export"] + (["rank"] * 2 if self.args.engine != "single" else [])
         kind = self.args.kinds[self.kills % len(self.args.kinds)] if self.args.kinds else self.rng.choice(kinds)
-        deadline = time.perf_counter() + (self.rng.uniform(0.2, 0.9) * self.run_seconds if kind in ("random", "rank")
-                                          else 10 * self.run_seconds)
+        # a rank is killed once training has begun (a kill during start-up is the launcher's business: it stops the
+        # other ranks), a random kill anywhere
+        delay = {"random": self.rng.uniform(0.2, 0.9) * self.run_seconds, "rank": self.rng.uniform(0, 3)}
+        deadline = time.perf_counter() + delay.get(kind, 10 * self.run_seconds)
+        started_training = None
         while proc.poll() is None:
             if (kind == "random" and time.perf_counter() >= deadline) or (kind == "checkpoint" and saving(out)) or (
                     kind == "export" and exporting(out)):
                 kill_all(proc)
                 return kind
-            if kind == "rank" and time.perf_counter() >= deadline:
+            if kind == "rank" and started_training is None and training(log):
+                started_training = time.perf_counter()
+            if kind == "rank" and started_training is not None and time.perf_counter() >= started_training + delay["rank"]:
                 return self.kill_rank(proc, log)
             time.sleep(0.005)
         return None
