@@ -15,11 +15,14 @@ import json
 import os
 import re
 import shutil
+import sys
 from pathlib import Path
 from typing import Any, Optional
 
+from posttrain import checkpoint_files as files
 from posttrain.config.schema import global_batch_size
-from posttrain.errors import UserError
+from posttrain.errors import RunStopped, UserError
+from posttrain.train.guard import require_finite
 from posttrain.train.loop import TrainState
 
 STEP_DIR = re.compile(r"^step-(\d+)$")
@@ -39,9 +42,15 @@ def resolve_resume(output_dir: str, resume: Optional[str]) -> Optional[Path]:
     """`auto` -> newest complete checkpoint (or None: a fresh start); a path must be a checkpoint directory."""
     if resume is None:
         return None
-    if resume == "auto":
-        found = list_checkpoints(output_dir)
-        return found[-1] if found else None
+    if resume == "auto":  # the newest checkpoint that matches its manifest; a damaged one is passed over, loudly
+        for path in reversed(list_checkpoints(output_dir)):
+            problem = files.verify(path)
+            if problem is None:
+                return path
+            if os.environ.get("RANK", "0") == "0":
+                print(f"posttrain: warning: checkpoint {path} is damaged ({problem}); trying the one before it",
+                      file=sys.stderr, flush=True)
+        return None
     path = Path(resume)
     if not (path / "trainer_state.json").is_file():
         raise UserError(
@@ -64,8 +73,21 @@ class Checkpointer:
         self.last_saved_step = -1
 
     def save(self, state: TrainState, model, optimizer, scheduler) -> Path:
+        """`_save`, and a full disk said as such: the partial copy removed, the previous checkpoint named intact."""
+        previous = (list_checkpoints(self.root.parent) or [None])[-1]
+        try:
+            return self._save(state, model, optimizer, scheduler)
+        except RunStopped:
+            raise
+        except Exception as e:
+            if files.is_disk_full(e, self.root):
+                raise files.disk_full_error(e, self.root / f".tmp-step-{state.step}", previous) from e
+            raise
+
+    def _save(self, state: TrainState, model, optimizer, scheduler) -> Path:
         if state.step == self.last_saved_step:
             return self.root / f"step-{state.step}"
+        require_finite(self.backend, [model], f"step {state.step}")  # a NaN model never replaces a good checkpoint
         final = self.root / f"step-{state.step}"
         tmp = self.root / f".tmp-step-{state.step}"
         if self.backend.is_main:
@@ -81,9 +103,12 @@ class Checkpointer:
                 "run": self.run_facts,
             }
             (tmp / "trainer_state.json").write_text(json.dumps(payload, indent=2))
+            files.write_manifest(tmp)  # sizes and checksums: `auto` tells a complete checkpoint from a damaged one
+            files.fsync_tree(tmp)  # the data is on disk before the rename makes the checkpoint visible
             if final.exists():
                 shutil.rmtree(final)
             os.replace(tmp, final)
+            files.fsync_dir(self.root)
             self._rotate()
         self.backend.barrier()
         self.last_saved_step = state.step
@@ -173,6 +198,7 @@ def export_final(backend, model, tokenizer, output_dir: str, merge_lora: bool = 
     """Write output_dir/final as a Hugging Face directory that from_pretrained (and vLLM) can load.
 
     Every rank calls it: the full weights are gathered from the shards (ZeRO-3, FSDP) and rank 0 writes them."""
+    require_finite(backend, [model], "exporting final/")
     unwrapped = backend.unwrap(model)
     if merge_lora and hasattr(unwrapped, "merge_and_unload"):
         from posttrain.distributed.backend import drop_tied_aliases
@@ -200,8 +226,10 @@ def export_final(backend, model, tokenizer, output_dir: str, merge_lora: bool = 
         tokenizer.save_pretrained(tmp)
         if getattr(unwrapped, "generation_config", None) is not None:
             unwrapped.generation_config.save_pretrained(tmp)
+        files.fsync_tree(tmp)
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)
+        files.fsync_dir(final.parent)
     backend.barrier()
     return final if backend.is_main else None

@@ -50,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run_command(argv: list[str] | None = None) -> int:
-    from posttrain.errors import UserError
+    from posttrain.errors import RunStopped, UserError
 
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     args = build_parser().parse_args(argv)
@@ -82,15 +82,37 @@ def run_command(argv: list[str] | None = None) -> int:
     except UserError as e:
         print(f"posttrain: error: {e}", file=sys.stderr)
         return 2
+    except RunStopped as e:  # on purpose, work saved: one line (from rank 0 when every rank stops alike)
+        if not e.shared or os.environ.get("RANK", "0") == "0":
+            rank = os.environ.get("RANK")
+            where = f" (rank {rank})" if rank is not None and not e.shared else ""
+            print(f"posttrain: {'error' if e.exit_code == 1 else 'stopped'}{where}: {e}", file=sys.stderr, flush=True)
+        return e.exit_code
     except KeyboardInterrupt:
         print("posttrain: interrupted", file=sys.stderr)
         return 1
     except Exception:  # the user sees the real error (and which rank) instead of a hang
         rank = os.environ.get("RANK")
         where = f" on rank {rank}" if rank is not None else ""
+        lost = lost_peers()
+        if lost:  # a peer died (kill -9, out of memory, node loss): that is the news, not this rank's traceback
+            print(f"posttrain: error (rank {rank}): lost rank {', '.join(map(str, lost))}: its process ended "
+                  "(killed or crashed), so this rank stops too. Checkpoints already saved are complete; continue "
+                  "with train.resume_from_checkpoint=auto", file=sys.stderr, flush=True)
+            abort_process_group()
+            return 1
         print(f"posttrain: failed{where}:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
         abort_process_group()
         return 1
+
+
+def lost_peers() -> list[int]:
+    try:
+        from posttrain.distributed.peers import lost_ranks
+
+        return lost_ranks()
+    except Exception:
+        return []
 
 
 def abort_process_group() -> None:

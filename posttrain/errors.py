@@ -3,3 +3,13 @@
 
 class UserError(Exception):
     """Wrong config, data, paths or options. The message names what and where, and says what to do."""
+
+
+class RunStopped(Exception):
+    """The run stopped on purpose, with its work saved where possible: a signal (exit 128 + signal number), a
+    non-finite loss or gradient norm, a full disk (exit 1). The CLI prints the message as one line, no traceback."""
+
+    def __init__(self, message: str, exit_code: int = 1, shared: bool = True):
+        super().__init__(message)
+        self.exit_code = exit_code
+        self.shared = shared  # every rank stops for the same reason: only rank 0 prints it

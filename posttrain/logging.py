@@ -36,15 +36,18 @@ class MetricsLogger:
         """A resumed run rewrites history after its checkpoint, so the file never holds two versions of a step."""
         if not self.path.exists():
             return
-        kept = [line for line in self.path.read_text().splitlines() if line and json.loads(line).get("step", 0) <= step]
+        lines = self.path.read_text().splitlines()
+        kept = [line for line, row in zip(lines, map(_parse, lines)) if row is not None and row.get("step", 0) <= step]
         self.path.write_text("".join(line + "\n" for line in kept))
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
         if not self.enabled:
             return
         record = {"step": step, **{k: v for k, v in metrics.items() if k != "step"}}
+        # NaN / inf are not JSON: a non-finite value (a skipped step's loss) is written as null
+        record = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in record.items()}
         with self.path.open("a") as f:
-            f.write(json.dumps(record) + "\n")
+            f.write(json.dumps(record, allow_nan=False) + "\n")
         if self.writer is not None:
             for key, value in record.items():
                 if key != "step" and isinstance(value, (int, float)) and math.isfinite(value):
@@ -84,7 +87,15 @@ def read_metrics(output_dir: str | Path) -> list[dict[str, Any]]:
     path = Path(output_dir) / "metrics.jsonl"
     if not path.exists():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [row for row in map(_parse, path.read_text().splitlines()) if row is not None]
+
+
+def _parse(line: str) -> Optional[dict[str, Any]]:
+    """One metrics row, or None for a blank line or one a kill cut short (only the last line can be)."""
+    try:
+        return json.loads(line) if line.strip() else None
+    except json.JSONDecodeError:
+        return None
 
 
 def eval_endpoints(rows: list[dict[str, Any]]) -> list[tuple[str, tuple[int, float], tuple[int, float]]]:

@@ -10,8 +10,10 @@ Order matters and is deliberate:
 
 from __future__ import annotations
 
+import os
 import random
 import shutil
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +23,7 @@ import torch
 
 from posttrain.checkpoint import (UNIVERSAL_DIR, Checkpointer, check_compatible, export_final, resolve_resume,
                                   run_facts, to_universal)
+from posttrain.checkpoint_files import tree_bytes, warn_low_disk
 from posttrain.config.load import dump_yaml
 from posttrain.config.schema import Recipe, total_steps
 from posttrain.errors import UserError
@@ -43,10 +46,11 @@ def check_output_dir(recipe: Recipe) -> Optional[Path]:
     t = recipe.train
     if out.exists() and not out.is_dir():
         raise UserError(f"output_dir {out} is a file; choose a directory")
+    check_writable(out)
     resume = resolve_resume(str(out), t.resume_from_checkpoint)
-    if resume is not None or t.overwrite_output_dir:
-        return resume
-    if out.is_dir() and any(out.iterdir()):
+    if resume is not None or t.overwrite_output_dir or t.resume_from_checkpoint == "auto":
+        return resume  # auto and no checkpoint yet (a run stopped before its first save): the run starts
+    if out.is_dir() and any(p.name != "config.yaml" for p in out.iterdir()):  # config.yaml alone: it never trained
         has_run = (out / "config.yaml").exists()
         what = "already holds a run (config.yaml)" if has_run else "is not empty"
         raise UserError(
@@ -54,6 +58,20 @@ def check_output_dir(recipe: Recipe) -> Optional[Path]:
             "train.overwrite_output_dir=true to replace it, or choose another output_dir"
         )
     return None
+
+
+def check_writable(out: Path) -> None:
+    """output_dir (or the nearest folder above it that exists) must take new files; probed with a temporary file."""
+    probe_in = next(p for p in (out, *out.parents) if p.exists())
+    try:
+        if not probe_in.is_dir():
+            raise NotADirectoryError(f"{probe_in} is a file")
+        fd, name = tempfile.mkstemp(prefix=".posttrain-probe-", dir=probe_in)
+        os.close(fd)
+        os.unlink(name)
+    except OSError as e:
+        raise UserError(f"output_dir {out}: cannot write in {probe_in} ({e.strerror or e}); choose a writable "
+                        "output_dir or fix its permissions") from None
 
 
 def clear_previous_run(out: Path) -> None:
@@ -117,6 +135,7 @@ def run(command: str, recipe: Recipe) -> RunResult:
     from posttrain.distributed.backend import Backend
     from posttrain.logging import MetricsLogger, read_metrics, write_report
     from posttrain.models.load import check_model_source, count_parameters, load_tokenizer
+    from posttrain.train.guard import Guard
     from posttrain.train.loop import LoopContext, evaluate, train
     from posttrain.train.optim import make_optimizer, make_scheduler
     from posttrain.train.sources import DatasetSource, eval_batches
@@ -152,6 +171,8 @@ def run(command: str, recipe: Recipe) -> RunResult:
     seed_everything(recipe.seed)
     model = load_policy(recipe, algorithm)
     total_params, trainable_params = count_parameters(model)
+    if backend.is_main:  # weights + AdamW's two moments, in float32 (or the size of the checkpoint resumed from)
+        warn_low_disk(out, tree_bytes(resume_from) or 4 * total_params + 8 * trainable_params)
     optimizer = make_optimizer(model, t)
     model, optimizer = backend.prepare(model, optimizer)
     # the Models record is the only owner of the reference, so an algorithm's setup may free it (precomputed
@@ -214,8 +235,10 @@ def run(command: str, recipe: Recipe) -> RunResult:
     # 4. train, export, report
     ctx = LoopContext(backend=backend, algorithm=algorithm, models=models, optimizer=optimizer, scheduler=scheduler,
                       source=source, total_steps=steps, logger=logger, checkpointer=checkpointer, state=state,
-                      evaluate=eval_fn, memory_estimate_mb=summary["estimated_peak_memory_mb"])
-    state = train(ctx)
+                      evaluate=eval_fn, memory_estimate_mb=summary["estimated_peak_memory_mb"],
+                      guard=Guard(t, backend))
+    with ctx.guard:  # SIGTERM / SIGINT: save at the next step boundary and exit 143 / 130
+        state = train(ctx)
     logger.close()
     final_dir = None
     if state.step >= steps and t.save_final_model:

@@ -127,6 +127,11 @@ class TrainConfig:
     """Write TensorBoard events to output_dir/tensorboard."""
     max_steps_per_run: Optional[int] = None
     """Stop (after saving a checkpoint) once this many steps ran in this process; for preemptible jobs and tests."""
+    nonfinite: str = "stop"
+    """A step whose loss or gradient norm is NaN/inf: stop the run (nothing of it is saved) or skip its update
+    (DeepSpeed steps inside backward, so there it always stops)."""
+    max_nonfinite_skips: int = 10
+    """With nonfinite=skip: stop once this many steps of the run have been skipped."""
 
 
 @dataclass(frozen=True)

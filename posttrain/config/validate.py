@@ -12,6 +12,7 @@ CHOICES = {
     "train.lr_scheduler_type": ("constant", "linear", "cosine"),
     "train.mixed_precision": ("no", "bf16", "fp16"),
     "generation.engine": ("hf", "vllm", "server"),
+    "train.nonfinite": ("stop", "skip"),
 }
 POSITIVE = (
     "train.per_device_train_batch_size",
@@ -24,7 +25,8 @@ POSITIVE = (
     "generation.max_completion_length",
     "train.ddp_timeout",
 )
-NON_NEGATIVE = ("train.weight_decay", "train.warmup_steps", "train.max_grad_norm", "train.save_steps", "train.eval_steps")
+NON_NEGATIVE = ("train.weight_decay", "train.warmup_steps", "train.max_grad_norm", "train.save_steps", "train.eval_steps",
+                "train.max_nonfinite_skips")
 
 
 def get(recipe: Recipe, dotted: str):

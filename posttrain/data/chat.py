@@ -12,6 +12,8 @@ stop.
 
 from __future__ import annotations
 
+import re
+
 from posttrain.errors import UserError
 
 Span = tuple[int, int]
@@ -23,6 +25,30 @@ def require_chat_template(tokenizer, what: str) -> None:
             f"{what} holds conversations (lists of messages) but the tokenizer has no chat template; "
             "set model.chat_template to a Jinja template or a .jinja file"
         )
+
+
+STANDARD_ROLES = ("system", "user", "assistant", "tool")
+
+
+def known_roles(tokenizer) -> set[str]:
+    """The standard roles and any other word the template quotes ('developer', 'ipython', ...): a role outside them is
+    almost always a typo, and a template renders it silently as a turn of its own (or drops it)."""
+    template = tokenizer.chat_template
+    text = " ".join(template.values()) if isinstance(template, dict) else str(template)
+    return set(STANDARD_ROLES) | set(re.findall(r"""['"]([A-Za-z_][\w-]*)['"]""", text))
+
+
+def check_roles(rows, columns, tokenizer, what: str) -> None:
+    """Every message's role must be one the chat template knows; a UserError names the row, column and message."""
+    known = known_roles(tokenizer)
+    for i, row in enumerate(rows):
+        for column in columns:
+            for j, message in enumerate(row[column] or []):
+                if message["role"] not in known:
+                    raise UserError(
+                        f"{what} row {i}: column {column!r} message {j} has role {message['role']!r}, which the chat "
+                        f"template does not know (roles: {', '.join(sorted(STANDARD_ROLES))}); fix the row, or set "
+                        "model.chat_template to a template that handles it")
 
 
 def render(tokenizer, messages: list[dict], add_generation_prompt: bool = False) -> str:

@@ -11,6 +11,7 @@ file and the recipe key (`what`).
 from __future__ import annotations
 
 import csv
+import io
 import json
 from pathlib import Path
 
@@ -58,7 +59,7 @@ def _read_file(path: Path, what: str) -> datasets.Dataset:
 
 def _read_json(path: Path, what: str) -> list[tuple[str, dict]]:
     """(where, row) pairs, where is 'line N' or 'item N'. A .json file holds one array of objects or is JSON Lines."""
-    text = path.read_text(encoding="utf-8")
+    text = _read_text(path, what)
     if path.suffix.lower() == ".json" and text.lstrip().startswith("["):
         try:
             items = json.loads(text)
@@ -85,7 +86,7 @@ def _read_json(path: Path, what: str) -> list[tuple[str, dict]]:
 
 def _read_csv(path: Path, what: str) -> list[tuple[str, dict]]:
     """Every cell is text (no guessing that " 4" is the number 4); the first line names the columns."""
-    with path.open(newline="", encoding="utf-8") as f:
+    with io.StringIO(_read_text(path, what), newline="") as f:
         reader = csv.DictReader(f)
         try:
             records = [(f"line {reader.line_num}", row) for row in reader]
@@ -96,6 +97,16 @@ def _read_csv(path: Path, what: str) -> list[tuple[str, dict]]:
             count = "more" if None in row else "fewer"
             raise UserError(f"{what}: {path} {where}: has {count} cells than the header names")
     return records
+
+
+def _read_text(path: Path, what: str) -> str:
+    data = path.read_bytes()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data[: e.start].count(b"\n") + 1
+        raise UserError(f"{what}: {path} line {line}: not valid UTF-8 (byte {data[e.start]:#04x} at offset {e.start}); "
+                        "save the file as UTF-8") from None
 
 
 def _from_records(records: list[tuple[str, dict]], path: Path, what: str) -> datasets.Dataset:

@@ -15,7 +15,8 @@ from __future__ import annotations
 import datasets
 
 from posttrain.config import DataConfig
-from posttrain.data.chat import assistant_spans, mask_from_spans, render, require_chat_template, split_rendered
+from posttrain.data.chat import (assistant_spans, check_roles, mask_from_spans, render, require_chat_template,
+                                 split_rendered)
 from posttrain.data.formats import DataFormat, clean_messages, detect_format
 from posttrain.errors import UserError
 
@@ -35,6 +36,7 @@ def _detect(dataset, tokenizer, what: str, accepts, needs: str) -> DataFormat:
         raise UserError(f"{what}: {needs}; this dataset is {fmt.kind} data (columns {dataset.column_names})")
     if fmt.conversational:
         require_chat_template(tokenizer, what)
+        check_roles(dataset.select_columns(list(fmt.columns())), fmt.columns(), tokenizer, what)
     return fmt
 
 

@@ -36,6 +36,7 @@ from accelerate import Accelerator, PartialState
 from accelerate.utils import DistributedType, InitProcessGroupKwargs
 
 from posttrain.config.schema import Recipe, TrainConfig
+from posttrain.distributed import peers
 from posttrain.errors import UserError
 
 # DeepSpeed still calls the torch collectives that torch 2.x deprecates; one warning per call buries the log.
@@ -218,6 +219,8 @@ class Backend:
         self.num_nodes = int(os.environ.get("GROUP_WORLD_SIZE", 0)) or max(1, self.world_size // max(1, local_world))
         if self.is_deepspeed:
             self._fill_deepspeed_config()
+        if self.world_size > 1:  # who is where, so a rank whose peer dies can say which
+            peers.record(self.all_gather_object(peers.me()))
 
     # --- what is running -------------------------------------------------------------------------------------
     @property
@@ -335,8 +338,10 @@ class Backend:
     def backward(self, loss: torch.Tensor) -> None:
         self.accelerator.backward(loss * (self.recipe.train.gradient_accumulation_steps * self.world_size))
 
-    def step(self, model, optimizer) -> torch.Tensor:
-        """Clip, step, zero the gradients. Returns the global gradient norm (before clipping)."""
+    def step(self, model, optimizer, skip_nonfinite: bool = False) -> torch.Tensor:
+        """Clip, step, zero the gradients. Returns the global gradient norm (before clipping). With skip_nonfinite a
+        NaN/inf norm drops the update (the norm is global, so every rank drops it; not possible under DeepSpeed,
+        whose engine already stepped)."""
         max_norm = self.recipe.train.max_grad_norm
         if self.is_deepspeed:
             # the engine already clipped and stepped inside backward() at the accumulation boundary
@@ -345,6 +350,9 @@ class Backend:
         else:
             norm = self.accelerator.clip_grad_norm_(model.parameters(), max_norm if max_norm > 0 else float("inf"))
             norm = torch.as_tensor(norm).detach().float().cpu()
+        if skip_nonfinite and not torch.isfinite(norm):
+            optimizer.zero_grad(set_to_none=True)
+            return norm
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         return norm
@@ -432,6 +440,16 @@ class Backend:
                 if self.is_main:
                     state[name] = param.detach().to("cpu", copy=True)
         return state
+
+    def nonfinite_parameters(self, model) -> int:
+        """How many of this rank's parameter tensors (its shards under ZeRO-3 / FSDP2) hold NaN or inf."""
+        bad = 0
+        for param in model.parameters():
+            local = getattr(param, "ds_tensor", None)  # ZeRO-3: the parameter itself is an empty placeholder
+            if local is None:
+                local = param.to_local() if hasattr(param, "to_local") else param  # FSDP2: a DTensor shard
+            bad += int(not bool(torch.isfinite(local.detach()).all()))
+        return bad
 
     def save_state(self, path: str) -> None:
         self.accelerator.save_state(path, safe_serialization=True)

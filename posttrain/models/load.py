@@ -15,9 +15,10 @@ weights while loading (zero.Init), so nothing here moves devices or knows about 
 from __future__ import annotations
 
 import contextlib
+import json
 import re
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, Optional
 
 from posttrain.config.schema import LoraConfig, ModelConfig
 from posttrain.errors import UserError
@@ -61,6 +62,36 @@ def _check_source(source: str, what: str, marker_files: tuple[str, ...]) -> None
             f"{what}: '{source}' is not a Hugging Face model directory (it has no {' or '.join(marker_files)}). "
             "Point it at the directory written by save_pretrained (for a finished run: <output_dir>/final)"
         )
+    for weights in sorted(path.glob("*.safetensors")):
+        problem = safetensors_problem(weights)
+        if problem:
+            raise UserError(f"{what}: {weights} is damaged ({problem}): it was cut short or overwritten; download or "
+                            "export the model again")
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        shards = sorted(set(json.loads(index.read_text()).get("weight_map", {}).values()))
+        missing = [name for name in shards if not (path / name).is_file()]
+        if missing:
+            raise UserError(f"{what}: {index} lists {', '.join(missing)}, which {path} does not hold; download or "
+                            "export the model again")
+
+
+def safetensors_problem(path: Path) -> Optional[str]:
+    """What is wrong with a .safetensors file's framing (header, and the size its header describes), or None.
+    Reads the header only: a truncated download or copy shows as a size mismatch."""
+    size = path.stat().st_size
+    try:
+        with path.open("rb") as f:
+            n = int.from_bytes(f.read(8), "little")
+            if size < 8 or n < 2 or 8 + n > size:
+                return f"{size} bytes: the header is cut short"
+            header = json.loads(f.read(n))
+        end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+    except (ValueError, KeyError, TypeError, IndexError) as e:
+        return f"unreadable header: {e}"
+    if 8 + n + end != size:
+        return f"{size} bytes where its header describes {8 + n + end}"
+    return None
 
 
 def _resolve(source: str) -> str:

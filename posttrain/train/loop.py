@@ -23,6 +23,7 @@ import torch
 
 from posttrain.algorithms.base import Algorithm, Models
 from posttrain.train.batch import Batch
+from posttrain.train.guard import Guard
 
 
 @dataclass
@@ -34,6 +35,7 @@ class TrainState:
     samples_seen: int = 0
     elapsed_seconds: float = 0.0
     best_eval_loss: Optional[float] = None
+    nonfinite_skips: int = 0
 
 
 @dataclass
@@ -54,6 +56,7 @@ class LoopContext:
     on_log: Optional[Callable[[int, dict[str, float]], None]] = None
     memory_estimate_mb: Optional[float] = None
     """`posttrain plan`'s peak estimate, logged beside the measured peak_memory_mb."""
+    guard: Optional[Guard] = None  # signals and non-finite steps (train/guard.py); run.py installs it
 
 
 def count_tokens(batch: Batch) -> int:
@@ -69,6 +72,7 @@ def train(ctx: LoopContext) -> TrainState:
     t = backend.recipe.train
     model = models.policy
     model.train()
+    guard = ctx.guard or Guard(t, backend)
     window: dict[str, float] = {}
     window_steps = 0
     window_tokens = 0
@@ -105,7 +109,7 @@ def train(ctx: LoopContext) -> TrainState:
                 metric_sums[key] = metric_sums.get(key, 0.0) + value.detach().float()
 
         # 5. clip + optimiser + schedule
-        grad_norm = backend.step(model, ctx.optimizer)
+        grad_norm = backend.step(model, ctx.optimizer, skip_nonfinite=guard.skip)
         ctx.scheduler.step()
         state.step += 1
         steps_this_run += 1
@@ -117,7 +121,9 @@ def train(ctx: LoopContext) -> TrainState:
             [step_loss, torch.tensor(float(tokens), device=backend.device)]
             + [metric_sums[k].to(backend.device) / len(micro_batches) for k in keys]
         )
+        local = torch.cat([local, guard.local_flags(step_loss)])  # + [loss not finite, signal], agreed in this reduce
         reduced = backend.all_reduce_sum(local)
+        guard.check_step(state, reduced[-2:], grad_norm)
         global_tokens = int(reduced[1])
         state.tokens_seen += global_tokens
         state.samples_seen += sum(b.num_pairs or b.num_sequences for b in micro_batches) * backend.world_size
@@ -158,8 +164,10 @@ def train(ctx: LoopContext) -> TrainState:
             ctx.logger.log(state.step, ctx.evaluate())
             model.train()
         stop_early = t.max_steps_per_run is not None and steps_this_run >= t.max_steps_per_run and not last
-        if (t.save_steps and state.step % t.save_steps == 0) or last or stop_early:
-            ctx.checkpointer.save(state, model, ctx.optimizer, ctx.scheduler)
+        if (t.save_steps and state.step % t.save_steps == 0) or last or stop_early or guard.stop_signal:
+            saved = ctx.checkpointer.save(state, model, ctx.optimizer, ctx.scheduler)
+        if guard.stop_signal:
+            guard.stopped(state.step, saved)
         if stop_early:
             break
     return state

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 
@@ -98,3 +99,52 @@ def test_overwrite_keeps_user_files(tiny_model_dir, data, tmp_path):
                "train.per_device_train_batch_size=2") == 0
     assert (out / "notes.txt").read_text() == "mine"
     assert (out / "config.yaml").read_text() != "old"
+
+
+def test_truncated_model_weights(tiny_model_dir, data, tmp_path, capsys):
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, model)
+    weights = model / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])  # an interrupted download or copy
+    out = tmp_path / "out"
+    expect_exit_2(capsys, sft(model, data["sft_train"], out), str(weights), "damaged", "model.name_or_path")
+    assert not out.exists()
+
+
+def test_output_dir_that_cannot_be_written(tiny_model_dir, data, tmp_path, capsys):
+    # /sys refuses new files even to root (a chmod-ed folder would not stop root)
+    expect_exit_2(capsys, sft(tiny_model_dir, data["sft_train"], "/sys/posttrain-test/out"), "output_dir",
+                  "cannot write in /sys")
+    blocked = tmp_path / "a-file"
+    blocked.write_text("not a folder")
+    expect_exit_2(capsys, sft(tiny_model_dir, data["sft_train"], blocked / "out"), "output_dir", "a-file")
+    assert blocked.read_text() == "not a folder"
+
+
+def test_data_that_is_not_utf8_names_the_line(tiny_model_dir, tmp_path, capsys):
+    for suffix in (".jsonl", ".csv"):
+        bad = tmp_path / f"latin1{suffix}"
+        header = "text\n" if suffix == ".csv" else ""
+        line = '{"text": "fine"}\n' if suffix == ".jsonl" else "fine\n"
+        bad.write_bytes((header + line).encode() + '{"text": "café"}\n'.encode("latin-1"))
+        out = tmp_path / "out"
+        expect_exit_2(capsys, sft(tiny_model_dir, bad, out), bad.name, f"line {3 if header else 2}", "UTF-8")
+        assert not out.exists()
+
+
+def test_message_role_the_template_does_not_know(tiny_model_dir, tmp_path, capsys):
+    bad = tmp_path / "chat.jsonl"
+    rows = [{"messages": [{"role": "user", "content": "1+1?"}, {"role": "assistant", "content": "2"}]},
+            {"messages": [{"role": "user", "content": "2+2?"}, {"role": "assitant", "content": "4"}]}]
+    bad.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "out"
+    expect_exit_2(capsys, sft(tiny_model_dir, bad, out), "row 1", "message 1", "'assitant'", "data.train")
+    assert not out.exists()
+
+
+def test_a_run_that_stopped_before_training_does_not_block_the_next(tiny_model_dir, data, tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "config.yaml").write_text("seed: 1\n")  # all a run leaves when its model fails to load
+    assert sft(tiny_model_dir, data["sft_train"], out, "train.report=false", "train.tensorboard=false") == 0
+    assert (out / "final" / "model.safetensors").exists()

@@ -1,13 +1,20 @@
-"""Test hook: rank POSTTRAIN_TEST_FAIL_RANK (default 1) raises inside its SFT loss from micro-batch
-POSTTRAIN_TEST_FAIL_CALL (default 3, i.e. during step 2 with accumulation 2), while its peers wait in a collective."""
+"""Test hook: rank POSTTRAIN_TEST_FAIL_RANK (default 1) fails inside its SFT loss from micro-batch
+POSTTRAIN_TEST_FAIL_CALL (default 3, i.e. during step 2 with accumulation 2), while its peers wait in a collective.
+
+POSTTRAIN_TEST_FAIL_HOW=raise (default) raises an exception; =kill kill -9s the process (no Python cleanup, no
+message, as when the OOM killer or a node failure takes it), first writing the time to POSTTRAIN_TEST_KILLED_AT."""
 
 import os
+import signal
+import time
+from pathlib import Path
 
 from posttrain.algorithms.sft import SFT
 
 _RANK = int(os.environ["RANK"])
 _FAIL_RANK = int(os.environ.get("POSTTRAIN_TEST_FAIL_RANK", "1"))
 _FAIL_CALL = int(os.environ.get("POSTTRAIN_TEST_FAIL_CALL", "3"))
+_KILL = os.environ.get("POSTTRAIN_TEST_FAIL_HOW", "raise") == "kill"
 _calls = 0
 _loss = SFT.loss
 
@@ -16,6 +23,9 @@ def _failing_loss(self, model, batch, normaliser):
     global _calls
     _calls += 1
     if _RANK == _FAIL_RANK and _calls >= _FAIL_CALL:
+        if _KILL:
+            Path(os.environ["POSTTRAIN_TEST_KILLED_AT"]).write_text(str(time.time()))
+            os.kill(os.getpid(), signal.SIGKILL)
         raise RuntimeError(f"injected failure on rank {_RANK} (test hook fail_rank)")
     return _loss(self, model, batch, normaliser)
 

@@ -1,0 +1,90 @@
+"""Checkpoint manifests, disk-full detection, the start-up free-space warning, safetensors framing checks and
+metrics.jsonl rows that stay JSON (issue #15)."""
+
+from __future__ import annotations
+
+import errno
+import json
+import math
+
+import torch
+from safetensors.torch import save_file
+
+from posttrain.checkpoint_files import MANIFEST, fsync_tree, is_disk_full, verify, warn_low_disk, write_manifest
+from posttrain.logging import MetricsLogger, read_metrics
+from posttrain.models.load import safetensors_problem
+
+
+def checkpoint(tmp_path):
+    root = tmp_path / "step-2"
+    (root / "pytorch_model").mkdir(parents=True)
+    (root / "model.safetensors").write_bytes(b"w" * 100)
+    (root / "pytorch_model" / "optim_states.pt").write_bytes(b"o" * 50)
+    (root / "trainer_state.json").write_text("{}")
+    write_manifest(root)
+    fsync_tree(root)
+    return root
+
+
+def test_manifest_finds_every_kind_of_damage(tmp_path):
+    root = checkpoint(tmp_path)
+    assert verify(root) is None
+    assert set(json.loads((root / MANIFEST).read_text())["files"]) == {
+        "model.safetensors", "pytorch_model/optim_states.pt", "trainer_state.json"}
+    (root / "model.safetensors").write_bytes(b"w" * 60)
+    assert verify(root) == "model.safetensors holds 60 bytes, 100 expected"
+    (root / "model.safetensors").write_bytes(b"w" * 99 + b"x")  # same size, other bytes
+    assert verify(root) == "model.safetensors does not match its checksum"
+    (root / "model.safetensors").write_bytes(b"w" * 100)
+    (root / "pytorch_model" / "optim_states.pt").unlink()
+    assert verify(root) == "pytorch_model/optim_states.pt is missing"
+    (root / MANIFEST).write_text('{"files": ')
+    assert verify(root).startswith(f"{MANIFEST} is unreadable")
+    (root / MANIFEST).unlink()
+    assert verify(root) is None  # written before manifests existed: taken as it is
+
+
+def test_disk_full_is_recognised_through_wrapping_errors(tmp_path):
+    try:
+        try:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        except OSError as inner:
+            raise RuntimeError("PytorchStreamWriter failed") from inner
+    except RuntimeError as outer:
+        assert is_disk_full(outer, tmp_path)
+    assert not is_disk_full(ValueError("a bug, not a full disk"), tmp_path)
+
+
+def test_low_disk_warning(tmp_path, capsys):
+    warn_low_disk(tmp_path / "not-yet" / "out", 1 << 60)
+    err = capsys.readouterr().err
+    assert "posttrain: warning:" in err and str(tmp_path) in err and "MiB free" in err
+    warn_low_disk(tmp_path, 1)
+    assert capsys.readouterr().err == ""
+
+
+def test_safetensors_framing(tmp_path):
+    path = tmp_path / "model.safetensors"
+    save_file({"w": torch.ones(64)}, str(path))
+    assert safetensors_problem(path) is None
+    data = path.read_bytes()
+    path.write_bytes(data[:-10])
+    assert "bytes where its header describes" in safetensors_problem(path)
+    path.write_bytes(data[:20])
+    assert "header is cut short" in safetensors_problem(path)
+    path.write_bytes(data[:8] + b"{not json" + data[17:])
+    assert "unreadable header" in safetensors_problem(path)
+
+
+def test_metrics_stay_json_and_a_cut_last_line_is_dropped_on_resume(tmp_path):
+    logger = MetricsLogger(str(tmp_path), 4, 0, True, tensorboard=False)
+    logger.log(1, {"loss": 1.5})
+    logger.log(2, {"loss": math.nan, "grad_norm": math.inf})
+    logger.close()
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(line) for line in lines] == [{"step": 1, "loss": 1.5}, {"step": 2, "loss": None, "grad_norm": None}]
+    with (tmp_path / "metrics.jsonl").open("a") as f:
+        f.write('{"step": 3, "lo')  # killed mid-line
+    assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2]
+    MetricsLogger(str(tmp_path), 4, 1, True, tensorboard=False).close()  # resuming from step 1
+    assert (tmp_path / "metrics.jsonl").read_text() == lines[0] + "\n"
