@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from posttrain.ops.logprobs import token_logprobs
-from posttrain.train.batch import Batch
+from posttrain.batch import Batch
 
 
 def policy_logits(model, batch: Batch) -> torch.Tensor:
