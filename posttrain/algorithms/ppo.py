@@ -17,6 +17,7 @@ the policy waits `critic_warmup_steps` steps while the critic learns first. The 
 from __future__ import annotations
 
 import dataclasses
+import time
 from dataclasses import dataclass
 from typing import Optional
 
@@ -119,6 +120,7 @@ class PPO(OnlineAlgorithm):
         self.samples_per_prompt = self.config.num_generations
         self.steps_per_rollout = self.config.ppo_epochs
         self.kl = KLController(self.config.kl_coef, self.config.kl_target, self.config.kl_horizon)
+        self.seconds = {"time/policy_logprobs": 0.0, "time/reference": 0.0, "time/values": 0.0}
         check_model_source(recipe.model)
         what = "algo.critic_model_name_or_path"
         check_critic_source(self.critic_source(), what, _vocab_size(recipe.model))
@@ -145,13 +147,19 @@ class PPO(OnlineAlgorithm):
     def prepare(self, batch: Batch, models: Models) -> Batch:
         from posttrain.models.critic import critic_values
 
+        tasks = {"old_logprobs_BT": ("time/policy_logprobs", lambda: policy_logprobs(models.policy.model, batch,
+                                                                                   self.temperature)),
+                 "ref_logprobs_BT": ("time/reference", lambda: policy_logprobs(models.reference.model, batch,
+                                                                             self.temperature)),
+                 "old_values_BT": ("time/values", lambda: critic_values(models.critic.model, batch))}
+        if not self.needs_reference:
+            del tasks["ref_logprobs_BT"]
         updates = {}
-        if batch.old_logprobs_BT is None:
-            updates["old_logprobs_BT"] = policy_logprobs(models.policy.model, batch, self.temperature)
-        if self.needs_reference and batch.ref_logprobs_BT is None:
-            updates["ref_logprobs_BT"] = policy_logprobs(models.reference.model, batch, self.temperature)
-        if batch.old_values_BT is None:
-            updates["old_values_BT"] = critic_values(models.critic.model, batch)
+        for field, (clock, compute) in tasks.items():
+            if getattr(batch, field) is None:
+                started = time.perf_counter()
+                updates[field] = compute()
+                self.seconds[clock] += time.perf_counter() - started  # this rank's seconds, for bench/ppo.py
         return dataclasses.replace(batch, **updates) if updates else batch
 
     def advantages(self, rollouts) -> tuple[list[Batch], dict[str, float]]:
@@ -177,7 +185,8 @@ class PPO(OnlineAlgorithm):
             out.append(dataclasses.replace(batch, advantages_BT=advantages_BT, returns_BT=returns_BT))
         sequences = float(len(rollouts.step_rewards_B))
         kl_per_sequence = float(rollouts.all_reduce_sum(torch.cat(kl_sums).sum())) / sequences
-        metrics = {"kl": kl_per_sequence, "kl_coef": self.kl.value}
+        metrics = {"kl": kl_per_sequence, "kl_coef": self.kl.value, **self.seconds}
+        self.seconds = dict.fromkeys(self.seconds, 0.0)
         self.kl.update(kl_per_sequence, int(sequences))
         if cfg.whiten_advantages:
             moments = rollouts.all_reduce_sum(sum(masked_moments(b.advantages_BT, b.completion_mask_BT) for b in out))

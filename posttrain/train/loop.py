@@ -88,8 +88,10 @@ def train(ctx: LoopContext) -> TrainState:
         # 4. per role: forward + backward, gradients synced on the last micro-batch only; clip, step, schedule
         losses: dict[str, torch.Tensor] = {}
         grad_norms: dict[str, float] = {}
+        update_seconds: dict[str, float] = {}
         metric_sums: dict[str, torch.Tensor] = {}
         for (name, role), normaliser in zip(trained, normalisers):
+            update_start = time.perf_counter()
             losses[name] = torch.zeros((), device=backend.device)
             for batch in micro_batches:
                 with backend.accumulate(role.model):
@@ -101,6 +103,7 @@ def train(ctx: LoopContext) -> TrainState:
                     metric_sums[key] = metric_sums.get(key, 0.0) + value.detach().float()
             grad_norms[name] = float(backend.step(role.model, role.optimizer))
             role.scheduler.step()
+            update_seconds[name] = time.perf_counter() - update_start
         state.step += 1
         steps_this_run += 1
 
@@ -118,7 +121,8 @@ def train(ctx: LoopContext) -> TrainState:
         step_metrics = {}
         for name, value in zip(losses, reduced[1 : 1 + len(losses)]):
             suffix = "" if name == "policy" else f"/{name}"
-            step_metrics.update({f"loss{suffix}": float(value), f"grad_norm{suffix}": grad_norms[name]})
+            step_metrics.update({f"loss{suffix}": float(value), f"grad_norm{suffix}": grad_norms[name],
+                                 f"time/update/{name}": update_seconds[name]})
         step_metrics.update({k: float(v) / backend.world_size for k, v in zip(keys, reduced[1 + len(losses):])})
         step_metrics.update(getattr(ctx.source, "last_metrics", {}))
         for key, value in step_metrics.items():

@@ -43,7 +43,8 @@ def test_three_steps_train_actor_and_critic(tiny_model_dir, data, tmp_path):
     assert [r["step"] for r in rows] == [1, 2, 3]
     keys = ["loss", "grad_norm", "loss/critic", "grad_norm/critic", "learning_rate/critic", "clip_fraction",
             "value_clip_fraction", "approx_kl", "entropy", "kl", "kl_coef", "values/mean", "returns/mean",
-            "reward/mean", "time/generate", "time/score", "time/ref", "time/train"]
+            "reward/mean", "time/generate", "time/score", "time/ref", "time/train", "time/update/policy",
+            "time/update/critic", "time/reference", "time/values"]
     for r in rows:
         for key in keys:
             assert key in r and torch.isfinite(torch.tensor(r[key])), (key, r)
