@@ -1,7 +1,9 @@
 """Save, resume and export, through the backend.
 
-    output_dir/checkpoints/step-N/   model + optimizer (engine format via Accelerate), trainer_state.json
+    output_dir/checkpoints/step-N/   every trained model + its optimizer (engine format via Accelerate),
+                                     trainer_state.json (where the run is, LR schedules, the algorithm's state)
     output_dir/final/                a Hugging Face directory (safetensors, config, tokenizer, generation config)
+    output_dir/final-critic/         the same for a trained critic (PPO)
 
 Every directory is written under a temporary name and renamed when complete, so a kill during a save never leaves
 a broken newest checkpoint; `resume_from_checkpoint: auto` only ever sees complete ones. The data position is the
@@ -23,7 +25,7 @@ from posttrain import checkpoint_files as files
 from posttrain.config.schema import global_batch_size
 from posttrain.errors import RunStopped, UserError
 from posttrain.train.guard import require_finite
-from posttrain.train.loop import TrainState
+from posttrain.train.state import TrainState
 
 STEP_DIR = re.compile(r"^step-(\d+)$")
 UNIVERSAL_DIR = ".universal"  # converted DeepSpeed checkpoints, read once on resume and removed
@@ -72,11 +74,11 @@ class Checkpointer:
         self.run_facts = run_facts  # world size, global batch, engine: checked on resume
         self.last_saved_step = -1
 
-    def save(self, state: TrainState, model, optimizer, scheduler) -> Path:
+    def save(self, state: TrainState, models, algorithm) -> Path:
         """`_save`, and a full disk said as such: the partial copy removed, the previous checkpoint named intact."""
         previous = (list_checkpoints(self.root.parent) or [None])[-1]
         try:
-            return self._save(state, model, optimizer, scheduler)
+            return self._save(state, models, algorithm)
         except RunStopped:
             raise
         except Exception as e:
@@ -84,10 +86,11 @@ class Checkpointer:
                 raise files.disk_full_error(e, self.root / f".tmp-step-{state.step}", previous) from e
             raise
 
-    def _save(self, state: TrainState, model, optimizer, scheduler) -> Path:
+    def _save(self, state: TrainState, models, algorithm) -> Path:
         if state.step == self.last_saved_step:
             return self.root / f"step-{state.step}"
-        require_finite(self.backend, [model], f"step {state.step}")  # a NaN model never replaces a good checkpoint
+        # a NaN model never replaces a good checkpoint
+        require_finite(self.backend, [role.model for _, role in models.trained()], f"step {state.step}")
         final = self.root / f"step-{state.step}"
         tmp = self.root / f".tmp-step-{state.step}"
         if self.backend.is_main:
@@ -97,9 +100,13 @@ class Checkpointer:
         self.backend.save_state(str(tmp))
         self.backend.barrier()  # every rank has written its files (shards, RNG state) before the rename
         if self.backend.is_main:
+            schedules = {name: {k: v for k, v in role.scheduler.state_dict().items() if k != "lr_lambdas"}
+                         for name, role in models.trained()}
             payload = {
                 "state": dataclasses.asdict(state),
-                "scheduler": {k: v for k, v in scheduler.state_dict().items() if k != "lr_lambdas"},
+                "scheduler": schedules.pop("policy"),
+                "role_schedulers": schedules,
+                "algorithm": algorithm.state_dict(),
                 "run": self.run_facts,
             }
             (tmp / "trainer_state.json").write_text(json.dumps(payload, indent=2))
@@ -121,14 +128,18 @@ class Checkpointer:
         for old in found[: max(0, len(found) - self.save_total_limit)]:
             shutil.rmtree(old, ignore_errors=True)
 
-    def load(self, path: Path, model, optimizer, scheduler) -> TrainState:
-        """Engine state, scheduler and where the run was. `check_compatible` has already passed (run.py calls it
-        right after the backend starts, before any model is loaded)."""
+    def load(self, path: Path, models, algorithm) -> TrainState:
+        """Engine state of every trained model, their schedules, the algorithm's state and where the run was.
+        `check_compatible` has already passed (run.py calls it right after the backend starts, before any model is
+        loaded)."""
         payload = read_trainer_state(path)
         self.backend.load_state(str(path))
-        scheduler.load_state_dict({**scheduler.state_dict(), **payload["scheduler"]})
-        for group, lr in zip(optimizer.param_groups, scheduler.get_last_lr()):
-            group["lr"] = lr
+        schedules = {"policy": payload["scheduler"], **payload.get("role_schedulers", {})}
+        for name, role in models.trained():
+            role.scheduler.load_state_dict({**role.scheduler.state_dict(), **schedules[name]})
+            for group, lr in zip(role.optimizer.param_groups, role.scheduler.get_last_lr()):
+                group["lr"] = lr
+        algorithm.load_state_dict(payload.get("algorithm", {}))
         self.last_saved_step = payload["state"]["step"]
         if path.parent.name == UNIVERSAL_DIR:  # a converted copy (to_universal): read, no longer needed
             self.backend.barrier()
@@ -194,8 +205,10 @@ def to_universal(backend, path: Path, output_dir: str | Path) -> Path:
     return target
 
 
-def export_final(backend, model, tokenizer, output_dir: str, merge_lora: bool = True) -> Optional[Path]:
-    """Write output_dir/final as a Hugging Face directory that from_pretrained (and vLLM) can load.
+def export_final(backend, model, tokenizer, output_dir: str, merge_lora: bool = True,
+                 name: str = "final") -> Optional[Path]:
+    """Write output_dir/<name> (final; final-critic for PPO's critic) as a Hugging Face directory that
+    from_pretrained (and vLLM, for the policy) can load.
 
     Every rank calls it: the full weights are gathered from the shards (ZeRO-3, FSDP) and rank 0 writes them."""
     require_finite(backend, [model], "exporting final/")
@@ -218,8 +231,8 @@ def export_final(backend, model, tokenizer, output_dir: str, merge_lora: bool = 
         state_dict = drop_tied_aliases(unwrapped, state_dict)
     else:
         state_dict = backend.full_state_dict(model)
-    final = Path(output_dir) / "final"
-    tmp = Path(output_dir) / ".tmp-final"
+    final = Path(output_dir) / name
+    tmp = Path(output_dir) / f".tmp-{name}"
     if backend.is_main:
         shutil.rmtree(tmp, ignore_errors=True)
         unwrapped.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)

@@ -11,7 +11,8 @@
 4. DPO on preferences over other problems (the right sum preferred to the forgotten carry or a near miss), with an SFT
    term on the right answer (rpo_alpha): held-out preference accuracy (the policy's own log p(right) > log p(wrong))
    and exact match, before and after;
-5. GRPO from the SFT model on other problems with the exact-match reward, held-out exact match before and after.
+5. GRPO from the SFT model on other problems with the exact-match reward, held-out exact match before and after;
+6. PPO from the SFT model on the same prompts and reward, with a critic (GAE).
 Held-out problems are never trained on; DPO and GRPO train on problems SFT never saw. Each stage is an ordinary
 posttrain run (config.yaml, metrics.jsonl, report.html with its curves: eval/logps/accuracies for DPO and eval/accuracy
 for GRPO start at the SFT model's value at step 0) under the demo directory.
@@ -37,6 +38,7 @@ class DemoSize:
     sft_steps: int
     dpo_steps: int
     grpo_steps: int
+    ppo_steps: int
     max_operand: int = 999
     max_addend: int = 9
     carry_slip: float = 0.5  # share of carrying SFT demonstrations that forget the carry
@@ -46,9 +48,9 @@ class DemoSize:
 # training problems (89.5% vs 76.5% held out) and GRPO on them raised only those; with clean demonstrations SFT
 # reached ~92% and left GRPO nothing it could generalise. Sloppy carries leave a real, general mistake to correct.
 FULL = DemoSize(hidden_size=128, num_layers=4, n_train=4000, n_rl=2000, n_eval=200, sft_steps=1600, dpo_steps=200,
-                grpo_steps=200)
+                grpo_steps=200, ppo_steps=100)
 QUICK = DemoSize(hidden_size=64, num_layers=2, n_train=400, n_rl=200, n_eval=40, sft_steps=20, dpo_steps=4,
-                 grpo_steps=4)
+                 grpo_steps=4, ppo_steps=2)
 
 
 def stage(command: str, out: Path, overrides: list[str], seed: int = 0):
@@ -81,6 +83,18 @@ def preference_accuracy(model_dir: Path, pairs_file: Path) -> float:
     return accuracy(str(model_dir), examples=str(pairs_file))
 
 
+def ppo_overrides(policy_dir: Path, data: dict, steps: int) -> list[str]:
+    """The demo's PPO stage (also what bench/ppo_accuracy measures): 128 prompts a step, one completion each."""
+    return [
+        f"model.name_or_path={policy_dir}", f"data.train={data['prompts_train']}", f"data.eval={data['prompts_eval']}",
+        "data.max_length=64", "data.max_prompt_length=48", "train.per_device_train_batch_size=128",
+        "train.learning_rate=1e-4", "train.lr_scheduler_type=constant", f"train.max_steps={steps}",
+        "train.logging_steps=5", f"train.eval_steps={max(1, steps // 4)}", "generation.max_completion_length=6",
+        "generation.temperature=1.0", "algo.critic_learning_rate=1e-3", "algo.kl_coef=0.0",
+        "rewards=[{name: exact_match}]",
+    ]
+
+
 def run_demo(out_dir: str = "runs/demo", quick: bool = False, seed: int = 0) -> dict:
     """seed: the tiny model's initialisation, the problems drawn and every run's seed."""
     from posttrain.models.tiny import make_tiny_model
@@ -94,7 +108,7 @@ def run_demo(out_dir: str = "runs/demo", quick: bool = False, seed: int = 0) -> 
                               max_addend=size.max_addend, n_rl=size.n_rl, carry_slip=size.carry_slip, seed=seed)
     results: dict = {}
 
-    print(f"\n[demo 1/3] SFT on {size.n_train} addition problems, the carry forgotten in {size.carry_slip:.0%} of "
+    print(f"\n[demo 1/4] SFT on {size.n_train} addition problems, the carry forgotten in {size.carry_slip:.0%} of "
           f"those that carry ({size.sft_steps} steps)", flush=True)
     sft = stage("sft", out, [
         f"model.name_or_path={tiny}", f"data.train={data['sft_train']}", f"data.eval={data['sft_eval']}",
@@ -106,7 +120,7 @@ def run_demo(out_dir: str = "runs/demo", quick: bool = False, seed: int = 0) -> 
     results["sft_accuracy"] = held_out_accuracy(sft.final_dir, data["prompts_eval"])
     print(f"[demo] SFT held-out exact-match accuracy: {results['sft_accuracy']:.1%}", flush=True)
 
-    print(f"\n[demo 2/3] DPO on {size.n_rl} new problems: the right sum preferred to the forgotten carry or a near miss "
+    print(f"\n[demo 2/4] DPO on {size.n_rl} new problems: the right sum preferred to the forgotten carry or a near miss "
           f"({size.dpo_steps} steps)", flush=True)
     results["dpo_pref_accuracy_before"] = preference_accuracy(sft.final_dir, data["pref_eval"])
     dpo = stage("dpo", out, [
@@ -124,7 +138,7 @@ def run_demo(out_dir: str = "runs/demo", quick: bool = False, seed: int = 0) -> 
     print(f"[demo] held-out preference accuracy: {results['dpo_pref_accuracy_before']:.1%} -> "
           f"{results['dpo_pref_accuracy_after']:.1%}; exact match after DPO {results['dpo_accuracy']:.1%}", flush=True)
 
-    print(f"\n[demo 3/3] GRPO from the SFT model on {size.n_rl} new prompts with the exact-match reward "
+    print(f"\n[demo 3/4] GRPO from the SFT model on {size.n_rl} new prompts with the exact-match reward "
           f"({size.grpo_steps} steps)", flush=True)
     grpo = stage("grpo", out, [
         f"model.name_or_path={sft.final_dir}", f"data.train={data['prompts_train']}", f"data.eval={data['prompts_eval']}",
@@ -135,15 +149,20 @@ def run_demo(out_dir: str = "runs/demo", quick: bool = False, seed: int = 0) -> 
         "rewards=[{name: exact_match}]",
     ], seed)
     results["grpo_accuracy"] = held_out_accuracy(grpo.final_dir, data["prompts_eval"])
+
+    print(f"\n[demo 4/4] PPO from the SFT model on the same prompts: a critic from the SFT model, GAE "
+          f"({size.ppo_steps} steps)", flush=True)
+    ppo = stage("ppo", out, ppo_overrides(sft.final_dir, data, size.ppo_steps), seed)
+    results["ppo_accuracy"] = held_out_accuracy(ppo.final_dir, data["prompts_eval"])
     results["minutes"] = (time.time() - started) / 60
     results["held_out_prompts"] = size.n_eval
     results["seed"] = seed
-    results["reports"] = {name: str(out / name / "report.html") for name in ("sft", "dpo", "grpo")}
+    results["reports"] = {name: str(out / name / "report.html") for name in ("sft", "dpo", "grpo", "ppo")}
     (out / "demo_results.json").write_text(json.dumps(results, indent=2))
 
     print("\n[demo] results on", size.n_eval, "held-out problems")
     print(f"  exact-match accuracy  after SFT {results['sft_accuracy']:.1%} | after DPO {results['dpo_accuracy']:.1%} "
-          f"| after GRPO {results['grpo_accuracy']:.1%}")
+          f"| after GRPO {results['grpo_accuracy']:.1%} | after PPO {results['ppo_accuracy']:.1%}")
     print(f"  preference accuracy   before DPO {results['dpo_pref_accuracy_before']:.1%} "
           f"| after DPO {results['dpo_pref_accuracy_after']:.1%} (log p(right) > log p(wrong) under the policy)")
     print(f"  DPO implicit-reward accuracy on held-out pairs: {results['dpo_implicit_reward_accuracy']:.1%} (chance 50%)")

@@ -28,7 +28,8 @@ from posttrain.config.load import dump_yaml
 from posttrain.config.schema import Recipe, total_steps
 from posttrain.errors import UserError
 
-RUN_ARTIFACTS = ("config.yaml", "metrics.jsonl", "tensorboard", "checkpoints", "final", "report.html", "curves.png",
+RUN_ARTIFACTS = ("config.yaml", "metrics.jsonl", "tensorboard", "checkpoints", "final", "final-critic", "report.html",
+                 "curves.png",
                  "samples.jsonl", "ref_logprobs.safetensors", UNIVERSAL_DIR)
 
 
@@ -131,7 +132,7 @@ def load_policy(recipe: Recipe, algorithm):
 
 def run(command: str, recipe: Recipe) -> RunResult:
     from posttrain.algorithms import ALGORITHMS
-    from posttrain.algorithms.base import Models
+    from posttrain.algorithms.base import Models, Role
     from posttrain.distributed.backend import Backend
     from posttrain.logging import MetricsLogger, read_metrics, write_report
     from posttrain.models.load import check_model_source, count_parameters, load_tokenizer
@@ -172,36 +173,40 @@ def run(command: str, recipe: Recipe) -> RunResult:
     model = load_policy(recipe, algorithm)
     total_params, trainable_params = count_parameters(model)
     if backend.is_main:  # weights + AdamW's two moments, in float32 (or the size of the checkpoint resumed from)
-        warn_low_disk(out, tree_bytes(resume_from) or 4 * total_params + 8 * trainable_params)
-    optimizer = make_optimizer(model, t)
-    model, optimizer = backend.prepare(model, optimizer)
+        roles = 2 if algorithm.needs_critic else 1  # a critic is about the policy's size
+        warn_low_disk(out, tree_bytes(resume_from) or roles * (4 * total_params + 8 * trainable_params))
+    model, optimizer = backend.prepare(model, make_optimizer(model, t))
     # the Models record is the only owner of the reference, so an algorithm's setup may free it (precomputed
-    # reference log-probs); extra["eval_examples"] lets it precompute for the eval set too
-    models = Models(policy=model, tokenizer=tokenizer, extra={"eval_examples": eval_examples})
+    # reference log-probs); eval_examples lets it precompute for the eval set too
+    models = Models(policy=Role(model, trains=True, optimizer=optimizer), tokenizer=tokenizer,
+                    eval_examples=eval_examples)
     if algorithm.needs_reference:
         from posttrain.models.reference import make_reference
 
-        models.reference = backend.prepare_frozen(make_reference(recipe.model, algorithm.model_kind))
+        models.reference = Role(backend.prepare_frozen(make_reference(recipe.model, algorithm.model_kind)))
+    if algorithm.needs_critic:
+        from posttrain.models.critic import load_critic
+
+        critic = load_critic(algorithm.critic_source(), tokenizer.pad_token_id, t.gradient_checkpointing)
+        critic, critic_optimizer = backend.prepare(critic, make_optimizer(critic, t, algorithm.critic_learning_rate()))
+        models.critic = Role(critic, trains=True, optimizer=critic_optimizer)
 
     # 3. data source, schedule, state
     collate = make_collate(recipe, algorithm, tokenizer)
-    make_source = getattr(algorithm, "make_source", None)
-    if make_source is not None:
-        source = make_source(backend, models, train_examples)
-    else:
+    source = algorithm.make_source(backend, models, train_examples)
+    if source is None:
         source = DatasetSource(train_examples, collate, t.per_device_train_batch_size, t.gradient_accumulation_steps,
                                backend.world_size, backend.rank, t.dataloader_seed if t.dataloader_seed is not None else recipe.seed)
     steps = total_steps(t, source.micro_batches_per_epoch())
-    scheduler = make_scheduler(optimizer, t, steps)
+    for _, role in models.trained():
+        role.scheduler = make_scheduler(role.optimizer, t, steps)
     checkpointer = Checkpointer(backend, str(out), t.save_total_limit, facts)
-    from posttrain.train.loop import TrainState
+    from posttrain.train.state import TrainState
 
     state = TrainState()
     if resume_from is not None:
-        state = checkpointer.load(resume_from, model, optimizer, scheduler)
-    setup = getattr(algorithm, "setup", None)
-    if setup is not None:
-        setup(backend, models, train_examples, collate, out)
+        state = checkpointer.load(resume_from, models, algorithm)
+    algorithm.setup(backend, models, train_examples, collate, out)
 
     logger = MetricsLogger(str(out), steps, state.step, backend.is_main, tensorboard=t.tensorboard)
     summary = dict(
@@ -225,24 +230,25 @@ def run(command: str, recipe: Recipe) -> RunResult:
                                                             (total_params, trainable_params))
     logger.info("posttrain " + " | ".join(f"{k}={v}" for k, v in summary.items() if v is not None))
     eval_fn = None
-    algorithm_evaluate = getattr(algorithm, "evaluate", None)  # online algorithms: eval by generating, not a loss
-    if eval_examples is not None and algorithm_evaluate is not None:
-        eval_fn = lambda: algorithm_evaluate(backend, models, eval_examples)  # noqa: E731
+    if eval_examples is not None and algorithm.has_custom_eval():  # online algorithms: eval by generating
+        eval_fn = lambda: algorithm.evaluate(backend, models, eval_examples)  # noqa: E731
     elif eval_examples is not None:
         batches = eval_batches(eval_examples, collate, t.per_device_eval_batch_size, backend.world_size, backend.rank)
         eval_fn = lambda: evaluate(backend, algorithm, models, batches)  # noqa: E731
 
     # 4. train, export, report
-    ctx = LoopContext(backend=backend, algorithm=algorithm, models=models, optimizer=optimizer, scheduler=scheduler,
-                      source=source, total_steps=steps, logger=logger, checkpointer=checkpointer, state=state,
-                      evaluate=eval_fn, memory_estimate_mb=summary["estimated_peak_memory_mb"],
-                      guard=Guard(t, backend))
+    ctx = LoopContext(backend=backend, algorithm=algorithm, models=models, source=source, total_steps=steps,
+                      logger=logger, checkpointer=checkpointer, state=state, evaluate=eval_fn,
+                      memory_estimate_mb=summary["estimated_peak_memory_mb"], guard=Guard(t, backend))
     with ctx.guard:  # SIGTERM / SIGINT: save at the next step boundary and exit 143 / 130
         state = train(ctx)
     logger.close()
     final_dir = None
     if state.step >= steps and t.save_final_model:
         final_dir = export_final(backend, model, tokenizer, str(out))
+        for name, role in models.trained():
+            if name != "policy":
+                export_final(backend, role.model, tokenizer, str(out), name=f"final-{name}")
     if backend.is_main and t.report:
         report = write_report(out, f"posttrain {command}: {out.name}",
                               {**summary, "minutes": f"{(time.time() - started) / 60:.1f}"})

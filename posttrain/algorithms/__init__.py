@@ -1,13 +1,12 @@
 """The algorithm table: CLI command -> (its algo config dataclass, the algorithm class).
 
-An algorithm class takes the Recipe and provides: name, data_kind ('sft' | 'preference' | 'prompt'), model_kind
-('causal_lm' | 'seq_cls'), needs_reference, prepare, count, loss (see algorithms/base.py). Optional hooks:
-`setup(run)` (after models are prepared, e.g. to precompute reference log-probs) and `make_source(run)` (online
-algorithms build their rollout source).
+An algorithm class subclasses `posttrain.algorithms.base.Algorithm` (the whole contract, documented there and in
+docs/algorithms.md) and takes the Recipe.
 """
 
 from posttrain.algorithms.dpo import DPO, DPOAlgoConfig
 from posttrain.algorithms.grpo import GRPO, GRPOAlgoConfig
+from posttrain.algorithms.ppo import PPO, PPOAlgoConfig
 from posttrain.algorithms.rm import RM, RMAlgoConfig
 from posttrain.algorithms.sft import SFT
 from posttrain.config.schema import SFTAlgoConfig
@@ -17,6 +16,7 @@ ALGORITHMS: dict[str, tuple[type, type]] = {
     "grpo": (GRPOAlgoConfig, GRPO),
     "rm": (RMAlgoConfig, RM),
     "dpo": (DPOAlgoConfig, DPO),
+    "ppo": (PPOAlgoConfig, PPO),
 }
 
 

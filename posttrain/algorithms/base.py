@@ -1,47 +1,130 @@
-"""What the loop needs from an algorithm: prepare (no gradient), the loss-unit count, and the loss.
+"""What the loop and run.py need from an algorithm, and the model roles it works with.
 
 An algorithm is a small plug-in, not a trainer subclass. The loop owns batching, accumulation, normalisation,
-optimiser steps, logging and checkpoints; an algorithm owns its math.
+optimiser steps, logging and checkpoints; an algorithm owns its math. The whole contract is `Algorithm` below; an
+algorithm subclasses it and overrides what it needs (docs/algorithms.md shows how to write one).
 
     count(batch)                 -> scalar tensor: loss units in this micro-batch (tokens, sequences or pairs)
     loss(model, batch, normaliser) -> (loss, metrics): sum over units / normaliser, where normaliser is the GLOBAL
                                     count over all micro-batches of the step and all ranks (computed by the loop)
+
+Roles: `Models` holds the typed roles an algorithm may use (policy, reference, critic, reward_model). Each `Role`
+says whether it trains (then it has its own optimizer and scheduler, prepared by the backend) and where it is
+placed. The loop trains every role the algorithm names in `objectives()`, each with its own normaliser.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any, Optional, Protocol
+from dataclasses import dataclass
+from typing import Any, Callable, NamedTuple, Optional
 
 import torch
 
-from posttrain.train.batch import Batch
+from posttrain.batch import Batch
+
+ROLE_NAMES = ("policy", "critic", "reference", "reward_model")
+"""Every role an algorithm may ask for; trained roles are stepped in this order."""
+
+
+@dataclass
+class Role:
+    """One model of the run. `model` is what the backend returned (a module, a DDP wrapper or a DeepSpeed engine);
+    algorithms only call it."""
+
+    model: Any
+    trains: bool = False
+    optimizer: Any = None
+    """Its own optimiser, when it trains."""
+    scheduler: Any = None
+    """Its own LR schedule, when it trains."""
+    placement: str = "local"
+    """Where it lives: local (this process, sharded as the launcher says) or offload (CPU between uses)."""
 
 
 @dataclass
 class Models:
-    """The models an algorithm may use. `policy` is the prepared (wrapped) trainable model."""
+    """The roles of a run. `policy` always exists; the others are None unless the algorithm asked for them."""
 
-    policy: Any
-    reference: Optional[Any] = None
+    policy: Role
     tokenizer: Any = None
-    extra: dict = field(default_factory=dict)
+    reference: Optional[Role] = None
+    critic: Optional[Role] = None
+    reward_model: Optional[Role] = None
+    eval_examples: Optional[list] = None
+    """The tokenised eval set, for algorithms that precompute something for it (DPO's reference table)."""
+
+    def trained(self) -> list[tuple[str, Role]]:
+        """(name, role) of every role that trains, in ROLE_NAMES order."""
+        roles = [(name, getattr(self, name)) for name in ROLE_NAMES]
+        return [(name, role) for name, role in roles if role is not None and role.trains]
 
 
-class Algorithm(Protocol):
-    name: str
-    """The CLI command (sft, rm, dpo, grpo)."""
-    data_kind: str
+class Objective(NamedTuple):
+    """How one trained role learns: its loss units and its loss (see the module docstring)."""
+
+    count: Callable[[Batch], torch.Tensor]
+    loss: Callable[[Any, Batch, torch.Tensor], tuple[torch.Tensor, dict[str, torch.Tensor]]]
+
+
+class Algorithm:
+    """The base every algorithm subclasses. Class attributes describe it; methods are the hooks run.py and the loop
+    call, in this order: __init__(recipe) (checks that need no model), make_source (online algorithms), setup, then
+    per step prepare -> count/loss of each objective; evaluate when an eval set is given."""
+
+    name: str = ""
+    """The CLI command (sft, rm, dpo, grpo, ppo)."""
+    data_kind: str = "sft"
     """What rows it trains on: 'sft' (text/messages/prompt-completion), 'preference' or 'prompt'."""
+    model_kind: str = "causal_lm"
+    """The policy's head: 'causal_lm' or 'seq_cls'."""
+    needs_reference: bool = False
+    """run.py loads a frozen copy of the policy as `models.reference`."""
+    needs_critic: bool = False
+    """run.py loads a value model as `models.critic` (trained, with its own optimiser)."""
+    samples_per_prompt: int = 1
+    """Online algorithms: completions sampled per prompt (GRPO's group); a prompt's samples stay on one rank."""
+    steps_per_rollout: int = 1
+    """Online algorithms: optimiser steps each generation batch is used for (GRPO num_iterations, PPO ppo_epochs)."""
+
+    def make_source(self, backend, models: Models, train_examples) -> Optional[Any]:
+        """Online algorithms return their rollout source (train/rollout_source.py); None: the dataset source."""
+        return None
+
+    def setup(self, backend, models: Models, train_examples, collate, out) -> None:
+        """After models are prepared and a checkpoint restored (e.g. to precompute reference log-probs)."""
+
+    def evaluate(self, backend, models: Models, eval_examples) -> Optional[dict[str, float]]:
+        """Online algorithms evaluate by generating; None: the loop's mean eval loss."""
+        return None
+
+    def has_custom_eval(self) -> bool:
+        return type(self).evaluate is not Algorithm.evaluate
+
+    def advantages(self, rollouts) -> tuple[list[Batch], dict[str, float]]:
+        """Online algorithms: the step's scored, prepared rollouts (train/rollout_source.Rollouts) -> this rank's
+        micro-batches with advantages attached, and figures to log."""
+        raise NotImplementedError(f"{self.name} does not generate rollouts")
 
     def prepare(self, batch: Batch, models: Models) -> Batch:
         """Add what needs no gradient (reference log-probs, advantages). Runs under torch.no_grad()."""
-        ...
+        return batch
 
     def count(self, batch: Batch) -> torch.Tensor:
-        """Loss units in this micro-batch; summed by the loop over micro-batches and ranks into `normaliser`."""
-        ...
+        """The policy's loss units in this micro-batch; summed by the loop over micro-batches and ranks."""
+        raise NotImplementedError
 
     def loss(self, model: Any, batch: Batch, normaliser: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """Forward + objective. Returns (loss to backpropagate, detached per-micro-batch metrics)."""
-        ...
+        """The policy's forward + objective. Returns (loss to backpropagate, detached per-micro-batch metrics)."""
+        raise NotImplementedError
+
+    def objectives(self, step: int) -> dict[str, Objective]:
+        """Role name -> how it learns at optimiser step `step` (0-based); a trained role left out of the dict is not
+        stepped (PPO's critic warm-up). Most algorithms train the policy only."""
+        return {"policy": Objective(self.count, self.loss)}
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a checkpoint must hold for the algorithm (a KL controller's coefficient); JSON-serialisable."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what state_dict returned."""

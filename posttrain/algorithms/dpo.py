@@ -31,12 +31,12 @@ from typing import Any, Optional
 import torch
 
 from posttrain.algorithms import preference_logps as pl
-from posttrain.algorithms.base import Models
+from posttrain.algorithms.base import Algorithm, Models
 from posttrain.config.schema import Recipe
 from posttrain.errors import UserError
 from posttrain.losses.preference import PREFERENCE_LOSSES, implicit_rewards, preference_logits
 from posttrain.models.load import _unwrap
-from posttrain.train.batch import Batch
+from posttrain.batch import Batch
 
 USES_LABEL_SMOOTHING = ("sigmoid", "robust", "simpo")
 
@@ -77,7 +77,7 @@ class DPOAlgoConfig:
             raise UserError(f"algo.simpo_gamma must be >= 0, got {self.simpo_gamma}")
 
 
-class DPO:
+class DPO(Algorithm):
     name = "dpo"
     data_kind = "preference"
     model_kind = "causal_lm"
@@ -107,7 +107,7 @@ class DPO:
         if not (self.uses_reference and self.config.precompute_ref_logprobs):
             return
         splits = {"train": train_examples}
-        eval_examples = models.extra.get("eval_examples")
+        eval_examples = models.eval_examples
         if eval_examples:
             splits["eval"] = eval_examples
         path = Path(out) / pl.CACHE_FILE
@@ -132,7 +132,7 @@ class DPO:
             # the loop trains with the policy in train mode and evaluates it in eval mode; eval batches index the
             # eval examples. The mode is read on the model inside the engine: DeepSpeed's engine.eval() switches its
             # module but leaves the engine's own flag set.
-            split = "train" if _unwrap(models.policy).training else "eval"
+            split = "train" if _unwrap(models.policy.model).training else "eval"
             if split not in self.tables:
                 raise RuntimeError(f"no precomputed reference log-probs for the {split} examples")
             return pl.with_reference(batch, pl.lookup(self.tables[split], batch))

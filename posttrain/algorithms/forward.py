@@ -14,8 +14,8 @@ import contextlib
 
 import torch
 
+from posttrain.batch import Batch
 from posttrain.ops.logprobs import linear_token_logprobs, token_logprobs
-from posttrain.train.batch import Batch
 
 FUSED_HEAD_MODELS = frozenset({"llama", "qwen2", "qwen3", "mistral", "phi3", "qwen2_moe", "qwen3_moe", "olmo2"})
 """Model types whose causal-LM forward returns `lm_head(hidden)` as the logits, with nothing applied after it."""

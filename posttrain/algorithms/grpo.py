@@ -32,12 +32,13 @@ import torch
 
 from posttrain.algorithms.base import Models
 from posttrain.algorithms.forward import policy_logits, policy_logprobs
+from posttrain.algorithms.online import OnlineAlgorithm
 from posttrain.config.schema import Recipe
 from posttrain.errors import UserError
 from posttrain.losses.policy import IMPORTANCE_LEVELS, LOSS_AGGREGATIONS, add_kl_penalty, clipped_surrogate
-from posttrain.ops.advantages import REWARD_SCALES
+from posttrain.ops.advantages import REWARD_SCALES, group_advantages
 from posttrain.ops.logprobs import entropy_BT, masked_mean, token_logprobs
-from posttrain.train.batch import Batch
+from posttrain.batch import Batch
 
 
 @dataclass(frozen=True)
@@ -112,37 +113,29 @@ class GRPOAlgoConfig:
                 )
 
 
-class GRPO:
+class GRPO(OnlineAlgorithm):
     name = "grpo"
     data_kind = "prompt"
     model_kind = "causal_lm"
 
     def __init__(self, recipe: Recipe):
-        from posttrain.rewards import load_rewards
-
-        self.recipe = recipe
+        super().__init__(recipe)
         self.config: GRPOAlgoConfig = recipe.algo
         self.temperature = recipe.generation.temperature
         self.aggregation = LOSS_AGGREGATIONS[self.config.loss_type]
         # with LoRA the reference is the policy with its adapters off: no second copy
         self.needs_reference = self.config.beta > 0 and not recipe.model.lora.enabled
-        self.rewards = load_rewards(recipe.rewards)  # a bad reward fails here, before any model is loaded
+        self.samples_per_prompt = self.config.num_generations
+        self.steps_per_rollout = self.config.num_iterations
 
-    # --- hooks used by run.py ----------------------------------------------------------------------------------
+    # --- the rollout source calls it once per generation batch --------------------------------------------------
 
-    def make_source(self, backend, models: Models, train_examples):
-        from posttrain.train.rollout_source import RolloutSource
-
-        self.source = RolloutSource(self.recipe, backend, models, self, train_examples, self.rewards)
-        return self.source
-
-    def evaluate(self, backend, models: Models, eval_examples) -> dict[str, float]:
-        """Held-out greedy accuracy (exact_match), mean total reward and completion length, over all ranks; with
-        the source's engine, so it runs wherever generation does."""
-        from posttrain.algorithms.grpo_eval import evaluate_prompts
-
-        return evaluate_prompts(backend, self.source.engine, models.tokenizer, eval_examples, self.rewards,
-                                self.recipe.generation)
+    def advantages(self, rollouts) -> tuple[list[Batch], dict[str, float]]:
+        """Group-relative advantages over the whole step's rewards (every rank computes the same), this rank's rows."""
+        advantages_B = group_advantages(rollouts.step_rewards_B, self.config.num_generations,
+                                        self.config.scale_rewards).float()
+        return [dataclasses.replace(b, advantages_B=a) for b, a in
+                zip(rollouts.batches, rollouts.per_batch(advantages_B))], {}
 
     # --- what the loop calls -------------------------------------------------------------------------------------
 
@@ -154,18 +147,18 @@ class GRPO:
         """
         updates = {}
         if self.config.num_iterations > 1 and batch.old_logprobs_BT is None:
-            updates["old_logprobs_BT"] = policy_logprobs(models.policy, batch, self.temperature)
+            updates["old_logprobs_BT"] = policy_logprobs(models.policy.model, batch, self.temperature)
         if self.config.beta > 0 and batch.ref_logprobs_BT is None:
             updates["ref_logprobs_BT"] = self._reference_logprobs(models, batch)
         return dataclasses.replace(batch, **updates) if updates else batch
 
     def _reference_logprobs(self, models: Models, batch: Batch) -> torch.Tensor:
         if models.reference is not None:
-            return policy_logprobs(models.reference, batch, self.temperature)
+            return policy_logprobs(models.reference.model, batch, self.temperature)
         from posttrain.models.load import disable_adapter
 
-        with disable_adapter(models.policy) if self.recipe.model.lora.enabled else contextlib.nullcontext():
-            return policy_logprobs(models.policy, batch, self.temperature)
+        with disable_adapter(models.policy.model) if self.recipe.model.lora.enabled else contextlib.nullcontext():
+            return policy_logprobs(models.policy.model, batch, self.temperature)
 
     def count(self, batch: Batch) -> torch.Tensor:
         return self.aggregation.count(batch.completion_mask_BT, self.recipe.generation.max_completion_length)

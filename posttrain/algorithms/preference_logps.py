@@ -1,7 +1,7 @@
 """Sequence log-probs of preference pairs, shared by the DPO family and the held-out accuracy; the reference's side.
 
 A preference micro-batch holds 2P rows: P chosen sequences (prompt + chosen) then their P rejected partners (see
-posttrain.train.batch). Both halves go through the model in ONE forward; the per-token log-probs come from
+posttrain.batch). Both halves go through the model in ONE forward; the per-token log-probs come from
 `ops.logprobs.token_logprobs`, which never builds a (B, T, V) float32 log-softmax (chunked, with a recomputing
 backward), and are summed over each row's completion tokens:
 
@@ -28,7 +28,7 @@ import torch
 
 from posttrain.algorithms.forward import policy_logprobs
 from posttrain.ops.logprobs import sequence_sum
-from posttrain.train.batch import Batch
+from posttrain.batch import Batch
 
 CACHE_FILE = "ref_logprobs.safetensors"
 
@@ -58,12 +58,12 @@ def reference_sums(models, batch: Batch, use_adapter_off: bool, autocast=None) -
     context = autocast() if autocast is not None else contextlib.nullcontext()
     with torch.no_grad(), context:
         if use_adapter_off:
-            with disable_adapter(models.policy):
-                sums_B, _ = sequence_logps(models.policy, batch)
+            with disable_adapter(models.policy.model):
+                sums_B, _ = sequence_logps(models.policy.model, batch)
         else:
             if models.reference is None:
                 raise RuntimeError("this loss needs reference log-probs; there is no reference model (nor a cache)")
-            sums_B, _ = sequence_logps(models.reference, batch)
+            sums_B, _ = sequence_logps(models.reference.model, batch)
     return sums_B.detach().float()
 
 
@@ -149,10 +149,10 @@ def save_tables(path: Path, tables: dict[str, torch.Tensor], identity: dict[str,
 
 def free_reference(models) -> None:
     """Drop the frozen reference copy and give its memory back (a DeepSpeed engine is destroyed first)."""
-    reference: Any = models.reference
-    models.reference = None
-    if reference is None:
+    if models.reference is None:
         return
+    reference: Any = models.reference.model
+    models.reference = None
     destroy = getattr(reference, "destroy", None)
     if callable(destroy):
         with contextlib.suppress(Exception):

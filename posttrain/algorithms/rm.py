@@ -22,12 +22,12 @@ from dataclasses import dataclass
 
 import torch
 
-from posttrain.algorithms.base import Models
+from posttrain.algorithms.base import Algorithm, Models
 from posttrain.algorithms.preference_logps import split_pairs
 from posttrain.config.schema import Recipe
 from posttrain.errors import UserError
 from posttrain.losses.preference import bradley_terry_loss
-from posttrain.train.batch import Batch
+from posttrain.batch import Batch
 
 
 @dataclass(frozen=True)
@@ -50,7 +50,7 @@ def pair_scores(model, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
     return split_pairs(scores_B, batch.num_pairs)
 
 
-class RM:
+class RM(Algorithm):
     name = "rm"
     data_kind = "preference"
     model_kind = "seq_cls"

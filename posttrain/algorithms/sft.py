@@ -10,14 +10,14 @@ from __future__ import annotations
 
 import torch
 
-from posttrain.algorithms.base import Models
+from posttrain.algorithms.base import Algorithm, Models
 from posttrain.algorithms.forward import policy_logprobs
 from posttrain.config.schema import Recipe, SFTAlgoConfig
 from posttrain.losses.sft import sft_loss_sum
-from posttrain.train.batch import Batch
+from posttrain.batch import Batch
 
 
-class SFT:
+class SFT(Algorithm):
     name = "sft"
     data_kind = "sft"
     model_kind = "causal_lm"

@@ -1,4 +1,4 @@
-"""Examples (lists of token ids) -> `Batch` tensors, padded or packed. See posttrain.train.batch for the layouts.
+"""Examples (lists of token ids) -> `Batch` tensors, padded or packed. See posttrain.batch for the layouts.
 
     batch = collate_padded(examples, pad_id)      # [B, T], right padding, attention_mask
     batch = collate_packed(examples)              # [1, sum of lengths], position ids restart per sequence
@@ -12,7 +12,7 @@ import dataclasses
 
 import torch
 
-from posttrain.train.batch import Batch
+from posttrain.batch import Batch
 
 
 def _right_pad(rows: list[list[int]], value: int) -> torch.Tensor:

@@ -4,7 +4,7 @@
     examples, stats = tokenize_preference(rows, tokenizer, recipe.data, "data.train") # RM, DPO family
     examples, stats = tokenize_prompts(rows, tokenizer, recipe.data, "data.train")    # GRPO, PPO
 
-Every example's `completion_mask[0]` is 0: the first token is predicted by nothing (see posttrain.train.batch).
+Every example's `completion_mask[0]` is 0: the first token is predicted by nothing (see posttrain.batch).
 Standard (string) rows are tokenised with the tokenizer's own special tokens (BOS) and completions end with EOS;
 conversational rows are rendered with the chat template, which writes its own special tokens.
 Rows that leave nothing to train are dropped and counted in `stats`; if none are left, a UserError says why.

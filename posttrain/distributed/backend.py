@@ -335,8 +335,15 @@ class Backend:
         """Skips the gradient all-reduce on all but the last micro-batch of a step."""
         return self.accelerator.accumulate(model)
 
-    def backward(self, loss: torch.Tensor) -> None:
-        self.accelerator.backward(loss * (self.recipe.train.gradient_accumulation_steps * self.world_size))
+    def backward(self, loss: torch.Tensor, model=None) -> None:
+        """Backward of `model`'s loss (the policy's when None). Under DeepSpeed each trained model is its own engine:
+        its backward, then its step (which updates only at the accumulation boundary), as Accelerate does for one."""
+        loss = loss * (self.recipe.train.gradient_accumulation_steps * self.world_size)
+        if self.is_deepspeed and model is not None:
+            model.backward(loss)
+            model.step()
+        else:
+            self.accelerator.backward(loss)
 
     def step(self, model, optimizer, skip_nonfinite: bool = False) -> torch.Tensor:
         """Clip, step, zero the gradients. Returns the global gradient norm (before clipping). With skip_nonfinite a
@@ -345,7 +352,7 @@ class Backend:
         max_norm = self.recipe.train.max_grad_norm
         if self.is_deepspeed:
             # the engine already clipped and stepped inside backward() at the accumulation boundary
-            norm = self.accelerator.deepspeed_engine_wrapped.engine.get_global_grad_norm()
+            norm = model.get_global_grad_norm()
             norm = torch.tensor(float(norm) if norm is not None else float("nan"))
         else:
             norm = self.accelerator.clip_grad_norm_(model.parameters(), max_norm if max_norm > 0 else float("inf"))

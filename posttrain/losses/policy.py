@@ -51,14 +51,15 @@ def clipped_surrogate(
     """PPO clipped objective per token (Schulman et al. 2017) -> (loss_BT, clip_fraction).
 
     loss = -min(r * A, clip(r, 1 - epsilon_low, 1 + epsilon_high) * A). A larger epsilon_high than epsilon_low is
-    DAPO's clip-higher (Yu et al. 2025). level "token": r per token (PPO, GRPO); "sequence": GSPO's length-normalised
+    DAPO's clip-higher (Yu et al. 2025); advantages_B may also be advantages_BT, one per token (PPO with GAE).
+    level "token": r per token (PPO, GRPO); "sequence": GSPO's length-normalised
     sequence ratio (see IMPORTANCE_LEVELS). clip_fraction (detached): share of completion tokens whose clipped branch
     is the smaller objective, i.e. that get no gradient from this term.
     """
     if level not in IMPORTANCE_LEVELS:
         raise ValueError(f"level must be one of {', '.join(IMPORTANCE_LEVELS)}, got {level!r}")
     ratio_BT = torch.exp(IMPORTANCE_LEVELS[level](logprobs_BT, old_logprobs_BT, completion_mask_BT))
-    advantages_B1 = advantages_B[:, None]
+    advantages_B1 = advantages_B[:, None] if advantages_B.dim() == 1 else advantages_B  # or per token (PPO)
     unclipped_BT = ratio_BT * advantages_B1
     clipped_BT = ratio_BT.clamp(1 - epsilon_low, 1 + epsilon_high) * advantages_B1
     loss_BT = -torch.minimum(unclipped_BT, clipped_BT)

@@ -69,3 +69,85 @@ def zero_std_fraction(rewards_B: torch.Tensor, group_size: int) -> torch.Tensor:
     """Fraction of groups whose rewards are all equal (std isclose to 0, as TRL): no learning signal -> scalar."""
     std_G = _groups(rewards_B, group_size).std(dim=1)
     return torch.isclose(std_G, torch.zeros_like(std_G)).float().mean()
+
+
+# --- PPO-family estimators over per-token rewards (padded layout, aligned with input_ids_BT) -----------------------
+#
+# Token rewards of a completion: -kl_coef * KL at every completion token, plus the completion's score (reward model
+# and/or reward functions) at its LAST completion token (Ziegler et al. 2019; Huang et al. 2024, "The N+ Implementation
+# Details of RLHF with PPO"). Positions outside completion_mask_BT (prompt, padding) carry nothing and no value leaks
+# across them: the bootstrap value after the last completion token is 0.
+
+
+def last_token_mask(completion_mask_BT: torch.Tensor) -> torch.Tensor:
+    """bool_BT: True at the last completion token of each row (none for an empty row)."""
+    mask_BT = completion_mask_BT.bool()
+    index_BT = torch.arange(mask_BT.shape[1], device=mask_BT.device).expand_as(mask_BT)
+    last_B = torch.where(mask_BT, index_BT, -1).max(dim=1).values
+    return (index_BT == last_B[:, None]) & mask_BT
+
+
+def token_rewards(score_B: torch.Tensor, kl_BT: torch.Tensor, completion_mask_BT: torch.Tensor,
+                  kl_coef: float) -> torch.Tensor:
+    """r_t = -kl_coef * kl_t on completion tokens, + score at the last completion token -> rewards_BT (0 elsewhere)."""
+    mask_BT = completion_mask_BT.bool()
+    rewards_BT = torch.where(mask_BT, -kl_coef * kl_BT, torch.zeros_like(kl_BT))
+    return rewards_BT + last_token_mask(mask_BT) * score_B[:, None].to(rewards_BT)
+
+
+def gae(rewards_BT: torch.Tensor, values_BT: torch.Tensor, completion_mask_BT: torch.Tensor, gamma: float,
+        lam: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalised advantage estimation (Schulman et al. 2016) over each row's completion tokens ->
+    (advantages_BT, returns_BT), both 0 outside the mask.
+
+    delta_t = r_t + gamma * V_next - V_t, A_t = delta_t + gamma * lam * A_next, where "next" is the next completion
+    token of the row (V_next = A_next = 0 after the last one); returns_t = A_t + V_t (the value target)."""
+    mask_BT = completion_mask_BT.bool()
+    zeros_B = rewards_BT.new_zeros(rewards_BT.shape[0])
+    next_value_B, next_advantage_B = zeros_B, zeros_B
+    advantages_BT = torch.zeros_like(rewards_BT)
+    for t in reversed(range(rewards_BT.shape[1])):
+        m_B = mask_BT[:, t]
+        delta_B = rewards_BT[:, t] + gamma * next_value_B - values_BT[:, t]
+        advantage_B = delta_B + gamma * lam * next_advantage_B
+        advantages_BT[:, t] = torch.where(m_B, advantage_B, zeros_B)
+        next_value_B = torch.where(m_B, values_BT[:, t], next_value_B)
+        next_advantage_B = torch.where(m_B, advantage_B, next_advantage_B)
+    returns_BT = torch.where(mask_BT, advantages_BT + values_BT, torch.zeros_like(values_BT))
+    return advantages_BT, returns_BT
+
+
+def discounted_returns(rewards_BT: torch.Tensor, completion_mask_BT: torch.Tensor, gamma: float) -> torch.Tensor:
+    """G_t = r_t + gamma * G_next over each row's completion tokens (0 outside) -> returns_BT. REINFORCE++'s
+    advantage before whitening (Hu 2025), and RLOO's / GRPO's with their baselined scores."""
+    advantages_BT, _ = gae(rewards_BT, torch.zeros_like(rewards_BT), completion_mask_BT, gamma, 1.0)
+    return advantages_BT
+
+
+def rloo_scores(score_B: torch.Tensor, group_size: int) -> torch.Tensor:
+    """REINFORCE leave-one-out (Kool et al. 2019; Ahmadian et al. 2024): each score minus the mean of the OTHER
+    samples of its prompt -> score_B. Equals G / (G - 1) * (score - group mean)."""
+    score_GN = _groups(score_B, group_size)
+    baseline_GN = (score_GN.sum(dim=1, keepdim=True) - score_GN) / (group_size - 1)
+    return (score_GN - baseline_GN).reshape(-1)
+
+
+def masked_moments(x_BT: torch.Tensor, mask_BT: torch.Tensor) -> torch.Tensor:
+    """[sum, sum of squares, count] of x over the mask, float64 -> shape (3,). Summed over ranks, then `whiten`."""
+    m_BT = mask_BT.to(torch.float64)
+    x64_BT = x_BT.to(torch.float64) * m_BT
+    return torch.stack([x64_BT.sum(), (x64_BT * x_BT.to(torch.float64)).sum(), m_BT.sum()])
+
+
+def whiten(x_BT: torch.Tensor, mask_BT: torch.Tensor, moments: torch.Tensor, shift_mean: bool = True,
+           eps: float = 1e-8) -> torch.Tensor:
+    """(x - mean) / sqrt(var + eps) over the masked positions whose `masked_moments` (possibly summed over ranks)
+    are given; shift_mean=False keeps the mean (scales only). Population variance. 0 outside the mask."""
+    total, total_sq, count = moments.to(torch.float64).unbind()
+    count = count.clamp(min=1)
+    mean = total / count
+    var = (total_sq / count - mean**2).clamp(min=0)
+    out = (x_BT.to(torch.float64) - mean) * torch.rsqrt(var + eps)
+    if not shift_mean:
+        out = out + mean
+    return torch.where(mask_BT.bool(), out, torch.zeros_like(out)).to(x_BT.dtype)

@@ -30,3 +30,22 @@ def kl_k3(logprobs_BT: torch.Tensor, ref_logprobs_BT: torch.Tensor) -> torch.Ten
 
 
 KL_ESTIMATORS = {"k1": kl_k1, "k2": kl_k2, "k3": kl_k3}
+
+
+class KLController:
+    """The KL coefficient of a KL-penalised reward (Ziegler et al. 2019, "Fine-Tuning Language Models from Human
+    Preferences", sec. 2.2). Fixed when `target` is None; otherwise adaptive: after each step with measured KL,
+
+        error = clip(kl / target - 1, -0.2, 0.2);   value *= 1 + error * n_steps / horizon
+
+    so the coefficient grows while the policy drifts further than `target` nats from the reference and shrinks
+    while it stays closer. Its state (value) goes into checkpoints."""
+
+    def __init__(self, init: float, target: float | None = None, horizon: int = 10000):
+        self.value, self.target, self.horizon = float(init), target, horizon
+
+    def update(self, kl: float, n_steps: int) -> float:
+        if self.target is not None:
+            error = min(max(kl / self.target - 1.0, -0.2), 0.2)
+            self.value *= 1.0 + error * n_steps / self.horizon
+        return self.value

@@ -1,6 +1,6 @@
 """Per-token log-probs and entropies from logits, and masked reductions over tokens.
 
-Alignment (see `posttrain.train.batch`): every `*_BT` tensor lines up with `input_ids_BT`. The logits at position
+Alignment (see `posttrain.batch`): every `*_BT` tensor lines up with `input_ids_BT`. The logits at position
 t - 1 predict token t, so `token_logprobs(...)[:, t]` is log p(input_ids[:, t] | input_ids[:, :t]) and position 0,
 which nothing predicts, is 0. Masks are applied as they are; `completion_mask_BT[:, 0]` is always False.
 

@@ -4,13 +4,15 @@
         1. micro-batches of this rank for the step (offline data, or fresh rollouts)
         2. algorithm.prepare: what needs no gradient (reference / old log-probs)
         3. the global normaliser: loss units summed over micro-batches and ranks, once
-        4. forward + backward per micro-batch (gradient sync only on the last)
-        5. clip, optimiser step, LR schedule
-        6. metrics reduced across ranks once; rank 0 logs
-        7. eval and checkpoint when due
+        4. per trained role (policy; critic for PPO): forward + backward per micro-batch (gradient sync only on the
+           last), then clip, optimiser step, LR schedule
+        5. metrics reduced across ranks once, with the guard's flags (non-finite loss, stop signal); rank 0 logs
+        6. eval and checkpoint when due (and at once when a stop signal was agreed: train/guard.py)
 
 Because every micro-batch's loss is divided by the same global count (phase 3), 1 process x 4 accumulation steps,
-2 processes x 2 and one micro-batch of 4 give the same update.
+2 processes x 2 and one micro-batch of 4 give the same update. Each trained role (algorithm.objectives) has its
+own normaliser, optimiser and schedule; its loss and grad norm are logged as loss, grad_norm (the policy) and
+loss/<role>, grad_norm/<role> (the others).
 """
 
 from __future__ import annotations
@@ -22,20 +24,9 @@ from typing import Any, Callable, Optional
 import torch
 
 from posttrain.algorithms.base import Algorithm, Models
-from posttrain.train.batch import Batch
+from posttrain.batch import Batch
 from posttrain.train.guard import Guard
-
-
-@dataclass
-class TrainState:
-    """What a checkpoint must restore besides weights and optimiser: where the run is."""
-
-    step: int = 0
-    tokens_seen: int = 0
-    samples_seen: int = 0
-    elapsed_seconds: float = 0.0
-    best_eval_loss: Optional[float] = None
-    nonfinite_skips: int = 0
+from posttrain.train.state import TrainState
 
 
 @dataclass
@@ -45,8 +36,6 @@ class LoopContext:
     backend: Any
     algorithm: Algorithm
     models: Models
-    optimizer: Any
-    scheduler: Any
     source: Any
     total_steps: int
     logger: Any
@@ -70,8 +59,9 @@ def count_tokens(batch: Batch) -> int:
 def train(ctx: LoopContext) -> TrainState:
     backend, algorithm, models, state = ctx.backend, ctx.algorithm, ctx.models, ctx.state
     t = backend.recipe.train
-    model = models.policy
-    model.train()
+    model = models.policy.model
+    for _, role in models.trained():
+        role.model.train()
     guard = ctx.guard or Guard(t, backend)
     window: dict[str, float] = {}
     window_steps = 0
@@ -92,43 +82,56 @@ def train(ctx: LoopContext) -> TrainState:
         with torch.no_grad():
             micro_batches = [algorithm.prepare(b, models) for b in micro_batches]
 
-        # 3. one global normaliser for the whole step (tokens, sequences or pairs over micro-batches and ranks)
-        local_count = torch.stack([algorithm.count(b).float() for b in micro_batches]).sum()
-        normaliser = backend.all_reduce_sum(local_count.to(backend.device)).clamp(min=1.0)
+        # 3. one global normaliser per trained role for the whole step (tokens, sequences or pairs over
+        #    micro-batches and ranks)
+        objectives = algorithm.objectives(state.step)
+        trained = [(name, role) for name, role in models.trained() if name in objectives]
+        local_counts = torch.stack([torch.stack([objectives[name].count(b).float().to(backend.device)
+                                                 for b in micro_batches]).sum() for name, _ in trained])
+        normalisers = backend.all_reduce_sum(local_counts).clamp(min=1.0)
 
-        # 4. forward + backward; gradients sync on the last micro-batch only
-        step_loss = torch.zeros((), device=backend.device)
+        # 4. per role: forward + backward, gradients synced on the last micro-batch only; clip, step, schedule
+        losses: dict[str, torch.Tensor] = {}
+        grad_norms: dict[str, float] = {}
+        update_seconds: dict[str, float] = {}
         metric_sums: dict[str, torch.Tensor] = {}
-        for batch in micro_batches:
-            with backend.accumulate(model):
-                with backend.autocast():
-                    loss, metrics = algorithm.loss(model, batch, normaliser)
-                backend.backward(loss)
-            step_loss += loss.detach().float()
-            for key, value in metrics.items():
-                metric_sums[key] = metric_sums.get(key, 0.0) + value.detach().float()
-
-        # 5. clip + optimiser + schedule
-        grad_norm = backend.step(model, ctx.optimizer, skip_nonfinite=guard.skip)
-        ctx.scheduler.step()
+        for (name, role), normaliser in zip(trained, normalisers):
+            update_start = time.perf_counter()
+            losses[name] = torch.zeros((), device=backend.device)
+            for batch in micro_batches:
+                with backend.accumulate(role.model):
+                    with backend.autocast():
+                        loss, metrics = objectives[name].loss(role.model, batch, normaliser)
+                    backend.backward(loss, role.model)
+                losses[name] += loss.detach().float()
+                for key, value in metrics.items():
+                    metric_sums[key] = metric_sums.get(key, 0.0) + value.detach().float()
+            grad_norms[name] = float(backend.step(role.model, role.optimizer, skip_nonfinite=guard.skip))
+            role.scheduler.step()
+            update_seconds[name] = time.perf_counter() - update_start
         state.step += 1
         steps_this_run += 1
 
-        # 6. reduce once across ranks: [loss, tokens, *metrics means]
+        # 5. reduce once across ranks: [tokens, *losses, *metrics means, *guard flags]
         tokens = sum(count_tokens(b) for b in micro_batches)
         keys = sorted(metric_sums)
         local = torch.stack(
-            [step_loss, torch.tensor(float(tokens), device=backend.device)]
+            [torch.tensor(float(tokens), device=backend.device)] + list(losses.values())
             + [metric_sums[k].to(backend.device) / len(micro_batches) for k in keys]
         )
-        local = torch.cat([local, guard.local_flags(step_loss)])  # + [loss not finite, signal], agreed in this reduce
+        # + [a loss not finite, signal]: agreed in this reduce
+        local = torch.cat([local, guard.local_flags(torch.stack(list(losses.values())).sum())])
         reduced = backend.all_reduce_sum(local)
-        guard.check_step(state, reduced[-2:], grad_norm)
-        global_tokens = int(reduced[1])
+        guard.check_step(state, reduced[-2:], sum(grad_norms.values()))  # NaN when any role's norm is
+        global_tokens = int(reduced[0])
         state.tokens_seen += global_tokens
         state.samples_seen += sum(b.num_pairs or b.num_sequences for b in micro_batches) * backend.world_size
-        step_metrics = {"loss": float(reduced[0]), "grad_norm": float(grad_norm)}
-        step_metrics.update({k: float(v) / backend.world_size for k, v in zip(keys, reduced[2:])})
+        step_metrics = {}
+        for name, value in zip(losses, reduced[1 : 1 + len(losses)]):
+            suffix = "" if name == "policy" else f"/{name}"
+            step_metrics.update({f"loss{suffix}": float(value), f"grad_norm{suffix}": grad_norms[name],
+                                 f"time/update/{name}": update_seconds[name]})
+        step_metrics.update({k: float(v) / backend.world_size for k, v in zip(keys, reduced[1 + len(losses) : -2])})
         step_metrics.update(getattr(ctx.source, "last_metrics", {}))
         for key, value in step_metrics.items():
             window[key] = window.get(key, 0.0) + value
@@ -140,9 +143,11 @@ def train(ctx: LoopContext) -> TrainState:
             elapsed = time.perf_counter() - window_start
             record = {k: v / window_steps for k, v in window.items()}
             peak_mb = [b / 2**20 for b in backend.all_gather_object(backend.peak_memory_bytes())]
+            record.update({f"learning_rate/{name}": role.scheduler.get_last_lr()[0]
+                           for name, role in models.trained() if name != "policy"})
             record.update(
                 step=state.step,
-                learning_rate=ctx.scheduler.get_last_lr()[0],
+                learning_rate=models.policy.scheduler.get_last_lr()[0],
                 tokens_per_second=window_tokens / max(elapsed, 1e-9),
                 num_tokens=state.tokens_seen,
                 peak_memory_mb=max(peak_mb),
@@ -156,16 +161,16 @@ def train(ctx: LoopContext) -> TrainState:
                 ctx.on_log(state.step, record)
             window, window_steps, window_tokens, window_start = {}, 0, 0, time.perf_counter()
         else:
-            ctx.logger.progress(state.step, step_metrics["loss"])
+            ctx.logger.progress(state.step, step_metrics.get("loss", 0.0))
 
-        # 7. eval and checkpoint when due
+        # 6. eval and checkpoint when due
         last = state.step == ctx.total_steps
         if ctx.evaluate is not None and ((t.eval_steps and state.step % t.eval_steps == 0) or last):
             ctx.logger.log(state.step, ctx.evaluate())
             model.train()
         stop_early = t.max_steps_per_run is not None and steps_this_run >= t.max_steps_per_run and not last
         if (t.save_steps and state.step % t.save_steps == 0) or last or stop_early or guard.stop_signal:
-            saved = ctx.checkpointer.save(state, model, ctx.optimizer, ctx.scheduler)
+            saved = ctx.checkpointer.save(state, models, algorithm)
         if guard.stop_signal:
             guard.stopped(state.step, saved)
         if stop_early:
@@ -175,7 +180,7 @@ def train(ctx: LoopContext) -> TrainState:
 
 def evaluate(backend, algorithm: Algorithm, models: Models, batches: list[tuple[Batch, float]]) -> dict[str, float]:
     """Mean loss per unit over the whole eval set (all ranks) and the algorithm's metrics averaged over batches."""
-    model = models.policy
+    model = models.policy.model
     model.eval()
     total = torch.zeros(2, device=backend.device)
     metric_sums: dict[str, torch.Tensor] = {}

@@ -12,14 +12,15 @@ from posttrain.config.schema import TrainConfig
 SCHEDULES = {"constant": "constant_with_warmup", "linear": "linear", "cosine": "cosine"}
 
 
-def make_optimizer(model: torch.nn.Module, t: TrainConfig) -> torch.optim.Optimizer:
+def make_optimizer(model: torch.nn.Module, t: TrainConfig, learning_rate: float | None = None) -> torch.optim.Optimizer:
+    """AdamW over the trainable parameters; `learning_rate` overrides train.learning_rate (a critic's own rate)."""
     decay, no_decay = [], []
     for name, p in model.named_parameters():
         if p.requires_grad:
             (no_decay if p.ndim < 2 or "norm" in name.lower() else decay).append(p)
     groups = [{"params": decay, "weight_decay": t.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     groups = [g for g in groups if g["params"]]
-    return torch.optim.AdamW(groups, lr=t.learning_rate, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_epsilon)
+    return torch.optim.AdamW(groups, lr=t.learning_rate if learning_rate is None else learning_rate, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_epsilon)
 
 
 def warmup_steps(t: TrainConfig, total_steps: int) -> int:

@@ -1,25 +1,29 @@
-"""Online micro-batches: sample completions from the current policy, score them, attach advantages.
+"""Online micro-batches, for any online algorithm: sample completions from the current policy, score them, build the
+batch; the algorithm's `advantages` hook sees the whole step's rollouts and attaches advantages.
 
-    source = RolloutSource(recipe, backend, models, algorithm, train_examples, rewards)   # built by GRPO.make_source
+    source = RolloutSource(recipe, backend, models, algorithm, train_examples, rewards)   # algorithm.make_source
     micro_batches = source.step_batches(step)        # this rank's gradient_accumulation_steps micro-batches
     source.last_metrics                               # reward / length / timing figures of the step, all ranks
 
-A generation batch (see posttrain/algorithms/grpo.py for the batch semantics) is made in phases:
+G = algorithm.samples_per_prompt completions per prompt (GRPO's group; 1 for plain PPO); a generation batch is used
+for algorithm.steps_per_rollout optimiser steps (see posttrain/algorithms/grpo.py for the batch semantics). It is
+made in phases:
   1. prompts: the next `prompts per step` positions of the seeded global prompt order (SampleOrder), the same for
      any world size; rank r takes the r-th contiguous slice, so each prompt's G completions stay on one rank;
   2. generate: G completions per prompt with the engine, `generation.batch_size` prompts per call, each call seeded
      by (seed, global position of its first prompt): resume reproduces it, and so does any accumulation split;
      with generation.batch_size=1 so does any world size;
   3. score: the RewardSet on this rank's completions; the step's total rewards are gathered from all ranks (one
-     small all_gather) so advantages, `scale_rewards=batch` and the metrics are computed on the whole step,
-     identically on every rank;
-  4. batches: prompt + completion rows, right padded, split into micro-batches; old and reference log-probs are
-     taken now (algorithm.prepare), once, so a batch reused for num_iterations steps keeps them.
+     small all_gather) so advantages and the metrics can be computed on the whole step, identically on every rank;
+  4. batches: prompt + completion rows, right padded, split into micro-batches, each completion's total reward in
+     rewards_B; old / reference log-probs and critic values are taken now (algorithm.prepare), once, so a batch
+     reused for several steps keeps them;
+  5. advantages: algorithm.advantages(Rollouts) over the step (group-relative, GAE, ...).
 
 last_metrics (whole step, all ranks): reward/mean|std, rewards/<name>/mean|std, rewards/skipped,
 frac_reward_zero_std, completion_length/mean|max|min, truncated_fraction; and this rank's seconds per phase:
-time/generate, time/score (with the gather and advantages), time/ref (old and reference log-probs), time/train
-(from handing the micro-batches over to the loop reading the metrics: forward, backward, optimiser step).
+time/generate, time/score (with the gather), time/ref (old and reference log-probs, critic values, advantages),
+time/train (from handing the micro-batches over to the loop reading the metrics: forward, backward, optimiser step).
 """
 
 from __future__ import annotations
@@ -29,14 +33,16 @@ import logging
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Callable
 
 import torch
 
 from posttrain.data.collate import collate_padded
-from posttrain.ops.advantages import group_advantages, zero_std_fraction
+from posttrain.ops.advantages import zero_std_fraction
+from posttrain.ops.logprobs import sequence_mean
 from posttrain.rewards import reward_metrics
 from posttrain.rollout import SamplingParams, make_engine
-from posttrain.train.batch import Batch
+from posttrain.batch import Batch
 from posttrain.train.sources import SampleOrder
 
 logger = logging.getLogger(__name__)
@@ -45,6 +51,31 @@ logger = logging.getLogger(__name__)
 def sampling_seed(seed: int, position: int) -> int:
     """The seed of a generate call whose first prompt sits at `position` of the global prompt order."""
     return (seed * 1_000_003 + position) % (2**62)
+
+
+@dataclass
+class Rollouts:
+    """What an algorithm's advantages hook sees: this rank's prepared micro-batches (rewards_B, log-probs, values
+    attached) and the step's total rewards from every rank, in global order (rank 0's first)."""
+
+    batches: list[Batch]
+    step_rewards_B: torch.Tensor
+    """Total reward of every completion of the step, all ranks; a prompt's samples are consecutive."""
+    step_truncated_B: torch.Tensor
+    """bool, every completion of the step: it hit max_completion_length without end of sequence."""
+    offset: int
+    """Where this rank's completions start in step_rewards_B."""
+    samples_per_prompt: int
+    all_reduce_sum: Callable[[torch.Tensor], torch.Tensor]
+    """Sums a tensor over ranks (for statistics of the whole step, e.g. advantage whitening)."""
+
+    def per_batch(self, step_values_B: torch.Tensor) -> list[torch.Tensor]:
+        """This rank's rows of a tensor over the whole step, split like its micro-batches (on their device)."""
+        out, start = [], self.offset
+        for b in self.batches:
+            out.append(step_values_B[start : start + b.num_sequences].to(b.input_ids_BT.device))
+            start += b.num_sequences
+        return out
 
 
 @dataclass
@@ -58,13 +89,13 @@ class Generation:
 
 class RolloutSource:
     def __init__(self, recipe, backend, models, algorithm, examples, rewards):
-        t, cfg = recipe.train, recipe.algo
+        t = recipe.train
         self.recipe, self.backend, self.models, self.algorithm = recipe, backend, models, algorithm
         self.examples, self.rewards = examples, rewards
         self.tokenizer = models.tokenizer
-        self.group = cfg.num_generations
+        self.group = algorithm.samples_per_prompt
         self.micro = t.per_device_train_batch_size
-        self.iterations = cfg.num_iterations
+        self.iterations = algorithm.steps_per_rollout
         self.prompts_per_rank = self.micro * t.gradient_accumulation_steps // self.group  # validated: whole
         self.prompts_per_step = self.prompts_per_rank * backend.world_size
         self.order = SampleOrder(len(examples), t.dataloader_seed if t.dataloader_seed is not None else recipe.seed)
@@ -74,7 +105,7 @@ class RolloutSource:
         self._metrics: dict[str, float] = {}
 
     def _make_engine(self):
-        policy = self.models.policy
+        policy = self.models.policy.model
         return make_engine(self.recipe.generation.engine, model=self.backend.unwrap(policy), tokenizer=self.tokenizer,
                            gather=lambda: self.backend.gathered_parameters(policy))
 
@@ -127,23 +158,26 @@ class RolloutSource:
                     skipped=skipped, lengths=lengths, truncated=truncated)
         everyone = backend.all_gather_object(mine)
         global_total_B = torch.tensor([r for part in everyone for r in part["total"]])
-        advantages_B = group_advantages(global_total_B, group, self.recipe.algo.scale_rewards)
-        start = backend.rank * len(total_B)
-        advantages_B = advantages_B[start : start + len(total_B)]
         scored = time.perf_counter()
 
-        # 4. micro-batches, with old / reference log-probs taken once
-        batches = self._micro_batches(prompt_ids, completion_ids, truncated, advantages_B,
+        # 4. micro-batches, with old / reference log-probs and values taken once
+        batches = self._micro_batches(prompt_ids, completion_ids, truncated, total_B,
                                       [i for i in dataset_index for _ in range(group)])
         with torch.no_grad(), backend.autocast():
             batches = [self.algorithm.prepare(b.to(backend.device), self.models) for b in batches]
+
+            # 5. advantages over the whole step
+            step_truncated_B = torch.tensor([c for part in everyone for c in part["truncated"]], dtype=torch.bool)
+            rollouts = Rollouts(batches, global_total_B, step_truncated_B, backend.rank * len(total_B), group,
+                                backend.all_reduce_sum)
+            batches, advantage_metrics = self.algorithm.advantages(rollouts)
         prepared = time.perf_counter()
 
         metrics = step_metrics(everyone, global_total_B, group)
         metrics.update({"time/generate": generated - started, "time/score": scored - generated,
-                        "time/ref": prepared - scored})
+                        "time/ref": prepared - scored, **advantage_metrics})
         if backend.is_main:
-            self._write_samples(step, prompts, texts, total_B, per_function, advantages_B, truncated)
+            self._write_samples(step, prompts, texts, total_B, per_function, sequence_advantages(batches), truncated)
         return Generation(index, batches, metrics)
 
     def _sample(self, prompts: list[dict], positions: list[int]):
@@ -162,7 +196,7 @@ class RolloutSource:
             truncated += out.truncated
         return prompt_ids, completion_ids, truncated
 
-    def _micro_batches(self, prompt_ids, completion_ids, truncated, advantages_B, dataset_index) -> list[Batch]:
+    def _micro_batches(self, prompt_ids, completion_ids, truncated, rewards_B, dataset_index) -> list[Batch]:
         masked = self.recipe.algo.mask_truncated_completions
         rows = [
             {"input_ids": p + c, "completion_mask": [0] * len(p) + [int(not (masked and cut))] * len(c)}
@@ -173,7 +207,7 @@ class RolloutSource:
         for start in range(0, len(rows), self.micro):
             stop = start + self.micro
             batch = collate_padded(rows[start:stop], pad_id)
-            batches.append(replace(batch, advantages_B=advantages_B[start:stop].float(),
+            batches.append(replace(batch, rewards_B=rewards_B[start:stop].float(),
                                    truncated_B=torch.tensor(truncated[start:stop], dtype=torch.bool),
                                    example_index_B=torch.tensor(dataset_index[start:stop])))
         return batches
@@ -199,6 +233,12 @@ class RolloutSource:
             f.writelines(json.dumps(r) + "\n" for r in records)
 
 
+def sequence_advantages(batches: list[Batch]) -> torch.Tensor:
+    """One advantage per completion, for the samples file: the sequence's own, or its per-token mean."""
+    return torch.cat([b.advantages_B if b.advantages_B is not None
+                      else sequence_mean(b.advantages_BT, b.completion_mask_BT) for b in batches]).cpu()
+
+
 def step_metrics(everyone: list[dict], total_B: torch.Tensor, group: int) -> dict[str, float]:
     """Reward, length and truncation figures of the whole step from every rank's gathered numbers."""
     per_function = {name: torch.tensor([r for part in everyone for r in part["per_function"][name]])
@@ -208,13 +248,14 @@ def step_metrics(everyone: list[dict], total_B: torch.Tensor, group: int) -> dic
     metrics = {
         "reward/mean": total_B.mean(),
         "reward/std": total_B.std(unbiased=False),
-        "frac_reward_zero_std": zero_std_fraction(total_B, group),
         "completion_length/mean": lengths.mean(),
         "completion_length/max": lengths.max(),
         "completion_length/min": lengths.min(),
         "truncated_fraction": truncated.mean(),
         **reward_metrics(per_function),
     }
+    if group > 1:  # samples of one prompt: how many groups carry no signal
+        metrics["frac_reward_zero_std"] = zero_std_fraction(total_B, group)
     out = {k: float(v) for k, v in metrics.items()}
     out["rewards/skipped"] = float(sum(part["skipped"] for part in everyone))
     return out

@@ -14,7 +14,7 @@ from typing import Callable, Protocol, Sequence
 
 import torch
 
-from posttrain.train.batch import Batch
+from posttrain.batch import Batch
 
 
 class Source(Protocol):

@@ -1,4 +1,4 @@
-"""`posttrain demo --quick` runs the whole pipeline (tiny model -> SFT -> DPO -> GRPO) and writes every report."""
+"""`posttrain demo --quick` runs the whole pipeline (tiny model -> SFT -> DPO -> GRPO, PPO) and writes every report."""
 
 from __future__ import annotations
 
@@ -13,13 +13,15 @@ def test_quick_demo_writes_reports_and_results(tmp_path):
     out = tmp_path / "demo"
     assert main(["demo", "--quick", "--out", str(out)]) == 0
     results = json.loads((out / "demo_results.json").read_text())
-    for key in ("sft_accuracy", "dpo_accuracy", "grpo_accuracy", "dpo_pref_accuracy_before", "dpo_pref_accuracy_after"):
+    for key in ("sft_accuracy", "dpo_accuracy", "grpo_accuracy", "ppo_accuracy", "dpo_pref_accuracy_before",
+                "dpo_pref_accuracy_after"):
         assert 0.0 <= results[key] <= 1.0, key
-    for stage in ("sft", "dpo", "grpo"):
+    for stage in ("sft", "dpo", "grpo", "ppo"):
         assert (out / stage / "report.html").exists()
         assert (out / stage / "final" / "config.json").exists()
         rows = [json.loads(line) for line in (out / stage / "metrics.jsonl").read_text().splitlines()]
         assert any("loss" in r for r in rows)
+    assert (out / "ppo" / "final-critic" / "config.json").exists()
     grpo_rows = [json.loads(line) for line in (out / "grpo" / "metrics.jsonl").read_text().splitlines()]
     assert any("eval/accuracy" in r for r in grpo_rows)
     # the reports show the held-out numbers before (step 0: the SFT model) and after

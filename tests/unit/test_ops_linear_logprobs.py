@@ -67,7 +67,7 @@ def test_policy_logprobs_fused_equals_the_logits_path(tiny_model_dir):
     from transformers import AutoModelForCausalLM
 
     from posttrain.algorithms.forward import fusable_head, policy_logits, policy_logprobs
-    from posttrain.train.batch import Batch
+    from posttrain.batch import Batch
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
     assert fusable_head(model) is model.lm_head

@@ -42,7 +42,15 @@ class Batch:
     """Dataset row index of each sequence (or pair); keys the precomputed-reference cache."""
     # --- online RL ---
     advantages_B: Optional[torch.Tensor] = None
-    """Per-sequence advantage."""
+    """Per-sequence advantage (GRPO family)."""
+    advantages_BT: Optional[torch.Tensor] = None
+    """Per-token advantage (PPO with GAE), aligned with input_ids_BT, 0 outside the completion."""
+    rewards_B: Optional[torch.Tensor] = None
+    """Total reward of each completion (reward functions / reward model), scored at its end."""
+    old_values_BT: Optional[torch.Tensor] = None
+    """Critic values when the rollout was made, aligned with input_ids_BT: the value of the state before token t."""
+    returns_BT: Optional[torch.Tensor] = None
+    """Value targets (advantages + old values), aligned with input_ids_BT."""
     old_logprobs_BT: Optional[torch.Tensor] = None
     """Log-probs of the sampling policy, aligned with input_ids_BT (position 0 unused)."""
     ref_logprobs_BT: Optional[torch.Tensor] = None

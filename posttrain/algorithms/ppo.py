@@ -1,0 +1,238 @@
+"""PPO with a critic (Schulman et al. 2017; for language models Ziegler et al. 2019, Ouyang et al. 2022): actor,
+critic, reference and rewards (reward model and/or reward functions).
+
+    posttrain ppo --config recipes/ppo.yaml            # verifiable reward on the arithmetic task
+    posttrain ppo --config recipes/ppo_rm.yaml         # a reward model trained by `posttrain rm`
+
+Per generation batch (train/rollout_source.py): sample, score each completion at its end, then (prepare) the
+policy's log-probs, the reference's and the critic's values, once; then (advantages) per-token rewards
+-kl_coef * KL(k1 or k3) plus the score at the last completion token (minus missing_eos_penalty when the completion
+was cut off), and advantages by `algo.advantage_estimator`: gae (gamma, lam), reinforce++ (discounted returns,
+whitened over the step), rloo / grpo (the score baselined by the prompt's other samples / its group). The batch is
+then used for `ppo_epochs` optimiser steps of both trained roles: the clipped surrogate for the policy (token mean
+over the step) and the clipped value loss for the critic (token mean over the step), each with its own optimiser;
+the policy waits `critic_warmup_steps` steps while the critic learns first. The math lives in ops/ and losses/.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from posttrain.algorithms.base import Models, Objective
+from posttrain.algorithms.forward import policy_logits, policy_logprobs
+from posttrain.algorithms.online import OnlineAlgorithm
+from posttrain.batch import Batch
+from posttrain.config.schema import ModelConfig, Recipe
+from posttrain.errors import UserError
+from posttrain.losses.policy import clipped_surrogate
+from posttrain.losses.value import clipped_value_loss
+from posttrain.ops.advantages import (discounted_returns, gae, group_advantages, masked_moments, rloo_scores,
+                                      token_rewards, whiten)
+from posttrain.ops.kl import KL_ESTIMATORS, KLController, kl_k3
+from posttrain.ops.logprobs import entropy_BT, masked_mean, masked_sum, token_logprobs
+
+ESTIMATORS = ("gae", "reinforce++", "rloo", "grpo")
+
+
+@dataclass(frozen=True)
+class PPOAlgoConfig:
+    critic_model_name_or_path: Optional[str] = None
+    """The critic's starting weights: a `posttrain rm` reward model or any model with the policy's tokenizer; null:
+    the reward model of `rewards` if there is one, else the policy."""
+    critic_learning_rate: Optional[float] = None
+    """The critic's own peak learning rate (null: train.learning_rate)."""
+    critic_warmup_steps: int = 0
+    """Optimiser steps at the start where only the critic trains."""
+    advantage_estimator: str = "gae"
+    """gae, reinforce++, rloo or grpo."""
+    gamma: float = 1.0
+    """Discount per token."""
+    lam: float = 0.95
+    """GAE lambda."""
+    whiten_advantages: bool = True
+    """Whiten advantages over the whole step (all ranks)."""
+    kl_coef: float = 0.05
+    """Initial weight of the per-token KL(policy || reference) penalty in the reward; 0 loads no reference."""
+    kl_estimator: str = "k1"
+    """KL per token: k1 (log-ratio) or k3."""
+    kl_target: Optional[float] = None
+    """Adaptive KL controller's target KL per sequence (null: a fixed kl_coef)."""
+    kl_horizon: int = 10000
+    """Adaptive KL controller's horizon (samples)."""
+    num_generations: int = 1
+    """Completions per prompt (>= 2 for rloo and grpo)."""
+    ppo_epochs: int = 1
+    """Optimiser steps each generation batch is used for."""
+    epsilon: float = 0.2
+    """Policy ratio clip range."""
+    value_clip: Optional[float] = 0.2
+    """Clip range of the value change around the rollout's values (null: unclipped)."""
+    missing_eos_penalty: Optional[float] = None
+    """Subtracted from the score of a completion that hit max_completion_length without EOS."""
+    mask_truncated_completions: bool = False
+    """Leave truncated completions out of both losses."""
+    log_samples: int = 2
+    """Prompt groups written to output_dir/samples.jsonl at each logging step (0: none)."""
+
+    def validate(self, recipe: Recipe) -> None:
+        for key, value, table in (("advantage_estimator", self.advantage_estimator, ESTIMATORS),
+                                  ("kl_estimator", self.kl_estimator, ("k1", "k3"))):
+            if value not in table:
+                raise UserError(f"algo.{key} is {value!r}; choose one of {', '.join(table)}")
+        if self.advantage_estimator in ("rloo", "grpo") and self.num_generations < 2:
+            raise UserError(f"algo.advantage_estimator={self.advantage_estimator} compares samples of one prompt: set "
+                            f"algo.num_generations >= 2 (got {self.num_generations})")
+        if self.kl_coef < 0 or self.epsilon <= 0 or self.ppo_epochs < 1 or self.num_generations < 1:
+            raise UserError("need algo.kl_coef >= 0, algo.epsilon > 0, algo.ppo_epochs >= 1, algo.num_generations >= 1")
+        if not 0 <= self.gamma <= 1 or not 0 <= self.lam <= 1:
+            raise UserError(f"algo.gamma and algo.lam must lie in [0, 1]; got {self.gamma}, {self.lam}")
+        if not recipe.rewards:
+            raise UserError("ppo needs a reward: add `rewards: [{name: exact_match}]` or "
+                            "`rewards: [{name: reward_model, kwargs: {path: runs/rm/final}}]` to the recipe")
+        t = recipe.train
+        if (t.per_device_train_batch_size * t.gradient_accumulation_steps) % self.num_generations:
+            raise UserError(f"train.per_device_train_batch_size x train.gradient_accumulation_steps must be a multiple "
+                            f"of algo.num_generations ({self.num_generations})")
+        if recipe.data.packing:
+            raise UserError("data.packing does not apply to ppo (rollout batches are padded); set data.packing=false")
+        for key, value in (("train.save_steps", t.save_steps), ("train.max_steps_per_run", t.max_steps_per_run)):
+            if self.ppo_epochs > 1 and value and value % self.ppo_epochs:
+                raise UserError(f"{key}={value} is not a multiple of algo.ppo_epochs={self.ppo_epochs}")
+
+
+class PPO(OnlineAlgorithm):
+    name = "ppo"
+    needs_critic = True
+
+    def __init__(self, recipe: Recipe):
+        super().__init__(recipe)  # loads the rewards: a reward model that is not a sequence classifier fails here
+        from posttrain.models.critic import check_critic_source
+        from posttrain.models.load import check_model_source
+
+        self.config: PPOAlgoConfig = recipe.algo
+        self.temperature = recipe.generation.temperature
+        self.needs_reference = self.config.kl_coef > 0
+        self.samples_per_prompt = self.config.num_generations
+        self.steps_per_rollout = self.config.ppo_epochs
+        self.kl = KLController(self.config.kl_coef, self.config.kl_target, self.config.kl_horizon)
+        self.seconds = {"time/policy_logprobs": 0.0, "time/reference": 0.0, "time/values": 0.0}
+        check_model_source(recipe.model)
+        what = "algo.critic_model_name_or_path"
+        check_critic_source(self.critic_source(), what, _vocab_size(recipe.model))
+
+    def critic_source(self) -> ModelConfig:
+        path = self.config.critic_model_name_or_path
+        if path is None:
+            path = next((r.kwargs.get("path") for r in self.recipe.rewards if r.name == "reward_model"), None)
+        m = self.recipe.model
+        return dataclasses.replace(m, name_or_path=path or m.name_or_path, tokenizer_name_or_path=None, revision=None,
+                                   lora=dataclasses.replace(m.lora, enabled=False))
+
+    def critic_learning_rate(self) -> Optional[float]:
+        return self.config.critic_learning_rate
+
+    def state_dict(self) -> dict:
+        return {"kl_coef": self.kl.value}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.kl.value = state.get("kl_coef", self.kl.value)
+
+    # --- once per generation batch (the rollout source calls these) -------------------------------------------------
+
+    def prepare(self, batch: Batch, models: Models) -> Batch:
+        from posttrain.models.critic import critic_values
+
+        tasks = {"old_logprobs_BT": ("time/policy_logprobs", lambda: policy_logprobs(models.policy.model, batch,
+                                                                                   self.temperature)),
+                 "ref_logprobs_BT": ("time/reference", lambda: policy_logprobs(models.reference.model, batch,
+                                                                             self.temperature)),
+                 "old_values_BT": ("time/values", lambda: critic_values(models.critic.model, batch))}
+        if not self.needs_reference:
+            del tasks["ref_logprobs_BT"]
+        updates = {}
+        for field, (clock, compute) in tasks.items():
+            if getattr(batch, field) is None:
+                started = time.perf_counter()
+                updates[field] = compute()
+                self.seconds[clock] += time.perf_counter() - started  # this rank's seconds, for bench/ppo.py
+        return dataclasses.replace(batch, **updates) if updates else batch
+
+    def advantages(self, rollouts) -> tuple[list[Batch], dict[str, float]]:
+        cfg = self.config
+        score_B = rollouts.step_rewards_B.float()
+        if cfg.missing_eos_penalty is not None:
+            score_B = score_B - cfg.missing_eos_penalty * rollouts.step_truncated_B.float()
+        if cfg.advantage_estimator == "rloo":
+            score_B = rloo_scores(score_B, cfg.num_generations)
+        elif cfg.advantage_estimator == "grpo":
+            score_B = group_advantages(score_B, cfg.num_generations, "group")
+        out, kl_sums = [], []
+        for batch, batch_score_B in zip(rollouts.batches, rollouts.per_batch(score_B)):
+            mask_BT = batch.completion_mask_BT
+            kl_BT = (KL_ESTIMATORS[cfg.kl_estimator](batch.old_logprobs_BT, batch.ref_logprobs_BT)
+                     if self.needs_reference else torch.zeros_like(batch.old_logprobs_BT))
+            kl_sums.append(masked_sum(kl_BT, mask_BT).reshape(1))
+            rewards_BT = token_rewards(batch_score_B, kl_BT, mask_BT, self.kl.value)
+            if cfg.advantage_estimator == "gae":
+                advantages_BT, returns_BT = gae(rewards_BT, batch.old_values_BT, mask_BT, cfg.gamma, cfg.lam)
+            else:
+                advantages_BT = returns_BT = discounted_returns(rewards_BT, mask_BT, cfg.gamma)
+            out.append(dataclasses.replace(batch, advantages_BT=advantages_BT, returns_BT=returns_BT))
+        sequences = float(len(rollouts.step_rewards_B))
+        kl_per_sequence = float(rollouts.all_reduce_sum(torch.cat(kl_sums).sum())) / sequences
+        metrics = {"kl": kl_per_sequence, "kl_coef": self.kl.value, **self.seconds}
+        self.seconds = dict.fromkeys(self.seconds, 0.0)
+        self.kl.update(kl_per_sequence, int(sequences))
+        if cfg.whiten_advantages:
+            moments = rollouts.all_reduce_sum(sum(masked_moments(b.advantages_BT, b.completion_mask_BT) for b in out))
+            out = [dataclasses.replace(b, advantages_BT=whiten(b.advantages_BT, b.completion_mask_BT, moments))
+                   for b in out]
+        return out, metrics
+
+    # --- what the loop calls ------------------------------------------------------------------------------------------
+
+    def objectives(self, step: int) -> dict[str, Objective]:
+        critic = {"critic": Objective(self.count, self.value_loss)}
+        return critic if step < self.config.critic_warmup_steps else {"policy": Objective(self.count, self.loss), **critic}
+
+    def count(self, batch: Batch) -> torch.Tensor:
+        return batch.completion_mask_BT.sum()
+
+    def loss(self, model, batch: Batch, normaliser: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Clipped surrogate, token mean over the step."""
+        mask_BT = batch.completion_mask_BT
+        logits_BTV = policy_logits(model, batch)
+        logprobs_BT = token_logprobs(logits_BTV, batch.input_ids_BT, temperature=self.temperature)
+        loss_BT, clip_fraction = clipped_surrogate(logprobs_BT, batch.old_logprobs_BT, batch.advantages_BT, mask_BT,
+                                                   self.config.epsilon, self.config.epsilon)
+        with torch.no_grad():
+            metrics = {"clip_fraction": clip_fraction,
+                       "approx_kl": masked_mean(kl_k3(logprobs_BT, batch.old_logprobs_BT), mask_BT),
+                       "entropy": masked_mean(entropy_BT(logits_BTV, temperature=self.temperature), mask_BT)}
+        return masked_sum(loss_BT, mask_BT) / normaliser, metrics
+
+    def value_loss(self, model, batch: Batch, normaliser: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Clipped value loss against the rollout's returns, token mean over the step."""
+        from posttrain.models.critic import critic_values
+
+        mask_BT = batch.completion_mask_BT
+        values_BT = critic_values(model, batch)
+        loss_BT, clip_fraction = clipped_value_loss(values_BT, batch.old_values_BT, batch.returns_BT, mask_BT,
+                                                    self.config.value_clip)
+        metrics = {"value_clip_fraction": clip_fraction, "values/mean": masked_mean(values_BT.detach(), mask_BT),
+                   "returns/mean": masked_mean(batch.returns_BT, mask_BT)}
+        return masked_sum(loss_BT, mask_BT) / normaliser, metrics
+
+
+def _vocab_size(model_cfg: ModelConfig) -> int:
+    from pathlib import Path
+
+    from transformers import AutoConfig
+
+    path = Path(model_cfg.name_or_path).expanduser()
+    return AutoConfig.from_pretrained(str(path) if path.exists() else model_cfg.name_or_path).vocab_size
