@@ -137,6 +137,7 @@ class RolloutSource:
         self._sync_weights(step)
         started = time.perf_counter()
         prompt_ids, completion_ids, sampler_logprobs, truncated = self._sample(prompts, positions)
+        self.engine.sleep()  # training gets the engine's accelerator memory back (vllm with sleep mode on a GPU)
         generated = time.perf_counter()
 
         # 3. score this rank's completions; gather the step's rewards from every rank
