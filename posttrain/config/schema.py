@@ -147,8 +147,8 @@ class VLLMConfig:
     """Engine weights dtype: auto (float32 on a CPU, where bf16 is 3-5x slower; the model's dtype on a GPU), float32, bfloat16, float16."""
     enable_sleep_mode: bool = False
     """Free the engine's GPU memory while training (GPU only; a no-op on a CPU)."""
-    kv_cache_gb: Optional[float] = None
-    """CPU only: GiB for the KV cache (VLLM_CPU_KVCACHE_SPACE; None: vLLM's default)."""
+    kv_cache_gb: Optional[int] = None
+    """CPU only: whole GiB for the KV cache (VLLM_CPU_KVCACHE_SPACE; None: vLLM's default)."""
 
 
 @dataclass(frozen=True)

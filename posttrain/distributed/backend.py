@@ -445,8 +445,8 @@ class Backend:
         if self.is_deepspeed and self.zero_stage == 3:
             import deepspeed
 
-            with deepspeed.zero.GatheredParameters(params), torch.no_grad():
-                yield [(u.name, u.compute([p.data for p in u.params])) for u in units]
+            with deepspeed.zero.GatheredParameters(params), torch.no_grad():  # copies: the gathered ones are freed
+                yield [(u.name, u.compute([p.data for p in u.params]).clone()) for u in units]
         elif self.is_fsdp:
             with torch.no_grad():
                 full = {id(p): (p.full_tensor() if hasattr(p, "full_tensor") else p.data) for p in params}

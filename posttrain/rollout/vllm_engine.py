@@ -115,10 +115,11 @@ class VLLMEngine:
         return Completions(ids, logprobs, truncated)
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Load full tensors named as in the plain transformers model (a bucket of `Backend.weight_buckets`)."""
-        weights = [(name, tensor.detach()) for name, tensor in named_tensors]
+        """Load full tensors named as in the plain transformers model. Pass the whole sync as one iterable (a
+        generator over `Backend.weight_buckets`): vLLM reloads a layer once all of its tensors have arrived, so a layer
+        split across two calls would be reloaded from half new, half old weights."""
         self.wake()
-        self.llm.collective_rpc(_load_into_worker, args=(weights,))
+        self.llm.collective_rpc(_load_into_worker, args=(((n, t.detach()) for n, t in named_tensors),))
         self.llm.reset_prefix_cache()
 
     def sleep(self) -> None:
@@ -134,9 +135,17 @@ class VLLMEngine:
 
 
 def _load_into_worker(worker, weights):
-    """Runs in vLLM's worker: new weights into the model. `reload_weights` re-runs the platform's post-load
-    processing (the CPU's oneDNN repacking), which a bare `model.load_weights` would skip."""
-    return worker.reload_weights(weights_iterator=iter(weights))
+    """Runs in vLLM's worker (in this process): new weights into the model. `reload_weights` re-runs the platform's
+    post-load processing of every layer it reloads (the CPU's oneDNN repacking), which a bare `model.load_weights`
+    would skip. A tied lm_head gets no tensor of its own (it is the embedding), so its repacked copy is redone here."""
+    worker.reload_weights(weights_iterator=weights)
+    model = worker.model_runner.get_model()
+    lm_head = getattr(model, "lm_head", None)
+    embed = getattr(getattr(model, "model", None), "embed_tokens", None)
+    if lm_head is not None and embed is not None and getattr(lm_head, "weight", None) is embed.weight:
+        method = getattr(lm_head, "quant_method", None)
+        if method is not None:
+            method.process_weights_after_loading(lm_head)
 
 
 @contextlib.contextmanager

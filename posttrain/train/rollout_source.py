@@ -94,8 +94,8 @@ class RolloutSource:
         if self._synced_at is not None and step - self._synced_at < gen.sync_every:
             return
         started = time.perf_counter()
-        for bucket in self.backend.weight_buckets(self.models.policy, gen.sync_bucket_mb):
-            engine.load_weights(bucket)
+        buckets = self.backend.weight_buckets(self.models.policy, gen.sync_bucket_mb)
+        engine.load_weights(pair for bucket in buckets for pair in bucket)  # one load, streamed bucket by bucket
         engine.version = step
         self._synced_at = step
         self._sync_seconds = time.perf_counter() - started

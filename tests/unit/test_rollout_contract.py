@@ -41,7 +41,7 @@ def vllm_engine(model_dir, tokenizer=None, **kwargs) -> GenerationEngine:
     key = str(model_dir)
     if key not in _VLLM:
         _VLLM[key] = VLLMEngine(model_dir, AutoTokenizer.from_pretrained(model_dir),
-                                VLLMConfig(kv_cache_gb=0.25, max_model_len=256), seed=0)
+                                VLLMConfig(kv_cache_gb=1, max_model_len=256), seed=0)
     engine = copy.copy(_VLLM[key])
     if tokenizer is not None:
         engine.eos_id = int(tokenizer.eos_token_id)
@@ -53,9 +53,10 @@ NEEDS = {"vllm": pytest.mark.skipif(not vllm_available(), reason="vLLM is not in
 
 
 @pytest.fixture(scope="module")
-def model_dir(tiny_model_dir, tmp_path_factory):
-    """The tiny model with larger random weights: peaked next-token distributions, so greedy text varies."""
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+def model_dir(tiny_vllm_model_dir, tmp_path_factory):
+    """The tiny model (head_dim 32, which vLLM's CPU kernels support) with larger random weights: peaked next-token
+    distributions, so greedy text varies."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_vllm_model_dir, dtype=torch.float32)
     g = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for p in model.parameters():
@@ -63,7 +64,7 @@ def model_dir(tiny_model_dir, tmp_path_factory):
                 p.copy_(torch.randn(p.shape, generator=g) * 0.2)
     out = tmp_path_factory.mktemp("peaked")
     model.save_pretrained(out)
-    AutoTokenizer.from_pretrained(tiny_model_dir).save_pretrained(out)
+    AutoTokenizer.from_pretrained(tiny_vllm_model_dir).save_pretrained(out)
     return out
 
 
