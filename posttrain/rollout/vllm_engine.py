@@ -7,18 +7,19 @@
     engine.version = step                          # the policy version the engine now samples from
 
 vLLM runs its engine core in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0): `load_weights` then hands tensors to
-the model runner without serialising them, and sampling draws from this process's torch RNG, which `generate` seeds
-per call (vLLM's per-request seeds crash its CPU engine under chunked prefill).
+the model runner without serialising them. A seeded call gives row i the seed `seed + i`, so a row's sample does not
+depend on what else is in the batch; on a CPU chunked prefill is off, because per-request seeds crash vLLM's CPU
+engine under it.
 
 Log-probs follow the contract of `posttrain.rollout.base`: vLLM is asked for the log-probs after temperature and
-before top-k/top-p (`logprobs_mode=processed_logprobs`), of the sampled token only; greedy calls are scored at
-temperature 1. On a CPU, vLLM repacks linear weights for oneDNN, so new weights go through the worker's
+of the sampled token only (`logprobs_mode=processed_logprobs`); greedy calls are scored at temperature 1. With
+top-k / top-p on, vLLM reports the log-probs of the truncated, renormalised distribution it sampled from, not of the
+full one as the HF engine does (known gap; GRPO recipes sample with neither). On a CPU, vLLM repacks linear weights for oneDNN, so new weights go through the worker's
 `reload_weights`, which repacks them again.
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
 from typing import Iterable, Optional
 
@@ -62,6 +63,8 @@ class VLLMEngine:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         if not self.on_gpu and cfg.kv_cache_gb is not None:
             os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(cfg.kv_cache_gb)
+        if not self.on_gpu:
+            _check_cpu_head_dim(model_dir)
         from vllm import LLM
 
         dtype = cfg.dtype if cfg.dtype != "auto" or self.on_gpu else "float32"
@@ -76,6 +79,7 @@ class VLLMEngine:
             enable_sleep_mode=cfg.enable_sleep_mode and self.on_gpu,
             logprobs_mode="processed_logprobs",
             enable_prefix_caching=False,  # cached prefixes would outlive a weight sync
+            **({} if self.on_gpu else {"enable_chunked_prefill": False}),
         )
         self.sleep_mode = cfg.enable_sleep_mode and self.on_gpu
         self._asleep = False
@@ -91,8 +95,9 @@ class VLLMEngine:
         if not prompt_ids:
             return Completions([], [], [])
         self.wake()
-        vparams = VSamplingParams(
+        vparams = [VSamplingParams(
             n=1,
+            seed=None if params.seed is None else (params.seed + i) % 2**63,
             max_tokens=params.max_new_tokens,
             temperature=params.temperature,
             top_p=params.top_p,
@@ -101,10 +106,9 @@ class VLLMEngine:
             ignore_eos=True,  # the tokenizer's eos stops a completion, as in the HF engine
             stop_token_ids=[self.eos_id],
             detokenize=False,
-        )
+        ) for i in range(len(prompt_ids))]
         prompts = [{"prompt_token_ids": list(ids)} for ids in prompt_ids]
-        with _seeded(params.seed):
-            outputs = self.llm.generate(prompts, vparams, use_tqdm=False)
+        outputs = self.llm.generate(prompts, vparams, use_tqdm=False)
         ids, logprobs, truncated = [], [], []
         for out in outputs:
             sample = out.outputs[0]
@@ -134,6 +138,21 @@ class VLLMEngine:
             self._asleep = False
 
 
+def _check_cpu_head_dim(model_dir) -> None:
+    """vLLM's CPU attention has kernels for a few head sizes only; say so before the engine fails deep inside."""
+    from transformers import AutoConfig
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+    config = AutoConfig.from_pretrained(str(model_dir))
+    text = getattr(config, "text_config", None) or config
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    supported = CPUAttentionBackend.get_supported_head_sizes()
+    if head_dim not in supported:
+        raise UserError(f"generation.engine=vllm on a CPU: {model_dir} has head_dim {head_dim}, which vLLM's CPU "
+                        f"attention does not support ({', '.join(map(str, supported))}); use generation.engine=hf, "
+                        f"or a model with one of those head sizes")
+
+
 def _load_into_worker(worker, weights):
     """Runs in vLLM's worker (in this process): new weights into the model. `reload_weights` re-runs the platform's
     post-load processing of every layer it reloads (the CPU's oneDNN repacking), which a bare `model.load_weights`
@@ -146,14 +165,3 @@ def _load_into_worker(worker, weights):
         method = getattr(lm_head, "quant_method", None)
         if method is not None:
             method.process_weights_after_loading(lm_head)
-
-
-@contextlib.contextmanager
-def _seeded(seed: Optional[int]):
-    if seed is None:
-        yield
-        return
-    devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
-    with torch.random.fork_rng(devices=devices):
-        torch.manual_seed(seed)
-        yield

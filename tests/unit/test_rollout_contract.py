@@ -134,7 +134,9 @@ def test_seeded_sampling_is_reproducible(engine, prompt_ids):
     ],
     ids=["t1.0", "t0.7", "t0.7-topk-topp", "greedy"],
 )
-def test_logprobs_match_teacher_forcing(engine, reference, prompt_ids, params):
+def test_logprobs_match_teacher_forcing(request, engine, reference, prompt_ids, params):
+    if "vllm" in request.node.callspec.id and (params.top_k or params.top_p < 1):
+        pytest.xfail("vLLM reports log-probs of the top-k/top-p truncated distribution (docs/generation.md)")
     out = engine.generate(prompt_ids, params)
     for prompt, ids, logprobs in zip(prompt_ids, out.completion_ids, out.logprobs):
         assert len(logprobs) == len(ids) > 0
