@@ -3,9 +3,10 @@ export TOKENIZERS_PARALLELISM ?= false
 export HF_HUB_OFFLINE ?= 1
 export TORCH_EXTENSIONS_DIR ?= $(HOME)/.cache/posttrain/torch_extensions
 
+EXTRAS ?= dev
 .PHONY: setup demo test test-fast test-distributed bench
 setup:
-	bash scripts/setup.sh
+	POSTTRAIN_EXTRAS=$(EXTRAS) bash scripts/setup.sh
 
 demo: setup
 	.venv/bin/posttrain demo

@@ -55,6 +55,9 @@ class Batch:
     """Log-probs of the sampling policy, aligned with input_ids_BT (position 0 unused)."""
     ref_logprobs_BT: Optional[torch.Tensor] = None
     """Log-probs of the reference policy, aligned with input_ids_BT (position 0 unused)."""
+    sampler_logprobs_BT: Optional[torch.Tensor] = None
+    """Log-probs the generation engine reported for the completion tokens, aligned with input_ids_BT (0 elsewhere);
+    a vllm / server engine samples from a copy of the policy, so they can differ from the trainer's."""
     truncated_B: Optional[torch.Tensor] = None
     """bool: completion hit max_completion_length without end of sequence."""
 

@@ -17,3 +17,13 @@ def tiny_model_dir(tmp_path_factory):
     out = tmp_path_factory.mktemp("tiny") / "model"
     make_tiny_model(out, arch="llama", seed=0)
     return out
+
+
+@pytest.fixture(scope="session")
+def tiny_vllm_model_dir(tmp_path_factory):
+    """The tiny model with head_dim 32 (2 heads of 32): vLLM's CPU attention has no kernel for head_dim 16."""
+    from posttrain.models.tiny import make_tiny_model
+
+    out = tmp_path_factory.mktemp("tiny-vllm") / "model"
+    make_tiny_model(out, arch="llama", seed=0, num_heads=2, num_kv_heads=1)
+    return out

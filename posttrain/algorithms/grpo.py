@@ -174,6 +174,9 @@ class GRPO(OnlineAlgorithm):
         loss_BT, clip_fraction = clipped_surrogate(logprobs_BT, old_BT, batch.advantages_B, mask_BT, cfg.epsilon,
                                                    epsilon_high, level=cfg.importance_sampling_level)
         metrics = {"clip_fraction": clip_fraction}
+        if batch.sampler_logprobs_BT is not None:  # how far the engine's sampling policy is from the trainer's
+            metrics["sampler_logprob_gap"] = masked_mean((logprobs_BT.detach() - batch.sampler_logprobs_BT).abs(),
+                                                         mask_BT)
         if cfg.beta > 0:
             loss_BT, kl_BT = add_kl_penalty(loss_BT, logprobs_BT, batch.ref_logprobs_BT, cfg.beta)
             metrics["kl"] = masked_mean(kl_BT.detach(), mask_BT)

@@ -135,6 +135,28 @@ class TrainConfig:
 
 
 @dataclass(frozen=True)
+class VLLMConfig:
+    """What users tune on an in-process vLLM engine (generation.engine: vllm)."""
+
+    placement: str = "rank"
+    """rank: one engine per training process (the only placement so far)."""
+    gpu_memory_utilization: float = 0.3
+    """Share of the GPU's memory vLLM may take (weights + KV cache); training keeps the rest."""
+    tensor_parallel_size: int = 1
+    """GPUs one engine spans."""
+    max_model_len: Optional[int] = None
+    """Longest prompt + completion the engine serves (None: prompt and completion limits of the recipe, or 2048)."""
+    enforce_eager: bool = True
+    """No CUDA graphs: faster start, less memory; turn off for long runs on a GPU."""
+    dtype: str = "auto"
+    """Engine weights dtype: auto (float32 on a CPU, where bf16 is 3-5x slower; the model's dtype on a GPU), float32, bfloat16, float16."""
+    enable_sleep_mode: bool = False
+    """Free the engine's GPU memory while training (GPU only; a no-op on a CPU)."""
+    kv_cache_gb: Optional[int] = None
+    """CPU only: whole GiB for the KV cache (VLLM_CPU_KVCACHE_SPACE; None: vLLM's default)."""
+
+
+@dataclass(frozen=True)
 class GenerationConfig:
     engine: str = "hf"
     """Generation engine: hf (transformers generate), vllm (in-process) or server (remote)."""
@@ -148,6 +170,12 @@ class GenerationConfig:
     """Sample among the k most likely tokens (0: off)."""
     batch_size: Optional[int] = None
     """Prompts per generate call (None: all of the step's prompts at once)."""
+    sync_every: int = 1
+    """Optimiser steps between weight syncs to a vllm / server engine (1: before every generation)."""
+    sync_bucket_mb: int = 256
+    """MiB of full parameters gathered and sent per bucket during a weight sync."""
+    vllm: VLLMConfig = field(default_factory=VLLMConfig)
+    """In-process vLLM engine settings (generation.vllm.*)."""
 
 
 @dataclass(frozen=True)

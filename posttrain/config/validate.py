@@ -13,6 +13,8 @@ CHOICES = {
     "train.mixed_precision": ("no", "bf16", "fp16"),
     "generation.engine": ("hf", "vllm", "server"),
     "train.nonfinite": ("stop", "skip"),
+    "generation.vllm.placement": ("rank",),
+    "generation.vllm.dtype": ("auto", "float32", "bfloat16", "float16"),
 }
 POSITIVE = (
     "train.per_device_train_batch_size",
@@ -24,6 +26,9 @@ POSITIVE = (
     "data.max_length",
     "generation.max_completion_length",
     "train.ddp_timeout",
+    "generation.sync_every",
+    "generation.sync_bucket_mb",
+    "generation.vllm.tensor_parallel_size",
 )
 NON_NEGATIVE = ("train.weight_decay", "train.warmup_steps", "train.max_grad_norm", "train.save_steps", "train.eval_steps",
                 "train.max_nonfinite_skips")
@@ -62,6 +67,11 @@ def validate(recipe: Recipe) -> None:
     g = recipe.generation
     if g.temperature < 0 or not 0 < g.top_p <= 1 or g.top_k < 0:
         raise UserError(f"generation: need temperature >= 0, 0 < top_p <= 1, top_k >= 0; got {g.temperature}, {g.top_p}, {g.top_k}")
+    if not 0 < g.vllm.gpu_memory_utilization <= 1:
+        raise UserError(f"generation.vllm.gpu_memory_utilization must be in (0, 1], got {g.vllm.gpu_memory_utilization}")
+    if g.engine == "server":
+        raise UserError("generation.engine=server is not available in this build yet; use generation.engine=vllm "
+                        "(in-process) or hf")
     for i, r in enumerate(recipe.rewards):
         if not r.name:
             raise UserError(f"rewards[{i}].name is empty: name a built-in reward or an import path module:function")

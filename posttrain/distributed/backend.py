@@ -37,6 +37,7 @@ from accelerate.utils import DistributedType, InitProcessGroupKwargs
 
 from posttrain.config.schema import Recipe, TrainConfig
 from posttrain.distributed import peers
+from posttrain.distributed.weight_sync import SyncUnit, sync_units
 from posttrain.errors import UserError
 
 # DeepSpeed still calls the torch collectives that torch 2.x deprecates; one warning per call buries the log.
@@ -434,6 +435,40 @@ class Backend:
         else:
             state = self.accelerator.get_state_dict(model)
         return drop_tied_aliases(self.unwrap(model), state) if self.is_main else {}
+
+    def weight_buckets(self, model, bucket_mb: float) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        """The policy's full parameters for a weight sync, about `bucket_mb` MiB per bucket, named as the plain
+        transformers model names them: LoRA folded into the base weights on the fly (adapters never sent), a tied
+        weight once. Every rank must iterate to the end (each bucket is a collective under ZeRO-3 and FSDP2: ZeRO-3
+        gathers one bucket at a time, FSDP2 `full_tensor`s one parameter at a time); every rank gets the tensors.
+        A bucket's tensors are valid until the next one is asked for: copy what must outlive it."""
+        units = sync_units(self.unwrap(model))
+        limit = max(1, int(bucket_mb * 2**20))
+        bucket: list[SyncUnit] = []
+        size = 0
+        for unit in units:
+            if bucket and size + unit.nbytes > limit:
+                yield from self._materialise(bucket)
+                bucket, size = [], 0
+            bucket.append(unit)
+            size += unit.nbytes
+        if bucket:
+            yield from self._materialise(bucket)
+
+    def _materialise(self, units: list[SyncUnit]) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        params = [p for u in units for p in u.params]
+        if self.is_deepspeed and self.zero_stage == 3:
+            import deepspeed
+
+            with deepspeed.zero.GatheredParameters(params), torch.no_grad():  # copies: the gathered ones are freed
+                yield [(u.name, u.compute([p.data for p in u.params]).clone()) for u in units]
+        elif self.is_fsdp:
+            with torch.no_grad():
+                full = {id(p): (p.full_tensor() if hasattr(p, "full_tensor") else p.data) for p in params}
+                yield [(u.name, u.compute([full[id(p)] for p in u.params])) for u in units]
+        else:
+            with torch.no_grad():
+                yield [(u.name, u.compute([p.data for p in u.params])) for u in units]
 
     def _gather_zero3(self, model) -> dict[str, torch.Tensor]:
         """ZeRO-3: gather one parameter at a time (so no rank ever holds two full copies) into rank 0's CPU memory.

@@ -211,16 +211,21 @@ def _device_of(model) -> torch.device:
     return next(model.parameters()).device
 
 
-ENGINES: dict[str, type] = {"hf": HFEngine}
-NOT_YET = ("vllm", "server")
+def _vllm_engine(**kwargs) -> GenerationEngine:
+    from posttrain.rollout.vllm_engine import VLLMEngine
+
+    return VLLMEngine(**kwargs)
+
+
+ENGINES: dict[str, Callable[..., GenerationEngine]] = {"hf": HFEngine, "vllm": _vllm_engine}
+NOT_YET = ("server",)
 
 
 def make_engine(name: str, **kwargs) -> GenerationEngine:
-    """The engine called `name` (recipe `generation.engine`), built with `kwargs` (for hf: model, tokenizer, ...)."""
+    """The engine called `name` (recipe `generation.engine`), built with `kwargs` (hf: model, tokenizer, gather;
+    vllm: model_dir, tokenizer, config, seed, max_model_len)."""
     if name in NOT_YET:
-        raise UserError(
-            f"generation.engine={name} needs a GPU and `pip install posttrain[vllm]`; not available in this build yet"
-        )
+        raise UserError(f"generation.engine={name} is not available in this build yet; use vllm (in-process) or hf")
     if name not in ENGINES:
         raise UserError(f"generation.engine={name!r} is not an engine; choose one of {', '.join([*ENGINES, *NOT_YET])}")
     return ENGINES[name](**kwargs)

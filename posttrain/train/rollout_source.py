@@ -100,14 +100,36 @@ class RolloutSource:
         self.prompts_per_step = self.prompts_per_rank * backend.world_size
         self.order = SampleOrder(len(examples), t.dataloader_seed if t.dataloader_seed is not None else recipe.seed)
         self.engine = self._make_engine()
+        self._synced_at: int | None = None  # the step whose policy the engine last received
+        self._sync_seconds = 0.0
         self._generation: Generation | None = None
         self._handed_out = time.perf_counter()
         self._metrics: dict[str, float] = {}
 
     def _make_engine(self):
-        policy = self.models.policy.model
-        return make_engine(self.recipe.generation.engine, model=self.backend.unwrap(policy), tokenizer=self.tokenizer,
-                           gather=lambda: self.backend.gathered_parameters(policy))
+        policy, gen = self.models.policy.model, self.recipe.generation
+        if gen.engine == "hf":
+            return make_engine("hf", model=self.backend.unwrap(policy), tokenizer=self.tokenizer,
+                               gather=lambda: self.backend.gathered_parameters(policy))
+        longest = (self.recipe.data.max_prompt_length or self.recipe.data.max_length) + gen.max_completion_length
+        return make_engine(gen.engine, model_dir=self.recipe.model.name_or_path, tokenizer=self.tokenizer,
+                           config=gen.vllm, seed=self.recipe.seed + self.backend.rank, max_model_len=longest)
+
+    def _sync_weights(self, step: int) -> None:
+        """Before generating for `step`: an engine holding its own copy of the policy gets the trainer's weights
+        when the policy has stepped `generation.sync_every` times since the last sync (always before the first)."""
+        engine, gen = self.engine, self.recipe.generation
+        self._sync_seconds = 0.0
+        if not getattr(engine, "holds_copy", False) or self._synced_at == step:
+            return
+        if self._synced_at is not None and step - self._synced_at < gen.sync_every:
+            return
+        started = time.perf_counter()
+        buckets = self.backend.weight_buckets(self.models.policy.model, gen.sync_bucket_mb)
+        engine.load_weights(pair for bucket in buckets for pair in bucket)  # one load, streamed bucket by bucket
+        engine.version = step
+        self._synced_at = step
+        self._sync_seconds = time.perf_counter() - started
 
     def micro_batches_per_epoch(self) -> int:
         """Per-rank micro-batches for one pass over the prompts (each reused num_iterations times)."""
@@ -142,9 +164,11 @@ class RolloutSource:
         dataset_index = [self.order.index(p) for p in positions]
         prompts = [self.examples[i] for i in dataset_index]
 
-        # 2. generate
+        # 2. generate (an engine with its own copy of the weights gets the current policy first)
+        self._sync_weights(step)
         started = time.perf_counter()
-        prompt_ids, completion_ids, truncated = self._sample(prompts, positions)
+        prompt_ids, completion_ids, sampler_logprobs, truncated = self._sample(prompts, positions)
+        self.engine.sleep()  # training gets the engine's accelerator memory back (vllm with sleep mode on a GPU)
         generated = time.perf_counter()
 
         # 3. score this rank's completions; gather the step's rewards from every rank
@@ -161,7 +185,7 @@ class RolloutSource:
         scored = time.perf_counter()
 
         # 4. micro-batches, with old / reference log-probs and values taken once
-        batches = self._micro_batches(prompt_ids, completion_ids, truncated, total_B,
+        batches = self._micro_batches(prompt_ids, completion_ids, sampler_logprobs, truncated, total_B,
                                       [i for i in dataset_index for _ in range(group)])
         with torch.no_grad(), backend.autocast():
             batches = [self.algorithm.prepare(b.to(backend.device), self.models) for b in batches]
@@ -175,7 +199,9 @@ class RolloutSource:
 
         metrics = step_metrics(everyone, global_total_B, group)
         metrics.update({"time/generate": generated - started, "time/score": scored - generated,
-                        "time/ref": prepared - scored, **advantage_metrics})
+                        "time/ref": prepared - scored, "time/sync": self._sync_seconds,
+                        "policy_lag": float(step - (self._synced_at if self._synced_at is not None else step)),
+                        **advantage_metrics})
         if backend.is_main:
             self._write_samples(step, prompts, texts, total_B, per_function, sequence_advantages(batches), truncated)
         return Generation(index, batches, metrics)
@@ -185,7 +211,7 @@ class RolloutSource:
         of calls (equal prompts per rank), as ZeRO-3's parameter gathering needs."""
         gen = self.recipe.generation
         per_call = gen.batch_size or len(prompts)
-        prompt_ids, completion_ids, truncated = [], [], []
+        prompt_ids, completion_ids, logprobs, truncated = [], [], [], []
         for start in range(0, len(prompts), per_call):
             rows = [p["prompt_ids"] for p in prompts[start : start + per_call] for _ in range(self.group)]
             params = SamplingParams.from_config(gen, seed=sampling_seed(self.recipe.seed, positions[start]))
@@ -193,10 +219,12 @@ class RolloutSource:
                 out = self.engine.generate(rows, params)
             prompt_ids += rows
             completion_ids += out.completion_ids
+            logprobs += out.logprobs
             truncated += out.truncated
-        return prompt_ids, completion_ids, truncated
+        return prompt_ids, completion_ids, logprobs, truncated
 
-    def _micro_batches(self, prompt_ids, completion_ids, truncated, rewards_B, dataset_index) -> list[Batch]:
+    def _micro_batches(self, prompt_ids, completion_ids, sampler_logprobs, truncated, rewards_B,
+                       dataset_index) -> list[Batch]:
         masked = self.recipe.algo.mask_truncated_completions
         rows = [
             {"input_ids": p + c, "completion_mask": [0] * len(p) + [int(not (masked and cut))] * len(c)}
@@ -207,7 +235,10 @@ class RolloutSource:
         for start in range(0, len(rows), self.micro):
             stop = start + self.micro
             batch = collate_padded(rows[start:stop], pad_id)
-            batches.append(replace(batch, rewards_B=rewards_B[start:stop].float(),
+            sampler_BT = torch.zeros(batch.input_ids_BT.shape, dtype=torch.float32)
+            for row, (p, lps) in enumerate(zip(prompt_ids[start:stop], sampler_logprobs[start:stop])):
+                sampler_BT[row, len(p) : len(p) + len(lps)] = torch.tensor(lps, dtype=torch.float32)
+            batches.append(replace(batch, rewards_B=rewards_B[start:stop].float(), sampler_logprobs_BT=sampler_BT,
                                    truncated_B=torch.tensor(truncated[start:stop], dtype=torch.bool),
                                    example_index_B=torch.tensor(dataset_index[start:stop])))
         return batches

