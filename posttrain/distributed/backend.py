@@ -338,11 +338,15 @@ class Backend:
 
     def backward(self, loss: torch.Tensor, model=None) -> None:
         """Backward of `model`'s loss (the policy's when None). Under DeepSpeed each trained model is its own engine:
-        its backward, then its step (which updates only at the accumulation boundary), as Accelerate does for one."""
+        its backward, then its step at the accumulation boundary only, as Accelerate's DeepSpeedEngineWrapper does
+        for one (ZeRO-0/1 skip the gradient all-reduce inside no_sync before it, where step() is refused)."""
         loss = loss * (self.recipe.train.gradient_accumulation_steps * self.world_size)
         if self.is_deepspeed and model is not None:
+            boundary = self.accelerator.sync_gradients
+            model.set_gradient_accumulation_boundary(is_boundary=boundary)
             model.backward(loss)
-            model.step()
+            if boundary:
+                model.step()
         else:
             self.accelerator.backward(loss)
 

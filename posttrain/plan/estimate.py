@@ -86,7 +86,8 @@ class Workload:
     accumulation: int = 1
     """gradient_accumulation_steps: above 1, gradients live through the later micro-batches' forwards."""
     foreach_optimizer: bool = True
-    """torch AdamW's foreach step (its default on GPU; on CPU it steps one tensor at a time)."""
+    """torch AdamW's foreach step (its default on GPU when train.fused_optimizer is off; on CPU it steps one tensor
+    at a time; the fused step makes no temporaries)."""
     gradient_checkpointing: bool = False
     frozen_copies: int = 0
     """Frozen full models kept besides the policy (DPO / GRPO reference, reward model)."""

@@ -20,7 +20,11 @@ def make_optimizer(model: torch.nn.Module, t: TrainConfig, learning_rate: float 
             (no_decay if p.ndim < 2 or "norm" in name.lower() else decay).append(p)
     groups = [{"params": decay, "weight_decay": t.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     groups = [g for g in groups if g["params"]]
-    return torch.optim.AdamW(groups, lr=t.learning_rate if learning_rate is None else learning_rate, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_epsilon)
+    # fused: one kernel for every tensor (CPU and CUDA, float dtypes); DeepSpeed steps its own flat partitions with it
+    fused = t.fused_optimizer and all(p.is_floating_point() and p.device.type in ("cpu", "cuda")
+                                      for g in groups for p in g["params"])
+    return torch.optim.AdamW(groups, lr=t.learning_rate if learning_rate is None else learning_rate,
+                             betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_epsilon, fused=fused or None)
 
 
 def warmup_steps(t: TrainConfig, total_steps: int) -> int:
