@@ -1,5 +1,6 @@
-"""PPO on 2 CPU processes (gloo) under DDP, ZeRO-2 and ZeRO-3 equals one process with the same global batch: the same
-samples, policy and critic losses, and actor AND critic weights within 1e-5.
+"""PPO from the shipped recipes/ppo.yaml (tiny model, a few overrides) on 2 CPU processes (gloo) under DDP, ZeRO-2
+and ZeRO-3 equals one process with the same global batch: the same samples, policy and critic losses, and actor AND
+critic weights within 1e-5.
 
 With generation.batch_size=1 each generate call is seeded by its prompt's global position, so completions do not
 depend on the world size; whitening and the KL controller use statistics summed over ranks; each trained role's loss
@@ -7,6 +8,8 @@ is divided by its own global token count (the loop), so accumulation and ranks a
 """
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 
@@ -17,6 +20,7 @@ from tests.integration.helpers import max_weight_diff, run_overrides
 pytestmark = pytest.mark.distributed
 
 REWARD = "tests.integration.test_ppo:length_reward"
+RECIPE = str(Path(__file__).resolve().parents[2] / "recipes" / "ppo.yaml")
 
 
 @pytest.fixture(scope="module")
@@ -26,8 +30,9 @@ def data(tmp_path_factory):
 
 def overrides(tiny_model_dir, data, out, per_device, *extra):
     return run_overrides(
-        tiny_model_dir, data["prompts_train"], out, "train.max_steps=2", f"train.per_device_train_batch_size={per_device}",
-        "train.gradient_accumulation_steps=2", "generation.max_completion_length=8", "generation.batch_size=1",
+        tiny_model_dir, data["prompts_train"], out, "data.eval=null", "train.max_steps=2",
+        f"train.per_device_train_batch_size={per_device}", "train.gradient_accumulation_steps=2",
+        "generation.max_completion_length=8", "generation.batch_size=1",
         "algo.kl_target=0.01", "algo.critic_learning_rate=3e-3", f"rewards=[{{name: '{REWARD}'}}]",
         *extra, learning_rate="1e-3", seed=5,
     )
@@ -42,7 +47,7 @@ def critic_weights(output_dir):
 @pytest.fixture(scope="module")
 def single(tiny_model_dir, data, tmp_path_factory):
     out = tmp_path_factory.mktemp("single") / "run"
-    result = launch(1, "ppo", overrides(tiny_model_dir, data, out, per_device=4))
+    result = launch(1, "ppo", overrides(tiny_model_dir, data, out, per_device=4), config=RECIPE)
     assert result.ok, result.output[-6000:]
     return result
 
@@ -51,7 +56,7 @@ def single(tiny_model_dir, data, tmp_path_factory):
                                                        ("deepspeed-zero3", "zero3")])
 def test_two_processes_match_one(tiny_model_dir, data, tmp_path, single, engine, accelerate_config):
     result = launch(2, "ppo", overrides(tiny_model_dir, data, tmp_path / "run", per_device=2),
-                    accelerate_config=accelerate_config)
+                    accelerate_config=accelerate_config, config=RECIPE)
     result.check_world(2)
     assert result.facts["engine"] == engine
     one, two = single.metrics(), result.metrics()
@@ -78,7 +83,8 @@ def test_zero3_partitions_all_four_models(tiny_model_dir, data, tmp_path):
     result = launch(2, "ppo", overrides(tiny_model_dir, data, out, 2, "train.max_steps=1",
                                         f"rewards=[{{name: reward_model, kwargs: {{path: '{rm}'}}}}]",
                                         "algo.ref_offload=true", "algo.reward_model_offload=true"),
-                    accelerate_config="zero3", hooks=["role_facts"], env={"POSTTRAIN_HOOK_OUT": str(out / "hooks")})
+                    accelerate_config="zero3", hooks=["role_facts"], env={"POSTTRAIN_HOOK_OUT": str(out / "hooks")},
+                    config=RECIPE)
     assert result.ok, result.output[-6000:]
     ranks = result.hook_report("role_facts")
     assert len(ranks) == 2

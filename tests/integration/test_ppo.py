@@ -106,7 +106,8 @@ def test_reward_model_with_another_tokenizer_scores_the_decoded_text(tiny_model_
         assert roles[name].placement == "offload" and isinstance(roles[name].model, Offloaded), name
     samples = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
     assert len(samples) == 4
-    scores = RewardModelScorer(str(rm), device="cpu")([s["prompt"] for s in samples], [s["completion"] for s in samples])
+    scorer = RewardModelScorer(str(rm), device="cpu")
+    scores = scorer([s["prompt"] for s in samples], [s["completion"] for s in samples])
     assert [s["reward"] for s in samples] == pytest.approx(scores, abs=1e-4)
     assert AutoConfig.from_pretrained(out / "final-critic").vocab_size == policy_vocab
 
