@@ -12,10 +12,10 @@
    term on the right answer (rpo_alpha): held-out preference accuracy (the policy's own log p(right) > log p(wrong))
    and exact match, before and after;
 5. GRPO from the SFT model on other problems with the exact-match reward, held-out exact match before and after;
-6. PPO from the SFT model on the same prompts and reward, with a critic (GAE).
+6. PPO from the SFT model on the same prompts and reward, with a critic (GAE), held-out exact match before and after.
 Held-out problems are never trained on; DPO and GRPO train on problems SFT never saw. Each stage is an ordinary
 posttrain run (config.yaml, metrics.jsonl, report.html with its curves: eval/logps/accuracies for DPO and eval/accuracy
-for GRPO start at the SFT model's value at step 0) under the demo directory.
+for GRPO and PPO start at the SFT model's value at step 0) under the demo directory.
 """
 
 from __future__ import annotations
@@ -154,6 +154,8 @@ def run_demo(out_dir: str = "runs/demo", quick: bool = False, seed: int = 0) -> 
           f"({size.ppo_steps} steps)", flush=True)
     ppo = stage("ppo", out, ppo_overrides(sft.final_dir, data, size.ppo_steps), seed)
     results["ppo_accuracy"] = held_out_accuracy(ppo.final_dir, data["prompts_eval"])
+    print(f"[demo] held-out exact match: SFT start {results['sft_accuracy']:.1%} -> after PPO "
+          f"{results['ppo_accuracy']:.1%}", flush=True)
     results["minutes"] = (time.time() - started) / 60
     results["held_out_prompts"] = size.n_eval
     results["seed"] = seed

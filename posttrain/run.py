@@ -183,7 +183,13 @@ def run(command: str, recipe: Recipe) -> RunResult:
     if algorithm.needs_reference:
         from posttrain.models.reference import make_reference
 
-        models.reference = Role(backend.prepare_frozen(make_reference(recipe.model, algorithm.model_kind)))
+        where = algorithm.placement("reference")
+        models.reference = Role(backend.prepare_frozen(make_reference(recipe.model, algorithm.model_kind),
+                                                       offload=where == "offload"), placement=where)
+    for scorer in algorithm.reward_models():  # frozen like the reference: partitioned under ZeRO-3, offloadable
+        where = algorithm.placement("reward_model")
+        scorer.place(backend.prepare_frozen(scorer.load_model(), offload=where == "offload"), backend.device)
+        models.reward_model = models.reward_model or Role(scorer.model, placement=where)
     if algorithm.needs_critic:
         from posttrain.models.critic import load_critic
 

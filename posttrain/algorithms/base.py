@@ -86,6 +86,16 @@ class Algorithm:
     steps_per_rollout: int = 1
     """Online algorithms: optimiser steps each generation batch is used for (GRPO num_iterations, PPO ppo_epochs)."""
 
+    def placement(self, role: str) -> str:
+        """Where run.py puts a frozen role (reference, reward_model): 'local' (on the device, partitioned under
+        ZeRO-3) or 'offload' (its weights in CPU memory between forwards)."""
+        return "local"
+
+    def reward_models(self) -> list:
+        """The reward models the algorithm scores with (rewards.RewardModelScorer), for run.py to place as the
+        reward_model role once the backend exists."""
+        return []
+
     def make_source(self, backend, models: Models, train_examples) -> Optional[Any]:
         """Online algorithms return their rollout source (train/rollout_source.py); None: the dataset source."""
         return None

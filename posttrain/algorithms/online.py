@@ -17,6 +17,14 @@ class OnlineAlgorithm(Algorithm):
         self.recipe = recipe
         self.rewards = load_rewards(recipe.rewards)  # a bad reward fails here, before any model is loaded
 
+    def reward_models(self) -> list:
+        """The scorers of the recipe's `reward_model` entries (one per directory and settings; see load_scorer); one
+        given its own `device` kwarg stays where it is."""
+        from posttrain.rewards.reward_model import load_scorer
+
+        scorers = [load_scorer(**r.kwargs) for r in self.recipe.rewards if r.name == "reward_model"]
+        return [s for s in dict.fromkeys(scorers) if not s.device_given]
+
     def make_source(self, backend, models: Models, train_examples):
         from posttrain.train.rollout_source import RolloutSource
 

@@ -76,6 +76,10 @@ class PPOAlgoConfig:
     """Subtracted from the score of a completion that hit max_completion_length without EOS."""
     mask_truncated_completions: bool = False
     """Leave truncated completions out of both losses."""
+    ref_offload: bool = False
+    """Keep the reference's weights in CPU memory between forwards (ZeRO-3: DeepSpeed parameter offload)."""
+    reward_model_offload: bool = False
+    """The same for the reward model of `rewards` (a `reward_model` entry)."""
     log_samples: int = 2
     """Prompt groups written to output_dir/samples.jsonl at each logging step (0: none)."""
 
@@ -123,15 +127,21 @@ class PPO(OnlineAlgorithm):
         self.seconds = {"time/policy_logprobs": 0.0, "time/reference": 0.0, "time/values": 0.0}
         check_model_source(recipe.model)
         what = "algo.critic_model_name_or_path"
-        check_critic_source(self.critic_source(), what, _vocab_size(recipe.model))
+        check_critic_source(self.critic_source(), what, _vocab_size(recipe.model.name_or_path))
 
     def critic_source(self) -> ModelConfig:
         path = self.config.critic_model_name_or_path
-        if path is None:
+        if path is None:  # the reward model, when it reads the policy's token ids (else its text is re-encoded)
             path = next((r.kwargs.get("path") for r in self.recipe.rewards if r.name == "reward_model"), None)
+            if path is not None and _vocab_size(path) != _vocab_size(self.recipe.model.name_or_path):
+                path = None
         m = self.recipe.model
         return dataclasses.replace(m, name_or_path=path or m.name_or_path, tokenizer_name_or_path=None, revision=None,
                                    lora=dataclasses.replace(m.lora, enabled=False))
+
+    def placement(self, role: str) -> str:
+        offload = {"reference": self.config.ref_offload, "reward_model": self.config.reward_model_offload}
+        return "offload" if offload.get(role) else "local"
 
     def critic_learning_rate(self) -> Optional[float]:
         return self.config.critic_learning_rate
@@ -229,10 +239,10 @@ class PPO(OnlineAlgorithm):
         return masked_sum(loss_BT, mask_BT) / normaliser, metrics
 
 
-def _vocab_size(model_cfg: ModelConfig) -> int:
+def _vocab_size(name_or_path: str) -> int:
     from pathlib import Path
 
     from transformers import AutoConfig
 
-    path = Path(model_cfg.name_or_path).expanduser()
-    return AutoConfig.from_pretrained(str(path) if path.exists() else model_cfg.name_or_path).vocab_size
+    path = Path(name_or_path).expanduser()
+    return AutoConfig.from_pretrained(str(path) if path.exists() else name_or_path).vocab_size

@@ -314,23 +314,37 @@ class Backend:
     def prepare(self, model, optimizer):
         return self.accelerator.prepare(model, optimizer)
 
-    def prepare_frozen(self, model):
-        """A model used only for no-grad forwards (reference policy). Under ZeRO-3 it is sharded for inference."""
-        if self.is_deepspeed:
+    def prepare_frozen(self, model, offload: bool = False):
+        """A model used only for no-grad forwards (reference policy, reward model): no optimiser state. Under ZeRO-3
+        it is partitioned like the trained models. offload: its weights stay in CPU memory between forwards
+        (ZeRO-3: DeepSpeed's parameter offload, also when the launcher's config offloads parameters; otherwise
+        models/offload.Offloaded)."""
+        zero3 = self.is_deepspeed and self.zero_stage == 3
+        if zero3 or (self.is_deepspeed and not offload):
             import deepspeed
 
+            zero = {"stage": 3 if zero3 else 0}
+            launcher = self.accelerator.state.deepspeed_plugin.deepspeed_config.get("zero_optimization", {})
+            if zero3 and (offload or (launcher.get("offload_param") or {}).get("device") not in ("none", None)):
+                zero["offload_param"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
             config = {
                 "train_micro_batch_size_per_gpu": self.recipe.train.per_device_train_batch_size,
                 "bf16": {"enabled": self.recipe.train.mixed_precision == "bf16"},
                 "fp16": {"enabled": self.recipe.train.mixed_precision == "fp16"},
-                "zero_optimization": {"stage": 3 if self.zero_stage == 3 else 0},
+                "zero_optimization": zero,
             }
             engine, *_ = deepspeed.initialize(model=model, config=config)
             engine.eval()
             return engine
-        model.to(self.device)
         model.eval()
-        return model
+        if offload:
+            from posttrain.models.offload import Offloaded
+
+            precision = self.recipe.train.mixed_precision
+            if self.is_deepspeed and precision in ("bf16", "fp16"):  # as DeepSpeed's engine would hold it
+                model.to(torch.bfloat16 if precision == "bf16" else torch.float16)
+            return Offloaded(model, self.device)
+        return model.to(self.device)
 
     def accumulate(self, model) -> contextlib.AbstractContextManager:
         """Skips the gradient all-reduce on all but the last micro-batch of a step."""

@@ -36,7 +36,7 @@ class RewardModelScorer:
         from transformers import AutoConfig
 
         from posttrain.config.schema import ModelConfig
-        from posttrain.models.load import check_model_source, load_sequence_classifier, load_tokenizer
+        from posttrain.models.load import check_model_source, load_tokenizer
 
         if batch_size < 1:
             raise UserError(f"reward_model: batch_size must be >= 1, got {batch_size}")
@@ -57,13 +57,37 @@ class RewardModelScorer:
                 f"{model_dir} has {config.num_labels} labels; a reward model has exactly one (num_labels 1)"
             )
         # The loaders `posttrain rm` trains with: same pad token, so the head reads the same last token.
+        self.source = source
         self.tokenizer = load_tokenizer(source)
-        self.model = load_sequence_classifier(source, pad_token_id=self.tokenizer.pad_token_id)
-        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        self.model.to(self.device).eval()
+        self.device = torch.device(device) if device else None
+        self.device_given = device is not None
+        self._model = None
         self.pad_id = self.tokenizer.pad_token_id
         self.batch_size = batch_size
         self.max_length = max_length
+
+    def load_model(self):
+        """The classifier's weights, as `posttrain rm` saved them (not yet placed on a device)."""
+        from posttrain.models.load import load_sequence_classifier
+
+        return load_sequence_classifier(self.source, pad_token_id=self.pad_id).eval()
+
+    def place(self, model, device) -> None:
+        """Score with `model` (what the backend made of load_model(): a partitioned engine, an offloaded module) on
+        `device`. A run places its reward models after the backend exists; used alone, the scorer loads on first
+        call."""
+        import torch
+
+        self._model, self.device = model, torch.device(device)
+
+    @property
+    def model(self):
+        if self._model is None:
+            import torch
+
+            device = self.device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
+            self.place(self.load_model().to(device), device)
+        return self._model
 
     def encode(self, prompt, completion: str) -> list[int]:
         """Token ids of prompt + completion exactly as `posttrain rm` tokenised its pairs (posttrain.data), so the
@@ -97,8 +121,9 @@ class RewardModelScorer:
             for row, ids in enumerate(chunk):  # right padding
                 input_ids[row, : len(ids)] = torch.tensor(ids, dtype=torch.long)
                 attention_mask[row, : len(ids)] = 1
+            model = self.model
             with torch.no_grad():
-                logits = self.model(
+                logits = model(
                     input_ids=input_ids.to(self.device), attention_mask=attention_mask.to(self.device)
                 ).logits
             scores += logits[:, 0].float().cpu().tolist()

@@ -82,6 +82,36 @@ def test_critic_changes_every_parameter_from_a_reward_model(tiny_model_dir, data
     assert not unchanged, unchanged
 
 
+def test_reward_model_with_another_tokenizer_scores_the_decoded_text(tiny_model_dir, data, tmp_path, monkeypatch):
+    """A reward model whose tokenizer is not the policy's scores the decoded completion re-encoded with its own
+    tokenizer (so the critic starts from the policy, not from it); reference and reward model offloaded."""
+    import posttrain.train.loop as loop
+    from posttrain.models.offload import Offloaded
+    from posttrain.models.tiny import train_tokenizer
+    from posttrain.rewards.reward_model import RewardModelScorer
+    from tests.unit.test_rewards_reward_model import save_classifier
+    from transformers import AutoConfig
+
+    rm = save_classifier(tmp_path / "rm", train_tokenizer(vocab_size=300))
+    policy_vocab = AutoConfig.from_pretrained(tiny_model_dir).vocab_size
+    assert AutoConfig.from_pretrained(rm).vocab_size != policy_vocab  # the policy's ids mean nothing to it
+    roles = {}
+    train = loop.train
+    monkeypatch.setattr(loop, "train", lambda ctx: roles.update(vars(ctx.models)) or train(ctx))
+    out = tmp_path / "run"
+    assert run_cli("ppo", *base(tiny_model_dir, data, out, "train.max_steps=1", "algo.log_samples=4",
+                                f"rewards=[{{name: reward_model, kwargs: {{path: '{rm}'}}}}]",
+                                "algo.ref_offload=true", "algo.reward_model_offload=true")) == 0
+    for name in ("reference", "reward_model"):  # weights in CPU memory between forwards
+        assert roles[name].placement == "offload" and isinstance(roles[name].model, Offloaded), name
+    samples = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
+    assert len(samples) == 4
+    scorer = RewardModelScorer(str(rm), device="cpu")
+    scores = scorer([s["prompt"] for s in samples], [s["completion"] for s in samples])
+    assert [s["reward"] for s in samples] == pytest.approx(scores, abs=1e-4)
+    assert AutoConfig.from_pretrained(out / "final-critic").vocab_size == policy_vocab
+
+
 @pytest.mark.parametrize("extra", [
     ["algo.advantage_estimator=reinforce++", "algo.kl_estimator=k3"],
     ["algo.advantage_estimator=rloo", "algo.num_generations=2", "algo.kl_target=1.0", "algo.missing_eos_penalty=1"],
