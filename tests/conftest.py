@@ -50,7 +50,8 @@ def vllm_server(tiny_vllm_model_dir, tmp_path_factory):
         port = probe.getsockname()[1]
     token = secrets.token_urlsafe(16)
     log = tmp_path_factory.mktemp("server") / "serve.log"
-    env = {**os.environ, "POSTTRAIN_SERVER_TOKEN": token, "VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "POSTTRAIN_SERVER_TOKEN": token, "VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1",
+           "POSTTRAIN_SYNC_DIGESTS": "1"}  # the server keeps a checksum of every tensor it receives
     with log.open("w") as out:
         process = subprocess.Popen([sys.executable, "-m", "posttrain", "serve", "--model", str(tiny_vllm_model_dir),
                                     "--port", str(port), "--", "--max-model-len", "1024", "--enforce-eager"],

@@ -129,38 +129,51 @@ class SyncGroup:
         self.group.broadcast(tensor, 0).wait()
         return tensor
 
+    def broadcast_async(self, tensor: torch.Tensor):
+        """As `broadcast`, returning at once; the returned work's `wait()` says it is done."""
+        return self.group.broadcast(tensor, 0)
+
     def close(self) -> None:
         if hasattr(self.group, "abort"):
             self.group.abort()
 
 
-def send_weights(group, buckets) -> int:
-    """Rank 0 of `group`: every bucket of `buckets` ([(name, tensor)] lists), then the end mark. Returns bytes sent."""
+def pack_bucket(bucket) -> tuple[torch.Tensor, torch.Tensor]:
+    """[(name, tensor)] -> (header, payload): the JSON header (name, dtype, shape, offset of each tensor) and every
+    tensor's bytes in one flat buffer, both uint8 on the CPU."""
     import json
 
-    sent = 0
+    entries, offset = [], 0
+    for name, tensor in bucket:
+        entries.append({"name": name, "dtype": str(tensor.dtype), "shape": list(tensor.shape), "offset": offset})
+        offset += tensor.numel() * tensor.element_size()
+    payload = torch.empty(offset, dtype=torch.uint8)
+    for entry, (_, tensor) in zip(entries, bucket):
+        flat = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
+        payload[entry["offset"] : entry["offset"] + flat.numel()].copy_(flat)
+    return torch.frombuffer(bytearray(json.dumps(entries).encode()), dtype=torch.uint8), payload
+
+
+def send_weights(group: SyncGroup, buckets) -> int:
+    """Rank 0 of `group`: every bucket of `buckets` ([(name, tensor)] lists), then the end mark. Returns bytes sent.
+    The next bucket is gathered and packed while the previous one is on the wire (two buckets in memory at most)."""
+    sent, in_flight = 0, []
     for bucket in buckets:
-        entries, offset = [], 0
-        for name, tensor in bucket:
-            nbytes = tensor.numel() * tensor.element_size()
-            entries.append({"name": name, "dtype": str(tensor.dtype), "shape": list(tensor.shape), "offset": offset})
-            offset += nbytes
-        payload = torch.empty(offset, dtype=torch.uint8)
-        for entry, (_, tensor) in zip(entries, bucket):
-            flat = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
-            payload[entry["offset"] : entry["offset"] + flat.numel()].copy_(flat)
-        header = torch.frombuffer(bytearray(json.dumps(entries).encode()), dtype=torch.uint8)
-        group.broadcast(torch.tensor([header.numel()], dtype=torch.int64))
-        group.broadcast(header)
-        group.broadcast(payload)
-        sent += offset
+        header, payload = pack_bucket(bucket)
+        for work in in_flight:
+            work.wait()
+        buffers = (torch.tensor([header.numel()], dtype=torch.int64), header, payload)  # alive until sent: the loop
+        in_flight = [group.broadcast_async(t) for t in buffers]  # waits on them before replacing them
+        sent += payload.numel()
+    for work in in_flight:
+        work.wait()
     group.broadcast(torch.tensor([0], dtype=torch.int64))
     return sent
 
 
-def receive_weights(group):
-    """Rank > 0 of `group`: yield (name, tensor) as `send_weights` sends them, until its end mark. A tensor is a view
-    of its bucket's buffer: copy it before the next one is asked for if it must live on."""
+def receive_buckets(group: SyncGroup):
+    """Rank > 0 of `group`: yield each bucket `send_weights` sends as [(name, tensor)], until its end mark. The
+    tensors are views of the bucket's own buffer."""
     import json
 
     while True:
@@ -170,9 +183,14 @@ def receive_weights(group):
         entries = json.loads(bytes(group.broadcast(torch.empty(length, dtype=torch.uint8)).numpy()))
         end = max((e["offset"] + _nbytes(e) for e in entries), default=0)
         payload = group.broadcast(torch.empty(end, dtype=torch.uint8))
-        for entry in entries:
-            start = entry["offset"]
-            yield entry["name"], payload[start : start + _nbytes(entry)].view(_DTYPES[entry["dtype"]]).view(entry["shape"])
+        yield [(e["name"], payload[e["offset"] : e["offset"] + _nbytes(e)].view(_DTYPES[e["dtype"]]).view(e["shape"]))
+               for e in entries]
+
+
+def receive_weights(group: SyncGroup):
+    """Rank > 0 of `group`: yield (name, tensor) as `send_weights` sends them, until its end mark."""
+    for bucket in receive_buckets(group):
+        yield from bucket
 
 
 def _nbytes(entry: dict) -> int:

@@ -83,6 +83,7 @@ class ServerEngine:
         self.sends_weights = sends_weights
         self._version = None  # the policy version the servers hold; None: their start-up weights
         self._group = None  # the gloo sync group (rank 0 only), opened at the first sync
+        self.last_sync: list[dict] = []  # what each server reported of the last sync (receive_s, total_s)
         self._pool = ThreadPoolExecutor(max_workers=64, thread_name_prefix="posttrain-server")
 
     # --- GenerationEngine ---
@@ -176,8 +177,7 @@ class ServerEngine:
         try:
             send_weights(self._group, self._buckets(named_tensors))
         finally:
-            for receiver in receivers:
-                receiver.join()
+            self.last_sync = [receiver.join()["results"][0] for receiver in receivers]  # each server's seconds
         for url in self.servers:  # prefixes cached before the sync hold keys and values of the old weights
             self._rpc(url, "/reset_prefix_cache", {})
 

@@ -81,26 +81,71 @@ class WeightSyncExtension:
 
     def posttrain_receive(self) -> dict:
         """Receive one weight sync (streamed bucket by bucket into a single `reload_weights`, so no layer is ever
-        reloaded from half new, half old weights). Returns a SHA-256 per tensor of what arrived, for checks."""
-        from posttrain.distributed.weight_sync import receive_weights
+        reloaded from half new, half old weights); the next bucket is received while one is loaded. Returns the seconds
+        the loader waited for bytes (receive_s) and the whole sync took (total_s); with
+        POSTTRAIN_SYNC_DIGESTS=1 in the server's environment it also keeps a SHA-256 per tensor (`posttrain_digests`;
+        tests compare them with final/, at some cost per sync)."""
+        import time
+
+        from posttrain.distributed.weight_sync import receive_buckets
 
         if getattr(self, "_posttrain_group", None) is None:
             raise RuntimeError("posttrain_receive before posttrain_join: the trainer opens the sync group first")
-        digests = {}
+        keep_digests = os.environ.get("POSTTRAIN_SYNC_DIGESTS") == "1"
+        digests, receiving = {}, [0.0]
+        started = time.perf_counter()
 
-        def stream():
-            for name, tensor in receive_weights(self._posttrain_group):
-                digests[name] = tensor_digest(tensor)
-                yield name, tensor
+        def stream():  # the next bucket arrives (another thread) while this one is loaded
+            buckets = prefetched(receive_buckets(self._posttrain_group))
+            while True:
+                t = time.perf_counter()
+                bucket = next(buckets, None)
+                receiving[0] += time.perf_counter() - t
+                if bucket is None:
+                    return
+                for name, tensor in bucket:
+                    if keep_digests:
+                        digests[name] = tensor_digest(tensor)
+                    yield name, tensor
 
         self.reload_weights(weights_iterator=stream())
         repack_tied_lm_head(self.model_runner.get_model())
         self._posttrain_digests = digests
-        return digests
+        return {"receive_s": receiving[0], "total_s": time.perf_counter() - started}
+
+    def posttrain_broadcast_only(self, sizes: str) -> None:
+        """bench/weight_sync.py's baseline: take part in plain broadcasts of these byte counts and drop the bytes."""
+        import torch
+
+        for size in json.loads(sizes):
+            self._posttrain_group.broadcast(torch.empty(size, dtype=torch.uint8))
 
     def posttrain_digests(self) -> dict:
         """SHA-256 per tensor of the last sync this worker received (empty before the first)."""
         return getattr(self, "_posttrain_digests", {})
+
+
+def prefetched(items, ahead: int = 1):
+    """Iterate `items` in a background thread, at most `ahead` items ahead of the consumer (errors re-raised)."""
+    import queue
+    import threading
+
+    box: queue.Queue = queue.Queue(maxsize=ahead)
+    done = object()
+
+    def pump():
+        try:
+            for item in items:
+                box.put(item)
+            box.put(done)
+        except BaseException as e:  # handed to the consumer's thread
+            box.put(e)
+
+    threading.Thread(target=pump, daemon=True, name="posttrain-sync-receive").start()
+    while (item := box.get()) is not done:
+        if isinstance(item, BaseException):
+            raise item
+        yield item
 
 
 def tensor_digest(tensor) -> str:
