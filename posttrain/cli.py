@@ -35,6 +35,9 @@ def build_parser() -> argparse.ArgumentParser:
     from posttrain.plan.commands import add_plan_and_doctor
 
     add_plan_and_doctor(sub)
+    from posttrain.rollout.serve import add_serve
+
+    add_serve(sub)
     return parser
 
 
@@ -66,6 +69,10 @@ def run_command(argv: list[str] | None = None) -> int:
 
             run_demo(args.out, quick=args.quick, seed=args.seed)
             return 0
+        if args.command == "serve":
+            from posttrain.rollout.serve import run_serve
+
+            return run_serve(args)
         if args.command in ("plan", "doctor"):
             from posttrain.plan.commands import run_plan_or_doctor
 

@@ -149,6 +149,10 @@ def run(command: str, recipe: Recipe) -> RunResult:
     check_model_source(recipe.model)
     resume_from = check_output_dir(recipe)
     tokenizer = load_tokenizer(recipe.model)
+    if recipe.generation.engine == "server":  # every server answers, takes the token, serves our vocabulary
+        from posttrain.rollout.server import check_servers
+
+        check_servers(recipe, tokenizer)
     train_examples, train_stats = load_examples(recipe, algorithm, tokenizer, "train")
     eval_examples, eval_stats = (None, None)
     if recipe.data.eval:
@@ -248,6 +252,8 @@ def run(command: str, recipe: Recipe) -> RunResult:
                       memory_estimate_mb=summary["estimated_peak_memory_mb"], guard=Guard(t, backend))
     with ctx.guard:  # SIGTERM / SIGINT: save at the next step boundary and exit 143 / 130
         state = train(ctx)
+    if hasattr(source, "close"):  # engines with their own copy of the policy get the final one
+        source.close(state.step)
     logger.close()
     final_dir = None
     if state.step >= steps and t.save_final_model:

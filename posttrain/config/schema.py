@@ -162,7 +162,7 @@ class VLLMConfig:
 @dataclass(frozen=True)
 class GenerationConfig:
     engine: str = "hf"
-    """Generation engine: hf (transformers generate), vllm (in-process) or server (remote)."""
+    """Generation engine: hf (transformers generate), vllm (in-process) or server (`posttrain serve`, any node)."""
     max_completion_length: int = 64
     """Most new tokens per completion."""
     temperature: float = 1.0
@@ -179,6 +179,12 @@ class GenerationConfig:
     """MiB of full parameters gathered and sent per bucket during a weight sync."""
     vllm: VLLMConfig = field(default_factory=VLLMConfig)
     """In-process vLLM engine settings (generation.vllm.*)."""
+    servers: tuple[str, ...] = ()
+    """engine=server: URLs of `posttrain serve` servers (http://host:port); a prompt's samples go to one server."""
+    request_timeout: float = 300.0
+    """engine=server: seconds one request (a completion, a control call, a sync's collective) may take."""
+    request_retries: int = 2
+    """engine=server: further tries of a failed completion request before the run stops naming the server."""
 
 
 @dataclass(frozen=True)

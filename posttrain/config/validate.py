@@ -29,9 +29,10 @@ POSITIVE = (
     "generation.sync_every",
     "generation.sync_bucket_mb",
     "generation.vllm.tensor_parallel_size",
+    "generation.request_timeout",
 )
 NON_NEGATIVE = ("train.weight_decay", "train.warmup_steps", "train.max_grad_norm", "train.save_steps", "train.eval_steps",
-                "train.max_nonfinite_skips")
+                "train.max_nonfinite_skips", "generation.request_retries")
 
 
 def get(recipe: Recipe, dotted: str):
@@ -69,9 +70,7 @@ def validate(recipe: Recipe) -> None:
         raise UserError(f"generation: need temperature >= 0, 0 < top_p <= 1, top_k >= 0; got {g.temperature}, {g.top_p}, {g.top_k}")
     if not 0 < g.vllm.gpu_memory_utilization <= 1:
         raise UserError(f"generation.vllm.gpu_memory_utilization must be in (0, 1], got {g.vllm.gpu_memory_utilization}")
-    if g.engine == "server":
-        raise UserError("generation.engine=server is not available in this build yet; use generation.engine=vllm "
-                        "(in-process) or hf")
+    check_servers_listed(g)
     for i, r in enumerate(recipe.rewards):
         if not r.name:
             raise UserError(f"rewards[{i}].name is empty: name a built-in reward or an import path module:function")
@@ -82,3 +81,28 @@ def validate(recipe: Recipe) -> None:
         check_algo(recipe)
     if dataclasses.is_dataclass(recipe.model.lora) and recipe.model.lora.enabled and recipe.model.lora.r <= 0:
         raise UserError(f"model.lora.r must be > 0, got {recipe.model.lora.r}")
+
+
+def check_servers_listed(g) -> None:
+    """generation.servers: given exactly when engine=server, each an http(s)://host:port URL, none twice."""
+    from urllib.parse import urlsplit
+
+    if g.engine != "server":
+        if g.servers:
+            raise UserError(f"generation.servers is set but generation.engine is {g.engine!r}; set "
+                            "generation.engine=server to generate on them, or drop generation.servers")
+        return
+    if not g.servers:
+        raise UserError("generation.engine=server needs generation.servers: a list of `posttrain serve` URLs, "
+                        "e.g. generation.servers='[http://127.0.0.1:8000]'")
+    for i, url in enumerate(g.servers):
+        parts = urlsplit(str(url))
+        try:
+            port = parts.port
+        except ValueError:
+            port = None
+        if parts.scheme not in ("http", "https") or not parts.hostname or port is None or parts.path not in ("", "/"):
+            raise UserError(f"generation.servers[{i}] = {url!r} is not a server URL; write http://host:port (the "
+                            "address `posttrain serve` prints)")
+    if len(set(g.servers)) != len(g.servers):
+        raise UserError(f"generation.servers lists a server twice: {list(g.servers)}")

@@ -1,4 +1,5 @@
-"""Generation engines behind one interface (see `posttrain.rollout.base`): HF generate now; vLLM and a server later."""
+"""Generation engines behind one interface (see `posttrain.rollout.base`): HF generate, vLLM in-process, vLLM servers
+(`posttrain serve`, `posttrain.rollout.server`)."""
 
 from posttrain.rollout.base import Completions, GenerationEngine, SamplingParams
 from posttrain.rollout.hf import HFEngine, make_engine

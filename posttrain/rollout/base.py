@@ -6,9 +6,11 @@ only ever talks to a `GenerationEngine`, so where the sampling happens is a laun
 - hf (`posttrain.rollout.hf.HFEngine`): transformers `model.generate` on the policy itself, in the training process.
   No second copy of the weights and no weight sync; works on a CPU, under DDP, and under ZeRO-3 (the caller passes a
   context manager that gathers the partitioned parameters for the duration of a `generate` call). The default.
-- vllm (later): a vLLM engine in the training process, weights pushed in with `load_weights` after each optimiser
-  step; `sleep`/`wake` free and restore its KV cache so training gets the GPU memory back in between.
-- server (later): a vLLM server in other processes or on other nodes; `load_weights` streams the weights to it.
+- vllm (`posttrain.rollout.vllm_engine.VLLMEngine`): a vLLM engine in the training process, weights pushed in with
+  `load_weights` after each optimiser step; `sleep`/`wake` free and restore its KV cache so training gets the GPU
+  memory back in between.
+- server (`posttrain.rollout.server.ServerEngine`): vLLM servers started with `posttrain serve`, in other processes
+  or on other nodes; `load_weights` broadcasts the weights to all of them over a gloo group.
 
     engine = make_engine("hf", model=model, tokenizer=tokenizer)
     params = SamplingParams(max_new_tokens=64, temperature=1.0, seed=step)

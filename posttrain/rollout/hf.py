@@ -217,15 +217,18 @@ def _vllm_engine(**kwargs) -> GenerationEngine:
     return VLLMEngine(**kwargs)
 
 
-ENGINES: dict[str, Callable[..., GenerationEngine]] = {"hf": HFEngine, "vllm": _vllm_engine}
-NOT_YET = ("server",)
+def _server_engine(**kwargs) -> GenerationEngine:
+    from posttrain.rollout.server import ServerEngine
+
+    return ServerEngine(**kwargs)
+
+
+ENGINES: dict[str, Callable[..., GenerationEngine]] = {"hf": HFEngine, "vllm": _vllm_engine, "server": _server_engine}
 
 
 def make_engine(name: str, **kwargs) -> GenerationEngine:
     """The engine called `name` (recipe `generation.engine`), built with `kwargs` (hf: model, tokenizer, gather;
-    vllm: model_dir, tokenizer, config, seed, max_model_len)."""
-    if name in NOT_YET:
-        raise UserError(f"generation.engine={name} is not available in this build yet; use vllm (in-process) or hf")
+    vllm: model_dir, tokenizer, config, seed, max_model_len; server: generation, tokenizer, sends_weights)."""
     if name not in ENGINES:
-        raise UserError(f"generation.engine={name!r} is not an engine; choose one of {', '.join([*ENGINES, *NOT_YET])}")
+        raise UserError(f"generation.engine={name!r} is not an engine; choose one of {', '.join(ENGINES)}")
     return ENGINES[name](**kwargs)

@@ -156,12 +156,8 @@ def _check_cpu_head_dim(model_dir) -> None:
 def _load_into_worker(worker, weights):
     """Runs in vLLM's worker (in this process): new weights into the model. `reload_weights` re-runs the platform's
     post-load processing of every layer it reloads (the CPU's oneDNN repacking), which a bare `model.load_weights`
-    would skip. A tied lm_head gets no tensor of its own (it is the embedding), so its repacked copy is redone here."""
+    would skip."""
+    from posttrain.rollout.server_worker import repack_tied_lm_head
+
     worker.reload_weights(weights_iterator=weights)
-    model = worker.model_runner.get_model()
-    lm_head = getattr(model, "lm_head", None)
-    embed = getattr(getattr(model, "model", None), "embed_tokens", None)
-    if lm_head is not None and embed is not None and getattr(lm_head, "weight", None) is embed.weight:
-        method = getattr(lm_head, "quant_method", None)
-        if method is not None:
-            method.process_weights_after_loading(lm_head)
+    repack_tied_lm_head(worker.model_runner.get_model())

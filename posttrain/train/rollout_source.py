@@ -111,6 +111,8 @@ class RolloutSource:
         if gen.engine == "hf":
             return make_engine("hf", model=self.backend.unwrap(policy), tokenizer=self.tokenizer,
                                gather=lambda: self.backend.gathered_parameters(policy))
+        if gen.engine == "server":  # rank 0 pushes weight syncs to the servers; every rank sends them prompts
+            return make_engine("server", generation=gen, tokenizer=self.tokenizer, sends_weights=self.backend.is_main)
         longest = (self.recipe.data.max_prompt_length or self.recipe.data.max_length) + gen.max_completion_length
         return make_engine(gen.engine, model_dir=self.recipe.model.name_or_path, tokenizer=self.tokenizer,
                            config=gen.vllm, seed=self.recipe.seed + self.backend.rank, max_model_len=longest)
@@ -128,8 +130,20 @@ class RolloutSource:
         buckets = self.backend.weight_buckets(self.models.policy.model, gen.sync_bucket_mb)
         engine.load_weights(pair for bucket in buckets for pair in bucket)  # one load, streamed bucket by bucket
         engine.version = step
+        if getattr(engine, "shared", False):  # servers: no rank generates before rank 0's sync has landed
+            self.backend.barrier()
         self._synced_at = step
         self._sync_seconds = time.perf_counter() - started
+
+    def close(self, step: int) -> None:
+        """After the run: servers, which outlive it, get the final policy (they then serve what final/ holds); the
+        engine lets go of what it holds (a server engine's sync group)."""
+        if getattr(self.engine, "shared", False) and self._synced_at != step:
+            self._synced_at = None  # whatever sync_every says
+            self._sync_weights(step)
+        close = getattr(self.engine, "close", None)
+        if close is not None:
+            close()
 
     def micro_batches_per_epoch(self) -> int:
         """Per-rank micro-batches for one pass over the prompts (each reused num_iterations times)."""

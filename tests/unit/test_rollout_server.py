@@ -1,0 +1,149 @@
+"""The server engine's parts that need no vLLM: recipe checks of generation.servers, how rows are spread over servers,
+the token guard, `posttrain serve`'s vLLM command line and bad input, and the weight-sync wire format over a real
+gloo group (two threads). The engine against a real server is in tests/integration/test_server.py."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import types
+
+import pytest
+import torch
+
+from posttrain.config.schema import GenerationConfig, Recipe
+from posttrain.config.validate import validate
+from posttrain.errors import UserError
+from posttrain.rollout.server import ServerEngine, ServerUnavailable, call
+
+
+def recipe(**generation) -> Recipe:
+    return Recipe(data=Recipe().data.__class__(train="x.jsonl"), generation=GenerationConfig(**generation))
+
+
+@pytest.mark.parametrize("generation, message", [
+    (dict(engine="server"), "generation.engine=server needs generation.servers"),
+    (dict(engine="server", servers=("127.0.0.1:8000",)), r"generation.servers\[0\] = '127.0.0.1:8000' is not"),
+    (dict(engine="server", servers=("http://a:1", "http://host")), r"generation.servers\[1\] = 'http://host'"),
+    (dict(engine="server", servers=("http://a:1", "http://a:1")), "lists a server twice"),
+    (dict(engine="hf", servers=("http://a:1",)), "generation.servers is set but generation.engine is 'hf'"),
+    (dict(engine="server", servers=("http://a:1",), request_timeout=0), "generation.request_timeout must be > 0"),
+    (dict(engine="server", servers=("http://a:1",), request_retries=-1), "generation.request_retries must be >= 0"),
+])
+def test_bad_server_settings_are_user_errors(generation, message):
+    with pytest.raises(UserError, match=message):
+        validate(recipe(**generation))
+
+
+def test_good_server_settings_pass():
+    validate(recipe(engine="server", servers=("http://127.0.0.1:8000", "https://gpu-7.cluster:443/")))
+
+
+def test_a_prompts_group_stays_on_one_server_and_groups_spread_evenly():
+    rows = [[1]] * 4 + [[2]] * 4 + [[3]] * 4 + [[1]] * 4  # 4 groups of 4 (the last repeats the first prompt)
+    assert ServerEngine.assign(rows, 2) == [0] * 8 + [1] * 8
+    assert ServerEngine.assign(rows, 3) == [0] * 8 + [1] * 4 + [2] * 4
+    assert ServerEngine.assign(rows, 1) == [0] * 16
+    assert ServerEngine.assign([[1], [2]], 4) == [0, 2]  # fewer groups than servers: some stay idle
+    assert ServerEngine.assign([], 2) == []
+
+
+def test_unreachable_server_is_named_in_the_error():
+    with pytest.raises(ServerUnavailable, match="refused"):
+        call("http://127.0.0.1:9", "/health", timeout=5)
+
+
+def test_token_guard_lets_only_the_token_and_health_through(monkeypatch):
+    from posttrain.rollout.server_worker import TokenGuard
+
+    seen = []
+
+    async def app(scope, receive, send):
+        seen.append(scope["path"])
+
+    monkeypatch.setenv("POSTTRAIN_SERVER_TOKEN", "s3cret")
+    guard = TokenGuard(app)
+
+    def status(path, authorization=None):
+        sent = []
+
+        async def send(message):
+            sent.append(message)
+
+        headers = [(b"authorization", authorization.encode())] if authorization else []
+        asyncio.run(guard({"type": "http", "path": path, "headers": headers}, None, send))
+        return sent[0]["status"] if sent else 200
+
+    assert status("/health") == 200
+    assert status("/collective_rpc") == 401
+    assert status("/collective_rpc", "Bearer wrong") == 401
+    assert status("/collective_rpc", "Basic s3cret") == 401
+    assert status("/collective_rpc", "Bearer s3cret") == 200
+    assert seen == ["/health", "/collective_rpc"]
+    monkeypatch.delenv("POSTTRAIN_SERVER_TOKEN")
+    with pytest.raises(RuntimeError, match="POSTTRAIN_SERVER_TOKEN is not set"):
+        TokenGuard(app)
+
+
+def serve_args(*vllm_args, **kwargs):
+    return types.SimpleNamespace(**{"model": "tiny/", "host": "127.0.0.1", "port": 8000, "token": None,
+                                    "ready_timeout": 60.0, "vllm_args": list(vllm_args), **kwargs})
+
+
+def test_serve_command_line():
+    from posttrain.rollout.serve import EXTENSION, MIDDLEWARE, vllm_command
+
+    cpu = vllm_command(serve_args("--max-model-len", "512"), on_gpu=False)
+    assert cpu[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
+    for option in (["--worker-extension-cls", EXTENSION], ["--middleware", MIDDLEWARE], ["--enable-scale-out"],
+                   ["--logprobs-mode", "processed_logprobs"], ["--dtype", "float32"], ["--no-enable-chunked-prefill"],
+                   ["--host", "127.0.0.1"], ["--max-model-len", "512"]):
+        assert any(cpu[i : i + len(option)] == option for i in range(len(cpu))), option
+    assert "--dtype" not in vllm_command(serve_args(), on_gpu=True)  # a GPU keeps vLLM's defaults
+    mine = vllm_command(serve_args("--dtype", "bfloat16", "--enable-prefix-caching"), on_gpu=False)
+    assert mine.count("--dtype") == 1 and "--no-enable-prefix-caching" not in mine  # the user's options win
+
+
+def test_serve_bad_input_is_a_user_error(tmp_path):
+    import socket
+
+    from posttrain.rollout.serve import check_serve_args
+
+    if __import__("importlib").util.find_spec("vllm") is None:
+        pytest.skip("without vLLM the first check is that vLLM is missing")
+    with pytest.raises(UserError, match="no config.json"):
+        check_serve_args(serve_args(model=str(tmp_path)))
+    (tmp_path / "config.json").write_text("{}")
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        with pytest.raises(UserError, match="cannot listen there"):
+            check_serve_args(serve_args(model=str(tmp_path), port=busy.getsockname()[1]))
+
+
+def test_weights_travel_bit_for_bit_over_a_gloo_group():
+    """send_weights on rank 0, receive_weights on rank 1 (a thread standing in for a server worker): names, dtypes,
+    shapes and bytes arrive as sent, bucket by bucket, ended by the end mark."""
+    from posttrain.distributed.weight_sync import SyncStore, open_sync_group, receive_weights, send_weights
+
+    g = torch.Generator().manual_seed(0)
+    buckets = [[("a", torch.randn(3, 4, generator=g)), ("b", torch.randn(5, generator=g).to(torch.bfloat16))],
+               [("c", torch.arange(6, dtype=torch.int64).view(2, 3))], [("d", torch.randn(2, 2, generator=g).t())]]
+    store = SyncStore("127.0.0.1", 2, 30)
+    received = {}
+
+    def worker():
+        group = open_sync_group("127.0.0.1", store.port, 1, 2, 30, "127.0.0.1")
+        received.update({name: t.clone() for name, t in receive_weights(group)})
+        group.close()
+
+    thread = threading.Thread(target=worker)
+    thread.start()
+    group = open_sync_group("127.0.0.1", store.port, 0, 2, 30, "127.0.0.1", store=store)
+    sent = send_weights(group, buckets)
+    thread.join(timeout=30)
+    assert sent == sum(t.numel() * t.element_size() for b in buckets for _, t in b)
+    expected = dict(pair for bucket in buckets for pair in bucket)
+    assert received.keys() == expected.keys()
+    for name, tensor in expected.items():
+        assert received[name].dtype == tensor.dtype and torch.equal(received[name], tensor), name
