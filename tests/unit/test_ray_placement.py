@@ -124,3 +124,13 @@ def test_colocated_fractions_must_fit_one_gpu_and_layouts_agree():
     p = recipe("placement.policy.num_gpus_per_node=2", "placement.reference.num_gpus_per_node=1").placement
     with pytest.raises(UserError, match="placement.reference.num_gpus_per_node is 1 but reference is colocated"):
         resolve(p, ("policy", "reference"), two_nodes())
+
+
+def test_launcher_ray_without_ray_installed_says_how_to_install(monkeypatch, capsys):
+    from posttrain.cli import run_command
+
+    monkeypatch.setitem(__import__("sys").modules, "ray", None)  # import ray -> ImportError
+    code = run_command(["grpo", "--ray", "data.train=x.jsonl", "rewards=[{name: exact_match}]"])
+    assert code == 2
+    assert "launcher: ray needs the ray package, which is not installed: pip install 'posttrain[ray]'" in \
+        capsys.readouterr().err
