@@ -220,8 +220,9 @@ class PlacementConfig:
 
     address: Optional[str] = None
     """Ray cluster to join (`ray start --head` prints it); None: RAY_ADDRESS, else a one-machine cluster for this run."""
-    gpu_resource: str = "GPU"
-    """Ray resource a worker's GPU is counted in; a custom name lets CPU nodes stand in for GPUs; none: CPU only."""
+    gpu_resource: str = "auto"
+    """Ray resource a worker's GPU is counted in: auto (GPU if the cluster has any, else CPU-only workers), GPU,
+    a custom name (CPU nodes standing in for GPUs) or none (CPU only)."""
     cpus_per_worker: int = 1
     """CPUs reserved for each worker."""
     policy: RolePlacement = field(default_factory=RolePlacement)

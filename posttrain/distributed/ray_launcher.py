@@ -25,8 +25,8 @@ import traceback
 from typing import Any
 
 from posttrain.config.schema import Recipe
-from posttrain.distributed.ray_placement import (Plan, RankSlot, fit, nodes_from_ray, placement_table, rank_slots,
-                                                 resolve, roles_needed)
+from posttrain.distributed.ray_placement import (Plan, RankSlot, fit, nodes_from_ray, pick_gpu_resource,
+                                                 placement_table, rank_slots, resolve, roles_needed)
 from posttrain.errors import RunStopped, UserError
 
 INSTALL = "pip install 'posttrain[ray]' (or pip install 'ray[default]>=2.40')"
@@ -93,11 +93,11 @@ def run_on_ray(command: str, recipe: Recipe) -> int:
 
     algorithm = ALGORITHMS[command][1](recipe)  # the algorithm's own checks, before a cluster is touched
     roles = roles_needed(algorithm, recipe)
-    p = recipe.placement
-    address = p.address or os.environ.get("RAY_ADDRESS") or None
+    address = recipe.placement.address or os.environ.get("RAY_ADDRESS") or None
     ray.init(address=address, include_dashboard=False, configure_logging=False, log_to_driver=True)
     actors: list = []
     try:
+        p = pick_gpu_resource(recipe.placement, ray.nodes())
         nodes = nodes_from_ray(ray.nodes(), p.gpu_resource)
         units = resolve(p, roles, nodes)
         check_built(units, recipe)

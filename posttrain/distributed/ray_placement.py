@@ -1,8 +1,9 @@
 """Where each role's workers go on a Ray cluster: pure functions over a recipe's `placement:` and a cluster description.
 
-    nodes = nodes_from_ray(ray.nodes(), "GPU")                   # or hand-made: [Node("a", "10.0.0.1", gpus=4, cpus=32)]
-    units = resolve(recipe.placement, ("policy", "reference"), nodes)
-    plan = fit(units, nodes, recipe.placement)                   # UserError (exit 2) saying what is short
+    placement = pick_gpu_resource(recipe.placement, ray.nodes())  # gpu_resource auto -> GPU or none
+    nodes = nodes_from_ray(ray.nodes(), placement.gpu_resource)  # or hand-made: [Node("a", "10.0.0.1", gpus=4, cpus=32)]
+    units = resolve(placement, ("policy", "reference"), nodes)
+    plan = fit(units, nodes, placement)                          # UserError (exit 2) saying what is short
     print(placement_table(plan))                                 # role | node | GPUs | colocated with
 
 Nothing here imports ray: the same functions check a placement for `posttrain plan`, unit tests and the launcher.
@@ -13,6 +14,7 @@ A *unit* is what shares GPUs: a `colocate` group, or one role alone. Each unit n
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Iterable, Optional
 
@@ -71,7 +73,18 @@ class Plan:
 
 
 def uses_gpus(placement: PlacementConfig) -> bool:
+    if placement.gpu_resource == "auto":
+        raise ValueError("placement.gpu_resource is still auto: pass the placement through pick_gpu_resource first")
     return placement.gpu_resource.lower() != "none"
+
+
+def pick_gpu_resource(placement: PlacementConfig, ray_nodes: Iterable[dict[str, Any]]) -> PlacementConfig:
+    """gpu_resource auto -> GPU when a live node of the cluster has one, else none (CPU-only workers, as posttrain
+    runs without a GPU elsewhere); any other value is kept, so an explicit GPU on a GPU-less cluster fails the fit."""
+    if placement.gpu_resource != "auto":
+        return placement
+    has_gpu = any(n.get("Resources", {}).get("GPU", 0) > 0 for n in ray_nodes if n.get("Alive", True))
+    return dataclasses.replace(placement, gpu_resource="GPU" if has_gpu else "none")
 
 
 def nodes_from_ray(ray_nodes: Iterable[dict[str, Any]], gpu_resource: str,

@@ -19,6 +19,7 @@ import pytest
 
 from tests.distributed.launch import ROOT, Result, launch, worker_env
 from tests.distributed.test_grpo_distributed import overrides as grpo_overrides
+from tests.distributed.test_ppo_distributed import critic_weights, overrides as ppo_overrides
 from posttrain.tasks import write_example_data
 from tests.integration.helpers import max_weight_diff
 
@@ -77,6 +78,23 @@ def test_grpo_ranks_on_two_nodes_match_torchrun(tiny_model_dir, data, tmp_path, 
     assert any(loss != 0 for loss in reference.losses().values())  # something to compare
     assert reference.losses() == pytest.approx(result.losses(), abs=1e-5)
     assert max_weight_diff(reference.final_weights(), result.final_weights()) < 1e-4
+
+
+def test_ppo_with_critic_on_two_nodes_matches_torchrun(tiny_model_dir, data, tmp_path, cluster):
+    """PPO's policy, reference and critic live in the same two workers (one per node); the policy AND the critic
+    train as under torchrun."""
+    reference = launch(2, "ppo", ppo_overrides(tiny_model_dir, data, tmp_path / "torchrun", per_device=2))
+    reference.check_world(2)
+    result = run_ray("ppo", ppo_overrides(tiny_model_dir, data, tmp_path / "ray", per_device=2), cluster)
+    result.check_world(2, nodes=2)
+    assert "critic" in result.output[result.output.index("posttrain ray placement"):].splitlines()[2]
+    one, two = reference.metrics(), result.metrics()
+    assert [r["step"] for r in one] == [r["step"] for r in two] == [1, 2]
+    for expected, got in zip(one, two):
+        for name in ("loss", "loss/critic", "kl"):
+            assert got[name] == pytest.approx(expected[name], abs=1e-5), name
+    assert max_weight_diff(reference.final_weights(), result.final_weights()) < 1e-4
+    assert max_weight_diff(critic_weights(reference.output_dir), critic_weights(result.output_dir)) < 1e-4
 
 
 def test_placement_that_does_not_fit_stops_before_start(tiny_model_dir, data, tmp_path, cluster):

@@ -6,12 +6,15 @@ import pytest
 
 from posttrain.algorithms.grpo import GRPOAlgoConfig
 from posttrain.config.load import load_recipe
-from posttrain.distributed.ray_placement import (Node, fit, placement_table, rank_slots, resolve, whole_cluster)
+from posttrain.distributed.ray_placement import (Node, fit, nodes_from_ray, pick_gpu_resource, placement_table,
+                                                 rank_slots, resolve, whole_cluster)
 from posttrain.errors import UserError
 
 
 def recipe(*overrides):
-    return load_recipe(None, ["data.train=x.jsonl", "rewards=[{name: exact_match}]", *overrides], GRPOAlgoConfig)
+    """A GRPO recipe whose placement counts GPUs in the GPU resource (the launcher resolves the default, auto)."""
+    return load_recipe(None, ["data.train=x.jsonl", "rewards=[{name: exact_match}]", "placement.gpu_resource=GPU",
+                              *overrides], GRPOAlgoConfig)
 
 
 def four_gpus():
@@ -31,6 +34,21 @@ def test_defaults_put_every_role_with_the_policy_on_every_gpu():
     assert [s.rank for s in rank_slots(plan.units[0])] == [0, 1, 2, 3]
     assert [(s.node.address, s.local_rank, s.node_rank) for s in rank_slots(plan.units[0])] == [
         ("10.0.0.1", 0, 0), ("10.0.0.1", 1, 0), ("10.0.0.2", 0, 1), ("10.0.0.2", 1, 1)]
+
+
+def test_gpu_resource_auto_is_gpu_where_the_cluster_has_one_else_cpu():
+    def ray_node(node_id, alive=True, **resources):  # the shape of a ray.nodes() entry
+        return {"NodeID": node_id, "Alive": alive, "NodeManagerAddress": "10.0.0.1", "Resources": resources}
+
+    auto = load_recipe(None, ["data.train=x.jsonl", "rewards=[{name: exact_match}]"], GRPOAlgoConfig).placement
+    assert auto.gpu_resource == "auto"
+    assert pick_gpu_resource(auto, [ray_node("a", CPU=8.0)]).gpu_resource == "none"
+    assert pick_gpu_resource(auto, [ray_node("a", CPU=8.0), ray_node("b", CPU=8.0, GPU=2.0)]).gpu_resource == "GPU"
+    assert pick_gpu_resource(auto, [ray_node("b", alive=False, GPU=2.0)]).gpu_resource == "none"
+    explicit = recipe("placement.gpu_resource=fake_gpu").placement
+    assert pick_gpu_resource(explicit, [ray_node("a", CPU=8.0)]) is explicit
+    nodes = nodes_from_ray([ray_node("a", CPU=8.0, fake_gpu=1.0), ray_node("b", alive=False, fake_gpu=1.0)], "fake_gpu")
+    assert nodes == [Node("a", "10.0.0.1", gpus=1.0, cpus=8.0)]
 
 
 def test_cpu_only_cluster_defaults_to_one_worker():
