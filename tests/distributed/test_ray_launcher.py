@@ -112,6 +112,14 @@ def test_parts_not_built_yet_say_so(tiny_model_dir, data, tmp_path, cluster):
     assert result.returncode == 2 and "is not built yet" in result.output, result.output[-3000:]
 
 
+def test_input_error_found_by_the_ranks_is_exit_2(tiny_model_dir, data, tmp_path, cluster):
+    """The ranks' own checks (here: the data file) come back to the driver as the usual one-line error."""
+    result = run_ray("grpo", grpo_overrides(tiny_model_dir, data, tmp_path / "run", per_device=2)
+                     + [f"data.train={tmp_path / 'missing.jsonl'}"], cluster, timeout=200)
+    assert result.returncode == 2, result.output[-3000:]
+    assert "posttrain: error: data.train" in result.output and "missing.jsonl" in result.output, result.output[-3000:]
+
+
 def test_killed_actor_names_rank_and_node(tiny_model_dir, data, tmp_path, cluster):
     out = tmp_path / "run"
     import psutil
