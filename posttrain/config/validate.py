@@ -35,7 +35,7 @@ POSITIVE = (
 )
 NON_NEGATIVE = ("train.weight_decay", "train.warmup_steps", "train.max_grad_norm", "train.save_steps", "train.eval_steps",
                 "train.max_nonfinite_skips", "placement.generation.num_engines")
-PLACED_ROLES = ("policy", "reference", "critic", "reward_model")
+PLACED_ROLES = ("policy", "reference", "critic", "reward_model")  # algorithms.base.ROLE_NAMES; config stays torch-free
 
 
 def get(recipe: Recipe, dotted: str):
