@@ -23,6 +23,8 @@ def build_parser() -> argparse.ArgumentParser:
     for name in ALGORITHMS:
         p = sub.add_parser(name, help=f"train with {name}")
         p.add_argument("--config", "-c", help="recipe YAML (see recipes/)")
+        p.add_argument("--ray", action="store_true", help="run under Ray, placed by the recipe's placement: "
+                       "(the same as launcher=ray; docs/ray.md)")
         p.add_argument("overrides", nargs="*", help="key.sub=value overrides, e.g. train.max_steps=20")
     tiny = sub.add_parser("make-tiny-model", help="write a small random model + locally trained tokenizer")
     tiny.add_argument("--out", required=True, help="directory to write")
@@ -81,7 +83,12 @@ def run_command(argv: list[str] | None = None) -> int:
         from posttrain.config.load import load_recipe
         from posttrain.run import run
 
-        recipe = load_recipe(args.config, args.overrides, ALGORITHMS[args.command][0])
+        overrides = args.overrides + (["launcher=ray"] if args.ray else [])
+        recipe = load_recipe(args.config, overrides, ALGORITHMS[args.command][0])
+        if recipe.launcher == "ray":
+            from posttrain.distributed.ray_launcher import run_on_ray
+
+            return run_on_ray(args.command, recipe)
         result = run(args.command, recipe)
         if result.final_dir is not None:
             print(f"final model: {result.final_dir}")

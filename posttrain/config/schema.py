@@ -202,6 +202,53 @@ class RewardConfig:
 
 
 @dataclass(frozen=True)
+class RolePlacement:
+    """Where one role's workers go under `launcher: ray` (OpenRLHF's --actor_num_nodes / --actor_num_gpus_per_node)."""
+
+    num_nodes: Optional[int] = None
+    """Nodes the role's workers span (None: the policy's; for the policy, every node with a GPU)."""
+    num_gpus_per_node: Optional[int] = None
+    """Workers per node, one GPU each (None: the policy's; for the policy, the GPUs of the smallest node)."""
+    gpu_fraction: Optional[float] = None
+    """Share of its GPU each worker takes; below 1 only for colocated roles (None: 1 / roles sharing the GPU)."""
+
+
+@dataclass(frozen=True)
+class EnginePlacement:
+    """Generation engines as their own Ray actors (OpenRLHF's --vllm_num_engines, --vllm_tensor_parallel_size)."""
+
+    num_engines: int = 0
+    """Engines apart from the training workers (0: each training worker generates, as without Ray)."""
+    tensor_parallel_size: int = 1
+    """GPUs one engine spans (all on one node)."""
+
+
+@dataclass(frozen=True)
+class PlacementConfig:
+    """How roles and engines are spread over a Ray cluster; read only when `launcher: ray` (docs/ray.md)."""
+
+    address: Optional[str] = None
+    """Ray cluster to join (`ray start --head` prints it); None: RAY_ADDRESS, else a one-machine cluster for this run."""
+    gpu_resource: str = "auto"
+    """Ray resource a worker's GPU is counted in: auto (GPU if the cluster has any, else CPU-only workers), GPU,
+    a custom name (CPU nodes standing in for GPUs) or none (CPU only)."""
+    cpus_per_worker: int = 1
+    """CPUs reserved for each worker."""
+    policy: RolePlacement = field(default_factory=RolePlacement)
+    """The policy's workers (placement.policy.*)."""
+    reference: RolePlacement = field(default_factory=RolePlacement)
+    """The reference model's workers (placement.reference.*)."""
+    critic: RolePlacement = field(default_factory=RolePlacement)
+    """The critic's workers (placement.critic.*)."""
+    reward_model: RolePlacement = field(default_factory=RolePlacement)
+    """The reward model's workers (placement.reward_model.*)."""
+    colocate: Optional[tuple[tuple[str, ...], ...]] = None
+    """Groups of roles sharing GPUs, e.g. [[policy, reference], [critic, reward_model]] (None: all with the policy)."""
+    generation: EnginePlacement = field(default_factory=EnginePlacement)
+    """Generation engines (placement.generation.*)."""
+
+
+@dataclass(frozen=True)
 class SFTAlgoConfig:
     """Supervised fine-tuning: cross-entropy over the loss mask. No knobs of its own yet."""
 
@@ -224,6 +271,10 @@ class Recipe:
     """Sampling for online algorithms."""
     rewards: tuple[RewardConfig, ...] = ()
     """Reward functions for online algorithms."""
+    launcher: str = "local"
+    """local: the processes torchrun / accelerate launch started (or one); ray: Ray actors placed by `placement`."""
+    placement: PlacementConfig = field(default_factory=PlacementConfig)
+    """Roles and engines across GPUs and nodes under launcher: ray (placement.*)."""
 
 
 def total_steps(train: TrainConfig, micro_batches_per_epoch: int) -> int:

@@ -15,6 +15,7 @@ CHOICES = {
     "train.nonfinite": ("stop", "skip"),
     "generation.vllm.placement": ("rank",),
     "generation.vllm.dtype": ("auto", "float32", "bfloat16", "float16"),
+    "launcher": ("local", "ray"),
 }
 POSITIVE = (
     "train.per_device_train_batch_size",
@@ -30,9 +31,12 @@ POSITIVE = (
     "generation.sync_bucket_mb",
     "generation.vllm.tensor_parallel_size",
     "generation.request_timeout",
+    "placement.cpus_per_worker",
+    "placement.generation.tensor_parallel_size",
 )
 NON_NEGATIVE = ("train.weight_decay", "train.warmup_steps", "train.max_grad_norm", "train.save_steps", "train.eval_steps",
-                "train.max_nonfinite_skips", "generation.request_retries")
+                "train.max_nonfinite_skips", "generation.request_retries", "placement.generation.num_engines")
+PLACED_ROLES = ("policy", "reference", "critic", "reward_model")  # algorithms.base.ROLE_NAMES; config stays torch-free
 
 
 def get(recipe: Recipe, dotted: str):
@@ -76,6 +80,7 @@ def validate(recipe: Recipe) -> None:
             raise UserError(f"rewards[{i}].name is empty: name a built-in reward or an import path module:function")
         if r.on_error not in ("raise", "skip"):
             raise UserError(f"rewards[{i}].on_error must be raise or skip, got {r.on_error!r}")
+    validate_placement(recipe.placement)
     check_algo = getattr(recipe.algo, "validate", None)
     if check_algo is not None:
         check_algo(recipe)
@@ -106,3 +111,36 @@ def check_servers_listed(g) -> None:
                             "address `posttrain serve` prints)")
     if len(set(g.servers)) != len(g.servers):
         raise UserError(f"generation.servers lists a server twice: {list(g.servers)}")
+
+
+def validate_placement(placement) -> None:
+    """What a placement can get wrong without looking at a cluster (posttrain/distributed/ray_placement.py checks
+    it against one)."""
+    for role in PLACED_ROLES:
+        spec = getattr(placement, role)
+        for key in ("num_nodes", "num_gpus_per_node"):
+            if getattr(spec, key) is not None and getattr(spec, key) < 1:
+                raise UserError(f"placement.{role}.{key} must be >= 1 or null, got {getattr(spec, key)}")
+        if spec.gpu_fraction is not None and not 0 < spec.gpu_fraction <= 1:
+            raise UserError(f"placement.{role}.gpu_fraction must be in (0, 1], got {spec.gpu_fraction}")
+    seen: dict[str, int] = {}
+    for i, group in enumerate(placement.colocate or ()):
+        if len(group) < 2:
+            raise UserError(f"placement.colocate[{i}] is {list(group)}: each group lists 2 or more roles, "
+                            "e.g. colocate: [[policy, reference], [critic, reward_model]]")
+        for role in group:
+            if role not in PLACED_ROLES:
+                raise UserError(f"placement.colocate[{i}]: unknown role {role!r}; roles: {', '.join(PLACED_ROLES)}")
+            if role in seen:
+                raise UserError(f"placement.colocate: {role} is in groups {seen[role]} and {i}; a role shares GPUs "
+                                "with one group only")
+            seen[role] = i
+        fractions = [getattr(placement, role).gpu_fraction for role in group]
+        if all(f is not None for f in fractions) and sum(fractions) > 1 + 1e-9:
+            raise UserError(f"placement.colocate[{i}] {list(group)}: gpu_fraction adds up to {sum(fractions):g} > 1")
+    alone = [r for r in PLACED_ROLES if r not in seen and placement.colocate is not None]
+    for role in alone:
+        fraction = getattr(placement, role).gpu_fraction
+        if fraction is not None and fraction < 1:
+            raise UserError(f"placement.{role}.gpu_fraction is {fraction} but {role} shares its GPUs with no role; "
+                            f"name it in placement.colocate or drop gpu_fraction")

@@ -1,4 +1,4 @@
-"""STYLE rule 5: only posttrain/distributed/ imports distributed machinery, only posttrain/rollout/ vLLM.
+"""STYLE rule 5: only posttrain/distributed/ imports distributed machinery (ray included), only posttrain/rollout/ vLLM.
 
 Every module outside posttrain/distributed/ is read (the pure layers ops/, losses/, algorithms/, rewards/, config/
 included) for torch.distributed, accelerate and deepspeed, and outside posttrain/rollout/ for vllm. This reads the
@@ -12,8 +12,8 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parents[2] / "posttrain"
 PURE_PACKAGES = ("ops", "losses", "algorithms", "rewards", "config")
-FORBIDDEN = ("torch.distributed", "accelerate", "deepspeed", "vllm")
-ALLOWED_IN = {"distributed": ("torch.distributed", "accelerate", "deepspeed"), "rollout": ("vllm",)}
+FORBIDDEN = ("torch.distributed", "accelerate", "deepspeed", "ray", "vllm")
+ALLOWED_IN = {"distributed": ("torch.distributed", "accelerate", "deepspeed", "ray"), "rollout": ("vllm",)}
 
 
 def imported_modules(source: str) -> list[tuple[int, str]]:
@@ -56,7 +56,7 @@ def test_module_imports_distributed_machinery_or_vllm_only_in_its_layer(path):
     bad = forbidden_imports(path.read_text(encoding="utf-8"), ALLOWED_IN.get(layer, ()))
     assert not bad, (
         f"{path.relative_to(PACKAGE.parent)} imports {', '.join(bad)}; only posttrain/distributed/ may import "
-        "torch.distributed, accelerate or deepspeed, and only posttrain/rollout/ vllm (STYLE rule 5)"
+        "torch.distributed, accelerate, deepspeed or ray, and only posttrain/rollout/ vllm (STYLE rule 5)"
     )
 
 

@@ -1,0 +1,242 @@
+"""`launcher: ray`: the training processes as Ray actors placed by the recipe's `placement:` (docs/ray.md).
+
+    ray start --head --num-gpus 4                                  # or an existing cluster; none: a local one
+    posttrain grpo --config recipes/grpo.yaml --ray placement.policy.num_gpus_per_node=4
+
+The driver (this process) checks the placement against the cluster before anything starts, prints the placement
+table, then starts one actor per rank, pinned to the node the fit chose. Each actor runs the ordinary training code
+(`posttrain.run.run`) as one rank of a torch.distributed group, with the environment torchrun would give it (RANK,
+WORLD_SIZE, LOCAL_RANK, GROUP_WORLD_SIZE, MASTER_ADDR, MASTER_PORT): the algorithms, the loop and the backend do not
+know Ray exists, so a Ray run and a torchrun run with the same seed and world size train the same weights.
+
+Built so far: every role the algorithm uses lives in the policy's workers (colocated, as under torchrun); roles in
+their own actor groups and generation engines as actors are not yet (the launcher says so, exit 2).
+A rank that fails or an actor that dies stops the run: the driver names the rank, its node and its last error, and
+stops the others; checkpoints already written are complete (each is written to a temporary name, then renamed).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import time
+import traceback
+from typing import Any
+
+from posttrain.config.schema import Recipe
+from posttrain.distributed.ray_placement import (Plan, RankSlot, fit, nodes_from_ray, pick_gpu_resource,
+                                                 placement_table, rank_slots, resolve, roles_needed)
+from posttrain.errors import RunStopped, UserError
+
+INSTALL = "pip install 'posttrain[ray]' (or pip install 'ray[default]>=2.40')"
+# the driver's environment the workers inherit (Ray starts them from the raylet's environment, not the driver's)
+FORWARDED_PREFIXES = ("HF_", "TOKENIZERS_", "OMP_", "MKL_", "TORCH_", "ACCELERATE_", "FSDP_", "TRANSFORMERS_",
+                      "POSTTRAIN_", "NCCL_", "GLOO_")
+START_TIMEOUT_S = 300.0  # actors not started by then: their resources are held by something else
+GRACE_S = 10.0  # after the first failure, how long the others get to report theirs (a survivor's error is noise)
+
+
+def import_ray():
+    try:
+        import ray
+    except ImportError:
+        raise UserError(f"launcher: ray needs the ray package, which is not installed: {INSTALL}") from None
+    return ray
+
+
+class RankWorker:
+    """One training rank. Its methods run in the actor's process; nothing heavy is imported before `run`."""
+
+    def node(self) -> str:
+        import ray
+
+        return ray.get_runtime_context().get_node_id()
+
+    def rendezvous(self) -> tuple[str, int]:
+        """This node's address and a free port on it (asked of rank 0 only: MASTER_ADDR / MASTER_PORT)."""
+        import ray
+
+        address = ray.util.get_node_ip_address()
+        with socket.socket() as s:
+            s.bind(("", 0))
+            return address, s.getsockname()[1]
+
+    def run(self, command: str, recipe: Recipe, cwd: str, env: dict[str, str]) -> dict[str, Any]:
+        """The ordinary run, as rank env["RANK"]. Errors come back as data, so the driver can name the rank."""
+        os.environ.update(env)
+        os.chdir(cwd)
+        try:
+            from posttrain.run import run
+
+            result = run(command, recipe)
+            return {"code": 0, "final_dir": str(result.final_dir) if result.final_dir else None, "steps": result.steps}
+        except UserError as e:
+            return {"code": 2, "error": str(e)}
+        except RunStopped as e:
+            return {"code": e.exit_code, "error": str(e), "stopped": True}
+        except BaseException:  # the traceback goes back to the driver, which stops the others
+            return {"code": 1, "error": traceback.format_exc()}
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+
+
+def run_on_ray(command: str, recipe: Recipe) -> int:
+    """Place, start, wait, report. Returns the exit code (0 done, 2 input, 1 failure or a rank's own code)."""
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise UserError("launcher: ray starts its own processes: run `posttrain ...` once, not under torchrun or "
+                        "accelerate launch")
+    os.environ.setdefault("RAY_DEDUP_LOGS", "0")  # rank 0's and rank 1's lines are not duplicates to fold
+    ray = import_ray()
+    from posttrain.algorithms import ALGORITHMS
+
+    algorithm = ALGORITHMS[command][1](recipe)  # the algorithm's own checks, before a cluster is touched
+    roles = roles_needed(algorithm, recipe)
+    address = recipe.placement.address or os.environ.get("RAY_ADDRESS") or None
+    ray.init(address=address, include_dashboard=False, configure_logging=False, log_to_driver=True)
+    actors: list = []
+    try:
+        p = pick_gpu_resource(recipe.placement, ray.nodes())
+        nodes = nodes_from_ray(ray.nodes(), p.gpu_resource)
+        units = resolve(p, roles, nodes)
+        check_built(units, recipe)
+        plan = fit(units, nodes, p)
+        print(f"posttrain ray placement ({len(nodes)} node(s), cluster {address or 'local'}):\n"
+              f"{placement_table(plan)}", flush=True)
+        slots = rank_slots(plan.units[0])
+        actors = [start_actor(ray, slot, plan) for slot in slots]
+        wait_started(ray, actors, slots)
+        master_addr, master_port = ray.get(actors[0].rendezvous.remote())
+        cwd = os.getcwd()
+        forwarded = {k: v for k, v in os.environ.items() if k.startswith(FORWARDED_PREFIXES)}
+        futures = {actors[s.rank].run.remote(command, recipe, cwd,
+                                             {**forwarded, **rank_env(s, len(slots), len(plan.units[0].nodes),
+                                                                      master_addr, master_port, plan)}): s
+                   for s in slots}
+        return wait_for_ranks(ray, futures, plan)
+    finally:
+        for actor in actors:
+            try:
+                ray.kill(actor)
+            except Exception:
+                pass
+        ray.shutdown()
+
+
+def check_built(units, recipe: Recipe) -> None:
+    """What the placement asks that this build cannot run yet fails here, before any actor starts."""
+    if len(units) > 1:
+        apart = ", ".join(u.name for u in units[1:])
+        raise UserError(f"placement: {apart} in actor groups of their own is not built yet; under launcher: ray "
+                        "every role lives in the policy's workers for now: leave placement.colocate unset (or list "
+                        "every role in one group with the policy)")
+    if recipe.placement.generation.num_engines:
+        raise UserError("placement.generation.num_engines > 0 (engines as their own Ray actors) is not built yet; "
+                        "set it to 0: each training worker generates with generation.engine (hf or vllm)")
+
+
+def start_actor(ray, slot: RankSlot, plan: Plan):
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    # pinned to the node the fit chose (hard affinity): nodes of a local test cluster share one IP, so a placement
+    # group's bundles could not be told apart by node resource; the fit already checked the resources are there
+    options: dict[str, Any] = dict(num_cpus=plan.cpus_per_worker, max_restarts=0,
+                                   scheduling_strategy=NodeAffinitySchedulingStrategy(slot.node.node_id, soft=False))
+    if plan.gpu_resource.lower() != "none":
+        if plan.gpu_resource == "GPU":
+            options["num_gpus"] = 1
+        else:
+            options["resources"] = {plan.gpu_resource: 1}
+    return ray.remote(RankWorker).options(**options).remote()
+
+
+def wait_started(ray, actors: list, slots: list[RankSlot]) -> None:
+    """Every actor up on its planned node, or a clear error (the fit counts a node's total resources; another job
+    may be holding some of them)."""
+    from ray.exceptions import GetTimeoutError
+
+    refs = [a.node.remote() for a in actors]
+    ready, _ = ray.wait(refs, num_returns=len(refs), timeout=START_TIMEOUT_S)
+    if len(ready) < len(refs):
+        late = [s for s, ref in zip(slots, refs) if ref not in ready]
+        raise RunStopped(f"Ray did not start rank(s) {', '.join(str(s.rank) for s in late)} within "
+                         f"{START_TIMEOUT_S:.0f} s on node(s) {', '.join(s.node.label for s in late)}: their resources "
+                         "are probably held by another job (see `ray status`)", shared=False)
+    try:
+        placed = ray.get(refs, timeout=10)
+    except GetTimeoutError:
+        placed = []
+    for slot, node_id in zip(slots, placed):
+        if node_id != slot.node.node_id:  # hard node affinity makes this impossible; a guard, not a branch
+            raise RunStopped(f"Ray started rank {slot.rank} on node {node_id[:8]}, not {slot.node.label}", shared=False)
+
+
+def rank_env(slot: RankSlot, world_size: int, num_nodes: int, master_addr: str, master_port: int,
+             plan: Plan) -> dict[str, str]:
+    """What torchrun gives a worker. With real GPUs Ray shows each actor only its own GPU (CUDA_VISIBLE_DEVICES), so
+    its local device is cuda:0."""
+    local_rank = 0 if plan.gpu_resource == "GPU" else slot.local_rank
+    return {"RANK": str(slot.rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(local_rank),
+            "LOCAL_WORLD_SIZE": str(world_size // num_nodes), "GROUP_RANK": str(slot.node_rank),
+            "GROUP_WORLD_SIZE": str(num_nodes), "MASTER_ADDR": master_addr, "MASTER_PORT": str(master_port)}
+
+
+def wait_for_ranks(ray, futures: dict, plan: Plan) -> int:
+    """Every rank's result; on the first failure, the others get GRACE_S to report, then the worst is named."""
+    from ray.exceptions import RayActorError
+
+    pending = list(futures)
+    results: dict[int, dict[str, Any]] = {}
+    deadline = None
+    while pending and (deadline is None or time.monotonic() < deadline):
+        timeout = None if deadline is None else max(0.1, deadline - time.monotonic())
+        done, pending = ray.wait(pending, num_returns=1, timeout=timeout)
+        for ref in done:
+            slot = futures[ref]
+            try:
+                results[slot.rank] = ray.get(ref)
+            except RayActorError as e:
+                results[slot.rank] = {"code": 1, "died": True, "error": last_line(str(e))}
+            except Exception as e:  # the task itself failed (e.g. the recipe could not be unpickled there)
+                results[slot.rank] = {"code": 1, "error": str(e)}
+            if results[slot.rank]["code"] != 0 and deadline is None:
+                deadline = time.monotonic() + GRACE_S
+    failed = {r: res for r, res in results.items() if res["code"] != 0}
+    if not failed and not pending:
+        final = results[0].get("final_dir")
+        if final:
+            print(f"final model: {final}", flush=True)
+        return 0
+    rank, cause = pick_cause(failed)
+    slot = next(s for s in futures.values() if s.rank == rank)
+    role = "+".join(plan.units[0].unit.roles)
+    where = f"rank {rank} ({role} worker on node {slot.node.label})"
+    if cause.get("code") == 2:
+        print(f"posttrain: error: {cause['error']}", file=sys.stderr, flush=True)
+        return 2
+    if cause.get("stopped"):
+        print(f"posttrain: stopped ({where}): {cause['error']}", file=sys.stderr, flush=True)
+        return cause["code"]
+    what = "its actor died" if cause.get("died") else "it failed"
+    print(f"posttrain: error: {where}: {what}: {cause['error'].rstrip()}\nThe other ranks were stopped. Checkpoints "
+          "already saved are complete; continue with train.resume_from_checkpoint=auto", file=sys.stderr, flush=True)
+    return cause["code"] or 1
+
+
+def pick_cause(failed: dict[int, dict[str, Any]]) -> tuple[int, dict[str, Any]]:
+    """The failure to report: a user error, else an actor that died (its peers only saw the connection drop), else a
+    rank's own error whose traceback does not just say a peer went away, else the lowest rank."""
+    def rank_of(r_res):
+        r, res = r_res
+        peer_noise = any(s in res.get("error", "") for s in ("Connection closed by peer", "Connection reset by peer",
+                                                             "Broken pipe", "connection refused"))
+        return (res.get("code") != 2, not res.get("died"), peer_noise, r)
+
+    return min(failed.items(), key=rank_of)
+
+
+def last_line(message: str) -> str:
+    """Ray's actor-death message without its generic advice: what happened and the worker's exit detail."""
+    text = " ".join(line.strip() for line in message.splitlines() if line.strip())
+    return text.split(" Some common causes", 1)[0]

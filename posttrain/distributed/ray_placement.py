@@ -1,0 +1,249 @@
+"""Where each role's workers go on a Ray cluster: pure functions over a recipe's `placement:` and a cluster description.
+
+    placement = pick_gpu_resource(recipe.placement, ray.nodes())  # gpu_resource auto -> GPU or none
+    nodes = nodes_from_ray(ray.nodes(), placement.gpu_resource)  # or hand-made: [Node("a", "10.0.0.1", gpus=4, cpus=32)]
+    units = resolve(placement, ("policy", "reference"), nodes)
+    plan = fit(units, nodes, placement)                          # UserError (exit 2) saying what is short
+    print(placement_table(plan))                                 # role | node | GPUs | colocated with
+
+Nothing here imports ray: the same functions check a placement for `posttrain plan`, unit tests and the launcher.
+A *unit* is what shares GPUs: a `colocate` group, or one role alone. Each unit needs `num_nodes` distinct nodes with
+`num_gpus_per_node` GPUs (and `cpus_per_worker` CPUs per worker) free on each; colocated roles share those GPUs in
+`gpu_fraction` shares. With `gpu_resource: none` a worker takes CPUs only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Iterable, Optional
+
+from posttrain.config.schema import PlacementConfig
+from posttrain.errors import UserError
+
+EPS = 1e-9
+
+
+@dataclass(frozen=True)
+class Node:
+    """One node of the cluster as the fit sees it: its free GPUs (the `gpu_resource` count) and CPUs."""
+
+    node_id: str
+    address: str
+    gpus: float = 0.0
+    cpus: float = 0.0
+
+    @property
+    def label(self) -> str:
+        return f"{self.address} ({self.node_id[:8]})"
+
+
+@dataclass(frozen=True)
+class Unit:
+    """Roles that share GPUs (one role when alone), the nodes x workers they span and each role's GPU share."""
+
+    roles: tuple[str, ...]
+    num_nodes: int
+    workers_per_node: int
+    fractions: tuple[float, ...]
+
+    @property
+    def name(self) -> str:
+        return "+".join(self.roles)
+
+
+@dataclass(frozen=True)
+class PlacedUnit:
+    unit: Unit
+    nodes: tuple[Node, ...]
+    """The nodes its workers are on, in rank order (workers_per_node consecutive ranks on each)."""
+
+
+@dataclass(frozen=True)
+class Plan:
+    units: tuple[PlacedUnit, ...]
+    engines: tuple[Node, ...] = ()
+    """The node of each generation engine (its tensor_parallel_size GPUs all there)."""
+    engine_gpus: int = 0
+    gpu_resource: str = "GPU"
+    cpus_per_worker: int = 1
+
+    def unit_of(self, role: str) -> PlacedUnit:
+        return next(p for p in self.units if role in p.unit.roles)
+
+
+def uses_gpus(placement: PlacementConfig) -> bool:
+    if placement.gpu_resource == "auto":
+        raise ValueError("placement.gpu_resource is still auto: pass the placement through pick_gpu_resource first")
+    return placement.gpu_resource.lower() != "none"
+
+
+def pick_gpu_resource(placement: PlacementConfig, ray_nodes: Iterable[dict[str, Any]]) -> PlacementConfig:
+    """gpu_resource auto -> GPU when a live node of the cluster has one, else none (CPU-only workers, as posttrain
+    runs without a GPU elsewhere); any other value is kept, so an explicit GPU on a GPU-less cluster fails the fit."""
+    if placement.gpu_resource != "auto":
+        return placement
+    has_gpu = any(n.get("Resources", {}).get("GPU", 0) > 0 for n in ray_nodes if n.get("Alive", True))
+    return dataclasses.replace(placement, gpu_resource="GPU" if has_gpu else "none")
+
+
+def nodes_from_ray(ray_nodes: Iterable[dict[str, Any]], gpu_resource: str,
+                   available: Optional[dict[str, dict[str, float]]] = None) -> list[Node]:
+    """`ray.nodes()` (alive ones) -> Nodes. `available` (node id -> free resources) overrides the totals when given."""
+    out = []
+    for n in ray_nodes:
+        if not n.get("Alive", True):
+            continue
+        resources = (available or {}).get(n["NodeID"], n.get("Resources", {}))
+        out.append(Node(n["NodeID"], n.get("NodeManagerAddress", "?"), float(resources.get(gpu_resource, 0.0)),
+                        float(resources.get("CPU", 0.0))))
+    return out
+
+
+def resolve(placement: PlacementConfig, roles: tuple[str, ...], nodes: list[Node]) -> list[Unit]:
+    """The units the run needs (`roles`: the roles its algorithm uses, policy first), with defaults filled in:
+    colocate unset puts every role with the policy (as torchrun does); a unit's layout is the policy's when the
+    policy is in it, else its first member's that is set, else 1 node x 1 GPU; the policy's own unset layout takes
+    every GPU node when nothing is placed apart from it, else 1 node x 1 GPU."""
+    groups = [tuple(roles)] if placement.colocate is None else [
+        tuple(r for r in group if r in roles) for group in placement.colocate]
+    groups = [g for g in groups if g]
+    grouped = {r for g in groups for r in g}
+    groups += [(r,) for r in roles if r not in grouped]
+    groups.sort(key=lambda g: "policy" not in g)  # the policy's unit first: it holds rank 0
+    alone = len(groups) == 1
+    units = []
+    for group in groups:
+        specs = [getattr(placement, r) for r in group]
+        lead = specs[group.index("policy")] if "policy" in group else next(
+            (s for s in specs if s.num_nodes is not None or s.num_gpus_per_node is not None), specs[0])
+        num_nodes, per_node = lead.num_nodes, lead.num_gpus_per_node
+        if "policy" in group and alone:
+            default_nodes, default_per_node = whole_cluster(placement, nodes)
+        else:
+            default_nodes, default_per_node = 1, 1
+        num_nodes = num_nodes if num_nodes is not None else default_nodes
+        per_node = per_node if per_node is not None else default_per_node
+        for role, spec in zip(group, specs):
+            for key, value in (("num_nodes", num_nodes), ("num_gpus_per_node", per_node)):
+                if getattr(spec, key) is not None and getattr(spec, key) != value:
+                    raise UserError(f"placement.{role}.{key} is {getattr(spec, key)} but {role} is colocated with "
+                                    f"{', '.join(r for r in group if r != role)} on {value}: colocated roles share "
+                                    f"their workers, so set the same layout or take {role} out of placement.colocate")
+        units.append(Unit(group, num_nodes, per_node, shares(group, [s.gpu_fraction for s in specs])))
+    return units
+
+
+def whole_cluster(placement: PlacementConfig, nodes: list[Node]) -> tuple[int, int]:
+    """The default policy layout: every node with a GPU, as many workers per node as the smallest one has."""
+    gpu_nodes = [n for n in nodes if n.gpus >= 1 - EPS]
+    if not uses_gpus(placement) or not gpu_nodes:
+        return 1, 1
+    return len(gpu_nodes), int(min(n.gpus for n in gpu_nodes) + EPS)
+
+
+def shares(group: tuple[str, ...], fractions: list[Optional[float]]) -> tuple[float, ...]:
+    """Each role's GPU share: the ones set, the rest split what is left evenly."""
+    if len(group) == 1:
+        return (fractions[0] if fractions[0] is not None else 1.0,)
+    unset = [f for f in fractions if f is None]
+    left = 1.0 - sum(f for f in fractions if f is not None)
+    if unset and left <= EPS:
+        raise UserError(f"placement.colocate {list(group)}: the gpu_fraction set already takes the whole GPU; "
+                        f"lower it or set every role's gpu_fraction")
+    return tuple(f if f is not None else left / len(unset) for f in fractions)
+
+
+def fit(units: list[Unit], nodes: list[Node], placement: PlacementConfig) -> Plan:
+    """Choose nodes for every unit (and engine) from the free resources; UserError naming what is short otherwise.
+    Units go in order (the policy's first), each on the nodes with the most GPUs free, then the most CPUs."""
+    gpu = uses_gpus(placement)
+    free = {n.node_id: [n.gpus if gpu else 0.0, n.cpus] for n in nodes}
+    placed = []
+    for unit in units:
+        need_gpus = unit.workers_per_node if gpu else 0
+        need_cpus = unit.workers_per_node * placement.cpus_per_worker
+        fitting = [n for n in nodes if free[n.node_id][0] + EPS >= need_gpus and free[n.node_id][1] + EPS >= need_cpus]
+        fitting.sort(key=lambda n: (-free[n.node_id][0], -free[n.node_id][1]))
+        if len(fitting) < unit.num_nodes:
+            raise UserError(short_message(unit.name, unit.num_nodes, unit.workers_per_node, need_gpus, need_cpus,
+                                          len(fitting), nodes, free, placement))
+        chosen = tuple(fitting[:unit.num_nodes])
+        for n in chosen:
+            free[n.node_id][0] -= need_gpus
+            free[n.node_id][1] -= need_cpus
+        placed.append(PlacedUnit(unit, chosen))
+    engines = []
+    tp = placement.generation.tensor_parallel_size
+    for i in range(placement.generation.num_engines):
+        need_gpus, need_cpus = (tp if gpu else 0), placement.cpus_per_worker
+        fitting = [n for n in nodes if free[n.node_id][0] + EPS >= need_gpus and free[n.node_id][1] + EPS >= need_cpus]
+        if not fitting:
+            raise UserError(short_message(f"generation engine {i + 1} of {placement.generation.num_engines}", 1, 1,
+                                          need_gpus, need_cpus, 0, nodes, free, placement))
+        best = max(fitting, key=lambda n: (free[n.node_id][0], free[n.node_id][1]))
+        free[best.node_id][0] -= need_gpus
+        free[best.node_id][1] -= need_cpus
+        engines.append(best)
+    return Plan(tuple(placed), tuple(engines), tp if gpu else 0, placement.gpu_resource, placement.cpus_per_worker)
+
+
+def short_message(what: str, num_nodes: int, per_node: int, need_gpus: float, need_cpus: float, found: int,
+                  nodes: list[Node], free: dict[str, list[float]], placement: PlacementConfig) -> str:
+    resource = f"{placement.gpu_resource} " if need_gpus else ""
+    wants = f"{num_nodes} node(s) with {need_gpus:g} {resource}GPU(s) and {need_cpus:g} CPU(s) free each" if need_gpus \
+        else f"{num_nodes} node(s) with {need_cpus:g} CPU(s) free each"
+    left = "; ".join(f"{n.label}: {free[n.node_id][0]:g} GPU, {free[n.node_id][1]:g} CPU" for n in nodes) or "no nodes"
+    hint = ""
+    if need_gpus and not any(n.gpus for n in nodes):
+        hint = (f" The cluster has no '{placement.gpu_resource}' resource at all: start nodes with GPUs, name the "
+                "resource standing in for them (placement.gpu_resource=...), or placement.gpu_resource=none for CPUs.")
+    return (f"the placement does not fit the Ray cluster: {what} needs {wants} ({num_nodes * per_node} worker(s)), "
+            f"but only {found} node(s) have that left. Free after the roles placed before it: {left}. Lower "
+            f"placement.<role>.num_nodes / num_gpus_per_node, colocate roles (placement.colocate), or add nodes.{hint}")
+
+
+def placement_table(plan: Plan) -> str:
+    """The start-up banner's table: one row per (role, node)."""
+    rows = [("role", "node", "workers", f"GPUs ({plan.gpu_resource})", "colocated with")]
+    gpus_used = plan.gpu_resource.lower() != "none"
+    for placed in plan.units:
+        unit = placed.unit
+        for role, fraction in zip(unit.roles, unit.fractions):
+            others = ", ".join(r for r in unit.roles if r != role) or "-"
+            for n in placed.nodes:
+                gpus = f"{unit.workers_per_node} x {fraction:g}" if gpus_used else "0 (CPU)"
+                rows.append((role, n.label, str(unit.workers_per_node), gpus, others))
+    for i, n in enumerate(plan.engines):
+        rows.append((f"engine {i}", n.label, "1", str(plan.engine_gpus), "-"))
+    widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
+    return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows)
+
+
+@dataclass(frozen=True)
+class RankSlot:
+    """One training worker of a unit: its rank, the node it runs on and its rank on that node."""
+
+    rank: int
+    node: Node
+    local_rank: int
+    node_rank: int
+
+
+def rank_slots(placed: PlacedUnit) -> list[RankSlot]:
+    """Ranks as torchrun numbers them: workers_per_node consecutive ranks per node, nodes in plan order."""
+    per = placed.unit.workers_per_node
+    return [RankSlot(i * per + j, n, j, i) for i, n in enumerate(placed.nodes) for j in range(per)]
+
+
+def roles_needed(algorithm, recipe) -> tuple[str, ...]:
+    """The roles a run of `algorithm` uses, policy first."""
+    roles = ["policy"]
+    if algorithm.needs_reference:
+        roles.append("reference")
+    if algorithm.needs_critic:
+        roles.append("critic")
+    if any(r.name == "reward_model" for r in recipe.rewards):
+        roles.append("reward_model")
+    return tuple(roles)
+

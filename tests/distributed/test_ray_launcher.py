@@ -1,0 +1,148 @@
+"""`posttrain grpo --ray` on a local Ray cluster of two "nodes" (a head and a worker on this machine, each with one
+`fake_gpu` standing in for a GPU and one CPU): the 2 ranks land one per node and train the same weights as
+`torchrun --nproc_per_node 2` with the same seed; a placement that does not fit stops before anything starts; a killed
+actor stops the run naming its rank and node.
+
+One cluster per module (start-up costs seconds and memory); it is shut down at the end.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.distributed.launch import ROOT, Result, launch, worker_env
+from tests.distributed.test_grpo_distributed import overrides as grpo_overrides
+from tests.distributed.test_ppo_distributed import critic_weights, overrides as ppo_overrides
+from posttrain.tasks import write_example_data
+from tests.integration.helpers import max_weight_diff
+
+ray = pytest.importorskip("ray", reason="the ray extra is not installed (pip install 'posttrain[ray]')")
+pytestmark = [pytest.mark.ray, pytest.mark.distributed]
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    from ray.cluster_utils import Cluster
+
+    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "resources": {"fake_gpu": 1},
+                                                      "include_dashboard": False})
+    c.add_node(num_cpus=1, resources={"fake_gpu": 1})
+    c.wait_for_nodes()
+    yield c
+    c.shutdown()
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    return write_example_data(tmp_path_factory.mktemp("data"), n_train=32, n_eval=5)
+
+
+def run_ray(command: str, overrides: list[str], cluster, timeout: float = 400, watch=None) -> Result:
+    """`python -m posttrain <command> --ray placement.address=<cluster> ...` in a subprocess; `watch(proc)` runs
+    while it does (to kill an actor mid-run)."""
+    out_dir = next(o.split("=", 1)[1] for o in overrides if o.startswith("output_dir="))
+    argv = [sys.executable, "-m", "posttrain", command, "--ray", f"placement.address={cluster.address}",
+            "placement.gpu_resource=fake_gpu", *overrides]
+    started = time.perf_counter()
+    proc = subprocess.Popen(argv, cwd=ROOT, env=worker_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+    if watch is not None:
+        watch(proc)
+    try:
+        output, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        output, _ = proc.communicate()
+    from pathlib import Path
+
+    return Result(proc.returncode, output, Path(out_dir), time.perf_counter() - started)
+
+
+def test_grpo_ranks_on_two_nodes_match_torchrun(tiny_model_dir, data, tmp_path, cluster):
+    reference = launch(2, "grpo", grpo_overrides(tiny_model_dir, data, tmp_path / "torchrun", per_device=2))
+    reference.check_world(2)
+    result = run_ray("grpo", grpo_overrides(tiny_model_dir, data, tmp_path / "ray", per_device=2), cluster)
+    result.check_world(2, nodes=2)
+    table = result.output[result.output.index("posttrain ray placement"):].splitlines()[1:4]
+    assert table[0].split()[:2] == ["role", "node"], table
+    assert [row.split()[0] for row in table[1:]] == ["policy", "policy"], table  # GRPO's reference (beta > 0) ...
+    assert "reference" in table[1], table  # ... is colocated with it, inside the same workers
+    assert len({row.split()[2] for row in table[1:]}) == 2, table  # two different nodes
+    assert any(loss != 0 for loss in reference.losses().values())  # something to compare
+    assert reference.losses() == pytest.approx(result.losses(), abs=1e-5)
+    assert max_weight_diff(reference.final_weights(), result.final_weights()) < 1e-4
+
+
+def test_ppo_with_critic_on_two_nodes_matches_torchrun(tiny_model_dir, data, tmp_path, cluster):
+    """PPO's policy, reference and critic live in the same two workers (one per node); the policy AND the critic
+    train as under torchrun."""
+    reference = launch(2, "ppo", ppo_overrides(tiny_model_dir, data, tmp_path / "torchrun", per_device=2))
+    reference.check_world(2)
+    result = run_ray("ppo", ppo_overrides(tiny_model_dir, data, tmp_path / "ray", per_device=2), cluster)
+    result.check_world(2, nodes=2)
+    assert "critic" in result.output[result.output.index("posttrain ray placement"):].splitlines()[2]
+    one, two = reference.metrics(), result.metrics()
+    assert [r["step"] for r in one] == [r["step"] for r in two] == [1, 2]
+    for expected, got in zip(one, two):
+        for name in ("loss", "loss/critic", "kl"):
+            assert got[name] == pytest.approx(expected[name], abs=1e-5), name
+    assert max_weight_diff(reference.final_weights(), result.final_weights()) < 1e-4
+    assert max_weight_diff(critic_weights(reference.output_dir), critic_weights(result.output_dir)) < 1e-4
+
+
+def test_placement_that_does_not_fit_stops_before_start(tiny_model_dir, data, tmp_path, cluster):
+    result = run_ray("grpo", grpo_overrides(tiny_model_dir, data, tmp_path / "run", per_device=2)
+                     + ["placement.policy.num_gpus_per_node=2"], cluster, timeout=120)
+    assert result.returncode == 2, result.output[-3000:]
+    assert "the placement does not fit the Ray cluster: policy+reference needs 2 node(s) with 2 fake_gpu GPU(s)" \
+        in result.output, result.output[-3000:]
+    assert not (tmp_path / "run").exists()
+
+
+def test_parts_not_built_yet_say_so(tiny_model_dir, data, tmp_path, cluster):
+    result = run_ray("grpo", grpo_overrides(tiny_model_dir, data, tmp_path / "run", per_device=2)
+                     + ["placement.generation.num_engines=1"], cluster, timeout=120)
+    assert result.returncode == 2 and "is not built yet" in result.output, result.output[-3000:]
+
+
+def test_input_error_found_by_the_ranks_is_exit_2(tiny_model_dir, data, tmp_path, cluster):
+    """The ranks' own checks (here: the data file) come back to the driver as the usual one-line error."""
+    result = run_ray("grpo", grpo_overrides(tiny_model_dir, data, tmp_path / "run", per_device=2)
+                     + [f"data.train={tmp_path / 'missing.jsonl'}"], cluster, timeout=200)
+    assert result.returncode == 2, result.output[-3000:]
+    assert "posttrain: error: data.train" in result.output and "missing.jsonl" in result.output, result.output[-3000:]
+
+
+def test_killed_actor_names_rank_and_node(tiny_model_dir, data, tmp_path, cluster):
+    out = tmp_path / "run"
+    import psutil
+
+    def kill_a_rank_after_first_checkpoint(proc):
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline and proc.poll() is None:
+            if (out / "checkpoints" / "step-1").is_dir():
+                workers = [p for p in psutil.process_iter(["cmdline"])
+                           if "ray::RankWorker.run" in " ".join(p.info["cmdline"] or [])]
+                if workers:
+                    os.kill(max(workers, key=lambda p: p.pid).pid, signal.SIGKILL)
+                    return
+            time.sleep(0.2)
+
+    overrides = grpo_overrides(tiny_model_dir, data, out, per_device=2) + ["train.max_steps=50", "train.save_steps=1"]
+    result = run_ray("grpo", overrides, cluster, watch=kill_a_rank_after_first_checkpoint)
+    assert result.returncode == 1, result.output[-4000:]
+    message = result.output[result.output.index("posttrain: error: rank"):]
+    assert re.match(r"posttrain: error: rank [01] \(policy\+reference worker on node \S+ \([0-9a-f]{8}\)\): its actor "
+                    r"died: The actor died unexpectedly", message), message
+    assert "Some common causes" not in message  # Ray's generic advice is cut; the exit detail stays
+    assert "continue with train.resume_from_checkpoint=auto" in message
+    from posttrain.checkpoint import resolve_resume
+
+    assert resolve_resume(str(out), "auto") is not None  # the newest complete checkpoint is there to resume from
