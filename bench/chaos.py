@@ -11,7 +11,9 @@ within --stop-bound seconds, saying which rank was lost). After a kill every che
 manifest, and the run restarts with train.resume_from_checkpoint=auto. When a run finishes, its final weights are
 compared with the reference run's; while kills remain a new episode starts in a fresh output_dir.
 Failures: a restart that fails by itself, a checkpoint left corrupt, a lone rank that does not stop in time or does
-not name the lost rank, final weights further than --tol from the reference. Prints one line per event, then
+not name the lost rank, a start that runs longer than --hang-factor x the reference run (a hang: after a kill -9
+during start-up, torch's JIT build lock of DeepSpeed's CPU ops can be left behind, see docs/reliability.md), final
+weights further than --tol from the reference. Prints one line per event, then
 kills / resumes / failures / max |dw| and the same as one JSON line.
 """
 
@@ -170,7 +172,10 @@ class Chaos:
         delay = {"random": self.rng.uniform(0.2, 0.9) * self.run_seconds, "rank": self.rng.uniform(0, 3)}
         deadline = time.perf_counter() + delay.get(kind, 10 * self.run_seconds)
         started_training = None
+        hung_at = time.perf_counter() + self.args.hang_factor * self.run_seconds
         while proc.poll() is None:
+            if time.perf_counter() >= hung_at:
+                return self.hung(proc, out)
             if (kind == "random" and time.perf_counter() >= deadline) or (kind == "checkpoint" and saving(out)) or (
                     kind == "export" and exporting(out)):
                 kill_all(proc)
@@ -181,6 +186,13 @@ class Chaos:
                 return self.kill_rank(proc, log)
             time.sleep(0.005)
         return None
+
+    def hung(self, proc: subprocess.Popen, out: Path) -> str:
+        locks = [str(p) for p in Path(env()["TORCH_EXTENSIONS_DIR"]).glob("*/lock")]
+        self.failures.append(f"{out}: a start still running after {self.args.hang_factor:.0f} x the reference run "
+                             f"({self.args.hang_factor * self.run_seconds:.0f} s); JIT build locks: {locks or 'none'}")
+        kill_all(proc)
+        return "hung"
 
     def kill_rank(self, proc: subprocess.Popen, log: Path) -> str | None:
         rank = self.rng.choice([0, 1])
@@ -225,8 +237,14 @@ class Chaos:
             proc = self.start(out, log)
             started = time.perf_counter()
             kind = self.kill_once(proc, out, log) if self.kills < self.args.kills else None
+            if kind == "hung":
+                return
             if kind is None:
-                code = proc.wait()
+                try:
+                    code = proc.wait(timeout=self.args.hang_factor * self.run_seconds)
+                except subprocess.TimeoutExpired:
+                    self.hung(proc, out)
+                    return
                 if code != 0:
                     self.failures.append(f"episode {self.episodes}: restart {restarts} failed by itself (rc {code}); "
                                          f"see {log}")
@@ -262,6 +280,8 @@ def main(argv_: list[str] | None = None) -> dict:
     parser.add_argument("--kinds", type=lambda s: s.split(","), help="kill kinds in this order (default: drawn)")
     parser.add_argument("--tol", type=float, default=0.0, help="largest |dw| against the reference counted as equal")
     parser.add_argument("--stop-bound", type=float, default=90.0, help="seconds a lone rank may take to stop")
+    parser.add_argument("--hang-factor", type=float, default=10.0,
+                        help="a start running longer than this many times the reference run counts as hung")
     parser.add_argument("--out", help="working directory (default: a temporary one)")
     args = parser.parse_args(argv_)
     root = Path(args.out or tempfile.mkdtemp(prefix="posttrain-chaos-"))

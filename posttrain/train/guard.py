@@ -4,13 +4,15 @@
         ...                                                   # loop phase 5: backend.step(..., skip_nonfinite=guard.skip)
         local = torch.cat([local, guard.local_flags(step_loss)])   # phase 6: two more numbers in the one all-reduce
         guard.check_step(state, reduced[-2:], grad_norm)      # non-finite: raises RunStopped, or counts a skipped step
-        if guard.stop_signal: save the checkpoint, then guard.stopped(step, path)   # raises RunStopped(143 / 130)
+        if guard.stop_signal (at a generation-batch end): save, then guard.stopped(step, path)  # RunStopped(143 / 130)
 
 Clusters (SLURM, Kubernetes) send SIGTERM a grace period before SIGKILL, and torchrun / accelerate launch forward it
 to every worker. The handler only records the signal; the loop acts at the next step boundary on a decision every
 rank shares (the flags travel in the step's metrics all-reduce, so no collective is added and none is left
-half-entered): each rank saves the same checkpoint, says so, and the process exits 128 + the signal number. A second
-signal gets the handler that was there before (by default: exit at once).
+half-entered): each rank saves the same checkpoint, says so, and the process exits 128 + the signal number. Where an
+online algorithm reuses one generation batch for several steps (PPO's ppo_epochs, GRPO's num_iterations), the stop
+waits for the end of that batch, the only place a checkpoint resumes exactly. A second signal gets the handler that
+was there before (by default: exit at once).
 
 A non-finite step is agreed the same way (the summed loss flag, and the gradient norm, which is global). With
 train.nonfinite=stop (the default) the run stops before that step is logged or saved, so every checkpoint and final/

@@ -7,7 +7,8 @@
         4. per trained role (policy; critic for PPO): forward + backward per micro-batch (gradient sync only on the
            last), then clip, optimiser step, LR schedule
         5. metrics reduced across ranks once, with the guard's flags (non-finite loss, stop signal); rank 0 logs
-        6. eval and checkpoint when due (and at once when a stop signal was agreed: train/guard.py)
+        6. eval and checkpoint when due (and when a stop signal was agreed, at the end of the generation batch:
+           train/guard.py)
 
 Because every micro-batch's loss is divided by the same global count (phase 3), 1 process x 4 accumulation steps,
 2 processes x 2 and one micro-batch of 4 give the same update. Each trained role (algorithm.objectives) has its
@@ -169,9 +170,12 @@ def train(ctx: LoopContext) -> TrainState:
             ctx.logger.log(state.step, ctx.evaluate())
             model.train()
         stop_early = t.max_steps_per_run is not None and steps_this_run >= t.max_steps_per_run and not last
-        if (t.save_steps and state.step % t.save_steps == 0) or last or stop_early or guard.stop_signal:
+        # a stop signal acts where a checkpoint resumes exactly: at the end of a generation batch (PPO / GRPO reuse
+        # one for algorithm.steps_per_rollout steps, and a resume inside it would sample it again)
+        stop = guard.stop_signal and (state.step % algorithm.steps_per_rollout == 0 or last)
+        if (t.save_steps and state.step % t.save_steps == 0) or last or stop_early or stop:
             saved = ctx.checkpointer.save(state, models, algorithm)
-        if guard.stop_signal:
+        if stop:
             guard.stopped(state.step, saved)
         if stop_early:
             break

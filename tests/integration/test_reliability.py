@@ -20,6 +20,7 @@ from posttrain.algorithms.sft import SFT
 from posttrain.checkpoint_files import verify
 from posttrain.distributed.backend import Backend
 from posttrain.tasks import write_example_data
+from posttrain.train.guard import Guard
 from tests.integration.helpers import final_weights, max_weight_diff, metrics, run_cli, run_overrides, step_losses
 
 STEPS = 6
@@ -159,6 +160,42 @@ def test_sigterm_saves_at_the_step_boundary_exits_143_and_resume_is_exact(tiny_m
     monkeypatch.undo()
     assert sft(tiny_model_dir, data, out, "train.resume_from_checkpoint=auto") == 0
     assert_same_as_reference(out, reference)
+
+
+def test_ppo_stopped_by_sigterm_resumes_both_trained_roles_exactly(tiny_model_dir, data, tmp_path, monkeypatch,
+                                                                    capsys):
+    """Two trained roles (policy + critic): the stop checkpoint holds both, and the resumed run ends with the same
+    policy (final/) and critic (final-critic/) as the uninterrupted one, bit for bit. With ppo_epochs=2 a signal in
+    step 3 stops after step 4, the end of the generation batch (a checkpoint inside it would not resume exactly)."""
+    def ppo(out, *extra):
+        return run_cli("ppo", *run_overrides(
+            tiny_model_dir, data["prompts_train"], out, "train.max_steps=6", "train.save_steps=6",
+            "train.per_device_train_batch_size=4", "generation.max_completion_length=8", "algo.ppo_epochs=2",
+            "rewards=[{name: length_penalty, kwargs: {max_length: 40}}]", "algo.critic_learning_rate=3e-3", *extra,
+            learning_rate="1e-3"))
+
+    assert ppo(tmp_path / "full") == 0
+    calls = {"n": 0}
+    local_flags = Guard.local_flags
+
+    def signal_in_step_3(self, step_loss):  # once per step, after the updates: the signal arrives during step 3
+        calls["n"] += 1
+        if calls["n"] == 3:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return local_flags(self, step_loss)
+
+    monkeypatch.setattr(Guard, "local_flags", signal_in_step_3)
+    out = tmp_path / "run"
+    assert ppo(out) == 143
+    assert "SIGTERM at step 4: checkpoint saved to" in capsys.readouterr().err
+    assert [p.name for p in (out / "checkpoints").glob("step-*")] == ["step-4"]
+    assert verify(out / "checkpoints" / "step-4") is None and not (out / "final").exists()
+    monkeypatch.undo()
+    assert ppo(out, "train.resume_from_checkpoint=auto") == 0
+    assert step_losses(out) == step_losses(tmp_path / "full")
+    for name in ("final", "final-critic"):
+        a, b = (load_file(str(next((run / name).glob("*.safetensors")))) for run in (tmp_path / "full", out))
+        assert max_weight_diff(a, b) == 0.0, name
 
 
 def test_sigint_does_the_same_with_exit_130(tiny_model_dir, data, tmp_path, monkeypatch, capsys):
