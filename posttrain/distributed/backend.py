@@ -131,6 +131,37 @@ def check_deepspeed_json(user: dict[str, Any], path: str, t: TrainConfig, world_
                       expected=t.mixed_precision == precision)
 
 
+STALE_BUILD_LOCK_SECONDS = 600  # DeepSpeed's CPU op builds take ~40-70 s; nothing in a live build sits still this long
+
+
+def clear_stale_build_locks(root: Optional[str] = None, now: Optional[float] = None) -> list[Path]:
+    """Remove torch JIT build locks left by a process killed while holding one (DeepSpeed builds / checks its CPU ops
+    under TORCH_EXTENSIONS_DIR at every start, holding `<op>/lock`; torch waits on a leftover lock forever, silently).
+    A lock is stale when it and every other file of its op directory are older than STALE_BUILD_LOCK_SECONDS: a live
+    build keeps writing there. Returns the removed paths (each said on stderr)."""
+    import sys
+
+    if root is None:
+        from torch.utils.cpp_extension import get_default_build_root
+
+        root = os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()
+    now = time.time() if now is None else now
+    removed = []
+    for lock in Path(root).glob("**/lock"):
+        try:
+            newest = max(f.stat().st_mtime for f in lock.parent.iterdir())
+            if now - newest < STALE_BUILD_LOCK_SECONDS:
+                continue
+            lock.unlink()
+        except FileNotFoundError:  # another rank removed it, or the build finished meanwhile
+            continue
+        removed.append(lock)
+        print(f"posttrain: warning: removed {lock}, a build lock untouched for {(now - newest) / 60:.0f} min (left by "
+              "a process killed while building or checking DeepSpeed's ops; torch would wait on it forever)",
+              file=sys.stderr, flush=True)
+    return removed
+
+
 def _check_not_a_lone_cpu_process() -> None:
     """`accelerate launch --cpu --num_processes 2` (or a config with use_cpu and no multi-process type) starts ONE
     process that expects mpirun to have started the others; it would train alone as if nothing were wrong."""
@@ -210,6 +241,8 @@ class Backend:
             raise UserError("train.mixed_precision=fp16 needs a CUDA GPU; on CPU use bf16 or 'no'")
         check_launcher_settings(t)
         _reset_accelerate_state()  # an earlier run in this process (tests, the demo) that stopped on an error
+        if use_cpu and launcher_engine() == "deepspeed":  # before DeepSpeed loads (and JIT-checks) its CPU ops
+            clear_stale_build_locks()
         self.accelerator = _make_accelerator(t, use_cpu)
         self.world_size = self.accelerator.num_processes
         self.rank = self.accelerator.process_index
