@@ -32,10 +32,11 @@ import torch
 
 from posttrain.algorithms.base import Models
 from posttrain.algorithms.forward import policy_logits, policy_logprobs
-from posttrain.algorithms.online import OnlineAlgorithm
+from posttrain.algorithms.online import OnlineAlgorithm, check_is_correction
 from posttrain.config.schema import Recipe
 from posttrain.errors import UserError
-from posttrain.losses.policy import IMPORTANCE_LEVELS, LOSS_AGGREGATIONS, add_kl_penalty, clipped_surrogate
+from posttrain.losses.policy import (IMPORTANCE_LEVELS, LOSS_AGGREGATIONS, add_kl_penalty, clipped_surrogate,
+                                     truncated_importance_weights)
 from posttrain.ops.advantages import REWARD_SCALES, group_advantages
 from posttrain.ops.logprobs import entropy_BT, masked_mean, token_logprobs
 from posttrain.batch import Batch
@@ -64,6 +65,11 @@ class GRPOAlgoConfig:
     """Leave completions that hit max_completion_length without EOS out of the loss (DAPO)."""
     log_samples: int = 2
     """Prompt groups written to output_dir/samples.jsonl at each logging step (0: none)."""
+    vllm_is_correction: bool = False
+    """Weight each token's surrogate by min(pi_old / pi_sampler, vllm_is_cap): truncated importance sampling for
+    an engine that samples with other numerics (vllm, server) or an older policy (generation.async)."""
+    vllm_is_cap: float = 2.0
+    """The cap of that weight (>= 1)."""
 
     def validate(self, recipe: Recipe) -> None:
         """Everything checkable before the processes start; the loader calls it after building the recipe."""
@@ -78,6 +84,7 @@ class GRPOAlgoConfig:
         if self.beta < 0 or self.epsilon <= 0 or (self.epsilon_high is not None and self.epsilon_high < 0):
             raise UserError(f"need algo.beta >= 0, algo.epsilon > 0 and algo.epsilon_high >= 0; got {self.beta}, "
                             f"{self.epsilon}, {self.epsilon_high}")
+        check_is_correction(self, recipe)
         if self.num_iterations < 1 or self.log_samples < 0:
             raise UserError(f"need algo.num_iterations >= 1 and algo.log_samples >= 0; got {self.num_iterations}, "
                             f"{self.log_samples}")
@@ -174,6 +181,11 @@ class GRPO(OnlineAlgorithm):
         loss_BT, clip_fraction = clipped_surrogate(logprobs_BT, old_BT, batch.advantages_B, mask_BT, cfg.epsilon,
                                                    epsilon_high, level=cfg.importance_sampling_level)
         metrics = {"clip_fraction": clip_fraction}
+        if cfg.vllm_is_correction:
+            weights_BT, is_metrics = truncated_importance_weights(old_BT, batch.sampler_logprobs_BT, mask_BT,
+                                                                  cfg.vllm_is_cap)
+            loss_BT = loss_BT * weights_BT
+            metrics.update(is_metrics)
         if batch.sampler_logprobs_BT is not None:  # how far the engine's sampling policy is from the trainer's
             metrics["sampler_logprob_gap"] = masked_mean((logprobs_BT.detach() - batch.sampler_logprobs_BT).abs(),
                                                          mask_BT)

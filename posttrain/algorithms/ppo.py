@@ -25,11 +25,11 @@ import torch
 
 from posttrain.algorithms.base import Models, Objective
 from posttrain.algorithms.forward import policy_logits, policy_logprobs
-from posttrain.algorithms.online import OnlineAlgorithm
+from posttrain.algorithms.online import OnlineAlgorithm, check_is_correction
 from posttrain.batch import Batch
 from posttrain.config.schema import ModelConfig, Recipe
 from posttrain.errors import UserError
-from posttrain.losses.policy import clipped_surrogate
+from posttrain.losses.policy import clipped_surrogate, truncated_importance_weights
 from posttrain.losses.value import clipped_value_loss
 from posttrain.ops.advantages import (discounted_returns, gae, group_advantages, masked_moments, rloo_scores,
                                       token_rewards, whiten)
@@ -82,8 +82,13 @@ class PPOAlgoConfig:
     """The same for the reward model of `rewards` (a `reward_model` entry)."""
     log_samples: int = 2
     """Prompt groups written to output_dir/samples.jsonl at each logging step (0: none)."""
+    vllm_is_correction: bool = False
+    """Truncated importance sampling: weight each token's surrogate by min(pi_old / pi_sampler, vllm_is_cap)."""
+    vllm_is_cap: float = 2.0
+    """The cap of that weight (>= 1)."""
 
     def validate(self, recipe: Recipe) -> None:
+        check_is_correction(self, recipe)
         for key, value, table in (("advantage_estimator", self.advantage_estimator, ESTIMATORS),
                                   ("kl_estimator", self.kl_estimator, ("k1", "k3"))):
             if value not in table:
@@ -220,8 +225,13 @@ class PPO(OnlineAlgorithm):
         logprobs_BT = token_logprobs(logits_BTV, batch.input_ids_BT, temperature=self.temperature)
         loss_BT, clip_fraction = clipped_surrogate(logprobs_BT, batch.old_logprobs_BT, batch.advantages_BT, mask_BT,
                                                    self.config.epsilon, self.config.epsilon)
+        is_metrics = {}
+        if self.config.vllm_is_correction:
+            weights_BT, is_metrics = truncated_importance_weights(batch.old_logprobs_BT, batch.sampler_logprobs_BT,
+                                                                  mask_BT, self.config.vllm_is_cap)
+            loss_BT = loss_BT * weights_BT
         with torch.no_grad():
-            metrics = {"clip_fraction": clip_fraction,
+            metrics = {"clip_fraction": clip_fraction, **is_metrics,
                        "approx_kl": masked_mean(kl_k3(logprobs_BT, batch.old_logprobs_BT), mask_BT),
                        "entropy": masked_mean(entropy_BT(logits_BTV, temperature=self.temperature), mask_BT)}
         return masked_sum(loss_BT, mask_BT) / normaliser, metrics

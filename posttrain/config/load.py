@@ -69,21 +69,27 @@ def build(cls: type, raw: Any, where: str, prefix: str, algo_cls: type | None = 
     if not isinstance(raw, dict):
         raise UserError(f"{where}: '{prefix.rstrip('.') or 'recipe'}' must be a mapping, got {raw!r}")
     hints = typing.get_type_hints(cls)
-    fields = {f.name: f for f in dataclasses.fields(cls)}
+    fields = {recipe_key(f): f.name for f in dataclasses.fields(cls)}
     for key in raw:
         if key not in fields:
             raise UserError(unknown_key_message(where, prefix + str(key), list(fields), prefix))
     kwargs = {}
-    for name, value in raw.items():
+    for key, value in raw.items():
+        name = fields[key]
         hint = hints[name]
         if cls is Recipe and name == "algo":
             kwargs[name] = build(algo_cls, value, where, "algo.")
         else:
-            kwargs[name] = coerce(hint, value, where, prefix + name)
+            kwargs[name] = coerce(hint, value, where, prefix + key)
     try:
         return cls(**kwargs)
     except TypeError as e:
         raise UserError(f"{where}: section '{prefix.rstrip('.')}': {e}") from None
+
+
+def recipe_key(f: dataclasses.Field) -> str:
+    """A field's key in recipes: its name, or metadata["key"] where the key is a Python keyword (generation.async)."""
+    return f.metadata.get("key", f.name)
 
 
 def unknown_key_message(where: str, key: str, valid: list[str], prefix: str) -> str:
@@ -147,7 +153,7 @@ def coerce(hint: Any, value: Any, where: str, key: str) -> Any:
 def to_dict(obj: Any) -> Any:
     """A recipe as plain data (for config.yaml)."""
     if dataclasses.is_dataclass(obj):
-        return {f.name: to_dict(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+        return {recipe_key(f): to_dict(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
     if isinstance(obj, (list, tuple)):
         return [to_dict(v) for v in obj]
     if isinstance(obj, dict):

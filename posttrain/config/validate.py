@@ -75,6 +75,12 @@ def validate(recipe: Recipe) -> None:
     if not 0 < g.vllm.gpu_memory_utilization <= 1:
         raise UserError(f"generation.vllm.gpu_memory_utilization must be in (0, 1], got {g.vllm.gpu_memory_utilization}")
     check_servers_listed(g)
+    if g.async_ and g.engine == "hf":
+        raise UserError("generation.async samples the next batch while this one trains, which needs an engine with "
+                        "its own copy of the weights: set generation.engine=vllm or server, or generation.async=false")
+    if g.async_ and g.vllm.enable_sleep_mode:
+        raise UserError("generation.async keeps the engine generating during training, so "
+                        "generation.vllm.enable_sleep_mode (free its memory while training) cannot apply; drop one")
     for i, r in enumerate(recipe.rewards):
         if not r.name:
             raise UserError(f"rewards[{i}].name is empty: name a built-in reward or an import path module:function")

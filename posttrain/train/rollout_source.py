@@ -12,7 +12,9 @@ made in phases:
      any world size; rank r takes the r-th contiguous slice, so each prompt's G completions stay on one rank;
   2. generate: G completions per prompt with the engine, `generation.batch_size` prompts per call, each call seeded
      by (seed, global position of its first prompt): resume reproduces it, and so does any accumulation split;
-     with generation.batch_size=1 so does any world size;
+     with generation.batch_size=1 so does any world size. With generation.async the batch was sampled in a thread
+     during the previous batch's training (from the policy one batch older); once it is taken, the engine gets the
+     current weights and the next batch starts sampling, overlapping the phases below and the training;
   3. score: the RewardSet on this rank's completions; the step's total rewards are gathered from all ranks (one
      small all_gather) so advantages and the metrics can be computed on the whole step, identically on every rank;
   4. batches: prompt + completion rows, right padded, split into micro-batches, each completion's total reward in
@@ -22,7 +24,7 @@ made in phases:
 
 last_metrics (whole step, all ranks): reward/mean|std, rewards/<name>/mean|std, rewards/skipped,
 frac_reward_zero_std, completion_length/mean|max|min, truncated_fraction; and this rank's seconds per phase:
-time/generate, time/score (with the gather), time/ref (old and reference log-probs, critic values, advantages),
+time/generate (with generation.async: the wait for the batch sampled ahead), time/score (with the gather), time/ref (old and reference log-probs, critic values, advantages),
 time/train (from handing the micro-batches over to the loop reading the metrics: forward, backward, optimiser step).
 """
 
@@ -31,6 +33,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
@@ -105,6 +108,11 @@ class RolloutSource:
         self._generation: Generation | None = None
         self._handed_out = time.perf_counter()
         self._metrics: dict[str, float] = {}
+        self._trained_through = 0  # optimiser steps the policy has taken (as far as this source knows)
+        # generation.async: the next generation batch, sampled in a thread while this one trains
+        self._async = recipe.generation.async_
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="posttrain-async") if self._async else None
+        self._pending: tuple[int, int | None, Future] | None = None  # (index, policy version it samples, future)
 
     def _make_engine(self):
         policy, gen = self.models.policy.model, self.recipe.generation
@@ -121,7 +129,6 @@ class RolloutSource:
         """Before generating for `step`: an engine holding its own copy of the policy gets the trainer's weights
         when the policy has stepped `generation.sync_every` times since the last sync (always before the first)."""
         engine, gen = self.engine, self.recipe.generation
-        self._sync_seconds = 0.0
         if not getattr(engine, "holds_copy", False) or self._synced_at == step:
             return
         if self._synced_at is not None and step - self._synced_at < gen.sync_every:
@@ -133,17 +140,39 @@ class RolloutSource:
         if getattr(engine, "shared", False):  # servers: no rank generates before rank 0's sync has landed
             self.backend.barrier()
         self._synced_at = step
-        self._sync_seconds = time.perf_counter() - started
+        self._sync_seconds += time.perf_counter() - started
+
+    def before_evaluation(self) -> None:
+        """Held-out evaluation measures the current policy: an async generation in flight finishes first (its
+        batch is kept), then an engine holding its own copy of the weights gets the trainer's, whatever sync_every
+        says."""
+        if self._pending is not None:
+            self._pending[2].result()
+        if getattr(self.engine, "holds_copy", False) and self._synced_at != self._trained_through:
+            self._synced_at = None
+            self._sync_weights(self._trained_through)
 
     def close(self, step: int) -> None:
         """After the run: servers, which outlive it, get the final policy (they then serve what final/ holds); the
         engine lets go of what it holds (a server engine's sync group)."""
+        self._drop_pending()
         if getattr(self.engine, "shared", False) and self._synced_at != step:
             self._synced_at = None  # whatever sync_every says
             self._sync_weights(step)
         close = getattr(self.engine, "close", None)
         if close is not None:
             close()
+
+    def _drop_pending(self) -> None:
+        """Wait for an async generation in flight (the run ends or stops: its batch is not needed) and let it go."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            try:
+                pending[2].result()
+            except Exception as e:  # the run is ending anyway; what stopped it matters more
+                logger.warning("the generation batch sampled ahead (generation.async) failed: %s", e)
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
 
     def micro_batches_per_epoch(self) -> int:
         """Per-rank micro-batches for one pass over the prompts (each reused num_iterations times)."""
@@ -157,10 +186,15 @@ class RolloutSource:
 
     def step_batches(self, step: int) -> list[Batch]:
         index = step // self.iterations
+        self._trained_through = step + 1  # once the loop has stepped on these batches
         if self._generation is None or self._generation.index != index:
             if step % self.iterations and self._generation is None:
                 logger.warning("resuming at step %d, inside generation batch %d (num_iterations=%d): the batch is "
                                "sampled again from the current policy", step, index, self.iterations)
+            if self._async and step and self._generation is None:
+                logger.warning("resuming at step %d with generation.async: the first batch is sampled from the "
+                               "current policy (the uninterrupted run sampled it one step earlier), so this run will "
+                               "not be bit-for-bit the uninterrupted one", step)
             self._generation = self._generate(index, step)
             self._metrics = self._generation.metrics
         else:  # a reused batch: nothing was generated, scored or prepared for this step
@@ -170,20 +204,39 @@ class RolloutSource:
 
     # --- the phases ------------------------------------------------------------------------------------------------
 
+    def _prompts(self, index: int) -> tuple[list[int], list[int], list[dict]]:
+        """This rank's slice of generation batch `index`: global positions, dataset rows, examples."""
+        first = index * self.prompts_per_step + self.backend.rank * self.prompts_per_rank
+        positions = list(range(first, first + self.prompts_per_rank))
+        dataset_index = [self.order.index(p) for p in positions]
+        return positions, dataset_index, [self.examples[i] for i in dataset_index]
+
     def _generate(self, index: int, step: int) -> Generation:
         # 1. this rank's slice of the step's prompts
         backend, group = self.backend, self.group
-        first = index * self.prompts_per_step + backend.rank * self.prompts_per_rank
-        positions = list(range(first, first + self.prompts_per_rank))
-        dataset_index = [self.order.index(p) for p in positions]
-        prompts = [self.examples[i] for i in dataset_index]
+        positions, dataset_index, prompts = self._prompts(index)
 
-        # 2. generate (an engine with its own copy of the weights gets the current policy first)
-        self._sync_weights(step)
+        # 2. generate (an engine with its own copy of the weights gets the current policy first); with
+        # generation.async the batch was sampled during the previous step, and the next one starts now
+        self._sync_seconds = 0.0
         started = time.perf_counter()
-        prompt_ids, completion_ids, sampler_logprobs, truncated = self._sample(prompts, positions)
-        self.engine.sleep()  # training gets the engine's accelerator memory back (vllm with sleep mode on a GPU)
-        generated = time.perf_counter()
+        pending, self._pending = self._pending, None
+        if pending is not None and pending[0] == index:
+            sampled_by, (prompt_ids, completion_ids, sampler_logprobs, truncated) = pending[1], pending[2].result()
+        else:
+            if pending is not None:  # sampled for another batch (cannot happen in a plain run): not used
+                pending[2].result()
+            self._sync_weights(step)
+            sampled_by = self._synced_at
+            prompt_ids, completion_ids, sampler_logprobs, truncated = self._sample(prompts, positions)
+        generated, synced_before = time.perf_counter(), self._sync_seconds
+        if self._async:
+            self._sync_weights(step)  # no generation is in flight now
+            next_positions, _, next_prompts = self._prompts(index + 1)
+            self._pending = (index + 1, self._synced_at, self._pool.submit(self._sample, next_prompts, next_positions))
+        else:
+            self.engine.sleep()  # training gets the engine's accelerator memory back (vllm sleep mode on a GPU)
+        score_started = time.perf_counter()
 
         # 3. score this rank's completions; gather the step's rewards from every rank
         texts = self.tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
@@ -212,9 +265,9 @@ class RolloutSource:
         prepared = time.perf_counter()
 
         metrics = step_metrics(everyone, global_total_B, group)
-        metrics.update({"time/generate": generated - started, "time/score": scored - generated,
+        metrics.update({"time/generate": generated - started - synced_before, "time/score": scored - score_started,
                         "time/ref": prepared - scored, "time/sync": self._sync_seconds,
-                        "policy_lag": float(step - (self._synced_at if self._synced_at is not None else step)),
+                        "policy_lag": float(step - (sampled_by if sampled_by is not None else step)),
                         **advantage_metrics})
         if backend.is_main:
             self._write_samples(step, prompts, texts, total_B, per_function, sequence_advantages(batches), truncated)

@@ -47,3 +47,16 @@ def test_vllm_engine_is_synced_before_every_generation(tiny_vllm_model_dir, data
     assert stale.returncode == 0, stale.stderr[-3000:]
     gaps = [r["sampler_logprob_gap"] for r in metrics(tmp_path / "stale")]
     assert gaps[0] < 2e-3 and gaps[2] > 10 * max(gaps[0], 1e-4), gaps  # the engine still samples from step 0
+
+
+def test_vllm_engine_async_samples_the_next_batch_during_training(tiny_vllm_model_dir, data, tmp_path):
+    """generation.async with the in-process engine: the engine samples batch N+1 in a thread while batch N trains,
+    from the policy one step older (policy_lag 1), and the truncated importance weights are logged."""
+    run = run_grpo(tiny_vllm_model_dir, data, tmp_path / "async", "generation.async=true",
+                   "algo.vllm_is_correction=true", "algo.vllm_is_cap=1.5")
+    assert run.returncode == 0, run.stderr[-3000:]
+    rows = metrics(tmp_path / "async")
+    assert [r["policy_lag"] for r in rows] == [0, 1, 1]
+    gaps = [r["sampler_logprob_gap"] for r in rows]
+    assert gaps[0] < 2e-3 and min(gaps[1:]) > 10 * max(gaps[0], 1e-4), gaps
+    assert all(r["is_ratio"] > 0 and 0 <= r["is_capped_fraction"] <= 1 for r in rows), rows

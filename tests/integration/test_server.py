@@ -99,6 +99,54 @@ def test_grpo_leaves_the_server_holding_final(vllm_server, data, tmp_path):
     assert engine.generate(prompts, params).completion_ids == hf.generate(prompts, params).completion_ids
 
 
+def test_async_grpo_samples_one_step_behind_and_the_server_ends_on_final(vllm_server, data, tmp_path):
+    """generation.async: step N+1's batch is sampled while step N trains, from the policy one step older; the
+    truncated importance weights are logged; held-out evaluation and the end of the run still see the current
+    policy."""
+    from posttrain.algorithms import ALGORITHMS
+    from posttrain.algorithms.grpo_eval import greedy_texts
+    from posttrain.config import load_recipe
+    from posttrain.data.io import load_rows
+    from posttrain.data.tokenize import tokenize_prompts
+    from posttrain.rewards import load_rewards
+    from posttrain.rollout.hf import HFEngine
+    from posttrain.rollout.server import call
+    from posttrain.rollout.server_worker import tensor_digest
+
+    out = tmp_path / "run"
+    run = start_grpo(overrides(vllm_server.url, vllm_server.model_dir, data, out, "generation.async=true",
+                               "algo.vllm_is_correction=true", f"data.eval={data['prompts_eval']}",
+                               "train.eval_steps=3"))
+    _, stderr = run.communicate(timeout=600)
+    assert run.returncode == 0, stderr[-3000:]
+    rows = metrics(out)
+    train_rows = [r for r in rows if "policy_lag" in r]
+    assert [r["policy_lag"] for r in train_rows] == [0, 1, 1]  # the first batch is sampled on-policy
+    gaps = [r["sampler_logprob_gap"] for r in train_rows]
+    assert gaps[0] < 2e-3 and min(gaps[1:]) > 10 * max(gaps[0], 1e-4), gaps  # later batches: the older policy
+    assert abs(train_rows[0]["is_ratio"] - 1) < 1e-2 and all(0 <= r["is_capped_fraction"] <= 1 for r in train_rows)
+
+    final = load_file(str(out / "final" / "model.safetensors"))
+    held = call(vllm_server.url, "/collective_rpc", {"method": "posttrain_digests"})["results"][0]
+    assert held == {name: tensor_digest(t) for name, t in final.items()}  # the batch sampled ahead did not stay
+
+    # the last evaluation ran on final/'s weights: HF on final/ gives the same figures
+    evaluated = [r for r in rows if "eval/reward" in r and r["step"] == 3]
+    assert evaluated, rows
+    recipe = load_recipe(str(out / "config.yaml"), [], ALGORITHMS["grpo"][0])
+    tokenizer = AutoTokenizer.from_pretrained(out / "final")
+    examples, _ = tokenize_prompts(load_rows(data["prompts_eval"]), tokenizer, recipe.data)
+    model = AutoModelForCausalLM.from_pretrained(out / "final", dtype=torch.float32)
+    texts, ids = greedy_texts(HFEngine(model, tokenizer), tokenizer, examples, recipe.generation.max_completion_length)
+    columns = {k: [e["columns"][k] for e in examples] for k in examples[0]["columns"]}
+    total_B, _, _ = load_rewards(recipe.rewards).score([e["prompt"] for e in examples], texts,
+                                                        {**columns, "completion_ids": ids})
+    expected = {"eval/reward": float(total_B.double().mean()),
+                "eval/completion_length": sum(map(len, ids)) / len(ids)}
+    for key in ("eval/reward", "eval/completion_length"):
+        assert evaluated[0][key] == pytest.approx(expected[key], abs=1e-6), (key, evaluated[0], expected)
+
+
 def test_a_server_dying_mid_run_stops_the_run_naming_it(vllm_server, data, tmp_path):
     """The run talks to the server through a forwarder; killing the forwarder (SIGKILL) after step 1 is the server
     dying for the trainer: the run must stop with exit 1 and the server's URL within its timeouts, never hang."""

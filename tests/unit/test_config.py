@@ -93,3 +93,28 @@ def test_every_shipped_recipe_loads(path):
     for source in (recipe.data.train, recipe.data.eval):
         if source and source.startswith("examples/"):
             assert (ROOT / source).exists(), f"{path.name} names {source}, which is not shipped"
+
+
+def test_generation_async_key_is_spelled_async_in_recipes(tmp_path):
+    grpo = ALGORITHMS["grpo"][0]
+    base = ["data.train=a.jsonl", "rewards=[{name: exact_match}]", "generation.engine=server",
+            "generation.servers=[http://127.0.0.1:8000]"]
+    r = load_recipe(None, base + ["generation.async=true"], grpo)
+    assert r.generation.async_ is True
+    assert "async: true" in dump_yaml(r) and "async_" not in dump_yaml(r)
+    assert load_recipe(write(tmp_path, dump_yaml(r)), [], grpo) == r
+    with pytest.raises(UserError, match="unknown key 'generation.async_'.*did you mean 'generation.async'"):
+        load_recipe(None, base + ["generation.async_=true"], grpo)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["generation.async=true"], "generation.async .*needs an engine with its own copy"),
+    (["algo.vllm_is_correction=true"], "generation.engine=hf samples with the policy itself"),
+    (["generation.engine=vllm", "algo.vllm_is_cap=0.5"], "algo.vllm_is_cap must be >= 1"),
+    (["generation.engine=vllm", "generation.async=true", "generation.vllm.enable_sleep_mode=true"],
+     "enable_sleep_mode .*cannot apply"),
+])
+@pytest.mark.parametrize("command", ["grpo", "ppo"])
+def test_off_policy_options_that_conflict(command, overrides, message):
+    with pytest.raises(UserError, match=message):
+        load_recipe(None, ["data.train=a.jsonl", "rewards=[{name: exact_match}]"] + overrides, ALGORITHMS[command][0])

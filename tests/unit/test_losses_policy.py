@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from posttrain.losses.policy import LOSS_AGGREGATIONS, add_kl_penalty, clipped_surrogate
+from posttrain.losses.policy import LOSS_AGGREGATIONS, add_kl_penalty, clipped_surrogate, truncated_importance_weights
 from posttrain.ops.logprobs import sequence_mean
 
 # two sequences, position 0 is the prompt; row 1's last token is padding.
@@ -69,6 +69,26 @@ def test_sequence_level_with_grpo_aggregation_equals_the_gspo_sequence_objective
 def test_clipped_surrogate_rejects_unknown_level():
     with pytest.raises(ValueError, match="level"):
         clipped_surrogate(logprobs(), OLD_BT, ADVANTAGES_B, MASK_BT, EPS_LOW, EPS_HIGH, level="tokens")
+
+
+def test_truncated_importance_weights_by_hand():
+    # pi_old / pi_sampler per completion token: row 0 -> 0.5, 3.0 (capped at 2); row 1 -> 1.25; outside: 1
+    sampler_BT = torch.tensor([[0.0, -1.0 - math.log(0.5), -2.0 - math.log(3.0)], [0.0, -0.5 - math.log(1.25), 0.0]])
+    old_BT = OLD_BT.clone()
+    old_BT[1, 2] = 500.0  # padding: exp would overflow; it must stay out of the weights and the metrics
+    weights_BT, metrics = truncated_importance_weights(old_BT, sampler_BT, MASK_BT, cap=2.0)
+    assert weights_BT.flatten().tolist() == pytest.approx([1.0, 0.5, 2.0, 1.0, 1.25, 1.0], rel=1e-6)
+    assert metrics["is_ratio"].item() == pytest.approx((0.5 + 3.0 + 1.25) / 3, rel=1e-6)
+    assert metrics["is_capped_fraction"].item() == pytest.approx(1 / 3)
+    # the weights scale the surrogate and carry no gradient of their own
+    logprobs_BT = logprobs()
+    loss_BT, _ = clipped_surrogate(logprobs_BT, OLD_BT, ADVANTAGES_B, MASK_BT, EPS_LOW, EPS_HIGH)
+    weighted_BT = loss_BT * truncated_importance_weights(logprobs_BT.detach(), sampler_BT, MASK_BT, 2.0)[0]
+    (weighted_BT * MASK_BT).sum().backward()
+    assert not weights_BT.requires_grad
+    # row 0 token 2 (ratio 0.5, unclipped, A = +1): gradient -r A = -0.5 times its weight
+    w = min(math.exp(float(logprobs_BT[0, 2]) - float(sampler_BT[0, 2])), 2.0)
+    assert logprobs_BT.grad[0, 2].item() == pytest.approx(-0.5 * w, rel=1e-6)
 
 
 def test_kl_penalty_is_added_per_token():
