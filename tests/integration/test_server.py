@@ -99,6 +99,37 @@ def test_grpo_leaves_the_server_holding_final(vllm_server, data, tmp_path):
     assert engine.generate(prompts, params).completion_ids == hf.generate(prompts, params).completion_ids
 
 
+def test_lora_grpo_syncs_the_folded_adapters(vllm_server, data, tmp_path):
+    """With LoRA the servers get W + scaling * B @ A (adapters never sent): the sampler's log-probs stay the
+    trainer's at every step, and at the end the server samples what the merged final/ does."""
+    from posttrain.rollout.base import SamplingParams
+    from posttrain.rollout.hf import HFEngine
+    from posttrain.rollout.server import call
+    from posttrain.rollout.server_worker import tensor_digest
+
+    out = tmp_path / "run"
+    run = start_grpo(overrides(vllm_server.url, vllm_server.model_dir, data, out, "model.lora.enabled=true",
+                               "model.lora.r=4", "model.lora.alpha=8"))
+    _, stderr = run.communicate(timeout=600)
+    assert run.returncode == 0, stderr[-3000:]
+    rows = metrics(out)
+    assert all(r["sampler_logprob_gap"] < 2e-3 for r in rows), [r["sampler_logprob_gap"] for r in rows]
+    held = call(vllm_server.url, "/collective_rpc", {"method": "posttrain_digests"})["results"][0]
+    start = load_file(str(Path(vllm_server.model_dir) / "model.safetensors"))
+    changed = {name for name in start if tensor_digest(start[name]) != held[name]}
+    assert changed and all(name.endswith("proj.weight") for name in changed), changed  # adapted layers only
+
+    tokenizer = AutoTokenizer.from_pretrained(out / "final")
+    prompts = [tokenizer(text)["input_ids"] for text in ("What is 12 + 7?", "Hello there", "Count: 1 2 3")]
+    params = SamplingParams(max_new_tokens=12, temperature=0)
+    from posttrain.config.schema import GenerationConfig
+    from posttrain.rollout.server import ServerEngine
+
+    engine = ServerEngine(GenerationConfig(engine="server", servers=(vllm_server.url,)), tokenizer, False)
+    hf = HFEngine(AutoModelForCausalLM.from_pretrained(out / "final", dtype=torch.float32), tokenizer)
+    assert engine.generate(prompts, params).completion_ids == hf.generate(prompts, params).completion_ids
+
+
 def test_async_grpo_samples_one_step_behind_and_the_server_ends_on_final(vllm_server, data, tmp_path):
     """generation.async: step N+1's batch is sampled while step N trains, from the policy one step older; the
     truncated importance weights are logged; held-out evaluation and the end of the run still see the current
