@@ -78,6 +78,13 @@ class SamplingParams:
         )
 
 
+def check_prompts(prompt_ids: list[list[int]]) -> None:
+    """What every engine's `generate` checks first: each prompt has at least one token."""
+    for i, ids in enumerate(prompt_ids):
+        if len(ids) == 0:
+            raise ValueError(f"prompt {i} is empty; every prompt needs at least one token")
+
+
 @dataclass(frozen=True)
 class Completions:
     """One completion per prompt, in prompt order."""

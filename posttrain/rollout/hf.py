@@ -20,7 +20,7 @@ from typing import Callable, ContextManager, Iterable, Optional
 import torch
 
 from posttrain.errors import UserError
-from posttrain.rollout.base import Completions, GenerationEngine, SamplingParams
+from posttrain.rollout.base import Completions, check_prompts, GenerationEngine, SamplingParams
 
 # Logits processors transformers would otherwise pick up from the model's generation_config.json.
 NEUTRAL_GENERATION = dict(
@@ -69,9 +69,7 @@ class HFEngine:
     # --- GenerationEngine ---
 
     def generate(self, prompt_ids: list[list[int]], params: SamplingParams) -> Completions:
-        for i, ids in enumerate(prompt_ids):
-            if len(ids) == 0:
-                raise ValueError(f"prompt {i} is empty; every prompt needs at least one token")
+        check_prompts(prompt_ids)
         if not prompt_ids:
             return Completions([], [], [])
         step = self.batch_size or len(prompt_ids)

@@ -33,7 +33,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Iterable, Optional
 
 from posttrain.errors import RunStopped, UserError
-from posttrain.rollout.base import Completions, SamplingParams
+from posttrain.rollout.base import Completions, check_prompts, SamplingParams
 
 TOKEN_ENV = "POSTTRAIN_SERVER_TOKEN"
 TOKENIZER_PROBE = "posttrain vocabulary probe: What is 12 + 7? Answer: 19."
@@ -89,9 +89,7 @@ class ServerEngine:
     # --- GenerationEngine ---
 
     def generate(self, prompt_ids: list[list[int]], params: SamplingParams) -> Completions:
-        for i, ids in enumerate(prompt_ids):
-            if len(ids) == 0:
-                raise ValueError(f"prompt {i} is empty; every prompt needs at least one token")
+        check_prompts(prompt_ids)
         servers = self.assign(prompt_ids, len(self.servers))
         futures = [self._pool.submit(self._generate_one, self.servers[s], ids, params, i)
                    for i, (ids, s) in enumerate(zip(prompt_ids, servers))]

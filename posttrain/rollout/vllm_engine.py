@@ -26,7 +26,7 @@ from typing import Iterable, Optional
 import torch
 
 from posttrain.errors import UserError
-from posttrain.rollout.base import Completions, SamplingParams
+from posttrain.rollout.base import Completions, check_prompts, SamplingParams
 
 
 def vllm_available() -> bool:
@@ -89,9 +89,7 @@ class VLLMEngine:
     def generate(self, prompt_ids: list[list[int]], params: SamplingParams) -> Completions:
         from vllm import SamplingParams as VSamplingParams
 
-        for i, ids in enumerate(prompt_ids):
-            if len(ids) == 0:
-                raise ValueError(f"prompt {i} is empty; every prompt needs at least one token")
+        check_prompts(prompt_ids)
         if not prompt_ids:
             return Completions([], [], [])
         self.wake()
