@@ -130,7 +130,9 @@ def load_policy(recipe: Recipe, algorithm):
     return model
 
 
-def run(command: str, recipe: Recipe) -> RunResult:
+def run(command: str, recipe: Recipe, remote_roles: Optional[dict] = None) -> RunResult:
+    """One run of `command`. remote_roles (launcher: ray): role -> distributed.ray_roles.RemoteRole for the frozen
+    roles served by replicas apart from the policy; those are not loaded here."""
     from posttrain.algorithms import ALGORITHMS
     from posttrain.algorithms.base import Models, Role
     from posttrain.distributed.backend import Backend
@@ -184,15 +186,21 @@ def run(command: str, recipe: Recipe) -> RunResult:
     # reference log-probs); eval_examples lets it precompute for the eval set too
     models = Models(policy=Role(model, trains=True, optimizer=optimizer), tokenizer=tokenizer,
                     eval_examples=eval_examples)
-    if algorithm.needs_reference:
+    remote = remote_roles or {}
+    if algorithm.needs_reference and "reference" in remote:
+        models.reference = Role(remote["reference"].model(), placement="ray")
+    elif algorithm.needs_reference:
         from posttrain.models.reference import make_reference
 
         where = algorithm.placement("reference")
         models.reference = Role(backend.prepare_frozen(make_reference(recipe.model, algorithm.model_kind),
                                                        offload=where == "offload"), placement=where)
-    for scorer in algorithm.reward_models():  # frozen like the reference: partitioned under ZeRO-3, offloadable
-        where = algorithm.placement("reward_model")
-        scorer.place(backend.prepare_frozen(scorer.load_model(), offload=where == "offload"), backend.device)
+    for i, scorer in enumerate(algorithm.reward_models()):  # frozen like the reference: partitioned, offloadable
+        where = "ray" if "reward_model" in remote else algorithm.placement("reward_model")
+        if where == "ray":
+            scorer.place(remote["reward_model"].model(f"reward_model:{i}"), backend.device)
+        else:
+            scorer.place(backend.prepare_frozen(scorer.load_model(), offload=where == "offload"), backend.device)
         models.reward_model = models.reward_model or Role(scorer.model, placement=where)
     if algorithm.needs_critic:
         from posttrain.models.critic import load_critic

@@ -38,7 +38,8 @@ class Role:
     scheduler: Any = None
     """Its own LR schedule, when it trains."""
     placement: str = "local"
-    """Where it lives: local (this process, sharded as the launcher says) or offload (CPU between uses)."""
+    """Where it lives: local (this process, sharded as the launcher says), offload (CPU between uses) or ray (a
+    replica in an actor group of its own: `model` is a distributed.ray_roles.RemoteModel)."""
 
 
 @dataclass

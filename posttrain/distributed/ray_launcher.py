@@ -9,8 +9,10 @@ table, then starts one actor per rank, pinned to the node the fit chose. Each ac
 WORLD_SIZE, LOCAL_RANK, GROUP_WORLD_SIZE, MASTER_ADDR, MASTER_PORT): the algorithms, the loop and the backend do not
 know Ray exists, so a Ray run and a torchrun run with the same seed and world size train the same weights.
 
-Built so far: every role the algorithm uses lives in the policy's workers (colocated, as under torchrun); roles in
-their own actor groups and generation engines as actors are not yet (the launcher says so, exit 2).
+Roles: by default every role lives in the policy's workers (colocated, as under torchrun). Frozen roles (reference,
+reward_model) placed apart (placement.colocate) run as replicas in actor groups of their own (ray_roles.py), started
+and loaded before the ranks. A trained role apart from the policy (the critic) is not built yet, and generation
+engines as actors are not yet (the launcher says so, exit 2).
 A rank that fails or an actor that dies stops the run: the driver names the rank, its node and its last error, and
 stops the others; checkpoints already written are complete (each is written to a temporary name, then renamed).
 """
@@ -27,6 +29,7 @@ from typing import Any
 from posttrain.config.schema import Recipe
 from posttrain.distributed.ray_placement import (Plan, RankSlot, fit, nodes_from_ray, pick_gpu_resource,
                                                  placement_table, rank_slots, resolve, roles_needed)
+from posttrain.distributed.ray_roles import RoleGroups, start_role_groups
 from posttrain.errors import RunStopped, UserError
 
 INSTALL = "pip install 'posttrain[ray]' (or pip install 'ray[default]>=2.40')"
@@ -62,17 +65,23 @@ class RankWorker:
             s.bind(("", 0))
             return address, s.getsockname()[1]
 
-    def run(self, command: str, recipe: Recipe, cwd: str, env: dict[str, str]) -> dict[str, Any]:
-        """The ordinary run, as rank env["RANK"]. Errors come back as data, so the driver can name the rank."""
+    def run(self, command: str, recipe: Recipe, cwd: str, env: dict[str, str],
+            remote_roles: dict | None = None) -> dict[str, Any]:
+        """The ordinary run, as rank env["RANK"], with the frozen roles `remote_roles` served by replicas (ray_roles).
+        Errors come back as data, so the driver can name the rank (or the replica that died)."""
         os.environ.update(env)
         os.chdir(cwd)
+        from posttrain.distributed.ray_roles import RoleWorkerDied
+
         try:
             from posttrain.run import run
 
-            result = run(command, recipe)
+            result = run(command, recipe, remote_roles)
             return {"code": 0, "final_dir": str(result.final_dir) if result.final_dir else None, "steps": result.steps}
         except UserError as e:
             return {"code": 2, "error": str(e)}
+        except RoleWorkerDied as e:
+            return {"code": 1, "died": True, "where": e.where, "error": str(e).split(": its actor died: ", 1)[1]}
         except RunStopped as e:
             return {"code": e.exit_code, "error": str(e), "stopped": True}
         except BaseException:  # the traceback goes back to the driver, which stops the others
@@ -104,15 +113,21 @@ def run_on_ray(command: str, recipe: Recipe) -> int:
         plan = fit(units, nodes, p)
         print(f"posttrain ray placement ({len(nodes)} node(s), cluster {address or 'local'}):\n"
               f"{placement_table(plan)}", flush=True)
-        slots = rank_slots(plan.units[0])
-        actors = [start_actor(ray, slot, plan) for slot in slots]
-        wait_started(ray, actors, slots)
-        master_addr, master_port = ray.get(actors[0].rendezvous.remote())
-        cwd = os.getcwd()
         forwarded = {k: v for k, v in os.environ.items() if k.startswith(FORWARDED_PREFIXES)}
-        futures = {actors[s.rank].run.remote(command, recipe, cwd,
-                                             {**forwarded, **rank_env(s, len(slots), len(plan.units[0].nodes),
-                                                                      master_addr, master_port, plan)}): s
+        groups = RoleGroups()
+        if len(plan.units) > 1:  # frozen roles apart from the policy: replicas, loaded before the ranks start
+            groups = start_role_groups(ray, plan, command, recipe, forwarded, lambda s: actor_options(s, plan))
+            actors += groups.actors
+        slots = rank_slots(plan.units[0])
+        ranks = [start_actor(ray, slot, plan) for slot in slots]
+        actors += ranks
+        wait_started(ray, ranks, slots)
+        master_addr, master_port = ray.get(ranks[0].rendezvous.remote())
+        cwd = os.getcwd()
+        futures = {ranks[s.rank].run.remote(command, recipe, cwd,
+                                            {**forwarded, **rank_env(s, len(slots), len(plan.units[0].nodes),
+                                                                     master_addr, master_port, plan)},
+                                            groups.for_rank(s.rank)): s
                    for s in slots}
         return wait_for_ranks(ray, futures, plan)
     finally:
@@ -126,17 +141,20 @@ def run_on_ray(command: str, recipe: Recipe) -> int:
 
 def check_built(units, recipe: Recipe) -> None:
     """What the placement asks that this build cannot run yet fails here, before any actor starts."""
-    if len(units) > 1:
-        apart = ", ".join(u.name for u in units[1:])
-        raise UserError(f"placement: {apart} in actor groups of their own is not built yet; under launcher: ray "
-                        "every role lives in the policy's workers for now: leave placement.colocate unset (or list "
-                        "every role in one group with the policy)")
+    from posttrain.distributed.ray_roles import check_apart
+
+    check_apart(units)
     if recipe.placement.generation.num_engines:
         raise UserError("placement.generation.num_engines > 0 (engines as their own Ray actors) is not built yet; "
                         "set it to 0: each training worker generates with generation.engine (hf or vllm)")
 
 
 def start_actor(ray, slot: RankSlot, plan: Plan):
+    return ray.remote(RankWorker).options(**actor_options(slot, plan)).remote()
+
+
+def actor_options(slot: RankSlot, plan: Plan) -> dict[str, Any]:
+    """A worker's Ray options: its CPUs and one GPU (or the resource standing in for one) on the slot's node."""
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     # pinned to the node the fit chose (hard affinity): nodes of a local test cluster share one IP, so a placement
@@ -148,7 +166,7 @@ def start_actor(ray, slot: RankSlot, plan: Plan):
             options["num_gpus"] = 1
         else:
             options["resources"] = {plan.gpu_resource: 1}
-    return ray.remote(RankWorker).options(**options).remote()
+    return options
 
 
 def wait_started(ray, actors: list, slots: list[RankSlot]) -> None:
@@ -211,7 +229,7 @@ def wait_for_ranks(ray, futures: dict, plan: Plan) -> int:
     rank, cause = pick_cause(failed)
     slot = next(s for s in futures.values() if s.rank == rank)
     role = "+".join(plan.units[0].unit.roles)
-    where = f"rank {rank} ({role} worker on node {slot.node.label})"
+    where = cause.get("where") or f"rank {rank} ({role} worker on node {slot.node.label})"
     if cause.get("code") == 2:
         print(f"posttrain: error: {cause['error']}", file=sys.stderr, flush=True)
         return 2

@@ -25,7 +25,9 @@ made in phases:
 last_metrics (whole step, all ranks): reward/mean|std, rewards/<name>/mean|std, rewards/skipped,
 frac_reward_zero_std, completion_length/mean|max|min, truncated_fraction; and this rank's seconds per phase:
 time/generate (with generation.async: the wait for the batch sampled ahead), time/score (with the gather), time/ref (old and reference log-probs, critic values, advantages),
-time/train (from handing the micro-batches over to the loop reading the metrics: forward, backward, optimiser step).
+time/train (from handing the micro-batches over to the loop reading the metrics: forward, backward, optimiser step);
+under launcher: ray, time/role/<role> for each role served by replicas apart from the policy (its calls, transfer
+included: part of time/score for a reward model, of time/ref for the others).
 """
 
 from __future__ import annotations
@@ -269,6 +271,10 @@ class RolloutSource:
                         "time/ref": prepared - scored, "time/sync": self._sync_seconds,
                         "policy_lag": float(step - (sampled_by if sampled_by is not None else step)),
                         **advantage_metrics})
+        for name in ("reference", "reward_model", "critic"):  # roles served by Ray replicas: their calls' seconds
+            role = getattr(self.models, name)
+            if role is not None and hasattr(role.model, "take_seconds"):
+                metrics[f"time/role/{name}"] = role.model.take_seconds()
         if backend.is_main:
             self._write_samples(step, prompts, texts, total_B, per_function, sequence_advantages(batches), truncated)
         return Generation(index, batches, metrics)

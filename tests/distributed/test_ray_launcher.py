@@ -1,7 +1,8 @@
 """`posttrain grpo --ray` on a local Ray cluster of two "nodes" (a head and a worker on this machine, each with one
 `fake_gpu` standing in for a GPU and one CPU): the 2 ranks land one per node and train the same weights as
-`torchrun --nproc_per_node 2` with the same seed; a placement that does not fit stops before anything starts; a killed
-actor stops the run naming its rank and node.
+`torchrun --nproc_per_node 2` with the same seed; PPO with reference and reward model in a replica on the other node
+trains what one torchrun process does; a placement that does not fit stops before anything starts; a killed rank or
+replica stops the run naming it and its node.
 
 One cluster per module (start-up costs seconds and memory); it is shut down at the end.
 """
@@ -19,7 +20,7 @@ import pytest
 
 from tests.distributed.launch import ROOT, Result, launch, worker_env
 from tests.distributed.test_grpo_distributed import overrides as grpo_overrides
-from tests.distributed.test_ppo_distributed import critic_weights, overrides as ppo_overrides
+from tests.distributed.test_ppo_distributed import REWARD, critic_weights, overrides as ppo_overrides
 from posttrain.tasks import write_example_data
 from tests.integration.helpers import max_weight_diff
 
@@ -63,6 +64,24 @@ def run_ray(command: str, overrides: list[str], cluster, timeout: float = 400, w
     from pathlib import Path
 
     return Result(proc.returncode, output, Path(out_dir), time.perf_counter() - started)
+
+
+def kill_after_first_checkpoint(out, title: str):
+    """A watcher for run_ray: once checkpoint step-1 exists, SIGKILL the newest process whose title has `title`
+    (Ray names an actor's process ray::<Class>[.<method>])."""
+    import psutil
+
+    def watch(proc):
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline and proc.poll() is None:
+            if (out / "checkpoints" / "step-1").is_dir():
+                found = [p for p in psutil.process_iter(["cmdline"]) if title in " ".join(p.info["cmdline"] or [])]
+                if found:
+                    os.kill(max(found, key=lambda p: p.pid).pid, signal.SIGKILL)
+                    return
+            time.sleep(0.2)
+
+    return watch
 
 
 def test_grpo_ranks_on_two_nodes_match_torchrun(tiny_model_dir, data, tmp_path, cluster):
@@ -122,21 +141,8 @@ def test_input_error_found_by_the_ranks_is_exit_2(tiny_model_dir, data, tmp_path
 
 def test_killed_actor_names_rank_and_node(tiny_model_dir, data, tmp_path, cluster):
     out = tmp_path / "run"
-    import psutil
-
-    def kill_a_rank_after_first_checkpoint(proc):
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline and proc.poll() is None:
-            if (out / "checkpoints" / "step-1").is_dir():
-                workers = [p for p in psutil.process_iter(["cmdline"])
-                           if "ray::RankWorker.run" in " ".join(p.info["cmdline"] or [])]
-                if workers:
-                    os.kill(max(workers, key=lambda p: p.pid).pid, signal.SIGKILL)
-                    return
-            time.sleep(0.2)
-
     overrides = grpo_overrides(tiny_model_dir, data, out, per_device=2) + ["train.max_steps=50", "train.save_steps=1"]
-    result = run_ray("grpo", overrides, cluster, watch=kill_a_rank_after_first_checkpoint)
+    result = run_ray("grpo", overrides, cluster, watch=kill_after_first_checkpoint(out, "ray::RankWorker.run"))
     assert result.returncode == 1, result.output[-4000:]
     message = result.output[result.output.index("posttrain: error: rank"):]
     assert re.match(r"posttrain: error: rank [01] \(policy\+reference worker on node \S+ \([0-9a-f]{8}\)\): its actor "
@@ -146,3 +152,49 @@ def test_killed_actor_names_rank_and_node(tiny_model_dir, data, tmp_path, cluste
     from posttrain.checkpoint import resolve_resume
 
     assert resolve_resume(str(out), "auto") is not None  # the newest complete checkpoint is there to resume from
+
+
+def test_ppo_with_frozen_roles_apart_matches_torchrun(tiny_model_dir, data, tmp_path, cluster):
+    """Policy and critic train in one worker on one node; reference and reward model are served by a replica on the
+    other node: the run trains what one torchrun process with every role inside trains, and logs the replica's time."""
+    from transformers import AutoTokenizer
+
+    from tests.unit.test_rewards_reward_model import save_classifier
+
+    rm = save_classifier(tmp_path / "rm", AutoTokenizer.from_pretrained(tiny_model_dir))
+    extra = [f"rewards=[{{name: '{REWARD}'}}, {{name: reward_model, kwargs: {{path: '{rm}'}}}}]"]
+    reference = launch(1, "ppo", ppo_overrides(tiny_model_dir, data, tmp_path / "torchrun", 4, *extra))
+    reference.check_world(1)
+    result = run_ray("ppo", ppo_overrides(tiny_model_dir, data, tmp_path / "ray", 4, *extra)
+                     + ["placement.colocate=[[policy, critic], [reference, reward_model]]",
+                        "placement.policy.num_nodes=1", "placement.policy.num_gpus_per_node=1"], cluster)
+    result.check_world(1)
+    table = result.output[result.output.index("posttrain ray placement"):].splitlines()[2:6]
+    node_of = {row.split()[0]: row.split()[2] for row in table}
+    assert set(node_of) == {"policy", "critic", "reference", "reward_model"}, table
+    assert node_of["policy"] == node_of["critic"] != node_of["reference"] == node_of["reward_model"], table
+    one, two = reference.metrics(), result.metrics()
+    assert [r["step"] for r in one] == [r["step"] for r in two] == [1, 2]
+    for expected, got in zip(one, two):
+        for name in ("loss", "loss/critic", "kl", "rewards/reward_model/mean"):
+            assert got[name] == pytest.approx(expected[name], abs=1e-5), name
+        assert got["time/role/reference"] > 0 and got["time/role/reward_model"] > 0  # the replica's calls, per step
+        assert "time/role/reference" not in expected  # colocated roles are not remote calls
+    assert max_weight_diff(reference.final_weights(), result.final_weights()) < 1e-4
+    assert max_weight_diff(critic_weights(reference.output_dir), critic_weights(result.output_dir)) < 1e-4
+
+
+def test_killed_role_replica_names_role_and_node(tiny_model_dir, data, tmp_path, cluster):
+    out = tmp_path / "run"
+    overrides = grpo_overrides(tiny_model_dir, data, out, per_device=4) + [
+        "train.max_steps=50", "train.save_steps=1", "placement.colocate=[]", "placement.policy.num_nodes=1",
+        "placement.policy.num_gpus_per_node=1"]
+    result = run_ray("grpo", overrides, cluster, watch=kill_after_first_checkpoint(out, "ray::RoleWorker"))
+    assert result.returncode == 1, result.output[-4000:]
+    message = result.output[result.output.index("posttrain: error: "):]
+    assert re.match(r"posttrain: error: reference worker 0 on node \S+ \([0-9a-f]{8}\): its actor died: ", message), \
+        message
+    assert "continue with train.resume_from_checkpoint=auto" in message
+    from posttrain.checkpoint import resolve_resume
+
+    assert resolve_resume(str(out), "auto") is not None

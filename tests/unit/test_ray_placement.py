@@ -152,3 +152,14 @@ def test_launcher_ray_without_ray_installed_says_how_to_install(monkeypatch, cap
     assert code == 2
     assert "launcher: ray needs the ray package, which is not installed: pip install 'posttrain[ray]'" in \
         capsys.readouterr().err
+
+
+def test_only_frozen_roles_may_sit_apart_from_the_policy():
+    """Reference and reward model apart are served by replicas (ray_roles); a critic apart is refused up front."""
+    from posttrain.distributed.ray_roles import check_apart
+
+    frozen = recipe("placement.colocate=[[policy, critic], [reference, reward_model]]").placement
+    check_apart(resolve(frozen, ("policy", "reference", "critic", "reward_model"), two_nodes()))
+    trained = recipe("placement.colocate=[[policy, reference], [critic, reward_model]]").placement
+    with pytest.raises(UserError, match=r"placement: critic in an actor group apart from the policy is not built yet"):
+        check_apart(resolve(trained, ("policy", "reference", "critic", "reward_model"), two_nodes()))
