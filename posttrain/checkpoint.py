@@ -98,10 +98,13 @@ class Checkpointer:
             tmp.mkdir(parents=True)
         self.backend.barrier()
         self.backend.save_state(str(tmp))
+        for name, role in models.trained():  # a role trained by a Ray actor group of its own saves there
+            if role.placement == "ray":
+                role.model.remote_save(str(tmp / name))
         self.backend.barrier()  # every rank has written its files (shards, RNG state) before the rename
         if self.backend.is_main:
             schedules = {name: {k: v for k, v in role.scheduler.state_dict().items() if k != "lr_lambdas"}
-                         for name, role in models.trained()}
+                         for name, role in models.trained() if role.placement != "ray"}
             payload = {
                 "state": dataclasses.asdict(state),
                 "scheduler": schedules.pop("policy"),
@@ -136,6 +139,9 @@ class Checkpointer:
         self.backend.load_state(str(path))
         schedules = {"policy": payload["scheduler"], **payload.get("role_schedulers", {})}
         for name, role in models.trained():
+            if role.placement == "ray":
+                role.model.remote_restore(str(path / name))
+                continue
             role.scheduler.load_state_dict({**role.scheduler.state_dict(), **schedules[name]})
             for group, lr in zip(role.optimizer.param_groups, role.scheduler.get_last_lr()):
                 group["lr"] = lr

@@ -51,7 +51,8 @@ def check_output_dir(recipe: Recipe) -> Optional[Path]:
     resume = resolve_resume(str(out), t.resume_from_checkpoint)
     if resume is not None or t.overwrite_output_dir or t.resume_from_checkpoint == "auto":
         return resume  # auto and no checkpoint yet (a run stopped before its first save): the run starts
-    if out.is_dir() and any(p.name != "config.yaml" for p in out.iterdir()):  # config.yaml alone: it never trained
+    # config.yaml alone: it never trained; engines/: the logs of this run's Ray generation engines, started first
+    if out.is_dir() and any(p.name not in ("config.yaml", "engines") for p in out.iterdir()):
         has_run = (out / "config.yaml").exists()
         what = "already holds a run (config.yaml)" if has_run else "is not empty"
         raise UserError(
@@ -202,7 +203,9 @@ def run(command: str, recipe: Recipe, remote_roles: Optional[dict] = None) -> Ru
         else:
             scorer.place(backend.prepare_frozen(scorer.load_model(), offload=where == "offload"), backend.device)
         models.reward_model = models.reward_model or Role(scorer.model, placement=where)
-    if algorithm.needs_critic:
+    if algorithm.needs_critic and "critic" in remote:  # trained by its own actor group (distributed/ray_roles.py)
+        models.critic = Role(remote["critic"].model(), trains=True, placement="ray")
+    elif algorithm.needs_critic:
         from posttrain.models.critic import load_critic
 
         critic = load_critic(algorithm.critic_source(), tokenizer.pad_token_id, t.gradient_checkpointing)
@@ -217,7 +220,8 @@ def run(command: str, recipe: Recipe, remote_roles: Optional[dict] = None) -> Ru
                                backend.world_size, backend.rank, t.dataloader_seed if t.dataloader_seed is not None else recipe.seed)
     steps = total_steps(t, source.micro_batches_per_epoch())
     for _, role in models.trained():
-        role.scheduler = make_scheduler(role.optimizer, t, steps)
+        role.scheduler = (role.model.remote_setup(steps) if role.placement == "ray"
+                          else make_scheduler(role.optimizer, t, steps))
     checkpointer = Checkpointer(backend, str(out), t.save_total_limit, facts)
     from posttrain.train.state import TrainState
 
@@ -267,7 +271,9 @@ def run(command: str, recipe: Recipe, remote_roles: Optional[dict] = None) -> Ru
     if state.step >= steps and t.save_final_model:
         final_dir = export_final(backend, model, tokenizer, str(out))
         for name, role in models.trained():
-            if name != "policy":
+            if name != "policy" and role.placement == "ray":
+                role.model.remote_export(str(out), f"final-{name}")
+            elif name != "policy":
                 export_final(backend, role.model, tokenizer, str(out), name=f"final-{name}")
     if backend.is_main and t.report:
         report = write_report(out, f"posttrain {command}: {out.name}",

@@ -1,7 +1,7 @@
-"""Frozen roles in actor groups of their own under `launcher: ray` (docs/ray.md).
+"""Roles in actor groups of their own under `launcher: ray` (docs/ray.md).
 
     placement:
-      colocate: [[policy], [reference, reward_model]]     # the frozen roles on a GPU (or node) of their own
+      colocate: [[policy, reference], [critic, reward_model]]    # OpenRLHF's --colocate_actor_ref + critic_reward
 
 A frozen role (reference, reward_model) placed apart from the policy runs as replicas: one `RoleWorker` actor per
 worker slot of its unit, pinned to the node the fit chose, each holding the whole model and serving no-grad forwards.
@@ -14,8 +14,14 @@ leave the replica). The algorithms call `models.reference.model` as they would a
 exists. Each RemoteModel counts the seconds its calls take (transfer included), logged per step as
 `time/role/<role>`. A replica that dies stops the run naming the role, the replica and its node.
 
-Trained roles (the critic) apart from the policy need their own process group and optimiser step in lockstep with the
-policy's; that is not built yet, and the launcher says so before anything starts.
+A trained role (PPO's critic) apart from the policy is a group of `TrainedRoleWorker` actors forming a torch.distributed
+group of its own (DDP, DeepSpeed ZeRO or FSDP2 inside, from the same ACCELERATE_* variables as the ranks), with as many
+workers as the policy has ranks: rank r drives worker r, so every collective inside the group is reached by all its
+workers in the same order, as the ranks' own loop reaches theirs. The rank's loop hands the step's micro-batches and
+global normaliser to `remote_update`, which runs `train.loop.update_role` there (the algorithm's own objective);
+values, checkpoints (saved to <checkpoint>/<role>/ by the group) and final-<role>/ go the same way. A critic that starts
+from the policy gets a fresh value head drawn from the worker's own random stream, so unlike a critic from a reward
+model it does not start bit for bit where a torchrun run's would.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable, Optional
 
 FROZEN_ROLES = ("reference", "reward_model")
@@ -37,14 +44,29 @@ class RoleWorkerDied(RuntimeError):
         super().__init__(f"{where}: its actor died: {cause}")
 
 
-class RoleWorker:
-    """One replica of a unit's frozen roles. Its methods run in the actor's process; nothing heavy is imported before
-    `load`."""
+class Worker:
+    """What every posttrain actor answers: its node, and (asked of a group's first worker) a rendezvous address."""
 
     def node(self) -> str:
         import ray
 
         return ray.get_runtime_context().get_node_id()
+
+    def rendezvous(self) -> tuple[str, int]:
+        """This node's address and a free port on it (MASTER_ADDR / MASTER_PORT of the worker's group)."""
+        import socket
+
+        import ray
+
+        address = ray.util.get_node_ip_address()
+        with socket.socket() as s:
+            s.bind(("", 0))
+            return address, s.getsockname()[1]
+
+
+class RoleWorker(Worker):
+    """One replica of a unit's frozen roles. Its methods run in the actor's process; nothing heavy is imported before
+    `load`."""
 
     def load(self, command: str, recipe, roles: tuple[str, ...], env: dict[str, str]) -> dict[str, int]:
         """Load every model of `roles` as a run would: the reference from the policy's source (the algorithm's head),
@@ -56,11 +78,16 @@ class RoleWorker:
         from posttrain.algorithms import ALGORITHMS
         from posttrain.run import seed_everything
 
-        algorithm = ALGORITHMS[command][1](recipe)
-        self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # Ray shows each actor its GPU
+        seed_everything(recipe.seed)  # a seq_cls reference's fresh head is the policy's only after the same seed
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # Ray shows each actor its GPU
+        return self._load_frozen(ALGORITHMS[command][1](recipe), recipe, roles, device)
+
+    def _load_frozen(self, algorithm, recipe, roles: tuple[str, ...], device) -> dict[str, int]:
+        import torch
+
+        self.device = device
         precision = recipe.train.mixed_precision
         self.autocast_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
-        seed_everything(recipe.seed)  # a seq_cls reference's fresh head is the policy's only after the same seed
         self.models: dict[str, Any] = {}
         if "reference" in roles:
             from posttrain.models.reference import make_reference
@@ -95,6 +122,104 @@ class RoleWorker:
         return out.logits.cpu()
 
 
+class TrainedRoleWorker(RoleWorker):
+    """One worker of a trained role's own group (see the module docstring): the role's model, optimiser, schedule and
+    Backend, driven by training rank `RANK` of the policy's group; frozen roles colocated with it (the reward model of
+    OpenRLHF's --colocate_critic_reward) are served from the same worker."""
+
+    def load(self, command: str, recipe, roles: tuple[str, ...], env: dict[str, str]) -> dict[str, int]:
+        """Join the group (env: RANK, WORLD_SIZE, MASTER_ADDR, ... of this group) and load the trained role as run.py
+        would (the critic: algorithm.critic_source(), its own learning rate), then the frozen ones. Returns each
+        key's parameter count."""
+        os.environ.update(env)
+        from posttrain.algorithms import ALGORITHMS
+        from posttrain.algorithms.base import Role
+        from posttrain.distributed.backend import Backend
+        from posttrain.models.critic import load_critic
+        from posttrain.models.load import load_tokenizer
+        from posttrain.run import seed_everything
+        from posttrain.train.optim import make_optimizer
+
+        self.recipe, self.name = recipe, next(r for r in roles if r not in FROZEN_ROLES)
+        if self.name != "critic":
+            raise ValueError(f"no trained role {self.name!r} to run apart")
+        self.algorithm = ALGORITHMS[command][1](recipe)
+        self.backend = Backend(recipe)
+        self.tokenizer = load_tokenizer(recipe.model)
+        seed_everything(recipe.seed)
+        t = recipe.train
+        model = load_critic(self.algorithm.critic_source(), self.tokenizer.pad_token_id, t.gradient_checkpointing)
+        count = sum(p.numel() for p in model.parameters())
+        model, optimizer = self.backend.prepare(model, make_optimizer(model, t, self.algorithm.critic_learning_rate()))
+        model.train()
+        self.role = Role(model, trains=True, optimizer=optimizer)
+        frozen = self._load_frozen(self.algorithm, recipe, tuple(r for r in roles if r in FROZEN_ROLES),
+                                   self.backend.device)
+        return {self.name: count, **frozen}
+
+    def schedule(self, key: str, total_steps: int) -> float:
+        """The role's LR schedule over the run's steps (known once the rank has its data source)."""
+        from posttrain.train.optim import make_scheduler
+
+        self.role.scheduler = make_scheduler(self.role.optimizer, self.recipe.train, total_steps)
+        return self.role.scheduler.get_last_lr()[0]
+
+    def forward(self, key: str, inputs: dict):
+        """Values for prepare (no gradient), as a colocated critic gives them; a frozen role's logits."""
+        import torch
+
+        if key != self.name:
+            return super().forward(key, inputs)
+        with torch.no_grad(), self.backend.autocast():
+            out = self.role.model(**{k: v.to(self.backend.device) for k, v in inputs.items()})
+        return out.logits.float().cpu()
+
+    def update(self, key: str, step: int, micro_batches: list, normaliser, skip_nonfinite: bool):
+        """train.loop.update_role on this worker's share of the step -> (loss, grad norm, metric sums, LR), on CPU."""
+        from posttrain.train.loop import update_role
+
+        device = self.backend.device
+        loss, grad_norm, metrics = update_role(self.backend, self.role, self.algorithm.objectives(step)[self.name],
+                                               [b.to(device) for b in micro_batches], normaliser.to(device),
+                                               skip_nonfinite)
+        return (loss.cpu(), grad_norm, {k: v.cpu() for k, v in metrics.items()},
+                self.role.scheduler.get_last_lr()[0])
+
+    def nonfinite(self, key: str) -> float:
+        """NaN/inf parameter tensors over the whole group (agreed with one all-reduce, like guard.require_finite)."""
+        import torch
+
+        bad = torch.tensor(float(self.backend.nonfinite_parameters(self.role.model)), device=self.backend.device)
+        return float(self.backend.all_reduce_sum(bad))
+
+    def save(self, key: str, path: str) -> None:
+        """Engine state (weights, optimiser, RNG) of the group into `path`, and the schedule's state beside it."""
+        import json
+
+        self.backend.save_state(path)
+        if self.backend.is_main:
+            schedule = {k: v for k, v in self.role.scheduler.state_dict().items() if k != "lr_lambdas"}
+            (Path(path) / "role_state.json").write_text(json.dumps({"scheduler": schedule}))
+        self.backend.barrier()
+
+    def restore(self, key: str, path: str) -> float:
+        """What `save` wrote; returns the restored learning rate."""
+        import json
+
+        self.backend.load_state(path)
+        schedule = json.loads((Path(path) / "role_state.json").read_text())["scheduler"]
+        self.role.scheduler.load_state_dict({**self.role.scheduler.state_dict(), **schedule})
+        for group, lr in zip(self.role.optimizer.param_groups, self.role.scheduler.get_last_lr()):
+            group["lr"] = lr
+        return self.role.scheduler.get_last_lr()[0]
+
+    def export(self, key: str, output_dir: str, name: str) -> None:
+        """output_dir/<name> (final-critic) as a Hugging Face directory, as run.py exports a colocated one."""
+        from posttrain.checkpoint import export_final
+
+        export_final(self.backend, self.role.model, self.tokenizer, output_dir, name=name)
+
+
 @dataclass
 class RemoteRole:
     """A training rank's handle on its replica of one role: the actor, where it runs, the seconds its calls took."""
@@ -102,10 +227,11 @@ class RemoteRole:
     role: str
     actor: Any
     where: str
+    trains: bool = False
     seconds: list[float] = field(default_factory=lambda: [0.0])
 
     def model(self, key: Optional[str] = None) -> "RemoteModel":
-        return RemoteModel(self, key or self.role)
+        return (RemoteTrainedModel if self.trains else RemoteModel)(self, key or self.role)
 
 
 class RemoteModel:
@@ -114,7 +240,9 @@ class RemoteModel:
     def __init__(self, remote: RemoteRole, key: str):
         self.remote, self.key = remote, key
 
-    def _call(self, method: str, *args):
+    def _call(self, method: str, *args, timed: bool = True):
+        """The replica's `method`(key, *args); timed: counted in time/role/<role> (forwards; an update is logged as
+        time/update/<role> by the loop)."""
         import ray
         from ray.exceptions import RayActorError
 
@@ -126,7 +254,8 @@ class RemoteModel:
 
             raise RoleWorkerDied(self.remote.where, last_line(str(e))) from None
         finally:
-            self.remote.seconds[0] += time.perf_counter() - started
+            if timed:
+                self.remote.seconds[0] += time.perf_counter() - started
 
     def __call__(self, use_cache: bool = False, **inputs):
         """Like a transformers forward: an object whose .logits sit on the inputs' device."""
@@ -157,17 +286,59 @@ class RemoteModel:
         return self
 
 
+class RemoteTrainedModel(RemoteModel):
+    """A trained role's model as its rank holds it: forwards like RemoteModel, and the loop, run.py and the
+    checkpointer call the remote_* methods where they would step, save or export a local model."""
+
+    def remote_setup(self, total_steps: int) -> "RemoteSchedule":
+        """The worker's LR schedule over the run's steps; what the rank keeps as the role's scheduler."""
+        self.schedule = RemoteSchedule(self._call("schedule", total_steps, timed=False))
+        return self.schedule
+
+    def remote_update(self, step: int, micro_batches: list, normaliser, skip_nonfinite: bool):
+        """Loop phase 4 for this role, run by its worker: (loss on the rank's device, grad norm, metric sums)."""
+        device = normaliser.device
+        loss, grad_norm, metrics, lr = self._call("update", step, [b.to("cpu") for b in micro_batches],
+                                                  normaliser.detach().cpu(), skip_nonfinite, timed=False)
+        self.schedule.lr = lr
+        return loss.to(device), grad_norm, {k: v.to(device) for k, v in metrics.items()}
+
+    def remote_nonfinite(self) -> float:
+        return self._call("nonfinite", timed=False)
+
+    def remote_save(self, path: str) -> None:
+        self._call("save", path, timed=False)
+
+    def remote_restore(self, path: str) -> None:
+        self.schedule.lr = self._call("restore", path, timed=False)
+
+    def remote_export(self, output_dir: str, name: str) -> None:
+        self._call("export", output_dir, name, timed=False)
+
+
+@dataclass
+class RemoteSchedule:
+    """The LR a trained role's worker last reported (for the loop's learning_rate/<role> figure)."""
+
+    lr: float
+
+    def get_last_lr(self) -> list[float]:
+        return [self.lr]
+
+
 def check_apart(units) -> None:
-    """Roles apart from the policy must be frozen; a trained one (the critic) is refused before anything starts."""
+    """A trained role apart from the policy (the critic) needs as many workers as the policy has ranks; said before
+    anything starts."""
     from posttrain.errors import UserError
 
+    policy = units[0]
     for unit in units[1:]:
         trained = [r for r in unit.roles if r not in FROZEN_ROLES]
-        if trained:
-            raise UserError(f"placement: {', '.join(trained)} in an actor group apart from the policy is not built "
-                            f"yet (trained roles need their own process group and step); colocate "
-                            f"{', '.join(trained)} with the policy (placement.colocate: [[policy, "
-                            f"{', '.join(trained)}], ...]). Frozen roles ({', '.join(FROZEN_ROLES)}) may sit apart")
+        workers, ranks = unit.num_nodes * unit.workers_per_node, policy.num_nodes * policy.workers_per_node
+        if trained and workers != ranks:
+            raise UserError(f"placement: {unit.name} apart from the policy has {workers} worker(s) but the policy has "
+                            f"{ranks}: a trained role's group has one worker per training rank (each rank drives "
+                            f"its own); set placement.{trained[0]}.num_nodes / num_gpus_per_node to the policy's layout")
 
 
 @dataclass
@@ -179,27 +350,39 @@ class RoleGroups:
     """role -> [(actor, where)] in replica order."""
 
     def for_rank(self, rank: int) -> dict[str, RemoteRole]:
-        return {role: RemoteRole(role, *reps[rank % len(reps)]) for role, reps in self.replicas.items()}
+        """Rank r's replica of each role: r % replicas (a trained role's group has one worker per rank)."""
+        return {role: RemoteRole(role, *reps[rank % len(reps)], trains=role not in FROZEN_ROLES)
+                for role, reps in self.replicas.items()}
 
 
 def start_role_groups(ray, plan, command: str, recipe, env: dict[str, str],
                       options_for: Callable[[Any], dict]) -> RoleGroups:
-    """Start one RoleWorker per slot of each unit apart from the policy, on its node (`options_for(slot)`: the actor
-    options the launcher gives a worker there), load their models in parallel, and wait. A replica that fails to
+    """Start one worker per slot of each unit apart from the policy, on its node (`options_for(slot)`: the actor
+    options the launcher gives a worker there; a unit with a trained role gets TrainedRoleWorkers and a process group
+    of their own), load their models in parallel, and wait. A replica that fails to
     load stops the start naming its role and node (its own error: a UserError, e.g. a missing file, exits 2)."""
     from posttrain.distributed.ray_placement import rank_slots
     from posttrain.errors import RunStopped
 
+    from posttrain.distributed.ray_launcher import rank_env
+
     groups = RoleGroups()
     loads = []
     for placed in plan.units[1:]:
-        for slot in rank_slots(placed):
-            actor = ray.remote(RoleWorker).options(**options_for(slot)).remote()
+        trained = any(r not in FROZEN_ROLES for r in placed.unit.roles)
+        slots = rank_slots(placed)
+        actors = [ray.remote(TrainedRoleWorker if trained else RoleWorker).options(**options_for(slot)).remote()
+                  for slot in slots]
+        group_env = [{} for _ in slots]
+        if trained:  # a torch.distributed group of its own, joined by every worker's load at once
+            address, port = ray.get(actors[0].rendezvous.remote())
+            group_env = [rank_env(slot, len(slots), len(placed.nodes), address, port, plan) for slot in slots]
+        for slot, actor, own in zip(slots, actors, group_env):
             where = f"{placed.unit.name} worker {slot.rank} on node {slot.node.label}"
             groups.actors.append(actor)
             for role in placed.unit.roles:
                 groups.replicas.setdefault(role, []).append((actor, where))
-            loads.append((actor.load.remote(command, recipe, placed.unit.roles, env), where))
+            loads.append((actor.load.remote(command, recipe, placed.unit.roles, {**env, **own}), where))
     for ref, where in loads:
         try:
             ray.get(ref, timeout=LOAD_TIMEOUT_S)

@@ -99,7 +99,8 @@ class Guard:
 
 def require_finite(backend, models, where: str) -> None:
     """Refuse to save a model holding NaN/inf (every rank calls it: the check is agreed with one all-reduce)."""
-    bad = [backend.nonfinite_parameters(m) for m in models]
+    bad = [m.remote_nonfinite() if hasattr(m, "remote_nonfinite") else backend.nonfinite_parameters(m)
+           for m in models]  # a role in a Ray actor group of its own counts there
     if float(backend.all_reduce_sum(torch.tensor(float(sum(bad)), device=backend.device))) > 0:
         raise RunStopped(f"{where}: the model's weights hold NaN/inf; not saving them (the newest checkpoint "
                          "keeps finite weights). Lower train.learning_rate and continue with "

@@ -98,17 +98,15 @@ def train(ctx: LoopContext) -> TrainState:
         metric_sums: dict[str, torch.Tensor] = {}
         for (name, role), normaliser in zip(trained, normalisers):
             update_start = time.perf_counter()
-            losses[name] = torch.zeros((), device=backend.device)
-            for batch in micro_batches:
-                with backend.accumulate(role.model):
-                    with backend.autocast():
-                        loss, metrics = objectives[name].loss(role.model, batch, normaliser)
-                    backend.backward(loss, role.model)
-                losses[name] += loss.detach().float()
-                for key, value in metrics.items():
-                    metric_sums[key] = metric_sums.get(key, 0.0) + value.detach().float()
-            grad_norms[name] = float(backend.step(role.model, role.optimizer, skip_nonfinite=guard.skip))
-            role.scheduler.step()
+            remote_update = getattr(role.model, "remote_update", None)  # a role in a Ray actor group of its own
+            if remote_update is not None:
+                losses[name], grad_norms[name], metrics = remote_update(state.step, micro_batches, normaliser,
+                                                                        guard.skip)
+            else:
+                losses[name], grad_norms[name], metrics = update_role(backend, role, objectives[name], micro_batches,
+                                                                      normaliser, guard.skip)
+            for key, value in metrics.items():
+                metric_sums[key] = metric_sums.get(key, 0.0) + value
             update_seconds[name] = time.perf_counter() - update_start
         state.step += 1
         steps_this_run += 1
@@ -180,6 +178,26 @@ def train(ctx: LoopContext) -> TrainState:
         if stop_early:
             break
     return state
+
+
+def update_role(backend, role, objective, micro_batches: list[Batch], normaliser: torch.Tensor,
+                skip_nonfinite: bool) -> tuple[torch.Tensor, float, dict[str, torch.Tensor]]:
+    """Phase 4 for one trained role: forward + backward per micro-batch (gradients synced on the last only), clip,
+    optimiser step, LR schedule. Returns this rank's loss (summed over micro-batches), the global grad norm and the
+    objective's metrics summed over micro-batches. A role trained in a Ray actor group of its own runs this there."""
+    loss_sum = torch.zeros((), device=backend.device)
+    metric_sums: dict[str, torch.Tensor] = {}
+    for batch in micro_batches:
+        with backend.accumulate(role.model):
+            with backend.autocast():
+                loss, metrics = objective.loss(role.model, batch, normaliser)
+            backend.backward(loss, role.model)
+        loss_sum += loss.detach().float()
+        for key, value in metrics.items():
+            metric_sums[key] = metric_sums.get(key, 0.0) + value.detach().float()
+    grad_norm = float(backend.step(role.model, role.optimizer, skip_nonfinite=skip_nonfinite))
+    role.scheduler.step()
+    return loss_sum, grad_norm, metric_sums
 
 
 def evaluate(backend, algorithm: Algorithm, models: Models, batches: list[tuple[Batch, float]]) -> dict[str, float]:

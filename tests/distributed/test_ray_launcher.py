@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -22,6 +23,7 @@ from tests.distributed.launch import ROOT, Result, launch, worker_env
 from tests.distributed.test_grpo_distributed import overrides as grpo_overrides
 from tests.distributed.test_ppo_distributed import REWARD, critic_weights, overrides as ppo_overrides
 from posttrain.tasks import write_example_data
+from posttrain.rollout.vllm_engine import vllm_available
 from tests.integration.helpers import max_weight_diff
 
 ray = pytest.importorskip("ray", reason="the ray extra is not installed (pip install 'posttrain[ray]')")
@@ -125,10 +127,57 @@ def test_placement_that_does_not_fit_stops_before_start(tiny_model_dir, data, tm
     assert not (tmp_path / "run").exists()
 
 
-def test_parts_not_built_yet_say_so(tiny_model_dir, data, tmp_path, cluster):
+def test_engine_actors_and_servers_of_ones_own_exit_2(tiny_model_dir, data, tmp_path, cluster):
+    """placement.generation.num_engines starts the servers; generation.engine=server lists others: refused before
+    any actor starts."""
     result = run_ray("grpo", grpo_overrides(tiny_model_dir, data, tmp_path / "run", per_device=2)
-                     + ["placement.generation.num_engines=1"], cluster, timeout=120)
-    assert result.returncode == 2 and "is not built yet" in result.output, result.output[-3000:]
+                     + ["generation.engine=server", "generation.servers=[http://127.0.0.1:8000]",
+                        "placement.generation.num_engines=1"], cluster, timeout=120)
+    assert result.returncode == 2, result.output[-3000:]
+    said = [line for line in result.output.splitlines() if line.startswith("posttrain: error: ")]
+    assert len(said) == 1 and "placement.generation.num_engines > 0 starts the generation servers itself, but " \
+        "generation.engine=server lists servers of your own" in said[0], result.output[-3000:]
+    assert not (tmp_path / "run").exists()
+
+
+def server_processes() -> set[int]:
+    """Processes of `posttrain serve` or vLLM on this machine."""
+    import psutil
+
+    def is_server(cmdline: str) -> bool:
+        return "vllm" in cmdline.lower() or "posttrain serve" in cmdline
+
+    return {p.pid for p in psutil.process_iter(["cmdline"]) if is_server(" ".join(p.info["cmdline"] or []))}
+
+
+@pytest.mark.vllm
+@pytest.mark.skipif(not vllm_available(), reason="vLLM is not installed (make setup EXTRAS=dev,vllm)")
+def test_grpo_with_an_engine_actor(tiny_vllm_model_dir, data, tmp_path, cluster):
+    """One training rank on one node generates on a `posttrain serve` engine actor on the other: the sampler's
+    log-probs stay the trainer's after every weight sync, and no server process outlives the run."""
+    out = tmp_path / "run"
+    before = server_processes()
+    result = run_ray("grpo", grpo_overrides(tiny_vllm_model_dir, data, out, per_device=4)
+                     + ["data.eval=null", "train.max_steps=3", "train.learning_rate=1e-2",
+                        "generation.vllm.kv_cache_gb=1", "placement.policy.num_nodes=1",
+                        "placement.policy.num_gpus_per_node=1", "placement.generation.num_engines=1"], cluster)
+    result.check_world(1)
+    table = result.output[result.output.index("posttrain ray placement"):].splitlines()[2:5]
+    node_of = {re.split(r"\s{2,}", row)[0]: re.search(r"\(([0-9a-f]{8})\)", row)[1] for row in table}
+    assert set(node_of) == {"policy", "reference", "engine 0"}, table
+    assert node_of["policy"] == node_of["reference"] != node_of["engine 0"], table
+    banner = result.output[result.output.index("posttrain ray generation: 1 engine(s)"):].splitlines()
+    assert "(generation.engine=server in place of generation.engine=hf)" in banner[0], banner[0]
+    log = out / "engines" / "engine-0.log"
+    found = re.match(rf"engine 0  \S+ \({node_of['engine 0']}\)  (http://\S+:\d+)  log: (\S+)$", banner[1])
+    assert found and found[2] == str(log), banner[1]
+    assert f"posttrain serve: ready at {found[1]}" in log.read_text()
+
+    rows = result.metrics()
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert all(r["sampler_logprob_gap"] < 2e-3 for r in rows), [r["sampler_logprob_gap"] for r in rows]
+    assert all(r["time/sync"] > 0 and r["policy_lag"] == 0 for r in rows)
+    assert not server_processes() - before  # neither `posttrain serve` nor any of its vLLM processes is left
 
 
 def test_input_error_found_by_the_ranks_is_exit_2(tiny_model_dir, data, tmp_path, cluster):
@@ -154,17 +203,26 @@ def test_killed_actor_names_rank_and_node(tiny_model_dir, data, tmp_path, cluste
     assert resolve_resume(str(out), "auto") is not None  # the newest complete checkpoint is there to resume from
 
 
-def test_ppo_with_frozen_roles_apart_matches_torchrun(tiny_model_dir, data, tmp_path, cluster):
-    """Policy and critic train in one worker on one node; reference and reward model are served by a replica on the
-    other node: the run trains what one torchrun process with every role inside trains, and logs the replica's time."""
+@pytest.fixture(scope="module")
+def ppo_with_rm(tiny_model_dir, data, tmp_path_factory):
+    """PPO's overrides with a reward model beside the rule reward (the critic starts from it: no fresh head), and the
+    run of one torchrun process with every role inside that the layouts below are compared with."""
     from transformers import AutoTokenizer
 
     from tests.unit.test_rewards_reward_model import save_classifier
 
-    rm = save_classifier(tmp_path / "rm", AutoTokenizer.from_pretrained(tiny_model_dir))
-    extra = [f"rewards=[{{name: '{REWARD}'}}, {{name: reward_model, kwargs: {{path: '{rm}'}}}}]"]
-    reference = launch(1, "ppo", ppo_overrides(tiny_model_dir, data, tmp_path / "torchrun", 4, *extra))
+    root = tmp_path_factory.mktemp("ppo_rm")
+    rm = save_classifier(root / "rm", AutoTokenizer.from_pretrained(tiny_model_dir))
+    extra = [f"rewards=[{{name: '{REWARD}'}}, {{name: reward_model, kwargs: {{path: '{rm}'}}}}]", "train.save_steps=1"]
+    reference = launch(1, "ppo", ppo_overrides(tiny_model_dir, data, root / "torchrun", 4, *extra))
     reference.check_world(1)
+    return extra, reference
+
+
+def test_ppo_with_frozen_roles_apart_matches_torchrun(tiny_model_dir, data, tmp_path, cluster, ppo_with_rm):
+    """Policy and critic train in one worker on one node; reference and reward model are served by a replica on the
+    other node: the run trains what one torchrun process with every role inside trains, and logs the replica's time."""
+    extra, reference = ppo_with_rm
     result = run_ray("ppo", ppo_overrides(tiny_model_dir, data, tmp_path / "ray", 4, *extra)
                      + ["placement.colocate=[[policy, critic], [reference, reward_model]]",
                         "placement.policy.num_nodes=1", "placement.policy.num_gpus_per_node=1"], cluster)
@@ -198,3 +256,36 @@ def test_killed_role_replica_names_role_and_node(tiny_model_dir, data, tmp_path,
     from posttrain.checkpoint import resolve_resume
 
     assert resolve_resume(str(out), "auto") is not None
+
+
+def test_ppo_critic_in_its_own_group_matches_torchrun_and_resumes(tiny_model_dir, data, tmp_path, cluster,
+                                                                 ppo_with_rm):
+    """OpenRLHF's --colocate_actor_ref + --colocate_critic_reward: policy and reference in the training worker on one
+    node; critic and reward model in a group of their own on the other, the critic trained there (its own process
+    group, optimiser and schedule), saved into each checkpoint and exported as final-critic/. It trains what one
+    torchrun process with every role inside trains, and a resume from its step-1 checkpoint ends where it ended."""
+    extra, reference = ppo_with_rm
+    layout = ["placement.colocate=[[policy, reference], [critic, reward_model]]", "placement.policy.num_nodes=1",
+              "placement.policy.num_gpus_per_node=1"]
+    result = run_ray("ppo", ppo_overrides(tiny_model_dir, data, tmp_path / "ray", 4, *extra) + layout, cluster)
+    result.check_world(1)
+    table = result.output[result.output.index("posttrain ray placement"):].splitlines()[2:6]
+    node_of = {row.split()[0]: row.split()[2] for row in table}
+    assert node_of["policy"] == node_of["reference"] != node_of["critic"] == node_of["reward_model"], table
+    one, two = reference.metrics(), result.metrics()
+    assert [r["step"] for r in one] == [r["step"] for r in two] == [1, 2]
+    for expected, got in zip(one, two):
+        for name in ("loss", "loss/critic", "grad_norm/critic", "learning_rate/critic", "values/mean", "kl"):
+            assert got[name] == pytest.approx(expected[name], abs=1e-5), name
+        assert got["time/role/critic"] > 0 and got["time/update/critic"] > 0
+    assert max_weight_diff(reference.final_weights(), result.final_weights()) < 1e-4
+    assert max_weight_diff(critic_weights(reference.output_dir), critic_weights(result.output_dir)) < 1e-4
+    assert (result.output_dir / "checkpoints" / "step-1" / "critic" / "role_state.json").is_file()
+
+    resumed = result.copy_at(1, tmp_path / "resumed")
+    shutil.rmtree(resumed / "final-critic")  # the resumed run must export its own
+    again = run_ray("ppo", ppo_overrides(tiny_model_dir, data, resumed, 4, *extra, "train.resume_from_checkpoint=auto")
+                    + layout, cluster)
+    assert again.returncode == 0, again.output[-4000:]
+    assert max_weight_diff(result.final_weights(), again.final_weights()) < 1e-5
+    assert max_weight_diff(critic_weights(result.output_dir), critic_weights(resumed)) < 1e-5

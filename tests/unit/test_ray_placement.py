@@ -154,12 +154,19 @@ def test_launcher_ray_without_ray_installed_says_how_to_install(monkeypatch, cap
         capsys.readouterr().err
 
 
-def test_only_frozen_roles_may_sit_apart_from_the_policy():
-    """Reference and reward model apart are served by replicas (ray_roles); a critic apart is refused up front."""
+def test_a_trained_role_apart_has_one_worker_per_policy_rank():
+    """Frozen roles apart are replicas, any number; the critic's group has one worker per rank, said up front."""
     from posttrain.distributed.ray_roles import check_apart
 
-    frozen = recipe("placement.colocate=[[policy, critic], [reference, reward_model]]").placement
-    check_apart(resolve(frozen, ("policy", "reference", "critic", "reward_model"), two_nodes()))
-    trained = recipe("placement.colocate=[[policy, reference], [critic, reward_model]]").placement
-    with pytest.raises(UserError, match=r"placement: critic in an actor group apart from the policy is not built yet"):
-        check_apart(resolve(trained, ("policy", "reference", "critic", "reward_model"), two_nodes()))
+    roles = ("policy", "reference", "critic", "reward_model")
+    frozen = recipe("placement.colocate=[[policy, critic], [reference, reward_model]]",
+                    "placement.policy.num_gpus_per_node=2").placement
+    check_apart(resolve(frozen, roles, two_nodes()))  # 2 ranks, 1 replica: fine
+    same = recipe("placement.colocate=[[policy, reference], [critic, reward_model]]",
+                  "placement.policy.num_gpus_per_node=2", "placement.critic.num_gpus_per_node=2").placement
+    check_apart(resolve(same, roles, two_nodes()))
+    fewer = recipe("placement.colocate=[[policy, reference], [critic, reward_model]]",
+                   "placement.policy.num_gpus_per_node=2").placement
+    with pytest.raises(UserError, match=r"placement: critic\+reward_model apart from the policy has 1 worker\(s\) but "
+                                        r"the policy has 2: .* set placement.critic.num_nodes / num_gpus_per_node"):
+        check_apart(resolve(fewer, roles, two_nodes()))
