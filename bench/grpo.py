@@ -3,7 +3,7 @@
     python bench/grpo.py                                  # tiny random model, CPU or the GPU there is
     python bench/grpo.py --size bench --steps 6 --mixed-precision bf16   # the 24M-parameter tiny config, on a GPU
     python bench/grpo.py --model Qwen/Qwen2.5-0.5B --generation-batch-size 1
-    python bench/grpo.py --engine vllm [--async]          # in-process vLLM (make setup EXTRAS=dev,vllm)
+    python bench/grpo.py --engine vllm --size vllm [--async]   # in-process vLLM (make setup EXTRAS=dev,vllm)
     python bench/grpo.py --engine server --server http://127.0.0.1:8000 --model DIR   # `posttrain serve --model DIR`
 
 Runs `posttrain grpo` in-process on the shipped arithmetic prompts with a length reward (varies within groups, so
@@ -26,6 +26,7 @@ sys.path.insert(0, str(ROOT))
 
 SIZES = {
     "tiny": {},
+    "vllm": dict(num_heads=2, num_kv_heads=1),  # the tiny model with head_dim 32: vLLM's CPU attention needs >= 32
     "bench": dict(hidden_size=512, num_layers=8, num_heads=8, num_kv_heads=4, intermediate_size=1408),
 }
 PHASES = ("time/sync", "time/generate", "time/score", "time/ref", "time/train")

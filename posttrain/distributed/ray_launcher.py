@@ -9,10 +9,11 @@ table, then starts one actor per rank, pinned to the node the fit chose. Each ac
 WORLD_SIZE, LOCAL_RANK, GROUP_WORLD_SIZE, MASTER_ADDR, MASTER_PORT): the algorithms, the loop and the backend do not
 know Ray exists, so a Ray run and a torchrun run with the same seed and world size train the same weights.
 
-Roles: by default every role lives in the policy's workers (colocated, as under torchrun). Frozen roles (reference,
-reward_model) placed apart (placement.colocate) run as replicas in actor groups of their own (ray_roles.py), started
-and loaded before the ranks. A trained role apart from the policy (the critic) is not built yet, and generation
-engines as actors are not yet (the launcher says so, exit 2).
+Roles: by default every role lives in the policy's workers (colocated, as under torchrun). Roles placed apart
+(placement.colocate) run in actor groups of their own (ray_roles.py), started and loaded before the ranks: frozen ones
+(reference, reward_model) as replicas, the critic as a group with its own process group, one worker per rank.
+Generation engines (placement.generation.num_engines) are `posttrain serve` servers in actors of their own
+(ray_engines.py), started before the ranks, which then generate on them with generation.engine=server.
 A rank that fails or an actor that dies stops the run: the driver names the rank, its node and its last error, and
 stops the others; checkpoints already written are complete (each is written to a temporary name, then renamed).
 """
@@ -20,16 +21,16 @@ stops the others; checkpoints already written are complete (each is written to a
 from __future__ import annotations
 
 import os
-import socket
 import sys
 import time
 import traceback
 from typing import Any
 
 from posttrain.config.schema import Recipe
+from posttrain.distributed.ray_engines import Engines, check_engines, start_engines
 from posttrain.distributed.ray_placement import (Plan, RankSlot, fit, nodes_from_ray, pick_gpu_resource,
                                                  placement_table, rank_slots, resolve, roles_needed)
-from posttrain.distributed.ray_roles import RoleGroups, start_role_groups
+from posttrain.distributed.ray_roles import RoleGroups, Worker, start_role_groups
 from posttrain.errors import RunStopped, UserError
 
 INSTALL = "pip install 'posttrain[ray]' (or pip install 'ray[default]>=2.40')"
@@ -48,22 +49,8 @@ def import_ray():
     return ray
 
 
-class RankWorker:
+class RankWorker(Worker):
     """One training rank. Its methods run in the actor's process; nothing heavy is imported before `run`."""
-
-    def node(self) -> str:
-        import ray
-
-        return ray.get_runtime_context().get_node_id()
-
-    def rendezvous(self) -> tuple[str, int]:
-        """This node's address and a free port on it (asked of rank 0 only: MASTER_ADDR / MASTER_PORT)."""
-        import ray
-
-        address = ray.util.get_node_ip_address()
-        with socket.socket() as s:
-            s.bind(("", 0))
-            return address, s.getsockname()[1]
 
     def run(self, command: str, recipe: Recipe, cwd: str, env: dict[str, str],
             remote_roles: dict | None = None) -> dict[str, Any]:
@@ -105,6 +92,7 @@ def run_on_ray(command: str, recipe: Recipe) -> int:
     address = recipe.placement.address or os.environ.get("RAY_ADDRESS") or None
     ray.init(address=address, include_dashboard=False, configure_logging=False, log_to_driver=True)
     actors: list = []
+    engines = Engines()
     try:
         p = pick_gpu_resource(recipe.placement, ray.nodes())
         nodes = nodes_from_ray(ray.nodes(), p.gpu_resource)
@@ -114,6 +102,7 @@ def run_on_ray(command: str, recipe: Recipe) -> int:
         print(f"posttrain ray placement ({len(nodes)} node(s), cluster {address or 'local'}):\n"
               f"{placement_table(plan)}", flush=True)
         forwarded = {k: v for k, v in os.environ.items() if k.startswith(FORWARDED_PREFIXES)}
+        engines = start_engines(ray, plan, recipe, forwarded)  # placement.generation.num_engines servers, if any
         groups = RoleGroups()
         if len(plan.units) > 1:  # frozen roles apart from the policy: replicas, loaded before the ranks start
             groups = start_role_groups(ray, plan, command, recipe, forwarded, lambda s: actor_options(s, plan))
@@ -124,13 +113,15 @@ def run_on_ray(command: str, recipe: Recipe) -> int:
         wait_started(ray, ranks, slots)
         master_addr, master_port = ray.get(ranks[0].rendezvous.remote())
         cwd = os.getcwd()
-        futures = {ranks[s.rank].run.remote(command, recipe, cwd,
-                                            {**forwarded, **rank_env(s, len(slots), len(plan.units[0].nodes),
-                                                                     master_addr, master_port, plan)},
+        futures = {ranks[s.rank].run.remote(command, engines.ranks_recipe(recipe), cwd,
+                                            {**forwarded, **engines.env,
+                                             **rank_env(s, len(slots), len(plan.units[0].nodes), master_addr,
+                                                        master_port, plan)},
                                             groups.for_rank(s.rank)): s
                    for s in slots}
         return wait_for_ranks(ray, futures, plan)
     finally:
+        engines.stop()
         for actor in actors:
             try:
                 ray.kill(actor)
@@ -140,13 +131,12 @@ def run_on_ray(command: str, recipe: Recipe) -> int:
 
 
 def check_built(units, recipe: Recipe) -> None:
-    """What the placement asks that this build cannot run yet fails here, before any actor starts."""
+    """What the placement asks that this build cannot run, or that contradicts the recipe, fails here, before any
+    actor starts."""
     from posttrain.distributed.ray_roles import check_apart
 
     check_apart(units)
-    if recipe.placement.generation.num_engines:
-        raise UserError("placement.generation.num_engines > 0 (engines as their own Ray actors) is not built yet; "
-                        "set it to 0: each training worker generates with generation.engine (hf or vllm)")
+    check_engines(recipe)
 
 
 def start_actor(ray, slot: RankSlot, plan: Plan):

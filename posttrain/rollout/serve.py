@@ -12,7 +12,9 @@ token comes from --token or POSTTRAIN_SERVER_TOKEN (a random one is made and pri
 trainer reads it from POSTTRAIN_SERVER_TOKEN. The server listens on 127.0.0.1 unless --host says otherwise.
 
 It prints the URL once the server answers, and on SIGINT / SIGTERM stops the whole process group (vLLM's engine
-processes ignore SIGTERM, so what is left after a grace period is killed).
+processes ignore SIGTERM, so what is left after a grace period is killed). On Linux vLLM also gets SIGTERM when this
+process ends without that chance (SIGKILL, as Ray deals to an actor's children when the actor ends), so no server is
+left behind.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from posttrain.rollout.server import TOKEN_ENV, ServerUnavailable, call
 EXTENSION = "posttrain.rollout.server_worker.WeightSyncExtension"
 MIDDLEWARE = "posttrain.rollout.server_worker.TokenGuard"
 GRACE_SECONDS = 10.0
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 
 def add_serve(sub) -> None:
@@ -85,6 +88,17 @@ def check_serve_args(args) -> None:
                             "choose another port, or stop what holds it") from None
 
 
+def die_with_parent():
+    """A preexec_fn (Linux; None elsewhere) asking for SIGTERM when the process that started the child ends, killed or
+    not. prctl is looked up here: the forked child only calls it."""
+    if not sys.platform.startswith("linux"):
+        return None
+    import ctypes
+
+    prctl = ctypes.CDLL(None, use_errno=True).prctl
+    return lambda: prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
 def stop_group(process: subprocess.Popen) -> None:
     """SIGTERM to the server's whole process group, SIGKILL to what is left after the grace period."""
     try:
@@ -123,7 +137,8 @@ def run_serve(args) -> int:
     env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", TOKEN_ENV: token}
     host = socket.getfqdn() if args.host in ("0.0.0.0", "::") else args.host
     url = f"http://{host}:{args.port}"
-    process = subprocess.Popen(vllm_command(args, on_gpu), env=env, start_new_session=True)
+    process = subprocess.Popen(vllm_command(args, on_gpu), env=env, start_new_session=True,
+                               preexec_fn=die_with_parent())
     stopping = []
 
     def stop(signum, _frame):

@@ -2,7 +2,7 @@
 `fake_gpu` standing in for a GPU and one CPU): the 2 ranks land one per node and train the same weights as
 `torchrun --nproc_per_node 2` with the same seed; PPO with reference and reward model in a replica on the other node
 trains what one torchrun process does; a placement that does not fit stops before anything starts; a killed rank or
-replica stops the run naming it and its node.
+replica stops the run naming it and its node; GRPO generates on a vLLM engine actor on the other node.
 
 One cluster per module (start-up costs seconds and memory); it is shut down at the end.
 """
@@ -144,8 +144,8 @@ def server_processes() -> set[int]:
     """Processes of `posttrain serve` or vLLM on this machine."""
     import psutil
 
-    def is_server(cmdline: str) -> bool:
-        return "vllm" in cmdline.lower() or "posttrain serve" in cmdline
+    def is_server(cmdline: str) -> bool:  # the api_server, its engine processes (renamed), posttrain serve
+        return "vllm.entrypoints" in cmdline or cmdline.startswith("VLLM::") or "-m posttrain serve " in cmdline
 
     return {p.pid for p in psutil.process_iter(["cmdline"]) if is_server(" ".join(p.info["cmdline"] or []))}
 

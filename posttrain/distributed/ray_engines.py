@@ -1,0 +1,281 @@
+"""Generation engines as Ray actors under `launcher: ray` (`placement.generation.num_engines > 0`, docs/ray.md).
+
+    engines = start_engines(ray, plan, recipe, env)     # one `posttrain serve` per engine, on the node the fit chose
+    ranks run with engines.ranks_recipe(recipe)         # generation.engine=server, generation.servers=their URLs
+              and engines.env                           # the servers' token
+    engines.stop()                                      # every server, its vLLM processes and the actors
+
+Each engine is an `EngineWorker` actor pinned to its planned node, holding tensor_parallel_size GPUs there (or as
+much of the resource standing in for GPUs; no GPU with gpu_resource none). The actor runs `posttrain serve` as a
+child process, so the training ranks use the server engine unchanged: bucketed weight syncs from rank 0, policy
+versions, retries, and a run stopped naming the URL of a server that stops answering (the start-up banner maps each
+URL to its engine and node, and the driver names an engine that ended early). A server does not outlive its actor:
+`posttrain serve` gets SIGTERM when the actor's process ends, and vLLM gets SIGTERM when serve's ends, killed or not.
+
+With engines the ranks always generate on them, as OpenRLHF's --vllm_num_engines > 0 means: generation.engine hf or
+vllm is replaced (the banner says so), and generation.engine=server with servers of one's own is refused (exit 2).
+Nothing here imports ray: the launcher passes the module in.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+from posttrain.config.schema import Recipe
+from posttrain.distributed.ray_placement import Node, Plan
+from posttrain.errors import RunStopped, UserError
+
+READY_TIMEOUT_S = 600.0  # model load + vLLM start-up on the engine's node (large models on GPUs take minutes)
+SCHEDULE_TIMEOUT_S = 300.0  # Ray places the actor: longer means its resources are held by another job
+STOP_TIMEOUT_S = 30.0  # `posttrain serve` gives vLLM 10 s after SIGTERM, the actor gives serve as long again
+LOG_DIR = "engines"  # under output_dir: engine-<i>.log, the server's output (run.check_output_dir lets it be there)
+TOKEN_ENV = "POSTTRAIN_SERVER_TOKEN"  # rollout.server.TOKEN_ENV, which the ranks read (importing it imports torch)
+
+
+def check_engines(recipe: Recipe) -> None:
+    """What contradicts engines as actors, said before anything starts: servers of the user's own as well (two
+    answers to where generation runs), or an in-process tensor-parallel size other than the engines'."""
+    placed, vllm = recipe.placement.generation, recipe.generation.vllm
+    if not placed.num_engines:
+        return
+    if recipe.generation.engine == "server":
+        raise UserError("placement.generation.num_engines > 0 starts the generation servers itself, but "
+                        "generation.engine=server lists servers of your own (generation.servers): drop one of the "
+                        "two, e.g. generation.engine=hf placement.generation.num_engines=1")
+    if vllm.tensor_parallel_size not in (1, placed.tensor_parallel_size):
+        raise UserError(f"generation.vllm.tensor_parallel_size={vllm.tensor_parallel_size} sizes in-process engines; "
+                        f"engines as actors (placement.generation.num_engines) span "
+                        f"placement.generation.tensor_parallel_size={placed.tensor_parallel_size} GPUs: set that one")
+
+
+def serve_args(recipe: Recipe, tensor_parallel_size: int) -> list[str]:
+    """`posttrain serve` options for the policy's starting weights and the recipe's `generation.vllm.*`, as far as
+    they apply to a server on GPUs of its own (sleep mode does not: training runs elsewhere)."""
+    model, vllm = recipe.model, recipe.generation.vllm
+    longest = (recipe.data.max_prompt_length or recipe.data.max_length) + recipe.generation.max_completion_length
+    args = ["--model", model.name_or_path, "--", "--tensor-parallel-size", str(tensor_parallel_size),
+            "--max-model-len", str(vllm.max_model_len or longest),
+            "--gpu-memory-utilization", str(vllm.gpu_memory_utilization)]
+    if vllm.dtype != "auto":  # auto: the model's dtype on a GPU, float32 on a CPU (posttrain serve's default)
+        args += ["--dtype", vllm.dtype]
+    if vllm.enforce_eager:
+        args.append("--enforce-eager")
+    if model.revision:
+        args += ["--revision", model.revision]
+    if model.tokenizer_name_or_path:
+        args += ["--tokenizer", model.tokenizer_name_or_path]
+    if model.trust_remote_code:
+        args.append("--trust-remote-code")
+    return args
+
+
+def log_tail(path: Path, lines: int = 20) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "(no log)"
+
+
+def kill_group(group: Optional[int]) -> None:
+    try:
+        os.killpg(group, signal.SIGKILL)
+    except (ProcessLookupError, TypeError):  # gone already, or never known
+        pass
+
+
+class EngineWorker:
+    """One generation engine: a `posttrain serve` process on this actor's node. Its methods run in the actor
+    (tasks run on its main thread, the one whose end the server's death signal watches)."""
+
+    process: Optional[subprocess.Popen] = None
+    vllm_group: Optional[int] = None  # `posttrain serve` starts vLLM in a process group of its own
+
+    def start(self, args: list[str], log: str, env: dict[str, str]) -> dict[str, str]:
+        """Start the server with `args` (serve_args) on this node's address and a free port, its output in `log`,
+        and wait until it answers. Returns {"url": ...}, or {"error": ..., "code": its exit code (None: still
+        running when given up), "tail": the end of its log}."""
+        import ray
+
+        from posttrain.rollout.serve import die_with_parent
+
+        host = ray.util.get_node_ip_address()
+        with socket.socket() as s:
+            s.bind((host, 0))
+            port = s.getsockname()[1]
+        self.log = Path(log)
+        self.log.parent.mkdir(parents=True, exist_ok=True)
+        command = [sys.executable, "-m", "posttrain", "serve", "--host", host, "--port", str(port), *args]
+        with self.log.open("w") as out:
+            self.process = subprocess.Popen(command, env={**os.environ, **env}, stdout=out, stderr=subprocess.STDOUT,
+                                            start_new_session=True, preexec_fn=die_with_parent())
+        url = f"http://{host}:{port}"
+        if not self._wait_ready(url):
+            code = self.process.poll()
+            cause = (f"the server exited with code {code} while starting" if code is not None else
+                     f"the server did not answer at {url} within {READY_TIMEOUT_S:.0f} s")
+            self.stop()
+            return {"error": cause, "code": code, "tail": log_tail(self.log)}
+        import psutil
+
+        self.vllm_group = next((child.pid for child in psutil.Process(self.process.pid).children()), None)
+        return {"url": url}
+
+    def _wait_ready(self, url: str) -> bool:
+        """True once the server answers /health; False if it exits first or stays silent for READY_TIMEOUT_S."""
+        from posttrain.rollout.server import ServerUnavailable, call
+
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while self.process.poll() is None and time.monotonic() < deadline:
+            try:
+                call(url, "/health", timeout=2.0, token="")
+                return True
+            except ServerUnavailable:
+                time.sleep(1.0)
+        return False
+
+    def stop(self) -> str:
+        """Stop the server: SIGTERM (it then stops vLLM), SIGKILL to what is left after a grace period. Returns how
+        it had ended before this call ("" while it was still running)."""
+        from posttrain.rollout.serve import stop_group
+
+        if self.process is None:
+            return ""
+        code = self.process.poll()
+        stop_group(self.process)
+        kill_group(self.vllm_group)  # a no-op after a clean stop; vLLM's processes when the server itself was killed
+        return "" if code is None else f"its server exited with code {code}"
+
+
+@dataclass
+class Engines:
+    """The engines of a run: their actors, server URLs, nodes and logs, and the token the servers take."""
+
+    actors: list = field(default_factory=list)
+    urls: list[str] = field(default_factory=list)
+    nodes: list[Node] = field(default_factory=list)
+    logs: list[Path] = field(default_factory=list)
+    token: str = ""
+    ray: Any = None
+
+    @property
+    def env(self) -> dict[str, str]:
+        """What the training ranks need to talk to the servers."""
+        return {TOKEN_ENV: self.token} if self.actors else {}
+
+    def ranks_recipe(self, recipe: Recipe) -> Recipe:
+        """The recipe the ranks run: generation on the engines' servers (unchanged when there are no engines)."""
+        if not self.actors:
+            return recipe
+        generation = dataclasses.replace(recipe.generation, engine="server", servers=tuple(self.urls))
+        return dataclasses.replace(recipe, generation=generation)
+
+    def banner(self, replaced: str) -> str:
+        """The start-up lines: which URL is which engine on which node, and where its log is."""
+        lines = [f"posttrain ray generation: {len(self.urls)} engine(s) started with `posttrain serve`; the ranks "
+                 f"generate on them (generation.engine=server in place of {replaced})"]
+        lines += [f"engine {i}  {node.label}  {url}  log: {log}"
+                  for i, (node, url, log) in enumerate(zip(self.nodes, self.urls, self.logs))]
+        return "\n".join(lines)
+
+    def stop(self, report: bool = True) -> None:
+        """Stop every server (in parallel), then the actors. `report`: name each engine that had ended before, with
+        its node and log (the ranks only saw its URL stop answering)."""
+        if not self.actors:
+            return
+        from ray.exceptions import RayActorError
+
+        from posttrain.distributed.ray_launcher import last_line  # not at the top: ray_launcher imports this module
+
+        refs = [actor.stop.remote() for actor in self.actors]
+        for i, ref in enumerate(refs):
+            try:
+                ended = self.ray.get(ref, timeout=STOP_TIMEOUT_S)
+            except RayActorError as e:
+                ended = f"its actor died: {last_line(str(e))}"
+            except Exception as e:  # best effort: the actor is killed next, and its server with it
+                ended = f"stopping it failed: {e}"
+            if ended and report:
+                print(f"posttrain: generation engine {i} on node {self.nodes[i].label} ({self.urls[i]}) had stopped "
+                      f"before the run ended: {ended}; log: {self.logs[i]}", file=sys.stderr, flush=True)
+        for actor in self.actors:
+            try:
+                self.ray.kill(actor)
+            except Exception:
+                pass
+        self.actors = []
+
+
+def engine_options(node: Node, plan: Plan) -> dict[str, Any]:
+    """An engine actor's Ray options: pinned to its node, with its tensor_parallel_size GPUs (or the resource
+    standing in for them) and cpus_per_worker CPUs."""
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    options: dict[str, Any] = dict(num_cpus=plan.cpus_per_worker, max_restarts=0,
+                                   scheduling_strategy=NodeAffinitySchedulingStrategy(node.node_id, soft=False))
+    if plan.gpu_resource == "GPU":
+        options["num_gpus"] = plan.engine_gpus
+    elif plan.gpu_resource.lower() != "none":
+        options["resources"] = {plan.gpu_resource: plan.engine_gpus}
+    return options
+
+
+def start_engines(ray, plan: Plan, recipe: Recipe, env: dict[str, str]) -> Engines:
+    """Start every planned engine at once, wait until each server answers and print the banner. `env`: the driver's
+    variables the workers get. On a failure the others are stopped and RunStopped names the engine, node and log."""
+    if not plan.engines:
+        return Engines()
+    logs = [Path(recipe.output_dir).resolve() / LOG_DIR / f"engine-{i}.log" for i in range(len(plan.engines))]
+    actors = [ray.remote(EngineWorker).options(**engine_options(node, plan)).remote() for node in plan.engines]
+    engines = Engines(actors, [""] * len(actors), list(plan.engines), logs, secrets.token_hex(16), ray)
+    server_env = {**env, **{k: v for k, v in os.environ.items() if k.startswith("VLLM_")}, TOKEN_ENV: engines.token}
+    if recipe.generation.vllm.kv_cache_gb is not None:
+        server_env["VLLM_CPU_KVCACHE_SPACE"] = str(recipe.generation.vllm.kv_cache_gb)
+    args = serve_args(recipe, recipe.placement.generation.tensor_parallel_size)
+    refs = {actor.start.remote(args, str(log), server_env): i for i, (actor, log) in enumerate(zip(actors, logs))}
+    try:
+        wait_ready(ray, refs, engines)
+    except BaseException:
+        engines.stop(report=False)  # the error names the engine that failed
+        raise
+    print(engines.banner(f"generation.engine={recipe.generation.engine}"), flush=True)
+    return engines
+
+
+def wait_ready(ray, refs: dict, engines: Engines) -> None:
+    """Fill engines.urls as the servers answer; RunStopped at the first that fails or is late."""
+    from ray.exceptions import RayActorError
+
+    from posttrain.distributed.ray_launcher import last_line
+
+    pending = list(refs)
+    deadline = time.monotonic() + SCHEDULE_TIMEOUT_S + READY_TIMEOUT_S
+    while pending:
+        done, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+        if not done:
+            late = refs[pending[0]]
+            raise RunStopped(f"generation engine {late} on node {engines.nodes[late].label}: not started within "
+                             f"{SCHEDULE_TIMEOUT_S + READY_TIMEOUT_S:.0f} s (its resources held by another job? see "
+                             f"`ray status`); log: {engines.logs[late]}", shared=False)
+        i = refs[done[0]]
+        try:
+            answer = ray.get(done[0])
+        except RayActorError as e:
+            answer = {"error": f"its actor died: {last_line(str(e))}"}
+        if "error" in answer:
+            tail = f"; the end of its log:\n{answer['tail']}" if answer.get("tail") else ""
+            message = (f"generation engine {i} on node {engines.nodes[i].label}: {answer['error']}; log: "
+                       f"{engines.logs[i]}{tail}")
+            if answer.get("code") == 2:  # posttrain serve refused its input (the model, a vLLM option)
+                raise UserError(message)
+            raise RunStopped(message, shared=False)
+        engines.urls[i] = answer["url"]
