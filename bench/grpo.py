@@ -108,8 +108,11 @@ def print_table(rows: list[dict], walls: list[float], completions: int, args) ->
     if walls:
         wall = statistics.fmean(walls)
         print(f"wall clock           {wall:.3f} s/step = {1 / wall:.3f} steps/s")
-    print(f"generated tokens/s   {new_tokens / statistics.fmean(r['time/generate'] for r in generating):,.0f}"
-          f"   ({new_tokens:.0f} new tokens per generation)")
+    if args.async_:  # time/generate is only the wait for the batch sampled during the previous step
+        print(f"generated tokens/s   (async: sampling overlaps training; {new_tokens:.0f} new tokens per generation)")
+    else:
+        print(f"generated tokens/s   {new_tokens / statistics.fmean(r['time/generate'] for r in generating):,.0f}"
+              f"   ({new_tokens:.0f} new tokens per generation)")
     if trained is not None:
         print(f"trained tokens/s     {trained / mean('time/train'):,.0f}   ({trained:.0f} tokens per step)")
     print(f"reward/mean          {rows[0]['reward/mean']:.3f} -> {rows[-1]['reward/mean']:.3f}")
