@@ -47,14 +47,16 @@ def data(tmp_path_factory):
     return write_example_data(tmp_path_factory.mktemp("data"), n_train=32, n_eval=5)
 
 
-def run_ray(command: str, overrides: list[str], cluster, timeout: float = 400, watch=None) -> Result:
-    """`python -m posttrain <command> --ray placement.address=<cluster> ...` in a subprocess; `watch(proc)` runs
-    while it does (to kill an actor mid-run)."""
+def run_ray(command: str, overrides: list[str], cluster, timeout: float = 400, watch=None,
+            env: dict | None = None) -> Result:
+    """`python -m posttrain <command> --ray placement.address=<cluster> ...` in a subprocess (`env` added to its
+    environment, which the driver forwards to the workers); `watch(proc)` runs while it does (to kill an actor
+    mid-run)."""
     out_dir = next(o.split("=", 1)[1] for o in overrides if o.startswith("output_dir="))
     argv = [sys.executable, "-m", "posttrain", command, "--ray", f"placement.address={cluster.address}",
             "placement.gpu_resource=fake_gpu", *overrides]
     started = time.perf_counter()
-    proc = subprocess.Popen(argv, cwd=ROOT, env=worker_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+    proc = subprocess.Popen(argv, cwd=ROOT, env=worker_env(env=env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True)
     if watch is not None:
         watch(proc)
@@ -203,10 +205,14 @@ def test_killed_actor_names_rank_and_node(tiny_model_dir, data, tmp_path, cluste
     assert resolve_resume(str(out), "auto") is not None  # the newest complete checkpoint is there to resume from
 
 
+ZERO2 = {"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_ZERO_STAGE": "2"}
+"""DeepSpeed ZeRO-2 as a launcher asks for it; the Ray driver forwards it to every worker (ranks and role groups)."""
+
+
 @pytest.fixture(scope="module")
 def ppo_with_rm(tiny_model_dir, data, tmp_path_factory):
     """PPO's overrides with a reward model beside the rule reward (the critic starts from it: no fresh head), and the
-    run of one torchrun process with every role inside that the layouts below are compared with."""
+    run of one process with every role inside, under DeepSpeed ZeRO-2, that the layouts below are compared with."""
     from transformers import AutoTokenizer
 
     from tests.unit.test_rewards_reward_model import save_classifier
@@ -214,8 +220,10 @@ def ppo_with_rm(tiny_model_dir, data, tmp_path_factory):
     root = tmp_path_factory.mktemp("ppo_rm")
     rm = save_classifier(root / "rm", AutoTokenizer.from_pretrained(tiny_model_dir))
     extra = [f"rewards=[{{name: '{REWARD}'}}, {{name: reward_model, kwargs: {{path: '{rm}'}}}}]", "train.save_steps=1"]
-    reference = launch(1, "ppo", ppo_overrides(tiny_model_dir, data, root / "torchrun", 4, *extra))
+    reference = launch(1, "ppo", ppo_overrides(tiny_model_dir, data, root / "torchrun", 4, *extra),
+                       accelerate_config="zero2")
     reference.check_world(1)
+    assert reference.facts["engine"] == "deepspeed-zero2"
     return extra, reference
 
 
@@ -225,8 +233,9 @@ def test_ppo_with_frozen_roles_apart_matches_torchrun(tiny_model_dir, data, tmp_
     extra, reference = ppo_with_rm
     result = run_ray("ppo", ppo_overrides(tiny_model_dir, data, tmp_path / "ray", 4, *extra)
                      + ["placement.colocate=[[policy, critic], [reference, reward_model]]",
-                        "placement.policy.num_nodes=1", "placement.policy.num_gpus_per_node=1"], cluster)
+                        "placement.policy.num_nodes=1", "placement.policy.num_gpus_per_node=1"], cluster, env=ZERO2)
     result.check_world(1)
+    assert result.facts["engine"] == "deepspeed-zero2"
     table = result.output[result.output.index("posttrain ray placement"):].splitlines()[2:6]
     node_of = {row.split()[0]: row.split()[2] for row in table}
     assert set(node_of) == {"policy", "critic", "reference", "reward_model"}, table
@@ -262,13 +271,16 @@ def test_ppo_critic_in_its_own_group_matches_torchrun_and_resumes(tiny_model_dir
                                                                  ppo_with_rm):
     """OpenRLHF's --colocate_actor_ref + --colocate_critic_reward: policy and reference in the training worker on one
     node; critic and reward model in a group of their own on the other, the critic trained there (its own process
-    group, optimiser and schedule), saved into each checkpoint and exported as final-critic/. It trains what one
-    torchrun process with every role inside trains, and a resume from its step-1 checkpoint ends where it ended."""
+    group, optimiser and schedule; DeepSpeed ZeRO-2 there as in the ranks), saved into each checkpoint and exported
+    as final-critic/. It trains what one process with every role inside trains, and a resume from its step-1
+    checkpoint ends where it ended."""
     extra, reference = ppo_with_rm
     layout = ["placement.colocate=[[policy, reference], [critic, reward_model]]", "placement.policy.num_nodes=1",
               "placement.policy.num_gpus_per_node=1"]
-    result = run_ray("ppo", ppo_overrides(tiny_model_dir, data, tmp_path / "ray", 4, *extra) + layout, cluster)
+    result = run_ray("ppo", ppo_overrides(tiny_model_dir, data, tmp_path / "ray", 4, *extra) + layout, cluster,
+                     env=ZERO2)
     result.check_world(1)
+    assert result.facts["engine"] == "deepspeed-zero2"
     table = result.output[result.output.index("posttrain ray placement"):].splitlines()[2:6]
     node_of = {row.split()[0]: row.split()[2] for row in table}
     assert node_of["policy"] == node_of["reference"] != node_of["critic"] == node_of["reward_model"], table
@@ -280,12 +292,14 @@ def test_ppo_critic_in_its_own_group_matches_torchrun_and_resumes(tiny_model_dir
         assert got["time/role/critic"] > 0 and got["time/update/critic"] > 0
     assert max_weight_diff(reference.final_weights(), result.final_weights()) < 1e-4
     assert max_weight_diff(critic_weights(reference.output_dir), critic_weights(result.output_dir)) < 1e-4
-    assert (result.output_dir / "checkpoints" / "step-1" / "critic" / "role_state.json").is_file()
+    saved = result.output_dir / "checkpoints" / "step-1" / "critic"
+    assert (saved / "role_state.json").is_file()
+    assert list(saved.rglob("*optim_states.pt")), sorted(saved.rglob("*"))  # the group's own DeepSpeed engine saved it
 
     resumed = result.copy_at(1, tmp_path / "resumed")
     shutil.rmtree(resumed / "final-critic")  # the resumed run must export its own
     again = run_ray("ppo", ppo_overrides(tiny_model_dir, data, resumed, 4, *extra, "train.resume_from_checkpoint=auto")
-                    + layout, cluster)
+                    + layout, cluster, env=ZERO2)
     assert again.returncode == 0, again.output[-4000:]
     assert max_weight_diff(result.final_weights(), again.final_weights()) < 1e-5
     assert max_weight_diff(critic_weights(result.output_dir), critic_weights(resumed)) < 1e-5
