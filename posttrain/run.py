@@ -280,5 +280,7 @@ def run(command: str, recipe: Recipe, remote_roles: Optional[dict] = None) -> Ru
                               {**summary, "minutes": f"{(time.time() - started) / 60:.1f}"})
         logger.info(f"report: {report}")
     metrics = read_metrics(out) if backend.is_main else []
+    if hasattr(source, "end"):  # no collective after this point: an in-process vLLM engine may tear down its groups
+        source.end()
     backend.end()
     return RunResult(output_dir=out, final_dir=final_dir, steps=state.step, metrics=metrics)

@@ -562,7 +562,7 @@ class Backend:
         self.accelerator.end_training()
         if dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()
-            _settle_at_exit()
+        _settle_at_exit()  # also when an in-process vLLM engine destroyed the group it adopted (its gloo threads)
         _reset_accelerate_state()
 
 

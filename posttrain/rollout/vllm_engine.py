@@ -124,6 +124,12 @@ class VLLMEngine:
         self.llm.collective_rpc(_load_into_worker, args=(((n, t.detach()) for n, t in named_tensors),))
         self.llm.reset_prefix_cache()
 
+    def end(self) -> None:
+        """Tear vLLM down after the run's last collective (run.py calls it right before Backend.end). vLLM's teardown
+        destroys the torch.distributed groups it made and the default one it adopted; left to its exit handler, it
+        would run after Backend.end had destroyed them and fail ("Invalid process group specified")."""
+        self.llm.llm_engine.engine_core.shutdown()
+
     def sleep(self) -> None:
         """Free the KV cache and weights on the GPU between generations (sleep level 1); a no-op on a CPU."""
         if self.sleep_mode and not self._asleep:

@@ -165,6 +165,12 @@ class RolloutSource:
         if close is not None:
             close()
 
+    def end(self) -> None:
+        """After the run's last collective: an engine with a runtime of its own in this process tears it down."""
+        end = getattr(self.engine, "end", None)
+        if end is not None:
+            end()
+
     def _drop_pending(self) -> None:
         """Wait for an async generation in flight (the run ends or stops: its batch is not needed) and let it go."""
         pending, self._pending = self._pending, None
