@@ -132,8 +132,8 @@ def load_policy(recipe: Recipe, algorithm):
 
 
 def run(command: str, recipe: Recipe, remote_roles: Optional[dict] = None) -> RunResult:
-    """One run of `command`. remote_roles (launcher: ray): role -> distributed.ray_roles.RemoteRole for the frozen
-    roles served by replicas apart from the policy; those are not loaded here."""
+    """One run of `command`. remote_roles (launcher: ray): role -> distributed.ray_roles.RemoteRole for the roles
+    served by actor groups apart from the policy (frozen replicas, the critic's group); those are not loaded here."""
     from posttrain.algorithms import ALGORITHMS
     from posttrain.algorithms.base import Models, Role
     from posttrain.distributed.backend import Backend

@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from posttrain.config.schema import Recipe
-from posttrain.distributed.ray_placement import Node, Plan
+from posttrain.distributed.ray_placement import Node, Plan, node_options
 from posttrain.errors import RunStopped, UserError
 
 READY_TIMEOUT_S = 600.0  # model load + vLLM start-up on the engine's node (large models on GPUs take minutes)
@@ -215,27 +215,13 @@ class Engines:
         self.actors = []
 
 
-def engine_options(node: Node, plan: Plan) -> dict[str, Any]:
-    """An engine actor's Ray options: pinned to its node, with its tensor_parallel_size GPUs (or the resource
-    standing in for them) and cpus_per_worker CPUs."""
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-    options: dict[str, Any] = dict(num_cpus=plan.cpus_per_worker, max_restarts=0,
-                                   scheduling_strategy=NodeAffinitySchedulingStrategy(node.node_id, soft=False))
-    if plan.gpu_resource == "GPU":
-        options["num_gpus"] = plan.engine_gpus
-    elif plan.gpu_resource.lower() != "none":
-        options["resources"] = {plan.gpu_resource: plan.engine_gpus}
-    return options
-
-
 def start_engines(ray, plan: Plan, recipe: Recipe, env: dict[str, str]) -> Engines:
     """Start every planned engine at once, wait until each server answers and print the banner. `env`: the driver's
     variables the workers get. On a failure the others are stopped and RunStopped names the engine, node and log."""
     if not plan.engines:
         return Engines()
     logs = [Path(recipe.output_dir).resolve() / LOG_DIR / f"engine-{i}.log" for i in range(len(plan.engines))]
-    actors = [ray.remote(EngineWorker).options(**engine_options(node, plan)).remote() for node in plan.engines]
+    actors = [ray.remote(EngineWorker).options(**node_options(node, plan, plan.engine_gpus)).remote() for node in plan.engines]
     engines = Engines(actors, [""] * len(actors), list(plan.engines), logs, secrets.token_hex(16), ray)
     server_env = {**env, **{k: v for k, v in os.environ.items() if k.startswith("VLLM_")}, TOKEN_ENV: engines.token}
     if recipe.generation.vllm.kv_cache_gb is not None:

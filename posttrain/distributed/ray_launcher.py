@@ -28,8 +28,9 @@ from typing import Any
 
 from posttrain.config.schema import Recipe
 from posttrain.distributed.ray_engines import Engines, check_engines, start_engines
-from posttrain.distributed.ray_placement import (Plan, RankSlot, fit, nodes_from_ray, pick_gpu_resource,
-                                                 placement_table, rank_slots, resolve, roles_needed)
+from posttrain.distributed.ray_placement import (Plan, RankSlot, fit, node_options, nodes_from_ray,
+                                                 pick_gpu_resource, placement_table, rank_slots, resolve,
+                                                 roles_needed)
 from posttrain.distributed.ray_roles import RoleGroups, Worker, start_role_groups
 from posttrain.errors import RunStopped, UserError
 
@@ -54,7 +55,7 @@ class RankWorker(Worker):
 
     def run(self, command: str, recipe: Recipe, cwd: str, env: dict[str, str],
             remote_roles: dict | None = None) -> dict[str, Any]:
-        """The ordinary run, as rank env["RANK"], with the frozen roles `remote_roles` served by replicas (ray_roles).
+        """The ordinary run, as rank env["RANK"], with the roles `remote_roles` served by groups apart (ray_roles).
         Errors come back as data, so the driver can name the rank (or the replica that died)."""
         os.environ.update(env)
         os.chdir(cwd)
@@ -68,7 +69,7 @@ class RankWorker(Worker):
         except UserError as e:
             return {"code": 2, "error": str(e)}
         except RoleWorkerDied as e:
-            return {"code": 1, "died": True, "where": e.where, "error": str(e).split(": its actor died: ", 1)[1]}
+            return {"code": 1, "died": True, "where": e.where, "error": e.cause}
         except RunStopped as e:
             return {"code": e.exit_code, "error": str(e), "stopped": True}
         except BaseException:  # the traceback goes back to the driver, which stops the others
@@ -104,8 +105,8 @@ def run_on_ray(command: str, recipe: Recipe) -> int:
         forwarded = {k: v for k, v in os.environ.items() if k.startswith(FORWARDED_PREFIXES)}
         engines = start_engines(ray, plan, recipe, forwarded)  # placement.generation.num_engines servers, if any
         groups = RoleGroups()
-        if len(plan.units) > 1:  # frozen roles apart from the policy: replicas, loaded before the ranks start
-            groups = start_role_groups(ray, plan, command, recipe, forwarded, lambda s: actor_options(s, plan))
+        if len(plan.units) > 1:  # roles apart from the policy: their groups load before the ranks start
+            groups = start_role_groups(ray, plan, command, recipe, forwarded, lambda s: node_options(s.node, plan))
             actors += groups.actors
         slots = rank_slots(plan.units[0])
         ranks = [start_actor(ray, slot, plan) for slot in slots]
@@ -140,23 +141,7 @@ def check_built(units, recipe: Recipe) -> None:
 
 
 def start_actor(ray, slot: RankSlot, plan: Plan):
-    return ray.remote(RankWorker).options(**actor_options(slot, plan)).remote()
-
-
-def actor_options(slot: RankSlot, plan: Plan) -> dict[str, Any]:
-    """A worker's Ray options: its CPUs and one GPU (or the resource standing in for one) on the slot's node."""
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-    # pinned to the node the fit chose (hard affinity): nodes of a local test cluster share one IP, so a placement
-    # group's bundles could not be told apart by node resource; the fit already checked the resources are there
-    options: dict[str, Any] = dict(num_cpus=plan.cpus_per_worker, max_restarts=0,
-                                   scheduling_strategy=NodeAffinitySchedulingStrategy(slot.node.node_id, soft=False))
-    if plan.gpu_resource.lower() != "none":
-        if plan.gpu_resource == "GPU":
-            options["num_gpus"] = 1
-        else:
-            options["resources"] = {plan.gpu_resource: 1}
-    return options
+    return ray.remote(RankWorker).options(**node_options(slot.node, plan)).remote()
 
 
 def wait_started(ray, actors: list, slots: list[RankSlot]) -> None:

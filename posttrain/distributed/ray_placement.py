@@ -6,7 +6,7 @@
     plan = fit(units, nodes, placement)                          # UserError (exit 2) saying what is short
     print(placement_table(plan))                                 # role | node | GPUs | colocated with
 
-Nothing here imports ray: the same functions check a placement for `posttrain plan`, unit tests and the launcher.
+Nothing here imports ray at module level (node_options does when called): the same functions check a placement for `posttrain plan`, unit tests and the launcher.
 A *unit* is what shares GPUs: a `colocate` group, or one role alone. Each unit needs `num_nodes` distinct nodes with
 `num_gpus_per_node` GPUs (and `cpus_per_worker` CPUs per worker) free on each; colocated roles share those GPUs in
 `gpu_fraction` shares. With `gpu_resource: none` a worker takes CPUs only.
@@ -218,6 +218,22 @@ def placement_table(plan: Plan) -> str:
         rows.append((f"engine {i}", n.label, "1", str(plan.engine_gpus), "-"))
     widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
     return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows)
+
+
+def node_options(node: Node, plan: Plan, gpus: float = 1) -> dict[str, Any]:
+    """A Ray actor's options on `node`: cpus_per_worker CPUs and `gpus` GPUs (or as much of the resource standing in
+    for them; none with gpu_resource none), pinned there by hard node affinity: nodes of a local test cluster share
+    one IP, so a placement group's bundles could not be told apart by node resource; the fit already checked the
+    resources are there."""
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    options: dict[str, Any] = dict(num_cpus=plan.cpus_per_worker, max_restarts=0,
+                                   scheduling_strategy=NodeAffinitySchedulingStrategy(node.node_id, soft=False))
+    if plan.gpu_resource == "GPU":
+        options["num_gpus"] = gpus
+    elif plan.gpu_resource.lower() != "none":
+        options["resources"] = {plan.gpu_resource: gpus}
+    return options
 
 
 @dataclass(frozen=True)

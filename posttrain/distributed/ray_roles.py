@@ -40,7 +40,7 @@ class RoleWorkerDied(RuntimeError):
     """A role replica's actor is gone; `where` names the role, the replica and its node."""
 
     def __init__(self, where: str, cause: str):
-        self.where = where
+        self.where, self.cause = where, cause
         super().__init__(f"{where}: its actor died: {cause}")
 
 
