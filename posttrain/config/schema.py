@@ -142,7 +142,8 @@ class VLLMConfig:
     """What users tune on an in-process vLLM engine (generation.engine: vllm)."""
 
     placement: str = "rank"
-    """rank: one engine per training process (the only placement so far)."""
+    """rank: an engine inside every training process; node: one per node, in a process of its own started by the
+    node's first rank and shared by the node's ranks (its tensor_parallel_size GPUs from GPU 0)."""
     gpu_memory_utilization: float = 0.3
     """Share of the GPU's memory vLLM may take (weights + KV cache); training keeps the rest."""
     tensor_parallel_size: int = 1

@@ -13,7 +13,7 @@ CHOICES = {
     "train.mixed_precision": ("no", "bf16", "fp16"),
     "generation.engine": ("hf", "vllm", "server"),
     "train.nonfinite": ("stop", "skip"),
-    "generation.vllm.placement": ("rank",),
+    "generation.vllm.placement": ("rank", "node"),
     "generation.vllm.dtype": ("auto", "float32", "bfloat16", "float16"),
     "launcher": ("local", "ray"),
 }
@@ -81,6 +81,10 @@ def validate(recipe: Recipe) -> None:
     if g.async_ and g.vllm.enable_sleep_mode:
         raise UserError("generation.async keeps the engine generating during training, so "
                         "generation.vllm.enable_sleep_mode (free its memory while training) cannot apply; drop one")
+    if g.engine == "vllm" and g.vllm.placement == "node" and recipe.launcher == "ray":
+        raise UserError("generation.vllm.placement=node starts an engine beside each node's first rank, which Ray "
+                        "confines to that rank's GPUs; under launcher: ray, give engines GPUs of their own with "
+                        "placement.generation.num_engines (docs/ray.md)")
     for i, r in enumerate(recipe.rewards):
         if not r.name:
             raise UserError(f"rewards[{i}].name is empty: name a built-in reward or an import path module:function")

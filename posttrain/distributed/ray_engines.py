@@ -20,26 +20,22 @@ Nothing here imports ray: the launcher passes the module in.
 from __future__ import annotations
 
 import dataclasses
-import os
 import secrets
-import signal
-import socket
-import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 from posttrain.config.schema import Recipe
 from posttrain.distributed.ray_placement import Node, Plan, node_options
 from posttrain.errors import RunStopped, UserError
+from posttrain.rollout.server_process import READY_TIMEOUT_S, ServerProcess, serve_args, server_env
+from posttrain.rollout.server_worker import TOKEN_ENV
 
-READY_TIMEOUT_S = 600.0  # model load + vLLM start-up on the engine's node (large models on GPUs take minutes)
 SCHEDULE_TIMEOUT_S = 300.0  # Ray places the actor: longer means its resources are held by another job
 STOP_TIMEOUT_S = 30.0  # `posttrain serve` gives vLLM 10 s after SIGTERM, the actor gives serve as long again
 LOG_DIR = "engines"  # under output_dir: engine-<i>.log, the server's output (run.check_output_dir lets it be there)
-TOKEN_ENV = "POSTTRAIN_SERVER_TOKEN"  # rollout.server.TOKEN_ENV, which the ranks read (importing it imports torch)
 
 
 def check_engines(recipe: Recipe) -> None:
@@ -58,102 +54,15 @@ def check_engines(recipe: Recipe) -> None:
                         f"placement.generation.tensor_parallel_size={placed.tensor_parallel_size} GPUs: set that one")
 
 
-def serve_args(recipe: Recipe, tensor_parallel_size: int) -> list[str]:
-    """`posttrain serve` options for the policy's starting weights and the recipe's `generation.vllm.*`, as far as
-    they apply to a server on GPUs of its own (sleep mode does not: training runs elsewhere)."""
-    model, vllm = recipe.model, recipe.generation.vllm
-    longest = (recipe.data.max_prompt_length or recipe.data.max_length) + recipe.generation.max_completion_length
-    args = ["--model", model.name_or_path, "--", "--tensor-parallel-size", str(tensor_parallel_size),
-            "--max-model-len", str(vllm.max_model_len or longest),
-            "--gpu-memory-utilization", str(vllm.gpu_memory_utilization)]
-    if vllm.dtype != "auto":  # auto: the model's dtype on a GPU, float32 on a CPU (posttrain serve's default)
-        args += ["--dtype", vllm.dtype]
-    if vllm.enforce_eager:
-        args.append("--enforce-eager")
-    if model.revision:
-        args += ["--revision", model.revision]
-    if model.tokenizer_name_or_path:
-        args += ["--tokenizer", model.tokenizer_name_or_path]
-    if model.trust_remote_code:
-        args.append("--trust-remote-code")
-    return args
-
-
-def log_tail(path: Path, lines: int = 20) -> str:
-    try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
-    except OSError:
-        return "(no log)"
-
-
-def kill_group(group: Optional[int]) -> None:
-    try:
-        os.killpg(group, signal.SIGKILL)
-    except (ProcessLookupError, TypeError):  # gone already, or never known
-        pass
-
-
-class EngineWorker:
+class EngineWorker(ServerProcess):
     """One generation engine: a `posttrain serve` process on this actor's node. Its methods run in the actor
     (tasks run on its main thread, the one whose end the server's death signal watches)."""
 
-    process: Optional[subprocess.Popen] = None
-    vllm_group: Optional[int] = None  # `posttrain serve` starts vLLM in a process group of its own
-
-    def start(self, args: list[str], log: str, env: dict[str, str]) -> dict[str, str]:
-        """Start the server with `args` (serve_args) on this node's address and a free port, its output in `log`,
-        and wait until it answers. Returns {"url": ...}, or {"error": ..., "code": its exit code (None: still
-        running when given up), "tail": the end of its log}."""
+    def start(self, args: list[str], log: str, env: dict[str, str]) -> dict:
+        """Start the server on this node's address (ServerProcess.launch) and wait until it answers."""
         import ray
 
-        from posttrain.rollout.serve import die_with_parent
-
-        host = ray.util.get_node_ip_address()
-        with socket.socket() as s:
-            s.bind((host, 0))
-            port = s.getsockname()[1]
-        self.log = Path(log)
-        self.log.parent.mkdir(parents=True, exist_ok=True)
-        command = [sys.executable, "-m", "posttrain", "serve", "--host", host, "--port", str(port), *args]
-        with self.log.open("w") as out:
-            self.process = subprocess.Popen(command, env={**os.environ, **env}, stdout=out, stderr=subprocess.STDOUT,
-                                            start_new_session=True, preexec_fn=die_with_parent())
-        url = f"http://{host}:{port}"
-        if not self._wait_ready(url):
-            code = self.process.poll()
-            cause = (f"the server exited with code {code} while starting" if code is not None else
-                     f"the server did not answer at {url} within {READY_TIMEOUT_S:.0f} s")
-            self.stop()
-            return {"error": cause, "code": code, "tail": log_tail(self.log)}
-        import psutil
-
-        self.vllm_group = next((child.pid for child in psutil.Process(self.process.pid).children()), None)
-        return {"url": url}
-
-    def _wait_ready(self, url: str) -> bool:
-        """True once the server answers /health; False if it exits first or stays silent for READY_TIMEOUT_S."""
-        from posttrain.rollout.server import ServerUnavailable, call
-
-        deadline = time.monotonic() + READY_TIMEOUT_S
-        while self.process.poll() is None and time.monotonic() < deadline:
-            try:
-                call(url, "/health", timeout=2.0, token="")
-                return True
-            except ServerUnavailable:
-                time.sleep(1.0)
-        return False
-
-    def stop(self) -> str:
-        """Stop the server: SIGTERM (it then stops vLLM), SIGKILL to what is left after a grace period. Returns how
-        it had ended before this call ("" while it was still running)."""
-        from posttrain.rollout.serve import stop_group
-
-        if self.process is None:
-            return ""
-        code = self.process.poll()
-        stop_group(self.process)
-        kill_group(self.vllm_group)  # a no-op after a clean stop; vLLM's processes when the server itself was killed
-        return "" if code is None else f"its server exited with code {code}"
+        return self.launch(ray.util.get_node_ip_address(), args, log, env)
 
 
 @dataclass
@@ -223,11 +132,9 @@ def start_engines(ray, plan: Plan, recipe: Recipe, env: dict[str, str]) -> Engin
     logs = [Path(recipe.output_dir).resolve() / LOG_DIR / f"engine-{i}.log" for i in range(len(plan.engines))]
     actors = [ray.remote(EngineWorker).options(**node_options(node, plan, plan.engine_gpus)).remote() for node in plan.engines]
     engines = Engines(actors, [""] * len(actors), list(plan.engines), logs, secrets.token_hex(16), ray)
-    server_env = {**env, **{k: v for k, v in os.environ.items() if k.startswith("VLLM_")}, TOKEN_ENV: engines.token}
-    if recipe.generation.vllm.kv_cache_gb is not None:
-        server_env["VLLM_CPU_KVCACHE_SPACE"] = str(recipe.generation.vllm.kv_cache_gb)
     args = serve_args(recipe, recipe.placement.generation.tensor_parallel_size)
-    refs = {actor.start.remote(args, str(log), server_env): i for i, (actor, log) in enumerate(zip(actors, logs))}
+    env = {**env, **server_env(recipe, engines.token)}
+    refs = {actor.start.remote(args, str(log), env): i for i, (actor, log) in enumerate(zip(actors, logs))}
     try:
         wait_ready(ray, refs, engines)
     except BaseException:

@@ -66,16 +66,19 @@ def call(url: str, path: str, body: Optional[dict] = None, timeout: float = 60.0
 
 class ServerEngine:
     """`GenerationEngine` over `posttrain serve` servers. generation: the recipe's `generation.*`; tokenizer: gives
-    the eos id; sends_weights: this process is trainer rank 0, which pushes weight syncs (the others only take part
-    in gathering them)."""
+    the eos id; sends_weights: this process is the trainer rank that pushes weight syncs (the others only take part
+    in gathering them); servers, token: other servers than generation.servers, another token than the one in
+    POSTTRAIN_SERVER_TOKEN (the engine of a node, rollout/vllm_node.py)."""
 
     holds_copy = True  # the servers' weights are synced from the trainer
     shared = True  # every rank's requests go to the same servers: all ranks wait until a sync has landed
+    outlives_run = True  # the servers go on after the run: they get the final policy
 
-    def __init__(self, generation, tokenizer, sends_weights: bool):
+    def __init__(self, generation, tokenizer, sends_weights: bool, servers=None, token: Optional[str] = None):
         if tokenizer.eos_token_id is None:
             raise UserError("the tokenizer has no eos token; set one (tokenizer.eos_token) so generation can stop")
-        self.servers = list(generation.servers)
+        self.servers = list(servers or generation.servers)
+        self.token = token
         self.eos_id = int(tokenizer.eos_token_id)
         self.timeout = float(generation.request_timeout)
         self.retries = int(generation.request_retries)
@@ -127,7 +130,7 @@ class ServerEngine:
         versions = {span["version"] for span in choice.get("weight_versions") or []}
         expected = str(self._version) if self._version is not None else None
         if expected is not None and versions - {expected}:
-            raise RunStopped(f"generation server {url} sampled with weights of version {sorted(versions)}, not the "
+            raise RunStopped(f"{self.name(url)} sampled with weights of version {sorted(versions)}, not the "
                              f"policy of step {expected} synced to it: did it restart? Restart the run "
                              f"(train.resume_from_checkpoint=auto) so every server gets the weights again",
                              shared=False)
@@ -137,15 +140,19 @@ class ServerEngine:
     def _with_retries(self, url: str, path: str, body: dict):
         for attempt in range(self.retries + 1):
             try:
-                return call(url, path, body, timeout=self.timeout)
+                return call(url, path, body, timeout=self.timeout, token=self.token)
             except ServerUnavailable as e:
                 if getattr(e, "status", 500) < 500 or attempt == self.retries:
                     raise RunStopped(
-                        f"generation server {url} failed: {e} ({attempt + 1} tries, generation.request_timeout="
+                        f"{self.name(url)} failed: {e} ({attempt + 1} tries, generation.request_timeout="
                         f"{self.timeout:g}s each). Check that it is running (posttrain serve ...) and reachable; "
                         f"checkpoints already saved are complete: continue with train.resume_from_checkpoint=auto",
                         shared=False) from None
                 time.sleep(min(2.0 ** attempt, 10.0))
+
+    def name(self, url: str) -> str:
+        """How errors name a server."""
+        return f"generation server {url}"
 
     @property
     def version(self):
@@ -216,9 +223,9 @@ class ServerEngine:
     def _rpc(self, url: str, path: str, body: dict):
         """A control call (no retry: it is not idempotent); a failure stops the run naming the server."""
         try:
-            return call(url, path, body, timeout=self.timeout)
+            return call(url, path, body, timeout=self.timeout, token=self.token)
         except ServerUnavailable as e:
-            raise RunStopped(f"generation server {url} failed during a weight sync: {e}. Check that it is running "
+            raise RunStopped(f"{self.name(url)} failed during a weight sync: {e}. Check that it is running "
                              "(posttrain serve ...); checkpoints already saved are complete: continue with "
                              "train.resume_from_checkpoint=auto", shared=False) from None
 

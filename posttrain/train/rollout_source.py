@@ -123,6 +123,10 @@ class RolloutSource:
                                gather=lambda: self.backend.gathered_parameters(policy))
         if gen.engine == "server":  # rank 0 pushes weight syncs to the servers; every rank sends them prompts
             return make_engine("server", generation=gen, tokenizer=self.tokenizer, sends_weights=self.backend.is_main)
+        if gen.vllm.placement == "node":  # one engine per node, started by its first rank
+            from posttrain.rollout.vllm_node import NodeEngine
+
+            return NodeEngine(self.recipe, self.backend, self.tokenizer)
         longest = (self.recipe.data.max_prompt_length or self.recipe.data.max_length) + gen.max_completion_length
         return make_engine(gen.engine, model_dir=self.recipe.model.name_or_path, tokenizer=self.tokenizer,
                            config=gen.vllm, seed=self.recipe.seed + self.backend.rank, max_model_len=longest)
@@ -158,7 +162,7 @@ class RolloutSource:
         """After the run: servers, which outlive it, get the final policy (they then serve what final/ holds); the
         engine lets go of what it holds (a server engine's sync group)."""
         self._drop_pending()
-        if getattr(self.engine, "shared", False) and self._synced_at != step:
+        if getattr(self.engine, "outlives_run", False) and self._synced_at != step:
             self._synced_at = None  # whatever sync_every says
             self._sync_weights(step)
         close = getattr(self.engine, "close", None)

@@ -2,10 +2,16 @@
 engine (generation.vllm.placement: rank), every weight sync gathers the partitioned policy a bucket at a time on every
 rank and each rank loads it into its engine. With generation.batch_size=1 every prompt's samples are seeded by its
 global position, so the 2-process run samples, scores and trains exactly what one process with the same global batch
-does, and the engines keep sampling from the current policy (the sampler-vs-trainer gap stays at float noise)."""
+does, and the engines keep sampling from the current policy (the sampler-vs-trainer gap stays at float noise). With
+generation.vllm.placement: node the 2 ranks share one engine, which the node's first rank starts in a process of its
+own (`posttrain serve`) and syncs; the rows keep their seeds, so the run again equals the one process."""
 
 from __future__ import annotations
 
+import os
+import re
+
+import psutil
 import pytest
 
 from posttrain.rollout.vllm_engine import vllm_available
@@ -27,12 +33,17 @@ def overrides(model_dir, data, out, per_device):
         "generation.vllm.kv_cache_gb=1", "generation.sync_bucket_mb=1", learning_rate="1e-2", seed=5)
 
 
-def test_an_engine_per_rank_under_zero3_matches_one_process(tiny_vllm_model_dir, tmp_path):
-    data = write_example_data(tmp_path / "data", n_train=32, n_eval=5)
-    single = launch(1, "grpo", overrides(tiny_vllm_model_dir, data, tmp_path / "single", 4), timeout=600)
-    assert single.ok, single.output[-6000:]
-    two = launch(2, "grpo", overrides(tiny_vllm_model_dir, data, tmp_path / "two", 2), accelerate_config="zero3",
-                 timeout=600)
+@pytest.fixture(scope="module")
+def single(tiny_vllm_model_dir, tmp_path_factory):
+    """One process, the 2-process runs' global batch: what they must equal."""
+    tmp = tmp_path_factory.mktemp("grpo-vllm-single")
+    data = write_example_data(tmp / "data", n_train=32, n_eval=5)
+    run = launch(1, "grpo", overrides(tiny_vllm_model_dir, data, tmp / "single", 4), timeout=600)
+    assert run.ok, run.output[-6000:]
+    return data, run
+
+
+def check_equals_one_process(single, two) -> None:
     two.check_world(2)
     assert two.facts["engine"] == "deepspeed-zero3"
     assert "Traceback" not in single.output + two.output, two.output[-3000:]  # vLLM ends before the groups do
@@ -52,3 +63,29 @@ def test_an_engine_per_rank_under_zero3_matches_one_process(tiny_vllm_model_dir,
                 assert run["time/sync"] > 0 or key[0] == 1, run  # the first batch samples the starting weights
     assert one_rows[(2, "train")]["reward/mean"] != one_rows[(1, "train")]["reward/mean"]  # the policy moved
     assert max_weight_diff(single.final_weights(), two.final_weights()) < 1e-4
+
+
+def test_an_engine_per_rank_under_zero3_matches_one_process(single, tiny_vllm_model_dir, tmp_path):
+    data, one = single
+    two = launch(2, "grpo", overrides(tiny_vllm_model_dir, data, tmp_path / "two", 2), accelerate_config="zero3",
+                 timeout=600)
+    check_equals_one_process(one, two)
+    assert not (tmp_path / "two" / "engines").exists()  # in-process engines: no engine process, no engine log
+
+
+def test_one_engine_per_node_under_zero3_matches_one_process(single, tiny_vllm_model_dir, tmp_path):
+    data, one = single
+    out = tmp_path / "node"
+    two = launch(2, "grpo", [*overrides(tiny_vllm_model_dir, data, out, 2), "generation.vllm.placement=node"],
+                 accelerate_config="zero3", timeout=600)
+    check_equals_one_process(one, two)
+    # one engine for the node's 2 ranks, started by rank 0 in a process of its own, gone after the run
+    assert sorted(p.name for p in (out / "engines").iterdir()) == ["vllm-node0.log"]
+    announced = re.findall(r"node 0: vLLM engine at (http://127\.0\.0\.1:(\d+)) for its 2 rank", two.output)
+    assert len(announced) == 1, two.output[-3000:]
+    log = (out / "engines" / "vllm-node0.log").read_text()
+    vllm_group = int(re.search(r"process group (\d+)", log).group(1))
+    with pytest.raises(ProcessLookupError):
+        os.killpg(vllm_group, 0)
+    port = announced[0][1]
+    assert not [p.pid for p in psutil.process_iter(["cmdline"]) if port in (p.info["cmdline"] or [])]

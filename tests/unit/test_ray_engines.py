@@ -13,7 +13,8 @@ import pytest
 
 from posttrain.algorithms.grpo import GRPOAlgoConfig
 from posttrain.config.load import load_recipe
-from posttrain.distributed.ray_engines import Engines, check_engines, serve_args
+from posttrain.distributed.ray_engines import Engines, check_engines
+from posttrain.rollout.server_process import serve_args
 from posttrain.distributed.ray_placement import Node
 from posttrain.errors import UserError
 

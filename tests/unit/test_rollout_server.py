@@ -147,3 +147,48 @@ def test_weights_travel_bit_for_bit_over_a_gloo_group():
     assert received.keys() == expected.keys()
     for name, tensor in expected.items():
         assert received[name].dtype == tensor.dtype and torch.equal(received[name], tensor), name
+
+
+@pytest.mark.parametrize("env, rank, world, expected", [
+    ({}, 0, 1, (0, 0)),  # one process, no launcher
+    ({"LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": "0"}, 1, 2, (0, 1)),
+    ({"LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "4", "GROUP_RANK": "1"}, 4, 8, (1, 0)),
+    ({"LOCAL_RANK": "3", "LOCAL_WORLD_SIZE": "4"}, 7, 8, (1, 3)),  # no GROUP_RANK: contiguous ranks per node
+])
+def test_a_rank_knows_its_node_and_place_in_it(monkeypatch, env, rank, world, expected):
+    from posttrain.rollout.vllm_node import node_position
+
+    for name in ("LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert node_position(rank, world) == expected
+
+
+def test_engine_per_node_placement_checks():
+    from posttrain.config.load import load_recipe
+    from posttrain.algorithms.grpo import GRPOAlgoConfig
+
+    base = ["data.train=x.jsonl", "rewards=[{name: exact_match}]", "generation.engine=vllm"]
+    assert load_recipe(None, base + ["generation.vllm.placement=node"], GRPOAlgoConfig).generation.vllm.placement == "node"
+    with pytest.raises(UserError, match="generation.vllm.placement is 'gpu'; choose one of rank, node"):
+        load_recipe(None, base + ["generation.vllm.placement=gpu"], GRPOAlgoConfig)
+    with pytest.raises(UserError, match="placement=node .*under launcher: ray, .*placement.generation.num_engines"):
+        load_recipe(None, base + ["generation.vllm.placement=node", "launcher=ray"], GRPOAlgoConfig)
+
+
+def test_a_node_engine_that_cannot_start_stops_every_rank_naming_node_and_log(tmp_path):
+    """The node's first rank starts `posttrain serve`; serve refuses a model directory without config.json (exit 2):
+    a UserError naming the node, the exit code and the end of the engine's log, before any generation."""
+    from posttrain.config.load import load_recipe
+    from posttrain.algorithms.grpo import GRPOAlgoConfig
+    from posttrain.rollout.vllm_node import NodeEngine
+
+    (tmp_path / "no-model").mkdir()
+    r = load_recipe(None, ["data.train=x.jsonl", "rewards=[{name: exact_match}]", "generation.engine=vllm",
+                           "generation.vllm.placement=node", f"model.name_or_path={tmp_path / 'no-model'}",
+                           f"output_dir={tmp_path / 'out'}"], GRPOAlgoConfig)
+    backend = types.SimpleNamespace(rank=0, world_size=1, is_main=True, all_gather_object=lambda obj: [obj])
+    with pytest.raises(UserError, match=r"(?s)the vLLM engine of node 0 .*exited with code 2 .*no config\.json"):
+        NodeEngine(r, backend, tokenizer=None)
+    assert "no config.json" in (tmp_path / "out" / "engines" / "vllm-node0.log").read_text()
