@@ -3,7 +3,7 @@
 The loop sees a `Backend`: prepare, backward, step (-> grad norm), accumulate (no_sync), all_reduce, gathered
 parameters, full state dict, save/load state. The same code runs as a plain process, under `torchrun`, or under
 `accelerate launch --config_file recipes/accelerate/zero3.yaml`; the launcher decides the engine, the recipe decides
-the numbers (DeepSpeed "auto" values are filled from it, contradictions stop the run at start-up).
+the numbers (DeepSpeed "auto" values are filled from it and contradictions stop the run at start-up: launch_config.py).
 
 Loss scaling: algorithms return a loss already divided by the GLOBAL count of loss units of the step. Accelerate
 (non-DeepSpeed) divides by the accumulation steps and DeepSpeed's engine does the same; DDP, FSDP and ZeRO average
@@ -21,14 +21,13 @@ import atexit
 import contextlib
 import functools
 import gc
-import json
 import os
 import resource
 import time
 import warnings
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
@@ -37,136 +36,21 @@ from accelerate.utils import DistributedType, InitProcessGroupKwargs
 
 from posttrain.config.schema import Recipe, TrainConfig
 from posttrain.distributed import peers
-from posttrain.distributed.weight_sync import SyncUnit, sync_units
+from posttrain.distributed.build_locks import clear_stale_build_locks
+from posttrain.distributed.launch_config import (check_launcher_settings, env_flag, fill_deepspeed_config,
+                                                 launcher_engine)
+from posttrain.distributed.weight_sync import SyncUnit, sync_buckets, sync_units
 from posttrain.errors import UserError
 
 # DeepSpeed still calls the torch collectives that torch 2.x deprecates; one warning per call buries the log.
 warnings.filterwarnings("ignore", message=r".*torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor).*")
 
 
-def _env_flag(name: str) -> bool:
-    return os.environ.get(name, "").lower() in ("1", "true", "yes")
-
-
-def launcher_engine() -> Optional[str]:
-    """The engine the launcher asked for through Accelerate's environment: 'deepspeed', 'fsdp' or None."""
-    if _env_flag("ACCELERATE_USE_DEEPSPEED"):
-        return "deepspeed"
-    if _env_flag("ACCELERATE_USE_FSDP"):
-        return "fsdp"
-    return None
-
-
-def _disagree(value: Any, recipe_value: Any) -> bool:
-    if isinstance(recipe_value, bool):
-        return str(value).lower() not in (str(recipe_value).lower(), str(int(recipe_value)))
-    if isinstance(recipe_value, (int, float)):
-        try:
-            return float(value) != float(recipe_value)
-        except (TypeError, ValueError):
-            return True
-    return str(value) != str(recipe_value)
-
-
-def _check_agrees(source: str, key: str, value: Any, recipe_key: str, recipe_value: Any, fix: str,
-                  expected: Any = None) -> None:
-    """`value` is what a launcher or DeepSpeed config says; None or "auto" leaves the choice to the recipe. Otherwise
-    it must equal `expected` (by default the recipe's value itself), or the run stops naming both."""
-    if value is None or value == "auto" or not _disagree(value, recipe_value if expected is None else expected):
-        return
-    raise UserError(
-        f"{source} sets {key}={value!r} but the recipe has {recipe_key}={recipe_value!r}. The recipe is the source "
-        f"of truth: {fix}, or change {recipe_key}, so that they agree"
-    )
-
-
-def check_launcher_settings(t: TrainConfig) -> None:
-    """Numbers an `accelerate launch` config may also set, checked against the recipe before anything starts.
-
-    `mixed_precision: 'no'` is taken as "not set": accelerate launch exports 'no' whenever the config omits it.
-    """
-    where = "the accelerate config"
-    launcher_mp = os.environ.get("ACCELERATE_MIXED_PRECISION", "no")
-    if launcher_mp != "no":
-        _check_agrees(where, "mixed_precision", launcher_mp, "train.mixed_precision", t.mixed_precision,
-                      f"remove mixed_precision from {where}")
-    for variable, key, recipe_key, recipe_value in (
-        ("ACCELERATE_GRADIENT_ACCUMULATION_STEPS", "gradient_accumulation_steps", "train.gradient_accumulation_steps",
-         t.gradient_accumulation_steps),
-        ("ACCELERATE_GRADIENT_CLIPPING", "gradient_clipping", "train.max_grad_norm", t.max_grad_norm),
-    ):
-        _check_agrees(f"{where} (deepspeed_config)", key, os.environ.get(variable), recipe_key, recipe_value,
-                      f"remove {key} from {where} (or set it to auto)")
-
-
-def deepspeed_values(t: TrainConfig, world_size: int) -> dict[str, tuple[str, Any]]:
-    """The DeepSpeed config keys the recipe decides: key -> (where the recipe says it, value)."""
-    return {
-        "train_micro_batch_size_per_gpu": ("train.per_device_train_batch_size", t.per_device_train_batch_size),
-        "gradient_accumulation_steps": ("train.gradient_accumulation_steps", t.gradient_accumulation_steps),
-        "gradient_clipping": ("train.max_grad_norm", t.max_grad_norm),
-        "train_batch_size": (
-            f"per_device_train_batch_size x gradient_accumulation_steps x {world_size} processes",
-            t.per_device_train_batch_size * t.gradient_accumulation_steps * world_size,
-        ),
-    }
-
-
-def check_deepspeed_json(user: dict[str, Any], path: str, t: TrainConfig, world_size: int) -> None:
-    """A user's DeepSpeed JSON may leave the recipe's numbers out or say "auto"; a value it spells out must agree.
-    It must not define the optimizer or schedule either: those come from the recipe too."""
-    for section in ("optimizer", "scheduler"):
-        if section in user:
-            raise UserError(
-                f"the DeepSpeed config {path} defines an {section!r} section; posttrain builds AdamW and the LR "
-                f"schedule from the recipe (train.learning_rate, train.lr_scheduler_type, ...): remove {section!r} "
-                f"from {path}"
-            )
-    source = f"the DeepSpeed config {path}"
-    for key, (recipe_key, value) in deepspeed_values(t, world_size).items():
-        _check_agrees(source, key, user.get(key), recipe_key, value, f'set {key} to "auto" in {path}')
-    for precision in ("bf16", "fp16"):
-        _check_agrees(source, f"{precision}.enabled", (user.get(precision) or {}).get("enabled"),
-                      "train.mixed_precision", t.mixed_precision, f'set {precision}.enabled to "auto" in {path}',
-                      expected=t.mixed_precision == precision)
-
-
-STALE_BUILD_LOCK_SECONDS = 600  # DeepSpeed's CPU op builds take ~40-70 s; nothing in a live build sits still this long
-
-
-def clear_stale_build_locks(root: Optional[str] = None, now: Optional[float] = None) -> list[Path]:
-    """Remove torch JIT build locks left by a process killed while holding one (DeepSpeed builds / checks its CPU ops
-    under TORCH_EXTENSIONS_DIR at every start, holding `<op>/lock`; torch waits on a leftover lock forever, silently).
-    A lock is stale when it and every other file of its op directory are older than STALE_BUILD_LOCK_SECONDS: a live
-    build keeps writing there. Returns the removed paths (each said on stderr)."""
-    import sys
-
-    if root is None:
-        from torch.utils.cpp_extension import get_default_build_root
-
-        root = os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()
-    now = time.time() if now is None else now
-    removed = []
-    for lock in Path(root).glob("**/lock"):
-        try:
-            newest = max(f.stat().st_mtime for f in lock.parent.iterdir())
-            if now - newest < STALE_BUILD_LOCK_SECONDS:
-                continue
-            lock.unlink()
-        except FileNotFoundError:  # another rank removed it, or the build finished meanwhile
-            continue
-        removed.append(lock)
-        print(f"posttrain: warning: removed {lock}, a build lock untouched for {(now - newest) / 60:.0f} min (left by "
-              "a process killed while building or checking DeepSpeed's ops; torch would wait on it forever)",
-              file=sys.stderr, flush=True)
-    return removed
-
-
 def _check_not_a_lone_cpu_process() -> None:
     """`accelerate launch --cpu --num_processes 2` (or a config with use_cpu and no multi-process type) starts ONE
     process that expects mpirun to have started the others; it would train alone as if nothing were wrong."""
     launched = any(k in os.environ for k in ("LOCAL_RANK", "WORLD_SIZE", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE"))
-    if _env_flag("ACCELERATE_USE_CPU") and "MASTER_ADDR" in os.environ and not launched:
+    if env_flag("ACCELERATE_USE_CPU") and "MASTER_ADDR" in os.environ and not launched:
         raise UserError(
             "accelerate launch --cpu with several processes starts only one here (it expects mpirun). Use "
             "`torchrun --nproc_per_node N -m posttrain ...`, or `accelerate launch --config_file "
@@ -205,7 +89,7 @@ def _make_accelerator(t: TrainConfig, use_cpu: bool) -> Accelerator:
     running = {DistributedType.DEEPSPEED: "deepspeed", DistributedType.FSDP: "fsdp"}.get(accelerator.distributed_type)
     if engine is not None and running != engine:  # never a silent fallback to plain data parallelism
         why = ("ACCELERATE_USE_CPU=true (accelerate launch --cpu) turns engines off: drop it, posttrain runs on the "
-               "CPU by itself when there is no GPU") if _env_flag("ACCELERATE_USE_CPU") else (
+               "CPU by itself when there is no GPU") if env_flag("ACCELERATE_USE_CPU") else (
                "start the processes with torchrun or accelerate launch")
         raise UserError(f"the launcher asked for {engine} but Accelerate started "
                         f"{accelerator.distributed_type.value}: {why}")
@@ -236,7 +120,7 @@ class Backend:
     def __init__(self, recipe: Recipe):
         t = recipe.train
         self.recipe = recipe
-        use_cpu = not torch.cuda.is_available() or _env_flag("ACCELERATE_USE_CPU")
+        use_cpu = not torch.cuda.is_available() or env_flag("ACCELERATE_USE_CPU")
         if use_cpu and t.mixed_precision == "fp16":
             raise UserError("train.mixed_precision=fp16 needs a CUDA GPU; on CPU use bf16 or 'no'")
         check_launcher_settings(t)
@@ -302,20 +186,10 @@ class Backend:
 
     # --- DeepSpeed: the recipe is the one source of truth ----------------------------------------------------
     def _fill_deepspeed_config(self) -> None:
-        """Every batch / accumulation / clipping / precision value comes from the recipe; a user DeepSpeed JSON
-        that says otherwise stops the run here, before any model is made."""
-        t = self.recipe.train
+        """Every batch / accumulation / clipping / precision value comes from the recipe (launch_config)."""
         plugin = self.accelerator.state.deepspeed_plugin
-        path = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE", "none")
-        if path != "none":
-            with open(path) as f:  # what the user wrote, before Accelerate added its defaults
-                check_deepspeed_json(json.load(f), path, t, self.world_size)
-        config = plugin.deepspeed_config
-        for key, (_, value) in deepspeed_values(t, self.world_size).items():
-            config[key] = value
-        for precision in ("bf16", "fp16"):
-            config.setdefault(precision, {})["enabled"] = t.mixed_precision == precision
-        plugin.gradient_accumulation_steps = t.gradient_accumulation_steps
+        fill_deepspeed_config(plugin.deepspeed_config, self.recipe.train, self.world_size)
+        plugin.gradient_accumulation_steps = self.recipe.train.gradient_accumulation_steps
 
     @staticmethod
     def convert_to_universal(engine_dir: Path, target_dir: Path) -> None:
@@ -493,18 +367,8 @@ class Backend:
         weight once. Every rank must iterate to the end (each bucket is a collective under ZeRO-3 and FSDP2: ZeRO-3
         gathers one bucket at a time, FSDP2 `full_tensor`s one parameter at a time); every rank gets the tensors.
         A bucket's tensors are valid until the next one is asked for: copy what must outlive it."""
-        units = sync_units(self.unwrap(model))
-        limit = max(1, int(bucket_mb * 2**20))
-        bucket: list[SyncUnit] = []
-        size = 0
-        for unit in units:
-            if bucket and size + unit.nbytes > limit:
-                yield from self._materialise(bucket)
-                bucket, size = [], 0
-            bucket.append(unit)
-            size += unit.nbytes
-        if bucket:
-            yield from self._materialise(bucket)
+        for units in sync_buckets(sync_units(self.unwrap(model)), bucket_mb):
+            yield from self._materialise(units)
 
     def _materialise(self, units: list[SyncUnit]) -> Iterator[list[tuple[str, torch.Tensor]]]:
         params = [p for u in units for p in u.params]

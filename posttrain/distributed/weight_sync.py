@@ -4,13 +4,14 @@
         engine.load_weights(bucket)                                  # [(name, full tensor), ...]
 
 `sync_units` lists the tensors in a fixed order and says how each is made from the model's parameters (a LoRA layer's
-weight is `W + scaling * B @ A`); `Backend.weight_buckets` gathers them a bucket at a time.
+weight is `W + scaling * B @ A`), `sync_buckets` groups them by size, and `Backend.weight_buckets` gathers them a
+bucket at a time.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 
@@ -59,6 +60,21 @@ def sync_units(model) -> list[SyncUnit]:
             unit.compute = lambda ts, scale=scale: ts[0] + scale * (ts[2].to(ts[0].dtype) @ ts[1].to(ts[0].dtype))
             unit.nbytes += _full_nbytes(a) + _full_nbytes(b)
     return units
+
+
+def sync_buckets(units: list[SyncUnit], bucket_mb: float) -> Iterator[list[SyncUnit]]:
+    """`units` in order, grouped into buckets of about `bucket_mb` MiB (a unit larger than that is a bucket alone)."""
+    limit = max(1, int(bucket_mb * 2**20))
+    bucket: list[SyncUnit] = []
+    size = 0
+    for unit in units:
+        if bucket and size + unit.nbytes > limit:
+            yield bucket
+            bucket, size = [], 0
+        bucket.append(unit)
+        size += unit.nbytes
+    if bucket:
+        yield bucket
 
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from posttrain.config.schema import TrainConfig
-from posttrain.distributed.backend import check_deepspeed_json, check_launcher_settings
+from posttrain.distributed.launch_config import check_deepspeed_json, check_launcher_settings
 from posttrain.errors import UserError
 
 T = TrainConfig(per_device_train_batch_size=1, gradient_accumulation_steps=2, max_grad_norm=1.0, mixed_precision="no")

@@ -2,7 +2,7 @@
 
 import os
 
-from posttrain.distributed.backend import STALE_BUILD_LOCK_SECONDS, clear_stale_build_locks
+from posttrain.distributed.build_locks import STALE_BUILD_LOCK_SECONDS, clear_stale_build_locks
 
 
 def op_dir(root, name, age_s, now, with_lock=True):

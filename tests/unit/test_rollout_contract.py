@@ -49,6 +49,15 @@ def vllm_engine(model_dir, tokenizer=None, **kwargs) -> GenerationEngine:
     return engine
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _end_vllm_engines():
+    """The module's vLLM engine ends with it, before a later test's Backend.end destroys the process groups vLLM
+    adopted (left to its exit handler, vLLM's teardown then fails: 'Invalid process group specified')."""
+    yield
+    while _VLLM:
+        _VLLM.popitem()[1].end()
+
+
 _SERVER: dict = {}
 
 

@@ -1,0 +1,41 @@
+"""Torch JIT build locks a killed process left behind, which would make every later start wait forever.
+
+DeepSpeed builds (or checks) its CPU ops under TORCH_EXTENSIONS_DIR at every start; the Backend clears stale locks
+before DeepSpeed loads on a CPU.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+STALE_BUILD_LOCK_SECONDS = 600  # DeepSpeed's CPU op builds take ~40-70 s; nothing in a live build sits still this long
+
+
+def clear_stale_build_locks(root: Optional[str] = None, now: Optional[float] = None) -> list[Path]:
+    """Remove torch JIT build locks left by a process killed while holding one (DeepSpeed builds / checks its CPU ops
+    under TORCH_EXTENSIONS_DIR at every start, holding `<op>/lock`; torch waits on a leftover lock forever, silently).
+    A lock is stale when it and every other file of its op directory are older than STALE_BUILD_LOCK_SECONDS: a live
+    build keeps writing there. Returns the removed paths (each said on stderr)."""
+    if root is None:
+        from torch.utils.cpp_extension import get_default_build_root
+
+        root = os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()
+    now = time.time() if now is None else now
+    removed = []
+    for lock in Path(root).glob("**/lock"):
+        try:
+            newest = max(f.stat().st_mtime for f in lock.parent.iterdir())
+            if now - newest < STALE_BUILD_LOCK_SECONDS:
+                continue
+            lock.unlink()
+        except FileNotFoundError:  # another rank removed it, or the build finished meanwhile
+            continue
+        removed.append(lock)
+        print(f"posttrain: warning: removed {lock}, a build lock untouched for {(now - newest) / 60:.0f} min (left by "
+              "a process killed while building or checking DeepSpeed's ops; torch would wait on it forever)",
+              file=sys.stderr, flush=True)
+    return removed
