@@ -8,7 +8,8 @@ only ever talks to a `GenerationEngine`, so where the sampling happens is a laun
   context manager that gathers the partitioned parameters for the duration of a `generate` call). The default.
 - vllm (`posttrain.rollout.vllm_engine.VLLMEngine`): a vLLM engine in the training process, weights pushed in with
   `load_weights` after each optimiser step; `sleep`/`wake` free and restore its KV cache so training gets the GPU
-  memory back in between.
+  memory back in between. With `generation.vllm.placement: node`, one engine per node in a process of its own,
+  shared by the node's ranks (`posttrain.rollout.vllm_node.NodeEngine`).
 - server (`posttrain.rollout.server.ServerEngine`): vLLM servers started with `posttrain serve`, in other processes
   or on other nodes; `load_weights` broadcasts the weights to all of them over a gloo group.
 
