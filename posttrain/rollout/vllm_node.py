@@ -60,7 +60,8 @@ class NodeEngine(ServerEngine):
         if failed:
             self.end()  # this node's engine, if it did start
             found = leaders[failed[0]]
-            tail = f"; the end of its log:\n{found['tail']}" if found.get("tail") else ""
+            log = self.log.with_name(f"vllm-node{failed[0]}.log")
+            tail = f"; the end of its log ({log} on that node):\n{found['tail']}" if found.get("tail") else ""
             message = f"the vLLM engine of node {failed[0]} (generation.vllm.placement=node): {found['error']}{tail}"
             raise UserError(message) if found.get("code") == 2 else RunStopped(message)
         mine = leaders.get(self.node)
@@ -72,8 +73,9 @@ class NodeEngine(ServerEngine):
         self.sleep_mode = recipe.generation.vllm.enable_sleep_mode and torch.cuda.is_available()
         self._asleep = False
         if self.server is not None:
-            print(f"posttrain: node {self.node}: vLLM engine at {mine['url']} for its {backend.world_size // len(leaders)} "
-                  f"rank(s) (generation.vllm.placement=node), log {self.log}", flush=True)
+            ranks = backend.world_size // len(leaders)
+            print(f"posttrain: node {self.node}: vLLM engine at {mine['url']} for its {ranks} rank(s) "
+                  f"(generation.vllm.placement=node), log {self.log}", flush=True)
 
     def _start(self, recipe) -> dict:
         import torch

@@ -170,7 +170,8 @@ def test_engine_per_node_placement_checks():
     from posttrain.algorithms.grpo import GRPOAlgoConfig
 
     base = ["data.train=x.jsonl", "rewards=[{name: exact_match}]", "generation.engine=vllm"]
-    assert load_recipe(None, base + ["generation.vllm.placement=node"], GRPOAlgoConfig).generation.vllm.placement == "node"
+    node = load_recipe(None, base + ["generation.vllm.placement=node"], GRPOAlgoConfig)
+    assert node.generation.vllm.placement == "node"
     with pytest.raises(UserError, match="generation.vllm.placement is 'gpu'; choose one of rank, node"):
         load_recipe(None, base + ["generation.vllm.placement=gpu"], GRPOAlgoConfig)
     with pytest.raises(UserError, match="placement=node .*under launcher: ray, .*placement.generation.num_engines"):
@@ -189,6 +190,8 @@ def test_a_node_engine_that_cannot_start_stops_every_rank_naming_node_and_log(tm
                            "generation.vllm.placement=node", f"model.name_or_path={tmp_path / 'no-model'}",
                            f"output_dir={tmp_path / 'out'}"], GRPOAlgoConfig)
     backend = types.SimpleNamespace(rank=0, world_size=1, is_main=True, all_gather_object=lambda obj: [obj])
-    with pytest.raises(UserError, match=r"(?s)the vLLM engine of node 0 .*exited with code 2 .*no config\.json"):
+    expected = (r"(?s)the vLLM engine of node 0 .*exited with code 2 while starting; the end of its log "
+                r"\(.*engines/vllm-node0\.log on that node\).*no config\.json")
+    with pytest.raises(UserError, match=expected):
         NodeEngine(r, backend, tokenizer=None)
     assert "no config.json" in (tmp_path / "out" / "engines" / "vllm-node0.log").read_text()
