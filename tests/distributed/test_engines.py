@@ -3,7 +3,8 @@
 For each engine: the run really has 2 processes; its per-step losses and final weights equal those of 1 process x
 micro-batch 4 and of 1 process x accumulation 4 (1e-5, fp32), as do those of 1 process x accumulation 4 under the
 engine itself; replicas stay identical and sharded engines really shard (ZeRO-3 from construction, through
-zero.Init); final/ holds exactly the gathered parameters; and resuming from the step-2 checkpoint under the same
+zero.Init); final/ holds exactly the gathered parameters, and a weight sync's buckets (what vLLM engines and servers
+are sent) hold exactly final/; and resuming from the step-2 checkpoint under the same
 launch gives the same next losses and weights.
 """
 
@@ -69,6 +70,9 @@ def test_parameters_are_replicated_or_sharded_and_exported_whole(engine, two_pro
         assert rank["checksums"][0] == rank["checksums"][1], rank  # every rank sees the same full parameters
         assert rank["exported_missing"] == [] and rank["exported_max_diff"] == 0.0, rank
         assert rank["exported_bytes"] == rank["parameter_bytes"] > 100_000, rank  # real tensors, not placeholders
+        # a weight sync gathers the same tensors bucket by bucket (ZeRO-3: GatheredParameters, FSDP2: full_tensor)
+        assert rank["sync_missing"] == rank["sync_extra"] == [] and rank["sync_max_diff"] == 0.0, rank
+        assert rank["sync_buckets"] > 1, rank
 
 
 @pytest.mark.parametrize("engine", list(ENGINES))

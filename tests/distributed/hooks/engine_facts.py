@@ -10,6 +10,9 @@ Writes <output_dir>/hooks/engine_facts-rank<r>.json with
   exported_max_diff     at export: max |final/*.safetensors - gathered parameter| over all tensors
   exported_missing      parameters absent from final/
   exported_bytes, parameter_bytes   size of the exported tensors and of the model's parameters
+  sync_buckets          at export: how many buckets a weight sync (Backend.weight_buckets, 0.05 MiB each) made
+  sync_missing, sync_extra          tensors of final/ the sync did not send, and tensors it sent that final/ lacks
+  sync_max_diff         max |final/*.safetensors - synced tensor| over all tensors
 """
 
 import json
@@ -78,6 +81,16 @@ def _inspect_export_final(backend, model, tokenizer, output_dir, *args, **kwargs
     )
     _report["exported_bytes"] = sum(t.numel() * t.element_size() for t in exported.values())
     _report["parameter_bytes"] = sum(t.numel() * 4 for t in full.values())
+    synced, buckets = {}, 0
+    for bucket in backend.weight_buckets(model, bucket_mb=0.05):  # what an engine would be sent, every rank
+        buckets += 1
+        synced.update((name, t.detach().to("cpu", torch.float32).clone()) for name, t in bucket)
+    _report["sync_buckets"] = buckets
+    _report["sync_missing"] = sorted(set(exported) - set(synced))
+    _report["sync_extra"] = sorted(set(synced) - set(exported))
+    _report["sync_max_diff"] = max(
+        (float((exported[k].float() - t).abs().max()) for k, t in synced.items() if k in exported), default=float("nan")
+    )
     _write(output_dir)
     return final
 
