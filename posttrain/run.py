@@ -52,7 +52,9 @@ def check_output_dir(recipe: Recipe) -> Optional[Path]:
     if resume is not None or t.overwrite_output_dir or t.resume_from_checkpoint == "auto":
         return resume  # auto and no checkpoint yet (a run stopped before its first save): the run starts
     # config.yaml alone: it never trained; engines/: the logs of this run's Ray generation engines, started first
-    if out.is_dir() and any(p.name not in ("config.yaml", "engines") for p in out.iterdir()):
+    from posttrain.rollout.server_process import LOG_DIR as ENGINE_LOGS
+
+    if out.is_dir() and any(p.name not in ("config.yaml", ENGINE_LOGS) for p in out.iterdir()):
         has_run = (out / "config.yaml").exists()
         what = "already holds a run (config.yaml)" if has_run else "is not empty"
         raise UserError(

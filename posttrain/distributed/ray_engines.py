@@ -30,12 +30,11 @@ from typing import Any
 from posttrain.config.schema import Recipe
 from posttrain.distributed.ray_placement import Node, Plan, node_options
 from posttrain.errors import RunStopped, UserError
-from posttrain.rollout.server_process import READY_TIMEOUT_S, ServerProcess, serve_args, server_env
+from posttrain.rollout.server_process import LOG_DIR, READY_TIMEOUT_S, ServerProcess, serve_args, server_env
 from posttrain.rollout.server_worker import TOKEN_ENV
 
 SCHEDULE_TIMEOUT_S = 300.0  # Ray places the actor: longer means its resources are held by another job
 STOP_TIMEOUT_S = 30.0  # `posttrain serve` gives vLLM 10 s after SIGTERM, the actor gives serve as long again
-LOG_DIR = "engines"  # under output_dir: engine-<i>.log, the server's output (run.check_output_dir lets it be there)
 
 
 def check_engines(recipe: Recipe) -> None:

@@ -79,6 +79,12 @@ class SamplingParams:
         )
 
 
+def longest_sequence(recipe) -> int:
+    """The longest prompt + completion a run asks an engine for: data.max_prompt_length (or data.max_length) +
+    generation.max_completion_length."""
+    return (recipe.data.max_prompt_length or recipe.data.max_length) + recipe.generation.max_completion_length
+
+
 def check_prompts(prompt_ids: list[list[int]]) -> None:
     """What every engine's `generate` checks first: each prompt has at least one token."""
     for i, ids in enumerate(prompt_ids):

@@ -33,7 +33,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Iterable, Optional
 
 from posttrain.errors import RunStopped, UserError
-from posttrain.rollout.base import Completions, check_prompts, SamplingParams
+from posttrain.rollout.base import Completions, check_prompts, longest_sequence, SamplingParams
 
 TOKEN_ENV = "POSTTRAIN_SERVER_TOKEN"
 TOKENIZER_PROBE = "posttrain vocabulary probe: What is 12 + 7? Answer: 19."
@@ -282,7 +282,7 @@ def check_servers(recipe, tokenizer) -> None:
                                         trust_remote_code=recipe.model.trust_remote_code)
     vocab = getattr(getattr(config, "text_config", None) or config, "vocab_size", None)
     probe = tokenizer(TOKENIZER_PROBE, add_special_tokens=False)["input_ids"]
-    longest = (recipe.data.max_prompt_length or recipe.data.max_length) + gen.max_completion_length
+    longest = longest_sequence(recipe)
     timeout = min(gen.request_timeout, 30.0)
     for i, url in enumerate(gen.servers):
         where = f"generation.servers[{i}] = {url}"

@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
+LOG_DIR = "engines"  # under output_dir: the servers' output (run.check_output_dir lets it be there)
 READY_TIMEOUT_S = 600.0  # model load + vLLM start-up (large models on GPUs take minutes)
 # the training process's torch.distributed rendezvous: a server started by a rank is a world of its own
 LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
@@ -32,9 +33,10 @@ def serve_args(recipe, tensor_parallel_size: int) -> list[str]:
     """`posttrain serve` options for the policy's starting weights and the recipe's `generation.vllm.*` (sleep mode
     and the seed are the caller's: they depend on where the server runs)."""
     model, vllm = recipe.model, recipe.generation.vllm
-    longest = (recipe.data.max_prompt_length or recipe.data.max_length) + recipe.generation.max_completion_length
+    from posttrain.rollout.base import longest_sequence
+
     args = ["--model", model.name_or_path, "--", "--tensor-parallel-size", str(tensor_parallel_size),
-            "--max-model-len", str(vllm.max_model_len or longest),
+            "--max-model-len", str(vllm.max_model_len or longest_sequence(recipe)),
             "--gpu-memory-utilization", str(vllm.gpu_memory_utilization)]
     if vllm.dtype != "auto":  # auto: the model's dtype on a GPU, float32 on a CPU (posttrain serve's default)
         args += ["--dtype", vllm.dtype]

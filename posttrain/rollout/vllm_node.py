@@ -26,9 +26,7 @@ from pathlib import Path
 
 from posttrain.errors import RunStopped, UserError
 from posttrain.rollout.server import ServerEngine
-from posttrain.rollout.server_process import ServerProcess, serve_args, server_env
-
-LOG_DIR = "engines"  # under output_dir (run.check_output_dir lets it be there)
+from posttrain.rollout.server_process import LOG_DIR, ServerProcess, serve_args, server_env
 
 
 def node_position(rank: int, world_size: int) -> tuple[int, int]:

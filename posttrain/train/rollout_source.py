@@ -47,6 +47,7 @@ from posttrain.ops.advantages import zero_std_fraction
 from posttrain.ops.logprobs import sequence_mean
 from posttrain.rewards import reward_metrics
 from posttrain.rollout import SamplingParams, make_engine
+from posttrain.rollout.base import longest_sequence
 from posttrain.batch import Batch
 from posttrain.train.sources import SampleOrder
 
@@ -127,9 +128,9 @@ class RolloutSource:
             from posttrain.rollout.vllm_node import NodeEngine
 
             return NodeEngine(self.recipe, self.backend, self.tokenizer)
-        longest = (self.recipe.data.max_prompt_length or self.recipe.data.max_length) + gen.max_completion_length
         return make_engine(gen.engine, model_dir=self.recipe.model.name_or_path, tokenizer=self.tokenizer,
-                           config=gen.vllm, seed=self.recipe.seed + self.backend.rank, max_model_len=longest)
+                           config=gen.vllm, seed=self.recipe.seed + self.backend.rank,
+                           max_model_len=longest_sequence(self.recipe))
 
     def _sync_weights(self, step: int) -> None:
         """Before generating for `step`: an engine holding its own copy of the policy gets the trainer's weights
