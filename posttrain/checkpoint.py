@@ -90,7 +90,7 @@ class Checkpointer:
         if state.step == self.last_saved_step:
             return self.root / f"step-{state.step}"
         # a NaN model never replaces a good checkpoint
-        require_finite(self.backend, [role.model for _, role in models.trained()], f"step {state.step}")
+        require_finite(self.backend, sum(role.nonfinite() for _, role in models.trained()), f"step {state.step}")
         final = self.root / f"step-{state.step}"
         tmp = self.root / f".tmp-step-{state.step}"
         if self.backend.is_main:
@@ -98,13 +98,12 @@ class Checkpointer:
             tmp.mkdir(parents=True)
         self.backend.barrier()
         self.backend.save_state(str(tmp))
-        for name, role in models.trained():  # a role trained by a Ray actor group of its own saves there
-            if role.placement == "ray":
-                role.model.remote_save(str(tmp / name))
+        for name, role in models.trained():  # what the backend's state does not hold (a role trained apart)
+            role.save(str(tmp / name))
         self.backend.barrier()  # every rank has written its files (shards, RNG state) before the rename
         if self.backend.is_main:
-            schedules = {name: {k: v for k, v in role.scheduler.state_dict().items() if k != "lr_lambdas"}
-                         for name, role in models.trained() if role.placement != "ray"}
+            schedules = {name: role.schedule_state() for name, role in models.trained()}
+            schedules = {name: state for name, state in schedules.items() if state is not None}
             payload = {
                 "state": dataclasses.asdict(state),
                 "scheduler": schedules.pop("policy"),
@@ -139,12 +138,7 @@ class Checkpointer:
         self.backend.load_state(str(path))
         schedules = {"policy": payload["scheduler"], **payload.get("role_schedulers", {})}
         for name, role in models.trained():
-            if role.placement == "ray":
-                role.model.remote_restore(str(path / name))
-                continue
-            role.scheduler.load_state_dict({**role.scheduler.state_dict(), **schedules[name]})
-            for group, lr in zip(role.optimizer.param_groups, role.scheduler.get_last_lr()):
-                group["lr"] = lr
+            role.restore(str(path / name), schedules.get(name))
         algorithm.load_state_dict(payload.get("algorithm", {}))
         self.last_saved_step = payload["state"]["step"]
         if path.parent.name == UNIVERSAL_DIR:  # a converted copy (to_universal): read, no longer needed
@@ -217,7 +211,7 @@ def export_final(backend, model, tokenizer, output_dir: str, merge_lora: bool = 
     from_pretrained (and vLLM, for the policy) can load.
 
     Every rank calls it: the full weights are gathered from the shards (ZeRO-3, FSDP) and rank 0 writes them."""
-    require_finite(backend, [model], "exporting final/")
+    require_finite(backend, backend.nonfinite_parameters(model), "exporting final/")
     unwrapped = backend.unwrap(model)
     if merge_lora and hasattr(unwrapped, "merge_and_unload"):
         from posttrain.distributed.backend import drop_tied_aliases

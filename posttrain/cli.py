@@ -34,7 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--out", default="runs/demo", help="where the demo writes its runs")
     demo.add_argument("--quick", action="store_true", help="a much shorter run (smoke test)")
     demo.add_argument("--seed", type=int, default=0, help="model initialisation, problems drawn and run seeds")
-    from posttrain.plan.commands import add_plan_and_doctor
+    from posttrain.launch.commands import add_plan_and_doctor
 
     add_plan_and_doctor(sub)
     from posttrain.rollout.serve import add_serve
@@ -76,7 +76,7 @@ def run_command(argv: list[str] | None = None) -> int:
 
             return run_serve(args)
         if args.command in ("plan", "doctor"):
-            from posttrain.plan.commands import run_plan_or_doctor
+            from posttrain.launch.commands import run_plan_or_doctor
 
             return run_plan_or_doctor(args)
         from posttrain.algorithms import ALGORITHMS
@@ -86,7 +86,7 @@ def run_command(argv: list[str] | None = None) -> int:
         overrides = args.overrides + (["launcher=ray"] if args.ray else [])
         recipe = load_recipe(args.config, overrides, ALGORITHMS[args.command][0])
         if recipe.launcher == "ray":
-            from posttrain.distributed.ray_launcher import run_on_ray
+            from posttrain.launch.ray_launcher import run_on_ray
 
             return run_on_ray(args.command, recipe)
         result = run(args.command, recipe)

@@ -66,7 +66,7 @@ def stage(command: str, out: Path, overrides: list[str], seed: int = 0):
 
 
 def held_out_accuracy(model_dir: Path, prompts_file: Path) -> float:
-    from posttrain.algorithms.grpo_eval import exact_match_accuracy
+    from posttrain.train.evaluation import exact_match_accuracy
     from posttrain.config.schema import DataConfig, ModelConfig
     from posttrain.data import load_rows, tokenize_prompts
     from posttrain.models.load import load_causal_lm, load_tokenizer

@@ -134,17 +134,19 @@ def load_policy(recipe: Recipe, algorithm):
 
 
 def run(command: str, recipe: Recipe, remote_roles: Optional[dict] = None) -> RunResult:
-    """One run of `command`. remote_roles (launcher: ray): role -> distributed.ray_roles.RemoteRole for the roles
-    served by actor groups apart from the policy (frozen replicas, the critic's group); those are not loaded here."""
+    """One run of `command`. remote_roles (from the launch wing, launcher: ray): role -> a handle on the actor group
+    serving that role apart from the policy (frozen replicas, the critic's group); those are not loaded here."""
     from posttrain.algorithms import ALGORITHMS
-    from posttrain.algorithms.base import Models, Role
     from posttrain.distributed.backend import Backend
     from posttrain.logging import MetricsLogger, read_metrics, write_report
     from posttrain.models.load import check_model_source, count_parameters, load_tokenizer
     from posttrain.train.guard import Guard
     from posttrain.train.loop import LoopContext, evaluate, train
-    from posttrain.train.optim import make_optimizer, make_scheduler
-    from posttrain.train.sources import DatasetSource, eval_batches
+    from posttrain.roles import build_roles
+    from posttrain.train.evaluation import evaluate_online
+    from posttrain.train.rollout_source import RolloutSource
+    from posttrain.data import eval_batches
+    from posttrain.train.sources import DatasetSource
 
     started = time.time()
     algorithm = ALGORITHMS[command][1](recipe)
@@ -184,46 +186,19 @@ def run(command: str, recipe: Recipe, remote_roles: Optional[dict] = None) -> Ru
     if backend.is_main:  # weights + AdamW's two moments, in float32 (or the size of the checkpoint resumed from)
         roles = 2 if algorithm.needs_critic else 1  # a critic is about the policy's size
         warn_low_disk(out, tree_bytes(resume_from) or roles * (4 * total_params + 8 * trainable_params))
-    model, optimizer = backend.prepare(model, make_optimizer(model, t))
-    # the Models record is the only owner of the reference, so an algorithm's setup may free it (precomputed
-    # reference log-probs); eval_examples lets it precompute for the eval set too
-    models = Models(policy=Role(model, trains=True, optimizer=optimizer), tokenizer=tokenizer,
-                    eval_examples=eval_examples)
-    remote = remote_roles or {}
-    if algorithm.needs_reference and "reference" in remote:
-        models.reference = Role(remote["reference"].model(), placement="ray")
-    elif algorithm.needs_reference:
-        from posttrain.models.reference import make_reference
-
-        where = algorithm.placement("reference")
-        models.reference = Role(backend.prepare_frozen(make_reference(recipe.model, algorithm.model_kind),
-                                                       offload=where == "offload"), placement=where)
-    for i, scorer in enumerate(algorithm.reward_models()):  # frozen like the reference: partitioned, offloadable
-        where = "ray" if "reward_model" in remote else algorithm.placement("reward_model")
-        if where == "ray":
-            scorer.place(remote["reward_model"].model(f"reward_model:{i}"), backend.device)
-        else:
-            scorer.place(backend.prepare_frozen(scorer.load_model(), offload=where == "offload"), backend.device)
-        models.reward_model = models.reward_model or Role(scorer.model, placement=where)
-    if algorithm.needs_critic and "critic" in remote:  # trained by its own actor group (distributed/ray_roles.py)
-        models.critic = Role(remote["critic"].model(), trains=True, placement="ray")
-    elif algorithm.needs_critic:
-        from posttrain.models.critic import load_critic
-
-        critic = load_critic(algorithm.critic_source(), tokenizer.pad_token_id, t.gradient_checkpointing)
-        critic, critic_optimizer = backend.prepare(critic, make_optimizer(critic, t, algorithm.critic_learning_rate()))
-        models.critic = Role(critic, trains=True, optimizer=critic_optimizer)
+    models = build_roles(recipe, algorithm, backend, tokenizer, model, eval_examples, remote_roles)
 
     # 3. data source, schedule, state
     collate = make_collate(recipe, algorithm, tokenizer)
-    source = algorithm.make_source(backend, models, train_examples)
-    if source is None:
+    if algorithm.online:
+        source = RolloutSource(recipe, backend, models, algorithm, train_examples, algorithm.rewards)
+    else:
         source = DatasetSource(train_examples, collate, t.per_device_train_batch_size, t.gradient_accumulation_steps,
-                               backend.world_size, backend.rank, t.dataloader_seed if t.dataloader_seed is not None else recipe.seed)
+                               backend.world_size, backend.rank,
+                               t.dataloader_seed if t.dataloader_seed is not None else recipe.seed)
     steps = total_steps(t, source.micro_batches_per_epoch())
     for _, role in models.trained():
-        role.scheduler = (role.model.remote_setup(steps) if role.placement == "ray"
-                          else make_scheduler(role.optimizer, t, steps))
+        role.start_schedule(steps)
     checkpointer = Checkpointer(backend, str(out), t.save_total_limit, facts)
     from posttrain.train.state import TrainState
 
@@ -254,8 +229,9 @@ def run(command: str, recipe: Recipe, remote_roles: Optional[dict] = None) -> Ru
                                                             (total_params, trainable_params))
     logger.info("posttrain " + " | ".join(f"{k}={v}" for k, v in summary.items() if v is not None))
     eval_fn = None
-    if eval_examples is not None and algorithm.has_custom_eval():  # online algorithms: eval by generating
-        eval_fn = lambda: algorithm.evaluate(backend, models, eval_examples)  # noqa: E731
+    if eval_examples is not None and algorithm.online:  # by generating, wherever generation runs
+        eval_fn = lambda: evaluate_online(backend, source, models.tokenizer, eval_examples, algorithm.rewards,  # noqa: E731
+                                          recipe.generation)
     elif eval_examples is not None:
         batches = eval_batches(eval_examples, collate, t.per_device_eval_batch_size, backend.world_size, backend.rank)
         eval_fn = lambda: evaluate(backend, algorithm, models, batches)  # noqa: E731
@@ -271,12 +247,10 @@ def run(command: str, recipe: Recipe, remote_roles: Optional[dict] = None) -> Ru
     logger.close()
     final_dir = None
     if state.step >= steps and t.save_final_model:
-        final_dir = export_final(backend, model, tokenizer, str(out))
+        final_dir = export_final(backend, models.policy.model, tokenizer, str(out))
         for name, role in models.trained():
-            if name != "policy" and role.placement == "ray":
-                role.model.remote_export(str(out), f"final-{name}")
-            elif name != "policy":
-                export_final(backend, role.model, tokenizer, str(out), name=f"final-{name}")
+            if name != "policy":
+                role.export(str(out), f"final-{name}", tokenizer)
     if backend.is_main and t.report:
         report = write_report(out, f"posttrain {command}: {out.name}",
                               {**summary, "minutes": f"{(time.time() - started) / 60:.1f}"})

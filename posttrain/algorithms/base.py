@@ -26,20 +26,68 @@ ROLE_NAMES = ("policy", "critic", "reference", "reward_model")
 """Every role an algorithm may ask for; trained roles are stepped in this order."""
 
 
-@dataclass
 class Role:
-    """One model of the run. `model` is what the backend returned (a module, a DDP wrapper or a DeepSpeed engine);
-    algorithms only call it."""
+    """One model of the run, as the loop, the checkpointer and the algorithms use it: a local role
+    (posttrain/roles.py: the backend-prepared module in this process) or a Ray role (posttrain/launch/ray_roles.py:
+    an actor group apart from the policy). Every capability has a default here, so callers ask, never probe."""
 
-    model: Any
     trains: bool = False
-    optimizer: Any = None
-    """Its own optimiser, when it trains."""
-    scheduler: Any = None
-    """Its own LR schedule, when it trains."""
+    """It has its own optimiser and schedule, stepped by the loop."""
     placement: str = "local"
-    """Where it lives: local (this process, sharded as the launcher says), offload (CPU between uses) or ray (a
-    replica in an actor group of its own: `model` is a distributed.ray_roles.RemoteModel)."""
+    """Where it lives: local (this process, sharded as the launcher says), offload (CPU between uses) or ray."""
+    model: Any = None
+    """The module in this process (what the backend returned); None for a role served elsewhere."""
+
+    # --- what algorithms ask (no gradient) ----------------------------------------------------------------------
+    def logprobs(self, batch: Batch, temperature: float = 1.0) -> torch.Tensor:
+        """logprobs_BT of the batch's tokens under this model (models.forward.policy_logprobs alignment)."""
+        raise NotImplementedError
+
+    def forward(self, **inputs) -> Any:
+        """The model's output for keyword inputs (input_ids, attention_mask, ...): an object with `.logits` (a
+        critic's values, a reward model's scores)."""
+        raise NotImplementedError
+
+    def train(self, mode: bool = True) -> None:
+        """Training or evaluation mode (dropout), where the model lives."""
+
+    def seconds(self) -> Optional[float]:
+        """Seconds its calls took since last asked (a role served apart: transfer included); None: not measured."""
+        return None
+
+    def release(self) -> None:
+        """Give back its memory (a reference an algorithm no longer needs)."""
+
+    # --- what the loop, the checkpointer and run.py ask of a trained role ---------------------------------------
+    def update(self, step: int, objective: "Objective", micro_batches: list[Batch], normaliser: torch.Tensor,
+               skip_nonfinite: bool) -> tuple[torch.Tensor, float, dict[str, torch.Tensor]]:
+        """Loop phase 4: forward + backward per micro-batch, clip, optimiser step, LR schedule. Returns this rank's
+        loss summed over micro-batches, the global grad norm and the objective's metrics summed over micro-batches."""
+        raise NotImplementedError(f"a {type(self).__name__} does not train")
+
+    def start_schedule(self, total_steps: int) -> None:
+        """Build its LR schedule over the run's steps."""
+
+    def learning_rate(self) -> float:
+        raise NotImplementedError(f"a {type(self).__name__} has no learning rate")
+
+    def nonfinite(self) -> float:
+        """Parameter tensors holding NaN/inf (this rank's share; summed over ranks by the caller)."""
+        return 0.0
+
+    def schedule_state(self) -> Optional[dict[str, Any]]:
+        """The LR schedule's state for trainer_state.json; None when the role saves it with its own state."""
+        return None
+
+    def save(self, path: str) -> None:
+        """Save what the backend's own checkpoint does not hold (a role trained apart saves its group's state)."""
+
+    def restore(self, path: str, schedule: Optional[dict[str, Any]]) -> None:
+        """Restore what `save` and `schedule_state` kept."""
+
+    def export(self, output_dir: str, name: str, tokenizer) -> None:
+        """Write output_dir/<name> (final-critic) as a Hugging Face directory."""
+        raise NotImplementedError(f"a {type(self).__name__} cannot be exported")
 
 
 @dataclass
@@ -69,11 +117,14 @@ class Objective(NamedTuple):
 
 class Algorithm:
     """The base every algorithm subclasses. Class attributes describe it; methods are the hooks run.py and the loop
-    call, in this order: __init__(recipe) (checks that need no model), make_source (online algorithms), setup, then
-    per step prepare -> count/loss of each objective; evaluate when an eval set is given."""
+    call, in this order: __init__(recipe) (checks that need no model), setup, then per step prepare -> count/loss
+    of each objective."""
 
     name: str = ""
     """The CLI command (sft, rm, dpo, grpo, ppo)."""
+    online: bool = False
+    """It trains on its own samples: run.py gives it the rollout source (train/rollout_source.py) and evaluates it by
+    generating (train/evaluation.py)."""
     data_kind: str = "sft"
     """What rows it trains on: 'sft' (text/messages/prompt-completion), 'preference' or 'prompt'."""
     model_kind: str = "causal_lm"
@@ -97,19 +148,8 @@ class Algorithm:
         reward_model role once the backend exists."""
         return []
 
-    def make_source(self, backend, models: Models, train_examples) -> Optional[Any]:
-        """Online algorithms return their rollout source (train/rollout_source.py); None: the dataset source."""
-        return None
-
     def setup(self, backend, models: Models, train_examples, collate, out) -> None:
         """After models are prepared and a checkpoint restored (e.g. to precompute reference log-probs)."""
-
-    def evaluate(self, backend, models: Models, eval_examples) -> Optional[dict[str, float]]:
-        """Online algorithms evaluate by generating; None: the loop's mean eval loss."""
-        return None
-
-    def has_custom_eval(self) -> bool:
-        return type(self).evaluate is not Algorithm.evaluate
 
     def advantages(self, rollouts) -> tuple[list[Batch], dict[str, float]]:
         """Online algorithms: the step's scored, prepared rollouts (train/rollout_source.Rollouts) -> this rank's

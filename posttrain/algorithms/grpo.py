@@ -31,7 +31,7 @@ from typing import Optional
 import torch
 
 from posttrain.algorithms.base import Models
-from posttrain.algorithms.forward import policy_logits, policy_logprobs
+from posttrain.models.forward import policy_logits
 from posttrain.algorithms.online import OnlineAlgorithm, check_is_correction
 from posttrain.config.schema import Recipe
 from posttrain.errors import UserError
@@ -154,18 +154,18 @@ class GRPO(OnlineAlgorithm):
         """
         updates = {}
         if self.config.num_iterations > 1 and batch.old_logprobs_BT is None:
-            updates["old_logprobs_BT"] = policy_logprobs(models.policy.model, batch, self.temperature)
+            updates["old_logprobs_BT"] = models.policy.logprobs(batch, self.temperature)
         if self.config.beta > 0 and batch.ref_logprobs_BT is None:
             updates["ref_logprobs_BT"] = self._reference_logprobs(models, batch)
         return dataclasses.replace(batch, **updates) if updates else batch
 
     def _reference_logprobs(self, models: Models, batch: Batch) -> torch.Tensor:
         if models.reference is not None:
-            return policy_logprobs(models.reference.model, batch, self.temperature)
+            return models.reference.logprobs(batch, self.temperature)
         from posttrain.models.load import disable_adapter
 
         with disable_adapter(models.policy.model) if self.recipe.model.lora.enabled else contextlib.nullcontext():
-            return policy_logprobs(models.policy.model, batch, self.temperature)
+            return models.policy.logprobs(batch, self.temperature)
 
     def count(self, batch: Batch) -> torch.Tensor:
         return self.aggregation.count(batch.completion_mask_BT, self.recipe.generation.max_completion_length)

@@ -1,9 +1,9 @@
-"""What every online algorithm (GRPO family, PPO) shares: its rewards, the generic rollout source, and held-out
-evaluation by generating."""
+"""What every online algorithm (GRPO family, PPO) shares: its rewards and reward models. run.py gives it the generic
+rollout source (train/rollout_source.py) and held-out evaluation by generating (train/evaluation.py)."""
 
 from __future__ import annotations
 
-from posttrain.algorithms.base import Algorithm, Models
+from posttrain.algorithms.base import Algorithm
 from posttrain.config.schema import Recipe
 from posttrain.errors import UserError
 
@@ -19,6 +19,7 @@ def check_is_correction(config, recipe: Recipe) -> None:
 
 
 class OnlineAlgorithm(Algorithm):
+    online = True
     data_kind = "prompt"
     model_kind = "causal_lm"
 
@@ -35,18 +36,3 @@ class OnlineAlgorithm(Algorithm):
 
         scorers = [load_scorer(**r.kwargs) for r in self.recipe.rewards if r.name == "reward_model"]
         return [s for s in dict.fromkeys(scorers) if not s.device_given]
-
-    def make_source(self, backend, models: Models, train_examples):
-        from posttrain.train.rollout_source import RolloutSource
-
-        self.source = RolloutSource(self.recipe, backend, models, self, train_examples, self.rewards)
-        return self.source
-
-    def evaluate(self, backend, models: Models, eval_examples) -> dict[str, float]:
-        """Held-out greedy accuracy (exact_match), mean total reward and completion length, over all ranks; with
-        the source's engine, so it runs wherever generation does, on the current policy's weights."""
-        from posttrain.algorithms.grpo_eval import evaluate_prompts
-
-        self.source.before_evaluation()  # an engine with its own copy of the weights gets the current policy
-        return evaluate_prompts(backend, self.source.engine, models.tokenizer, eval_examples, self.rewards,
-                                self.recipe.generation)

@@ -24,7 +24,7 @@ from typing import Optional
 import torch
 
 from posttrain.algorithms.base import Models, Objective
-from posttrain.algorithms.forward import policy_logits, policy_logprobs
+from posttrain.models.forward import policy_logits
 from posttrain.algorithms.online import OnlineAlgorithm, check_is_correction
 from posttrain.batch import Batch
 from posttrain.config.schema import ModelConfig, Recipe
@@ -162,11 +162,11 @@ class PPO(OnlineAlgorithm):
     def prepare(self, batch: Batch, models: Models) -> Batch:
         from posttrain.models.critic import critic_values
 
-        tasks = {"old_logprobs_BT": ("time/policy_logprobs", lambda: policy_logprobs(models.policy.model, batch,
+        tasks = {"old_logprobs_BT": ("time/policy_logprobs", lambda: models.policy.logprobs(batch,
                                                                                    self.temperature)),
-                 "ref_logprobs_BT": ("time/reference", lambda: policy_logprobs(models.reference.model, batch,
+                 "ref_logprobs_BT": ("time/reference", lambda: models.reference.logprobs(batch,
                                                                              self.temperature)),
-                 "old_values_BT": ("time/values", lambda: critic_values(models.critic.model, batch))}
+                 "old_values_BT": ("time/values", lambda: critic_values(models.critic.forward, batch))}
         if not self.needs_reference:
             del tasks["ref_logprobs_BT"]
         updates = {}

@@ -18,17 +18,17 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import gc
 import hashlib
 import json
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Optional, Sequence
 
 import torch
 
-from posttrain.algorithms.forward import policy_logprobs
+from posttrain.models.forward import policy_logprobs
 from posttrain.ops.logprobs import sequence_sum
 from posttrain.batch import Batch
+from posttrain.data.collate import eval_batches
 
 CACHE_FILE = "ref_logprobs.safetensors"
 
@@ -63,7 +63,7 @@ def reference_sums(models, batch: Batch, use_adapter_off: bool, autocast=None) -
         else:
             if models.reference is None:
                 raise RuntimeError("this loss needs reference log-probs; there is no reference model (nor a cache)")
-            sums_B, _ = sequence_logps(models.reference.model, batch)
+            sums_B = sequence_sum(models.reference.logprobs(batch), batch.completion_mask_BT)
     return sums_B.detach().float()
 
 
@@ -86,8 +86,6 @@ def compute_reference_table(backend, models, examples: Sequence[dict], collate, 
     forwards (a rank with nothing left scores a filler batch it throws away), so the collective forwards of a ZeRO-3
     sharded model stay in step. One all-reduce assembles the table.
     """
-    from posttrain.train.sources import eval_batches
-
     table_N2 = torch.zeros(len(examples), 2, dtype=torch.float32, device=backend.device)
     for batch, weight in eval_batches(examples, collate, batch_size, backend.world_size, backend.rank):
         batch = batch.to(backend.device)
@@ -148,16 +146,7 @@ def save_tables(path: Path, tables: dict[str, torch.Tensor], identity: dict[str,
 
 
 def free_reference(models) -> None:
-    """Drop the frozen reference copy and give its memory back (a DeepSpeed engine is destroyed first)."""
-    if models.reference is None:
-        return
-    reference: Any = models.reference.model
-    models.reference = None
-    destroy = getattr(reference, "destroy", None)
-    if callable(destroy):
-        with contextlib.suppress(Exception):
-            destroy()
-    del reference
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
+    """Drop the frozen reference copy and give its memory back."""
+    if models.reference is not None:
+        models.reference.release()
+        models.reference = None

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from posttrain.algorithms.base import Algorithm, Models
-from posttrain.algorithms.forward import policy_logprobs
+from posttrain.models.forward import policy_logprobs
 from posttrain.config.schema import Recipe, SFTAlgoConfig
 from posttrain.losses.sft import sft_loss_sum
 from posttrain.batch import Batch

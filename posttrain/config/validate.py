@@ -124,7 +124,7 @@ def check_servers_listed(g) -> None:
 
 
 def validate_placement(placement) -> None:
-    """What a placement can get wrong without looking at a cluster (posttrain/distributed/ray_placement.py checks
+    """What a placement can get wrong without looking at a cluster (posttrain/launch/ray_placement.py checks
     it against one)."""
     for role in PLACED_ROLES:
         spec = getattr(placement, role)

@@ -225,7 +225,7 @@ class Backend:
         """A model used only for no-grad forwards (reference policy, reward model): no optimiser state. Under ZeRO-3
         it is partitioned like the trained models. offload: its weights stay in CPU memory between forwards
         (ZeRO-3: DeepSpeed's parameter offload, also when the launcher's config offloads parameters; otherwise
-        models/offload.Offloaded)."""
+        distributed/offload.Offloaded)."""
         zero3 = self.is_deepspeed and self.zero_stage == 3
         if zero3 or (self.is_deepspeed and not offload):
             import deepspeed
@@ -245,7 +245,7 @@ class Backend:
             return engine
         model.eval()
         if offload:
-            from posttrain.models.offload import Offloaded
+            from posttrain.distributed.offload import Offloaded
 
             precision = self.recipe.train.mixed_precision
             if self.is_deepspeed and precision in ("bf16", "fp16"):  # as DeepSpeed's engine would hold it

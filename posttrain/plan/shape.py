@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import functools
 
-from posttrain.algorithms.forward import FUSED_HEAD_MODELS
+from posttrain.models.forward import FUSED_HEAD_MODELS
 from posttrain.config.schema import ModelConfig
 from posttrain.errors import UserError
 from posttrain.plan.estimate import ModelShape

@@ -97,11 +97,10 @@ class Guard:
                          "with train.resume_from_checkpoint=auto, or set train.nonfinite=skip to drop such steps")
 
 
-def require_finite(backend, models, where: str) -> None:
-    """Refuse to save a model holding NaN/inf (every rank calls it: the check is agreed with one all-reduce)."""
-    bad = [m.remote_nonfinite() if hasattr(m, "remote_nonfinite") else backend.nonfinite_parameters(m)
-           for m in models]  # a role in a Ray actor group of its own counts there
-    if float(backend.all_reduce_sum(torch.tensor(float(sum(bad)), device=backend.device))) > 0:
+def require_finite(backend, bad: float, where: str) -> None:
+    """Refuse to save a model holding NaN/inf: `bad` is this rank's count of non-finite parameter tensors (every rank
+    calls it: the check is agreed with one all-reduce)."""
+    if float(backend.all_reduce_sum(torch.tensor(float(bad), device=backend.device))) > 0:
         raise RunStopped(f"{where}: the model's weights hold NaN/inf; not saving them (the newest checkpoint "
                          "keeps finite weights). Lower train.learning_rate and continue with "
                          "train.resume_from_checkpoint=auto")

@@ -60,9 +60,8 @@ def count_tokens(batch: Batch) -> int:
 def train(ctx: LoopContext) -> TrainState:
     backend, algorithm, models, state = ctx.backend, ctx.algorithm, ctx.models, ctx.state
     t = backend.recipe.train
-    model = models.policy.model
     for _, role in models.trained():
-        role.model.train()
+        role.train()
     guard = ctx.guard or Guard(t, backend)
     window: dict[str, float] = {}
     window_steps = 0
@@ -71,7 +70,7 @@ def train(ctx: LoopContext) -> TrainState:
     steps_this_run = 0
     if ctx.evaluate is not None and state.step == 0:
         ctx.logger.log(0, ctx.evaluate())  # the starting point, so the report shows how far eval moved
-        model.train()
+        models.policy.train()
 
     while state.step < ctx.total_steps:
         step_start = time.perf_counter()
@@ -98,13 +97,8 @@ def train(ctx: LoopContext) -> TrainState:
         metric_sums: dict[str, torch.Tensor] = {}
         for (name, role), normaliser in zip(trained, normalisers):
             update_start = time.perf_counter()
-            remote_update = getattr(role.model, "remote_update", None)  # a role in a Ray actor group of its own
-            if remote_update is not None:
-                losses[name], grad_norms[name], metrics = remote_update(state.step, micro_batches, normaliser,
-                                                                        guard.skip)
-            else:
-                losses[name], grad_norms[name], metrics = update_role(backend, role, objectives[name], micro_batches,
-                                                                      normaliser, guard.skip)
+            losses[name], grad_norms[name], metrics = role.update(state.step, objectives[name], micro_batches,
+                                                                  normaliser, guard.skip)
             for key, value in metrics.items():
                 metric_sums[key] = metric_sums.get(key, 0.0) + value
             update_seconds[name] = time.perf_counter() - update_start
@@ -142,11 +136,11 @@ def train(ctx: LoopContext) -> TrainState:
             elapsed = time.perf_counter() - window_start
             record = {k: v / window_steps for k, v in window.items()}
             peak_mb = [b / 2**20 for b in backend.all_gather_object(backend.peak_memory_bytes())]
-            record.update({f"learning_rate/{name}": role.scheduler.get_last_lr()[0]
+            record.update({f"learning_rate/{name}": role.learning_rate()
                            for name, role in models.trained() if name != "policy"})
             record.update(
                 step=state.step,
-                learning_rate=models.policy.scheduler.get_last_lr()[0],
+                learning_rate=models.policy.learning_rate(),
                 tokens_per_second=window_tokens / max(elapsed, 1e-9),
                 num_tokens=state.tokens_seen,
                 peak_memory_mb=max(peak_mb),
@@ -166,7 +160,7 @@ def train(ctx: LoopContext) -> TrainState:
         last = state.step == ctx.total_steps
         if ctx.evaluate is not None and ((t.eval_steps and state.step % t.eval_steps == 0) or last):
             ctx.logger.log(state.step, ctx.evaluate())
-            model.train()
+            models.policy.train()
         stop_early = t.max_steps_per_run is not None and steps_this_run >= t.max_steps_per_run and not last
         # a stop signal acts where a checkpoint resumes exactly: at the end of a generation batch (PPO / GRPO reuse
         # one for algorithm.steps_per_rollout steps, and a resume inside it would sample it again)
@@ -184,7 +178,8 @@ def update_role(backend, role, objective, micro_batches: list[Batch], normaliser
                 skip_nonfinite: bool) -> tuple[torch.Tensor, float, dict[str, torch.Tensor]]:
     """Phase 4 for one trained role: forward + backward per micro-batch (gradients synced on the last only), clip,
     optimiser step, LR schedule. Returns this rank's loss (summed over micro-batches), the global grad norm and the
-    objective's metrics summed over micro-batches. A role trained in a Ray actor group of its own runs this there."""
+    objective's metrics summed over micro-batches. A local role's `update` (posttrain/roles.py) is this; a role trained
+    in a Ray actor group of its own runs it there."""
     loss_sum = torch.zeros((), device=backend.device)
     metric_sums: dict[str, torch.Tensor] = {}
     for batch in micro_batches:
@@ -203,7 +198,7 @@ def update_role(backend, role, objective, micro_batches: list[Batch], normaliser
 def evaluate(backend, algorithm: Algorithm, models: Models, batches: list[tuple[Batch, float]]) -> dict[str, float]:
     """Mean loss per unit over the whole eval set (all ranks) and the algorithm's metrics averaged over batches."""
     model = models.policy.model
-    model.eval()
+    models.policy.train(False)
     total = torch.zeros(2, device=backend.device)
     metric_sums: dict[str, torch.Tensor] = {}
     with torch.no_grad():

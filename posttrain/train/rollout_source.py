@@ -282,10 +282,11 @@ class RolloutSource:
                         "time/ref": prepared - scored, "time/sync": self._sync_seconds,
                         "policy_lag": float(step - (sampled_by if sampled_by is not None else step)),
                         **advantage_metrics})
-        for name in ("reference", "reward_model", "critic"):  # roles served by Ray replicas: their calls' seconds
+        for name in ("reference", "reward_model", "critic"):  # roles served apart: their calls' seconds
             role = getattr(self.models, name)
-            if role is not None and hasattr(role.model, "take_seconds"):
-                metrics[f"time/role/{name}"] = role.model.take_seconds()
+            seconds = role.seconds() if role is not None else None
+            if seconds is not None:
+                metrics[f"time/role/{name}"] = seconds
         if backend.is_main:
             self._write_samples(step, prompts, texts, total_B, per_function, sequence_advantages(batches), truncated)
         return Generation(index, batches, metrics)

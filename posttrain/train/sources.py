@@ -82,19 +82,3 @@ class DatasetSource:
             batch = self.collate([self.examples[i] for i in indices])
             batches.append(dataclasses.replace(batch, example_index_B=torch.tensor(indices)))
         return batches
-
-
-def eval_batches(
-    examples: Sequence[dict], collate: Callable[[list[dict]], Batch], batch_size: int, world_size: int, rank: int
-) -> list[tuple[Batch, float]]:
-    """This rank's eval micro-batches with a weight (0 for a filler batch), the same COUNT on every rank so that
-    collective forwards (ZeRO-3) stay in step."""
-    out = []
-    chunk = batch_size * world_size
-    for start in range(0, len(examples), chunk):
-        mine = list(range(start + rank * batch_size, min(start + (rank + 1) * batch_size, len(examples))))
-        weight = 1.0 if mine else 0.0
-        mine = mine or [start]
-        batch = collate([examples[i] for i in mine])
-        out.append((dataclasses.replace(batch, example_index_B=torch.tensor(mine)), weight))
-    return out

@@ -86,7 +86,7 @@ def test_reward_model_with_another_tokenizer_scores_the_decoded_text(tiny_model_
     """A reward model whose tokenizer is not the policy's scores the decoded completion re-encoded with its own
     tokenizer (so the critic starts from the policy, not from it); reference and reward model offloaded."""
     import posttrain.train.loop as loop
-    from posttrain.models.offload import Offloaded
+    from posttrain.distributed.offload import Offloaded
     from posttrain.models.tiny import train_tokenizer
     from posttrain.rewards.reward_model import RewardModelScorer
     from tests.unit.test_rewards_reward_model import save_classifier

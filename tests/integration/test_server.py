@@ -135,7 +135,7 @@ def test_async_grpo_samples_one_step_behind_and_the_server_ends_on_final(vllm_se
     truncated importance weights are logged; held-out evaluation and the end of the run still see the current
     policy."""
     from posttrain.algorithms import ALGORITHMS
-    from posttrain.algorithms.grpo_eval import greedy_texts
+    from posttrain.train.evaluation import greedy_texts
     from posttrain.config import load_recipe
     from posttrain.data.io import load_rows
     from posttrain.data.tokenize import tokenize_prompts

@@ -1,8 +1,10 @@
-"""STYLE rule 5: only posttrain/distributed/ imports distributed machinery (ray included), only posttrain/rollout/ vLLM.
+"""The import rules of docs/architecture.md, read from the source with ast (nothing is imported, so imports inside
+functions count too):
 
-Every module outside posttrain/distributed/ is read (the pure layers ops/, losses/, algorithms/, rewards/, config/
-included) for torch.distributed, accelerate and deepspeed, and outside posttrain/rollout/ for vllm. This reads the
-source with ast (nothing is imported), so it also covers imports inside functions.
+- STYLE rule 5: only posttrain/distributed/ and posttrain/launch/ import distributed machinery (torch.distributed,
+  accelerate, deepspeed, ray), only posttrain/rollout/ imports vLLM;
+- the layers: a module imports only from its own layer or the ones below (LAYERS, top first), and no two posttrain
+  modules import each other, directly or round a loop.
 """
 
 import ast
@@ -13,7 +15,19 @@ import pytest
 PACKAGE = Path(__file__).resolve().parents[2] / "posttrain"
 PURE_PACKAGES = ("ops", "losses", "algorithms", "rewards", "config")
 FORBIDDEN = ("torch.distributed", "accelerate", "deepspeed", "ray", "vllm")
-ALLOWED_IN = {"distributed": ("torch.distributed", "accelerate", "deepspeed", "ray"), "rollout": ("vllm",)}
+MACHINERY = ("torch.distributed", "accelerate", "deepspeed", "ray")
+ALLOWED_IN = {"distributed": MACHINERY, "launch": MACHINERY, "rollout": ("vllm",)}
+LAYERS = [
+    ("cli", "__main__", "demo"),                                    # the command line
+    ("launch",),                                                    # what starts processes: Ray, serve children, doctor
+    ("run", "roles", "checkpoint", "logging", "plan"),              # composition of one run
+    ("train",),                                                     # the loop, sources, rollout source, evaluation
+    ("algorithms",),                                                # prepare + loss plug-ins
+    ("rollout", "rewards", "models", "data", "tasks"),              # engines, rewards, models, data
+    ("distributed",),                                               # what runs inside a training process
+    ("ops", "losses", "config", "batch", "errors", "checkpoint_files", "__init__"),   # pure
+]
+LAYER_OF = {name: len(LAYERS) - i for i, names in enumerate(LAYERS) for name in names}
 
 
 def imported_modules(source: str) -> list[tuple[int, str]]:
@@ -55,9 +69,71 @@ def test_module_imports_distributed_machinery_or_vllm_only_in_its_layer(path):
     layer = path.relative_to(PACKAGE).parts[0]
     bad = forbidden_imports(path.read_text(encoding="utf-8"), ALLOWED_IN.get(layer, ()))
     assert not bad, (
-        f"{path.relative_to(PACKAGE.parent)} imports {', '.join(bad)}; only posttrain/distributed/ may import "
-        "torch.distributed, accelerate, deepspeed or ray, and only posttrain/rollout/ vllm (STYLE rule 5)"
+        f"{path.relative_to(PACKAGE.parent)} imports {', '.join(bad)}; only posttrain/distributed/ and launch/ may "
+        "import torch.distributed, accelerate, deepspeed or ray, and only posttrain/rollout/ vllm (STYLE rule 5)"
     )
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def posttrain_imports() -> dict[str, set[str]]:
+    """posttrain module -> the posttrain modules it imports (`from a import b` counts as a and a.b when that is a
+    module). A package's __init__ only gathers its modules' names, so its own imports are not followed (as
+    ../shared/tools/import_facts.py counts them)."""
+    modules = {module_name(p): p for p in source_files()}
+    edges: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        found = set()
+        if path.name == "__init__.py":
+            edges[name] = found
+            continue
+        for _, imported in imported_modules(path.read_text(encoding="utf-8")):
+            while imported and imported not in modules:
+                imported = imported.rpartition(".")[0]
+            if imported.startswith("posttrain") and imported != name and imported != "posttrain":
+                found.add(imported)
+        edges[name] = found
+    return edges
+
+
+def layer(module: str) -> int:
+    top = module.split(".")[1] if "." in module else "__init__"
+    assert top in LAYER_OF, f"{module}: add posttrain/{top} to a layer of LAYERS (and to docs/architecture.md)"
+    return LAYER_OF[top]
+
+
+def test_no_module_imports_from_a_higher_layer():
+    upward = [f"{a} -> {b}" for a, imported in posttrain_imports().items() for b in imported if layer(b) > layer(a)]
+    assert not upward, f"imports up the layers of docs/architecture.md: {upward}"
+
+
+def test_no_import_cycles():
+    edges = posttrain_imports()
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    cycles = []
+
+    def visit(module: str, path: list[str]) -> None:
+        state[module] = 1
+        for nxt in sorted(edges[module]):
+            if state.get(nxt) == 1:
+                cycles.append(" -> ".join(path[path.index(nxt):] + [nxt]))
+            elif nxt not in state:
+                visit(nxt, path + [nxt])
+        state[module] = 2
+
+    for module in sorted(edges):
+        if module not in state:
+            visit(module, [module])
+    assert not cycles, f"import cycles among posttrain's modules: {cycles}"
+
+
+def test_the_checks_see_a_violation():
+    assert layer("posttrain.algorithms.grpo") < layer("posttrain.train.loop")  # so algorithms -> train is caught
+    assert layer("posttrain.distributed.backend") < layer("posttrain.launch.ray_roles")
+    assert "posttrain.run" in posttrain_imports()["posttrain.launch.ray_launcher"]
 
 
 @pytest.mark.parametrize(
@@ -85,6 +161,7 @@ def test_checker_allows(source):
 
 def test_each_layer_may_import_only_its_own_machinery():
     distributed, rollout = ALLOWED_IN["distributed"], ALLOWED_IN["rollout"]
+    assert not forbidden_imports("import ray", ALLOWED_IN["launch"])
     assert not forbidden_imports("import deepspeed\nfrom accelerate import Accelerator", distributed)
     assert forbidden_imports("from vllm import LLM", distributed)
     assert not forbidden_imports("from vllm import LLM", rollout)

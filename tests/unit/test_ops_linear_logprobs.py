@@ -66,7 +66,7 @@ def test_bf16_autocast_matches_the_unfused_path_under_autocast():
 def test_policy_logprobs_fused_equals_the_logits_path(tiny_model_dir):
     from transformers import AutoModelForCausalLM
 
-    from posttrain.algorithms.forward import fusable_head, policy_logits, policy_logprobs
+    from posttrain.models.forward import fusable_head, policy_logits, policy_logprobs
     from posttrain.batch import Batch
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
@@ -92,7 +92,7 @@ def test_policy_logprobs_fused_equals_the_logits_path(tiny_model_dir):
 def test_heads_that_are_not_plain_take_the_logits_path(tiny_model_dir):
     from transformers import AutoModelForCausalLM
 
-    from posttrain.algorithms.forward import fusable_head
+    from posttrain.models.forward import fusable_head
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
     model.config.model_type = "gemma2"  # soft-caps its logits after the head

@@ -13,9 +13,9 @@ import pytest
 
 from posttrain.algorithms.grpo import GRPOAlgoConfig
 from posttrain.config.load import load_recipe
-from posttrain.distributed.ray_engines import Engines, check_engines
+from posttrain.launch.ray_engines import Engines, check_engines
 from posttrain.rollout.server_process import serve_args
-from posttrain.distributed.ray_placement import Node
+from posttrain.launch.ray_placement import Node
 from posttrain.errors import UserError
 
 

@@ -6,7 +6,7 @@ import pytest
 
 from posttrain.algorithms.grpo import GRPOAlgoConfig
 from posttrain.config.load import load_recipe
-from posttrain.distributed.ray_placement import (Node, fit, nodes_from_ray, pick_gpu_resource, placement_table,
+from posttrain.launch.ray_placement import (Node, fit, nodes_from_ray, pick_gpu_resource, placement_table,
                                                  rank_slots, resolve, whole_cluster)
 from posttrain.errors import UserError
 
@@ -156,7 +156,7 @@ def test_launcher_ray_without_ray_installed_says_how_to_install(monkeypatch, cap
 
 def test_a_trained_role_apart_has_one_worker_per_policy_rank():
     """Frozen roles apart are replicas, any number; the critic's group has one worker per rank, said up front."""
-    from posttrain.distributed.ray_roles import check_apart
+    from posttrain.launch.ray_roles import check_apart
 
     roles = ("policy", "reference", "critic", "reward_model")
     frozen = recipe("placement.colocate=[[policy, critic], [reference, reward_model]]",

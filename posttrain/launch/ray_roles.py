@@ -8,17 +8,16 @@ worker slot of its unit, pinned to the node the fit chose, each holding the whol
 Training rank r asks replica r % replicas. Frozen models need no collectives, so replicas need no process group of
 their own, and a replica holds exactly the weights a colocated copy would (the policy's source, or the reward model's).
 
-In the training ranks the role's model is a `RemoteModel`: called like the module (a reward model's scores, values:
-small outputs), or asked for token log-probs by `algorithms.forward.policy_logprobs` (the (B, T, V) logits never
-leave the replica). The algorithms call `models.reference.model` as they would a local module and do not know Ray
-exists. Each RemoteModel counts the seconds its calls take (transfer included), logged per step as
-`time/role/<role>`. A replica that dies stops the run naming the role, the replica and its node.
+In the training ranks the role is a `RayRole` (algorithms.base.Role): asked for a forward (a reward model's scores,
+values: small outputs), or for token log-probs (the (B, T, V) logits never leave the replica). The algorithms call
+`models.reference.logprobs(...)` as they would on a local role and do not know Ray exists. Each RayRole counts the
+seconds its calls take (transfer included), logged per step as `time/role/<role>`. A replica that dies stops the run naming the role, the replica and its node.
 
 A trained role (PPO's critic) apart from the policy is a group of `TrainedRoleWorker` actors forming a torch.distributed
 group of its own (DDP, DeepSpeed ZeRO or FSDP2 inside, from the same ACCELERATE_* variables as the ranks), with as many
 workers as the policy has ranks: rank r drives worker r, so every collective inside the group is reached by all its
 workers in the same order, as the ranks' own loop reaches theirs. The rank's loop hands the step's micro-batches and
-global normaliser to `remote_update`, which runs `train.loop.update_role` there (the algorithm's own objective);
+global normaliser to `RayRole.update`, which runs `train.loop.update_role` there (the algorithm's own objective);
 values, checkpoints (saved to <checkpoint>/<role>/ by the group) and final-<role>/ go the same way. A critic that starts
 from the policy gets a fresh value head drawn from the worker's own random stream, so unlike a critic from a reward
 model it does not start bit for bit where a torchrun run's would.
@@ -26,11 +25,30 @@ model it does not start bit for bit where a torchrun run's would.
 
 from __future__ import annotations
 
+import json
 import os
 import time
+from types import SimpleNamespace
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional
+
+import torch
+
+from posttrain.algorithms import ALGORITHMS
+from posttrain.algorithms.base import Role
+from posttrain.roles import LocalRole
+from posttrain.batch import Batch
+from posttrain.distributed.backend import Backend
+from posttrain.errors import RunStopped, UserError
+from posttrain.launch.ray_actors import Worker, last_line, rank_env
+from posttrain.launch.ray_placement import rank_slots
+from posttrain.models.critic import load_critic
+from posttrain.models.forward import policy_logprobs
+from posttrain.models.load import load_tokenizer
+from posttrain.models.reference import make_reference
+from posttrain.run import seed_everything
+from posttrain.train.optim import make_optimizer
 
 FROZEN_ROLES = ("reference", "reward_model")
 LOAD_TIMEOUT_S = 600.0
@@ -44,26 +62,6 @@ class RoleWorkerDied(RuntimeError):
         super().__init__(f"{where}: its actor died: {cause}")
 
 
-class Worker:
-    """What every posttrain actor answers: its node, and (asked of a group's first worker) a rendezvous address."""
-
-    def node(self) -> str:
-        import ray
-
-        return ray.get_runtime_context().get_node_id()
-
-    def rendezvous(self) -> tuple[str, int]:
-        """This node's address and a free port on it (MASTER_ADDR / MASTER_PORT of the worker's group)."""
-        import socket
-
-        import ray
-
-        address = ray.util.get_node_ip_address()
-        with socket.socket() as s:
-            s.bind(("", 0))
-            return address, s.getsockname()[1]
-
-
 class RoleWorker(Worker):
     """One replica of a unit's frozen roles. Its methods run in the actor's process; nothing heavy is imported before
     `load`."""
@@ -73,25 +71,16 @@ class RoleWorker(Worker):
         each `reward_model` entry of the recipe from its path. Keys: 'reference', 'reward_model:<i>' (the i-th reward
         model of algorithm.reward_models()). Returns each key's parameter count."""
         os.environ.update(env)
-        import torch
-
-        from posttrain.algorithms import ALGORITHMS
-        from posttrain.run import seed_everything
-
         seed_everything(recipe.seed)  # a seq_cls reference's fresh head is the policy's only after the same seed
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # Ray shows each actor its GPU
         return self._load_frozen(ALGORITHMS[command][1](recipe), recipe, roles, device)
 
     def _load_frozen(self, algorithm, recipe, roles: tuple[str, ...], device) -> dict[str, int]:
-        import torch
-
         self.device = device
         precision = recipe.train.mixed_precision
         self.autocast_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
         self.models: dict[str, Any] = {}
         if "reference" in roles:
-            from posttrain.models.reference import make_reference
-
             self.models["reference"] = make_reference(recipe.model, algorithm.model_kind).to(self.device)
         if "reward_model" in roles:
             for i, scorer in enumerate(algorithm.reward_models()):
@@ -99,24 +88,16 @@ class RoleWorker(Worker):
         return {key: sum(p.numel() for p in m.parameters()) for key, m in self.models.items()}
 
     def _autocast(self):
-        import torch
-
         return torch.autocast(self.device.type, dtype=self.autocast_dtype or torch.float32,
                               enabled=self.autocast_dtype is not None)
 
     def logprobs(self, key: str, batch, temperature: float):
         """Token log-probs of `batch` under the model `key` (algorithms.forward.policy_logprobs), on CPU."""
-        import torch
-
-        from posttrain.algorithms.forward import policy_logprobs
-
         with torch.no_grad(), self._autocast():
             return policy_logprobs(self.models[key], batch.to(self.device), temperature).float().cpu()
 
     def forward(self, key: str, inputs: dict):
         """The model's logits for keyword inputs (input_ids, attention_mask, ...), on CPU."""
-        import torch
-
         with torch.no_grad(), self._autocast():
             out = self.models[key](**{k: v.to(self.device) for k, v in inputs.items()}, use_cache=False)
         return out.logits.cpu()
@@ -132,14 +113,6 @@ class TrainedRoleWorker(RoleWorker):
         would (the critic: algorithm.critic_source(), its own learning rate), then the frozen ones. Returns each
         key's parameter count."""
         os.environ.update(env)
-        from posttrain.algorithms import ALGORITHMS
-        from posttrain.algorithms.base import Role
-        from posttrain.distributed.backend import Backend
-        from posttrain.models.critic import load_critic
-        from posttrain.models.load import load_tokenizer
-        from posttrain.run import seed_everything
-        from posttrain.train.optim import make_optimizer
-
         self.recipe, self.name = recipe, next(r for r in roles if r not in FROZEN_ROLES)
         if self.name != "critic":
             raise ValueError(f"no trained role {self.name!r} to run apart")
@@ -152,22 +125,18 @@ class TrainedRoleWorker(RoleWorker):
         count = sum(p.numel() for p in model.parameters())
         model, optimizer = self.backend.prepare(model, make_optimizer(model, t, self.algorithm.critic_learning_rate()))
         model.train()
-        self.role = Role(model, trains=True, optimizer=optimizer)
+        self.role = LocalRole(model, self.backend, trains=True, optimizer=optimizer, train_config=recipe.train)
         frozen = self._load_frozen(self.algorithm, recipe, tuple(r for r in roles if r in FROZEN_ROLES),
                                    self.backend.device)
         return {self.name: count, **frozen}
 
     def schedule(self, key: str, total_steps: int) -> float:
         """The role's LR schedule over the run's steps (known once the rank has its data source)."""
-        from posttrain.train.optim import make_scheduler
-
-        self.role.scheduler = make_scheduler(self.role.optimizer, self.recipe.train, total_steps)
-        return self.role.scheduler.get_last_lr()[0]
+        self.role.start_schedule(total_steps)
+        return self.role.learning_rate()
 
     def forward(self, key: str, inputs: dict):
         """Values for prepare (no gradient), as a colocated critic gives them; a frozen role's logits."""
-        import torch
-
         if key != self.name:
             return super().forward(key, inputs)
         with torch.no_grad(), self.backend.autocast():
@@ -175,49 +144,36 @@ class TrainedRoleWorker(RoleWorker):
         return out.logits.float().cpu()
 
     def update(self, key: str, step: int, micro_batches: list, normaliser, skip_nonfinite: bool):
-        """train.loop.update_role on this worker's share of the step -> (loss, grad norm, metric sums, LR), on CPU."""
-        from posttrain.train.loop import update_role
-
+        """The local role's update (train.loop.update_role) on this worker's share of the step -> (loss, grad norm,
+        metric sums, LR), on CPU."""
         device = self.backend.device
-        loss, grad_norm, metrics = update_role(self.backend, self.role, self.algorithm.objectives(step)[self.name],
-                                               [b.to(device) for b in micro_batches], normaliser.to(device),
-                                               skip_nonfinite)
+        loss, grad_norm, metrics = self.role.update(step, self.algorithm.objectives(step)[self.name],
+                                                    [b.to(device) for b in micro_batches], normaliser.to(device),
+                                                    skip_nonfinite)
         return (loss.cpu(), grad_norm, {k: v.cpu() for k, v in metrics.items()},
-                self.role.scheduler.get_last_lr()[0])
+                self.role.learning_rate())
 
     def nonfinite(self, key: str) -> float:
         """NaN/inf parameter tensors over the whole group (agreed with one all-reduce, like guard.require_finite)."""
-        import torch
-
         bad = torch.tensor(float(self.backend.nonfinite_parameters(self.role.model)), device=self.backend.device)
         return float(self.backend.all_reduce_sum(bad))
 
     def save(self, key: str, path: str) -> None:
         """Engine state (weights, optimiser, RNG) of the group into `path`, and the schedule's state beside it."""
-        import json
-
         self.backend.save_state(path)
         if self.backend.is_main:
-            schedule = {k: v for k, v in self.role.scheduler.state_dict().items() if k != "lr_lambdas"}
-            (Path(path) / "role_state.json").write_text(json.dumps({"scheduler": schedule}))
+            (Path(path) / "role_state.json").write_text(json.dumps({"scheduler": self.role.schedule_state()}))
         self.backend.barrier()
 
     def restore(self, key: str, path: str) -> float:
         """What `save` wrote; returns the restored learning rate."""
-        import json
-
         self.backend.load_state(path)
-        schedule = json.loads((Path(path) / "role_state.json").read_text())["scheduler"]
-        self.role.scheduler.load_state_dict({**self.role.scheduler.state_dict(), **schedule})
-        for group, lr in zip(self.role.optimizer.param_groups, self.role.scheduler.get_last_lr()):
-            group["lr"] = lr
-        return self.role.scheduler.get_last_lr()[0]
+        self.role.restore(path, json.loads((Path(path) / "role_state.json").read_text())["scheduler"])
+        return self.role.learning_rate()
 
     def export(self, key: str, output_dir: str, name: str) -> None:
         """output_dir/<name> (final-critic) as a Hugging Face directory, as run.py exports a colocated one."""
-        from posttrain.checkpoint import export_final
-
-        export_final(self.backend, self.role.model, self.tokenizer, output_dir, name=name)
+        self.role.export(output_dir, name, self.tokenizer)
 
 
 @dataclass
@@ -230,15 +186,18 @@ class RemoteRole:
     trains: bool = False
     seconds: list[float] = field(default_factory=lambda: [0.0])
 
-    def model(self, key: Optional[str] = None) -> "RemoteModel":
-        return (RemoteTrainedModel if self.trains else RemoteModel)(self, key or self.role)
+    def as_role(self, key: Optional[str] = None) -> "RayRole":
+        """The Role a rank holds for `key` (a reward model's 'reward_model:<i>'; default the role itself)."""
+        return RayRole(self, key or self.role, trains=self.trains, placement="ray")
 
 
-class RemoteModel:
-    """What a rank holds as the model of a role served by a replica (see the module docstring)."""
+class RayRole(Role):
+    """A role served by its actor group, as a training rank holds it (algorithms.base.Role; see the module docstring).
+    Forwards and log-probs are counted in time/role/<role>; an update, save, restore or export runs in the group."""
 
-    def __init__(self, remote: RemoteRole, key: str):
-        self.remote, self.key = remote, key
+    def __init__(self, remote: RemoteRole, key: str, trains: bool, placement: str):
+        self.remote, self.key, self.trains, self.placement = remote, key, trains, placement
+        self.lr = float("nan")
 
     def _call(self, method: str, *args, timed: bool = True):
         """The replica's `method`(key, *args); timed: counted in time/role/<role> (forwards; an update is logged as
@@ -250,87 +209,58 @@ class RemoteModel:
         try:
             return ray.get(getattr(self.remote.actor, method).remote(self.key, *args))
         except RayActorError as e:
-            from posttrain.distributed.ray_launcher import last_line
-
             raise RoleWorkerDied(self.remote.where, last_line(str(e))) from None
         finally:
             if timed:
                 self.remote.seconds[0] += time.perf_counter() - started
 
-    def __call__(self, use_cache: bool = False, **inputs):
-        """Like a transformers forward: an object whose .logits sit on the inputs' device."""
-        from types import SimpleNamespace
-
+    def forward(self, use_cache: bool = False, **inputs):
+        """An object whose .logits sit on the inputs' device (values of a critic, scores of a reward model)."""
         device = inputs["input_ids"].device
         logits = self._call("forward", {k: v.detach().cpu() for k, v in inputs.items()})
         return SimpleNamespace(logits=logits.to(device))
 
-    def remote_logprobs(self, batch, temperature: float):
+    def logprobs(self, batch, temperature: float = 1.0):
         """Token log-probs of `batch` (only the fields a forward reads are sent), on the batch's device."""
-        from posttrain.batch import Batch
-
         sent = Batch(batch.input_ids_BT.cpu(), batch.completion_mask_BT.cpu(),
                      attention_mask_BT=None if batch.attention_mask_BT is None else batch.attention_mask_BT.cpu(),
                      position_ids_BT=None if batch.position_ids_BT is None else batch.position_ids_BT.cpu())
         return self._call("logprobs", sent, temperature).to(batch.input_ids_BT.device)
 
-    def take_seconds(self) -> float:
-        """Seconds this role's calls took since the last take (all keys of the role)."""
+    def seconds(self) -> float:
+        """Seconds this role's calls took since last asked (all keys of the role)."""
         seconds, self.remote.seconds[0] = self.remote.seconds[0], 0.0
         return seconds
 
-    def eval(self):
-        return self
+    def start_schedule(self, total_steps: int) -> None:
+        self.lr = self._call("schedule", total_steps, timed=False)
 
-    def train(self, mode: bool = True):
-        return self
+    def learning_rate(self) -> float:
+        return self.lr
 
-
-class RemoteTrainedModel(RemoteModel):
-    """A trained role's model as its rank holds it: forwards like RemoteModel, and the loop, run.py and the
-    checkpointer call the remote_* methods where they would step, save or export a local model."""
-
-    def remote_setup(self, total_steps: int) -> "RemoteSchedule":
-        """The worker's LR schedule over the run's steps; what the rank keeps as the role's scheduler."""
-        self.schedule = RemoteSchedule(self._call("schedule", total_steps, timed=False))
-        return self.schedule
-
-    def remote_update(self, step: int, micro_batches: list, normaliser, skip_nonfinite: bool):
-        """Loop phase 4 for this role, run by its worker: (loss on the rank's device, grad norm, metric sums)."""
+    def update(self, step: int, objective, micro_batches: list, normaliser, skip_nonfinite: bool):
+        """Loop phase 4 for this role, run by its worker with the algorithm's own objective for `step`."""
         device = normaliser.device
-        loss, grad_norm, metrics, lr = self._call("update", step, [b.to("cpu") for b in micro_batches],
-                                                  normaliser.detach().cpu(), skip_nonfinite, timed=False)
-        self.schedule.lr = lr
+        loss, grad_norm, metrics, self.lr = self._call("update", step, [b.to("cpu") for b in micro_batches],
+                                                       normaliser.detach().cpu(), skip_nonfinite, timed=False)
         return loss.to(device), grad_norm, {k: v.to(device) for k, v in metrics.items()}
 
-    def remote_nonfinite(self) -> float:
+    def nonfinite(self) -> float:
         return self._call("nonfinite", timed=False)
 
-    def remote_save(self, path: str) -> None:
+    def save(self, path: str) -> None:
         self._call("save", path, timed=False)
 
-    def remote_restore(self, path: str) -> None:
-        self.schedule.lr = self._call("restore", path, timed=False)
+    def restore(self, path: str, schedule) -> None:
+        self.lr = self._call("restore", path, timed=False)
 
-    def remote_export(self, output_dir: str, name: str) -> None:
+    def export(self, output_dir: str, name: str, tokenizer) -> None:
         self._call("export", output_dir, name, timed=False)
-
-
-@dataclass
-class RemoteSchedule:
-    """The LR a trained role's worker last reported (for the loop's learning_rate/<role> figure)."""
-
-    lr: float
-
-    def get_last_lr(self) -> list[float]:
-        return [self.lr]
 
 
 def check_apart(units) -> None:
     """A trained role apart from the policy (the critic) needs as many workers as the policy has ranks; said before
     anything starts."""
-    from posttrain.errors import UserError
-
     policy = units[0]
     for unit in units[1:]:
         trained = [r for r in unit.roles if r not in FROZEN_ROLES]
@@ -361,10 +291,6 @@ def start_role_groups(ray, plan, command: str, recipe, env: dict[str, str],
     options the launcher gives a worker there; a unit with a trained role gets TrainedRoleWorkers and a process group
     of their own), load their models in parallel, and wait. A replica that fails to
     load stops the start naming its role and node (its own error: a UserError, e.g. a missing file, exits 2)."""
-    from posttrain.distributed.ray_placement import rank_slots
-    from posttrain.errors import RunStopped
-
-    from posttrain.distributed.ray_launcher import rank_env
 
     groups = RoleGroups()
     loads = []
@@ -388,8 +314,6 @@ def start_role_groups(ray, plan, command: str, recipe, env: dict[str, str],
             ray.get(ref, timeout=LOAD_TIMEOUT_S)
         except Exception as e:  # the actor's own error comes wrapped; its message says what went wrong
             cause = getattr(e, "cause", None) or e
-            from posttrain.errors import UserError
-
             if isinstance(cause, UserError):
                 raise UserError(str(cause)) from None
             raise RunStopped(f"{where} could not load its model(s): {str(cause).strip().splitlines()[-1]}",

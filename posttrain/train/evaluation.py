@@ -1,6 +1,6 @@
 """Held-out evaluation for prompt data: greedy completions, exact-match accuracy and the recipe's reward.
 
-    from posttrain.algorithms.grpo_eval import exact_match_accuracy
+    from posttrain.train.evaluation import exact_match_accuracy
     accuracy = exact_match_accuracy(model, tokenizer, prompt_examples, max_new_tokens=16)   # one process
 
 `prompt_examples` are what `posttrain.data.tokenize_prompts` returns ({"prompt_ids", "prompt", "columns"}); the
@@ -74,3 +74,10 @@ def evaluate_prompts(backend, engine, tokenizer, examples: list[dict], rewards, 
     if counted:
         out["eval/accuracy"] = correct / counted
     return out
+
+
+def evaluate_online(backend, source, tokenizer, eval_examples, rewards, generation) -> dict[str, float]:
+    """An online algorithm's held-out figures (`evaluate_prompts`) with the rollout source's engine, so evaluation runs
+    wherever generation does, on the current policy's weights (an engine holding a copy is synced first)."""
+    source.before_evaluation()
+    return evaluate_prompts(backend, source.engine, tokenizer, eval_examples, rewards, generation)

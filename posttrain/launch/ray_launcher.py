@@ -27,27 +27,19 @@ import traceback
 from typing import Any
 
 from posttrain.config.schema import Recipe
-from posttrain.distributed.ray_engines import Engines, check_engines, start_engines
-from posttrain.distributed.ray_placement import (Plan, RankSlot, fit, node_options, nodes_from_ray,
+from posttrain.launch.ray_engines import Engines, check_engines, start_engines
+from posttrain.launch.ray_placement import (Plan, RankSlot, fit, node_options, nodes_from_ray,
                                                  pick_gpu_resource, placement_table, rank_slots, resolve,
                                                  roles_needed)
-from posttrain.distributed.ray_roles import RoleGroups, Worker, start_role_groups
+from posttrain.launch.ray_actors import Worker, import_ray, last_line, rank_env
+from posttrain.launch.ray_roles import RoleGroups, RoleWorkerDied, check_apart, start_role_groups
 from posttrain.errors import RunStopped, UserError
 
-INSTALL = "pip install 'posttrain[ray]' (or pip install 'ray[default]>=2.40')"
 # the driver's environment the workers inherit (Ray starts them from the raylet's environment, not the driver's)
 FORWARDED_PREFIXES = ("HF_", "TOKENIZERS_", "OMP_", "MKL_", "TORCH_", "ACCELERATE_", "FSDP_", "TRANSFORMERS_",
                       "POSTTRAIN_", "NCCL_", "GLOO_")
 START_TIMEOUT_S = 300.0  # actors not started by then: their resources are held by something else
 GRACE_S = 10.0  # after the first failure, how long the others get to report theirs (a survivor's error is noise)
-
-
-def import_ray():
-    try:
-        import ray
-    except ImportError:
-        raise UserError(f"launcher: ray needs the ray package, which is not installed: {INSTALL}") from None
-    return ray
 
 
 class RankWorker(Worker):
@@ -59,8 +51,6 @@ class RankWorker(Worker):
         Errors come back as data, so the driver can name the rank (or the replica that died)."""
         os.environ.update(env)
         os.chdir(cwd)
-        from posttrain.distributed.ray_roles import RoleWorkerDied
-
         try:
             from posttrain.run import run
 
@@ -134,8 +124,6 @@ def run_on_ray(command: str, recipe: Recipe) -> int:
 def check_built(units, recipe: Recipe) -> None:
     """What the placement asks that this build cannot run, or that contradicts the recipe, fails here, before any
     actor starts."""
-    from posttrain.distributed.ray_roles import check_apart
-
     check_apart(units)
     check_engines(recipe)
 
@@ -163,16 +151,6 @@ def wait_started(ray, actors: list, slots: list[RankSlot]) -> None:
     for slot, node_id in zip(slots, placed):
         if node_id != slot.node.node_id:  # hard node affinity makes this impossible; a guard, not a branch
             raise RunStopped(f"Ray started rank {slot.rank} on node {node_id[:8]}, not {slot.node.label}", shared=False)
-
-
-def rank_env(slot: RankSlot, world_size: int, num_nodes: int, master_addr: str, master_port: int,
-             plan: Plan) -> dict[str, str]:
-    """What torchrun gives a worker. With real GPUs Ray shows each actor only its own GPU (CUDA_VISIBLE_DEVICES), so
-    its local device is cuda:0."""
-    local_rank = 0 if plan.gpu_resource == "GPU" else slot.local_rank
-    return {"RANK": str(slot.rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(local_rank),
-            "LOCAL_WORLD_SIZE": str(world_size // num_nodes), "GROUP_RANK": str(slot.node_rank),
-            "GROUP_WORLD_SIZE": str(num_nodes), "MASTER_ADDR": master_addr, "MASTER_PORT": str(master_port)}
 
 
 def wait_for_ranks(ray, futures: dict, plan: Plan) -> int:
@@ -227,9 +205,3 @@ def pick_cause(failed: dict[int, dict[str, Any]]) -> tuple[int, dict[str, Any]]:
         return (res.get("code") != 2, not res.get("died"), peer_noise, r)
 
     return min(failed.items(), key=rank_of)
-
-
-def last_line(message: str) -> str:
-    """Ray's actor-death message without its generic advice: what happened and the worker's exit detail."""
-    text = " ".join(line.strip() for line in message.splitlines() if line.strip())
-    return text.split(" Some common causes", 1)[0]

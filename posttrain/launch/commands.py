@@ -29,7 +29,7 @@ def run_plan_or_doctor(args) -> int:
     from posttrain.errors import UserError
 
     if args.command == "doctor":
-        from posttrain.distributed.doctor import run_doctor
+        from posttrain.launch.doctor import run_doctor
 
         return run_doctor(args.config, args.overrides, args.timeout, args.build_ops)
     from posttrain.plan import infer_algorithm, run_plan

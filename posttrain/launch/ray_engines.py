@@ -28,7 +28,8 @@ from pathlib import Path
 from typing import Any
 
 from posttrain.config.schema import Recipe
-from posttrain.distributed.ray_placement import Node, Plan, node_options
+from posttrain.launch.ray_actors import last_line
+from posttrain.launch.ray_placement import Node, Plan, node_options
 from posttrain.errors import RunStopped, UserError
 from posttrain.rollout.server_process import LOG_DIR, READY_TIMEOUT_S, ServerProcess, serve_args, server_env
 from posttrain.rollout.server_worker import TOKEN_ENV
@@ -102,8 +103,6 @@ class Engines:
             return
         from ray.exceptions import RayActorError
 
-        from posttrain.distributed.ray_launcher import last_line  # not at the top: ray_launcher imports this module
-
         refs = [actor.stop.remote() for actor in self.actors]
         for i, ref in enumerate(refs):
             try:
@@ -146,8 +145,6 @@ def start_engines(ray, plan: Plan, recipe: Recipe, env: dict[str, str]) -> Engin
 def wait_ready(ray, refs: dict, engines: Engines) -> None:
     """Fill engines.urls as the servers answer; RunStopped at the first that fails or is late."""
     from ray.exceptions import RayActorError
-
-    from posttrain.distributed.ray_launcher import last_line
 
     pending = list(refs)
     deadline = time.monotonic() + SCHEDULE_TIMEOUT_S + READY_TIMEOUT_S

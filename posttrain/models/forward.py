@@ -27,10 +27,7 @@ def policy_logits(model, batch: Batch) -> torch.Tensor:
 
 
 def policy_logprobs(model, batch: Batch, temperature: float = 1.0) -> torch.Tensor:
-    """logprobs_BT aligned with input_ids_BT (position 0 is 0): log p(token t | tokens < t). A role served by a Ray
-    replica (distributed/ray_roles.RemoteModel) computes them where its weights are."""
-    if hasattr(model, "remote_logprobs"):
-        return model.remote_logprobs(batch, temperature)
+    """logprobs_BT aligned with input_ids_BT (position 0 is 0): log p(token t | tokens < t)."""
     head = fusable_head(model)
     if head is None:
         return token_logprobs(policy_logits(model, batch), batch.input_ids_BT, temperature=temperature)
