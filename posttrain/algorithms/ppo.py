@@ -7,16 +7,19 @@ critic, reference and rewards (reward model and/or reward functions).
 Per generation batch (train/rollout_source.py): sample, score each completion at its end, then (prepare) the
 policy's log-probs, the reference's and the critic's values, once; then (advantages) per-token rewards
 -kl_coef * KL(k1 or k3) plus the score at the last completion token (minus missing_eos_penalty when the completion
-was cut off), and advantages by `algo.advantage_estimator`: gae (gamma, lam), reinforce++ (discounted returns,
-whitened over the step), rloo / grpo (the score baselined by the prompt's other samples / its group). The batch is
-then used for `ppo_epochs` optimiser steps of both trained roles: the clipped surrogate for the policy (token mean
-over the step) and the clipped value loss for the critic (token mean over the step), each with its own optimiser;
-the policy waits `critic_warmup_steps` steps while the critic learns first. The math lives in ops/ and losses/.
+was cut off), and advantages by `algo.advantage_estimator` (ops/advantages.py ADVANTAGE_ESTIMATORS): gae (on the
+critic's values, gamma, lam) and reinforce++ (discounted returns) are whitened over the step by default, rloo / grpo
+(the score baselined by the prompt's other samples / standardised in its group, then discounted) are not;
+`algo.whiten_advantages` overrides either way. The batch is then used for `ppo_epochs` optimiser steps of both
+trained roles: the clipped surrogate for the policy (token mean over the step) and the clipped value loss for the
+critic (token mean over the step), each with its own optimiser; the policy waits `critic_warmup_steps` steps while
+the critic learns first. The math lives in ops/ and losses/.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import time
 from dataclasses import dataclass
 from typing import Optional
@@ -31,12 +34,9 @@ from posttrain.config.schema import ModelConfig, Recipe
 from posttrain.errors import UserError
 from posttrain.losses.policy import clipped_surrogate, truncated_importance_weights
 from posttrain.losses.value import clipped_value_loss
-from posttrain.ops.advantages import (discounted_returns, gae, group_advantages, masked_moments, rloo_scores,
-                                      token_rewards, whiten)
+from posttrain.ops.advantages import ADVANTAGE_ESTIMATORS, masked_moments, token_rewards, whiten
 from posttrain.ops.kl import KL_ESTIMATORS, KLController, kl_k3
 from posttrain.ops.logprobs import entropy_BT, masked_mean, masked_sum, token_logprobs
-
-ESTIMATORS = ("gae", "reinforce++", "rloo", "grpo")
 
 
 @dataclass(frozen=True)
@@ -49,13 +49,15 @@ class PPOAlgoConfig:
     critic_warmup_steps: int = 0
     """Optimiser steps at the start where only the critic trains."""
     advantage_estimator: str = "gae"
-    """gae, reinforce++, rloo or grpo."""
+    """gae (GAE on the critic's values), reinforce++ (discounted returns, baselined by whitening), rloo (the score minus
+    the mean of the prompt's other samples) or grpo (the score standardised in its group); rloo and grpo discount it."""
     gamma: float = 1.0
     """Discount per token."""
     lam: float = 0.95
     """GAE lambda."""
-    whiten_advantages: bool = True
-    """Whiten advantages over the whole step (all ranks)."""
+    whiten_advantages: Optional[bool] = None
+    """Whiten advantages over the whole step (all ranks); null: the estimator's default (gae, reinforce++: on; rloo,
+    grpo: off)."""
     kl_coef: float = 0.05
     """Initial weight of the per-token KL(policy || reference) penalty in the reward; 0 loads no reference."""
     kl_estimator: str = "k1"
@@ -89,11 +91,13 @@ class PPOAlgoConfig:
 
     def validate(self, recipe: Recipe) -> None:
         check_is_correction(self, recipe)
-        for key, value, table in (("advantage_estimator", self.advantage_estimator, ESTIMATORS),
+        for key, value, table in (("advantage_estimator", self.advantage_estimator, ADVANTAGE_ESTIMATORS),
                                   ("kl_estimator", self.kl_estimator, ("k1", "k3"))):
             if value not in table:
-                raise UserError(f"algo.{key} is {value!r}; choose one of {', '.join(table)}")
-        if self.advantage_estimator in ("rloo", "grpo") and self.num_generations < 2:
+                close = difflib.get_close_matches(value, list(table), n=1, cutoff=0.5)
+                hint = f"did you mean {close[0]!r}? " if close else ""
+                raise UserError(f"algo.{key} is {value!r}; {hint}choose one of {', '.join(table)}")
+        if ADVANTAGE_ESTIMATORS[self.advantage_estimator].needs_groups and self.num_generations < 2:
             raise UserError(f"algo.advantage_estimator={self.advantage_estimator} compares samples of one prompt: set "
                             f"algo.num_generations >= 2 (got {self.num_generations})")
         if self.kl_coef < 0 or self.epsilon <= 0 or self.ppo_epochs < 1 or self.num_generations < 1:
@@ -179,13 +183,11 @@ class PPO(OnlineAlgorithm):
 
     def advantages(self, rollouts) -> tuple[list[Batch], dict[str, float]]:
         cfg = self.config
+        estimator = ADVANTAGE_ESTIMATORS[cfg.advantage_estimator]
         score_B = rollouts.step_rewards_B.float()
         if cfg.missing_eos_penalty is not None:
             score_B = score_B - cfg.missing_eos_penalty * rollouts.step_truncated_B.float()
-        if cfg.advantage_estimator == "rloo":
-            score_B = rloo_scores(score_B, cfg.num_generations)
-        elif cfg.advantage_estimator == "grpo":
-            score_B = group_advantages(score_B, cfg.num_generations, "group")
+        score_B = estimator.baseline(score_B, cfg.num_generations)
         out, kl_sums = [], []
         for batch, batch_score_B in zip(rollouts.batches, rollouts.per_batch(score_B)):
             mask_BT = batch.completion_mask_BT
@@ -193,17 +195,15 @@ class PPO(OnlineAlgorithm):
                      if self.needs_reference else torch.zeros_like(batch.old_logprobs_BT))
             kl_sums.append(masked_sum(kl_BT, mask_BT).reshape(1))
             rewards_BT = token_rewards(batch_score_B, kl_BT, mask_BT, self.kl.value)
-            if cfg.advantage_estimator == "gae":
-                advantages_BT, returns_BT = gae(rewards_BT, batch.old_values_BT, mask_BT, cfg.gamma, cfg.lam)
-            else:
-                advantages_BT = returns_BT = discounted_returns(rewards_BT, mask_BT, cfg.gamma)
+            advantages_BT, returns_BT = estimator.token_advantages(rewards_BT, batch.old_values_BT, mask_BT, cfg.gamma,
+                                                                   cfg.lam)
             out.append(dataclasses.replace(batch, advantages_BT=advantages_BT, returns_BT=returns_BT))
         sequences = float(len(rollouts.step_rewards_B))
         kl_per_sequence = float(rollouts.all_reduce_sum(torch.cat(kl_sums).sum())) / sequences
         metrics = {"kl": kl_per_sequence, "kl_coef": self.kl.value, **self.seconds}
         self.seconds = dict.fromkeys(self.seconds, 0.0)
         self.kl.update(kl_per_sequence, int(sequences))
-        if cfg.whiten_advantages:
+        if estimator.whiten if cfg.whiten_advantages is None else cfg.whiten_advantages:
             moments = rollouts.all_reduce_sum(sum(masked_moments(b.advantages_BT, b.completion_mask_BT) for b in out))
             out = [dataclasses.replace(b, advantages_BT=whiten(b.advantages_BT, b.completion_mask_BT, moments))
                    for b in out]

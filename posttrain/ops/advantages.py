@@ -1,4 +1,5 @@
-"""Group-relative advantages for GRPO-family algorithms (verl-style pure functions).
+"""Advantages as pure functions (verl-style): group-relative ones for GRPO-family algorithms, and the per-token
+estimators PPO picks from ADVANTAGE_ESTIMATORS (gae, reinforce++, rloo, grpo), each with its default whitening.
 
 Rewards come laid out as consecutive groups of `group_size` completions of the same prompt:
 rewards_B = [r(p0, c0), ..., r(p0, c_{G-1}), r(p1, c0), ...]. Whole groups must be passed together, so the loop
@@ -11,7 +12,7 @@ advantages -+0.5 / (0.7071 + 1e-4) = -+0.7070 (the population std, 0.5, would gi
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 
@@ -130,6 +131,53 @@ def rloo_scores(score_B: torch.Tensor, group_size: int) -> torch.Tensor:
     score_GN = _groups(score_B, group_size)
     baseline_GN = (score_GN.sum(dim=1, keepdim=True) - score_GN) / (group_size - 1)
     return (score_GN - baseline_GN).reshape(-1)
+
+
+def raw_scores(score_B: torch.Tensor, group_size: int) -> torch.Tensor:
+    """No score baseline -> score_B unchanged: the critic's values (GAE) or the step's whitening (REINFORCE++, Hu 2025)
+    centre the advantages instead."""
+    return score_B
+
+
+def grpo_scores(score_B: torch.Tensor, group_size: int) -> torch.Tensor:
+    """GRPO (Shao et al. 2024, DeepSeekMath): each score standardised within its prompt's group (group sample std
+    + 1e-4, see group_advantages) -> score_B."""
+    return group_advantages(score_B, group_size, "group")
+
+
+def discounted_advantages(rewards_BT: torch.Tensor, values_BT: torch.Tensor, completion_mask_BT: torch.Tensor,
+                          gamma: float, lam: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """REINFORCE (Williams 1992) with the baseline already in the score: each token's discounted return is both its
+    advantage and the critic's target -> (advantages_BT, returns_BT). values_BT and lam are unused (GAE's arguments)."""
+    returns_BT = discounted_returns(rewards_BT, completion_mask_BT, gamma)
+    return returns_BT, returns_BT
+
+
+class AdvantageEstimator(NamedTuple):
+    baseline: Callable[[torch.Tensor, int], torch.Tensor]
+    """(score_B of the whole step, group_size) -> score_B, before the scores become token rewards; whole groups."""
+    token_advantages: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float, float],
+                               tuple[torch.Tensor, torch.Tensor]]
+    """(rewards_BT, values_BT, completion_mask_BT, gamma, lam) -> (advantages_BT, returns_BT) of one micro-batch."""
+    whiten: bool
+    """Whiten the advantages over the step unless algo.whiten_advantages says otherwise (OpenRLHF and verl whiten
+    GAE and REINFORCE++ only: whitening a group-baselined score by token-weighted statistics lets one completion's
+    length move the others' advantages, even across zero)."""
+    needs_groups: bool
+    """Compares the samples of one prompt: num_generations >= 2."""
+
+
+ADVANTAGE_ESTIMATORS: dict[str, AdvantageEstimator] = {
+    # GAE (Schulman et al. 2016) on the critic's values, gamma and lam.
+    "gae": AdvantageEstimator(raw_scores, gae, whiten=True, needs_groups=False),
+    # REINFORCE++ (Hu 2025): discounted returns; whitening over the whole step is its baseline.
+    "reinforce++": AdvantageEstimator(raw_scores, discounted_advantages, whiten=True, needs_groups=False),
+    # RLOO (Kool et al. 2019; Ahmadian et al. 2024): the score minus the mean of the prompt's other samples.
+    "rloo": AdvantageEstimator(rloo_scores, discounted_advantages, whiten=False, needs_groups=True),
+    # GRPO (Shao et al. 2024): the score standardised within its prompt's group.
+    "grpo": AdvantageEstimator(grpo_scores, discounted_advantages, whiten=False, needs_groups=True),
+}
+"""algo.advantage_estimator -> how PPO turns the step's scores (and the critic's values) into per-token advantages."""
 
 
 def masked_moments(x_BT: torch.Tensor, mask_BT: torch.Tensor) -> torch.Tensor:
