@@ -15,7 +15,7 @@ import random
 import shutil
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
@@ -31,6 +31,16 @@ from posttrain.errors import UserError
 RUN_ARTIFACTS = ("config.yaml", "metrics.jsonl", "tensorboard", "checkpoints", "final", "final-critic", "report.html",
                  "curves.png",
                  "samples.jsonl", "ref_logprobs.safetensors", UNIVERSAL_DIR)
+
+
+@dataclass
+class Launched:
+    """What the launch wing started for this run before calling it (launch/ray_launcher.py): roles served by actor
+    groups apart from the policy (role name -> a handle whose .as_role(key) is that role's Role) and the URLs of the
+    generation engines it placed (generation.placement=ray)."""
+
+    roles: dict = field(default_factory=dict)
+    servers: tuple[str, ...] = ()
 
 
 @dataclass
@@ -133,9 +143,9 @@ def load_policy(recipe: Recipe, algorithm):
     return model
 
 
-def run(command: str, recipe: Recipe, remote_roles: Optional[dict] = None) -> RunResult:
-    """One run of `command`. remote_roles (from the launch wing, launcher: ray): role -> a handle on the actor group
-    serving that role apart from the policy (frozen replicas, the critic's group); those are not loaded here."""
+def run(command: str, recipe: Recipe, launched: Optional[Launched] = None) -> RunResult:
+    """One run of `command`. `launched`: what the launch wing started for it (launcher: ray): roles served apart
+    (those are not loaded here) and generation engines."""
     from posttrain.algorithms import ALGORITHMS
     from posttrain.distributed.backend import Backend
     from posttrain.logging import MetricsLogger, read_metrics, write_report
@@ -156,10 +166,12 @@ def run(command: str, recipe: Recipe, remote_roles: Optional[dict] = None) -> Ru
     check_model_source(recipe.model)
     resume_from = check_output_dir(recipe)
     tokenizer = load_tokenizer(recipe.model)
-    if recipe.generation.engine == "server":  # every server answers, takes the token, serves our vocabulary
+    launched = launched or Launched()
+    servers = launched.servers or recipe.generation.servers
+    if servers:  # every server answers, takes the token, serves our vocabulary
         from posttrain.rollout.server import check_servers
 
-        check_servers(recipe, tokenizer)
+        check_servers(recipe, tokenizer, servers)
     train_examples, train_stats = load_examples(recipe, algorithm, tokenizer, "train")
     eval_examples, eval_stats = (None, None)
     if recipe.data.eval:
@@ -186,12 +198,12 @@ def run(command: str, recipe: Recipe, remote_roles: Optional[dict] = None) -> Ru
     if backend.is_main:  # weights + AdamW's two moments, in float32 (or the size of the checkpoint resumed from)
         roles = 2 if algorithm.needs_critic else 1  # a critic is about the policy's size
         warn_low_disk(out, tree_bytes(resume_from) or roles * (4 * total_params + 8 * trainable_params))
-    models = build_roles(recipe, algorithm, backend, tokenizer, model, eval_examples, remote_roles)
+    models = build_roles(recipe, algorithm, backend, tokenizer, model, eval_examples, launched.roles)
 
     # 3. data source, schedule, state
     collate = make_collate(recipe, algorithm, tokenizer)
     if algorithm.online:
-        source = RolloutSource(recipe, backend, models, algorithm, train_examples, algorithm.rewards)
+        source = RolloutSource(recipe, backend, models, algorithm, train_examples, algorithm.rewards, servers)
     else:
         source = DatasetSource(train_examples, collate, t.per_device_train_batch_size, t.gradient_accumulation_steps,
                                backend.world_size, backend.rank,
@@ -242,8 +254,7 @@ def run(command: str, recipe: Recipe, remote_roles: Optional[dict] = None) -> Ru
                       memory_estimate_mb=summary["estimated_peak_memory_mb"], guard=Guard(t, backend))
     with ctx.guard:  # SIGTERM / SIGINT: save at the next step boundary and exit 143 / 130
         state = train(ctx)
-    if hasattr(source, "close"):  # engines with their own copy of the policy get the final one
-        source.close(state.step)
+    source.close(state.step)  # engines that outlive the run get the final policy
     logger.close()
     final_dir = None
     if state.step >= steps and t.save_final_model:
@@ -256,7 +267,6 @@ def run(command: str, recipe: Recipe, remote_roles: Optional[dict] = None) -> Ru
                               {**summary, "minutes": f"{(time.time() - started) / 60:.1f}"})
         logger.info(f"report: {report}")
     metrics = read_metrics(out) if backend.is_main else []
-    if hasattr(source, "end"):  # no collective after this point: an in-process vLLM engine may tear down its groups
-        source.end()
+    source.end()  # no collective after this point: an in-process vLLM engine may tear down its groups
     backend.end()
     return RunResult(output_dir=out, final_dir=final_dir, steps=state.step, metrics=metrics)

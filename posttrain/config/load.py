@@ -16,6 +16,7 @@ from typing import Any
 
 import yaml
 
+from posttrain.config.legacy import upgrade
 from posttrain.config.schema import Recipe
 from posttrain.errors import UserError
 
@@ -37,6 +38,7 @@ def load_recipe(path: str | None, overrides: list[str], algo_cls: type) -> Recip
         where = str(path)
     for item in overrides:
         apply_override(raw, item)
+    upgrade(raw)  # earlier releases' spellings (config/legacy.py)
     raw.setdefault("algo", {})  # the command's own algo config, with its defaults, even without an algo: section
     recipe = build(Recipe, raw, where, "", algo_cls)
     from posttrain.config.validate import validate

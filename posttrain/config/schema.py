@@ -139,11 +139,8 @@ class TrainConfig:
 
 @dataclass(frozen=True)
 class VLLMConfig:
-    """What users tune on an in-process vLLM engine (generation.engine: vllm)."""
+    """What users tune on a vLLM engine the run starts (generation.engine: vllm; placement colocated, node or ray)."""
 
-    placement: str = "rank"
-    """rank: an engine inside every training process; node: one per node, in a process of its own started by the
-    node's first rank and shared by the node's ranks (its tensor_parallel_size GPUs from GPU 0)."""
     gpu_memory_utilization: float = 0.3
     """Share of the GPU's memory vLLM may take (weights + KV cache); training keeps the rest."""
     tensor_parallel_size: int = 1
@@ -163,7 +160,13 @@ class VLLMConfig:
 @dataclass(frozen=True)
 class GenerationConfig:
     engine: str = "hf"
-    """Generation engine: hf (transformers generate), vllm (in-process) or server (`posttrain serve`, any node)."""
+    """Generation engine: hf (transformers generate on the policy itself) or vllm."""
+    placement: str = "colocated"
+    """Where generation runs, the one answer: colocated (an engine in every training process; hf always is), node
+    (one vLLM engine per node, started by its first rank, shared by its ranks), servers (the vLLM servers listed in
+    generation.servers: `posttrain serve` or a stock vLLM server, any nodes) or ray (placement.generation.num_engines
+    vLLM engines as Ray actors, launcher: ray). Earlier spellings (engine: server, vllm.placement: node,
+    placement.generation.num_engines alone) are read as these."""
     max_completion_length: int = 64
     """Most new tokens per completion."""
     temperature: float = 1.0
@@ -184,11 +187,11 @@ class GenerationConfig:
     vllm: VLLMConfig = field(default_factory=VLLMConfig)
     """In-process vLLM engine settings (generation.vllm.*)."""
     servers: tuple[str, ...] = ()
-    """engine=server: URLs of `posttrain serve` servers (http://host:port); a prompt's samples go to one server."""
+    """placement=servers: URLs of the vLLM servers (http://host:port); a prompt's samples go to one server."""
     request_timeout: float = 300.0
-    """engine=server: seconds one request (a completion, a control call, a sync's collective) may take."""
+    """Servers (placement servers, node, ray): seconds one request (a completion, a control call, a sync's collective) may take."""
     request_retries: int = 2
-    """engine=server: further tries of a failed completion request before the run stops naming the server."""
+    """Servers: further tries of a failed completion request before the run stops naming the server."""
 
 
 @dataclass(frozen=True)
@@ -222,7 +225,7 @@ class EnginePlacement:
     """Generation engines as their own Ray actors (OpenRLHF's --vllm_num_engines, --vllm_tensor_parallel_size)."""
 
     num_engines: int = 0
-    """Engines apart from the training workers (0: each training worker generates, as without Ray)."""
+    """generation.placement=ray: how many engines, apart from the training workers (>= 1 there)."""
     tensor_parallel_size: int = 1
     """GPUs one engine spans (all on one node)."""
 

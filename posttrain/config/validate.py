@@ -11,9 +11,9 @@ CHOICES = {
     "model.dtype": ("float32", "bfloat16", "float16", "auto"),
     "train.lr_scheduler_type": ("constant", "linear", "cosine"),
     "train.mixed_precision": ("no", "bf16", "fp16"),
-    "generation.engine": ("hf", "vllm", "server"),
+    "generation.engine": ("hf", "vllm"),
+    "generation.placement": ("colocated", "node", "servers", "ray"),
     "train.nonfinite": ("stop", "skip"),
-    "generation.vllm.placement": ("rank", "node"),
     "generation.vllm.dtype": ("auto", "float32", "bfloat16", "float16"),
     "launcher": ("local", "ray"),
 }
@@ -74,17 +74,14 @@ def validate(recipe: Recipe) -> None:
         raise UserError(f"generation: need temperature >= 0, 0 < top_p <= 1, top_k >= 0; got {g.temperature}, {g.top_p}, {g.top_k}")
     if not 0 < g.vllm.gpu_memory_utilization <= 1:
         raise UserError(f"generation.vllm.gpu_memory_utilization must be in (0, 1], got {g.vllm.gpu_memory_utilization}")
+    check_placement(recipe)
     check_servers_listed(g)
     if g.async_ and g.engine == "hf":
         raise UserError("generation.async samples the next batch while this one trains, which needs an engine with "
-                        "its own copy of the weights: set generation.engine=vllm or server, or generation.async=false")
+                        "its own copy of the weights: set generation.engine=vllm, or generation.async=false")
     if g.async_ and g.vllm.enable_sleep_mode:
         raise UserError("generation.async keeps the engine generating during training, so "
                         "generation.vllm.enable_sleep_mode (free its memory while training) cannot apply; drop one")
-    if g.engine == "vllm" and g.vllm.placement == "node" and recipe.launcher == "ray":
-        raise UserError("generation.vllm.placement=node starts an engine beside each node's first rank, which Ray "
-                        "confines to that rank's GPUs; under launcher: ray, give engines GPUs of their own with "
-                        "placement.generation.num_engines (docs/ray.md)")
     for i, r in enumerate(recipe.rewards):
         if not r.name:
             raise UserError(f"rewards[{i}].name is empty: name a built-in reward or an import path module:function")
@@ -98,18 +95,40 @@ def validate(recipe: Recipe) -> None:
         raise UserError(f"model.lora.r must be > 0, got {recipe.model.lora.r}")
 
 
+def check_placement(recipe: Recipe) -> None:
+    """generation.placement against the engine and the launcher: the one answer to where generation runs."""
+    g, where = recipe.generation, recipe.generation.placement
+    if g.engine == "hf" and where != "colocated":
+        raise UserError(f"generation.placement={where} runs vLLM apart from the trainer, but generation.engine=hf "
+                        "generates with the policy itself in each process: set generation.engine=vllm, or "
+                        "generation.placement=colocated")
+    if where == "node" and recipe.launcher == "ray":
+        raise UserError("generation.placement=node starts an engine beside each node's first rank, which Ray "
+                        "confines to that rank's GPUs; under launcher: ray use generation.placement=ray (engines with "
+                        "GPUs of their own, placement.generation.num_engines; docs/ray.md)")
+    if where == "ray" and recipe.launcher != "ray":
+        raise UserError("generation.placement=ray starts the engines as Ray actors: launch with --ray (launcher: ray), "
+                        "or use generation.placement=colocated, node or servers")
+    if where == "ray" and recipe.placement.generation.num_engines < 1:
+        raise UserError("generation.placement=ray needs placement.generation.num_engines >= 1 (how many vLLM engines "
+                        "to start as Ray actors)")
+    if where != "ray" and recipe.placement.generation.num_engines and recipe.launcher == "ray":
+        raise UserError(f"placement.generation.num_engines={recipe.placement.generation.num_engines} counts Ray "
+                        f"engines, but generation.placement={where}: set generation.placement=ray, or drop it")
+
+
 def check_servers_listed(g) -> None:
-    """generation.servers: given exactly when engine=server, each an http(s)://host:port URL, none twice."""
+    """generation.servers: given exactly when placement=servers, each an http(s)://host:port URL, none twice."""
     from urllib.parse import urlsplit
 
-    if g.engine != "server":
+    if g.placement != "servers":
         if g.servers:
-            raise UserError(f"generation.servers is set but generation.engine is {g.engine!r}; set "
-                            "generation.engine=server to generate on them, or drop generation.servers")
+            raise UserError(f"generation.servers is set but generation.placement is {g.placement!r}; set "
+                            "generation.placement=servers to generate on them, or drop generation.servers")
         return
     if not g.servers:
-        raise UserError("generation.engine=server needs generation.servers: a list of `posttrain serve` URLs, "
-                        "e.g. generation.servers='[http://127.0.0.1:8000]'")
+        raise UserError("generation.placement=servers needs generation.servers: a list of vLLM server URLs "
+                        "(`posttrain serve`), e.g. generation.servers='[http://127.0.0.1:8000]'")
     for i, url in enumerate(g.servers):
         parts = urlsplit(str(url))
         try:

@@ -1,7 +1,7 @@
 """Generation engines as Ray actors under `launcher: ray` (`placement.generation.num_engines > 0`, docs/ray.md).
 
     engines = start_engines(ray, plan, recipe, env)     # one `posttrain serve` per engine, on the node the fit chose
-    ranks run with engines.ranks_recipe(recipe)         # generation.engine=server, generation.servers=their URLs
+    ranks run with Launched(servers=engines.urls)       # posttrain.run: the server engine over their URLs
               and engines.env                           # the servers' token
     engines.stop()                                      # every server, its vLLM processes and the actors
 
@@ -12,14 +12,13 @@ versions, retries, and a run stopped naming the URL of a server that stops answe
 URL to its engine and node, and the driver names an engine that ended early). A server does not outlive its actor:
 `posttrain serve` gets SIGTERM when the actor's process ends, and vLLM gets SIGTERM when serve's ends, killed or not.
 
-With engines the ranks always generate on them, as OpenRLHF's --vllm_num_engines > 0 means: generation.engine hf or
-vllm is replaced (the banner says so), and generation.engine=server with servers of one's own is refused (exit 2).
+generation.placement=ray with placement.generation.num_engines engines (OpenRLHF's --vllm_num_engines); servers of
+one's own (generation.servers) are another placement (config/validate.py refuses both at once).
 Nothing here imports ray: the launcher passes the module in.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import secrets
 import sys
 import time
@@ -39,16 +38,10 @@ STOP_TIMEOUT_S = 30.0  # `posttrain serve` gives vLLM 10 s after SIGTERM, the ac
 
 
 def check_engines(recipe: Recipe) -> None:
-    """What contradicts engines as actors, said before anything starts: servers of the user's own as well (two
-    answers to where generation runs), or an in-process tensor-parallel size other than the engines'."""
+    """What contradicts engines as actors, said before anything starts: an in-process tensor-parallel size other than
+    the engines'."""
     placed, vllm = recipe.placement.generation, recipe.generation.vllm
-    if not placed.num_engines:
-        return
-    if recipe.generation.engine == "server":
-        raise UserError("placement.generation.num_engines > 0 starts the generation servers itself, but "
-                        "generation.engine=server lists servers of your own (generation.servers): drop one of the "
-                        "two, e.g. generation.engine=hf placement.generation.num_engines=1")
-    if vllm.tensor_parallel_size not in (1, placed.tensor_parallel_size):
+    if placed.num_engines and vllm.tensor_parallel_size not in (1, placed.tensor_parallel_size):
         raise UserError(f"generation.vllm.tensor_parallel_size={vllm.tensor_parallel_size} sizes in-process engines; "
                         f"engines as actors (placement.generation.num_engines) span "
                         f"placement.generation.tensor_parallel_size={placed.tensor_parallel_size} GPUs: set that one")
@@ -81,17 +74,10 @@ class Engines:
         """What the training ranks need to talk to the servers."""
         return {TOKEN_ENV: self.token} if self.actors else {}
 
-    def ranks_recipe(self, recipe: Recipe) -> Recipe:
-        """The recipe the ranks run: generation on the engines' servers (unchanged when there are no engines)."""
-        if not self.actors:
-            return recipe
-        generation = dataclasses.replace(recipe.generation, engine="server", servers=tuple(self.urls))
-        return dataclasses.replace(recipe, generation=generation)
-
-    def banner(self, replaced: str) -> str:
+    def banner(self) -> str:
         """The start-up lines: which URL is which engine on which node, and where its log is."""
         lines = [f"posttrain ray generation: {len(self.urls)} engine(s) started with `posttrain serve`; the ranks "
-                 f"generate on them (generation.engine=server in place of {replaced})"]
+                 "generate on them (generation.placement=ray)"]
         lines += [f"engine {i}  {node.label}  {url}  log: {log}"
                   for i, (node, url, log) in enumerate(zip(self.nodes, self.urls, self.logs))]
         return "\n".join(lines)
@@ -138,7 +124,7 @@ def start_engines(ray, plan: Plan, recipe: Recipe, env: dict[str, str]) -> Engin
     except BaseException:
         engines.stop(report=False)  # the error names the engine that failed
         raise
-    print(engines.banner(f"generation.engine={recipe.generation.engine}"), flush=True)
+    print(engines.banner(), flush=True)
     return engines
 
 

@@ -13,7 +13,7 @@ Roles: by default every role lives in the policy's workers (colocated, as under 
 (placement.colocate) run in actor groups of their own (ray_roles.py), started and loaded before the ranks: frozen ones
 (reference, reward_model) as replicas, the critic as a group with its own process group, one worker per rank.
 Generation engines (placement.generation.num_engines) are `posttrain serve` servers in actors of their own
-(ray_engines.py), started before the ranks, which then generate on them with generation.engine=server.
+(ray_engines.py), started before the ranks, which then generate on them (generation.placement=ray).
 A rank that fails or an actor that dies stops the run: the driver names the rank, its node and its last error, and
 stops the others; checkpoints already written are complete (each is written to a temporary name, then renamed).
 """
@@ -45,16 +45,17 @@ GRACE_S = 10.0  # after the first failure, how long the others get to report the
 class RankWorker(Worker):
     """One training rank. Its methods run in the actor's process; nothing heavy is imported before `run`."""
 
-    def run(self, command: str, recipe: Recipe, cwd: str, env: dict[str, str],
-            remote_roles: dict | None = None) -> dict[str, Any]:
-        """The ordinary run, as rank env["RANK"], with the roles `remote_roles` served by groups apart (ray_roles).
-        Errors come back as data, so the driver can name the rank (or the replica that died)."""
+    def run(self, command: str, recipe: Recipe, cwd: str, env: dict[str, str], remote_roles: dict,
+            servers: list[str]) -> dict[str, Any]:
+        """The ordinary run, as rank env["RANK"], with the roles `remote_roles` served by groups apart (ray_roles)
+        and the generation engines at `servers` (ray_engines). Errors come back as data, so the driver can name the
+        rank (or the replica that died)."""
         os.environ.update(env)
         os.chdir(cwd)
         try:
-            from posttrain.run import run
+            from posttrain.run import Launched, run
 
-            result = run(command, recipe, remote_roles)
+            result = run(command, recipe, Launched(remote_roles, tuple(servers)))
             return {"code": 0, "final_dir": str(result.final_dir) if result.final_dir else None, "steps": result.steps}
         except UserError as e:
             return {"code": 2, "error": str(e)}
@@ -104,11 +105,11 @@ def run_on_ray(command: str, recipe: Recipe) -> int:
         wait_started(ray, ranks, slots)
         master_addr, master_port = ray.get(ranks[0].rendezvous.remote())
         cwd = os.getcwd()
-        futures = {ranks[s.rank].run.remote(command, engines.ranks_recipe(recipe), cwd,
+        futures = {ranks[s.rank].run.remote(command, recipe, cwd,
                                             {**forwarded, **engines.env,
                                              **rank_env(s, len(slots), len(plan.units[0].nodes), master_addr,
                                                         master_port, plan)},
-                                            groups.for_rank(s.rank)): s
+                                            groups.for_rank(s.rank), engines.urls): s
                    for s in slots}
         return wait_for_ranks(ray, futures, plan)
     finally:

@@ -67,7 +67,7 @@ def workload_from_recipe(command: str, recipe: Recipe, per_device_batch: Optiona
     generations = recipe.algo.num_generations
     prompts = t.per_device_train_batch_size * t.gradient_accumulation_steps // generations  # kept by any split
     per_call = min(g.batch_size or prompts, prompts) or 1
-    vllm = g.engine == "vllm"  # vLLM's KV cache lives inside its reserved share
+    vllm = g.engine == "vllm" and g.placement in ("colocated", "node")  # its KV cache lives in its reserved share
     fraction = (VLLM_DEFAULT_FRACTION if vllm_fraction is None else vllm_fraction) if vllm else 0.0
     return dataclasses.replace(
         workload,

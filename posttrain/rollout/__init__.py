@@ -2,6 +2,7 @@
 (`posttrain serve`, `posttrain.rollout.server`)."""
 
 from posttrain.rollout.base import Completions, GenerationEngine, SamplingParams
-from posttrain.rollout.hf import HFEngine, make_engine
+from posttrain.rollout.engines import make_engine
+from posttrain.rollout.hf import HFEngine
 
 __all__ = ["Completions", "GenerationEngine", "HFEngine", "SamplingParams", "make_engine"]

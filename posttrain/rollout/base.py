@@ -8,7 +8,7 @@ only ever talks to a `GenerationEngine`, so where the sampling happens is a laun
   context manager that gathers the partitioned parameters for the duration of a `generate` call). The default.
 - vllm (`posttrain.rollout.vllm_engine.VLLMEngine`): a vLLM engine in the training process, weights pushed in with
   `load_weights` after each optimiser step; `sleep`/`wake` free and restore its KV cache so training gets the GPU
-  memory back in between. With `generation.vllm.placement: node`, one engine per node in a process of its own,
+  memory back in between. With `generation.placement: node`, one engine per node in a process of its own,
   shared by the node's ranks (`posttrain.rollout.vllm_node.NodeEngine`).
 - server (`posttrain.rollout.server.ServerEngine`): vLLM servers started with `posttrain serve`, in other processes
   or on other nodes; `load_weights` broadcasts the weights to all of them over a gloo group.
@@ -27,7 +27,7 @@ log-probs, exactly as in the trainer's forward pass.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Iterable, Optional, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Iterable, Optional
 
 if TYPE_CHECKING:
     import torch
@@ -117,20 +117,35 @@ class Completions:
         return len(self.completion_ids)
 
 
-@runtime_checkable
-class GenerationEngine(Protocol):
+class GenerationEngine:
+    """What every engine answers (hf, vllm in-process, the node engine, servers). Capabilities are declared here with
+    their defaults, and each engine says its own: callers ask, they never probe."""
+
+    holds_copy: bool = False
+    """It samples from its own copy of the weights, which the trainer syncs (vllm, servers); hf uses the policy."""
+    shared: bool = False
+    """Every rank's requests go to the same engine: no rank generates before the syncing rank's sync has landed."""
+    outlives_run: bool = False
+    """It goes on after the run (servers of one's own): it gets the final policy."""
+    version: Optional[int] = None
+    """The policy version (optimiser step) its weights are from; None: its start-up weights."""
+
     def generate(self, prompt_ids: list[list[int]], params: SamplingParams) -> Completions:
         """Sample one completion per prompt (prompts are unpadded token-id lists, any lengths)."""
-        ...
+        raise NotImplementedError
 
     def load_weights(self, named_tensors: Iterable[tuple[str, "torch.Tensor"]]) -> None:
         """Make the engine sample from these weights (names as in the policy's `named_parameters()`)."""
-        ...
+        raise NotImplementedError
 
     def sleep(self) -> None:
         """Release what the engine holds on the accelerator between generations (KV cache, weights)."""
-        ...
 
     def wake(self) -> None:
         """Take back what `sleep` released, before the next `generate`."""
-        ...
+
+    def close(self) -> None:
+        """After the run's final sync: let go of what it holds for syncing (a sync group)."""
+
+    def end(self) -> None:
+        """After the run's last collective: tear down a runtime of its own in this process (vLLM's)."""

@@ -20,7 +20,7 @@ from typing import Callable, ContextManager, Iterable, Optional
 import torch
 
 from posttrain.errors import UserError
-from posttrain.rollout.base import Completions, check_prompts, GenerationEngine, SamplingParams
+from posttrain.rollout.base import Completions, GenerationEngine, SamplingParams, check_prompts
 
 # Logits processors transformers would otherwise pick up from the model's generation_config.json.
 NEUTRAL_GENERATION = dict(
@@ -38,7 +38,7 @@ NEUTRAL_GENERATION = dict(
 )
 
 
-class HFEngine:
+class HFEngine(GenerationEngine):
     """`GenerationEngine` over transformers generate. Shares the policy in-process: no weight copies, no sync.
 
     model: a causal LM (the unwrapped policy, or a separate copy). tokenizer: gives eos and pad ids.
@@ -207,26 +207,3 @@ def _device_of(model) -> torch.device:
     if isinstance(device, torch.device):
         return device
     return next(model.parameters()).device
-
-
-def _vllm_engine(**kwargs) -> GenerationEngine:
-    from posttrain.rollout.vllm_engine import VLLMEngine
-
-    return VLLMEngine(**kwargs)
-
-
-def _server_engine(**kwargs) -> GenerationEngine:
-    from posttrain.rollout.server import ServerEngine
-
-    return ServerEngine(**kwargs)
-
-
-ENGINES: dict[str, Callable[..., GenerationEngine]] = {"hf": HFEngine, "vllm": _vllm_engine, "server": _server_engine}
-
-
-def make_engine(name: str, **kwargs) -> GenerationEngine:
-    """The engine called `name` (recipe `generation.engine`), built with `kwargs` (hf: model, tokenizer, gather;
-    vllm: model_dir, tokenizer, config, seed, max_model_len; server: generation, tokenizer, sends_weights)."""
-    if name not in ENGINES:
-        raise UserError(f"generation.engine={name!r} is not an engine; choose one of {', '.join(ENGINES)}")
-    return ENGINES[name](**kwargs)

@@ -1,4 +1,4 @@
-"""`posttrain serve`: a vLLM generation server that trainers can sync weights into (`generation.engine: server`).
+"""`posttrain serve`: a vLLM generation server that trainers can sync weights into (`generation.placement: servers`).
 
     posttrain serve --model tiny/                                   # http://127.0.0.1:8000, token generated and printed
     POSTTRAIN_SERVER_TOKEN=s3cret CUDA_VISIBLE_DEVICES=4 posttrain serve --model Qwen/Qwen2.5-0.5B \
@@ -40,7 +40,7 @@ PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 
 def add_serve(sub) -> None:
-    p = sub.add_parser("serve", help="start a vLLM generation server for generation.engine=server",
+    p = sub.add_parser("serve", help="start a vLLM generation server for generation.placement=servers",
                        description="Start a vLLM generation server that trainers sync weights into. vLLM's own "
                                    "options go after --, e.g. -- --tensor-parallel-size 2 --max-model-len 4096")
     p.add_argument("--model", required=True, help="the policy's starting weights: a model directory or hub id")
@@ -162,8 +162,9 @@ def run_serve(args) -> int:
             print(f"posttrain serve: vLLM exited with code {process.returncode} while starting (its log is above)",
                   file=sys.stderr, flush=True)
             return 1
-        print(f"posttrain serve: ready at {url} (model {args.model}, process group {process.pid}); in the recipe: generation.engine=server "
-              f"generation.servers=[{url}]; stop with Ctrl-C or SIGTERM", flush=True)
+        print(f"posttrain serve: ready at {url} (model {args.model}, process group {process.pid}); in the recipe: "
+              f"generation.engine=vllm generation.placement=servers generation.servers=[{url}]; stop with Ctrl-C or "
+              "SIGTERM", flush=True)
         code = process.wait()
         print(f"posttrain serve: vLLM exited with code {code}", file=sys.stderr, flush=True)
         return code or 1

@@ -1,4 +1,4 @@
-"""The server engine (`generation.engine: server`): vLLM servers started with `posttrain serve`, on any nodes.
+"""The server engine (`generation.placement: servers`): vLLM servers started with `posttrain serve`, on any nodes.
 
     posttrain serve --model tiny/ --port 8000                      # on each generation GPU / node; prints its URL
     export POSTTRAIN_SERVER_TOKEN=...                              # the same token on both sides
@@ -33,7 +33,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Iterable, Optional
 
 from posttrain.errors import RunStopped, UserError
-from posttrain.rollout.base import Completions, check_prompts, longest_sequence, SamplingParams
+from posttrain.rollout.base import Completions, GenerationEngine, SamplingParams, check_prompts, longest_sequence
 
 TOKEN_ENV = "POSTTRAIN_SERVER_TOKEN"
 TOKENIZER_PROBE = "posttrain vocabulary probe: What is 12 + 7? Answer: 19."
@@ -64,7 +64,7 @@ def call(url: str, path: str, body: Optional[dict] = None, timeout: float = 60.0
     return json.loads(raw) if raw else None
 
 
-class ServerEngine:
+class ServerEngine(GenerationEngine):
     """`GenerationEngine` over `posttrain serve` servers. generation: the recipe's `generation.*`; tokenizer: gives
     the eos id; sends_weights: this process is the trainer rank that pushes weight syncs (the others only take part
     in gathering them); servers, token: other servers than generation.servers, another token than the one in
@@ -269,14 +269,15 @@ def host_of(url: str) -> str:
     return urlsplit(url).hostname or "127.0.0.1"
 
 
-def check_servers(recipe, tokenizer) -> None:
-    """Before any model is loaded: every `generation.servers` entry answers, takes the token, runs posttrain's
-    weight-sync extension, and serves a model with the trainer's vocabulary, tokenizer and context. UserError else."""
+def check_servers(recipe, tokenizer, servers) -> None:
+    """Before any model is loaded: every server (generation.servers, or the engines the launch wing started) answers,
+    takes the token, runs posttrain's weight-sync extension, and serves a model with the trainer's vocabulary,
+    tokenizer and context. UserError else."""
     from transformers import AutoConfig
 
     gen = recipe.generation
     if not os.environ.get(TOKEN_ENV):
-        raise UserError(f"generation.engine=server needs the servers' token in {TOKEN_ENV} (the one given to "
+        raise UserError(f"generation.placement=servers needs the servers' token in {TOKEN_ENV} (the one given to "
                         f"`posttrain serve --token`, or in its environment)")
     config = AutoConfig.from_pretrained(recipe.model.name_or_path, revision=recipe.model.revision,
                                         trust_remote_code=recipe.model.trust_remote_code)
@@ -284,7 +285,7 @@ def check_servers(recipe, tokenizer) -> None:
     probe = tokenizer(TOKENIZER_PROBE, add_special_tokens=False)["input_ids"]
     longest = longest_sequence(recipe)
     timeout = min(gen.request_timeout, 30.0)
-    for i, url in enumerate(gen.servers):
+    for i, url in enumerate(servers):
         where = f"generation.servers[{i}] = {url}"
         try:
             call(url, "/health", timeout=timeout)

@@ -6,7 +6,7 @@
     server.stop()                        # SIGTERM to serve (it stops vLLM), SIGKILL to what is left
 
 Two owners: an engine as a Ray actor (posttrain/launch/ray_engines.py, on the node Ray chose) and the engine a
-node's first training rank starts (`generation.vllm.placement: node`, posttrain/rollout/vllm_node.py). Either way the
+node's first training rank starts (`generation.placement: node`, posttrain/rollout/vllm_node.py). Either way the
 server does not outlive its owner: `posttrain serve` gets SIGTERM when the owner's process ends, killed or not, and
 vLLM gets SIGTERM when serve's ends. Torch-free, like the Ray launcher that imports it.
 """

@@ -26,7 +26,7 @@ from typing import Iterable, Optional
 import torch
 
 from posttrain.errors import UserError
-from posttrain.rollout.base import Completions, check_prompts, SamplingParams
+from posttrain.rollout.base import Completions, GenerationEngine, SamplingParams, check_prompts
 
 
 def vllm_available() -> bool:
@@ -37,7 +37,7 @@ def vllm_available() -> bool:
     return True
 
 
-class VLLMEngine:
+class VLLMEngine(GenerationEngine):
     """`GenerationEngine` over an in-process vLLM `LLM` holding its own copy of the policy's weights.
 
     model_dir: the policy's starting weights (a HF model directory or hub id). tokenizer: gives the eos id that stops

@@ -1,6 +1,6 @@
-"""`generation.vllm.placement: node`: one vLLM engine per node, shared by the node's training ranks.
+"""`generation.placement: node`: one vLLM engine per node, shared by the node's training ranks.
 
-    generation: {engine: vllm, vllm: {placement: node, tensor_parallel_size: 8}}   # one engine over a node's 8 GPUs
+    generation: {engine: vllm, placement: node, vllm: {tensor_parallel_size: 8}}   # one engine over a node's 8 GPUs
 
 The node's first rank (LOCAL_RANK 0) starts the engine as a child process: `posttrain serve` on 127.0.0.1, a free
 port, a token made for the run, the recipe's `generation.vllm.*` (tensor_parallel_size GPUs of the node from GPU 0,
@@ -60,12 +60,12 @@ class NodeEngine(ServerEngine):
             found = leaders[failed[0]]
             log = self.log.with_name(f"vllm-node{failed[0]}.log")
             tail = f"; the end of its log ({log} on that node):\n{found['tail']}" if found.get("tail") else ""
-            message = f"the vLLM engine of node {failed[0]} (generation.vllm.placement=node): {found['error']}{tail}"
+            message = f"the vLLM engine of node {failed[0]} (generation.placement=node): {found['error']}{tail}"
             raise UserError(message) if found.get("code") == 2 else RunStopped(message)
         mine = leaders.get(self.node)
         if mine is None:
             raise RunStopped(f"node {self.node} has no rank with LOCAL_RANK 0 to start its vLLM engine "
-                             "(generation.vllm.placement=node needs torchrun's LOCAL_RANK / GROUP_RANK)")
+                             "(generation.placement=node needs torchrun's LOCAL_RANK / GROUP_RANK)")
         super().__init__(recipe.generation, tokenizer, sends_weights=self.server is not None,
                          servers=[mine["url"]], token=mine["token"])
         self.sleep_mode = recipe.generation.vllm.enable_sleep_mode and torch.cuda.is_available()
@@ -73,7 +73,7 @@ class NodeEngine(ServerEngine):
         if self.server is not None:
             ranks = backend.world_size // len(leaders)
             print(f"posttrain: node {self.node}: vLLM engine at {mine['url']} for its {ranks} rank(s) "
-                  f"(generation.vllm.placement=node), log {self.log}", flush=True)
+                  f"(generation.placement=node), log {self.log}", flush=True)
 
     def _start(self, recipe) -> dict:
         import torch

@@ -125,7 +125,7 @@ def train(ctx: LoopContext) -> TrainState:
             step_metrics.update({f"loss{suffix}": float(value), f"grad_norm{suffix}": grad_norms[name],
                                  f"time/update/{name}": update_seconds[name]})
         step_metrics.update({k: float(v) / backend.world_size for k, v in zip(keys, reduced[1 + len(losses) : -2])})
-        step_metrics.update(getattr(ctx.source, "last_metrics", {}))
+        step_metrics.update(ctx.source.last_metrics)
         for key, value in step_metrics.items():
             window[key] = window.get(key, 0.0) + value
         window_steps += 1

@@ -1,7 +1,7 @@
 """Online micro-batches, for any online algorithm: sample completions from the current policy, score them, build the
 batch; the algorithm's `advantages` hook sees the whole step's rollouts and attaches advantages.
 
-    source = RolloutSource(recipe, backend, models, algorithm, train_examples, rewards)   # algorithm.make_source
+    source = RolloutSource(recipe, backend, models, algorithm, train_examples, rewards)   # run.py builds it
     micro_batches = source.step_batches(step)        # this rank's gradient_accumulation_steps micro-batches
     source.last_metrics                               # reward / length / timing figures of the step, all ranks
 
@@ -47,9 +47,8 @@ from posttrain.ops.advantages import zero_std_fraction
 from posttrain.ops.logprobs import sequence_mean
 from posttrain.rewards import reward_metrics
 from posttrain.rollout import SamplingParams, make_engine
-from posttrain.rollout.base import longest_sequence
 from posttrain.batch import Batch
-from posttrain.train.sources import SampleOrder
+from posttrain.train.sources import SampleOrder, Source
 
 logger = logging.getLogger(__name__)
 
@@ -93,8 +92,8 @@ class Generation:
     metrics: dict[str, float]
 
 
-class RolloutSource:
-    def __init__(self, recipe, backend, models, algorithm, examples, rewards):
+class RolloutSource(Source):
+    def __init__(self, recipe, backend, models, algorithm, examples, rewards, servers=None):
         t = recipe.train
         self.recipe, self.backend, self.models, self.algorithm = recipe, backend, models, algorithm
         self.examples, self.rewards = examples, rewards
@@ -105,7 +104,7 @@ class RolloutSource:
         self.prompts_per_rank = self.micro * t.gradient_accumulation_steps // self.group  # validated: whole
         self.prompts_per_step = self.prompts_per_rank * backend.world_size
         self.order = SampleOrder(len(examples), t.dataloader_seed if t.dataloader_seed is not None else recipe.seed)
-        self.engine = self._make_engine()
+        self.engine = make_engine(recipe, backend, models.policy.model, self.tokenizer, servers)
         self._synced_at: int | None = None  # the step whose policy the engine last received
         self._sync_seconds = 0.0
         self._generation: Generation | None = None
@@ -117,26 +116,11 @@ class RolloutSource:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="posttrain-async") if self._async else None
         self._pending: tuple[int, int | None, Future] | None = None  # (index, policy version it samples, future)
 
-    def _make_engine(self):
-        policy, gen = self.models.policy.model, self.recipe.generation
-        if gen.engine == "hf":
-            return make_engine("hf", model=self.backend.unwrap(policy), tokenizer=self.tokenizer,
-                               gather=lambda: self.backend.gathered_parameters(policy))
-        if gen.engine == "server":  # rank 0 pushes weight syncs to the servers; every rank sends them prompts
-            return make_engine("server", generation=gen, tokenizer=self.tokenizer, sends_weights=self.backend.is_main)
-        if gen.vllm.placement == "node":  # one engine per node, started by its first rank
-            from posttrain.rollout.vllm_node import NodeEngine
-
-            return NodeEngine(self.recipe, self.backend, self.tokenizer)
-        return make_engine(gen.engine, model_dir=self.recipe.model.name_or_path, tokenizer=self.tokenizer,
-                           config=gen.vllm, seed=self.recipe.seed + self.backend.rank,
-                           max_model_len=longest_sequence(self.recipe))
-
     def _sync_weights(self, step: int) -> None:
         """Before generating for `step`: an engine holding its own copy of the policy gets the trainer's weights
         when the policy has stepped `generation.sync_every` times since the last sync (always before the first)."""
         engine, gen = self.engine, self.recipe.generation
-        if not getattr(engine, "holds_copy", False) or self._synced_at == step:
+        if not engine.holds_copy or self._synced_at == step:
             return
         if self._synced_at is not None and step - self._synced_at < gen.sync_every:
             return
@@ -144,7 +128,7 @@ class RolloutSource:
         buckets = self.backend.weight_buckets(self.models.policy.model, gen.sync_bucket_mb)
         engine.load_weights(pair for bucket in buckets for pair in bucket)  # one load, streamed bucket by bucket
         engine.version = step
-        if getattr(engine, "shared", False):  # servers: no rank generates before rank 0's sync has landed
+        if engine.shared:  # servers: no rank generates before rank 0's sync has landed
             self.backend.barrier()
         self._synced_at = step
         self._sync_seconds += time.perf_counter() - started
@@ -155,7 +139,7 @@ class RolloutSource:
         says."""
         if self._pending is not None:
             self._pending[2].result()
-        if getattr(self.engine, "holds_copy", False) and self._synced_at != self._trained_through:
+        if self.engine.holds_copy and self._synced_at != self._trained_through:
             self._synced_at = None
             self._sync_weights(self._trained_through)
 
@@ -163,18 +147,14 @@ class RolloutSource:
         """After the run: servers, which outlive it, get the final policy (they then serve what final/ holds); the
         engine lets go of what it holds (a server engine's sync group)."""
         self._drop_pending()
-        if getattr(self.engine, "outlives_run", False) and self._synced_at != step:
+        if self.engine.outlives_run and self._synced_at != step:
             self._synced_at = None  # whatever sync_every says
             self._sync_weights(step)
-        close = getattr(self.engine, "close", None)
-        if close is not None:
-            close()
+        self.engine.close()
 
     def end(self) -> None:
         """After the run's last collective: an engine with a runtime of its own in this process tears it down."""
-        end = getattr(self.engine, "end", None)
-        if end is not None:
-            end()
+        self.engine.end()
 
     def _drop_pending(self) -> None:
         """Wait for an async generation in flight (the run ends or stops: its batch is not needed) and let it go."""

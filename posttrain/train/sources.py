@@ -10,17 +10,34 @@ resume exact: the data position is just the step number.
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Protocol, Sequence
+from typing import Callable, Sequence
 
 import torch
 
 from posttrain.batch import Batch
 
 
-class Source(Protocol):
+class Source:
+    """Where the loop's micro-batches come from; what it and run.py ask of every source, with defaults."""
+
     def step_batches(self, step: int) -> list[Batch]:
         """This rank's `gradient_accumulation_steps` micro-batches for optimiser step `step`."""
-        ...
+        raise NotImplementedError
+
+    def micro_batches_per_epoch(self) -> int:
+        """Per-rank micro-batches for one pass over the data (the schedule's length with num_train_epochs)."""
+        raise NotImplementedError
+
+    @property
+    def last_metrics(self) -> dict[str, float]:
+        """Figures of the last step to log beside the loss (an online source's rewards, lengths, timings)."""
+        return {}
+
+    def close(self, step: int) -> None:
+        """After the loop, before export: engines that outlive the run get the final policy."""
+
+    def end(self) -> None:
+        """After the run's last collective."""
 
 
 class SampleOrder:
@@ -39,7 +56,7 @@ class SampleOrder:
         return self._perms[epoch][offset]
 
 
-class DatasetSource:
+class DatasetSource(Source):
     def __init__(
         self,
         examples: Sequence[dict],

@@ -130,15 +130,15 @@ def test_placement_that_does_not_fit_stops_before_start(tiny_model_dir, data, tm
 
 
 def test_engine_actors_and_servers_of_ones_own_exit_2(tiny_model_dir, data, tmp_path, cluster):
-    """placement.generation.num_engines starts the servers; generation.engine=server lists others: refused before
-    any actor starts."""
+    """placement.generation.num_engines starts the servers; generation.servers lists others (two answers to where
+    generation runs): refused before any actor starts."""
     result = run_ray("grpo", grpo_overrides(tiny_model_dir, data, tmp_path / "run", per_device=2)
                      + ["generation.engine=server", "generation.servers=[http://127.0.0.1:8000]",
                         "placement.generation.num_engines=1"], cluster, timeout=120)
     assert result.returncode == 2, result.output[-3000:]
     said = [line for line in result.output.splitlines() if line.startswith("posttrain: error: ")]
-    assert len(said) == 1 and "placement.generation.num_engines > 0 starts the generation servers itself, but " \
-        "generation.engine=server lists servers of your own" in said[0], result.output[-3000:]
+    assert len(said) == 1 and "placement.generation.num_engines=1 counts Ray engines, but " \
+        "generation.placement=servers" in said[0], result.output[-3000:]
     assert not (tmp_path / "run").exists()
 
 
@@ -169,7 +169,7 @@ def test_grpo_with_an_engine_actor(tiny_vllm_model_dir, data, tmp_path, cluster)
     assert set(node_of) == {"policy", "reference", "engine 0"}, table
     assert node_of["policy"] == node_of["reference"] != node_of["engine 0"], table
     banner = result.output[result.output.index("posttrain ray generation: 1 engine(s)"):].splitlines()
-    assert "(generation.engine=server in place of generation.engine=hf)" in banner[0], banner[0]
+    assert "(generation.placement=ray)" in banner[0], banner[0]
     log = out / "engines" / "engine-0.log"
     found = re.match(rf"engine 0  \S+ \({node_of['engine 0']}\)  (http://\S+:\d+)  log: (\S+)$", banner[1])
     assert found and found[2] == str(log), banner[1]

@@ -24,16 +24,14 @@ def recipe(*overrides):
                        GRPOAlgoConfig)
 
 
-@pytest.mark.parametrize("overrides, message", [
-    (["generation.engine=server", "generation.servers=[http://a:1]"],
-     "placement.generation.num_engines > 0 starts the generation servers itself, but generation.engine=server"),
-    (["generation.vllm.tensor_parallel_size=2"],
-     "generation.vllm.tensor_parallel_size=2 sizes in-process engines; .* placement.generation.tensor_parallel_size=1"),
-])
-def test_what_contradicts_engine_actors_is_a_user_error(overrides, message):
+def test_what_contradicts_engine_actors_is_a_user_error():
+    with pytest.raises(UserError, match="placement.generation.num_engines=1 counts Ray engines, but "
+                                        "generation.placement=servers"):  # servers of one's own and engines
+        recipe("placement.generation.num_engines=1", "generation.engine=server", "generation.servers=[http://a:1]")
+    message = "generation.vllm.tensor_parallel_size=2 sizes in-process engines; .* placement.generation.tensor_parallel_size=1"
     with pytest.raises(UserError, match=message):
-        check_engines(recipe("placement.generation.num_engines=1", *overrides))
-    check_engines(recipe(*overrides))  # no engines: nothing to contradict
+        check_engines(recipe("placement.generation.num_engines=1", "generation.vllm.tensor_parallel_size=2"))
+    check_engines(recipe("generation.vllm.tensor_parallel_size=2"))  # no engines: nothing to contradict
 
 
 def test_engines_replace_hf_or_vllm_generation():
@@ -60,15 +58,13 @@ def test_the_ranks_generate_on_the_engines_with_their_token():
     engines = Engines(["actor-0", "actor-1"], ["http://10.0.0.2:8001", "http://10.0.0.3:8002"],
                       [Node("node-b-0000", "10.0.0.2"), Node("node-c-0000", "10.0.0.3")], ["/o/e0.log", "/o/e1.log"],
                       "s3cret")
-    ranks = engines.ranks_recipe(r)
-    assert (ranks.generation.engine, ranks.generation.servers) == ("server", ("http://10.0.0.2:8001",
-                                                                              "http://10.0.0.3:8002"))
-    assert ranks.generation.max_completion_length == r.generation.max_completion_length
+    assert (r.generation.engine, r.generation.placement) == ("vllm", "ray")
+    assert engines.urls == ["http://10.0.0.2:8001", "http://10.0.0.3:8002"]  # what run.Launched.servers gets
     assert engines.env == {"POSTTRAIN_SERVER_TOKEN": "s3cret"}
-    assert engines.banner("generation.engine=vllm").splitlines()[1:] == [
+    assert engines.banner().splitlines()[1:] == [
         "engine 0  10.0.0.2 (node-b-0)  http://10.0.0.2:8001  log: /o/e0.log",
         "engine 1  10.0.0.3 (node-c-0)  http://10.0.0.3:8002  log: /o/e1.log"]
-    assert Engines().ranks_recipe(r) is r and Engines().env == {}
+    assert Engines().env == {}
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the parent-death signal is Linux's prctl")

@@ -9,9 +9,9 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from posttrain.config.schema import GenerationConfig
-from posttrain.errors import UserError
 from posttrain.rollout.base import Completions, SamplingParams
-from posttrain.rollout.hf import HFEngine, make_engine
+from posttrain.rollout import make_engine
+from posttrain.rollout.hf import HFEngine
 
 GREEDY = SamplingParams(max_new_tokens=6, temperature=0)
 
@@ -135,15 +135,37 @@ def test_empty_inputs(model, tokenizer):
         engine.generate([[5], []], GREEDY)
 
 
-def test_make_engine(model, tokenizer):
-    assert isinstance(make_engine("hf", model=model, tokenizer=tokenizer, batch_size=4), HFEngine)
+def test_make_engine_picks_by_placement_and_engine(model, tokenizer):
+    """One factory: generation.placement (+ engine) picks the engine; placement=ray takes the launch wing's URLs."""
+    import dataclasses
+    import types
+
+    from posttrain.config.schema import Recipe
+    from posttrain.rollout.engines import ENGINES
     from posttrain.rollout.server import ServerEngine
 
-    servers = GenerationConfig(engine="server", servers=("http://127.0.0.1:9",))  # built without contacting it
-    assert isinstance(make_engine("server", generation=servers, tokenizer=tokenizer, sends_weights=False),
-                      ServerEngine)
-    with pytest.raises(UserError, match="choose one of hf, vllm, server"):
-        make_engine("tgi")
+    backend = types.SimpleNamespace(unwrap=lambda m: m, gathered_parameters=contextlib.nullcontext, is_main=False, rank=0)
+    recipe = Recipe()
+    assert isinstance(make_engine(recipe, backend, model, tokenizer), HFEngine)
+    listed = dataclasses.replace(recipe, generation=GenerationConfig(engine="vllm", placement="servers",
+                                                                      servers=("http://127.0.0.1:9",)))
+    engine = make_engine(listed, backend, model, tokenizer)  # built without contacting the server
+    assert isinstance(engine, ServerEngine) and engine.servers == ["http://127.0.0.1:9"] and engine.holds_copy
+    placed = dataclasses.replace(recipe, generation=GenerationConfig(engine="vllm", placement="ray"))
+    assert make_engine(placed, backend, model, tokenizer, servers=["http://10.0.0.2:8000"]).servers == \
+        ["http://10.0.0.2:8000"]
+    assert set(ENGINES) == {("colocated", "hf"), ("colocated", "vllm"), ("node", "vllm"), ("servers", "vllm"),
+                            ("ray", "vllm")}
+
+
+def test_engines_declare_their_capabilities(model, tokenizer):
+    from posttrain.rollout.base import GenerationEngine
+
+    hf = HFEngine(model, tokenizer)
+    assert isinstance(hf, GenerationEngine)
+    assert (hf.holds_copy, hf.shared, hf.outlives_run) == (False, False, False)
+    hf.close()  # the defaults: nothing to let go of
+    hf.end()
 
 
 def test_sampling_params():

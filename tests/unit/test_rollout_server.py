@@ -22,13 +22,14 @@ def recipe(**generation) -> Recipe:
 
 
 @pytest.mark.parametrize("generation, message", [
-    (dict(engine="server"), "generation.engine=server needs generation.servers"),
-    (dict(engine="server", servers=("127.0.0.1:8000",)), r"generation.servers\[0\] = '127.0.0.1:8000' is not"),
-    (dict(engine="server", servers=("http://a:1", "http://host")), r"generation.servers\[1\] = 'http://host'"),
-    (dict(engine="server", servers=("http://a:1", "http://a:1")), "lists a server twice"),
-    (dict(engine="hf", servers=("http://a:1",)), "generation.servers is set but generation.engine is 'hf'"),
-    (dict(engine="server", servers=("http://a:1",), request_timeout=0), "generation.request_timeout must be > 0"),
-    (dict(engine="server", servers=("http://a:1",), request_retries=-1), "generation.request_retries must be >= 0"),
+    (dict(engine="vllm", placement="servers"), "generation.placement=servers needs generation.servers"),
+    (dict(engine="vllm", placement="servers", servers=("127.0.0.1:8000",)), r"generation.servers\[0\] = '127.0.0.1:8000' is not"),
+    (dict(engine="vllm", placement="servers", servers=("http://a:1", "http://host")), r"generation.servers\[1\] = 'http://host'"),
+    (dict(engine="vllm", placement="servers", servers=("http://a:1", "http://a:1")), "lists a server twice"),
+    (dict(engine="hf", servers=("http://a:1",)), "generation.servers is set but generation.placement is 'colocated'"),
+    (dict(engine="hf", placement="servers", servers=("http://a:1",)), "generation.engine=hf generates with the policy"),
+    (dict(engine="vllm", placement="servers", servers=("http://a:1",), request_timeout=0), "generation.request_timeout must be > 0"),
+    (dict(engine="vllm", placement="servers", servers=("http://a:1",), request_retries=-1), "generation.request_retries must be >= 0"),
 ])
 def test_bad_server_settings_are_user_errors(generation, message):
     with pytest.raises(UserError, match=message):
@@ -36,7 +37,7 @@ def test_bad_server_settings_are_user_errors(generation, message):
 
 
 def test_good_server_settings_pass():
-    validate(recipe(engine="server", servers=("http://127.0.0.1:8000", "https://gpu-7.cluster:443/")))
+    validate(recipe(engine="vllm", placement="servers", servers=("http://127.0.0.1:8000", "https://gpu-7.cluster:443/")))
 
 
 def test_a_prompts_group_stays_on_one_server_and_groups_spread_evenly():
@@ -170,12 +171,37 @@ def test_engine_per_node_placement_checks():
     from posttrain.algorithms.grpo import GRPOAlgoConfig
 
     base = ["data.train=x.jsonl", "rewards=[{name: exact_match}]", "generation.engine=vllm"]
-    node = load_recipe(None, base + ["generation.vllm.placement=node"], GRPOAlgoConfig)
-    assert node.generation.vllm.placement == "node"
-    with pytest.raises(UserError, match="generation.vllm.placement is 'gpu'; choose one of rank, node"):
-        load_recipe(None, base + ["generation.vllm.placement=gpu"], GRPOAlgoConfig)
-    with pytest.raises(UserError, match="placement=node .*under launcher: ray, .*placement.generation.num_engines"):
-        load_recipe(None, base + ["generation.vllm.placement=node", "launcher=ray"], GRPOAlgoConfig)
+    node = load_recipe(None, base + ["generation.placement=node"], GRPOAlgoConfig)
+    assert node.generation.placement == "node"
+    with pytest.raises(UserError, match="generation.placement is 'gpu'; choose one of colocated, node, servers, ray"):
+        load_recipe(None, base + ["generation.placement=gpu"], GRPOAlgoConfig)
+    with pytest.raises(UserError, match="placement=node .*under launcher: ray use generation.placement=ray"):
+        load_recipe(None, base + ["generation.placement=node", "launcher=ray"], GRPOAlgoConfig)
+    with pytest.raises(UserError, match="generation.placement=ray starts the engines as Ray actors: launch with --ray"):
+        load_recipe(None, base + ["generation.placement=ray", "placement.generation.num_engines=1"], GRPOAlgoConfig)
+    with pytest.raises(UserError, match="generation.placement=ray needs placement.generation.num_engines >= 1"):
+        load_recipe(None, base + ["generation.placement=ray", "launcher=ray"], GRPOAlgoConfig)
+    with pytest.raises(UserError, match="generation.engine=hf generates with the policy itself"):
+        load_recipe(None, base + ["generation.engine=hf", "generation.placement=node"], GRPOAlgoConfig)
+
+
+@pytest.mark.parametrize("old, placement, engine", [
+    (["generation.engine=server", "generation.servers=[http://a:1]"], "servers", "vllm"),
+    (["generation.engine=vllm", "generation.vllm.placement=node"], "node", "vllm"),
+    (["generation.engine=vllm", "generation.vllm.placement=rank"], "colocated", "vllm"),
+    (["launcher=ray", "placement.generation.num_engines=2"], "ray", "vllm"),
+])
+def test_earlier_spellings_are_read_as_the_one_placement_key(old, placement, engine, capsys):
+    """Old recipes keep working: each earlier knob is rewritten to generation.placement, and said once."""
+    from posttrain.config.load import load_recipe
+    from posttrain.algorithms.grpo import GRPOAlgoConfig
+
+    got = load_recipe(None, ["data.train=x.jsonl", "rewards=[{name: exact_match}]", *old], GRPOAlgoConfig)
+    assert (got.generation.placement, got.generation.engine) == (placement, engine)
+    assert f"generation.placement={placement}" in capsys.readouterr().err
+    with pytest.raises(UserError, match="means generation.placement=servers, but generation.placement=node"):
+        load_recipe(None, ["data.train=x.jsonl", "generation.engine=server", "generation.placement=node"],
+                    GRPOAlgoConfig)
 
 
 def test_a_node_engine_that_cannot_start_stops_every_rank_naming_node_and_log(tmp_path):

@@ -1,0 +1,62 @@
+"""Recipe spellings of earlier releases, read as today's keys before the recipe is built (so old recipes keep working).
+
+    generation.engine: server                  -> generation.engine: vllm, generation.placement: servers
+    generation.vllm.placement: rank | node     -> generation.placement: colocated | node
+    placement.generation.num_engines: N > 0    -> generation.placement: ray (N engines as Ray actors; launcher: ray,
+                                                  the only launcher that reads placement.*)
+
+Each rewrite is said once (rank 0) so the user can move the recipe over. A spelling that contradicts the new key
+given beside it is exit 2 naming both.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any
+
+from posttrain.errors import UserError
+
+VLLM_PLACEMENTS = {"rank": "colocated", "node": "node"}
+
+
+def _set_placement(generation: dict, value: str, old: str) -> None:
+    given = generation.get("placement")
+    if given is not None and given != value:
+        raise UserError(f"{old} means generation.placement={value}, but generation.placement={given} is given too: "
+                        f"drop {old} (generation.placement is the one answer to where generation runs)")
+    generation["placement"] = value
+
+
+def upgrade(raw: dict[str, Any]) -> list[str]:
+    """Rewrite earlier spellings in `raw` (the recipe mapping, overrides applied) in place; returns what was
+    rewritten, one line each."""
+    notes = []
+    generation = raw.get("generation")
+    if isinstance(generation, dict):
+        if generation.get("engine") == "server":
+            _set_placement(generation, "servers", "generation.engine=server")
+            generation["engine"] = "vllm"
+            notes.append("generation.engine=server is now generation.engine=vllm with generation.placement=servers")
+        vllm = generation.get("vllm")
+        if isinstance(vllm, dict) and "placement" in vllm:
+            old = vllm.pop("placement")
+            if old not in VLLM_PLACEMENTS:
+                raise UserError(f"generation.vllm.placement is {old!r} (now generation.placement: colocated, node, "
+                                "servers or ray); set generation.placement instead")
+            _set_placement(generation, VLLM_PLACEMENTS[old], f"generation.vllm.placement={old}")
+            notes.append(f"generation.vllm.placement={old} is now generation.placement={VLLM_PLACEMENTS[old]}")
+    placement = raw.get("placement")
+    engines = placement.get("generation", {}) if isinstance(placement, dict) else {}
+    count = engines.get("num_engines") if isinstance(engines, dict) else None
+    if isinstance(count, int) and not isinstance(count, bool) and count > 0 and raw.get("launcher") == "ray":
+        generation = raw.setdefault("generation", {}) if isinstance(raw.get("generation", {}), dict) else {}
+        if generation.get("placement") in (None, "colocated") and "placement" not in generation:
+            generation["placement"] = "ray"
+            if generation.get("engine", "hf") == "hf":
+                generation["engine"] = "vllm"
+            notes.append("placement.generation.num_engines > 0 now goes with generation.placement=ray")
+    if notes and os.environ.get("RANK", "0") == "0":
+        for note in notes:
+            print(f"posttrain: note: {note} (the recipe is read that way)", file=sys.stderr, flush=True)
+    return notes
