@@ -23,13 +23,13 @@ from typing import Any, Optional
 
 from posttrain import checkpoint_files as files
 from posttrain.config.schema import global_batch_size
+from posttrain.distributed.resume import drop_converted, engine_resume_path, needs_conversion
+from posttrain.distributed.wrappers import plain_class
 from posttrain.errors import RunStopped, UserError
 from posttrain.train.guard import require_finite
 from posttrain.train.state import TrainState
 
 STEP_DIR = re.compile(r"^step-(\d+)$")
-UNIVERSAL_DIR = ".universal"  # converted DeepSpeed checkpoints, read once on resume and removed
-DEEPSPEED_TAG = "pytorch_model"  # the tag Accelerate saves the DeepSpeed engine under
 
 
 def list_checkpoints(output_dir: str | Path) -> list[Path]:
@@ -141,10 +141,7 @@ class Checkpointer:
             role.restore(str(path / name), schedules.get(name))
         algorithm.load_state_dict(payload.get("algorithm", {}))
         self.last_saved_step = payload["state"]["step"]
-        if path.parent.name == UNIVERSAL_DIR:  # a converted copy (to_universal): read, no longer needed
-            self.backend.barrier()
-            if self.backend.is_main:
-                shutil.rmtree(path.parent, ignore_errors=True)
+        drop_converted(self.backend, path)  # a copy converted for another process count: read, no longer needed
         return TrainState(**payload["state"])
 
 
@@ -161,15 +158,11 @@ def run_facts(backend, t) -> dict[str, Any]:
 
 
 def check_compatible(path: Path, now: dict[str, Any]) -> bool:
-    """Stop before training unless the checkpoint at `path` can be continued exactly by this launch; True when it
-    must first be converted to DeepSpeed's universal format (`to_universal`).
+    """Stop before training unless the checkpoint at `path` can be continued exactly by this launch; True when its
+    engine state must first be converted (distributed/resume.py says when and how).
 
     The data position is the step number over a stream cut into global batches (train/sources.py), so the global
-    batch must match; how it is split (processes x micro-batch x accumulation) may change. Full-weight engines
-    (single process, DDP) hold the whole model and optimiser in one file, so any process count can continue them.
-    FSDP2 writes torch.distributed.checkpoint shards, which load into any sharding. DeepSpeed shards per rank; its
-    universal format (each parameter's weights and optimiser state whole) loads into any process count. The engine
-    itself must stay the same.
+    batch must match; how it is split (processes x micro-batch x accumulation) may change.
     """
     saved = read_trainer_state(path)["run"]
     if saved.get("global_batch") != now["global_batch"]:
@@ -181,28 +174,14 @@ def check_compatible(path: Path, now: dict[str, Any]) -> bool:
             f"{now['gradient_accumulation_steps']}). Change train.gradient_accumulation_steps (or the batch size) so "
             "the global batch matches, or start a new output_dir"
         )
-    sharded = any(str(e).startswith(("deepspeed", "fsdp")) for e in (saved.get("engine", ""), now["engine"]))
-    if sharded and saved.get("engine") != now["engine"]:
-        raise UserError(
-            f"{path} holds {saved.get('engine')} state sharded over {saved.get('world_size')} processes; this run is "
-            f"{now['engine']} on {now['world_size']}. Resume with the same launcher config (any process count), "
-            "or start a new run from a model exported with the old launch (final/)"
-        )
-    return str(now["engine"]).startswith("deepspeed") and saved.get("world_size") != now["world_size"]
+    return needs_conversion(path, saved, now)
 
 
-def to_universal(backend, path: Path, output_dir: str | Path) -> Path:
-    """A copy of the DeepSpeed checkpoint at `path` in DeepSpeed's universal format, under
-    output_dir/.universal/step-N (rank 0 converts, the others wait; `path` itself is left as it is). Loading it needs
-    backend.load_universal() before the engine is built; `Checkpointer.load` removes the copy once it is read."""
-    target = Path(output_dir) / UNIVERSAL_DIR / path.name
-    if backend.is_main:
-        shutil.rmtree(target, ignore_errors=True)
-        target.mkdir(parents=True)
-        shutil.copy2(path / "trainer_state.json", target / "trainer_state.json")
-        backend.convert_to_universal(path / DEEPSPEED_TAG, target / DEEPSPEED_TAG)
-    backend.barrier()
-    return target
+def resume_path(backend, path: Path, now: dict[str, Any], output_dir) -> Path:
+    """The checkpoint directory this launch loads for `path` (checked by `check_compatible`), before any model is
+    built: `path` itself, or a copy in the format this launch's engine reads."""
+    check_compatible(path, now)
+    return engine_resume_path(backend, path, read_trainer_state(path)["run"], now, output_dir)
 
 
 def export_final(backend, model, tokenizer, output_dir: str, merge_lora: bool = True,
@@ -215,13 +194,14 @@ def export_final(backend, model, tokenizer, output_dir: str, merge_lora: bool = 
     unwrapped = backend.unwrap(model)
     if merge_lora and hasattr(unwrapped, "merge_and_unload"):
         from posttrain.distributed.backend import drop_tied_aliases
-        from posttrain.models.load import merge_lora as merge, merge_lora_state
+        from posttrain.models.load import merge_lora as merge
+        from posttrain.models.load import merge_lora_state
 
-        if backend.is_fsdp:
-            # FSDP2 parameters are DTensor shards: gather the LoRA model's state to rank 0 and merge a CPU copy there
+        if not backend.full_weights_in_place:
+            # sharded parameters (FSDP2's DTensors): gather the LoRA model's state to rank 0 and merge a CPU copy there
             state_dict = backend.full_state_dict(model)
             if backend.is_main:
-                unwrapped = merge_lora_state(unwrapped, state_dict, backend.model_class(unwrapped.get_base_model()))
+                unwrapped = merge_lora_state(unwrapped, state_dict, plain_class(unwrapped.get_base_model()))
                 state_dict = dict(unwrapped.state_dict())
         else:
             # merging needs the whole base weights: under ZeRO-3 every rank gathers them and merges the same way

@@ -21,11 +21,11 @@ from typing import Any, Optional
 
 import torch
 
-from posttrain.checkpoint import (UNIVERSAL_DIR, Checkpointer, check_compatible, export_final, resolve_resume,
-                                  run_facts, to_universal)
+from posttrain.checkpoint import Checkpointer, export_final, resolve_resume, resume_path, run_facts
 from posttrain.checkpoint_files import tree_bytes, warn_low_disk
 from posttrain.config.load import dump_yaml
 from posttrain.config.schema import Recipe, total_steps
+from posttrain.distributed.resume import UNIVERSAL_DIR
 from posttrain.errors import UserError
 
 RUN_ARTIFACTS = ("config.yaml", "metrics.jsonl", "tensorboard", "checkpoints", "final", "final-critic", "report.html",
@@ -147,15 +147,19 @@ def run(command: str, recipe: Recipe, launched: Optional[Launched] = None) -> Ru
     """One run of `command`. `launched`: what the launch wing started for it (launcher: ray): roles served apart
     (those are not loaded here) and generation engines."""
     from posttrain.algorithms import ALGORITHMS
+    from posttrain.data import eval_batches
     from posttrain.distributed.backend import Backend
     from posttrain.logging import MetricsLogger, read_metrics, write_report
-    from posttrain.models.load import check_model_source, count_parameters, load_tokenizer
-    from posttrain.train.guard import Guard
-    from posttrain.train.loop import LoopContext, evaluate, train
+    from posttrain.models.load import (
+        check_model_source,
+        count_parameters,
+        load_tokenizer,
+    )
     from posttrain.roles import build_roles
     from posttrain.train.evaluation import evaluate_online
+    from posttrain.train.guard import Guard
+    from posttrain.train.loop import LoopContext, evaluate, train
     from posttrain.train.rollout_source import RolloutSource
-    from posttrain.data import eval_batches
     from posttrain.train.sources import DatasetSource
 
     started = time.time()
@@ -180,12 +184,9 @@ def run(command: str, recipe: Recipe, launched: Optional[Launched] = None) -> Ru
     # 2. processes and engines; then models
     backend = Backend(recipe)
     facts = run_facts(backend, t)
-    # a checkpoint this launch cannot continue exactly stops here, before any model
-    universal = resume_from is not None and check_compatible(resume_from, facts)
     out = Path(recipe.output_dir)
-    if universal:  # DeepSpeed on another process count: continue from the universal format
-        resume_from = to_universal(backend, resume_from, out)
-        backend.load_universal()
+    if resume_from is not None:  # a checkpoint this launch cannot continue exactly stops here, before any model
+        resume_from = resume_path(backend, resume_from, facts, out)
     if backend.is_main:
         out.mkdir(parents=True, exist_ok=True)
         if t.overwrite_output_dir:
@@ -242,8 +243,8 @@ def run(command: str, recipe: Recipe, launched: Optional[Launched] = None) -> Ru
     logger.info("posttrain " + " | ".join(f"{k}={v}" for k, v in summary.items() if v is not None))
     eval_fn = None
     if eval_examples is not None and algorithm.online:  # by generating, wherever generation runs
-        eval_fn = lambda: evaluate_online(backend, source, models.tokenizer, eval_examples, algorithm.rewards,  # noqa: E731
-                                          recipe.generation)
+        def eval_fn():
+            return evaluate_online(backend, source, tokenizer, eval_examples, algorithm.rewards, recipe.generation)
     elif eval_examples is not None:
         batches = eval_batches(eval_examples, collate, t.per_device_eval_batch_size, backend.world_size, backend.rank)
         eval_fn = lambda: evaluate(backend, algorithm, models, batches)  # noqa: E731

@@ -35,7 +35,7 @@ from posttrain.algorithms.base import Algorithm, Models
 from posttrain.config.schema import Recipe
 from posttrain.errors import UserError
 from posttrain.losses.preference import PREFERENCE_LOSSES, implicit_rewards, preference_logits
-from posttrain.models.load import _unwrap
+from posttrain.distributed.wrappers import unwrap_module
 from posttrain.batch import Batch
 
 USES_LABEL_SMOOTHING = ("sigmoid", "robust", "simpo")
@@ -132,7 +132,7 @@ class DPO(Algorithm):
             # the loop trains with the policy in train mode and evaluates it in eval mode; eval batches index the
             # eval examples. The mode is read on the model inside the engine: DeepSpeed's engine.eval() switches its
             # module but leaves the engine's own flag set.
-            split = "train" if _unwrap(models.policy.model).training else "eval"
+            split = "train" if unwrap_module(models.policy.model).training else "eval"
             if split not in self.tables:
                 raise RuntimeError(f"no precomputed reference log-probs for the {split} examples")
             return pl.with_reference(batch, pl.lookup(self.tables[split], batch))

@@ -154,6 +154,18 @@ class Backend:
         return self.distributed_type == DistributedType.FSDP
 
     @property
+    def can_skip_steps(self) -> bool:
+        """A step's update can still be dropped after backward (train.nonfinite=skip); DeepSpeed applies it inside
+        backward."""
+        return not self.is_deepspeed
+
+    @property
+    def full_weights_in_place(self) -> bool:
+        """`gathered_parameters` makes each parameter whole in place (one process, DDP, ZeRO); FSDP2's stay DTensor
+        shards, whose whole values come from `full_state_dict`."""
+        return not self.is_fsdp
+
+    @property
     def zero_stage(self) -> int:
         if not self.is_deepspeed:
             return 0
@@ -204,13 +216,6 @@ class Backend:
                                   num_merge_workers=1, keep_temp_folder=False, strict=True, inject_missing_state=True)
         with contextlib.redirect_stdout(io.StringIO()):  # the converter prints every stage
             convert(args)
-
-    @staticmethod
-    def model_class(module) -> type:
-        """The class a module was built as: fully_shard swaps an FSDP2 module's class for a subclass of FSDPModule."""
-        from torch.distributed.fsdp import FSDPModule
-
-        return next(c for c in type(module).__mro__ if not issubclass(c, FSDPModule))
 
     def load_universal(self) -> None:
         """Have the DeepSpeed engine built by `prepare` read checkpoints in the universal format (see

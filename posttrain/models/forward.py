@@ -15,6 +15,7 @@ import contextlib
 import torch
 
 from posttrain.batch import Batch
+from posttrain.distributed.wrappers import plain_class, unwrap_module
 from posttrain.ops.logprobs import linear_token_logprobs, token_logprobs
 
 FUSED_HEAD_MODELS = frozenset({"llama", "qwen2", "qwen3", "mistral", "phi3", "qwen2_moe", "qwen3_moe", "olmo2"})
@@ -37,21 +38,14 @@ def policy_logprobs(model, batch: Batch, temperature: float = 1.0) -> torch.Tens
 
 def fusable_head(model) -> torch.nn.Linear | None:
     """The output layer, when log-probs may be taken from the hidden states directly (see the module docstring)."""
-    inner = model
-    while hasattr(inner, "module") and isinstance(inner.module, torch.nn.Module):  # DDP, DeepSpeed engines
-        inner = inner.module
+    inner = unwrap_module(model)
     config = getattr(inner, "config", None)
     if getattr(config, "model_type", None) not in FUSED_HEAD_MODELS or not hasattr(inner, "get_output_embeddings"):
         return None
     head = inner.get_output_embeddings()
-    if type(head) is not torch.nn.Linear and not _is_sharded_linear(head):
+    if plain_class(head) is not torch.nn.Linear:
         return None
     return head if head.bias is None else None
-
-
-def _is_sharded_linear(module) -> bool:
-    """FSDP2's fully_shard gives a module a subclass of its own class (FSDPLinear)."""
-    return isinstance(module, torch.nn.Linear) and type(module).__name__ == f"FSDP{torch.nn.Linear.__name__}"
 
 
 @contextlib.contextmanager

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Iterator, Optional
 
 from posttrain.config.schema import LoraConfig, ModelConfig
+from posttrain.distributed.wrappers import unwrap_module
 from posttrain.errors import UserError
 
 DTYPES = ("float32", "bfloat16", "float16", "auto")
@@ -231,25 +232,14 @@ def _is_linear(module) -> bool:
     return isinstance(module, torch.nn.Linear) or type(module).__name__ == "Conv1D"
 
 
-def _unwrap(model):
-    """Through DDP / DeepSpeed (.module) and torch.compile (._orig_mod) wrappers."""
-    while True:
-        inner = getattr(model, "module", None)
-        if inner is None:
-            inner = getattr(model, "_orig_mod", None)
-        if inner is None:
-            return model
-        model = inner
-
-
 def is_peft_model(model) -> bool:
-    return hasattr(_unwrap(model), "disable_adapter")
+    return hasattr(unwrap_module(model), "disable_adapter")
 
 
 @contextlib.contextmanager
 def disable_adapter(model) -> Iterator[None]:
     """Inside the block the LoRA model computes exactly as its frozen base (reference log-probs without a copy)."""
-    inner = _unwrap(model)
+    inner = unwrap_module(model)
     if not hasattr(inner, "disable_adapter"):
         raise TypeError(f"disable_adapter needs a peft (LoRA) model, got {type(inner).__name__}")
     with inner.disable_adapter():
@@ -261,7 +251,7 @@ def merge_lora(model):
 
     The adapters are merged in place: the LoRA model must not be trained further afterwards.
     """
-    inner = _unwrap(model)
+    inner = unwrap_module(model)
     if not hasattr(inner, "merge_and_unload"):
         return inner
     return inner.merge_and_unload(safe_merge=True)

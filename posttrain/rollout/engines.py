@@ -23,7 +23,8 @@ from posttrain.rollout.base import GenerationEngine, longest_sequence
 def _hf(recipe, backend, policy, tokenizer, servers) -> GenerationEngine:
     from posttrain.rollout.hf import HFEngine
 
-    return HFEngine(model=backend.unwrap(policy), tokenizer=tokenizer, gather=lambda: backend.gathered_parameters(policy))
+    return HFEngine(model=backend.unwrap(policy), tokenizer=tokenizer,
+                    gather=lambda: backend.gathered_parameters(policy))
 
 
 def _in_process(recipe, backend, policy, tokenizer, servers) -> GenerationEngine:

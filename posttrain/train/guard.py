@@ -38,7 +38,7 @@ class Guard:
     def __init__(self, t, backend):
         self.policy = t.nonfinite
         self.max_skips = t.max_nonfinite_skips
-        self.skip = t.nonfinite == "skip" and not backend.is_deepspeed
+        self.skip = t.nonfinite == "skip" and backend.can_skip_steps
         self.signal = 0  # the signal this process received, 0 for none
         self.stop_signal = 0  # the signal every rank agreed to stop for, at the last step boundary
         self._previous: dict[int, object] = {}
