@@ -78,7 +78,7 @@ def held_out_accuracy(model_dir: Path, prompts_file: Path) -> float:
 
 
 def preference_accuracy(model_dir: Path, pairs_file: Path) -> float:
-    from posttrain.algorithms.dpo import preference_accuracy as accuracy
+    from posttrain.train.evaluation import preference_accuracy as accuracy
 
     return accuracy(str(model_dir), examples=str(pairs_file))
 

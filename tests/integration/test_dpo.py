@@ -139,7 +139,7 @@ def test_accumulation_gives_the_same_update(tiny_model_dir, data, tmp_path, loss
 
 
 def test_preference_accuracy_matches_the_runs_metric(tiny_model_dir, data, tmp_path):
-    from posttrain.algorithms.dpo import preference_accuracy
+    from posttrain.train.evaluation import preference_accuracy
 
     out = tmp_path / "run"
     assert run_cli("dpo", *base(tiny_model_dir, data, out, "train.max_steps=6", "train.learning_rate=1e-2",
