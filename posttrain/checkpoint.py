@@ -23,9 +23,12 @@ from typing import Any, Optional
 
 from posttrain import checkpoint_files as files
 from posttrain.config.schema import global_batch_size
+from posttrain.distributed.backend import drop_tied_aliases
 from posttrain.distributed.resume import drop_converted, engine_resume_path, needs_conversion
 from posttrain.distributed.wrappers import plain_class
 from posttrain.errors import RunStopped, UserError
+from posttrain.models.load import merge_lora as merge
+from posttrain.models.load import merge_lora_state
 from posttrain.train.guard import require_finite
 from posttrain.train.state import TrainState
 
@@ -193,10 +196,6 @@ def export_final(backend, model, tokenizer, output_dir: str, merge_lora: bool = 
     require_finite(backend, backend.nonfinite_parameters(model), "exporting final/")
     unwrapped = backend.unwrap(model)
     if merge_lora and hasattr(unwrapped, "merge_and_unload"):
-        from posttrain.distributed.backend import drop_tied_aliases
-        from posttrain.models.load import merge_lora as merge
-        from posttrain.models.load import merge_lora_state
-
         if not backend.full_weights_in_place:
             # sharded parameters (FSDP2's DTensors): gather the LoRA model's state to rank 0 and merge a CPU copy there
             state_dict = backend.full_state_dict(model)

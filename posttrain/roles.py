@@ -20,7 +20,9 @@ import torch
 from posttrain.algorithms.base import Models, Objective, Role
 from posttrain.batch import Batch
 from posttrain.checkpoint import export_final
+from posttrain.models.critic import load_critic
 from posttrain.models.forward import policy_logprobs
+from posttrain.models.reference import make_reference
 from posttrain.train.loop import update_role
 from posttrain.train.optim import make_optimizer, make_scheduler
 
@@ -102,8 +104,6 @@ def build_roles(recipe, algorithm, backend, tokenizer, policy, eval_examples=Non
     if algorithm.needs_reference and "reference" in remote:
         models.reference = remote["reference"].as_role()
     elif algorithm.needs_reference:
-        from posttrain.models.reference import make_reference
-
         where = algorithm.placement("reference")
         frozen = backend.prepare_frozen(make_reference(recipe.model, algorithm.model_kind), offload=where == "offload")
         models.reference = LocalRole(frozen, backend, placement=where)
@@ -119,8 +119,6 @@ def build_roles(recipe, algorithm, backend, tokenizer, policy, eval_examples=Non
     if algorithm.needs_critic and "critic" in remote:  # trained by its own actor group
         models.critic = remote["critic"].as_role()
     elif algorithm.needs_critic:
-        from posttrain.models.critic import load_critic
-
         critic = load_critic(algorithm.critic_source(), tokenizer.pad_token_id, t.gradient_checkpointing)
         models.critic = trained_role(backend, critic, t, algorithm.critic_learning_rate())
     return models

@@ -21,12 +21,29 @@ from typing import Any, Optional
 
 import torch
 
+from posttrain import data
+from posttrain.algorithms import ALGORITHMS
 from posttrain.checkpoint import Checkpointer, export_final, resolve_resume, resume_path, run_facts
 from posttrain.checkpoint_files import tree_bytes, warn_low_disk
 from posttrain.config.load import dump_yaml
 from posttrain.config.schema import Recipe, total_steps
+from posttrain.data import eval_batches
+from posttrain.distributed.backend import Backend
 from posttrain.distributed.resume import UNIVERSAL_DIR
 from posttrain.errors import UserError
+from posttrain.logging import MetricsLogger, read_metrics, write_report
+from posttrain.models import load
+from posttrain.models.load import check_model_source, count_parameters, load_tokenizer
+from posttrain.plan import estimated_peak_mb
+from posttrain.roles import build_roles
+from posttrain.rollout.server import check_servers
+from posttrain.rollout.server_process import LOG_DIR as ENGINE_LOGS
+from posttrain.train.evaluation import evaluate_online
+from posttrain.train.guard import Guard
+from posttrain.train.loop import LoopContext, evaluate, train
+from posttrain.train.rollout_source import RolloutSource
+from posttrain.train.sources import DatasetSource
+from posttrain.train.state import TrainState
 
 RUN_ARTIFACTS = ("config.yaml", "metrics.jsonl", "tensorboard", "checkpoints", "final", "final-critic", "report.html",
                  "curves.png",
@@ -62,8 +79,6 @@ def check_output_dir(recipe: Recipe) -> Optional[Path]:
     if resume is not None or t.overwrite_output_dir or t.resume_from_checkpoint == "auto":
         return resume  # auto and no checkpoint yet (a run stopped before its first save): the run starts
     # config.yaml alone: it never trained; engines/: the logs of this run's Ray generation engines, started first
-    from posttrain.rollout.server_process import LOG_DIR as ENGINE_LOGS
-
     if out.is_dir() and any(p.name not in ("config.yaml", ENGINE_LOGS) for p in out.iterdir()):
         has_run = (out / "config.yaml").exists()
         what = "already holds a run (config.yaml)" if has_run else "is not empty"
@@ -111,8 +126,6 @@ def seed_everything(seed: int) -> None:
 
 def load_examples(recipe: Recipe, algorithm, tokenizer, which: str):
     """Rows -> tokenised examples for the algorithm's data kind; raises UserError naming the file/row."""
-    from posttrain import data
-
     source = recipe.data.train if which == "train" else recipe.data.eval
     split = recipe.data.train_split if which == "train" else recipe.data.eval_split
     rows = data.load_rows(source, split, f"data.{which}")
@@ -121,8 +134,6 @@ def load_examples(recipe: Recipe, algorithm, tokenizer, which: str):
 
 
 def make_collate(recipe: Recipe, algorithm, tokenizer):
-    from posttrain import data
-
     pad_id = tokenizer.pad_token_id
     if algorithm.data_kind == "preference":
         return lambda examples: data.collate_preference(examples, pad_id)
@@ -132,8 +143,6 @@ def make_collate(recipe: Recipe, algorithm, tokenizer):
 
 
 def load_policy(recipe: Recipe, algorithm):
-    from posttrain.models import load
-
     if algorithm.model_kind == "seq_cls":
         model = load.load_sequence_classifier(recipe.model, recipe.train.gradient_checkpointing)
     else:
@@ -146,22 +155,6 @@ def load_policy(recipe: Recipe, algorithm):
 def run(command: str, recipe: Recipe, launched: Optional[Launched] = None) -> RunResult:
     """One run of `command`. `launched`: what the launch wing started for it (launcher: ray): roles served apart
     (those are not loaded here) and generation engines."""
-    from posttrain.algorithms import ALGORITHMS
-    from posttrain.data import eval_batches
-    from posttrain.distributed.backend import Backend
-    from posttrain.logging import MetricsLogger, read_metrics, write_report
-    from posttrain.models.load import (
-        check_model_source,
-        count_parameters,
-        load_tokenizer,
-    )
-    from posttrain.roles import build_roles
-    from posttrain.train.evaluation import evaluate_online
-    from posttrain.train.guard import Guard
-    from posttrain.train.loop import LoopContext, evaluate, train
-    from posttrain.train.rollout_source import RolloutSource
-    from posttrain.train.sources import DatasetSource
-
     started = time.time()
     algorithm = ALGORITHMS[command][1](recipe)
     t = recipe.train
@@ -173,8 +166,6 @@ def run(command: str, recipe: Recipe, launched: Optional[Launched] = None) -> Ru
     launched = launched or Launched()
     servers = launched.servers or recipe.generation.servers
     if servers:  # every server answers, takes the token, serves our vocabulary
-        from posttrain.rollout.server import check_servers
-
         check_servers(recipe, tokenizer, servers)
     train_examples, train_stats = load_examples(recipe, algorithm, tokenizer, "train")
     eval_examples, eval_stats = (None, None)
@@ -213,8 +204,6 @@ def run(command: str, recipe: Recipe, launched: Optional[Launched] = None) -> Ru
     for _, role in models.trained():
         role.start_schedule(steps)
     checkpointer = Checkpointer(backend, str(out), t.save_total_limit, facts)
-    from posttrain.train.state import TrainState
-
     state = TrainState()
     if resume_from is not None:
         state = checkpointer.load(resume_from, models, algorithm)
@@ -236,8 +225,6 @@ def run(command: str, recipe: Recipe, launched: Optional[Launched] = None) -> Ru
         resumed_from=str(resume_from) if resume_from else None,
     )
     # `posttrain plan`'s estimate, logged beside the measured peak_memory_mb so drift shows (docs/planning.md)
-    from posttrain.plan import estimated_peak_mb
-
     summary["estimated_peak_memory_mb"] = estimated_peak_mb(command, recipe, backend.describe(),
                                                             (total_params, trainable_params))
     logger.info("posttrain " + " | ".join(f"{k}={v}" for k, v in summary.items() if v is not None))

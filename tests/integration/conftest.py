@@ -17,7 +17,7 @@ def data(tmp_path_factory):
 @pytest.fixture
 def reference_loads(monkeypatch):
     """How many frozen reference copies the run builds (one list entry per make_reference call)."""
-    import posttrain.models.reference as reference
+    import posttrain.roles as reference  # where the run's roles are built
 
     calls = []
     real = reference.make_reference

@@ -85,7 +85,7 @@ def test_critic_changes_every_parameter_from_a_reward_model(tiny_model_dir, data
 def test_reward_model_with_another_tokenizer_scores_the_decoded_text(tiny_model_dir, data, tmp_path, monkeypatch):
     """A reward model whose tokenizer is not the policy's scores the decoded completion re-encoded with its own
     tokenizer (so the critic starts from the policy, not from it); reference and reward model offloaded."""
-    import posttrain.train.loop as loop
+    import posttrain.run as loop  # run.py calls the loop's train
     from posttrain.distributed.offload import Offloaded
     from posttrain.models.tiny import train_tokenizer
     from posttrain.rewards.reward_model import RewardModelScorer
