@@ -14,21 +14,19 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import re
 import shutil
-import sys
 from pathlib import Path
 from typing import Any, Optional
 
 from posttrain import checkpoint_files as files
 from posttrain.config.schema import global_batch_size
 from posttrain.errors import RunStopped, UserError
+from posttrain.outputs import UNIVERSAL_DIR, replace_dir
 from posttrain.train.guard import require_finite
 from posttrain.train.state import TrainState
 
 STEP_DIR = re.compile(r"^step-(\d+)$")
-UNIVERSAL_DIR = ".universal"  # converted DeepSpeed checkpoints, read once on resume and removed
 DEEPSPEED_TAG = "pytorch_model"  # the tag Accelerate saves the DeepSpeed engine under
 
 
@@ -40,18 +38,21 @@ def list_checkpoints(output_dir: str | Path) -> list[Path]:
     return sorted(found, key=lambda p: int(STEP_DIR.match(p.name).group(1)))
 
 
-def resolve_resume(output_dir: str, resume: Optional[str]) -> Optional[Path]:
-    """`auto` -> newest complete checkpoint (or None: a fresh start); a path must be a checkpoint directory."""
+def resolve_resume(output_dir: str, resume: Optional[str], strict: bool = True) -> Optional[Path]:
+    """`auto` -> newest checkpoint that can be continued exactly (or None: a fresh start); a path must be one.
+    What "exactly" checks: checkpoint_files.resumable_problem (manifest, RNG state; `strict`, train.resume_strict)."""
     if resume is None:
         return None
-    if resume == "auto":  # the newest checkpoint that matches its manifest; a damaged one is passed over, loudly
-        for path in reversed(list_checkpoints(output_dir)):
-            problem = files.verify(path)
+    if resume == "auto":  # a damaged one is passed over, loudly; none usable among several is an error
+        found = list_checkpoints(output_dir)
+        for path in reversed(found):
+            problem = files.resumable_problem(path, strict)
             if problem is None:
                 return path
-            if os.environ.get("RANK", "0") == "0":
-                print(f"posttrain: warning: checkpoint {path} is damaged ({problem}); trying the one before it",
-                      file=sys.stderr, flush=True)
+            files.warn(f"checkpoint {path} is damaged ({problem}); trying the one before it")
+        if found:
+            raise UserError(f"train.resume_from_checkpoint=auto: no checkpoint in {Path(output_dir) / 'checkpoints'} "
+                            "can be resumed (see the warnings above); remove the damaged ones to start afresh")
         return None
     path = Path(resume)
     if not (path / "trainer_state.json").is_file():
@@ -59,6 +60,9 @@ def resolve_resume(output_dir: str, resume: Optional[str]) -> Optional[Path]:
             f"train.resume_from_checkpoint={resume}: not a checkpoint directory (no trainer_state.json); "
             f"use 'auto' or one of {[str(p) for p in list_checkpoints(output_dir)] or 'the checkpoints/step-N directories'}"
         )
+    problem = files.resumable_problem(path, strict)
+    if problem is not None:
+        raise UserError(f"train.resume_from_checkpoint={resume}: {problem}")
     return path
 
 
@@ -115,9 +119,7 @@ class Checkpointer:
             (tmp / "trainer_state.json").write_text(json.dumps(payload, indent=2))
             files.write_manifest(tmp)  # sizes and checksums: `auto` tells a complete checkpoint from a damaged one
             files.fsync_tree(tmp)  # the data is on disk before the rename makes the checkpoint visible
-            if final.exists():
-                shutil.rmtree(final)
-            os.replace(tmp, final)
+            replace_dir(tmp, final)  # an older step-N of this run goes only once the new one is in place
             files.fsync_dir(self.root)
             self._rotate()
         self.backend.barrier()
@@ -246,9 +248,7 @@ def export_final(backend, model, tokenizer, output_dir: str, merge_lora: bool = 
         if getattr(unwrapped, "generation_config", None) is not None:
             unwrapped.generation_config.save_pretrained(tmp)
         files.fsync_tree(tmp)
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
+        replace_dir(tmp, final)
         files.fsync_dir(final.parent)
     backend.barrier()
     return final if backend.is_main else None

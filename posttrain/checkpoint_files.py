@@ -42,16 +42,24 @@ def write_manifest(root: Path) -> None:
 
 
 def verify(root: Path) -> Optional[str]:
-    """None when every file the manifest lists is there with its size and checksum; else what is wrong. A checkpoint
-    without a manifest (written before manifests existed) is taken as it is."""
+    """None when the manifest is well formed, names only files inside the checkpoint, and every file it lists is
+    there with its size and checksum; else what is wrong. A checkpoint without a manifest cannot be verified: that
+    is a problem too (`train.resume_strict=false` accepts one written before manifests existed)."""
     path = root / MANIFEST
-    if not path.exists():
-        return None
+    if not path.is_file():
+        return f"it has no {MANIFEST} (every checkpoint posttrain writes has one)"
     try:
-        files = json.loads(path.read_text())["files"]
-    except (ValueError, KeyError) as e:
+        files = json.loads(path.read_text())
+    except (ValueError, UnicodeDecodeError, RecursionError) as e:
         return f"{MANIFEST} is unreadable ({e})"
-    for name, want in files.items():
+    problem = _manifest_shape(files)
+    if problem:
+        return f"{MANIFEST} is malformed ({problem})"
+    inside = root.resolve()
+    for name in files["files"]:  # every name first: nothing outside the checkpoint is read, not even its size
+        if Path(name).is_absolute() or ".." in Path(name).parts or not (root / name).resolve().is_relative_to(inside):
+            return f"{MANIFEST} names {name!r}, outside the checkpoint"
+    for name, want in files["files"].items():
         p = root / name
         if not p.is_file():
             return f"{name} is missing"
@@ -61,6 +69,51 @@ def verify(root: Path) -> Optional[str]:
         if _sha256(p) != want["sha256"]:
             return f"{name} does not match its checksum"
     return None
+
+
+def _manifest_shape(manifest) -> Optional[str]:
+    """What is wrong with the manifest's structure: {"files": {relative path: {"size": int, "sha256": hex}}}."""
+    if not isinstance(manifest, dict) or not isinstance(manifest.get("files"), dict):
+        return f"expected {{\"files\": {{path: {{size, sha256}}}}}}, got {type(manifest).__name__}"
+    if not manifest["files"]:
+        return "it lists no file"
+    if "trainer_state.json" not in manifest["files"]:
+        return "it does not list trainer_state.json"
+    for name, want in manifest["files"].items():
+        if not (isinstance(want, dict) and type(want.get("size")) is int and isinstance(want.get("sha256"), str)):
+            return f"the entry for {name!r} is not {{size: int, sha256: str}}"
+    return None
+
+
+def resumable_problem(root: Path, strict: bool = True) -> Optional[str]:
+    """What keeps the checkpoint at `root` from being continued exactly, or None: `verify`, then the RNG state
+    files. With strict=False a checkpoint without a manifest and RNG files that cannot be read are accepted with a
+    warning (the resumed run is then not exact); damage a manifest records never is."""
+    problem = verify(root)
+    if problem is not None and (strict or (root / MANIFEST).exists()):
+        return problem
+    if problem is not None:
+        warn(f"checkpoint {root} is not verified: {problem} (train.resume_strict=false)")
+    try:
+        world_size = int(json.loads((root / "trainer_state.json").read_text())["run"]["world_size"])
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        return f"trainer_state.json is unreadable ({type(e).__name__}: {e})"
+    from posttrain.distributed.rng_files import rng_problem
+
+    rng = rng_problem(root, world_size)
+    if rng is not None and strict:
+        return (f"the random number generators' state cannot be restored ({rng}), so the resumed run would not "
+                "continue exactly; set train.resume_strict=false to resume without it")
+    if rng is not None:
+        warn(f"checkpoint {root}: {rng}; resuming without the random number generators' state "
+             "(train.resume_strict=false): the run is not an exact continuation")
+    return None
+
+
+def warn(message: str) -> None:
+    """One warning line on stderr, from rank 0 only (every rank checks the same files)."""
+    if os.environ.get("RANK", "0") == "0":
+        print(f"posttrain: warning: {message}", file=sys.stderr, flush=True)
 
 
 def fsync_dir(path: Path) -> None:

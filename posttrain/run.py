@@ -10,10 +10,7 @@ Order matters and is deliberate:
 
 from __future__ import annotations
 
-import os
 import random
-import shutil
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,16 +18,11 @@ from typing import Any, Optional
 
 import torch
 
-from posttrain.checkpoint import (UNIVERSAL_DIR, Checkpointer, check_compatible, export_final, resolve_resume,
-                                  run_facts, to_universal)
+from posttrain import outputs
+from posttrain.checkpoint import Checkpointer, check_compatible, export_final, run_facts, to_universal
 from posttrain.checkpoint_files import tree_bytes, warn_low_disk
 from posttrain.config.load import dump_yaml
 from posttrain.config.schema import Recipe, total_steps
-from posttrain.errors import UserError
-
-RUN_ARTIFACTS = ("config.yaml", "metrics.jsonl", "tensorboard", "checkpoints", "final", "final-critic", "report.html",
-                 "curves.png",
-                 "samples.jsonl", "ref_logprobs.safetensors", UNIVERSAL_DIR)
 
 
 @dataclass
@@ -39,53 +31,6 @@ class RunResult:
     final_dir: Optional[Path]
     steps: int
     metrics: list[dict[str, Any]]
-
-
-def check_output_dir(recipe: Recipe) -> Optional[Path]:
-    """Refuse to clobber a different run. Returns the checkpoint to resume from, if any."""
-    out = Path(recipe.output_dir)
-    t = recipe.train
-    if out.exists() and not out.is_dir():
-        raise UserError(f"output_dir {out} is a file; choose a directory")
-    check_writable(out)
-    resume = resolve_resume(str(out), t.resume_from_checkpoint)
-    if resume is not None or t.overwrite_output_dir or t.resume_from_checkpoint == "auto":
-        return resume  # auto and no checkpoint yet (a run stopped before its first save): the run starts
-    # config.yaml alone: it never trained; engines/: the logs of this run's Ray generation engines, started first
-    from posttrain.rollout.server_process import LOG_DIR as ENGINE_LOGS
-
-    if out.is_dir() and any(p.name not in ("config.yaml", ENGINE_LOGS) for p in out.iterdir()):
-        has_run = (out / "config.yaml").exists()
-        what = "already holds a run (config.yaml)" if has_run else "is not empty"
-        raise UserError(
-            f"output_dir {out} {what}; pass train.resume_from_checkpoint=auto to continue it, "
-            "train.overwrite_output_dir=true to replace it, or choose another output_dir"
-        )
-    return None
-
-
-def check_writable(out: Path) -> None:
-    """output_dir (or the nearest folder above it that exists) must take new files; probed with a temporary file."""
-    probe_in = next(p for p in (out, *out.parents) if p.exists())
-    try:
-        if not probe_in.is_dir():
-            raise NotADirectoryError(f"{probe_in} is a file")
-        fd, name = tempfile.mkstemp(prefix=".posttrain-probe-", dir=probe_in)
-        os.close(fd)
-        os.unlink(name)
-    except OSError as e:
-        raise UserError(f"output_dir {out}: cannot write in {probe_in} ({e.strerror or e}); choose a writable "
-                        "output_dir or fix its permissions") from None
-
-
-def clear_previous_run(out: Path) -> None:
-    """overwrite_output_dir: remove only what a posttrain run writes; the user's other files stay."""
-    for name in RUN_ARTIFACTS:
-        target = out / name
-        if target.is_dir():
-            shutil.rmtree(target)
-        elif target.exists():
-            target.unlink()
 
 
 def seed_everything(seed: int) -> None:
@@ -152,7 +97,7 @@ def run(command: str, recipe: Recipe, remote_roles: Optional[dict] = None) -> Ru
 
     # 1. the user's input, before anything heavy
     check_model_source(recipe.model)
-    resume_from = check_output_dir(recipe)
+    resume_from = outputs.check_output_dir(recipe)
     tokenizer = load_tokenizer(recipe.model)
     if recipe.generation.engine == "server":  # every server answers, takes the token, serves our vocabulary
         from posttrain.rollout.server import check_servers
@@ -173,10 +118,9 @@ def run(command: str, recipe: Recipe, remote_roles: Optional[dict] = None) -> Ru
         resume_from = to_universal(backend, resume_from, out)
         backend.load_universal()
     if backend.is_main:
-        out.mkdir(parents=True, exist_ok=True)
-        if t.overwrite_output_dir:
-            clear_previous_run(out)
+        replaced = outputs.begin_run(out, t.overwrite_output_dir, command)  # the marker; overwrite: old files aside
         (out / "config.yaml").write_text(dump_yaml(recipe))
+        outputs.end_overwrite(replaced)
     backend.barrier()
     seed_everything(recipe.seed)
     model = load_policy(recipe, algorithm)

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
+from pathlib import Path
 
 import pytest
 
@@ -19,6 +21,12 @@ def data(tmp_path_factory):
 def sft(tiny_model_dir, train, out, *extra):
     return run_cli("sft", f"model.name_or_path={tiny_model_dir}", f"data.train={train}", f"output_dir={out}",
                    "train.max_steps=1", *extra)
+
+
+def snapshot(root: Path) -> dict:
+    """Every entry under root: file bytes, link targets, directories (to compare before and after)."""
+    return {str(p.relative_to(root)): ("link:" + os.readlink(p)) if p.is_symlink() else
+            (p.read_bytes() if p.is_file() else "dir") for p in sorted(root.rglob("*"))}
 
 
 def expect_exit_2(capsys, code, *fragments):
@@ -83,22 +91,60 @@ def test_missing_recipe_file(capsys, tmp_path):
 def test_output_dir_with_a_different_run_is_refused_and_kept(tiny_model_dir, data, tmp_path, capsys):
     out = tmp_path / "out"
     out.mkdir()
+    (out / ".posttrain-run").write_text("{}")
     (out / "config.yaml").write_text("output_dir: someone-else\n")
+    (out / "metrics.jsonl").write_text('{"step": 1}\n')
     (out / "notes.txt").write_text("mine")
+    before = snapshot(out)
     expect_exit_2(capsys, sft(tiny_model_dir, data["sft_train"], out), "already holds a run", "overwrite_output_dir")
-    assert (out / "config.yaml").read_text() == "output_dir: someone-else\n"
-    assert (out / "notes.txt").read_text() == "mine"
+    assert snapshot(out) == before
 
 
 def test_overwrite_keeps_user_files(tiny_model_dir, data, tmp_path):
     out = tmp_path / "out"
     out.mkdir()
+    (out / ".posttrain-run").write_text("{}")
     (out / "config.yaml").write_text("old")
     (out / "notes.txt").write_text("mine")
     assert sft(tiny_model_dir, data["sft_train"], out, "train.overwrite_output_dir=true", "train.report=false",
                "train.per_device_train_batch_size=2") == 0
     assert (out / "notes.txt").read_text() == "mine"
     assert (out / "config.yaml").read_text() != "old"
+    assert not list(out.glob(".posttrain-replaced-*"))  # the old run's files went once the new config was written
+
+
+@pytest.mark.parametrize("flags", [[], ["train.resume_from_checkpoint=auto"], ["train.overwrite_output_dir=true"]])
+def test_a_directory_no_run_made_is_never_written(tiny_model_dir, data, tmp_path, capsys, flags):
+    """The issue's data loss: the user's own final/ and checkpoints/step-2 in a directory that is not a run."""
+    out = tmp_path / "mine"
+    (out / "final").mkdir(parents=True)
+    (out / "final" / "README_MINE.md").write_text("my notes")
+    (out / "checkpoints" / "step-1").mkdir(parents=True)
+    (out / "checkpoints" / "step-1" / "weights.bin").write_bytes(b"\1\2\3")
+    before = snapshot(out)
+    expect_exit_2(capsys, sft(tiny_model_dir, data["sft_train"], out, *flags), str(out), "no posttrain run made it")
+    assert snapshot(out) == before
+
+
+@pytest.mark.parametrize("where", ["/", "/etc", str(Path.home()), "."])
+def test_root_home_and_the_working_directory_are_refused_with_auto(tiny_model_dir, data, capsys, where):
+    fragment = "a run needs a directory of its own" if where != "/etc" else "no posttrain run made it"
+    expect_exit_2(capsys, sft(tiny_model_dir, data["sft_train"], where, "train.resume_from_checkpoint=auto"), fragment)
+
+
+def test_overwrite_with_a_linked_final_touches_nothing(tiny_model_dir, data, tmp_path, capsys):
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "model.safetensors").write_bytes(b"precious")
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / ".posttrain-run").write_text("{}")
+    (out / "config.yaml").write_text("seed: 1\n")
+    (out / "final").symlink_to(elsewhere)
+    before = snapshot(tmp_path)
+    expect_exit_2(capsys, sft(tiny_model_dir, data["sft_train"], out, "train.overwrite_output_dir=true"),
+                  f"{out / 'final'} is a symbolic link")
+    assert snapshot(tmp_path) == before
 
 
 def test_truncated_model_weights(tiny_model_dir, data, tmp_path, capsys):
@@ -145,6 +191,76 @@ def test_message_role_the_template_does_not_know(tiny_model_dir, tmp_path, capsy
 def test_a_run_that_stopped_before_training_does_not_block_the_next(tiny_model_dir, data, tmp_path):
     out = tmp_path / "out"
     out.mkdir()
+    (out / ".posttrain-run").write_text("{}")
     (out / "config.yaml").write_text("seed: 1\n")  # all a run leaves when its model fails to load
     assert sft(tiny_model_dir, data["sft_train"], out, "train.report=false", "train.tensorboard=false") == 0
     assert (out / "final" / "model.safetensors").exists()
+
+
+# --- checkpoints given to resume from (issue #25) ---------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def saved_run(tiny_model_dir, data, tmp_path_factory):
+    """A finished 2-step run with checkpoints step-1 and step-2."""
+    out = tmp_path_factory.mktemp("saved") / "run"
+    assert sft(tiny_model_dir, data["sft_train"], out, "train.max_steps=2", "train.save_steps=1",
+               "train.save_total_limit=null", "train.report=false", "train.tensorboard=false",
+               "train.per_device_train_batch_size=2") == 0
+    return out
+
+
+def copy_run(saved_run, tmp_path) -> Path:
+    out = tmp_path / "run"
+    shutil.copytree(saved_run, out, symlinks=True)
+    return out
+
+
+@pytest.mark.parametrize("manifest, fragment", [
+    ([], "manifest.json is malformed"),
+    ({"files": {}}, "it lists no file"),
+    ({"files": {"trainer_state.json": {"size": 1, "sha256": "0"}, "../../../../etc/hostname": {"size": 1,
+                                                                                             "sha256": "0"}}},
+     "names '../../../../etc/hostname', outside the checkpoint"),
+])
+def test_an_explicit_checkpoint_with_a_bad_manifest_is_refused(tiny_model_dir, data, saved_run, tmp_path, capsys,
+                                                               manifest, fragment):
+    out = copy_run(saved_run, tmp_path)
+    step = out / "checkpoints" / "step-2"
+    (step / "manifest.json").write_text(json.dumps(manifest))
+    before = snapshot(out)
+    expect_exit_2(capsys, sft(tiny_model_dir, data["sft_train"], out, f"train.resume_from_checkpoint={step}"),
+                  f"train.resume_from_checkpoint={step}", fragment)
+    assert snapshot(out) == before
+
+
+def test_unreadable_rng_state_stops_the_resume_unless_resume_strict_is_off(tiny_model_dir, data, saved_run, tmp_path,
+                                                                           capsys):
+    from posttrain.checkpoint_files import write_manifest
+
+    out = copy_run(saved_run, tmp_path)
+    for step in (out / "checkpoints").iterdir():
+        (step / "random_states_0.pkl").write_bytes(b"written by something else")
+        write_manifest(step)  # not damage the manifest could see
+    before = snapshot(out)
+    code = sft(tiny_model_dir, data["sft_train"], out, "train.max_steps=3", "train.resume_from_checkpoint=auto")
+    expect_exit_2(capsys, code, "random_states_0.pkl cannot be read", "train.resume_strict=false",
+                  "no checkpoint in")
+    assert snapshot(out) == before
+    assert sft(tiny_model_dir, data["sft_train"], out, "train.max_steps=3", "train.resume_from_checkpoint=auto",
+               "train.resume_strict=false", "train.report=false", "train.tensorboard=false",
+               "train.per_device_train_batch_size=2") == 0
+    captured = capsys.readouterr()
+    assert "resuming without the random number generators' state" in captured.err, captured.err
+    assert f"resumed_from={out / 'checkpoints' / 'step-2'}" in captured.out
+
+
+def test_auto_passes_over_a_malformed_manifest(tiny_model_dir, data, saved_run, tmp_path, capsys):
+    out = copy_run(saved_run, tmp_path)
+    (out / "checkpoints" / "step-2" / "manifest.json").write_text("[]")
+    assert sft(tiny_model_dir, data["sft_train"], out, "train.max_steps=2", "train.resume_from_checkpoint=auto",
+               "train.report=false", "train.tensorboard=false", "train.per_device_train_batch_size=2") == 0
+    captured = capsys.readouterr()
+    assert "step-2 is damaged (manifest.json is malformed" in captured.err, captured.err
+    assert "Traceback" not in captured.err
+    assert f"resumed_from={out / 'checkpoints' / 'step-1'}" in captured.out
