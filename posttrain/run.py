@@ -85,6 +85,7 @@ def run(command: str, recipe: Recipe, remote_roles: Optional[dict] = None) -> Ru
     from posttrain.algorithms.base import Models, Role
     from posttrain.distributed.backend import Backend
     from posttrain.logging import MetricsLogger, read_metrics, write_report
+    from posttrain.models.limits import check_position_limit
     from posttrain.models.load import check_model_source, count_parameters, load_tokenizer
     from posttrain.train.guard import Guard
     from posttrain.train.loop import LoopContext, evaluate, train
@@ -97,6 +98,7 @@ def run(command: str, recipe: Recipe, remote_roles: Optional[dict] = None) -> Ru
 
     # 1. the user's input, before anything heavy
     check_model_source(recipe.model)
+    check_position_limit(recipe, algorithm.data_kind)
     resume_from = outputs.check_output_dir(recipe)
     tokenizer = load_tokenizer(recipe.model)
     if recipe.generation.engine == "server":  # every server answers, takes the token, serves our vocabulary

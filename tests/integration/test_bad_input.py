@@ -264,3 +264,39 @@ def test_auto_passes_over_a_malformed_manifest(tiny_model_dir, data, saved_run, 
     assert "step-2 is damaged (manifest.json is malformed" in captured.err, captured.err
     assert "Traceback" not in captured.err
     assert f"resumed_from={out / 'checkpoints' / 'step-1'}" in captured.out
+
+
+# --- recipes safe_load would take silently (issue #25) ----------------------------------------------------------------
+
+
+def test_a_recipe_key_given_twice_names_the_key_and_lines(tiny_model_dir, data, tmp_path, capsys):
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(f"model: {{name_or_path: {tiny_model_dir}}}\ndata: {{train: {data['sft_train']}}}\n"
+                      f"output_dir: {tmp_path / 'out'}\ntrain:\n  max_steps: 2\n  max_steps: 1\n")
+    before = recipe.read_bytes()
+    expect_exit_2(capsys, run_cli("sft", config=str(recipe)), "line 6: key 'train.max_steps' is given twice",
+                  "line 5")
+    assert recipe.read_bytes() == before and not (tmp_path / "out").exists()
+
+
+def test_an_alias_bomb_in_reward_kwargs_is_refused_before_it_hangs(tiny_model_dir, data, tmp_path, capsys):
+    lines = ['a: &a ["lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol"]']
+    lines += [f"{n}: &{n} [{', '.join(['*' + p] * 9)}]" for p, n in zip("abcdefgh", "bcdefghi")]
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text("rewards:\n  - name: format\n    kwargs:\n" + "".join(f"      {x}\n" for x in lines))
+    code = run_cli("grpo", f"model.name_or_path={tiny_model_dir}", f"data.train={data['prompts_train']}",
+                   f"output_dir={tmp_path / 'out'}", config=str(recipe))
+    expect_exit_2(capsys, code, "aliases (*name) expand 'rewards[0].kwargs.")
+    assert not (tmp_path / "out").exists()
+
+
+def test_max_length_beyond_the_models_positions(tiny_model_dir, data, tmp_path, capsys):
+    out = tmp_path / "out"
+    expect_exit_2(capsys, sft(tiny_model_dir, data["sft_train"], out, "data.max_length=1000000000000"),
+                  "data.max_length = 1,000,000,000,000", "1,024 positions (max_position_embeddings")
+    assert not out.exists()
+    code = run_cli("grpo", f"model.name_or_path={tiny_model_dir}", f"data.train={data['prompts_train']}",
+                   f"output_dir={out}", "data.max_prompt_length=1000", "generation.max_completion_length=100",
+                   "rewards=[{name: length_penalty, kwargs: {max_length: 40}}]")
+    expect_exit_2(capsys, code, "data.max_prompt_length + generation.max_completion_length = 1,100")
+    assert not out.exists()
