@@ -300,3 +300,38 @@ def test_max_length_beyond_the_models_positions(tiny_model_dir, data, tmp_path, 
                    "rewards=[{name: length_penalty, kwargs: {max_length: 40}}]")
     expect_exit_2(capsys, code, "data.max_prompt_length + generation.max_completion_length = 1,100")
     assert not out.exists()
+
+
+# --- user code: one error path (issue #25) ----------------------------------------------------------------------------
+
+
+def grpo_with_reward(tiny_model_dir, data, out, reward_file, *extra):
+    return run_cli("grpo", f"model.name_or_path={tiny_model_dir}", f"data.train={data['prompts_train']}",
+                   f"output_dir={out}", "train.max_steps=1", "train.per_device_train_batch_size=4",
+                   "algo.num_generations=2", "generation.max_completion_length=4", "train.report=false",
+                   "train.tensorboard=false", f"rewards=[{{name: '{reward_file}:score'}}]", *extra)
+
+
+def test_a_reward_module_that_calls_sys_exit_on_import_is_exit_2(tiny_model_dir, data, tmp_path, capsys):
+    module = tmp_path / "quitter.py"
+    module.write_text("import sys\nsys.exit(0)\n\ndef score(prompts, completions, **kw):\n    return [1.0]\n")
+    out = tmp_path / "out"
+    expect_exit_2(capsys, grpo_with_reward(tiny_model_dir, data, out, module),
+                  f"reward '{module}:score': cannot import module", "it called sys.exit(0)", "quitter.py\", line 2")
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("body, did", [
+    ("    if len(prompts) > 0:\n        sys.exit(0)\n    return [1.0] * len(completions)", "called sys.exit(0) on sample 0"),
+    ("    return [float('nan')] * len(completions)", "returned nan for sample 0"),
+    ("    return [1.0]", "returned 1 values for 4 completions"),
+])
+def test_a_reward_that_exits_or_returns_nan_stops_the_run_non_zero(tiny_model_dir, data, tmp_path, capsys, body, did):
+    module = tmp_path / "my_reward.py"
+    module.write_text(f"import sys\n\ndef score(prompts, completions, **kw):\n{body}\n")
+    out = tmp_path / "out"
+    assert grpo_with_reward(tiny_model_dir, data, out, module) == 1
+    err = capsys.readouterr().err
+    assert err.count("posttrain: error: reward 'score'") == 1 and did in err and "prompt" in err, err
+    assert "Traceback" not in err  # the user's frames only, no posttrain traceback
+    assert not (out / "final").exists()
