@@ -335,3 +335,28 @@ def test_a_reward_that_exits_or_returns_nan_stops_the_run_non_zero(tiny_model_di
     assert err.count("posttrain: error: reward 'score'") == 1 and did in err and "prompt" in err, err
     assert "Traceback" not in err  # the user's frames only, no posttrain traceback
     assert not (out / "final").exists()
+
+
+# --- data that would train on nothing (issue #25) ---------------------------------------------------------------------
+
+
+def test_json_nested_100000_deep_is_exit_2_naming_the_line(tiny_model_dir, tmp_path, capsys):
+    bad = tmp_path / "deep.jsonl"
+    bad.write_text('{"text": "fine"}\n{"text": ' + "[" * 100_000 + "]" * 100_000 + "}\n")
+    out = tmp_path / "out"
+    expect_exit_2(capsys, sft(tiny_model_dir, bad, out), "deep.jsonl line 2", "nested deeper than")
+    assert not out.exists()
+
+
+def test_rows_that_train_on_nothing_are_dropped_and_counted_or_refused(tiny_model_dir, tmp_path, capsys):
+    good = [{"role": "user", "content": "2 + 2?"}, {"role": "assistant", "content": "4"}]
+    empty = [{"role": "user", "content": "2 + 2?"}, {"role": "assistant", "content": ""}]
+    chat = tmp_path / "chat.jsonl"
+    chat.write_text(json.dumps({"messages": empty}) + "\n")
+    out = tmp_path / "out"
+    expect_exit_2(capsys, sft(tiny_model_dir, chat, out), "1 with an empty text, completion or assistant turn")
+    assert not out.exists()
+    chat.write_text("".join(json.dumps({"messages": m}) + "\n" for m in (good, empty, good, empty)))
+    assert sft(tiny_model_dir, chat, out, "train.report=false", "train.tensorboard=false",
+               "train.per_device_train_batch_size=2") == 0
+    assert "dropped={'dropped_empty': 2}" in capsys.readouterr().out
