@@ -108,8 +108,9 @@ def run_command(argv: list[str] | None = None) -> int:
         abort_process_group()
         return e.exit_code
     except SystemExit as e:  # something the run called ended it: never exit 0 for a run that did not finish
-        print(f"posttrain: error: the run was ended by sys.exit({e.code!r}) before it finished (from code it called: "
-              "a reward, a tool, a library); nothing after that point ran", file=sys.stderr, flush=True)
+        print(f"posttrain: error: posttrain {args.command} was ended by sys.exit({e.code!r}) before it finished "
+              "(called by code it ran: a reward, a tool, a library); nothing after that point ran", file=sys.stderr,
+              flush=True)
         abort_process_group()
         return e.code if isinstance(e.code, int) and e.code != 0 else 1
     except KeyboardInterrupt:

@@ -360,3 +360,14 @@ def test_rows_that_train_on_nothing_are_dropped_and_counted_or_refused(tiny_mode
     assert sft(tiny_model_dir, chat, out, "train.report=false", "train.tensorboard=false",
                "train.per_device_train_batch_size=2") == 0
     assert "dropped={'dropped_empty': 2}" in capsys.readouterr().out
+
+
+def test_a_sys_exit_0_anywhere_inside_a_run_never_exits_0(monkeypatch, capsys):
+    import posttrain.run
+
+    def quits(command, recipe):
+        raise SystemExit(0)  # what a library or user code called in the main thread would do
+
+    monkeypatch.setattr(posttrain.run, "run", quits)
+    assert run_cli("sft", "data.train=x.jsonl") == 1
+    assert "posttrain sft was ended by sys.exit(0) before it finished" in capsys.readouterr().err
