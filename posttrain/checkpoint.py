@@ -14,16 +14,15 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import re
 import shutil
-import sys
 from pathlib import Path
 from typing import Any, Optional
 
 from posttrain import checkpoint_files as files
 from posttrain.config.schema import global_batch_size
 from posttrain.distributed.backend import drop_tied_aliases
+from posttrain.distributed.rng_files import rng_problem
 from posttrain.distributed.resume import drop_converted, engine_resume_path, needs_conversion
 from posttrain.distributed.wrappers import plain_class
 from posttrain.errors import RunStopped, UserError
@@ -43,18 +42,21 @@ def list_checkpoints(output_dir: str | Path) -> list[Path]:
     return sorted(found, key=lambda p: int(STEP_DIR.match(p.name).group(1)))
 
 
-def resolve_resume(output_dir: str, resume: Optional[str]) -> Optional[Path]:
-    """`auto` -> newest complete checkpoint (or None: a fresh start); a path must be a checkpoint directory."""
+def resolve_resume(output_dir: str, resume: Optional[str], strict: bool = True) -> Optional[Path]:
+    """`auto` -> newest checkpoint that can be continued exactly (or None: a fresh start); a path must be one.
+    What "exactly" checks: resumable_problem (manifest, RNG state; `strict`, train.resume_strict)."""
     if resume is None:
         return None
-    if resume == "auto":  # the newest checkpoint that matches its manifest; a damaged one is passed over, loudly
-        for path in reversed(list_checkpoints(output_dir)):
-            problem = files.verify(path)
+    if resume == "auto":  # a damaged one is passed over, loudly; none usable among several is an error
+        found = list_checkpoints(output_dir)
+        for path in reversed(found):
+            problem = resumable_problem(path, strict)
             if problem is None:
                 return path
-            if os.environ.get("RANK", "0") == "0":
-                print(f"posttrain: warning: checkpoint {path} is damaged ({problem}); trying the one before it",
-                      file=sys.stderr, flush=True)
+            files.warn(f"checkpoint {path} is damaged ({problem}); trying the one before it")
+        if found:
+            raise UserError(f"train.resume_from_checkpoint=auto: no checkpoint in {Path(output_dir) / 'checkpoints'} "
+                            "can be resumed (see the warnings above); remove the damaged ones to start afresh")
         return None
     path = Path(resume)
     if not (path / "trainer_state.json").is_file():
@@ -62,7 +64,33 @@ def resolve_resume(output_dir: str, resume: Optional[str]) -> Optional[Path]:
             f"train.resume_from_checkpoint={resume}: not a checkpoint directory (no trainer_state.json); "
             f"use 'auto' or one of {[str(p) for p in list_checkpoints(output_dir)] or 'the checkpoints/step-N directories'}"
         )
+    problem = resumable_problem(path, strict)
+    if problem is not None:
+        raise UserError(f"train.resume_from_checkpoint={resume}: {problem}")
     return path
+
+
+def resumable_problem(root: Path, strict: bool = True) -> Optional[str]:
+    """What keeps the checkpoint at `root` from being continued exactly, or None: `verify`, then the RNG state
+    files. With strict=False a checkpoint without a manifest and RNG files that cannot be read are accepted with a
+    warning (the resumed run is then not exact); damage a manifest records never is."""
+    problem = files.verify(root)
+    if problem is not None and (strict or (root / files.MANIFEST).exists()):
+        return problem
+    if problem is not None:
+        files.warn(f"checkpoint {root} is not verified: {problem} (train.resume_strict=false)")
+    try:
+        world_size = int(json.loads((root / "trainer_state.json").read_text())["run"]["world_size"])
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        return f"trainer_state.json is unreadable ({type(e).__name__}: {e})"
+    rng = rng_problem(root, world_size)
+    if rng is not None and strict:
+        return (f"the random number generators' state cannot be restored ({rng}), so the resumed run would not "
+                "continue exactly; set train.resume_strict=false to resume without it")
+    if rng is not None:
+        files.warn(f"checkpoint {root}: {rng}; resuming without the random number generators' state "
+             "(train.resume_strict=false): the run is not an exact continuation")
+    return None
 
 
 def read_trainer_state(path: Path) -> dict[str, Any]:
@@ -117,9 +145,7 @@ class Checkpointer:
             (tmp / "trainer_state.json").write_text(json.dumps(payload, indent=2))
             files.write_manifest(tmp)  # sizes and checksums: `auto` tells a complete checkpoint from a damaged one
             files.fsync_tree(tmp)  # the data is on disk before the rename makes the checkpoint visible
-            if final.exists():
-                shutil.rmtree(final)
-            os.replace(tmp, final)
+            files.replace_dir(tmp, final)  # an older step-N of this run goes only once the new one is in place
             files.fsync_dir(self.root)
             self._rotate()
         self.backend.barrier()
@@ -219,9 +245,7 @@ def export_final(backend, model, tokenizer, output_dir: str, merge_lora: bool = 
         if getattr(unwrapped, "generation_config", None) is not None:
             unwrapped.generation_config.save_pretrained(tmp)
         files.fsync_tree(tmp)
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
+        files.replace_dir(tmp, final)
         files.fsync_dir(final.parent)
     backend.barrier()
     return final if backend.is_main else None

@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 from typing import Optional
 
-from posttrain.errors import RunStopped
+from posttrain.errors import RunStopped, UserError
 
 MANIFEST = "manifest.json"
 DISK_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
@@ -42,16 +42,24 @@ def write_manifest(root: Path) -> None:
 
 
 def verify(root: Path) -> Optional[str]:
-    """None when every file the manifest lists is there with its size and checksum; else what is wrong. A checkpoint
-    without a manifest (written before manifests existed) is taken as it is."""
+    """None when the manifest is well formed, names only files inside the checkpoint, and every file it lists is
+    there with its size and checksum; else what is wrong. A checkpoint without a manifest cannot be verified: that
+    is a problem too (`train.resume_strict=false` accepts one written before manifests existed)."""
     path = root / MANIFEST
-    if not path.exists():
-        return None
+    if not path.is_file():
+        return f"it has no {MANIFEST} (every checkpoint posttrain writes has one)"
     try:
-        files = json.loads(path.read_text())["files"]
-    except (ValueError, KeyError) as e:
+        files = json.loads(path.read_text())
+    except (ValueError, UnicodeDecodeError, RecursionError) as e:
         return f"{MANIFEST} is unreadable ({e})"
-    for name, want in files.items():
+    problem = _manifest_shape(files)
+    if problem:
+        return f"{MANIFEST} is malformed ({problem})"
+    inside = root.resolve()
+    for name in files["files"]:  # every name first: nothing outside the checkpoint is read, not even its size
+        if Path(name).is_absolute() or ".." in Path(name).parts or not (root / name).resolve().is_relative_to(inside):
+            return f"{MANIFEST} names {name!r}, outside the checkpoint"
+    for name, want in files["files"].items():
         p = root / name
         if not p.is_file():
             return f"{name} is missing"
@@ -61,6 +69,26 @@ def verify(root: Path) -> Optional[str]:
         if _sha256(p) != want["sha256"]:
             return f"{name} does not match its checksum"
     return None
+
+
+def _manifest_shape(manifest) -> Optional[str]:
+    """What is wrong with the manifest's structure: {"files": {relative path: {"size": int, "sha256": hex}}}."""
+    if not isinstance(manifest, dict) or not isinstance(manifest.get("files"), dict):
+        return f"expected {{\"files\": {{path: {{size, sha256}}}}}}, got {type(manifest).__name__}"
+    if not manifest["files"]:
+        return "it lists no file"
+    if "trainer_state.json" not in manifest["files"]:
+        return "it does not list trainer_state.json"
+    for name, want in manifest["files"].items():
+        if not (isinstance(want, dict) and type(want.get("size")) is int and isinstance(want.get("sha256"), str)):
+            return f"the entry for {name!r} is not {{size: int, sha256: str}}"
+    return None
+
+
+def warn(message: str) -> None:
+    """One warning line on stderr, from rank 0 only (every rank checks the same files)."""
+    if os.environ.get("RANK", "0") == "0":
+        print(f"posttrain: warning: {message}", file=sys.stderr, flush=True)
 
 
 def fsync_dir(path: Path) -> None:
@@ -126,3 +154,20 @@ def warn_low_disk(output_dir: Path, checkpoint_bytes: int) -> None:
         print(f"posttrain: warning: {where} has {free / 2**20:.1f} MiB free but a checkpoint of this run takes about "
               f"{checkpoint_bytes / 2**20:.1f} MiB: saving will fail. Free space or choose another output_dir",
               file=sys.stderr, flush=True)
+
+
+def replace_dir(tmp: Path, final: Path) -> None:
+    """Put the complete directory `tmp` at `final` (a checkpoint, final/): an older `final` of this run is renamed
+    aside first and removed only once `tmp` is in place; a link is never followed."""
+    if final.is_symlink():
+        raise UserError(f"{final} is a symbolic link (to {os.readlink(final)}); posttrain does not write through "
+                        "links: remove it and resume with train.resume_from_checkpoint=auto")
+    old = None
+    if final.exists():
+        old = final.with_name(f".old-{final.name}")
+        if os.path.lexists(old):
+            shutil.rmtree(old)
+        os.rename(final, old)
+    os.replace(tmp, final)
+    if old is not None:
+        shutil.rmtree(old)

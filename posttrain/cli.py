@@ -56,6 +56,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def run_command(argv: list[str] | None = None) -> int:
     from posttrain.errors import RunStopped, UserError
+    from posttrain.usercode import UserCodeError
 
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     args = build_parser().parse_args(argv)
@@ -102,6 +103,16 @@ def run_command(argv: list[str] | None = None) -> int:
             where = f" (rank {rank})" if rank is not None and not e.shared else ""
             print(f"posttrain: {'error' if e.exit_code == 1 else 'stopped'}{where}: {e}", file=sys.stderr, flush=True)
         return e.exit_code
+    except UserCodeError as e:  # a reward (tool, environment) failed: its message, then the user's own traceback
+        print(f"posttrain: error: {e}\n{e.user_traceback}".rstrip(), file=sys.stderr, flush=True)
+        abort_process_group()
+        return e.exit_code
+    except SystemExit as e:  # something the run called ended it: never exit 0 for a run that did not finish
+        print(f"posttrain: error: posttrain {args.command} was ended by sys.exit({e.code!r}) before it finished "
+              "(called by code it ran: a reward, a tool, a library); nothing after that point ran", file=sys.stderr,
+              flush=True)
+        abort_process_group()
+        return e.code if isinstance(e.code, int) and e.code != 0 else 1
     except KeyboardInterrupt:
         print("posttrain: interrupted", file=sys.stderr)
         return 1

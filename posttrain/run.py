@@ -10,10 +10,7 @@ Order matters and is deliberate:
 
 from __future__ import annotations
 
-import os
 import random
-import shutil
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,23 +18,21 @@ from typing import Any, Optional
 
 import torch
 
-from posttrain import data
+from posttrain import data, outputs
 from posttrain.algorithms import ALGORITHMS
-from posttrain.checkpoint import Checkpointer, export_final, resolve_resume, resume_path, run_facts
+from posttrain.checkpoint import Checkpointer, export_final, resume_path, run_facts
 from posttrain.checkpoint_files import tree_bytes, warn_low_disk
 from posttrain.config.load import dump_yaml
 from posttrain.config.schema import Recipe, total_steps
 from posttrain.data import eval_batches
 from posttrain.distributed.backend import Backend
-from posttrain.distributed.resume import UNIVERSAL_DIR
-from posttrain.errors import UserError
 from posttrain.logging import MetricsLogger, read_metrics, write_report
 from posttrain.models import load
+from posttrain.models.limits import check_position_limit
 from posttrain.models.load import check_model_source, count_parameters, load_tokenizer
 from posttrain.plan import estimated_peak_mb
 from posttrain.roles import build_roles
 from posttrain.rollout.server import check_servers
-from posttrain.rollout.server_process import LOG_DIR as ENGINE_LOGS
 from posttrain.train.evaluation import evaluate_online
 from posttrain.train.guard import Guard
 from posttrain.train.loop import LoopContext, evaluate, train
@@ -45,9 +40,6 @@ from posttrain.train.rollout_source import RolloutSource
 from posttrain.train.sources import DatasetSource
 from posttrain.train.state import TrainState
 
-RUN_ARTIFACTS = ("config.yaml", "metrics.jsonl", "tensorboard", "checkpoints", "final", "final-critic", "report.html",
-                 "curves.png",
-                 "samples.jsonl", "ref_logprobs.safetensors", UNIVERSAL_DIR)
 
 
 @dataclass
@@ -66,51 +58,6 @@ class RunResult:
     final_dir: Optional[Path]
     steps: int
     metrics: list[dict[str, Any]]
-
-
-def check_output_dir(recipe: Recipe) -> Optional[Path]:
-    """Refuse to clobber a different run. Returns the checkpoint to resume from, if any."""
-    out = Path(recipe.output_dir)
-    t = recipe.train
-    if out.exists() and not out.is_dir():
-        raise UserError(f"output_dir {out} is a file; choose a directory")
-    check_writable(out)
-    resume = resolve_resume(str(out), t.resume_from_checkpoint)
-    if resume is not None or t.overwrite_output_dir or t.resume_from_checkpoint == "auto":
-        return resume  # auto and no checkpoint yet (a run stopped before its first save): the run starts
-    # config.yaml alone: it never trained; engines/: the logs of this run's Ray generation engines, started first
-    if out.is_dir() and any(p.name not in ("config.yaml", ENGINE_LOGS) for p in out.iterdir()):
-        has_run = (out / "config.yaml").exists()
-        what = "already holds a run (config.yaml)" if has_run else "is not empty"
-        raise UserError(
-            f"output_dir {out} {what}; pass train.resume_from_checkpoint=auto to continue it, "
-            "train.overwrite_output_dir=true to replace it, or choose another output_dir"
-        )
-    return None
-
-
-def check_writable(out: Path) -> None:
-    """output_dir (or the nearest folder above it that exists) must take new files; probed with a temporary file."""
-    probe_in = next(p for p in (out, *out.parents) if p.exists())
-    try:
-        if not probe_in.is_dir():
-            raise NotADirectoryError(f"{probe_in} is a file")
-        fd, name = tempfile.mkstemp(prefix=".posttrain-probe-", dir=probe_in)
-        os.close(fd)
-        os.unlink(name)
-    except OSError as e:
-        raise UserError(f"output_dir {out}: cannot write in {probe_in} ({e.strerror or e}); choose a writable "
-                        "output_dir or fix its permissions") from None
-
-
-def clear_previous_run(out: Path) -> None:
-    """overwrite_output_dir: remove only what a posttrain run writes; the user's other files stay."""
-    for name in RUN_ARTIFACTS:
-        target = out / name
-        if target.is_dir():
-            shutil.rmtree(target)
-        elif target.exists():
-            target.unlink()
 
 
 def seed_everything(seed: int) -> None:
@@ -161,7 +108,8 @@ def run(command: str, recipe: Recipe, launched: Optional[Launched] = None) -> Ru
 
     # 1. the user's input, before anything heavy
     check_model_source(recipe.model)
-    resume_from = check_output_dir(recipe)
+    check_position_limit(recipe, algorithm.data_kind)
+    resume_from = outputs.check_output_dir(recipe)
     tokenizer = load_tokenizer(recipe.model)
     launched = launched or Launched()
     servers = launched.servers or recipe.generation.servers
@@ -179,10 +127,9 @@ def run(command: str, recipe: Recipe, launched: Optional[Launched] = None) -> Ru
     if resume_from is not None:  # a checkpoint this launch cannot continue exactly stops here, before any model
         resume_from = resume_path(backend, resume_from, facts, out)
     if backend.is_main:
-        out.mkdir(parents=True, exist_ok=True)
-        if t.overwrite_output_dir:
-            clear_previous_run(out)
+        replaced = outputs.begin_run(out, t.overwrite_output_dir, command)  # the marker; overwrite: old files aside
         (out / "config.yaml").write_text(dump_yaml(recipe))
+        outputs.end_overwrite(replaced)
     backend.barrier()
     seed_everything(recipe.seed)
     model = load_policy(recipe, algorithm)

@@ -30,7 +30,7 @@ def load_recipe(path: str | None, overrides: list[str], algo_cls: type) -> Recip
         if not p.is_file():
             raise UserError(f"recipe file {path} does not exist; pass --config with a YAML recipe (see recipes/)")
         try:
-            raw = yaml.safe_load(p.read_text()) or {}
+            raw = parse_yaml(p.read_text(), f"recipe {path}") or {}
         except yaml.YAMLError as e:
             raise UserError(f"recipe {path} is not valid YAML: {e}") from None
         if not isinstance(raw, dict):
@@ -59,9 +59,71 @@ def apply_override(raw: dict, item: str) -> None:
         if not isinstance(node, dict):
             raise UserError(f"override '{item}': '{part}' is a value, not a section")
     try:
-        node[parts[-1]] = yaml.safe_load(value) if value != "" else ""
+        node[parts[-1]] = parse_yaml(value, f"override '{item}'", key.strip()) if value != "" else ""
     except yaml.YAMLError:
         node[parts[-1]] = value
+
+
+MAX_ALIASED_VALUES = 10_000  # values YAML aliases may add to a recipe beyond those written out
+
+
+def parse_yaml(text: str, where: str, key: str = "") -> Any:
+    """yaml.safe_load, refusing what safe_load accepts silently: a key given twice in one mapping (the last would
+    win), aliases that expand to more than MAX_ALIASED_VALUES values (a "billion laughs" recipe: loading is quick,
+    everything that walks it afterwards runs for ever), an alias inside itself, and nesting Python cannot follow.
+    `key`: the dotted key the text is the value of (an override's), so messages name the whole key."""
+    try:
+        node = yaml.compose(text, Loader=yaml.SafeLoader)
+        if node is None:
+            return None
+        _check_nodes(node, where, key)
+        loader = yaml.SafeLoader("")
+        try:
+            return loader.construct_document(node)
+        finally:
+            loader.dispose()
+    except RecursionError:
+        raise UserError(f"{where} is nested too deeply to read; a recipe needs a few levels of sections") from None
+
+
+def _check_nodes(root: yaml.Node, where: str, key: str) -> None:
+    """Duplicate keys (with the dotted key and both lines) and the values aliases add, counted without expanding."""
+    sizes: dict[int, int] = {}  # id(node) -> values under it, aliases expanded
+    open_nodes: set[int] = set()
+    aliased = 0
+
+    def size(node: yaml.Node, path: str) -> int:
+        nonlocal aliased
+        node_id = id(node)
+        if node_id in open_nodes:
+            raise UserError(f"{where} line {node.start_mark.line + 1}: '{path}' is an alias inside its own anchor; "
+                            "write the value out")
+        if node_id in sizes:  # a second use of an anchored node: an alias
+            aliased += sizes[node_id]
+            if aliased > MAX_ALIASED_VALUES:
+                raise UserError(f"{where} line {node.start_mark.line + 1}: aliases (*name) expand '{path}' and the "
+                                f"values before it to more than {MAX_ALIASED_VALUES:,} values; write the values out "
+                                "or use fewer aliases")
+            return sizes[node_id]
+        open_nodes.add(node_id)
+        total = 1
+        if isinstance(node, yaml.MappingNode):
+            seen: dict[str, int] = {}
+            for k, v in node.value:
+                name = str(k.value) if isinstance(k, yaml.ScalarNode) else f"<{k.tag}>"
+                child = f"{path}.{name}" if path else name
+                if name in seen and name != "<<":  # `<<: *base` merges; its keys may be overridden on purpose
+                    raise UserError(f"{where} line {k.start_mark.line + 1}: key '{child}' is given twice (first on "
+                                    f"line {seen[name]}); YAML would keep only the last: keep one")
+                seen[name] = k.start_mark.line + 1
+                total += size(k, child) + size(v, child)
+        elif isinstance(node, yaml.SequenceNode):
+            total += sum(size(v, f"{path}[{i}]") for i, v in enumerate(node.value))
+        open_nodes.discard(node_id)
+        sizes[node_id] = total
+        return total
+
+    size(root, key)
 
 
 def build(cls: type, raw: Any, where: str, prefix: str, algo_cls: type | None = None) -> Any:

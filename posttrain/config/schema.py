@@ -118,8 +118,11 @@ class TrainConfig:
     """Export the trained model to output_dir/final as a Hugging Face directory."""
     resume_from_checkpoint: Optional[str] = None
     """auto (newest checkpoint in output_dir) or a checkpoint path."""
+    resume_strict: bool = True
+    """Resume only what can be continued exactly: a checkpoint with a manifest and readable RNG state (false: accept
+    a checkpoint without manifest.json or with unreadable RNG files, with a warning; the run is then not exact)."""
     overwrite_output_dir: bool = False
-    """Allow starting afresh in an output_dir that already holds a different run."""
+    """Replace the run in output_dir: its own files only (config, metrics, checkpoints, final, ...), the rest stays."""
     dataloader_seed: Optional[int] = None
     """Seed of the data order (defaults to the recipe seed)."""
     ddp_timeout: int = 1800

@@ -62,33 +62,29 @@ def detect_format(dataset: datasets.Dataset, what: str = "data.train") -> DataFo
     conversational = key == "messages" or isinstance(dataset[0][key], list)
     fmt = DataFormat(kind, conversational, implicit_prompt=kind == "preference" and "prompt" not in names)
     like = "" if key == "messages" else f" like row 0's {key!r}"
-    # Empty chosen/rejected are not errors: tokenize_preference drops and counts such pairs.
-    may_be_empty = ("chosen", "rejected") if kind == "preference" else ()
+    # Empty strings and message lists are not errors: the tokenizers drop and count every row that would train on
+    # nothing (an empty completion, chosen, rejected or prompt), the same way for every algorithm (data/tokenize.py).
     for i, row in enumerate(dataset.select_columns(list(fmt.columns()))):
         for column, value in row.items():
-            _check_value(value, fmt.conversational, f"{what} row {i}: column {column!r}", like, column in may_be_empty)
+            _check_value(value, fmt.conversational, f"{what} row {i}: column {column!r}", like)
     return fmt
 
 
-def _check_value(value, conversational: bool, where: str, like: str, may_be_empty: bool) -> None:
-    """Raise a UserError unless `value` is a non-empty string (standard) or list of messages (conversational).
-    `like` says where the expected form comes from."""
+def _check_value(value, conversational: bool, where: str, like: str) -> None:
+    """Raise a UserError unless `value` is a string (standard) or a list of messages (conversational), either
+    possibly empty. `like` says where the expected form comes from."""
     if value is None:
         raise UserError(f"{where} is empty (null); every row needs a value")
     if not conversational:
         if not isinstance(value, str):
             got = "a list of messages" if isinstance(value, list) else f"{type(value).__name__} {value!r:.40}"
             raise UserError(f"{where} must be a string{like}, got {got}")
-        if not value.strip() and not may_be_empty:
-            raise UserError(f"{where} is an empty string")
         return
     if not isinstance(value, list):
         raise UserError(
             f"{where} must be a list of messages ({{'role': ..., 'content': ...}}){like}, got "
             f"{type(value).__name__} {value!r:.40}"
         )
-    if not value and not may_be_empty:
-        raise UserError(f"{where} is an empty list of messages")
     for j, message in enumerate(value):
         if not isinstance(message, dict) or not isinstance(message.get("role"), str) or not message["role"]:
             raise UserError(

@@ -65,9 +65,13 @@ def _read_json(path: Path, what: str) -> list[tuple[str, dict]]:
             items = json.loads(text)
         except json.JSONDecodeError as e:
             raise UserError(f"{what}: {path} line {e.lineno}: not valid JSON: {e.msg}") from None
+        except RecursionError:
+            raise UserError(f"{what}: {path}: {_TOO_DEEP} (the first row too deep is not known: the file is one "
+                            "array)") from None
         for i, item in enumerate(items):
             if not isinstance(item, dict):
                 raise UserError(f"{what}: {path} item {i}: expected a JSON object (one row), got {type(item).__name__}")
+            _check_depth(item, f"{what}: {path} item {i}")
         return [(f"item {i}", item) for i, item in enumerate(items)]
     records = []
     for number, line in enumerate(text.splitlines(), start=1):
@@ -77,11 +81,30 @@ def _read_json(path: Path, what: str) -> list[tuple[str, dict]]:
             item = json.loads(line)
         except json.JSONDecodeError as e:
             raise UserError(f"{what}: {path} line {number}: not valid JSON: {e.msg} (column {e.colno})") from None
+        except RecursionError:
+            raise UserError(f"{what}: {path} line {number}: {_TOO_DEEP}") from None
         if not isinstance(item, dict):
             got = type(item).__name__
             raise UserError(f"{what}: {path} line {number}: expected a JSON object (one row), got {got}")
+        _check_depth(item, f"{what}: {path} line {number}")
         records.append((f"line {number}", item))
     return records
+
+
+MAX_DEPTH = 32  # lists and objects inside one another in a row; chat rows with tool calls need about 6
+_TOO_DEEP = (f"nested deeper than {MAX_DEPTH} levels of lists and objects; a row holds text, messages or "
+             "prompt / completion columns: flatten it")
+
+
+def _check_depth(row: dict, where: str) -> None:
+    """Rows nested beyond MAX_DEPTH (counted without recursion) are refused before Arrow or a template meets them."""
+    stack = [(row, 1)]
+    while stack:
+        value, depth = stack.pop()
+        if depth > MAX_DEPTH:
+            raise UserError(f"{where}: {_TOO_DEEP}")
+        children = value.values() if isinstance(value, dict) else value if isinstance(value, list) else ()
+        stack.extend((child, depth + 1) for child in children if isinstance(child, (dict, list)))
 
 
 def _read_csv(path: Path, what: str) -> list[tuple[str, dict]]:

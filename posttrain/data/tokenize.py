@@ -45,12 +45,16 @@ def _detect(dataset, tokenizer, what: str, accepts, needs: str) -> DataFormat:
 
 def tokenize_sft(dataset: datasets.Dataset, tokenizer, data_cfg: DataConfig, what: str = "data.train"):
     """Rows -> [{"input_ids", "completion_mask"}], stats {rows, examples, tokens, completion_tokens, truncated,
-    dropped_no_completion}. Sequences are cut to data_cfg.max_length (their start is kept)."""
+    dropped_no_completion, dropped_empty (see _sft_empty)}. Sequences are cut to data_cfg.max_length (their start is kept)."""
     fmt = _detect(dataset, tokenizer, what, lambda f: f.kind in ("language_modeling", "prompt_completion"),
                   "SFT needs text, messages or prompt + completion rows")
-    stats = dict(rows=len(dataset), examples=0, tokens=0, completion_tokens=0, truncated=0, dropped_no_completion=0)
+    stats = dict(rows=len(dataset), examples=0, tokens=0, completion_tokens=0, truncated=0, dropped_no_completion=0,
+                 dropped_empty=0)
     examples = []
     for i, row in enumerate(dataset.select_columns(list(fmt.columns()))):
+        if _sft_empty(row, fmt):
+            stats["dropped_empty"] += 1
+            continue
         if fmt.conversational:
             input_ids, mask = _sft_conversation(row, tokenizer, data_cfg, f"{what} row {i}")
         else:
@@ -69,10 +73,21 @@ def tokenize_sft(dataset: datasets.Dataset, tokenizer, data_cfg: DataConfig, wha
     if not examples:
         raise UserError(
             f"{what}: no row has a token to train on within data.max_length={data_cfg.max_length} "
-            f"({stats['rows']} rows, {stats['truncated']} truncated); raise data.max_length or check that rows have "
+            f"({stats['rows']} rows, {stats['dropped_empty']} with an empty text, completion or assistant turn, "
+            f"{stats['truncated']} truncated); raise data.max_length or check that rows have "
             "completions / assistant turns"
         )
     return examples, stats
+
+
+def _sft_empty(row: dict, fmt: DataFormat) -> bool:
+    """A row that would train on nothing but special tokens: an empty text or completion, or an assistant turn with
+    neither text nor a tool call (the template would still write its end-of-turn token, and the model would learn
+    to answer with nothing)."""
+    if not fmt.conversational:
+        return not (row["text"] if "text" in row else row["completion"]).strip()
+    trained = clean_messages(row["messages"] if "messages" in row else row["completion"])
+    return _no_text(trained) or _blank_turn(trained)
 
 
 def _sft_text(row: dict, tokenizer, data_cfg: DataConfig) -> tuple[list[int], list[int]]:
@@ -175,7 +190,7 @@ def _split_pair(row: dict, fmt: DataFormat):
             prompt, chosen, rejected = chosen[:cut_c], chosen[cut_c:], rejected[cut_r:]
         else:
             prompt = clean_messages(row["prompt"])
-        empty = _no_text(chosen) or _no_text(rejected)
+        empty = any(_no_text(m) or _blank_turn(m) for m in (chosen, rejected))
     else:
         prompt, chosen, rejected = row.get("prompt"), row["chosen"], row["rejected"]
         if fmt.implicit_prompt:
@@ -193,6 +208,17 @@ def _split_pair(row: dict, fmt: DataFormat):
 def _no_text(messages: list[dict]) -> bool:
     """No message, or only blank string contents (a tool call's None content is not blank)."""
     return all(isinstance(m.get("content"), str) and not m["content"].strip() for m in messages)
+
+
+def _blank_turn(messages: list[dict]) -> bool:
+    """An assistant message with no text (a string, or text parts) and no tool call."""
+    def text(content) -> str:
+        if isinstance(content, list):
+            return "".join(str(part.get("text") or "") for part in content if isinstance(part, dict))
+        return content if isinstance(content, str) else ""
+
+    return any(m.get("role") == "assistant" and not m.get("tool_calls") and not text(m.get("content")).strip()
+               for m in messages)
 
 
 def _last_assistant(messages: list[dict]):
@@ -226,15 +252,19 @@ def _fit_pair(prompt_ids: list[int], chosen_ids: list[int], rejected_ids: list[i
 
 def tokenize_prompts(dataset: datasets.Dataset, tokenizer, data_cfg: DataConfig, what: str = "data.train"):
     """Rows -> [{"prompt_ids", "prompt", "columns"}] where columns holds the row's other values (for rewards);
-    stats {rows, tokens, truncated}. Prompts longer than data_cfg.max_prompt_length keep their last tokens."""
+    stats {rows, tokens, truncated, dropped_empty}. Empty prompts are dropped. Prompts longer than data_cfg.max_prompt_length keep their last tokens."""
     fmt = _detect(dataset, tokenizer, what, lambda f: "prompt" in f.columns(), "generation needs a 'prompt' column")
     limit = data_cfg.max_prompt_length
-    stats = dict(rows=len(dataset), tokens=0, truncated=0)
+    stats = dict(rows=len(dataset), tokens=0, truncated=0, dropped_empty=0)
     examples = []
     for row in dataset:
         prompt = row["prompt"]
         if fmt.conversational:
             prompt = clean_messages(prompt)
+        if not prompt or (_no_text(prompt) if fmt.conversational else not prompt.strip()):
+            stats["dropped_empty"] += 1  # nothing to answer: the generation would start from nothing
+            continue
+        if fmt.conversational:
             prompt_ids = _ids(tokenizer, render(tokenizer, prompt, add_generation_prompt=True), False)
         else:
             prompt_ids = _ids(tokenizer, prompt, True)
@@ -244,4 +274,6 @@ def tokenize_prompts(dataset: datasets.Dataset, tokenizer, data_cfg: DataConfig,
         stats["tokens"] += len(prompt_ids)
         columns = {k: v for k, v in row.items() if k != "prompt"}
         examples.append({"prompt_ids": prompt_ids, "prompt": prompt, "columns": columns})
+    if not examples:
+        raise UserError(f"{what}: every one of the {stats['rows']} prompts is empty; give rows with a prompt to answer")
     return examples, stats

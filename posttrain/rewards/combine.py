@@ -11,7 +11,9 @@ seconds. On an exception or a timeout, on_error decides:
 - "skip": that function's rewards for this batch become NaN.
 NaN (skipped, or None returned for a sample) counts as 0 in the total and is counted in `skipped`; means and stds
 in the metrics leave it out. A UserError raised by a function (a missing column, say) always propagates: it is the
-recipe or the data that is wrong. Wrong-length or non-numeric output is a bug in the function: always a RewardError.
+recipe or the data that is wrong. Wrong-length or non-numeric output, NaN and inf are bugs in the function:
+always a RewardError naming the sample (None is the way to say "no reward for this sample"). sys.exit inside a
+function is a failure like any other (posttrain/usercode.py).
 
 Python cannot stop a thread: a function that times out keeps running in the background until it returns. The
 threads are daemons, so one stuck for good does not keep the process from exiting.
@@ -32,14 +34,15 @@ from typing import Any, Callable, NamedTuple, Optional, Sequence
 import torch
 
 from posttrain.errors import UserError
+from posttrain.usercode import UserCodeError, what_it_did
 
 logger = logging.getLogger(__name__)
 
 ON_ERROR = ("raise", "skip")
 
 
-class RewardError(Exception):
-    """A reward function failed, timed out or returned something unusable."""
+class RewardError(UserCodeError):
+    """A reward function failed, timed out or returned something unusable (exit 1, one message)."""
 
 
 class Reward(NamedTuple):
@@ -145,7 +148,7 @@ class RewardSet:
                     raise error
                 values = self._failed(r, "raised", prompts, completions, error, keep(columns))
             else:
-                values = self._check(r, future.result(), size)
+                values = self._check(r, future.result(), prompts)
             per_function[r.name] = values
         total_B = torch.zeros(size, dtype=torch.float32)
         skipped = 0
@@ -180,8 +183,8 @@ class RewardSet:
         else:
             where = f"on a batch of {size} completions (first prompt: {excerpt(prompts[0] if prompts else '')!r})"
         raise RewardError(
-            f"reward '{reward.name}' raised {type(error).__name__}: {error} {where}; fix the function, "
-            "or set on_error: skip to count such batches as missing"
+            f"reward '{reward.name}' {what_it_did(error)} {where}; fix the function, "
+            "or set on_error: skip to count such batches as missing", error
         ) from error
 
     @staticmethod
@@ -194,7 +197,7 @@ class RewardSet:
                     reward.fn(
                         prompts[i : i + 1], completions[i : i + 1], **{k: v[i : i + 1] for k, v in columns.items()}
                     )
-                except Exception as e:  # noqa: BLE001 - reported to the user
+                except (Exception, SystemExit) as e:  # noqa: BLE001 - reported to the user
                     return i, e
             return None
 
@@ -203,28 +206,31 @@ class RewardSet:
         return future.result() if future.done() and future.exception() is None else None
 
     @staticmethod
-    def _check(reward: Reward, values: Any, size: int) -> torch.Tensor:
+    def _check(reward: Reward, values: Any, prompts: list) -> torch.Tensor:
+        size = len(prompts)
+        first = f"first prompt: {excerpt(prompts[0] if prompts else '')!r}"
         if isinstance(values, torch.Tensor) or hasattr(values, "tolist"):
             values = values.tolist()
         if isinstance(values, (str, bytes)) or not isinstance(values, Sequence):
             raise RewardError(
-                f"reward '{reward.name}' returned a {type(values).__name__}; it must return a list with one float "
-                "(or None) per completion"
+                f"reward '{reward.name}' returned a {type(values).__name__} for a batch of {size} ({first}); it must "
+                "return a list with one float (or None) per completion"
             )
         if len(values) != size:
             raise RewardError(
-                f"reward '{reward.name}' returned {len(values)} values for {size} completions; it must return one "
-                "float (or None) per completion"
+                f"reward '{reward.name}' returned {len(values)} values for {size} completions ({first}); it must "
+                "return one float (or None) per completion"
             )
         out = []
         for i, value in enumerate(values):
             if value is None:
                 out.append(float("nan"))
-            elif isinstance(value, numbers.Real) and not math.isinf(value):
+            elif isinstance(value, numbers.Real) and math.isfinite(value):
                 out.append(float(value))
-            else:
+            else:  # NaN too: None says "no reward for this sample" on purpose; NaN is a bug that would count as 0
                 raise RewardError(
-                    f"reward '{reward.name}' returned {value!r} for sample {i}; rewards must be finite numbers or None"
+                    f"reward '{reward.name}' returned {value!r} for sample {i} (prompt: {excerpt(prompts[i])!r}); "
+                    "rewards must be finite numbers, or None for a sample it does not score"
                 )
         return torch.tensor(out, dtype=torch.float32)
 

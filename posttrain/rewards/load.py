@@ -14,18 +14,14 @@ from __future__ import annotations
 
 import difflib
 import functools
-import importlib
-import importlib.util
 import inspect
-import os
-import sys
-from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from posttrain.config.schema import RewardConfig
 from posttrain.errors import UserError
 from posttrain.rewards.builtin import BUILTIN_REWARDS, check_builtin_kwargs
 from posttrain.rewards.combine import ON_ERROR, Reward, RewardSet
+from posttrain.usercode import UserCodeError, call_user, import_user
 
 
 def load_reward(cfg: RewardConfig) -> Reward:
@@ -49,7 +45,7 @@ def load_reward(cfg: RewardConfig) -> Reward:
             "write your own as 'my_module:my_reward' taking (prompts, completions, **columns)"
         )
     module_name, _, attribute = cfg.name.rpartition(":")
-    target = _resolve(cfg.name, _import(cfg.name, module_name), attribute)
+    target = _resolve(cfg.name, import_user(module_name, f"reward '{cfg.name}'"), attribute)
     return Reward(attribute.rsplit(".", 1)[-1], _bind(cfg.name, target, kwargs), cfg.weight, cfg.timeout, cfg.on_error)
 
 
@@ -64,25 +60,6 @@ def load_rewards(cfgs: Sequence[RewardConfig]) -> RewardSet:
             reward = reward._replace(name=f"{reward.name}_{seen[reward.name]}")
         rewards.append(reward)
     return RewardSet(rewards)
-
-
-def _import(spec: str, module_name: str):
-    try:
-        if module_name.endswith(".py"):
-            path = Path(module_name).expanduser()
-            if not path.is_file():
-                raise UserError(f"reward '{spec}': file {module_name} does not exist")
-            module_spec = importlib.util.spec_from_file_location(f"posttrain_reward_{path.stem}", path)
-            module = importlib.util.module_from_spec(module_spec)
-            module_spec.loader.exec_module(module)
-            return module
-        if os.getcwd() not in sys.path and "" not in sys.path:
-            sys.path.append(os.getcwd())  # `posttrain grpo` run next to my_rewards.py finds it, as `python -m` would
-        return importlib.import_module(module_name)
-    except UserError:
-        raise
-    except Exception as e:  # noqa: BLE001 - anything the module does on import is the user's to see
-        raise UserError(f"reward '{spec}': cannot import module '{module_name}': {type(e).__name__}: {e}") from None
 
 
 def _resolve(spec: str, module, attribute: str) -> Any:
@@ -102,9 +79,9 @@ def _resolve(spec: str, module, attribute: str) -> Any:
 def _bind(spec: str, target: Any, kwargs: dict) -> Callable:
     if isinstance(target, type):
         try:
-            instance = target(**kwargs)
-        except Exception as e:  # noqa: BLE001
-            raise UserError(f"reward '{spec}': {target.__name__}(**kwargs) failed: {type(e).__name__}: {e}") from None
+            instance = call_user(target, f"reward '{spec}': {target.__name__}(**kwargs)", **kwargs)
+        except UserCodeError as e:
+            raise UserError(f"{e}\n{e.user_traceback}") from None
         if not callable(instance):
             raise UserError(f"reward '{spec}': {target.__name__} instances are not callable; give it a __call__")
         return instance

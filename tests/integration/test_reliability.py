@@ -87,7 +87,8 @@ def checkpoint_weights(path: Path) -> dict[str, torch.Tensor]:
 def test_auto_starts_a_run_killed_before_its_first_checkpoint(tiny_model_dir, data, reference, tmp_path, capsys):
     out = tmp_path / "run"
     out.mkdir()
-    (out / "config.yaml").write_text("seed: 3\n")  # what a run killed during model loading or step 1 leaves
+    (out / ".posttrain-run").write_text("{}")  # what a run killed during model loading or step 1 leaves
+    (out / "config.yaml").write_text("seed: 3\n")
     (out / "metrics.jsonl").write_text('{"step": 1, "loss": 2.0}\n{"step": 2, "lo')
     assert sft(tiny_model_dir, data, out) == 2  # without auto the run is still refused
     assert "resume_from_checkpoint=auto" in capsys.readouterr().err

@@ -6,11 +6,16 @@ from __future__ import annotations
 import errno
 import json
 import math
+import random
 
+import numpy as np
+import pytest
 import torch
 from safetensors.torch import save_file
 
-from posttrain.checkpoint_files import MANIFEST, fsync_tree, is_disk_full, verify, warn_low_disk, write_manifest
+from posttrain.checkpoint import resumable_problem
+from posttrain.checkpoint_files import (MANIFEST, fsync_tree, is_disk_full, verify, warn_low_disk,
+                                       write_manifest)
 from posttrain.logging import MetricsLogger, read_metrics
 from posttrain.models.load import safetensors_problem
 
@@ -41,7 +46,67 @@ def test_manifest_finds_every_kind_of_damage(tmp_path):
     (root / MANIFEST).write_text('{"files": ')
     assert verify(root).startswith(f"{MANIFEST} is unreadable")
     (root / MANIFEST).unlink()
-    assert verify(root) is None  # written before manifests existed: taken as it is
+    assert verify(root) == f"it has no {MANIFEST} (every checkpoint posttrain writes has one)"
+
+
+@pytest.mark.parametrize("manifest, problem", [
+    ([], "malformed (expected"),
+    ({"files": []}, "malformed (expected"),
+    ({"files": {}}, "malformed (it lists no file)"),
+    ({"files": {"model.safetensors": {"size": 100, "sha256": "0"}}}, "does not list trainer_state.json"),
+    ({"files": {"trainer_state.json": [2, "x"]}}, "the entry for 'trainer_state.json' is not"),
+])
+def test_a_malformed_manifest_is_a_problem_not_a_traceback(tmp_path, manifest, problem):
+    root = checkpoint(tmp_path)
+    (root / MANIFEST).write_text(json.dumps(manifest))
+    assert problem in verify(root)
+
+
+@pytest.mark.parametrize("name", ["../../etc/hostname", "/etc/hostname", "link/hostname"])
+def test_manifest_paths_stay_inside_the_checkpoint(tmp_path, name):
+    root = checkpoint(tmp_path)
+    (root / "link").symlink_to("/etc")
+    entries = json.loads((root / MANIFEST).read_text())
+    entries["files"][name] = {"size": 1, "sha256": "0"}
+    (root / MANIFEST).write_text(json.dumps(entries))
+    assert verify(root) == f"{MANIFEST} names {name!r}, outside the checkpoint"
+
+
+def rng_checkpoint(tmp_path, world_size=1):
+    root = tmp_path / "step-2"
+    root.mkdir()
+    (root / "trainer_state.json").write_text(json.dumps({"run": {"world_size": world_size}}))
+    for rank in range(world_size):  # what Accelerate's save_state writes per process
+        torch.save({"random_state": random.getstate(), "numpy_random_seed": np.random.get_state(),
+                    "torch_manual_seed": torch.get_rng_state()}, root / f"random_states_{rank}.pkl")
+    write_manifest(root)
+    return root
+
+
+def test_rng_state_that_cannot_be_read_stops_a_strict_resume(tmp_path, capsys):
+    root = rng_checkpoint(tmp_path, world_size=2)
+    assert resumable_problem(root) is None
+    (root / "random_states_1.pkl").write_bytes(b"not a torch file")
+    write_manifest(root)  # the manifest matches: the file was written this way, it is not damage afterwards
+    problem = resumable_problem(root)
+    assert "random number generators' state cannot be restored (random_states_1.pkl cannot be read" in problem
+    assert "train.resume_strict=false" in problem
+    assert resumable_problem(root, strict=False) is None
+    assert "random_states_1.pkl cannot be read" in capsys.readouterr().err
+    (root / "random_states_1.pkl").unlink()
+    write_manifest(root)
+    assert "random_states_1.pkl is missing" in resumable_problem(root)
+
+
+def test_resume_strict_false_accepts_a_checkpoint_without_manifest_but_never_damage(tmp_path, capsys):
+    root = rng_checkpoint(tmp_path)
+    (root / MANIFEST).unlink()
+    assert "has no manifest.json" in resumable_problem(root)
+    assert resumable_problem(root, strict=False) is None
+    assert "is not verified" in capsys.readouterr().err
+    write_manifest(root)
+    (root / "random_states_0.pkl").write_bytes(b"cut")
+    assert "does not match" in resumable_problem(root, strict=False) or "bytes" in resumable_problem(root, strict=False)
 
 
 def test_disk_full_is_recognised_through_wrapping_errors(tmp_path):

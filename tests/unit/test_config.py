@@ -118,3 +118,48 @@ def test_generation_async_key_is_spelled_async_in_recipes(tmp_path):
 def test_off_policy_options_that_conflict(command, overrides, message):
     with pytest.raises(UserError, match=message):
         load_recipe(None, ["data.train=a.jsonl", "rewards=[{name: exact_match}]"] + overrides, ALGORITHMS[command][0])
+
+
+# --- YAML that safe_load accepts silently (issue #25) -----------------------------------------------------------------
+
+
+def write(tmp_path, text: str) -> str:
+    path = tmp_path / "recipe.yaml"
+    path.write_text(text)
+    return str(path)
+
+
+def test_a_key_given_twice_is_refused_at_any_depth_with_both_lines(tmp_path):
+    recipe = write(tmp_path, "output_dir: x\ntrain:\n  max_steps: 5\n  learning_rate: 1.0e-4\n  max_steps: 7\n")
+    with pytest.raises(UserError, match=r"line 5: key 'train.max_steps' is given twice \(first on line 3\)"):
+        load_recipe(recipe, [], SFTAlgoConfig)
+    recipe = write(tmp_path, "rewards:\n  - name: format\n    kwargs: {a: 1, b: 2, a: 3}\n")
+    with pytest.raises(UserError, match=r"key 'rewards\[0\].kwargs.a' is given twice"):
+        load_recipe(recipe, [], SFTAlgoConfig)
+    with pytest.raises(UserError, match=r"override 'rewards=.*key 'rewards\[0\].x' is given twice"):
+        load_recipe(None, ["rewards=[{name: format, x: 1, x: 2}]"], SFTAlgoConfig)
+
+
+def test_merge_keys_may_override_what_they_merge(tmp_path):
+    recipe = write(tmp_path, "base: &b {max_steps: 3, logging_steps: 1}\n".replace("base", "x-base") +
+                   "train:\n  <<: *b\n  max_steps: 9\n")
+    with pytest.raises(UserError, match="unknown key 'x-base'"):  # merging works; the anchor key itself is unknown
+        load_recipe(recipe, [], SFTAlgoConfig)
+
+
+def test_an_alias_bomb_is_refused_quickly_and_plain_aliases_pass(tmp_path):
+    levels = ['a: &a ["lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol"]']
+    for prev, name in zip("abcdefgh", "bcdefghi"):
+        levels.append(f"{name}: &{name} [{', '.join(['*' + prev] * 9)}]")
+    recipe = write(tmp_path, "rewards:\n  - name: format\n    kwargs:\n" + "".join(f"      {line}\n" for line in levels))
+    with pytest.raises(UserError, match=r"aliases \(\*name\) expand 'rewards\[0\].kwargs.e\[0\]'"):
+        load_recipe(recipe, [], SFTAlgoConfig)
+    small = write(tmp_path, "rewards:\n  - name: format\n    kwargs: &k {x: [1, 2]}\n  - name: format\n    kwargs: *k\n")
+    assert [r.kwargs for r in load_recipe(small, ["data.train=x.jsonl"], SFTAlgoConfig).rewards] == [{"x": [1, 2]}] * 2
+
+
+def test_an_alias_inside_itself_and_deep_nesting_are_refused(tmp_path):
+    with pytest.raises(UserError, match="alias inside its own anchor"):
+        load_recipe(write(tmp_path, "train: &t [*t]\n"), [], SFTAlgoConfig)
+    with pytest.raises(UserError, match="nested too deeply"):
+        load_recipe(write(tmp_path, "a: " + "[" * 20000 + "]" * 20000 + "\n"), [], SFTAlgoConfig)

@@ -49,14 +49,18 @@ def test_unknown_columns_list_the_formats():
     "bad_row, message",
     [
         ({"prompt": "p", "completion": None}, r"data.train row 2: column 'completion' is empty \(null\)"),
-        ({"prompt": "p", "completion": "  "}, r"data.train row 2: column 'completion' is an empty string"),
-        ({"prompt": "", "completion": "c"}, r"data.train row 2: column 'prompt' is an empty string"),
     ],
 )
 def test_missing_and_empty_values_name_row_and_column(bad_row, message):
     dataset = rows({"prompt": "p", "completion": "c"}, {"prompt": "p", "completion": "c"}, bad_row)
     with pytest.raises(UserError, match=message):
         detect_format(dataset)
+
+
+def test_empty_strings_pass_detection_for_the_tokenizers_to_drop_and_count():
+    assert detect_format(rows({"prompt": "p", "completion": "  "}, {"prompt": "", "completion": "c"})).kind == (
+        "prompt_completion")
+    assert detect_format(rows({"messages": [{"role": "user", "content": "hi"}]}, {"messages": []})).conversational
 
 
 def test_completion_that_is_an_int_is_named():
@@ -76,7 +80,6 @@ def test_messages_that_are_not_a_list():
     [
         ([{"role": "user"}], r"row 0: column 'messages' message 0 needs 'content' \(a string\), got None"),
         ([{"content": "hi"}], r"row 0: column 'messages' message 0 needs a 'role' string"),
-        ([], r"row 0: column 'messages' is an empty list of messages"),
     ],
 )
 def test_bad_messages_are_named(messages, message):

@@ -114,3 +114,24 @@ def test_columns_are_the_union_of_the_rows_keys(tmp_path):
     """A key missing from some rows is null there (detect_format then names the row), never silently dropped."""
     path = write_jsonl(tmp_path / "x.jsonl", [{"prompt": "2 + 2 ="}, ROWS[1]])
     assert load_rows(str(path)).to_list() == [{"prompt": "2 + 2 =", "completion": None}, ROWS[1]]
+
+
+@pytest.mark.parametrize("depth", [33, 100_000])
+def test_json_nested_too_deep_names_the_file_and_line(tmp_path, depth):
+    """100,000 levels overflow Python's JSON reader (RecursionError); 33 would reach Arrow and the templates."""
+    rows = tmp_path / "deep.jsonl"
+    rows.write_text('{"text": "fine"}\n' + '{"text": "x", "meta": ' + "[" * depth + "]" * depth + "}\n")
+    with pytest.raises(UserError, match=r"data.train: .*deep.jsonl line 2: nested deeper than 32 levels"):
+        load_rows(str(rows))
+    array = tmp_path / "deep.json"
+    array.write_text('[{"text": "fine"}, {"text": "x", "meta": ' + "[" * depth + "]" * depth + "}]")
+    with pytest.raises(UserError, match=r"deep.json.*nested deeper than 32 levels"):
+        load_rows(str(array))
+
+
+def test_chat_rows_with_tool_calls_are_not_too_deep(tmp_path):
+    call = {"type": "function", "function": {"name": "f", "arguments": {"a": {"b": {"c": [1, 2]}}}}}
+    row = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "tool_calls": [call]}]}
+    path = tmp_path / "tools.jsonl"
+    path.write_text(json.dumps(row) + "\n")
+    assert len(load_rows(str(path))) == 1

@@ -8,7 +8,7 @@ import copy
 import pytest
 
 from posttrain.config import DataConfig
-from posttrain.data import tokenize_prompts, tokenize_sft
+from posttrain.data import tokenize_preference, tokenize_prompts, tokenize_sft
 from posttrain.errors import UserError
 from tests.unit.test_data_tokenizers import CONVERSATION, chatml_tokenizer, llama3_tokenizer, rows
 
@@ -43,7 +43,7 @@ def test_text_rows_train_every_token_after_the_first_and_end_with_eos():
     assert ids[0] == tok.bos_token_id and ids[-1] == tok.eos_token_id
     assert example["completion_mask"] == [0] + [1] * (len(ids) - 1)
     assert stats == dict(rows=1, examples=1, tokens=len(ids), completion_tokens=len(ids) - 1,
-                         truncated=0, dropped_no_completion=0)
+                         truncated=0, dropped_no_completion=0, dropped_empty=0)
 
 
 @pytest.mark.parametrize("completion_only", [True, False])
@@ -168,7 +168,7 @@ def test_truncation_is_counted_and_rows_cut_before_their_completion_are_dropped(
 
 def test_no_row_left_to_train_is_a_user_error():
     data = rows({"prompt": "Tell me a joke about cats. " * 10, "completion": " no"})
-    message = r"data.train: no row has a token to train on within data.max_length=4 \(1 rows, 1 truncated\)"
+    message = r"data.train: no row has a token to train on within data.max_length=4 \(1 rows, 0 with an empty .*, 1 truncated\)"
     with pytest.raises(UserError, match=message):
         tokenize_sft(data, chatml_tokenizer(), DataConfig(max_length=4))
 
@@ -193,7 +193,7 @@ def test_standard_prompts_keep_bos_and_the_other_columns():
     (example,), stats = tokenize_prompts(rows({"prompt": "2 + 2 =", "answer": "4"}), tok, DataConfig())
     assert example["prompt_ids"] == tok("2 + 2 =")["input_ids"] and example["prompt_ids"][0] == tok.bos_token_id
     assert example["prompt"] == "2 + 2 =" and example["columns"] == {"answer": "4"}
-    assert stats == dict(rows=1, tokens=len(example["prompt_ids"]), truncated=0)
+    assert stats == dict(rows=1, tokens=len(example["prompt_ids"]), truncated=0, dropped_empty=0)
 
 
 def test_conversational_prompts_end_with_the_generation_prompt(tok_end):
@@ -218,3 +218,48 @@ def test_prompts_need_a_prompt_column():
     message = r"data.train: generation needs a 'prompt' column; this dataset is preference data"
     with pytest.raises(UserError, match=message):
         tokenize_prompts(rows({"chosen": "a b", "rejected": "a c"}), chatml_tokenizer(), DataConfig())
+
+
+# --- rows that would train on nothing (issue #25) ---------------------------------------------------------------------
+
+
+def test_empty_texts_completions_and_assistant_turns_are_dropped_and_counted(tok_end):
+    tok, _ = tok_end
+    good = [{"role": "user", "content": "2 + 2?"}, {"role": "assistant", "content": "4"}]
+    blank = [{"role": "user", "content": "2 + 2?"}, {"role": "assistant", "content": "  "}]
+    multi = good + [{"role": "user", "content": "and 3 + 3?"}, {"role": "assistant", "content": ""}]
+    examples, stats = tokenize_sft(rows({"messages": good}, {"messages": blank}, {"messages": multi}), tok,
+                                   DataConfig())
+    assert len(examples) == 1 and stats["dropped_empty"] == 2
+    examples, stats = tokenize_sft(rows({"prompt": "a", "completion": "b"}, {"prompt": "a", "completion": " "}), tok,
+                                   DataConfig())
+    assert len(examples) == 1 and stats["dropped_empty"] == 1
+    with pytest.raises(UserError, match=r"\(2 rows, 2 with an empty text, completion or assistant turn"):
+        tokenize_sft(rows({"text": ""}, {"text": " \n"}), tok, DataConfig())
+
+
+def test_a_tool_call_turn_without_text_is_not_empty(tok_end):
+    from posttrain.data.tokenize import _blank_turn
+
+    call = {"role": "assistant", "content": "", "tool_calls": [{"type": "function",
+                                                               "function": {"name": "f", "arguments": {}}}]}
+    assert not _blank_turn([call]) and _blank_turn([{"role": "assistant", "content": [{"type": "text", "text": ""}]}])
+
+
+def test_empty_prompts_are_dropped_and_all_empty_is_an_error():
+    tok = llama3_tokenizer()
+    examples, stats = tokenize_prompts(rows({"prompt": "2 + 2 ="}, {"prompt": "  "}), tok, DataConfig())
+    assert len(examples) == 1 and stats["dropped_empty"] == 1
+    with pytest.raises(UserError, match="every one of the 1 prompts is empty"):
+        tokenize_prompts(rows({"prompt": ""}), tok, DataConfig())
+
+
+def test_empty_assistant_turn_in_a_preference_pair_is_dropped(tok_end):
+    tok, _ = tok_end
+    prompt = [{"role": "user", "content": "2 + 2?"}]
+    pairs = rows({"prompt": prompt, "chosen": [{"role": "assistant", "content": "4"}],
+                  "rejected": [{"role": "assistant", "content": "5"}]},
+                 {"prompt": prompt, "chosen": [{"role": "assistant", "content": "4"}],
+                  "rejected": [{"role": "assistant", "content": ""}]})
+    examples, stats = tokenize_preference(pairs, tok, DataConfig())
+    assert len(examples) == 1 and stats["dropped_empty"] == 1

@@ -20,12 +20,12 @@ ALLOWED_IN = {"distributed": MACHINERY, "launch": MACHINERY, "rollout": ("vllm",
 LAYERS = [
     ("cli", "__main__", "demo"),                                    # the command line
     ("launch",),                                                    # what starts processes: Ray, serve children, doctor
-    ("run", "roles", "checkpoint", "logging", "plan"),              # composition of one run
+    ("run", "roles", "checkpoint", "outputs", "logging", "plan"),   # composition of one run
     ("train",),                                                     # the loop, sources, rollout source, evaluation
     ("algorithms",),                                                # prepare + loss plug-ins
     ("rollout", "rewards", "models", "data", "tasks"),              # engines, rewards, models, data
     ("distributed",),                                               # what runs inside a training process
-    ("ops", "losses", "config", "batch", "errors", "checkpoint_files", "__init__"),   # pure
+    ("ops", "losses", "config", "batch", "errors", "checkpoint_files", "usercode", "__init__"),   # pure
 ]
 LAYER_OF = {name: len(LAYERS) - i for i, names in enumerate(LAYERS) for name in names}
 

@@ -152,11 +152,38 @@ def test_bad_output_is_a_reward_error_even_when_skipping(output, message):
         rewards.score(PROMPTS, COMPLETIONS)
 
 
-def test_tensor_output_and_nan_are_accepted():
+def test_tensor_output_and_none_are_accepted():
     total, per_function, skipped = RewardSet(
-        [Reward("t", lambda p, c, **k: torch.tensor([1.0, float("nan"), 2.0]))]
+        [Reward("t", lambda p, c, **k: torch.tensor([1.0, 3.0, 2.0]))]
     ).score(PROMPTS, COMPLETIONS)
+    assert total.tolist() == [1.0, 3.0, 2.0] and skipped == 0
+    total, _, skipped = RewardSet([Reward("n", lambda p, c, **k: [1.0, None, 2.0])]).score(PROMPTS, COMPLETIONS)
     assert total.tolist() == [1.0, 0.0, 2.0] and skipped == 1
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), torch.tensor(float("nan")).item()])
+def test_nan_or_inf_is_an_error_naming_the_sample_never_a_silent_zero(bad):
+    reward = Reward("t", lambda p, c, **k: torch.tensor([1.0, bad, 2.0]))
+    with pytest.raises(RewardError, match=r"reward 't' returned (nan|inf) for sample 1 \(prompt: 'Name a colour.'\)"):
+        RewardSet([reward]).score(PROMPTS, COMPLETIONS)
+
+
+def test_wrong_count_or_type_names_the_batch():
+    with pytest.raises(RewardError, match=r"returned 2 values for 3 completions \(first prompt: 'What is 2 \+ 2\?'\)"):
+        RewardSet([Reward("t", lambda p, c, **k: [1.0, 2.0])]).score(PROMPTS, COMPLETIONS)
+    with pytest.raises(RewardError, match=r"returned a float for a batch of 3 \(first prompt"):
+        RewardSet([Reward("t", lambda p, c, **k: 1.0)]).score(PROMPTS, COMPLETIONS)
+
+
+def test_sys_exit_in_a_reward_is_a_failure_naming_the_sample():
+    def exits_on_blue(prompts, completions, **columns):
+        if "blue" in completions:
+            raise SystemExit(0)
+        return [1.0] * len(completions)
+
+    with pytest.raises(RewardError, match=r"reward 'x' called sys.exit\(0\) on sample 1 \(prompt: 'Name a colour.'") as e:
+        RewardSet([Reward("x", exits_on_blue)]).score(PROMPTS, COMPLETIONS)
+    assert "exits_on_blue" in e.value.user_traceback and "SystemExit: 0" in e.value.user_traceback
 
 
 def test_construction_checks():

@@ -35,6 +35,11 @@ class Broken:
     def __init__(self):
         raise RuntimeError("no licence key")
 
+class Quits:
+    def __init__(self):
+        import sys
+        sys.exit(0)
+
 NOT_CALLABLE = 3
 """
 
@@ -44,6 +49,7 @@ def user_module(tmp_path, monkeypatch):
     name = f"user_rewards_{tmp_path.name.replace('-', '_')}"
     (tmp_path / f"{name}.py").write_text(textwrap.dedent(MODULE))
     (tmp_path / "raises_on_import.py").write_text("raise ImportError('needs sympy')\n")
+    (tmp_path / "exits_on_import.py").write_text("import sys\nsys.exit(0)\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     yield name
     sys.modules.pop(name, None)
@@ -86,13 +92,13 @@ def test_file_path(tmp_path):
         (
             "no_such_module_xyz:fn",
             {},
-            "reward 'no_such_module_xyz:fn': cannot import module 'no_such_module_xyz': ModuleNotFoundError",
+            "reward 'no_such_module_xyz:fn': cannot import module 'no_such_module_xyz': it raised ModuleNotFoundError",
         ),
-        ("raises_on_import:fn", {}, "cannot import module 'raises_on_import': ImportError: needs sympy"),
+        ("raises_on_import:fn", {}, "cannot import module 'raises_on_import': it raised ImportError: needs sympy"),
         ("{m}:has_wrd", {}, "has no attribute 'has_wrd'; did you mean 'has_word'"),
         ("{m}:NOT_CALLABLE", {}, "'NOT_CALLABLE' is a int, not a function or class"),
         ("{m}:two_args", {"word": "x"}, "cannot be called as fn\\(prompts, completions, \\*\\*kwargs\\)"),
-        ("{m}:Broken", {}, "Broken\\(\\*\\*kwargs\\) failed: RuntimeError: no licence key"),
+        ("{m}:Broken", {}, "Broken\\(\\*\\*kwargs\\) raised RuntimeError: no licence key"),
         ("/no/such/file.py:fn", {}, "file /no/such/file.py does not exist"),
         (
             "exact_mach",
@@ -128,3 +134,12 @@ def test_load_rewards_makes_names_unique_and_scores(user_module):
     total, per_function, skipped = rewards.score(["q", "q"], ["yes", "no 7"], {"answer": ["x", "7"]})
     # yes: 0.5 * 1 + 0.25 * 1 + 1 + 0 ; no 7: 0 + 0 + 0 + 1
     assert total.tolist() == [1.75, 1.0] and skipped == 0
+
+
+@pytest.mark.parametrize("spec, message", [
+    ("exits_on_import:fn", r"(?s)cannot import module 'exits_on_import': it called sys.exit\(0\)\n  File .*exits_on_import.py"),
+    ("{m}:Quits", r"Quits\(\*\*kwargs\) called sys.exit\(0\)"),
+])
+def test_sys_exit_in_user_code_at_load_is_an_input_error_not_a_silent_exit(user_module, spec, message):
+    with pytest.raises(UserError, match=message):
+        load_reward(RewardConfig(name=spec.format(m=user_module)))

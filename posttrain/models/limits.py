@@ -1,0 +1,70 @@
+"""What the model can hold, read from its config.json without loading weights: the longest sequence.
+
+    check_position_limit(recipe, algorithm.data_kind)      # UserError naming the key, before anything heavy loads
+
+A sequence longer than the model's position table either fails deep inside the forward pass (learned positions)
+or trains on positions the model never saw (rotary), after the data, the memory estimate and the model were all
+sized for it. The limit is read from a local directory, or from the hub cache for a hub id (nothing is downloaded
+here; a hub id not in the cache is checked when it loads).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Optional
+
+from posttrain.errors import UserError
+
+POSITION_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length", "n_ctx")
+
+
+def model_config_file(name_or_path: str, revision: Optional[str] = None) -> Optional[Path]:
+    """config.json of a local model directory, or of a hub id already in the local cache; None otherwise."""
+    local = Path(name_or_path).expanduser()
+    if local.is_dir():
+        return local / "config.json" if (local / "config.json").is_file() else None
+    try:
+        from huggingface_hub import try_to_load_from_cache
+
+        cached = try_to_load_from_cache(name_or_path, "config.json", revision=revision)
+    except Exception:  # noqa: BLE001 - not a valid repo id for the cache: from_pretrained will say so
+        return None
+    return Path(cached) if isinstance(cached, str) else None
+
+
+def position_limit(config_file: Path) -> Optional[tuple[int, str]]:
+    """(positions, the key that says so) from a model's config.json (or its text_config); None if it names none."""
+    try:
+        config = json.loads(config_file.read_text())
+    except (OSError, ValueError):
+        return None  # unreadable: check_model_source and from_pretrained report it
+    for section in (config, config.get("text_config") or {}):
+        for key in POSITION_KEYS:
+            value = section.get(key) if isinstance(section, dict) else None
+            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+                return value, key
+    return None
+
+
+def check_position_limit(recipe, data_kind: str) -> None:
+    """The run's longest sequence must fit the model's positions: data.max_length (SFT, RM, DPO), or the prompt
+    plus the completion for generated data (GRPO, PPO)."""
+    config_file = model_config_file(recipe.model.name_or_path, recipe.model.revision)
+    limit = position_limit(config_file) if config_file is not None else None
+    if limit is None:
+        return
+    positions, key = limit
+    if data_kind == "prompt":
+        from posttrain.rollout.base import longest_sequence
+
+        longest = longest_sequence(recipe)
+        prompt_key = "data.max_prompt_length" if recipe.data.max_prompt_length else "data.max_length"
+        what = f"{prompt_key} + generation.max_completion_length = {longest:,}"
+        fix = f"lower {prompt_key} or generation.max_completion_length"
+    else:
+        longest = recipe.data.max_length
+        what, fix = f"data.max_length = {longest:,}", "lower data.max_length"
+    if longest > positions:
+        raise UserError(f"{what}, but the model holds {positions:,} positions ({key} in {config_file}); {fix} to at "
+                        f"most {positions:,}")

@@ -1,0 +1,173 @@
+"""Output directories: a run writes only where nothing of the user's can be lost.
+
+    resume_from = check_output_dir(recipe)        # every rank, before anything is loaded or written
+    aside = begin_run(out, overwrite)             # rank 0: the marker; overwrite moves the old run's files aside
+    (out / "config.yaml").write_text(...)
+    end_overwrite(aside)                          # the old run's files go only once the new config is written
+
+The rules (docs/reliability.md, "Output directories"):
+- a run writes into a directory that does not exist, is empty, or that a run made; a run recognises its own
+  directory by the marker file `.posttrain-run` it writes first, never by the flags it is given;
+- a directory written before the marker existed counts as a run's when its config.yaml is a posttrain recipe dump
+  (a mapping with output_dir, model, data and train); it gets the marker when a run continues it;
+- `/`, the home directory and the working directory itself are refused whatever the flags;
+- a run's own entry (final, checkpoints, ...) that is a symbolic link is refused: nothing is written through links;
+- overwrite_output_dir moves the run's own files (RUN_ARTIFACTS) into a folder inside output_dir and deletes it
+  only after the new config.yaml is written, so a failure before that leaves the old run where it was.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Optional
+
+import yaml
+
+from posttrain.checkpoint_files import warn
+from posttrain.distributed.resume import UNIVERSAL_DIR
+from posttrain.errors import UserError
+
+MARKER = ".posttrain-run"
+RUN_ARTIFACTS = ("config.yaml", "metrics.jsonl", "tensorboard", "checkpoints", "final", "final-critic", "report.html",
+                 "curves.png", "samples.jsonl", "ref_logprobs.safetensors", UNIVERSAL_DIR)
+ASIDE_PREFIX = ".posttrain-replaced-"  # overwrite_output_dir: the old run's files until the new run is set up
+RECIPE_SECTIONS = ("output_dir", "model", "data", "train")  # what every config.yaml a run wrote holds
+
+
+def engine_logs() -> str:
+    """The folder the Ray launcher's generation engines log to, created before the run itself starts."""
+    from posttrain.rollout.server_process import LOG_DIR
+
+    return LOG_DIR
+
+
+def check_output_dir(recipe) -> Optional[Path]:
+    """Refuse any output_dir a run could lose the user's files in. Returns the checkpoint to resume from, if any."""
+    from posttrain.checkpoint import resolve_resume
+
+    out = Path(recipe.output_dir)  # as run.py writes it (no ~ expansion there either)
+    t = recipe.train
+    refuse_special(out)
+    if out.exists() and not out.is_dir():
+        raise UserError(f"output_dir {out} is a file; choose a directory")
+    check_writable(out)
+    kind = classify(out)
+    if kind == "foreign":
+        shown = ", ".join(sorted(p.name for p in out.iterdir())[:5])
+        raise UserError(f"output_dir {out} is not empty ({shown}) and no posttrain run made it (it has no {MARKER}); "
+                        "a run writes only into an empty directory or its own: choose another output_dir")
+    refuse_links(out)
+    for left in sorted(out.glob(ASIDE_PREFIX + "*")) if out.is_dir() else ():
+        warn(f"{left} holds the files of a run that overwrite_output_dir was replacing when it stopped; nothing "
+             "removes it: move back what you need, then delete it")
+    resume = resolve_resume(str(out), t.resume_from_checkpoint, strict=t.resume_strict)
+    if resume is not None or t.overwrite_output_dir or t.resume_from_checkpoint == "auto":
+        return resume  # auto and no checkpoint yet (a run stopped before its first save): the run starts
+    # config.yaml alone: that run never trained; the engines' logs: the Ray launcher started them first
+    if kind == "run" and any(p.name not in ("config.yaml", MARKER, engine_logs()) for p in out.iterdir()):
+        raise UserError(
+            f"output_dir {out} already holds a run (config.yaml); pass train.resume_from_checkpoint=auto to continue "
+            "it, train.overwrite_output_dir=true to replace it, or choose another output_dir"
+        )
+    return None
+
+
+def refuse_special(out: Path) -> None:
+    """`/`, the home directory and the working directory: a run's files would mix with everything there."""
+    where = out.resolve()
+    special = {Path("/").resolve(): "the root directory", Path.home().resolve(): "your home directory",
+               Path.cwd().resolve(): "the working directory"}
+    if where in special:
+        raise UserError(f"output_dir {out} is {special[where]}; a run needs a directory of its own, e.g. "
+                        "output_dir=runs/my-run")
+
+
+def check_writable(out: Path) -> None:
+    """output_dir (or the nearest folder above it that exists) must take new files; probed with a temporary file."""
+    probe_in = next(p for p in (out, *out.parents) if p.exists())
+    try:
+        if not probe_in.is_dir():
+            raise NotADirectoryError(f"{probe_in} is a file")
+        fd, name = tempfile.mkstemp(prefix=".posttrain-probe-", dir=probe_in)
+        os.close(fd)
+        os.unlink(name)
+    except OSError as e:
+        raise UserError(f"output_dir {out}: cannot write in {probe_in} ({e.strerror or e}); choose a writable "
+                        "output_dir or fix its permissions") from None
+
+
+def classify(out: Path) -> str:
+    """new (absent or empty, or only the engines' logs), run (the marker, or a run from before the marker), or
+    foreign (anything else: nothing there may be touched)."""
+    if not out.is_dir():
+        return "new"
+    names = {p.name for p in out.iterdir()}
+    if not names - {engine_logs()}:
+        return "new"
+    if MARKER in names or is_unmarked_run(out):
+        return "run"
+    return "foreign"
+
+
+def is_unmarked_run(out: Path) -> bool:
+    """A run written before the marker existed: its config.yaml is a posttrain recipe dump."""
+    config = out / "config.yaml"
+    if not config.is_file() or config.is_symlink() or config.stat().st_size > 2**20:
+        return False
+    try:
+        loaded = yaml.safe_load(config.read_text())
+    except (yaml.YAMLError, UnicodeDecodeError, RecursionError):
+        return False
+    return isinstance(loaded, dict) and all(key in loaded for key in RECIPE_SECTIONS)
+
+
+def refuse_links(out: Path) -> None:
+    """A run replaces its own entries (final/, checkpoints/step-N/); through a link it would replace what the link
+    points to."""
+    if not out.is_dir():
+        return
+    entries = [out / name for name in RUN_ARTIFACTS]
+    if (out / "checkpoints").is_dir() and not (out / "checkpoints").is_symlink():
+        entries += sorted((out / "checkpoints").iterdir())
+    for entry in entries:
+        if entry.is_symlink():
+            raise UserError(f"output_dir: {entry} is a symbolic link (to {os.readlink(entry)}); a run writes only "
+                            "its own files and never through a link: remove the link or choose another output_dir")
+
+
+def begin_run(out: Path, overwrite: bool, command: str = "") -> Optional[Path]:
+    """Rank 0, once the checks passed: create output_dir, write the marker, and with overwrite move the previous
+    run's own files into a folder inside output_dir (returned; pass it to end_overwrite once config.yaml is new)."""
+    out.mkdir(parents=True, exist_ok=True)
+    marker = out / MARKER
+    if not marker.exists():
+        stamp = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+        marker.write_text(json.dumps({"created": stamp, "command": command, "by": "posttrain"}) + "\n")
+    if not overwrite:
+        return None
+    present = [name for name in RUN_ARTIFACTS if os.path.lexists(out / name)]
+    if not present:
+        return None
+    aside = Path(tempfile.mkdtemp(prefix=ASIDE_PREFIX, dir=out))
+    moved = []
+    try:
+        for name in present:
+            os.rename(out / name, aside / name)  # a link is moved as a link, never followed
+            moved.append(name)
+    except OSError:
+        for name in moved:  # put back what moved: the old run stays as it was
+            os.rename(aside / name, out / name)
+        aside.rmdir()
+        raise
+    return aside
+
+
+def end_overwrite(aside: Optional[Path]) -> None:
+    """The new run is set up: the old run's files moved aside by begin_run go."""
+    if aside is not None:
+        shutil.rmtree(aside)

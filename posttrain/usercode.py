@@ -1,0 +1,86 @@
+"""User code (reward functions now; tools and environments reuse it): one error path for everything it can do.
+
+    module = import_user("my_rewards", "reward 'my_rewards:has_citation'")        # UserError (exit 2) at start-up
+    scores = call_user(fn, "reward 'has_citation' on a batch of 8", prompts, completions)   # UserCodeError (exit 1)
+    raise UserCodeError(f"reward 'f' {what_it_did(error)} on sample 3 (prompt: 'What is')", error)
+
+Whatever user code does ends as one message naming the function, the sample and what it did, with the user's own
+traceback under it, and a non-zero exit. `except Exception` is not enough: sys.exit(0) raises SystemExit, which
+would end the run with exit 0 and no word, so it is caught here too. KeyboardInterrupt stays the user's Ctrl-C, and
+a UserError raised on purpose (a missing column, say) stays the input error it is.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import os
+import sys
+import traceback
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+from posttrain.errors import UserError
+
+
+class UserCodeError(Exception):
+    """User code failed while the run was going: exit 1, the message and the user's traceback, no posttrain one."""
+
+    exit_code = 1
+
+    def __init__(self, message: str, cause: Optional[BaseException] = None):
+        super().__init__(message)
+        self.user_traceback = user_frames(cause) if cause is not None else ""
+
+
+def what_it_did(error: BaseException) -> str:
+    """'raised ValueError: bad input' / 'called sys.exit(0)': what the user's code did, in words."""
+    if isinstance(error, SystemExit):
+        return f"called sys.exit({error.code!r})" if error.code is not None else "called sys.exit()"
+    return f"raised {type(error).__name__}: {error}"
+
+
+def user_frames(error: BaseException) -> str:
+    """The traceback of `error` without posttrain's own frames or the import machinery's: the user's code."""
+    ours = (str(Path(__file__).resolve().parent), str(Path(importlib.__file__).resolve().parent))
+    frames = [f for f in traceback.extract_tb(error.__traceback__)
+              if not f.filename.startswith("<frozen") and not str(Path(f.filename).resolve()).startswith(ours)]
+    lines = traceback.format_list(frames) + traceback.format_exception_only(type(error), error)
+    return "".join(lines).rstrip()
+
+
+def call_user(fn: Callable, what: str, *args, **kwargs) -> Any:
+    """fn(*args, **kwargs); anything it raises but a UserError or Ctrl-C becomes a UserCodeError naming `what`."""
+    try:
+        return fn(*args, **kwargs)
+    except (UserError, KeyboardInterrupt):
+        raise
+    except BaseException as e:  # noqa: BLE001 - SystemExit included: see the module docstring
+        raise UserCodeError(f"{what} {what_it_did(e)}", e) from e
+
+
+def import_user(module_name: str, what: str):
+    """Import 'package.module' (on sys.path or in the working directory) or 'path/to/file.py'; anything the module
+    does on import that fails it (sys.exit included) is a UserError naming `what`."""
+    if module_name.endswith(".py"):
+        path = Path(module_name).expanduser()
+        if not path.is_file():
+            raise UserError(f"{what}: file {module_name} does not exist")
+
+        def load():
+            spec = importlib.util.spec_from_file_location(f"posttrain_user_{path.stem}", path)
+            module = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(module)
+            return module
+    else:
+        if os.getcwd() not in sys.path and "" not in sys.path:
+            sys.path.append(os.getcwd())  # `posttrain grpo` run next to my_rewards.py finds it, as `python -m` would
+
+        def load():
+            return importlib.import_module(module_name)
+    try:
+        return load()
+    except (UserError, KeyboardInterrupt):
+        raise
+    except BaseException as e:  # noqa: BLE001 - SystemExit included: see the module docstring
+        raise UserError(f"{what}: cannot import module '{module_name}': it {what_it_did(e)}\n{user_frames(e)}") from None

@@ -1,0 +1,144 @@
+"""Output directories (issue #25): a run writes only into an empty directory or its own, never loses the user's
+files, and overwrite_output_dir replaces only the run's own files, leaving the old run whole if it fails."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from posttrain import checkpoint_files, outputs
+from posttrain.config.load import load_recipe
+from posttrain.config.schema import SFTAlgoConfig
+from posttrain.errors import UserError
+
+
+def recipe(out, *extra):
+    return load_recipe(None, [f"output_dir={out}", "data.train=x.jsonl", *extra], SFTAlgoConfig)
+
+
+def snapshot(root: Path) -> dict[str, bytes | str]:
+    """Every entry under root: file bytes, link targets, directories."""
+    found = {}
+    for p in sorted(root.rglob("*")):
+        key = str(p.relative_to(root))
+        found[key] = ("link:" + os.readlink(p)) if p.is_symlink() else (p.read_bytes() if p.is_file() else "dir")
+    return found
+
+
+def user_dir(tmp_path) -> Path:
+    out = tmp_path / "mine"
+    (out / "final").mkdir(parents=True)
+    (out / "final" / "README_MINE.md").write_text("my notes")
+    (out / "checkpoints" / "step-2").mkdir(parents=True)
+    (out / "checkpoints" / "step-2" / "trainer_state.json").write_text("{}")
+    return out
+
+
+@pytest.mark.parametrize("flags", [[], ["train.resume_from_checkpoint=auto"], ["train.overwrite_output_dir=true"]])
+def test_a_directory_no_run_made_is_refused_whatever_the_flags(tmp_path, flags):
+    out = user_dir(tmp_path)
+    before = snapshot(out)
+    with pytest.raises(UserError, match=r"no posttrain run made it \(it has no \.posttrain-run\)"):
+        outputs.check_output_dir(recipe(out, *flags))
+    assert snapshot(out) == before
+
+
+@pytest.mark.parametrize("where", ["/", str(Path.home()), ".", os.getcwd()])
+@pytest.mark.parametrize("flags", [[], ["train.resume_from_checkpoint=auto"], ["train.overwrite_output_dir=true"]])
+def test_root_home_and_working_directory_are_refused(where, flags):
+    with pytest.raises(UserError, match="a run needs a directory of its own"):
+        outputs.check_output_dir(recipe(where, *flags))
+
+
+def test_a_new_or_empty_directory_starts(tmp_path):
+    assert outputs.check_output_dir(recipe(tmp_path / "new")) is None
+    (tmp_path / "empty").mkdir()
+    assert outputs.check_output_dir(recipe(tmp_path / "empty")) is None
+
+
+def test_a_run_directory_needs_auto_or_overwrite(tmp_path):
+    out = tmp_path / "run"
+    outputs.begin_run(out, overwrite=False, command="sft")
+    (out / "config.yaml").write_text("x")
+    assert outputs.check_output_dir(recipe(out)) is None  # config.yaml alone: that run never trained
+    (out / "metrics.jsonl").write_text("{}\n")
+    with pytest.raises(UserError, match="already holds a run"):
+        outputs.check_output_dir(recipe(out))
+    assert outputs.check_output_dir(recipe(out, "train.resume_from_checkpoint=auto")) is None
+    assert outputs.check_output_dir(recipe(out, "train.overwrite_output_dir=true")) is None
+
+
+def test_a_run_from_before_the_marker_is_recognised_by_its_config(tmp_path):
+    out = tmp_path / "old-run"
+    out.mkdir()
+    (out / "config.yaml").write_text("output_dir: old-run\nseed: 1\nmodel: {}\ndata: {}\ntrain: {}\n")
+    (out / "metrics.jsonl").write_text("{}\n")
+    assert outputs.classify(out) == "run"
+    assert outputs.check_output_dir(recipe(out, "train.resume_from_checkpoint=auto")) is None
+    (out / "config.yaml").write_text("something: else\n")  # another tool's config
+    assert outputs.classify(out) == "foreign"
+
+
+def test_a_linked_final_is_refused_and_not_followed(tmp_path):
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "precious.txt").write_text("keep")
+    out = tmp_path / "run"
+    outputs.begin_run(out, overwrite=False)
+    (out / "config.yaml").write_text("x")
+    (out / "final").symlink_to(elsewhere)
+    before = snapshot(tmp_path)
+    for flags in ([], ["train.overwrite_output_dir=true"], ["train.resume_from_checkpoint=auto"]):
+        with pytest.raises(UserError, match="is a symbolic link"):
+            outputs.check_output_dir(recipe(out, *flags))
+    assert snapshot(tmp_path) == before
+    with pytest.raises(UserError, match="symbolic link"):
+        checkpoint_files.replace_dir(tmp_path / "new", out / "final")
+    assert snapshot(tmp_path) == before
+
+
+def test_overwrite_moves_only_the_runs_files_and_removes_them_after_the_new_config(tmp_path):
+    out = tmp_path / "run"
+    outputs.begin_run(out, overwrite=False)
+    (out / "config.yaml").write_text("old")
+    (out / "checkpoints" / "step-2").mkdir(parents=True)
+    (out / "final").mkdir()
+    (out / "notes.txt").write_text("mine")
+    aside = outputs.begin_run(out, overwrite=True)
+    assert sorted(p.name for p in aside.iterdir()) == ["checkpoints", "config.yaml", "final"]
+    assert (aside / "config.yaml").read_text() == "old"  # a failure here leaves the old run whole, inside out/
+    (out / "config.yaml").write_text("new")
+    outputs.end_overwrite(aside)
+    assert sorted(p.name for p in out.iterdir()) == [".posttrain-run", "config.yaml", "notes.txt"]
+    assert (out / "notes.txt").read_text() == "mine"
+
+
+def test_overwrite_that_fails_midway_puts_everything_back(tmp_path, monkeypatch):
+    out = tmp_path / "run"
+    outputs.begin_run(out, overwrite=False)
+    for name in ("config.yaml", "metrics.jsonl", "report.html"):
+        (out / name).write_text(name)
+    before = snapshot(out)
+    rename = os.rename
+
+    def failing(src, dst):
+        if Path(src).name == "report.html":
+            raise OSError(5, "I/O error")
+        rename(src, dst)
+
+    monkeypatch.setattr(os, "rename", failing)
+    with pytest.raises(OSError):
+        outputs.begin_run(out, overwrite=True)
+    assert snapshot(out) == before
+
+
+def test_replace_dir_swaps_a_complete_directory_in(tmp_path):
+    final, tmp = tmp_path / "final", tmp_path / ".tmp-final"
+    final.mkdir()
+    (final / "a").write_text("old")
+    tmp.mkdir()
+    (tmp / "a").write_text("new")
+    checkpoint_files.replace_dir(tmp, final)
+    assert (final / "a").read_text() == "new" and not tmp.exists() and not (tmp_path / ".old-final").exists()
