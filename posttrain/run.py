@@ -29,7 +29,7 @@ from posttrain.config.schema import Recipe, total_steps
 from posttrain.errors import UserError
 
 RUN_ARTIFACTS = ("config.yaml", "metrics.jsonl", "tensorboard", "checkpoints", "final", "final-critic", "report.html",
-                 "curves.png",
+                 "curves.png", "summary.json",
                  "samples.jsonl", "ref_logprobs.safetensors", UNIVERSAL_DIR)
 
 
@@ -139,7 +139,7 @@ def run(command: str, recipe: Recipe, remote_roles: Optional[dict] = None) -> Ru
     from posttrain.algorithms import ALGORITHMS
     from posttrain.algorithms.base import Models, Role
     from posttrain.distributed.backend import Backend
-    from posttrain.logging import MetricsLogger, read_metrics, write_report
+    from posttrain.logging import MetricsLogger, read_metrics
     from posttrain.models.load import check_model_source, count_parameters, load_tokenizer
     from posttrain.train.guard import Guard
     from posttrain.train.loop import LoopContext, evaluate, train
@@ -232,7 +232,6 @@ def run(command: str, recipe: Recipe, remote_roles: Optional[dict] = None) -> Ru
         state = checkpointer.load(resume_from, models, algorithm)
     algorithm.setup(backend, models, train_examples, collate, out)
 
-    logger = MetricsLogger(str(out), steps, state.step, backend.is_main, tensorboard=t.tensorboard)
     summary = dict(
         command=command,
         parameters=f"{total_params / 1e6:.2f}M ({trainable_params / 1e6:.2f}M trainable)",
@@ -252,6 +251,13 @@ def run(command: str, recipe: Recipe, remote_roles: Optional[dict] = None) -> Ru
 
     summary["estimated_peak_memory_mb"] = estimated_peak_mb(command, recipe, backend.describe(),
                                                             (total_params, trainable_params))
+    trackers = []
+    if backend.is_main:
+        from posttrain.config.schema import trackers as tracker_names
+        from posttrain.trackers import open_trackers, tracked_run
+
+        trackers = open_trackers(tracker_names(t), tracked_run(recipe, command, state.step, summary))
+    logger = MetricsLogger(str(out), steps, state.step, backend.is_main, trackers)
     logger.info("posttrain " + " | ".join(f"{k}={v}" for k, v in summary.items() if v is not None))
     eval_fn = None
     if eval_examples is not None and algorithm.has_custom_eval():  # online algorithms: eval by generating
@@ -264,10 +270,16 @@ def run(command: str, recipe: Recipe, remote_roles: Optional[dict] = None) -> Ru
     ctx = LoopContext(backend=backend, algorithm=algorithm, models=models, source=source, total_steps=steps,
                       logger=logger, checkpointer=checkpointer, state=state, evaluate=eval_fn,
                       memory_estimate_mb=summary["estimated_peak_memory_mb"], guard=Guard(t, backend))
-    with ctx.guard:  # SIGTERM / SIGINT: save at the next step boundary and exit 143 / 130
-        state = train(ctx)
-    if hasattr(source, "close"):  # engines with their own copy of the policy get the final one
-        source.close(state.step)
+    try:
+        with ctx.guard:  # SIGTERM / SIGINT: save at the next step boundary and exit 143 / 130
+            state = train(ctx)
+        if hasattr(source, "close"):  # engines with their own copy of the policy get the final one
+            source.close(state.step)
+    except BaseException as e:  # the trackers record the run as failed (or killed), not as running forever
+        from posttrain.trackers import closing_status
+
+        logger.close(closing_status(e))
+        raise
     logger.close()
     final_dir = None
     if state.step >= steps and t.save_final_model:
@@ -278,8 +290,9 @@ def run(command: str, recipe: Recipe, remote_roles: Optional[dict] = None) -> Ru
             elif name != "policy":
                 export_final(backend, role.model, tokenizer, str(out), name=f"final-{name}")
     if backend.is_main and t.report:
-        report = write_report(out, f"posttrain {command}: {out.name}",
-                              {**summary, "minutes": f"{(time.time() - started) / 60:.1f}"})
+        from posttrain.report import write_report
+
+        report = write_report(out, {**summary, "minutes": round((time.time() - started) / 60, 2)})
         logger.info(f"report: {report}")
     metrics = read_metrics(out) if backend.is_main else []
     if hasattr(source, "end"):  # no collective after this point: an in-process vLLM engine may tear down its groups
