@@ -22,6 +22,8 @@ from typing import Any, Optional
 from posttrain.errors import UserError
 from posttrain.logging import read_metrics
 from posttrain.report_charts import COLORS, LINESTYLES, Series, draw, finite, is_constant
+from posttrain.report_html import (config_section, constants_table, facts_section, fmt, headline_single,
+                                   headline_table, page, samples_section)
 
 # The curves a person reads first, per command: (title, metric patterns); eval/<metric> joins its train metric
 KEY_CURVES: dict[str, tuple[tuple[str, tuple[str, ...]], ...]] = {
@@ -182,33 +184,46 @@ def direction(key: str) -> int:
     return 0
 
 
-def fmt(key: str, value: float) -> str:
-    if "accura" in key and 0 <= value <= 1:
-        return f"{value:.1%}"
-    return f"{value:,.0f}" if abs(value) >= 10000 else f"{value:.4g}"
+@dataclass(frozen=True)
+class Figure:
+    """One metric for the headline: its first, last and best (step, value); best is None where neither way is."""
+
+    key: str
+    first: tuple[int, float]
+    last: tuple[int, float]
+    best: Optional[tuple[int, float]]
+
+    def detail(self) -> str:
+        parts = [f"step {self.last[0]}"]
+        if self.key.startswith("eval/") and self.first != self.last:
+            parts.append(f"from {fmt(self.key, self.first[1])} at step {self.first[0]}")
+        if self.best is not None and self.first != self.last:
+            parts.append(f"best {fmt(self.key, self.best[1])} at step {self.best[0]}")
+        return " · ".join(parts)
 
 
-def headline_figures(run: Run, key_charts: list[Chart]) -> list[tuple[str, str, str]]:
-    """(metric, last value, detail) for the headline: the algorithm's first curve and the loss, then every held-out
-    metric (the key curves' first), each with where it started and its best."""
+def figure(run: Run, key: str) -> Optional[Figure]:
+    steps, values = run.points(key)
+    if not steps:
+        return None
+    best = max(range(len(values)), key=lambda i: direction(key) * values[i]) if direction(key) else None
+    return Figure(key, (steps[0], values[0]), (steps[-1], values[-1]),
+                  None if best is None else (steps[best], values[best]))
+
+
+def headline_figures(run: Run, key_charts: list[Chart], limit: int = 6) -> list[Figure]:
+    """The algorithm's first curve and the loss, then the held-out metrics, those of the key curves first."""
     keys = run.keys()
     main = [k for chart in key_charts[:1] for k in chart.keys if not k.startswith("eval/")][:1]
     train = [k for k in dict.fromkeys(main + ["loss"]) if k in keys]
     in_charts = [k for chart in key_charts for k in chart.keys if k.startswith("eval/")]
     evals = list(dict.fromkeys(in_charts + sorted(k for k in keys if k.startswith("eval/"))))
-    figures = []
-    for key in train + evals:
-        steps, values = run.points(key)
-        if not steps:
-            continue
-        detail = [f"step {steps[-1]}"]
-        if key.startswith("eval/") and len(values) > 1:
-            detail.append(f"from {fmt(key, values[0])} at step {steps[0]}")
-        if direction(key) and len(values) > 1:
-            best = max(range(len(values)), key=lambda i: direction(key) * values[i])
-            detail.append(f"best {fmt(key, values[best])} at step {steps[best]}")
-        figures.append((key, fmt(key, values[-1]), " · ".join(detail)))
-    return figures[:6]
+    return [f for f in (figure(run, k) for k in train + evals) if f is not None][:limit]
+
+
+def eval_figures(run: Run) -> list[Figure]:
+    """Every held-out metric at its first evaluation (step 0: the starting model), its last and its best."""
+    return [f for f in (figure(run, k) for k in sorted(run.keys()) if k.startswith("eval/")) if f is not None]
 
 
 def describe(run: Run) -> str:
@@ -241,9 +256,6 @@ def write_report(output_dir: str | Path, facts: Optional[dict[str, Any]] = None)
 
 def render(runs: list[Run]) -> str:
     """The page for one run, or the comparison page for several (overlaid curves, one headline row per run)."""
-    from posttrain.report_html import (config_section, constants_table, facts_section, headline_single,
-                                       headline_table, page, samples_section)
-
     constants = constant_keys(runs)
     key_charts, throughput, rest = plan_charts([r.command for r in runs], set().union(*(r.keys() for r in runs)),
                                                constants)
@@ -255,7 +267,7 @@ def render(runs: list[Run]) -> str:
     if len(runs) == 1:
         run = runs[0]
         title = f"posttrain {run.command} · {run.name}"
-        body = [headline_single(run, title, describe(run), headline_figures(run, key_charts))]
+        body = [headline_single(title, describe(run), headline_figures(run, key_charts), eval_figures(run))]
     else:
         title = f"posttrain · {len(runs)} runs compared"
         body = [headline_table(runs, title, [describe(r) for r in runs],

@@ -47,29 +47,46 @@ def page(title: str, body: str) -> str:
     return PAGE.format(title=html.escape(title), css=CSS, body=body)
 
 
+def fmt(key: str, value: float) -> str:
+    """A metric's value for people: accuracies as percentages, large numbers with separators."""
+    if "accura" in key and 0 <= value <= 1:
+        return f"{value:.1%}"
+    return f"{value:,.0f}" if abs(value) >= 10000 else f"{value:.4g}"
+
+
 def esc(value) -> str:
     return html.escape(str(value))
 
 
-def tile(key: str, value: str, detail: str) -> str:
-    return (f"<div class='tile'><div class='k'>{esc(key)}</div><div class='v'>{esc(value)}</div>"
-            f"<div class='d'>{esc(detail)}</div></div>")
+def tile(figure) -> str:
+    return (f"<div class='tile'><div class='k'>{esc(figure.key)}</div>"
+            f"<div class='v'>{esc(fmt(figure.key, figure.last[1]))}</div><div class='d'>{esc(figure.detail())}</div></div>")
 
 
-def headline_single(run, title: str, description: str, figures) -> str:
-    tiles = "".join(tile(*f) for f in figures)
-    return f"<header><h1>{esc(title)}</h1><p class='what'>{description}</p><div class='tiles'>{tiles}</div></header>"
+def headline_single(title: str, description: str, figures, evals) -> str:
+    """The title, what was trained on what for how long, the headline figures, and every held-out metric."""
+    tiles = "".join(tile(f) for f in figures)
+
+    def at(key, point) -> str:
+        return f"{esc(fmt(key, point[1]))} (step {point[0]})" if point else "-"
+
+    rows = "".join(f"<tr><th>{esc(f.key)}</th><td class='num'>{at(f.key, f.first)}</td><td class='num'>"
+                   f"{at(f.key, f.last)}</td><td class='num'>{at(f.key, f.best)}</td></tr>" for f in evals)
+    table = (f"<h2>Held-out evaluation</h2><table><tr><th>metric</th><th>first</th><th>last</th><th>best</th></tr>"
+             f"{rows}</table>") if evals else ""
+    return (f"<header><h1>{esc(title)}</h1><p class='what'>{description}</p><div class='tiles'>{tiles}</div>"
+            f"{table}</header>")
 
 
 def headline_table(runs, title: str, descriptions: list[str], figures_per_run: list[list]) -> str:
     """One row per run: its colour on the charts, what it trained, and its headline figures side by side."""
-    keys = list(dict.fromkeys(key for figures in figures_per_run for key, _, _ in figures))
+    keys = list(dict.fromkeys(f.key for figures in figures_per_run for f in figures))
     head = "<tr><th>run</th><th>what</th>" + "".join(f"<th>{esc(k)}</th>" for k in keys) + "</tr>"
     rows = []
     for r, (run, description, figures) in enumerate(zip(runs, descriptions, figures_per_run)):
-        by_key = {key: (value, detail) for key, value, detail in figures}
-        cells = "".join(f"<td class='num'>{esc(by_key[k][0])}<div class='note'>{esc(by_key[k][1])}</div></td>"
-                        if k in by_key else "<td></td>" for k in keys)
+        by_key = {f.key: f for f in figures}
+        cells = "".join(f"<td class='num'>{esc(fmt(k, by_key[k].last[1]))}<div class='note'>"
+                        f"{esc(by_key[k].detail())}</div></td>" if k in by_key else "<td></td>" for k in keys)
         chip = f"<span class='chip' style='background:{COLORS[r % len(COLORS)]}'></span>"
         rows.append(f"<tr><td>{chip}<b>{esc(run.name)}</b><div class='note'>{esc(run.command)} · {esc(run.path)}"
                     f"</div></td><td>{description}</td>{cells}</tr>")

@@ -100,10 +100,15 @@ def test_the_headline_comes_first_with_what_how_long_and_eval_figures(tmp_path):
     for fact in ("<b>tiny/</b> on data/sft.jsonl", "12 steps", "1.5 min", "0.46M (0.46M trainable) parameters",
                  "global batch 8", "1 process (single, cpu)"):
         assert fact in headline, fact
-    figures = {key: (value, detail) for key, value, detail in headline_figures(load_run(path), plan_charts(
-        ["sft"], load_run(path).keys(), set())[0])}
-    assert figures["loss"][0] == "1.8"  # last train loss: 3.0 - 0.1 * 12
-    assert figures["eval/loss"] == ("1.56", "step 12 · from 3 at step 0 · best 1.56 at step 12")
+    run = load_run(path)
+    figures = {f.key: f for f in headline_figures(run, plan_charts(["sft"], run.keys(), set())[0])}
+    assert list(figures) == ["loss", "eval/loss"]
+    assert figures["loss"].last == (12, pytest.approx(1.8))  # 3.0 - 0.1 * 12
+    assert figures["eval/loss"].detail() == "step 12 · from 3 at step 0 · best 1.56 at step 12"
+    assert "<div class='v'>1.8</div>" in headline and "<div class='v'>1.56</div>" in headline
+    # every held-out metric at the starting model (step 0), the end and its best
+    assert ("<tr><th>eval/loss</th><td class='num'>3 (step 0)</td><td class='num'>1.56 (step 12)</td>"
+            "<td class='num'>1.56 (step 12)</td></tr>") in headline
     assert "<img" in page and "src='data:image/png;base64," in page and "curves.png" not in page  # self-contained
     assert page.index("Logged once or constant") < page.index("All other metrics")  # grad_norm: collapsed below
 
