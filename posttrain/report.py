@@ -195,9 +195,11 @@ class Figure:
 
     def detail(self) -> str:
         parts = [f"step {self.last[0]}"]
-        if self.key.startswith("eval/") and self.first != self.last:
+        if self.first[0] != self.last[0] and self.first[1] == self.last[1] == (self.best or self.last)[1]:
+            return f"step {self.last[0]} · unchanged since step {self.first[0]}"
+        if self.key.startswith("eval/") and self.first[0] != self.last[0]:
             parts.append(f"from {fmt(self.key, self.first[1])} at step {self.first[0]}")
-        if self.best is not None and self.first != self.last:
+        if self.best is not None and self.first[0] != self.last[0]:
             parts.append(f"best {fmt(self.key, self.best[1])} at step {self.best[0]}")
         return " · ".join(parts)
 

@@ -55,7 +55,10 @@ def draw(title: str, series: list[Series], max_step: int, ylabel: str = "") -> s
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(4.8, 2.9), dpi=110)
+    from matplotlib.ticker import MaxNLocator
+
+    crowded = len(series) > 4  # the legend goes under the axes instead of over the lines
+    fig, ax = plt.subplots(figsize=(4.8, 2.9 + 0.16 * math.ceil(len(series) / 3) * crowded), dpi=110)
     varying = [s for s in series if not is_constant(list(s.values))]
     labelled = 0
     for s in series:
@@ -78,13 +81,18 @@ def draw(title: str, series: list[Series], max_step: int, ylabel: str = "") -> s
     if ylabel:
         ax.set_ylabel(ylabel, fontsize=8)
     ax.set_xlim(0, max(1, max_step))
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.tick_params(labelsize=8)
     ax.grid(alpha=0.25)
     for side in ("top", "right"):
         ax.spines[side].set_visible(False)
-    if labelled > 1:
-        ax.legend(fontsize=7, frameon=False, loc="best")
-    fig.tight_layout()
+    if labelled > 1 and crowded:
+        fig.legend(fontsize=6.5, frameon=False, loc="lower center", ncol=3)
+        fig.tight_layout(rect=(0, 0.055 * math.ceil(labelled / 3) * 2.9 / fig.get_figheight(), 1, 1))
+    else:
+        if labelled > 1:
+            ax.legend(fontsize=7, frameon=False, loc="best")
+        fig.tight_layout()
     buffer = io.BytesIO()
     fig.savefig(buffer, format="png")
     plt.close(fig)
