@@ -214,10 +214,10 @@ def figure(run: Run, key: str) -> Optional[Figure]:
 
 
 def headline_figures(run: Run, key_charts: list[Chart], limit: int = 6) -> list[Figure]:
-    """The algorithm's first curve and the loss, then the held-out metrics, those of the key curves first."""
+    """The algorithm's first curve (the loss; the reward for online RL, whose loss has no best), then the held-out
+    metrics, those of the key curves first."""
     keys = run.keys()
-    main = [k for chart in key_charts[:1] for k in chart.keys if not k.startswith("eval/")][:1]
-    train = [k for k in dict.fromkeys(main + ["loss"]) if k in keys]
+    train = [k for chart in key_charts[:1] for k in chart.keys if not k.startswith("eval/") and k in keys][:1]
     in_charts = [k for chart in key_charts for k in chart.keys if k.startswith("eval/")]
     evals = list(dict.fromkeys(in_charts + sorted(k for k in keys if k.startswith("eval/"))))
     return [f for f in (figure(run, k) for k in train + evals) if f is not None][:limit]

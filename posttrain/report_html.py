@@ -127,7 +127,8 @@ def spread(items: list, count: int) -> list:
 
 def samples_section(run) -> str:
     """Sampled completions with their rewards at a few steps (GRPO / PPO write samples.jsonl at each logging step):
-    per step a few prompts, and per prompt its best, worst and middle completions by reward."""
+    per step a few prompts (those whose rewards differ first), and per prompt its best, worst and middle
+    completions by reward."""
     if not run.samples:
         return ""
     functions = list(dict.fromkeys(k for s in run.samples for k in (s.get("rewards") or {})))
@@ -140,8 +141,10 @@ def samples_section(run) -> str:
         groups: dict[str, list] = {}
         for sample in (s for s in run.samples if s.get("step", 0) == step):
             groups.setdefault(prompt_text(sample.get("prompt", "")), []).append(sample)
+        # the prompts whose completions disagree first: where the step had something to learn from
+        disagreeing = sorted(groups.items(), key=lambda item: -len({_reward(s) for s in item[1]}))
         shown = [(prompt, spread(sorted(group, key=_reward, reverse=True), SAMPLE_COMPLETIONS))
-                 for prompt, group in list(groups.items())[:SAMPLE_GROUPS]]
+                 for prompt, group in disagreeing[:SAMPLE_GROUPS]]
         step_rows = sum(len(group) for _, group in shown)
         for g, (prompt, group) in enumerate(shown):
             for i, sample in enumerate(group):
@@ -155,7 +158,8 @@ def samples_section(run) -> str:
                 rows.append("<tr>" + "".join(cells) + "</tr>")
     return (f"<h2>Sampled completions</h2><p class='note'>samples.jsonl holds {len(run.samples)} completions from "
             f"{len(steps)} logging steps; shown: steps {', '.join(map(str, spread(steps, SAMPLE_STEPS)))}, "
-            f"{SAMPLE_GROUPS} prompts each, each prompt's best, worst and middle completions by reward</p>"
+            f"{SAMPLE_GROUPS} prompts each (those whose rewards differ first), each prompt's best, worst and middle "
+            "completions by reward</p>"
             f"<table class='samples'>{head}{''.join(rows)}</table>")
 
 

@@ -9,8 +9,8 @@ import re
 import pytest
 
 from posttrain.cli import run_command
-from posttrain.report import constant_keys, chart_series, headline_figures, load_run, load_runs, plan_charts, render
-from posttrain.report import write_report
+from posttrain.report import (Figure, chart_series, constant_keys, headline_figures, load_run, load_runs,
+                              plan_charts, render, write_report)
 from posttrain.report_charts import smooth, smoothing_weight
 
 
@@ -105,6 +105,7 @@ def test_the_headline_comes_first_with_what_how_long_and_eval_figures(tmp_path):
     assert list(figures) == ["loss", "eval/loss"]
     assert figures["loss"].last == (12, pytest.approx(1.8))  # 3.0 - 0.1 * 12
     assert figures["eval/loss"].detail() == "step 12 · from 3 at step 0 · best 1.56 at step 12"
+    assert Figure("eval/reward", (0, 0.0), (20, 0.0), (0, 0.0)).detail() == "step 20 · unchanged since step 0"
     assert "<div class='v'>1.8</div>" in headline and "<div class='v'>1.56</div>" in headline
     # every held-out metric at the starting model (step 0), the end and its best
     assert ("<tr><th>eval/loss</th><td class='num'>3 (step 0)</td><td class='num'>1.56 (step 12)</td>"
@@ -122,7 +123,8 @@ def test_a_run_without_summary_json_is_still_drawn_and_its_algorithm_inferred(tm
 
 def test_samples_table_shows_a_few_steps_with_the_best_and_worst_completions(tmp_path):
     samples = [{"step": step, "prompt": [{"role": "user", "content": f"What is {p} + 1?"}],
-                "completion": f"<answer step={step} prompt={p} k={k}>", "reward": float(k), "rewards": {"exact": k},
+                "completion": f"<answer step={step} prompt={p} k={k}>", "reward": float(k) if p else 1.0,
+                "rewards": {"exact": k},
                 "advantage": k - 3.5, "truncated": k == 7}
                for step in (2, 4, 6, 8, 10, 12) for p in range(3) for k in range(8)]
     rows = [{"step": s, "loss": 1.0, "reward/mean": 0.5 + s} for s in range(1, 13)]
@@ -131,7 +133,8 @@ def test_samples_table_shows_a_few_steps_with_the_best_and_worst_completions(tmp
     table = table[: table.index("</table>")]
     shown_steps = re.findall(r"<td rowspan='\d+'><b>(\d+)</b>", table)
     assert shown_steps == ["2", "6", "8", "12"]  # four steps: the first, the last and evenly between
-    assert "What is 0 + 1?" in table and "What is 1 + 1?" in table and "What is 2 + 1?" not in table
+    # prompt 0's completions all scored the same: the prompts whose rewards differ come first
+    assert "What is 1 + 1?" in table and "What is 2 + 1?" in table and "What is 0 + 1?" not in table
     assert "&lt;answer step=12 prompt=1 k=7&gt;" in table and "&lt;answer step=12 prompt=1 k=0&gt;" in table
     assert "<answer" not in table  # completions are escaped, never markup
     assert table.count("<tr>") == 1 + 4 * 2 * 4  # header + steps x prompts x (best, worst and two between)
