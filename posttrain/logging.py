@@ -34,7 +34,8 @@ class MetricsLogger:
         if not self.path.exists():
             return
         lines = self.path.read_text().splitlines()
-        kept = [line for line, row in zip(lines, map(_parse, lines)) if row is not None and row.get("step", 0) <= step]
+        rows = map(parse_row, lines)
+        kept = [line for line, row in zip(lines, rows) if row is not None and row.get("step", 0) <= step]
         self.path.write_text("".join(line + "\n" for line in kept))
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
@@ -45,8 +46,7 @@ class MetricsLogger:
         record = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in record.items()}
         with self.path.open("a") as f:
             f.write(json.dumps(record, allow_nan=False) + "\n")
-        numbers = {k: v for k, v in record.items()
-                   if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)}
+        numbers = {k: v for k, v in record.items() if k != "step" and finite(v)}
         for tracker in self.trackers:
             tracker.log(step, numbers)
         if self.bar is not None:
@@ -86,12 +86,18 @@ def read_metrics(output_dir: str | Path) -> list[dict[str, Any]]:
     path = Path(output_dir) / "metrics.jsonl"
     if not path.exists():
         return []
-    return [row for row in map(_parse, path.read_text().splitlines()) if row is not None]
+    return [row for row in map(parse_row, path.read_text().splitlines()) if row is not None]
 
 
-def _parse(line: str) -> Optional[dict[str, Any]]:
-    """One metrics row, or None for a blank line or one a kill cut short (only the last line can be)."""
+def parse_row(line: str) -> Optional[dict[str, Any]]:
+    """One JSON row (metrics.jsonl, samples.jsonl), or None for a blank line or one a kill cut short (only the last
+    line can be)."""
     try:
         return json.loads(line) if line.strip() else None
     except json.JSONDecodeError:
         return None
+
+
+def finite(value: Any) -> bool:
+    """A metric a chart or tracker can take: a finite int or float (not a bool, None or text)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)

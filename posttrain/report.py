@@ -20,8 +20,8 @@ from pathlib import Path
 from typing import Any, Optional
 
 from posttrain.errors import UserError
-from posttrain.logging import read_metrics
-from posttrain.report_charts import COLORS, LINESTYLES, Series, draw, finite, is_constant
+from posttrain.logging import finite, parse_row, read_metrics
+from posttrain.report_charts import COLORS, LINESTYLES, Series, draw, is_constant
 from posttrain.report_html import (config_section, constants_table, facts_section, fmt, headline_single,
                                    headline_table, page, samples_section)
 
@@ -88,7 +88,7 @@ def load_run(path: str | Path) -> Run:
     rows = read_metrics(path)
     samples = []
     if (path / "samples.jsonl").is_file():
-        samples = [row for row in map(_json_or_none, (path / "samples.jsonl").read_text().splitlines()) if row]
+        samples = [row for row in map(parse_row, (path / "samples.jsonl").read_text().splitlines()) if row]
     keys = {k for r in rows for k in r}
     command = facts.get("command") or next((c for c, marker in COMMAND_MARKERS if marker in keys), "sft")
     name = ((config or {}).get("train") or {}).get("run_name") or path.resolve().name
@@ -103,13 +103,6 @@ def load_runs(paths: list[str | Path]) -> list[Run]:
         if names.count(run.name) > 1:
             run.name = f"{run.path.resolve().parent.name}/{run.name}"
     return runs
-
-
-def _json_or_none(line: str) -> Optional[dict]:
-    try:
-        return json.loads(line) if line.strip() else None
-    except json.JSONDecodeError:
-        return None
 
 
 def constant_keys(runs: list[Run]) -> set[str]:

@@ -97,7 +97,3 @@ def draw(title: str, series: list[Series], max_step: int, ylabel: str = "") -> s
     fig.savefig(buffer, format="png")
     plt.close(fig)
     return base64.b64encode(buffer.getvalue()).decode("ascii")
-
-
-def finite(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)

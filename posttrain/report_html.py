@@ -7,7 +7,8 @@ from __future__ import annotations
 import html
 import json
 
-from posttrain.report_charts import COLORS, finite
+from posttrain.logging import finite
+from posttrain.report_charts import COLORS
 
 CSS = """
 body { font: 14px/1.45 -apple-system, "Segoe UI", Roboto, "Helvetica Neue", Arial, sans-serif; color: #1f2937;
@@ -60,7 +61,8 @@ def esc(value) -> str:
 
 def tile(figure) -> str:
     return (f"<div class='tile'><div class='k'>{esc(figure.key)}</div>"
-            f"<div class='v'>{esc(fmt(figure.key, figure.last[1]))}</div><div class='d'>{esc(figure.detail())}</div></div>")
+            f"<div class='v'>{esc(fmt(figure.key, figure.last[1]))}</div>"
+            f"<div class='d'>{esc(figure.detail())}</div></div>")
 
 
 def headline_single(title: str, description: str, figures, evals) -> str:
