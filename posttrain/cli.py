@@ -3,6 +3,7 @@
     posttrain sft  --config recipes/sft.yaml train.max_steps=20 model.name_or_path=tiny/
     posttrain make-tiny-model --out tiny/
     posttrain demo
+    posttrain report runs/sft [runs/other ...]
 
 Exit codes: 0 done; 2 the input is wrong (the message says what, where and what to do); 1 anything else.
 """
@@ -40,6 +41,9 @@ def build_parser() -> argparse.ArgumentParser:
     from posttrain.rollout.serve import add_serve
 
     add_serve(sub)
+    from posttrain.report import add_report
+
+    add_report(sub)
     return parser
 
 
@@ -76,6 +80,10 @@ def run_command(argv: list[str] | None = None) -> int:
             from posttrain.rollout.serve import run_serve
 
             return run_serve(args)
+        if args.command == "report":
+            from posttrain.report import run_report
+
+            return run_report(args)
         if args.command in ("plan", "doctor"):
             from posttrain.launch.commands import run_plan_or_doctor
 

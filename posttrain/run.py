@@ -26,7 +26,7 @@ from posttrain.config.load import dump_yaml
 from posttrain.config.schema import Recipe, total_steps
 from posttrain.data import eval_batches
 from posttrain.distributed.backend import Backend
-from posttrain.logging import MetricsLogger, read_metrics, write_report
+from posttrain.logging import MetricsLogger, read_metrics
 from posttrain.models import load
 from posttrain.models.limits import check_position_limit
 from posttrain.models.load import check_model_source, count_parameters, load_tokenizer
@@ -39,6 +39,7 @@ from posttrain.train.loop import LoopContext, evaluate, train
 from posttrain.train.rollout_source import RolloutSource
 from posttrain.train.sources import DatasetSource
 from posttrain.train.state import TrainState
+from posttrain.trackers import closing_status
 
 
 
@@ -156,7 +157,6 @@ def run(command: str, recipe: Recipe, launched: Optional[Launched] = None) -> Ru
         state = checkpointer.load(resume_from, models, algorithm)
     algorithm.setup(backend, models, train_examples, collate, out)
 
-    logger = MetricsLogger(str(out), steps, state.step, backend.is_main, tensorboard=t.tensorboard)
     summary = dict(
         command=command,
         parameters=f"{total_params / 1e6:.2f}M ({trainable_params / 1e6:.2f}M trainable)",
@@ -174,6 +174,13 @@ def run(command: str, recipe: Recipe, launched: Optional[Launched] = None) -> Ru
     # `posttrain plan`'s estimate, logged beside the measured peak_memory_mb so drift shows (docs/planning.md)
     summary["estimated_peak_memory_mb"] = estimated_peak_mb(command, recipe, backend.describe(),
                                                             (total_params, trainable_params))
+    trackers = []
+    if backend.is_main:
+        from posttrain.config.schema import trackers as tracker_names
+        from posttrain.trackers import open_trackers, tracked_run
+
+        trackers = open_trackers(tracker_names(t), tracked_run(recipe, command, state.step, summary))
+    logger = MetricsLogger(str(out), steps, state.step, backend.is_main, trackers)
     logger.info("posttrain " + " | ".join(f"{k}={v}" for k, v in summary.items() if v is not None))
     eval_fn = None
     if eval_examples is not None and algorithm.online:  # by generating, wherever generation runs
@@ -187,9 +194,13 @@ def run(command: str, recipe: Recipe, launched: Optional[Launched] = None) -> Ru
     ctx = LoopContext(backend=backend, algorithm=algorithm, models=models, source=source, total_steps=steps,
                       logger=logger, checkpointer=checkpointer, state=state, evaluate=eval_fn,
                       memory_estimate_mb=summary["estimated_peak_memory_mb"], guard=Guard(t, backend))
-    with ctx.guard:  # SIGTERM / SIGINT: save at the next step boundary and exit 143 / 130
-        state = train(ctx)
-    source.close(state.step)  # engines that outlive the run get the final policy
+    try:
+        with ctx.guard:  # SIGTERM / SIGINT: save at the next step boundary and exit 143 / 130
+            state = train(ctx)
+        source.close(state.step)  # engines that outlive the run get the final policy
+    except BaseException as e:  # the trackers record the run as failed (or killed), not as running forever
+        logger.close(closing_status(e))
+        raise
     logger.close()
     final_dir = None
     if state.step >= steps and t.save_final_model:
@@ -198,8 +209,9 @@ def run(command: str, recipe: Recipe, launched: Optional[Launched] = None) -> Ru
             if name != "policy":
                 role.export(str(out), f"final-{name}", tokenizer)
     if backend.is_main and t.report:
-        report = write_report(out, f"posttrain {command}: {out.name}",
-                              {**summary, "minutes": f"{(time.time() - started) / 60:.1f}"})
+        from posttrain.report import write_report
+
+        report = write_report(out, {**summary, "minutes": round((time.time() - started) / 60, 2)})
         logger.info(f"report: {report}")
     metrics = read_metrics(out) if backend.is_main else []
     source.end()  # no collective after this point: an in-process vLLM engine may tear down its groups

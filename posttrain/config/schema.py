@@ -129,8 +129,16 @@ class TrainConfig:
     """Seconds a collective may wait before the run fails instead of hanging."""
     report: bool = True
     """Write report.html with plotted curves at the end."""
-    tensorboard: bool = True
-    """Write TensorBoard events to output_dir/tensorboard."""
+    report_to: tuple[str, ...] = ("tensorboard",)
+    """Experiment trackers that get the run name, the resolved recipe and every logged metric (rank 0): any of
+    tensorboard, wandb, mlflow, trackio; none (or []) for none. Each is imported only when named."""
+    tensorboard: Optional[bool] = None
+    """Kept for older recipes: true adds tensorboard to report_to, false takes it out (None: report_to decides)."""
+    run_name: Optional[str] = None
+    """The run's name in the trackers (None: the output_dir's folder name)."""
+    project: Optional[str] = None
+    """W&B project, MLflow experiment and trackio project (None: WANDB_PROJECT, MLFLOW_EXPERIMENT_NAME or
+    TRACKIO_PROJECT where set, else posttrain)."""
     max_steps_per_run: Optional[int] = None
     """Stop (after saving a checkpoint) once this many steps ran in this process; for preemptible jobs and tests."""
     nonfinite: str = "stop"
@@ -293,6 +301,14 @@ def total_steps(train: TrainConfig, micro_batches_per_epoch: int) -> int:
         return train.max_steps
     steps_per_epoch = max(1, -(-micro_batches_per_epoch // train.gradient_accumulation_steps))
     return max(1, int(round(train.num_train_epochs * steps_per_epoch)))
+
+
+def trackers(train: TrainConfig) -> tuple[str, ...]:
+    """The trackers a run writes to: report_to without 'none' and repeats, with the old train.tensorboard applied."""
+    names = [n for n in dict.fromkeys(train.report_to) if n != "none"]
+    if train.tensorboard is True and "tensorboard" not in names:
+        names.append("tensorboard")
+    return tuple(n for n in names if not (n == "tensorboard" and train.tensorboard is False))
 
 
 def global_batch_size(train: TrainConfig, world_size: int) -> int:

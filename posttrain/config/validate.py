@@ -37,6 +37,16 @@ POSITIVE = (
 NON_NEGATIVE = ("train.weight_decay", "train.warmup_steps", "train.max_grad_norm", "train.save_steps", "train.eval_steps",
                 "train.max_nonfinite_skips", "generation.request_retries", "placement.generation.num_engines")
 PLACED_ROLES = ("policy", "reference", "critic", "reward_model")  # algorithms.base.ROLE_NAMES; config stays torch-free
+# train.report_to: tracker -> (modules it imports, the install command); posttrain/trackers.py writes to each
+TRACKERS = {
+    "tensorboard": (("tensorboard",), "pip install tensorboard"),
+    "wandb": (("wandb",), "pip install wandb"),
+    "mlflow": (("mlflow",), "pip install mlflow"),
+    "trackio": (("trackio",), "pip install trackio"),
+}
+# MLflow's database stores (its default since 3.x is sqlite:///mlflow.db) need SQLAlchemy and Alembic, which full
+# mlflow brings and mlflow-skinny does not
+MLFLOW_DATABASE_SCHEMES = ("sqlite", "postgresql", "mysql", "mssql")
 
 
 def get(recipe: Recipe, dotted: str):
@@ -88,6 +98,7 @@ def validate(recipe: Recipe) -> None:
         if r.on_error not in ("raise", "skip"):
             raise UserError(f"rewards[{i}].on_error must be raise or skip, got {r.on_error!r}")
     validate_placement(recipe.placement)
+    check_trackers(t)
     check_algo = getattr(recipe.algo, "validate", None)
     if check_algo is not None:
         check_algo(recipe)
@@ -173,3 +184,37 @@ def validate_placement(placement) -> None:
         if fraction is not None and fraction < 1:
             raise UserError(f"placement.{role}.gpu_fraction is {fraction} but {role} shares its GPUs with no role; "
                             f"name it in placement.colocate or drop gpu_fraction")
+
+
+def check_trackers(train) -> None:
+    """train.report_to: known names, none alone, and every named tracker installed (found, not imported)."""
+    import difflib
+    import importlib.util
+    import os
+
+    from posttrain.config.schema import trackers
+
+    for name in train.report_to:
+        if name not in (*TRACKERS, "none"):
+            close = difflib.get_close_matches(str(name), list(TRACKERS), n=1)
+            hint = f"did you mean {close[0]!r}? " if close else ""
+            raise UserError(f"train.report_to: unknown tracker {name!r}; {hint}choose from {', '.join(TRACKERS)}, "
+                            "or none")
+    if "none" in train.report_to and len(train.report_to) > 1:
+        raise UserError(f"train.report_to is {list(train.report_to)}: 'none' means no tracker, so it cannot be "
+                        "listed with others; drop 'none' or the others")
+    for name in trackers(train):
+        modules, install = TRACKERS[name]
+        missing = [m for m in modules if importlib.util.find_spec(m) is None]
+        if missing:
+            raise UserError(f"train.report_to names {name}, but {', '.join(missing)} is not installed; install it "
+                            f"with `{install}` (or `pip install 'posttrain[trackers]'` for all four), or drop "
+                            f"{name} from train.report_to")
+        uri = os.environ.get("MLFLOW_TRACKING_URI", "sqlite:")  # unset: MLflow's default, sqlite:///mlflow.db
+        database = uri.split(":", 1)[0].split("+", 1)[0] in MLFLOW_DATABASE_SCHEMES
+        missing = [m for m in ("sqlalchemy", "alembic") if importlib.util.find_spec(m) is None]
+        if name == "mlflow" and database and missing:
+            raise UserError(f"train.report_to names mlflow, whose tracking store {uri!r} (MLFLOW_TRACKING_URI, or "
+                            f"MLflow's default sqlite store) needs {' and '.join(missing)}: `pip install sqlalchemy "
+                            "alembic` (full mlflow has them; mlflow-skinny does not), or set MLFLOW_TRACKING_URI to "
+                            "a server (http://...)")

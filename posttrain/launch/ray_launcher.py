@@ -37,7 +37,7 @@ from posttrain.errors import RunStopped, UserError
 
 # the driver's environment the workers inherit (Ray starts them from the raylet's environment, not the driver's)
 FORWARDED_PREFIXES = ("HF_", "TOKENIZERS_", "OMP_", "MKL_", "TORCH_", "ACCELERATE_", "FSDP_", "TRANSFORMERS_",
-                      "POSTTRAIN_", "NCCL_", "GLOO_")
+                      "POSTTRAIN_", "NCCL_", "GLOO_", "WANDB_", "MLFLOW_", "TRACKIO_")  # + the trackers' settings
 START_TIMEOUT_S = 300.0  # actors not started by then: their resources are held by something else
 GRACE_S = 10.0  # after the first failure, how long the others get to report theirs (a survivor's error is noise)
 

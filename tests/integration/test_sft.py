@@ -36,7 +36,7 @@ def test_three_steps_change_every_parameter_and_export_loads(tiny_model_dir, dat
     trained = final_weights(out)
     unchanged = [k for k in initial if torch.equal(initial[k], trained[k])]
     assert not unchanged, f"parameters not updated: {unchanged}"
-    assert (out / "config.yaml").exists() and (out / "report.html").exists() and (out / "curves.png").exists()
+    assert (out / "config.yaml").exists() and (out / "report.html").exists() and (out / "summary.json").exists()
     assert list((out / "tensorboard").glob("events.out.tfevents.*"))
     assert (out / "checkpoints" / "step-3" / "trainer_state.json").exists()
 

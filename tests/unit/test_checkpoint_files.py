@@ -142,7 +142,7 @@ def test_safetensors_framing(tmp_path):
 
 
 def test_metrics_stay_json_and_a_cut_last_line_is_dropped_on_resume(tmp_path):
-    logger = MetricsLogger(str(tmp_path), 4, 0, True, tensorboard=False)
+    logger = MetricsLogger(str(tmp_path), 4, 0, True)
     logger.log(1, {"loss": 1.5})
     logger.log(2, {"loss": math.nan, "grad_norm": math.inf})
     logger.close()
@@ -151,5 +151,5 @@ def test_metrics_stay_json_and_a_cut_last_line_is_dropped_on_resume(tmp_path):
     with (tmp_path / "metrics.jsonl").open("a") as f:
         f.write('{"step": 3, "lo')  # killed mid-line
     assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2]
-    MetricsLogger(str(tmp_path), 4, 1, True, tensorboard=False).close()  # resuming from step 1
+    MetricsLogger(str(tmp_path), 4, 1, True).close()  # resuming from step 1
     assert (tmp_path / "metrics.jsonl").read_text() == lines[0] + "\n"

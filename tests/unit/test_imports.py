@@ -20,7 +20,8 @@ ALLOWED_IN = {"distributed": MACHINERY, "launch": MACHINERY, "rollout": ("vllm",
 LAYERS = [
     ("cli", "__main__", "demo"),                                    # the command line
     ("launch",),                                                    # what starts processes: Ray, serve children, doctor
-    ("run", "roles", "checkpoint", "outputs", "logging", "plan"),   # composition of one run
+    ("run", "roles", "checkpoint", "outputs", "plan",               # composition of one run, and what it writes
+     "logging", "trackers", "report", "report_charts", "report_html"),
     ("train",),                                                     # the loop, sources, rollout source, evaluation
     ("algorithms",),                                                # prepare + loss plug-ins
     ("rollout", "rewards", "models", "data", "tasks"),              # engines, rewards, models, data
