@@ -198,6 +198,12 @@ def run(command: str, recipe: Recipe, remote_roles: Optional[dict] = None) -> Ru
         where = algorithm.placement("reference")
         models.reference = Role(backend.prepare_frozen(make_reference(recipe.model, algorithm.model_kind),
                                                        offload=where == "offload"), placement=where)
+    if algorithm.teacher_model() is not None:  # frozen like the reference: partitioned under ZeRO-3, offloadable
+        from posttrain.models.reference import make_reference
+
+        where = algorithm.placement("teacher")
+        models.teacher = Role(backend.prepare_frozen(make_reference(algorithm.teacher_model()),
+                                                     offload=where == "offload"), placement=where)
     for i, scorer in enumerate(algorithm.reward_models()):  # frozen like the reference: partitioned, offloadable
         where = "ray" if "reward_model" in remote else algorithm.placement("reward_model")
         if where == "ray":

@@ -8,7 +8,7 @@ algorithm subclasses it and overrides what it needs (docs/algorithms.md shows ho
     loss(model, batch, normaliser) -> (loss, metrics): sum over units / normaliser, where normaliser is the GLOBAL
                                     count over all micro-batches of the step and all ranks (computed by the loop)
 
-Roles: `Models` holds the typed roles an algorithm may use (policy, reference, critic, reward_model). Each `Role`
+Roles: `Models` holds the typed roles an algorithm may use (policy, reference, critic, reward_model, teacher). Each `Role`
 says whether it trains (then it has its own optimizer and scheduler, prepared by the backend) and where it is
 placed. The loop trains every role the algorithm names in `objectives()`, each with its own normaliser.
 """
@@ -22,7 +22,7 @@ import torch
 
 from posttrain.batch import Batch
 
-ROLE_NAMES = ("policy", "critic", "reference", "reward_model")
+ROLE_NAMES = ("policy", "critic", "reference", "reward_model", "teacher")
 """Every role an algorithm may ask for; trained roles are stepped in this order."""
 
 
@@ -51,6 +51,8 @@ class Models:
     reference: Optional[Role] = None
     critic: Optional[Role] = None
     reward_model: Optional[Role] = None
+    teacher: Optional[Role] = None
+    """Distillation: the frozen model the policy learns to match (algorithms/distill.py)."""
     eval_examples: Optional[list] = None
     """The tokenised eval set, for algorithms that precompute something for it (DPO's reference table)."""
 
@@ -91,6 +93,11 @@ class Algorithm:
         """Where run.py puts a frozen role (reference, reward_model): 'local' (on the device, partitioned under
         ZeRO-3) or 'offload' (its weights in CPU memory between forwards)."""
         return "local"
+
+    def teacher_model(self):
+        """A config.schema.ModelConfig for run.py to load as the frozen `models.teacher` (like the reference); None:
+        no teacher."""
+        return None
 
     def reward_models(self) -> list:
         """The reward models the algorithm scores with (rewards.RewardModelScorer), for run.py to place as the

@@ -1,0 +1,123 @@
+"""Knowledge distillation: the student (the policy) learns to match a frozen teacher's next-token distributions on
+completions from the data or sampled by the student itself (GKD, Agarwal et al. 2024).
+
+    posttrain distill --config recipes/distill.yaml
+
+- data: prompt + completion rows (the SFT formats: docs/distill.md); the loss covers the completion tokens.
+- `algo.lmbda`: the fraction of steps whose completions the student samples on-policy with the run's engine
+  (generation.*); the other steps train on the dataset's completions. 0 is supervised KD on the data only.
+- `algo.beta`: the divergence, TRL's convention: 0 forward KL(teacher || student), 1 reverse KL(student || teacher),
+  in between the generalised JSD (losses/distill.py). Both models at `algo.temperature`.
+- the teacher (`algo.teacher_model_name_or_path`) is a frozen role loaded like the reference: partitioned under
+  ZeRO-3, in CPU memory between forwards with `algo.teacher_offload`. It must share the student's tokenizer and
+  vocabulary; another is exit 2 naming both models, before any weights load.
+
+The loss of a step is (sum of per-token divergences over all completion tokens of the step) / (their count): the
+loop passes that global count as `normaliser`, so accumulation and world size do not change the update. The
+teacher's logits are computed inside the loss, one micro-batch at a time, and never kept past it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from posttrain.algorithms.base import Algorithm, Models
+from posttrain.algorithms.forward import policy_logits
+from posttrain.batch import Batch
+from posttrain.config.schema import Recipe
+from posttrain.errors import UserError
+from posttrain.losses.distill import distill_loss
+from posttrain.ops.logprobs import masked_mean, masked_sum
+
+
+@dataclass(frozen=True)
+class DistillAlgoConfig:
+    teacher_model_name_or_path: str = ""
+    """The teacher: hub id or local directory of a causal LM with the student's tokenizer and vocabulary."""
+    teacher_model_revision: Optional[str] = None
+    """Hub revision (branch, tag or commit) of the teacher."""
+    beta: float = 0.5
+    """Divergence, in [0, 1]: 0 forward KL(teacher || student), 1 reverse KL(student || teacher), between: the
+    generalised JSD with mixture beta * teacher + (1 - beta) * student (TRL's convention)."""
+    lmbda: float = 0.5
+    """Fraction of steps whose completions the student samples itself (on-policy); 0: the data's only (supervised KD)."""
+    temperature: Optional[float] = None
+    """Softmax temperature of both models in the loss; null: generation.temperature (the one the student samples at),
+    so the teacher scores the tokens at the temperature they were sampled with."""
+    teacher_offload: bool = False
+    """Keep the teacher's weights in CPU memory between forwards (ZeRO-3: DeepSpeed's parameter offload)."""
+
+    def loss_temperature(self, recipe: Recipe) -> float:
+        return self.temperature if self.temperature is not None else recipe.generation.temperature
+
+    def validate(self, recipe: Recipe) -> None:
+        """Everything checkable before the processes start; the loader calls it after building the recipe."""
+        if not self.teacher_model_name_or_path:
+            raise UserError("algo.teacher_model_name_or_path is empty: name the teacher model (a hub id or a local "
+                            "directory sharing the student's tokenizer)")
+        if not 0.0 <= self.beta <= 1.0 or not 0.0 <= self.lmbda <= 1.0:
+            raise UserError(f"need algo.beta and algo.lmbda in [0, 1]; got {self.beta} and {self.lmbda}")
+        if not self.loss_temperature(recipe) > 0:
+            raise UserError(f"algo.temperature must be > 0 (it is generation.temperature when null), got "
+                            f"{self.loss_temperature(recipe)}; set algo.temperature=1.0")
+        if recipe.launcher == "ray":
+            raise UserError("posttrain distill runs under torchrun / accelerate launch (launcher: local); a teacher "
+                            "placed by Ray is not built yet")
+        if self.lmbda > 0:
+            if recipe.data.packing:
+                raise UserError("algo.lmbda > 0 samples completions, whose batches are built padded; set "
+                                "data.packing=false, or algo.lmbda=0 to train on the data only")
+            if not recipe.data.completion_only_loss:
+                raise UserError("algo.lmbda > 0 keeps each row's prompt (the tokens before its first trained token) "
+                                "and samples the completion: set data.completion_only_loss=true")
+            if recipe.generation.async_:
+                raise UserError("generation.async is not supported by distill; set generation.async=false")
+
+
+class Distill(Algorithm):
+    name = "distill"
+    data_kind = "sft"
+    model_kind = "causal_lm"
+
+    def __init__(self, recipe: Recipe):
+        from posttrain.models.teacher import check_same_vocabulary, teacher_model_config
+
+        self.recipe = recipe
+        self.config: DistillAlgoConfig = recipe.algo
+        self.temperature = self.config.loss_temperature(recipe)
+        self.teacher_config = teacher_model_config(recipe.model, self.config.teacher_model_name_or_path,
+                                                   self.config.teacher_model_revision)
+        check_same_vocabulary(recipe.model, self.teacher_config)  # config and tokenizer files: before any weights
+        self.teacher = None
+
+    def teacher_model(self):
+        return self.teacher_config
+
+    def placement(self, role: str) -> str:
+        return "offload" if role == "teacher" and self.config.teacher_offload else "local"
+
+    def make_source(self, backend, models: Models, train_examples):
+        if self.config.lmbda == 0:
+            return None  # the dataset source
+        from posttrain.train.distill_source import DistillSource
+
+        return DistillSource(self.recipe, backend, models, self, train_examples, self.config.lmbda)
+
+    def setup(self, backend, models: Models, train_examples, collate, out) -> None:
+        self.teacher = models.teacher.model
+
+    def count(self, batch: Batch) -> torch.Tensor:
+        return batch.completion_mask_BT.sum()
+
+    def loss(self, model, batch: Batch, normaliser: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        mask_BT = batch.completion_mask_BT
+        student_logits_BTV = policy_logits(model, batch)
+        with torch.no_grad():
+            teacher_logits_BTV = policy_logits(self.teacher, batch)
+        out = distill_loss(student_logits_BTV, teacher_logits_BTV, batch.input_ids_BT, mask_BT, self.config.beta,
+                           self.temperature)
+        metrics = {name: masked_mean(value_BT, mask_BT) for name, value_BT in out.metrics_BT.items()}
+        return masked_sum(out.loss_BT, mask_BT) / normaliser, metrics
