@@ -8,8 +8,8 @@ algorithm subclasses it and overrides what it needs (docs/algorithms.md shows ho
     loss(model, batch, normaliser) -> (loss, metrics): sum over units / normaliser, where normaliser is the GLOBAL
                                     count over all micro-batches of the step and all ranks (computed by the loop)
 
-Roles: `Models` holds the typed roles an algorithm may use (policy, reference, critic, reward_model, teacher). Each `Role`
-says whether it trains (then it has its own optimizer and scheduler, prepared by the backend) and where it is
+Roles: `Models` holds the typed roles an algorithm may use (policy, reference, critic, reward_model, teacher). Each
+`Role` says whether it trains (then it has its own optimizer and scheduler, prepared by the backend) and where it is
 placed. The loop trains every role the algorithm names in `objectives()`, each with its own normaliser.
 """
 

@@ -43,7 +43,8 @@ class DistillAlgoConfig:
     """Divergence, in [0, 1]: 0 forward KL(teacher || student), 1 reverse KL(student || teacher), between: the
     generalised JSD with mixture beta * teacher + (1 - beta) * student (TRL's convention)."""
     lmbda: float = 0.5
-    """Fraction of steps whose completions the student samples itself (on-policy); 0: the data's only (supervised KD)."""
+    """Fraction of steps whose completions the student samples itself (on-policy); 0: the data's only (supervised
+    KD)."""
     temperature: Optional[float] = None
     """Softmax temperature of both models in the loss; null: generation.temperature (the one the student samples at),
     so the teacher scores the tokens at the temperature they were sampled with."""

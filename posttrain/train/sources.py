@@ -67,7 +67,7 @@ class DatasetSource:
         return -(-len(self.examples) // (self.micro * self.world_size))
 
     def step_positions(self, step: int) -> list[range]:
-        """Positions in the global stream of this rank's micro-batches: micro-batch k of rank r is slot k * world + r."""
+        """Positions in the global stream of this rank's micro-batches (micro-batch k of rank r: slot k * world + r)."""
         start = step * self.global_batch
         slots = [k * self.world_size + self.rank for k in range(self.accumulation)]
         return [range(start + slot * self.micro, start + (slot + 1) * self.micro) for slot in slots]
