@@ -19,6 +19,7 @@ teacher's logits are computed inside the loss, one micro-batch at a time, and ne
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Optional
 
@@ -29,7 +30,7 @@ from posttrain.algorithms.forward import policy_logits
 from posttrain.batch import Batch
 from posttrain.config.schema import Recipe
 from posttrain.errors import UserError
-from posttrain.losses.distill import distill_loss
+from posttrain.losses.distill import distill_loss, topk_distill_loss
 from posttrain.ops.logprobs import masked_mean, masked_sum
 
 
@@ -50,15 +51,23 @@ class DistillAlgoConfig:
     so the teacher scores the tokens at the temperature they were sampled with."""
     teacher_offload: bool = False
     """Keep the teacher's weights in CPU memory between forwards (ZeRO-3: DeepSpeed's parameter offload)."""
+    teacher_server: Optional[str] = None
+    """Instead of a local teacher: the URL of a `posttrain serve` vLLM server serving it (http://host:port); the loss
+    is then over its top-k tokens, renormalised (an approximation: docs/distill.md)."""
+    teacher_top_k: int = 20
+    """With teacher_server: tokens per position the server returns (its --max-logprobs must be at least this)."""
 
     def loss_temperature(self, recipe: Recipe) -> float:
         return self.temperature if self.temperature is not None else recipe.generation.temperature
 
     def validate(self, recipe: Recipe) -> None:
         """Everything checkable before the processes start; the loader calls it after building the recipe."""
-        if not self.teacher_model_name_or_path:
-            raise UserError("algo.teacher_model_name_or_path is empty: name the teacher model (a hub id or a local "
-                            "directory sharing the student's tokenizer)")
+        if bool(self.teacher_model_name_or_path) == bool(self.teacher_server):
+            raise UserError("name the teacher once: algo.teacher_model_name_or_path (a hub id or a local directory "
+                            "sharing the student's tokenizer) or algo.teacher_server (a `posttrain serve` URL)")
+        if self.teacher_server and (self.teacher_top_k < 1 or recipe.data.packing):
+            raise UserError(f"algo.teacher_server needs algo.teacher_top_k >= 1 (got {self.teacher_top_k}) and "
+                            "data.packing=false (the server scores each sequence on its own)")
         if not 0.0 <= self.beta <= 1.0 or not 0.0 <= self.lmbda <= 1.0:
             raise UserError(f"need algo.beta and algo.lmbda in [0, 1]; got {self.beta} and {self.lmbda}")
         if not self.loss_temperature(recipe) > 0:
@@ -84,15 +93,26 @@ class Distill(Algorithm):
     model_kind = "causal_lm"
 
     def __init__(self, recipe: Recipe):
-        from posttrain.models.teacher import check_same_vocabulary, teacher_model_config
-
         self.recipe = recipe
         self.config: DistillAlgoConfig = recipe.algo
         self.temperature = self.config.loss_temperature(recipe)
-        self.teacher_config = teacher_model_config(recipe.model, self.config.teacher_model_name_or_path,
-                                                   self.config.teacher_model_revision)
-        check_same_vocabulary(recipe.model, self.teacher_config)  # config and tokenizer files: before any weights
-        self.teacher = None
+        self.teacher = None  # the local teacher's model, from setup
+        self.teacher_config = self.server = None
+        if self.config.teacher_server:  # top-k log-probs from a server: it answers and tokenizes like the student
+            from posttrain.models.load import check_model_source, load_tokenizer
+            from posttrain.rollout.teacher_server import TeacherServer
+
+            check_model_source(recipe.model)
+            gen = recipe.generation
+            self.server = TeacherServer(self.config.teacher_server, self.config.teacher_top_k, gen.request_timeout,
+                                        gen.request_retries)
+            self.server.check(load_tokenizer(recipe.model), recipe.model.name_or_path)
+        else:
+            from posttrain.models.teacher import check_same_vocabulary, teacher_model_config
+
+            self.teacher_config = teacher_model_config(recipe.model, self.config.teacher_model_name_or_path,
+                                                       self.config.teacher_model_revision)
+            check_same_vocabulary(recipe.model, self.teacher_config)  # config and tokenizer files: before any weights
 
     def teacher_model(self):
         return self.teacher_config
@@ -108,7 +128,22 @@ class Distill(Algorithm):
         return DistillSource(self.recipe, backend, models, self, train_examples, self.config.lmbda)
 
     def setup(self, backend, models: Models, train_examples, collate, out) -> None:
-        self.teacher = models.teacher.model
+        self.teacher = models.teacher.model if models.teacher is not None else None
+
+    def prepare(self, batch: Batch, models: Models) -> Batch:
+        """A server teacher's top-k log-probs for every real token of the batch (padded layout), fetched once."""
+        if self.server is None or batch.teacher_topk_ids_BTK is not None:
+            return batch
+        lengths = batch.attention_mask_BT.sum(-1).tolist()
+        rows = [ids[:n] for ids, n in zip(batch.input_ids_BT.tolist(), lengths)]
+        logprobs, ids = self.server.topk(rows)
+        shape = (*batch.input_ids_BT.shape, self.config.teacher_top_k)
+        logprobs_BTK, ids_BTK = torch.zeros(shape), torch.arange(shape[-1]).expand(shape).clone()
+        for row, (row_logprobs_TK, row_ids_TK) in enumerate(zip(logprobs, ids)):
+            logprobs_BTK[row, : lengths[row]], ids_BTK[row, : lengths[row]] = row_logprobs_TK, row_ids_TK
+        device = batch.input_ids_BT.device
+        return dataclasses.replace(batch, teacher_topk_logprobs_BTK=logprobs_BTK.to(device),
+                                   teacher_topk_ids_BTK=ids_BTK.to(device))
 
     def count(self, batch: Batch) -> torch.Tensor:
         return batch.completion_mask_BT.sum()
@@ -116,9 +151,13 @@ class Distill(Algorithm):
     def loss(self, model, batch: Batch, normaliser: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         mask_BT = batch.completion_mask_BT
         student_logits_BTV = policy_logits(model, batch)
-        with torch.no_grad():
-            teacher_logits_BTV = policy_logits(self.teacher, batch)
-        out = distill_loss(student_logits_BTV, teacher_logits_BTV, batch.input_ids_BT, mask_BT, self.config.beta,
-                           self.temperature)
+        if batch.teacher_topk_ids_BTK is not None:
+            out = topk_distill_loss(student_logits_BTV, batch.teacher_topk_logprobs_BTK, batch.teacher_topk_ids_BTK,
+                                    batch.input_ids_BT, mask_BT, self.config.beta, self.temperature)
+        else:
+            with torch.no_grad():
+                teacher_logits_BTV = policy_logits(self.teacher, batch)
+            out = distill_loss(student_logits_BTV, teacher_logits_BTV, batch.input_ids_BT, mask_BT, self.config.beta,
+                               self.temperature)
         metrics = {name: masked_mean(value_BT, mask_BT) for name, value_BT in out.metrics_BT.items()}
         return masked_sum(out.loss_BT, mask_BT) / normaliser, metrics

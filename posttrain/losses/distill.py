@@ -118,26 +118,27 @@ def _chunk_logprobs(logits_nV: torch.Tensor, temperature: float) -> torch.Tensor
 
 
 class _ChunkedDivergence(torch.autograd.Function):
-    """divergence_n and metrics_n5 of the rows `rows_n` of (student, teacher) logits, `chunk_size` rows at a time;
-    backward recomputes each chunk's log-softmax and applies the variant's closed-form gradient."""
+    """divergence_n and metrics_n5 of the student's logits rows `rows_n` against the teacher's logits of those rows
+    (teacher_nV), `chunk_size` rows at a time; backward recomputes each chunk's log-softmax and applies the variant's
+    closed-form gradient."""
 
     @staticmethod
-    def forward(ctx, student_NV, teacher_NV, rows_n, targets_n, divergence, beta, temperature, chunk_size):
+    def forward(ctx, student_NV, teacher_nV, rows_n, targets_n, divergence, beta, temperature, chunk_size):
         dtype = torch.promote_types(student_NV.dtype, torch.float32)
         value_n = torch.empty(rows_n.shape[0], dtype=dtype, device=student_NV.device)
         metrics_n5 = torch.empty(rows_n.shape[0], len(METRICS), dtype=dtype, device=student_NV.device)
         for start in range(0, rows_n.shape[0], chunk_size):
             stop = min(start + chunk_size, rows_n.shape[0])
             student_nV = _chunk_logprobs(student_NV[rows_n[start:stop]], temperature)
-            teacher_nV = _chunk_logprobs(teacher_NV[rows_n[start:stop]], temperature).to(dtype)
-            value_n[start:stop] = divergence.value(student_nV, teacher_nV, beta)
+            teacher_cV = _chunk_logprobs(teacher_nV[start:stop], temperature).to(dtype)
+            value_n[start:stop] = divergence.value(student_nV, teacher_cV, beta)
             target_n1 = targets_n[start:stop, None]
             metrics_n5[start:stop] = torch.stack([
-                _kl(teacher_nV, student_nV), _kl(student_nV, teacher_nV),
-                (student_nV.argmax(-1) == teacher_nV.argmax(-1)).to(dtype),
-                teacher_nV.gather(-1, target_n1).squeeze(-1), student_nV.gather(-1, target_n1).squeeze(-1),
+                _kl(teacher_cV, student_nV), _kl(student_nV, teacher_cV),
+                (student_nV.argmax(-1) == teacher_cV.argmax(-1)).to(dtype),
+                teacher_cV.gather(-1, target_n1).squeeze(-1), student_nV.gather(-1, target_n1).squeeze(-1),
             ], dim=-1)
-        ctx.save_for_backward(student_NV, teacher_NV, rows_n, value_n)
+        ctx.save_for_backward(student_NV, teacher_nV, rows_n, value_n)
         ctx.divergence, ctx.beta, ctx.temperature, ctx.chunk_size = divergence, beta, temperature, chunk_size
         ctx.mark_non_differentiable(metrics_n5)
         return value_n, metrics_n5
@@ -145,13 +146,13 @@ class _ChunkedDivergence(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_value_n, grad_metrics):
-        student_NV, teacher_NV, rows_n, value_n = ctx.saved_tensors
+        student_NV, teacher_nV, rows_n, value_n = ctx.saved_tensors
         grad_NV = torch.zeros_like(student_NV)
         for start in range(0, rows_n.shape[0], ctx.chunk_size):
             stop = min(start + ctx.chunk_size, rows_n.shape[0])
             student_nV = _chunk_logprobs(student_NV[rows_n[start:stop]], ctx.temperature)
-            teacher_nV = _chunk_logprobs(teacher_NV[rows_n[start:stop]], ctx.temperature).to(student_nV.dtype)
-            grad_nV = ctx.divergence.student_grad(student_nV, teacher_nV, value_n[start:stop], ctx.beta)
+            teacher_cV = _chunk_logprobs(teacher_nV[start:stop], ctx.temperature).to(student_nV.dtype)
+            grad_nV = ctx.divergence.student_grad(student_nV, teacher_cV, value_n[start:stop], ctx.beta)
             scale_n1 = grad_value_n[start:stop, None].to(grad_nV.dtype) / ctx.temperature
             grad_NV[rows_n[start:stop]] = (grad_nV * scale_n1).to(grad_NV.dtype)
         return grad_NV, None, None, None, None, None, None, None
@@ -191,9 +192,11 @@ def distill_loss(
     chunk_size = chunk_size or max(1, LINEAR_CHUNK_ELEMENTS // vocab)
     rows_n = _predicting_rows(completion_mask_BT)
     targets_n = _next_tokens(input_ids_BT).reshape(-1)[rows_n]
-    value_n, metrics_n5 = _ChunkedDivergence.apply(
-        student_logits_BTV.reshape(batch * length, vocab), teacher_logits_BTV.detach().reshape(batch * length, vocab),
-        rows_n, targets_n, DIVERGENCES[divergence_name(beta)], float(beta), temperature, chunk_size)
+    # only the teacher's completion rows outlive this call (kept for the backward pass): not its whole (B, T, V)
+    teacher_nV = teacher_logits_BTV.detach().reshape(batch * length, vocab)[rows_n]
+    value_n, metrics_n5 = _ChunkedDivergence.apply(student_logits_BTV.reshape(batch * length, vocab), teacher_nV, rows_n,
+                                                   targets_n, DIVERGENCES[divergence_name(beta)], float(beta),
+                                                   temperature, chunk_size)
     metrics = {name: _scatter_BT(metrics_n5[:, i], rows_n, (batch, length)) for i, name in enumerate(METRICS)}
     return DistillOutput(_scatter_BT(value_n, rows_n, (batch, length)), metrics)
 
@@ -209,8 +212,8 @@ def topk_distill_loss(
 ) -> DistillOutput:
     """The divergence over the teacher's top-k tokens, both distributions renormalised there: an approximation (see
     the module docstring). `teacher_topk_*_BTK` are aligned with input_ids_BT (position t: the teacher's k most
-    likely tokens for position t and their log-probs at `temperature`; -inf marks an unused slot). Autograd through
-    (B, T, K) tensors only. Metrics: forward_kl, reverse_kl (over the support), top1_agreement (the student's
+    likely tokens for token t and their log-probs at temperature 1, as vLLM returns them; `temperature` is applied
+    here, exactly: over a fixed support the normaliser cancels). Autograd through (B, T, K) tensors only. Metrics: forward_kl, reverse_kl (over the support), top1_agreement (the student's
     full-vocabulary argmax is the teacher's top token) and student_logprob (full vocabulary)."""
     if not temperature > 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
@@ -221,8 +224,7 @@ def topk_distill_loss(
     gathered_BTK = torch.cat([gathered_BTK[:, :1], gathered_BTK], dim=1)  # position 0 predicts nothing (masked)
     student_BTK = torch.log_softmax(gathered_BTK.to(torch.promote_types(gathered_BTK.dtype, torch.float32))
                                     / temperature, -1)
-    teacher_BTK = torch.log_softmax(teacher_topk_logprobs_BTK.to(student_BTK.dtype), -1)
-    student_BTK = torch.where(torch.isneginf(teacher_BTK), -math.inf, student_BTK)
+    teacher_BTK = torch.log_softmax(teacher_topk_logprobs_BTK.to(student_BTK.dtype) / temperature, -1)
     value = DIVERGENCES[divergence_name(beta)].value
     loss_BT = value(student_BTK.flatten(0, 1), teacher_BTK.flatten(0, 1), float(beta)).view(mask_BT.shape)
     loss_BT = torch.where(mask_BT, loss_BT, 0.0)

@@ -108,3 +108,20 @@ def test_another_vocabulary_is_exit_2_naming_both_models(tiny_model_dir, data, t
     assert "different tokenizers" in err and str(other) in err, err
     assert run_cli("distill", *args(tiny_model_dir, tmp_path / "missing", data, out, "train.max_steps=1")) == 2
     assert "algo.teacher_model_name_or_path" in capsys.readouterr().err
+
+
+def test_an_unreachable_teacher_server_is_exit_2(tiny_model_dir, data, tmp_path, capsys):
+    import socket
+
+    with socket.socket() as probe:  # a port nothing listens on
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    out = tmp_path / "run"
+    assert run_cli("distill", *run_overrides(tiny_model_dir, data["sft_train"], out, "train.max_steps=1",
+                                             f"algo.teacher_server=http://127.0.0.1:{port}")) == 2
+    err = capsys.readouterr().err
+    assert f"algo.teacher_server = http://127.0.0.1:{port}: no answer" in err and not out.exists(), err
+    assert run_cli("distill", *run_overrides(tiny_model_dir, data["sft_train"], out, "train.max_steps=1",
+                                             f"algo.teacher_server=http://127.0.0.1:{port}",
+                                             f"algo.teacher_model_name_or_path={tiny_model_dir}")) == 2
+    assert "name the teacher once" in capsys.readouterr().err

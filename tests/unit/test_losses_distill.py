@@ -105,7 +105,7 @@ def test_chunk_size_changes_nothing():
 def test_topk_over_the_whole_vocabulary_is_the_full_loss():
     student, teacher, ids, mask = random_case(seed=2)
     full = distill_loss(student, teacher, ids, mask, 0.5, temperature=0.7)
-    teacher_logprobs_BTV = torch.log_softmax(teacher / 0.7, -1)
+    teacher_logprobs_BTV = torch.log_softmax(teacher, -1)  # raw (temperature 1), as vLLM returns them
     # aligned with input_ids: position t holds the distribution that predicts token t (rows t - 1)
     logprobs_BTK, topk_ids_BTK = teacher_logprobs_BTV.topk(teacher.shape[-1], dim=-1)
     logprobs_BTK = torch.cat([logprobs_BTK[:, :1], logprobs_BTK[:, :-1]], dim=1)
@@ -118,7 +118,7 @@ def test_topk_over_the_whole_vocabulary_is_the_full_loss():
 
 def test_topk_renormalises_over_the_support_by_hand():
     # vocabulary 3, k = 2: teacher top-2 log-probs log(0.6), log(0.2) (renormalised: 3/4, 1/4); student uniform over
-    # the 3 tokens (renormalised over the 2: 1/2, 1/2); an unused third slot would be -inf
+    # the 3 tokens (renormalised over the 2: 1/2, 1/2)
     student = torch.zeros(1, 2, 3, dtype=torch.float64, requires_grad=True)
     logprobs = torch.tensor([[[0.0, 0.0], [math.log(0.6), math.log(0.2)]]], dtype=torch.float64)
     topk_ids = torch.tensor([[[0, 1], [2, 0]]])
@@ -164,3 +164,19 @@ def test_equals_trl_gkd_and_distillation_losses(trl_losses, beta, temperature):
     chunked.backward()
     torch.testing.assert_close(ours, chunked, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(our_grad, student.grad, rtol=1e-4, atol=1e-6)
+
+
+def test_vllm_prompt_logprobs_become_top_k_tensors():
+    """The shape of vLLM's choices[0].prompt_logprobs (JSON keys are strings): the prompt's own token rides along with
+    its rank and is dropped when it is not in the top k."""
+    from posttrain.rollout.teacher_server import parse_prompt_logprobs
+
+    answer = [None,
+              {"7": {"logprob": -0.1, "rank": 1, "decoded_token": "a"}, "3": {"logprob": -2.5, "rank": 2},
+               "9": {"logprob": -6.0, "rank": 40}},
+              {"4": {"logprob": -1.5, "rank": 2}, "5": {"logprob": -0.4, "rank": 1}}]
+    logprobs_TK, ids_TK = parse_prompt_logprobs(answer, k=2)
+    assert ids_TK.tolist() == [[0, 1], [7, 3], [5, 4]]
+    torch.testing.assert_close(logprobs_TK, torch.tensor([[0.0, 0.0], [-0.1, -2.5], [-0.4, -1.5]]))
+    with pytest.raises(ValueError, match="max-logprobs"):
+        parse_prompt_logprobs(answer, k=3)
