@@ -10,7 +10,8 @@ completions from the data or sampled by the student itself (GKD, Agarwal et al. 
   in between the generalised JSD (losses/distill.py). Both models at `algo.temperature`.
 - the teacher (`algo.teacher_model_name_or_path`) is a frozen role loaded like the reference: partitioned under
   ZeRO-3, in CPU memory between forwards with `algo.teacher_offload`. It must share the student's tokenizer and
-  vocabulary; another is exit 2 naming both models, before any weights load.
+  vocabulary; another is exit 2 naming both models, before any weights load. Or it is served by vLLM
+  (`algo.teacher_server`): its top-k log-probs per position, fetched in `prepare` (rollout/teacher_server.py).
 
 The loss of a step is (sum of per-token divergences over all completion tokens of the step) / (their count): the
 loop passes that global count as `normaliser`, so accumulation and world size do not change the update. The
@@ -36,8 +37,9 @@ from posttrain.ops.logprobs import masked_mean, masked_sum
 
 @dataclass(frozen=True)
 class DistillAlgoConfig:
-    teacher_model_name_or_path: str = ""
-    """The teacher: hub id or local directory of a causal LM with the student's tokenizer and vocabulary."""
+    teacher_model_name_or_path: Optional[str] = None
+    """The teacher: hub id or local directory of a causal LM with the student's tokenizer and vocabulary (or give
+    teacher_server)."""
     teacher_model_revision: Optional[str] = None
     """Hub revision (branch, tag or commit) of the teacher."""
     beta: float = 0.5
