@@ -36,8 +36,9 @@ def args(student, teacher, data, out, *extra):
 @pytest.mark.parametrize("lmbda", [1.0, 0.0])
 def test_three_steps_train_every_parameter(tiny_model_dir, teacher_dir, data, tmp_path, lmbda):
     out = tmp_path / "run"
+    offload = "algo.teacher_offload=true" if lmbda == 0 else "algo.teacher_offload=false"  # the placement path too
     assert run_cli("distill", *args(tiny_model_dir, teacher_dir, data, out, "train.max_steps=3",
-                                    f"algo.lmbda={lmbda}", "algo.beta=0.0")) == 0
+                                    f"algo.lmbda={lmbda}", "algo.beta=0.0", offload)) == 0
     rows = metrics(out)
     assert [r["step"] for r in rows] == [1, 2, 3]
     for r in rows:
