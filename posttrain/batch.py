@@ -60,6 +60,11 @@ class Batch:
     a vllm / server engine samples from a copy of the policy, so they can differ from the trainer's."""
     truncated_B: Optional[torch.Tensor] = None
     """bool: completion hit max_completion_length without end of sequence."""
+    # --- distillation from a server teacher ---
+    teacher_topk_logprobs_BTK: Optional[torch.Tensor] = None
+    """The teacher's k largest log-probs (temperature 1) of the distribution predicting token t, at position t."""
+    teacher_topk_ids_BTK: Optional[torch.Tensor] = None
+    """The token ids of those k log-probs (int64)."""
 
     def to(self, device: torch.device) -> "Batch":
         moved = {

@@ -107,6 +107,10 @@ def build_roles(recipe, algorithm, backend, tokenizer, policy, eval_examples=Non
         where = algorithm.placement("reference")
         frozen = backend.prepare_frozen(make_reference(recipe.model, algorithm.model_kind), offload=where == "offload")
         models.reference = LocalRole(frozen, backend, placement=where)
+    if algorithm.teacher_model() is not None:  # frozen like the reference: partitioned under ZeRO-3, offloadable
+        where = algorithm.placement("teacher")
+        models.teacher = LocalRole(backend.prepare_frozen(make_reference(algorithm.teacher_model()),
+                                                          offload=where == "offload"), backend, placement=where)
     for i, scorer in enumerate(algorithm.reward_models()):  # frozen like the reference: partitioned, offloadable
         if "reward_model" in remote:
             role = remote["reward_model"].as_role(f"reward_model:{i}")

@@ -37,7 +37,8 @@ from posttrain.train.evaluation import evaluate_online
 from posttrain.train.guard import Guard
 from posttrain.train.loop import LoopContext, evaluate, train
 from posttrain.train.rollout_source import RolloutSource
-from posttrain.train.sources import DatasetSource
+from posttrain.train.distill_source import DistillSource
+from posttrain.train.sources import DatasetSource, Source
 from posttrain.train.state import TrainState
 from posttrain.trackers import closing_status
 
@@ -59,6 +60,18 @@ class RunResult:
     final_dir: Optional[Path]
     steps: int
     metrics: list[dict[str, Any]]
+
+
+def make_source(recipe: Recipe, backend, models, algorithm, examples, collate, servers) -> Source:
+    """The source of the loop's micro-batches, by algorithm.source_kind."""
+    t = recipe.train
+    if algorithm.source_kind == "rollout":
+        return RolloutSource(recipe, backend, models, algorithm, examples, algorithm.rewards, servers)
+    if algorithm.source_kind == "distill":
+        return DistillSource(recipe, backend, models, algorithm, examples, algorithm.config.lmbda, servers)
+    seed = t.dataloader_seed if t.dataloader_seed is not None else recipe.seed
+    return DatasetSource(examples, collate, t.per_device_train_batch_size, t.gradient_accumulation_steps,
+                         backend.world_size, backend.rank, seed)
 
 
 def seed_everything(seed: int) -> None:
@@ -142,12 +155,7 @@ def run(command: str, recipe: Recipe, launched: Optional[Launched] = None) -> Ru
 
     # 3. data source, schedule, state
     collate = make_collate(recipe, algorithm, tokenizer)
-    if algorithm.online:
-        source = RolloutSource(recipe, backend, models, algorithm, train_examples, algorithm.rewards, servers)
-    else:
-        source = DatasetSource(train_examples, collate, t.per_device_train_batch_size, t.gradient_accumulation_steps,
-                               backend.world_size, backend.rank,
-                               t.dataloader_seed if t.dataloader_seed is not None else recipe.seed)
+    source = make_source(recipe, backend, models, algorithm, train_examples, collate, servers)
     steps = total_steps(t, source.micro_batches_per_epoch())
     for _, role in models.trained():
         role.start_schedule(steps)
@@ -183,7 +191,7 @@ def run(command: str, recipe: Recipe, launched: Optional[Launched] = None) -> Ru
     logger = MetricsLogger(str(out), steps, state.step, backend.is_main, trackers)
     logger.info("posttrain " + " | ".join(f"{k}={v}" for k, v in summary.items() if v is not None))
     eval_fn = None
-    if eval_examples is not None and algorithm.online:  # by generating, wherever generation runs
+    if eval_examples is not None and algorithm.source_kind == "rollout":  # by generating, wherever generation runs
         def eval_fn():
             return evaluate_online(backend, source, tokenizer, eval_examples, algorithm.rewards, recipe.generation)
     elif eval_examples is not None:

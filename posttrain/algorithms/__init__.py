@@ -4,6 +4,7 @@ An algorithm class subclasses `posttrain.algorithms.base.Algorithm` (the whole c
 docs/algorithms.md) and takes the Recipe.
 """
 
+from posttrain.algorithms.distill import Distill, DistillAlgoConfig
 from posttrain.algorithms.dpo import DPO, DPOAlgoConfig
 from posttrain.algorithms.grpo import GRPO, GRPOAlgoConfig
 from posttrain.algorithms.ppo import PPO, PPOAlgoConfig
@@ -17,6 +18,7 @@ ALGORITHMS: dict[str, tuple[type, type]] = {
     "rm": (RMAlgoConfig, RM),
     "dpo": (DPOAlgoConfig, DPO),
     "ppo": (PPOAlgoConfig, PPO),
+    "distill": (DistillAlgoConfig, Distill),
 }
 
 

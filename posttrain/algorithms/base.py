@@ -8,8 +8,8 @@ algorithm subclasses it and overrides what it needs (docs/algorithms.md shows ho
     loss(model, batch, normaliser) -> (loss, metrics): sum over units / normaliser, where normaliser is the GLOBAL
                                     count over all micro-batches of the step and all ranks (computed by the loop)
 
-Roles: `Models` holds the typed roles an algorithm may use (policy, reference, critic, reward_model). Each `Role`
-says whether it trains (then it has its own optimizer and scheduler, prepared by the backend) and where it is
+Roles: `Models` holds the typed roles an algorithm may use (policy, reference, critic, reward_model, teacher). Each
+`Role` says whether it trains (then it has its own optimizer and scheduler, prepared by the backend) and where it is
 placed. The loop trains every role the algorithm names in `objectives()`, each with its own normaliser.
 """
 
@@ -22,7 +22,7 @@ import torch
 
 from posttrain.batch import Batch
 
-ROLE_NAMES = ("policy", "critic", "reference", "reward_model")
+ROLE_NAMES = ("policy", "critic", "reference", "reward_model", "teacher")
 """Every role an algorithm may ask for; trained roles are stepped in this order."""
 
 
@@ -99,6 +99,8 @@ class Models:
     reference: Optional[Role] = None
     critic: Optional[Role] = None
     reward_model: Optional[Role] = None
+    teacher: Optional[Role] = None
+    """Distillation: the frozen model the policy learns to match (algorithms/distill.py)."""
     eval_examples: Optional[list] = None
     """The tokenised eval set, for algorithms that precompute something for it (DPO's reference table)."""
 
@@ -122,9 +124,10 @@ class Algorithm:
 
     name: str = ""
     """The CLI command (sft, rm, dpo, grpo, ppo)."""
-    online: bool = False
-    """It trains on its own samples: run.py gives it the rollout source (train/rollout_source.py) and evaluates it by
-    generating (train/evaluation.py)."""
+    source_kind: str = "dataset"
+    """Where its micro-batches come from (run.SOURCES): dataset (the data as it is), rollout (it trains on its own
+    samples, scored: train/rollout_source.py, and is evaluated by generating) or distill (the dataset's rows, the
+    student completing a seeded share of them: train/distill_source.py)."""
     data_kind: str = "sft"
     """What rows it trains on: 'sft' (text/messages/prompt-completion), 'preference' or 'prompt'."""
     model_kind: str = "causal_lm"
@@ -142,6 +145,11 @@ class Algorithm:
         """Where run.py puts a frozen role (reference, reward_model): 'local' (on the device, partitioned under
         ZeRO-3) or 'offload' (its weights in CPU memory between forwards)."""
         return "local"
+
+    def teacher_model(self):
+        """A config.schema.ModelConfig for run.py to load as the frozen `models.teacher` (like the reference); None:
+        no teacher."""
+        return None
 
     def reward_models(self) -> list:
         """The reward models the algorithm scores with (rewards.RewardModelScorer), for run.py to place as the

@@ -19,7 +19,7 @@ def check_is_correction(config, recipe: Recipe) -> None:
 
 
 class OnlineAlgorithm(Algorithm):
-    online = True
+    source_kind = "rollout"
     data_kind = "prompt"
     model_kind = "causal_lm"
 

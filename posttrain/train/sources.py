@@ -83,15 +83,15 @@ class DatasetSource(Source):
         """Per-rank micro-batches in one pass over the data (for epoch-based schedules)."""
         return -(-len(self.examples) // (self.micro * self.world_size))
 
-    def step_indices(self, step: int) -> list[list[int]]:
-        """Dataset indices of this rank's micro-batches: micro-batch k of rank r is slot k * world + r."""
+    def step_positions(self, step: int) -> list[range]:
+        """Positions in the global stream of this rank's micro-batches (micro-batch k of rank r: slot k * world + r)."""
         start = step * self.global_batch
-        out = []
-        for k in range(self.accumulation):
-            slot = k * self.world_size + self.rank
-            positions = range(start + slot * self.micro, start + (slot + 1) * self.micro)
-            out.append([self.order.index(p) for p in positions])
-        return out
+        slots = [k * self.world_size + self.rank for k in range(self.accumulation)]
+        return [range(start + slot * self.micro, start + (slot + 1) * self.micro) for slot in slots]
+
+    def step_indices(self, step: int) -> list[list[int]]:
+        """Dataset indices of this rank's micro-batches (step_positions through the seeded order)."""
+        return [[self.order.index(p) for p in positions] for positions in self.step_positions(step)]
 
     def step_batches(self, step: int) -> list[Batch]:
         batches = []

@@ -1,0 +1,163 @@
+"""Knowledge distillation: the student (the policy) learns to match a frozen teacher's next-token distributions on
+completions from the data or sampled by the student itself (GKD, Agarwal et al. 2024).
+
+    posttrain distill --config recipes/distill.yaml
+
+- data: prompt + completion rows (the SFT formats: docs/distill.md); the loss covers the completion tokens.
+- `algo.lmbda`: the fraction of steps whose completions the student samples on-policy with the run's engine
+  (generation.*); the other steps train on the dataset's completions. 0 is supervised KD on the data only.
+- `algo.beta`: the divergence, TRL's convention: 0 forward KL(teacher || student), 1 reverse KL(student || teacher),
+  in between the generalised JSD (losses/distill.py). Both models at `algo.temperature`.
+- the teacher (`algo.teacher_model_name_or_path`) is a frozen role loaded like the reference: partitioned under
+  ZeRO-3, in CPU memory between forwards with `algo.teacher_offload`. It must share the student's tokenizer and
+  vocabulary; another is exit 2 naming both models, before any weights load. Or it is served by vLLM
+  (`algo.teacher_server`): its top-k log-probs per position, fetched in `prepare` (rollout/teacher_server.py).
+
+The loss of a step is (sum of per-token divergences over all completion tokens of the step) / (their count): the
+loop passes that global count as `normaliser`, so accumulation and world size do not change the update. The
+teacher's logits are computed inside the loss, one micro-batch at a time, and never kept past it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from posttrain.algorithms.base import Algorithm, Models
+from posttrain.models.forward import policy_logits
+from posttrain.batch import Batch
+from posttrain.config.schema import Recipe
+from posttrain.errors import UserError
+from posttrain.losses.distill import distill_loss, topk_distill_loss
+from posttrain.ops.logprobs import masked_mean, masked_sum
+
+
+@dataclass(frozen=True)
+class DistillAlgoConfig:
+    teacher_model_name_or_path: Optional[str] = None
+    """The teacher: hub id or local directory of a causal LM with the student's tokenizer and vocabulary (or give
+    teacher_server)."""
+    teacher_model_revision: Optional[str] = None
+    """Hub revision (branch, tag or commit) of the teacher."""
+    beta: float = 0.5
+    """Divergence, in [0, 1]: 0 forward KL(teacher || student), 1 reverse KL(student || teacher), between: the
+    generalised JSD with mixture beta * teacher + (1 - beta) * student (TRL's convention)."""
+    lmbda: float = 0.5
+    """Fraction of steps whose completions the student samples itself (on-policy); 0: the data's only (supervised
+    KD)."""
+    temperature: Optional[float] = None
+    """Softmax temperature of both models in the loss; null: generation.temperature (the one the student samples at),
+    so the teacher scores the tokens at the temperature they were sampled with."""
+    teacher_offload: bool = False
+    """Keep the teacher's weights in CPU memory between forwards (ZeRO-3: DeepSpeed's parameter offload)."""
+    teacher_server: Optional[str] = None
+    """Instead of a local teacher: the URL of a `posttrain serve` vLLM server serving it (http://host:port); the loss
+    is then over its top-k tokens, renormalised (an approximation: docs/distill.md)."""
+    teacher_top_k: int = 20
+    """With teacher_server: tokens per position the server returns (its --max-logprobs must be at least this)."""
+
+    def loss_temperature(self, recipe: Recipe) -> float:
+        return self.temperature if self.temperature is not None else recipe.generation.temperature
+
+    def validate(self, recipe: Recipe) -> None:
+        """Everything checkable before the processes start; the loader calls it after building the recipe."""
+        if bool(self.teacher_model_name_or_path) == bool(self.teacher_server):
+            raise UserError("name the teacher once: algo.teacher_model_name_or_path (a hub id or a local directory "
+                            "sharing the student's tokenizer) or algo.teacher_server (a `posttrain serve` URL)")
+        if self.teacher_server and (self.teacher_top_k < 1 or recipe.data.packing):
+            raise UserError(f"algo.teacher_server needs algo.teacher_top_k >= 1 (got {self.teacher_top_k}) and "
+                            "data.packing=false (the server scores each sequence on its own)")
+        if not 0.0 <= self.beta <= 1.0 or not 0.0 <= self.lmbda <= 1.0:
+            raise UserError(f"need algo.beta and algo.lmbda in [0, 1]; got {self.beta} and {self.lmbda}")
+        if not self.loss_temperature(recipe) > 0:
+            raise UserError(f"algo.temperature must be > 0 (it is generation.temperature when null), got "
+                            f"{self.loss_temperature(recipe)}; set algo.temperature=1.0")
+        if recipe.launcher != "local":
+            raise UserError("posttrain distill runs under torchrun / accelerate launch (launcher: local); a teacher "
+                            "placed by Ray is not built yet")
+        if self.lmbda > 0:
+            if recipe.data.packing:
+                raise UserError("algo.lmbda > 0 samples completions, whose batches are built padded; set "
+                                "data.packing=false, or algo.lmbda=0 to train on the data only")
+            if not recipe.data.completion_only_loss:
+                raise UserError("algo.lmbda > 0 keeps each row's prompt (the tokens before its first trained token) "
+                                "and samples the completion: set data.completion_only_loss=true")
+            if recipe.generation.async_:
+                raise UserError("generation.async is not supported by distill; set generation.async=false")
+
+
+class Distill(Algorithm):
+    name = "distill"
+    data_kind = "sft"
+    model_kind = "causal_lm"
+
+    def __init__(self, recipe: Recipe):
+        self.recipe = recipe
+        self.config: DistillAlgoConfig = recipe.algo
+        self.temperature = self.config.loss_temperature(recipe)
+        self.teacher = None  # the local teacher's model, from setup
+        self.teacher_config = self.server = None
+        if self.config.teacher_server:  # top-k log-probs from a server: it answers and tokenizes like the student
+            from posttrain.models.load import check_model_source, load_tokenizer
+            from posttrain.rollout.teacher_server import TeacherServer
+
+            check_model_source(recipe.model)
+            gen = recipe.generation
+            self.server = TeacherServer(self.config.teacher_server, self.config.teacher_top_k, gen.request_timeout,
+                                        gen.request_retries)
+            self.server.check(load_tokenizer(recipe.model), recipe.model.name_or_path)
+        else:
+            from posttrain.models.teacher import check_same_vocabulary, teacher_model_config
+
+            self.teacher_config = teacher_model_config(recipe.model, self.config.teacher_model_name_or_path,
+                                                       self.config.teacher_model_revision)
+            check_same_vocabulary(recipe.model, self.teacher_config)  # config and tokenizer files: before any weights
+
+    def teacher_model(self):
+        return self.teacher_config
+
+    def placement(self, role: str) -> str:
+        return "offload" if role == "teacher" and self.config.teacher_offload else "local"
+
+    @property
+    def source_kind(self) -> str:
+        """lmbda 0: supervised KD on the dataset's completions; else the student completes a seeded share of them."""
+        return "distill" if self.config.lmbda > 0 else "dataset"
+
+    def setup(self, backend, models: Models, train_examples, collate, out) -> None:
+        self.teacher = models.teacher.model if models.teacher is not None else None
+
+    def prepare(self, batch: Batch, models: Models) -> Batch:
+        """A server teacher's top-k log-probs for every real token of the batch (padded layout), fetched once."""
+        if self.server is None or batch.teacher_topk_ids_BTK is not None:
+            return batch
+        lengths = batch.attention_mask_BT.sum(-1).tolist()
+        rows = [ids[:n] for ids, n in zip(batch.input_ids_BT.tolist(), lengths)]
+        logprobs, ids = self.server.topk(rows)
+        shape = (*batch.input_ids_BT.shape, self.config.teacher_top_k)
+        logprobs_BTK, ids_BTK = torch.zeros(shape), torch.arange(shape[-1]).expand(shape).clone()
+        for row, (row_logprobs_TK, row_ids_TK) in enumerate(zip(logprobs, ids)):
+            logprobs_BTK[row, : lengths[row]], ids_BTK[row, : lengths[row]] = row_logprobs_TK, row_ids_TK
+        device = batch.input_ids_BT.device
+        return dataclasses.replace(batch, teacher_topk_logprobs_BTK=logprobs_BTK.to(device),
+                                   teacher_topk_ids_BTK=ids_BTK.to(device))
+
+    def count(self, batch: Batch) -> torch.Tensor:
+        return batch.completion_mask_BT.sum()
+
+    def loss(self, model, batch: Batch, normaliser: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        mask_BT = batch.completion_mask_BT
+        student_logits_BTV = policy_logits(model, batch)
+        if batch.teacher_topk_ids_BTK is not None:
+            out = topk_distill_loss(student_logits_BTV, batch.teacher_topk_logprobs_BTK, batch.teacher_topk_ids_BTK,
+                                    batch.input_ids_BT, mask_BT, self.config.beta, self.temperature)
+        else:
+            with torch.no_grad():
+                teacher_logits_BTV = policy_logits(self.teacher, batch)
+            out = distill_loss(student_logits_BTV, teacher_logits_BTV, batch.input_ids_BT, mask_BT, self.config.beta,
+                               self.temperature)
+        metrics = {name: masked_mean(value_BT, mask_BT) for name, value_BT in out.metrics_BT.items()}
+        return masked_sum(out.loss_BT, mask_BT) / normaliser, metrics

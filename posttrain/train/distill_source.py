@@ -1,0 +1,85 @@
+"""Micro-batches for distillation: the dataset's prompt + completion rows, whose completions the student samples
+itself on a seeded `algo.lmbda` fraction of the steps (GKD's on-policy mixture, Agarwal et al. 2024).
+
+    source = DistillSource(recipe, backend, models, algorithm, train_examples, lmbda=0.5)   # run.py builds it
+    micro_batches = source.step_batches(step)
+
+Every step takes its rows exactly as the dataset source does (the seeded global order, split over ranks and
+micro-batches: train/sources.py). Whether a step is on-policy is a coin seeded by (seed, step), the same on every
+rank, so a resumed run flips the same coins. On an on-policy step each row keeps its prompt (its tokens before the
+first trained token) and gets a completion sampled by the run's engine (generation.*), each generate call seeded by
+the global position of its first row, as the GRPO rollout source does: resume reproduces it, and so does any
+accumulation split (any world size too with generation.batch_size=1). Engines holding their own copy of the weights
+(vllm, server) get the current student first, by the rollout source's weight sync.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import torch
+
+from posttrain.batch import Batch
+from posttrain.data.collate import collate_padded
+from posttrain.train.rollout_source import RolloutSource, sampling_seed
+from posttrain.train.sources import DatasetSource
+
+
+def prompt_ids(example: dict) -> list[int]:
+    """The tokens before the first trained one (the prompt of a prompt + completion row)."""
+    return example["input_ids"][: example["completion_mask"].index(1)]
+
+
+def on_policy_step(seed: int, step: int, lmbda: float) -> bool:
+    """The seeded coin of step `step`: True with probability lmbda, the same on every rank and on resume."""
+    generator = torch.Generator().manual_seed(sampling_seed(seed, step))
+    return bool(torch.rand((), generator=generator) < lmbda)
+
+
+class DistillSource(RolloutSource):
+    """The rollout source's engine and weight sync over the dataset source's rows (no rewards, one sample per row)."""
+
+    def __init__(self, recipe, backend, models, algorithm, examples, lmbda: float, servers=None):
+        super().__init__(recipe, backend, models, algorithm, examples, rewards=None, servers=servers)
+        t = recipe.train
+        pad_id = models.tokenizer.pad_token_id
+        seed = t.dataloader_seed if t.dataloader_seed is not None else recipe.seed
+        self.data = DatasetSource(examples, lambda rows: collate_padded(rows, pad_id), t.per_device_train_batch_size,
+                                  t.gradient_accumulation_steps, backend.world_size, backend.rank, seed)
+        self.lmbda = lmbda
+
+    def micro_batches_per_epoch(self) -> int:
+        return self.data.micro_batches_per_epoch()
+
+    def step_batches(self, step: int) -> list[Batch]:
+        self._trained_through = step + 1
+        if not on_policy_step(self.recipe.seed, step, self.lmbda):
+            batches = self.data.step_batches(step)
+            lengths = torch.cat([b.completion_mask_BT.sum(-1) for b in batches]).float()
+            self._metrics = {"on_policy": 0.0, "completion_length/mean": float(lengths.mean()),
+                             "time/generate": 0.0, "time/sync": 0.0}
+            self._handed_out = time.perf_counter()
+            return batches
+
+        # the rows' prompts, sampled by the current student in one pass over this rank's rows of the step
+        started = time.perf_counter()
+        self._sync_seconds = 0.0
+        self._sync_weights(step)
+        positions = [p for micro in self.data.step_positions(step) for p in micro]
+        indices = [self.data.order.index(p) for p in positions]
+        prompts = [{"prompt_ids": prompt_ids(self.examples[i])} for i in indices]
+        prompt_rows, completion_ids, _, _ = self._sample(prompts, positions)
+        self.engine.sleep()
+        rows = [{"input_ids": p + c, "completion_mask": [0] * len(p) + [1] * len(c)}
+                for p, c in zip(prompt_rows, completion_ids)]
+        pad_id = self.tokenizer.pad_token_id
+        batches = [dataclasses.replace(collate_padded(rows[i : i + self.micro], pad_id),
+                                       example_index_B=torch.tensor(indices[i : i + self.micro]))
+                   for i in range(0, len(rows), self.micro)]
+        lengths = torch.tensor([len(c) for c in completion_ids], dtype=torch.float32)
+        self._metrics = {"on_policy": 1.0, "completion_length/mean": float(lengths.mean()),
+                         "time/generate": time.perf_counter() - started - self._sync_seconds,
+                         "time/sync": self._sync_seconds}
+        self._handed_out = time.perf_counter()
+        return batches
