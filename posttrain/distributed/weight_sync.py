@@ -90,6 +90,7 @@ def sync_buckets(units: list[SyncUnit], bucket_mb: float) -> Iterator[list[SyncU
 # (CPU, GPU) and any server (CPU, GPU) can meet; a GPU tensor is copied to the host once, while it is packed.
 
 SYNC_STORE_PREFIX = "posttrain-weight-sync"
+ALIGN = 16  # bytes: each tensor's offset in a bucket's buffer
 _DTYPES = {str(d): d for d in (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32,
                                torch.uint8, torch.int8, torch.bool)}
 
@@ -168,11 +169,12 @@ class SyncGroup:
 
 def pack_bucket(bucket) -> tuple[torch.Tensor, torch.Tensor]:
     """[(name, tensor)] -> (header, payload): the JSON header (name, dtype, shape, offset of each tensor) and every
-    tensor's bytes in one flat buffer, both uint8 on the CPU."""
+    tensor's bytes in one flat buffer (each at an offset aligned to ALIGN bytes), both uint8 on the CPU."""
     import json
 
     entries, offset = [], 0
     for name, tensor in bucket:
+        offset = -(-offset // ALIGN) * ALIGN  # the receiver views the bytes as the dtype: aligned for any of them
         entries.append({"name": name, "dtype": str(tensor.dtype), "shape": list(tensor.shape), "offset": offset})
         offset += tensor.numel() * tensor.element_size()
     payload = torch.empty(offset, dtype=torch.uint8)

@@ -53,12 +53,13 @@ def option_value(args: list[str], name: str) -> Optional[str]:
 
 def serve_kv_cache_option(model: str, vllm_args: list[str], environ: dict, kv_cache_gb: Optional[float],
                           trust_remote_code: bool = False) -> list[str]:
-    """The `--kv-cache-memory-bytes N` that `posttrain serve` adds on a CPU, or [] when the user sized the cache or
-    the reservation (--kv-cache-memory-bytes, --gpu-memory-utilization, VLLM_CPU_KVCACHE_SPACE)."""
+    """The `--kv-cache-memory-bytes N` that `posttrain serve` adds on a CPU, or [] when the user sized the cache
+    (--kv-cache-memory-bytes, VLLM_CPU_KVCACHE_SPACE). A --gpu-memory-utilization (what engines a run starts pass,
+    for GPUs) does not turn it off: with an explicit cache vLLM reserves no share of the machine's RAM."""
     if kv_cache_gb is not None:
         return ["--kv-cache-memory-bytes", str(int(kv_cache_gb * 2**30))]
     given = {a.split("=", 1)[0] for a in vllm_args}
-    if given & {"--kv-cache-memory-bytes", "--gpu-memory-utilization"} or environ.get("VLLM_CPU_KVCACHE_SPACE"):
+    if "--kv-cache-memory-bytes" in given or environ.get("VLLM_CPU_KVCACHE_SPACE"):
         return []
     import psutil
     from transformers import AutoConfig

@@ -273,16 +273,23 @@ def stock_server(tiny_vllm_model_dir, tmp_path_factory):
             os.killpg(process.pid, signal.SIGKILL)
 
 
-def test_a_stock_vllm_server_takes_syncs_and_serves_the_synced_policy(stock_server, tiny_vllm_model_dir):
-    """The trainer's four phases (init, start, update, finish) into a plain api_server: after a sync of perturbed
-    weights its greedy completions are HF's on those weights, token for token, and it holds the version set."""
-    from posttrain.config.schema import GenerationConfig
+def test_a_stock_vllm_server_takes_syncs_and_serves_the_synced_policy(stock_server, tiny_vllm_model_dir,
+                                                                     monkeypatch):
+    """The start-up checks pass on a plain api_server, and the trainer's four phases (init, start, update, finish)
+    sync into it: after a sync of perturbed weights its greedy completions are HF's on those weights, token for
+    token, and it holds the version set."""
+    from posttrain.config.schema import GenerationConfig, Recipe
+    from posttrain.rollout.server import check_servers
     from posttrain.rollout.base import SamplingParams
     from posttrain.rollout.hf import HFEngine
     from posttrain.rollout.http import call
     from posttrain.rollout.server import ServerEngine
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_vllm_model_dir)
+    monkeypatch.setenv("POSTTRAIN_SERVER_TOKEN", stock_server.token)
+    check_servers(Recipe(model=Recipe().model.__class__(name_or_path=str(tiny_vllm_model_dir)),
+                         data=Recipe().data.__class__(train="x.jsonl"),
+                         generation=GenerationConfig(engine="server", servers=(stock_server.url,))), tokenizer)
     model = AutoModelForCausalLM.from_pretrained(tiny_vllm_model_dir, dtype=torch.float32)
     generator = torch.Generator().manual_seed(0)
     with torch.no_grad():

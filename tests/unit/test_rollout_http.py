@@ -255,3 +255,48 @@ def test_the_sync_store_listens_on_the_given_address_only():
     with pytest.raises(ConnectionRefusedError):
         socket.create_connection(("127.0.0.1", store.port), timeout=2)
     assert len(store.key) == 32  # entries live under a random key only the token-guarded HTTP channel carries
+
+
+def test_a_sync_runs_vllms_four_phases_and_the_bytes_arrive_bit_for_bit(fake):
+    """The trainer side of the native path against a server that does what vLLM's routes + the gloo-posttrain
+    backend do (a real gloo group; the worker is a thread): init once, then start, update, finish per sync, in that
+    order; every tensor arrives with its name, dtype, shape and bytes."""
+    import torch
+
+    from posttrain.distributed.weight_sync import open_sync_group, receive_weights
+
+    phases, received, worker = [], {}, {}
+
+    def respond(handler):
+        route = handler.path.split("?")[0]
+        phases.append(route)
+        body = json.loads(handler.body or b"{}")
+        if route == "/get_world_size":
+            answer = {"world_size": 1}
+        elif route == "/init_weight_transfer_engine":
+            info = body["init_info"]
+            worker["group"] = open_sync_group(info["addr"], info["port"], info["rank_offset"], info["world_size"],
+                                              info["timeout_s"], "127.0.0.1", key=info["key"])
+            answer = {}
+        elif route == "/update_weights":
+            received.update({name: t.clone() for name, t in receive_weights(worker["group"])})
+            answer = {}
+        else:
+            answer = {}
+        send(handler, json.dumps(answer).encode())
+
+    server = fake(respond)
+    sync = engine(server.url, timeout=20.0, sync_bucket_mb=1)
+    g = torch.Generator().manual_seed(0)
+    tensors = [("a", torch.randn(300, 1024, generator=g)), ("b", torch.randn(7, generator=g).to(torch.bfloat16)),
+               ("c", torch.arange(6).view(2, 3)), ("d", torch.randn(4, 4, generator=g).t())]
+    for round_ in range(2):
+        sync.load_weights(iter(tensors))
+        assert received.keys() == {name for name, _ in tensors}
+        for name, tensor in tensors:
+            assert received[name].dtype == tensor.dtype and torch.equal(received[name], tensor), name
+        received.clear()
+    sync.close()
+    worker["group"].close()
+    one_sync = ["/start_weight_update", "/update_weights", "/finish_weight_update", "/reset_prefix_cache"]
+    assert phases == ["/get_world_size", "/init_weight_transfer_engine"] + one_sync * 2

@@ -98,11 +98,14 @@ def test_serve_command_line():
     assert cpu[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
     for option in (["--worker-extension-cls", EXTENSION], ["--middleware", MIDDLEWARE], ["--enable-scale-out"],
                    ["--logprobs-mode", "processed_logprobs"], ["--dtype", "float32"], ["--no-enable-chunked-prefill"],
+                   ["--weight-transfer-config", '{"backend": "gloo-posttrain"}'],
                    ["--host", "127.0.0.1"], ["--max-model-len", "512"]):
         assert any(cpu[i : i + len(option)] == option for i in range(len(cpu))), option
     assert "--dtype" not in vllm_command(serve_args(), on_gpu=True)  # a GPU keeps vLLM's defaults
     mine = vllm_command(serve_args("--dtype", "bfloat16", "--enable-prefix-caching"), on_gpu=False)
     assert mine.count("--dtype") == 1 and "--no-enable-prefix-caching" not in mine  # the user's options win
+    nccl = vllm_command(serve_args("--weight-transfer-config", '{"backend": "nccl"}'), on_gpu=True)
+    assert nccl.count("--weight-transfer-config") == 1
 
 
 def test_serve_bad_input_is_a_user_error(tmp_path):

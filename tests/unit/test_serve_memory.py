@@ -30,9 +30,11 @@ def test_serve_passes_an_explicit_kv_cache_unless_the_user_sized_it(tmp_path):
                                  {}, None) == ["--kv-cache-memory-bytes", str(MIB)]
     assert int(serve_kv_cache_option(model, [], {}, None)[1]) == 32 * MIB  # max_position_embeddings: 4096
     assert serve_kv_cache_option(model, [], {}, 1.5) == ["--kv-cache-memory-bytes", str(3 * 2**29)]
-    for args, env in ((["--gpu-memory-utilization", "0.5"], {}), (["--kv-cache-memory-bytes=9"], {}),
-                      ([], {"VLLM_CPU_KVCACHE_SPACE": "2"})):
+    for args, env in ((["--kv-cache-memory-bytes=9"], {}), ([], {"VLLM_CPU_KVCACHE_SPACE": "2"})):
         assert serve_kv_cache_option(model, args, env, None) == [], (args, env)
+    # what engines a run starts pass for GPUs: on a CPU the explicit cache still replaces vLLM's share of the RAM
+    assert serve_kv_cache_option(model, ["--gpu-memory-utilization", "0.3", "--max-model-len", "1024"], {},
+                                 None) == ["--kv-cache-memory-bytes", str(8 * MIB)]
 
 
 def test_serve_command_carries_the_kv_cache_size_on_a_cpu_only():
