@@ -8,8 +8,9 @@ stock `python -m vllm.entrypoints.openai.api_server` with posttrain's weight-tra
 Generation: each completion is one request to vLLM's token-in / token-out endpoint (`/inference/v1/generate`), all
 in flight at once; a prompt's group of samples goes to one server, the groups are spread evenly over the servers.
 Row i of a seeded call gets the seed `seed + i`, as in the in-process engine, so a sample does not depend on which
-server drew it. A request that fails is retried (`generation.request_retries`, each within `generation.request_timeout_s`
-seconds); one that still fails stops the run with a message naming the server, never a hang.
+server drew it. A request that fails is retried (`generation.request_retries`, each within
+`generation.request_timeout_s` seconds); one that still fails stops the run with a message naming the server, never
+a hang.
 
 Weight sync (trainer rank 0; the other ranks help gather the buckets and wait) goes through vLLM's weight-transfer
 API, its four phases driven over each server's RL routes (`posttrain.rollout.weight_transfer`): init (once: rank 0
@@ -42,10 +43,11 @@ TOKENIZER_PROBE = "posttrain vocabulary probe: What is 12 + 7? Answer: 19."
 
 
 class ServerEngine:
-    """`GenerationEngine` over `posttrain serve` servers. generation: the recipe's `generation.*`; tokenizer: gives
-    the eos id; sends_weights: this process is the trainer rank that pushes weight syncs (the others only take part
-    in gathering them); servers, token: other servers than generation.servers, another token than the one in
-    POSTTRAIN_SERVER_TOKEN (the engine of a node, rollout/vllm_node.py)."""
+    """`GenerationEngine` over vLLM servers (`posttrain serve`, or stock ones with the gloo-posttrain backend).
+    generation: the recipe's `generation.*`; tokenizer: gives the eos id; sends_weights: this process is the trainer
+    rank that pushes weight syncs (the others only take part in gathering them); servers, token: other servers than
+    generation.servers, another token than the one in POSTTRAIN_SERVER_TOKEN (the engine of a node,
+    rollout/vllm_node.py); vocab_size: bounds the token ids a server may return (default: the policy's config)."""
 
     holds_copy = True  # the servers' weights are synced from the trainer
     shared = True  # every rank's requests go to the same servers: all ranks wait until a sync has landed
@@ -255,7 +257,8 @@ def check_servers(recipe, tokenizer) -> None:
         ask("/health", what="; start it with `posttrain serve --model ...` or fix the address")
         served_model = field(ask("/v1/models", what="; is it a vLLM server?"), "data", 0)
         ask("/get_world_size?include_dp=false", what="; start it with `posttrain serve`, or with "
-            "VLLM_SERVER_DEV_MODE=1 and --weight-transfer-config '{\"backend\": \"gloo-posttrain\"}' (docs/generation.md)")
+            "VLLM_SERVER_DEV_MODE=1 and --weight-transfer-config '{\"backend\": \"gloo-posttrain\"}' "
+            "(docs/generation.md)")
         try:  # posttrain serve's worker extension; a stock server has none, and its vocabulary goes unchecked
             served = field(call(url, "/collective_rpc", {"method": "posttrain_describe"}, timeout=timeout),
                            "results", 0, "vocab_size")

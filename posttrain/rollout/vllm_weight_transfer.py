@@ -1,7 +1,7 @@
 """posttrain's gloo transport as a vLLM weight-transfer backend, `gloo-posttrain` (the worker side; imports vLLM).
 
-    pip install posttrain[vllm]      # declares the plugin: every vLLM process loads it (entry point group
-                                     # vllm.general_plugins, posttrain = posttrain.rollout.vllm_weight_transfer:register)
+    pip install posttrain[vllm]      # declares the plugin, which every vLLM process loads (entry point group
+                                     # vllm.general_plugins: posttrain.rollout.vllm_weight_transfer:register)
     VLLM_SERVER_DEV_MODE=1 python -m vllm.entrypoints.openai.api_server --model DIR \
         --weight-transfer-config '{"backend": "gloo-posttrain"}' --enable-scale-out --logprobs-mode processed_logprobs
 

@@ -26,7 +26,8 @@ TOKENIZER = types.SimpleNamespace(eos_token_id=2)
 
 
 def choice(tokens=(5, 6, 7), logprobs=(-0.5, -1.0, -0.1), **extra) -> dict:
-    return {"choices": [{"index": 0, "token_ids": tokens if isinstance(tokens, str) else list(tokens), "finish_reason": "length",
+    ids = tokens if isinstance(tokens, str) else list(tokens)
+    return {"choices": [{"index": 0, "token_ids": ids, "finish_reason": "length",
                          "logprobs": {"content": [{"logprob": v} for v in logprobs]}, **extra}]}
 
 
