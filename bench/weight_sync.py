@@ -4,9 +4,10 @@ gloo group (the floor any sync over that group pays). Target: sync <= 1.2x raw.
     .venv/bin/python bench/weight_sync.py                          # 1 server, ~24M-parameter Llama (~100 MB fp32)
     .venv/bin/python bench/weight_sync.py --servers 2 --repeats 5
 
-A sync is what the trainer's rank 0 does after an optimiser step (`ServerEngine.load_weights` + the version stamp):
-pack each `--bucket-mb` bucket, broadcast its header and bytes, the servers' `reload_weights` (oneDNN repacking on a
-CPU), the prefix-cache reset and the version stamp. The raw baseline broadcasts byte buffers of the same bucket sizes
+A sync is what the trainer's rank 0 does after an optimiser step (`ServerEngine.load_weights` + the version stamp),
+through vLLM's weight-transfer API with the gloo-posttrain backend: /start_weight_update (vLLM's layerwise reload
+begins), /update_weights while each `--bucket-mb` bucket is packed and broadcast (header, then bytes) and loaded,
+/finish_weight_update (oneDNN repacking on a CPU), the prefix-cache reset and the version stamp. The raw baseline broadcasts byte buffers of the same bucket sizes
 to the same workers and drops them. Needs vLLM (`make setup EXTRAS=dev,vllm`); the servers run fp32 on the CPU here.
 """
 
@@ -59,7 +60,8 @@ def main() -> None:
 
     from posttrain.config.schema import GenerationConfig
     from posttrain.models.tiny import make_tiny_model
-    from posttrain.rollout.server import ServerEngine, threading_call
+    from posttrain.rollout.server import ServerEngine
+    from posttrain.rollout.weight_transfer import Background, wire_buckets
 
     work = Path(tempfile.mkdtemp(prefix="bench-sync-"))
     model_dir = make_tiny_model(work / "model", seed=0, **MODEL)
@@ -69,21 +71,21 @@ def main() -> None:
             servers.append(start_server(model_dir, work / f"serve-{i}.log"))
         urls = [url for _, url in servers]
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-        engine = ServerEngine(GenerationConfig(engine="server", servers=tuple(urls), sync_bucket_mb=args.bucket_mb),
+        engine = ServerEngine(GenerationConfig(engine="vllm", placement="servers", servers=tuple(urls), sync_bucket_mb=args.bucket_mb),
                               AutoTokenizer.from_pretrained(model_dir), sends_weights=True)
         named = list(model.named_parameters())
-        sizes = [sum(t.numel() * t.element_size() for _, t in bucket) for bucket in engine._buckets(iter(named))]
+        sizes = [sum(t.numel() * t.element_size() for _, t in bucket) for bucket in wire_buckets(iter(named), engine.bucket_bytes)]
 
         def sync(version: int) -> None:
             engine.load_weights(iter(named))
             engine.version = version
 
         def raw() -> None:
-            receivers = [threading_call(engine._rpc, url, "/collective_rpc",
-                                        {"method": "posttrain_broadcast_only", "args": [json.dumps(sizes)]})
+            receivers = [Background(engine._rpc, url, "/collective_rpc",
+                                    {"method": "posttrain_broadcast_only", "args": [json.dumps(sizes)]})
                          for url in urls]
             for size in sizes:
-                engine._group.broadcast(torch.empty(size, dtype=torch.uint8))
+                engine._transfer.group.broadcast(torch.empty(size, dtype=torch.uint8))
             for receiver in receivers:
                 receiver.join()
 
@@ -95,8 +97,10 @@ def main() -> None:
                 started = time.perf_counter()
                 fn()
                 timings[name].append(time.perf_counter() - started)
-            timings["server_receive"].append(max(r["receive_s"] for r in engine.last_sync))
-            timings["server_total"].append(max(r["total_s"] for r in engine.last_sync))
+            seconds = [engine._rpc(url, "/collective_rpc", {"method": "posttrain_sync_seconds"})["results"][0]
+                       for url in urls]
+            timings["server_receive"].append(max(r["receive_s"] for r in seconds))
+            timings["server_total"].append(max(r["total_s"] for r in seconds))
         median = {k: sorted(v)[len(v) // 2] for k, v in timings.items()}
         total = sum(sizes)
         print(json.dumps({

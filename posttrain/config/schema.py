@@ -199,8 +199,11 @@ class GenerationConfig:
     """In-process vLLM engine settings (generation.vllm.*)."""
     servers: tuple[str, ...] = ()
     """placement=servers: URLs of the vLLM servers (http://host:port); a prompt's samples go to one server."""
-    request_timeout: float = 300.0
-    """Servers (placement servers, node, ray): seconds one request (a completion, a control call, a sync's collective) may take."""
+    request_timeout_s: float = 300.0
+    """Servers (placement servers, node, ray): seconds one HTTP request (a completion, a control call) may take,
+    start to end."""
+    sync_timeout_s: float = 600.0
+    """Servers (placement servers, node, ray): seconds each phase of a weight sync (open, send, load) may take."""
     request_retries: int = 2
     """Servers: further tries of a failed completion request before the run stops naming the server."""
 

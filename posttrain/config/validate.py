@@ -30,7 +30,8 @@ POSITIVE = (
     "generation.sync_every",
     "generation.sync_bucket_mb",
     "generation.vllm.tensor_parallel_size",
-    "generation.request_timeout",
+    "generation.request_timeout_s",
+    "generation.sync_timeout_s",
     "placement.cpus_per_worker",
     "placement.generation.tensor_parallel_size",
 )

@@ -90,6 +90,7 @@ def sync_buckets(units: list[SyncUnit], bucket_mb: float) -> Iterator[list[SyncU
 # (CPU, GPU) and any server (CPU, GPU) can meet; a GPU tensor is copied to the host once, while it is packed.
 
 SYNC_STORE_PREFIX = "posttrain-weight-sync"
+ALIGN = 16  # bytes: each tensor's offset in a bucket's buffer
 _DTYPES = {str(d): d for d in (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32,
                                torch.uint8, torch.int8, torch.bool)}
 
@@ -104,22 +105,33 @@ def local_address_towards(host: str) -> str:
 
 
 class SyncStore:
-    """The rendezvous store of a sync group, hosted by the trainer on `addr` (any free port)."""
+    """The rendezvous store of a sync group, hosted by the trainer on `addr` only (any free port), with a random
+    `key` that names every entry: a member learns it from the trainer over the token-guarded HTTP channel, so a
+    process that can reach the port but does not hold the run's token finds nothing there to read or overwrite."""
 
     def __init__(self, addr: str, world_size: int, timeout_s: float):
+        import secrets
+        import socket
         from datetime import timedelta
 
         from torch.distributed import TCPStore
 
         self.addr = addr
-        self.store = TCPStore(addr, 0, world_size, True, timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
-        self.port = self.store.port
+        self.key = secrets.token_hex(16)
+        family = socket.AF_INET6 if ":" in addr else socket.AF_INET
+        self._listener = socket.socket(family, socket.SOCK_STREAM)  # TCPStore alone listens on every interface
+        self._listener.bind((addr, 0))
+        self._listener.listen(128)
+        self.port = self._listener.getsockname()[1]
+        self.store = TCPStore(addr, self.port, world_size, True, timeout=timedelta(seconds=timeout_s),
+                              wait_for_workers=False, master_listen_fd=self._listener.fileno())
 
 
 def open_sync_group(addr: str, port: int, rank: int, world_size: int, timeout_s: float, my_addr: str,
-                    store: "SyncStore | None" = None):
+                    store: "SyncStore | None" = None, key: str = ""):
     """Join (rank > 0) or create (rank 0, passing its `SyncStore`) a gloo process group outside the default one;
-    blocks until all `world_size` members have joined. `my_addr`: this member's address as the others reach it."""
+    blocks until all `world_size` members have joined or `timeout_s` has passed (RuntimeError). `my_addr`: this
+    member's address as the others reach it; `key`: the store's key (SyncStore.key), sent by the trainer."""
     from datetime import timedelta
 
     from torch.distributed import PrefixStore, TCPStore
@@ -130,7 +142,8 @@ def open_sync_group(addr: str, port: int, rank: int, world_size: int, timeout_s:
     options = ProcessGroupGloo._Options()
     options._devices = [ProcessGroupGloo.create_device(hostname=my_addr)]
     options._timeout = timeout
-    return SyncGroup(ProcessGroupGloo(PrefixStore(SYNC_STORE_PREFIX, base), rank, world_size, options), base)
+    prefix = f"{SYNC_STORE_PREFIX}/{key}"
+    return SyncGroup(ProcessGroupGloo(PrefixStore(prefix, base), rank, world_size, options), base)
 
 
 @dataclasses.dataclass
@@ -156,11 +169,12 @@ class SyncGroup:
 
 def pack_bucket(bucket) -> tuple[torch.Tensor, torch.Tensor]:
     """[(name, tensor)] -> (header, payload): the JSON header (name, dtype, shape, offset of each tensor) and every
-    tensor's bytes in one flat buffer, both uint8 on the CPU."""
+    tensor's bytes in one flat buffer (each at an offset aligned to ALIGN bytes), both uint8 on the CPU."""
     import json
 
     entries, offset = [], 0
     for name, tensor in bucket:
+        offset = -(-offset // ALIGN) * ALIGN  # the receiver views the bytes as the dtype: aligned for any of them
         entries.append({"name": name, "dtype": str(tensor.dtype), "shape": list(tensor.shape), "offset": offset})
         offset += tensor.numel() * tensor.element_size()
     payload = torch.empty(offset, dtype=torch.uint8)

@@ -5,11 +5,13 @@
         --host 0.0.0.0 --port 8000 -- --tensor-parallel-size 1 --max-model-len 4096     # after --: vLLM's own options
 
 It runs `python -m vllm.entrypoints.openai.api_server` in its own process group with VLLM_SERVER_DEV_MODE=1 (the
-control endpoints a weight sync drives), posttrain's worker extension (`posttrain.rollout.server_worker`), vLLM's
+RL routes a weight sync drives), vLLM's weight-transfer API with posttrain's gloo backend (--weight-transfer-config
+'{"backend": "gloo-posttrain"}'), posttrain's worker extension (`posttrain.rollout.vllm_weight_transfer`), vLLM's
 token-in / token-out endpoint (--enable-scale-out) and log-probs after temperature (--logprobs-mode
 processed_logprobs, what the trainer computes). Every request but /health needs `Authorization: Bearer <token>`; the
-token comes from --token or POSTTRAIN_SERVER_TOKEN (a random one is made and printed when neither is given), and the
-trainer reads it from POSTTRAIN_SERVER_TOKEN. The server listens on 127.0.0.1 unless --host says otherwise.
+token comes from --token-file or POSTTRAIN_SERVER_TOKEN (a random one is made and printed when neither is given;
+--token still works, with a warning: a command line is visible to every user), and the trainer reads it from
+POSTTRAIN_SERVER_TOKEN. The server listens on 127.0.0.1 unless --host says otherwise.
 
 It prints the URL once the server answers, and on SIGINT / SIGTERM stops the whole process group (vLLM's engine
 processes ignore SIGTERM, so what is left after a grace period is killed). On Linux vLLM also gets SIGTERM when this
@@ -19,8 +21,8 @@ left behind.
 
 from __future__ import annotations
 
-import argparse
 import importlib.util
+import json
 import os
 import secrets
 import signal
@@ -33,8 +35,9 @@ from pathlib import Path
 from posttrain.errors import UserError
 from posttrain.rollout.server import TOKEN_ENV, ServerUnavailable, call
 
-EXTENSION = "posttrain.rollout.server_worker.WeightSyncExtension"
+EXTENSION = "posttrain.rollout.vllm_weight_transfer.WeightSyncExtension"
 MIDDLEWARE = "posttrain.rollout.server_worker.TokenGuard"
+WEIGHT_TRANSFER_BACKEND = "gloo-posttrain"  # posttrain.rollout.vllm_weight_transfer
 GRACE_SECONDS = 10.0
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
@@ -46,19 +49,27 @@ def add_serve(sub) -> None:
     p.add_argument("--model", required=True, help="the policy's starting weights: a model directory or hub id")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
     p.add_argument("--port", type=int, default=8000, help="port to listen on")
-    p.add_argument("--token", default=None, help=f"bearer token every request must carry (default: ${TOKEN_ENV}, "
-                                                 "or a random one, printed)")
+    p.add_argument("--token-file", default=None, help="file holding the bearer token every request must carry "
+                                                      f"(default: ${TOKEN_ENV}, or a random one, printed)")
+    p.add_argument("--token", default=None, help=f"the token itself: visible in the process list; prefer "
+                                                 f"--token-file or ${TOKEN_ENV}")
+    p.add_argument("--kv-cache-gb", type=float, default=None,
+                   help="CPU only: GiB of KV cache (default: room for 16 sequences of --max-model-len tokens, at most "
+                        "a quarter of the machine's memory, instead of vLLM's 0.92 of it)")
     p.add_argument("--ready-timeout", type=float, default=900.0, help="seconds to wait for the server to answer")
     p.add_argument("vllm_args", nargs="*", help="options passed to vLLM's api_server (after --)")
 
 
-def vllm_command(args, on_gpu: bool) -> list[str]:
-    """The api_server command line: posttrain's required options, CPU defaults, then the user's vLLM options."""
+def vllm_command(args, on_gpu: bool, memory: list[str] = ()) -> list[str]:
+    """The api_server command line: posttrain's required options, CPU defaults (`memory`: the KV cache size), then
+    the user's vLLM options."""
     user = list(args.vllm_args)
     given = {a.split("=", 1)[0] for a in user if a.startswith("--")}
     command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(args.model),
                "--host", args.host, "--port", str(args.port), "--worker-extension-cls", EXTENSION,
                "--middleware", MIDDLEWARE, "--enable-scale-out", "--logprobs-mode", "processed_logprobs"]
+    if "--weight-transfer-config" not in given:
+        command += ["--weight-transfer-config", json.dumps({"backend": WEIGHT_TRANSFER_BACKEND})]
     if not on_gpu:  # fp32 is 3-5x faster than bf16 on CPUs without AVX-512; per-request seeds need no chunked prefill
         defaults = {"--dtype": ["float32"], "--enable-chunked-prefill": [], "--enable-prefix-caching": []}
         names = {"--enable-chunked-prefill": "--no-enable-chunked-prefill",
@@ -66,6 +77,7 @@ def vllm_command(args, on_gpu: bool) -> list[str]:
         for option, value in defaults.items():
             if option not in given and names.get(option, "") not in given:
                 command += [names.get(option, option), *value]
+        command += list(memory)
     return command + user
 
 
@@ -78,6 +90,8 @@ def check_serve_args(args) -> None:
     if looks_local and not (model.expanduser() / "config.json").is_file():
         raise UserError(f"--model {args.model}: no config.json there; give a Hugging Face model directory "
                         "(e.g. a run's final/) or a hub id")
+    if getattr(args, "kv_cache_gb", None) is not None and not args.kv_cache_gb > 0:
+        raise UserError(f"--kv-cache-gb must be > 0, got {args.kv_cache_gb}")
     if not 0 < args.port < 65536:
         raise UserError(f"--port {args.port} is not a port number (1-65535)")
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
@@ -86,6 +100,24 @@ def check_serve_args(args) -> None:
         except OSError as e:
             raise UserError(f"--host {args.host} --port {args.port}: cannot listen there ({e.strerror or e}); "
                             "choose another port, or stop what holds it") from None
+
+
+def read_token(args) -> str:
+    """The server's token: --token-file, else $POSTTRAIN_SERVER_TOKEN, else --token (with a warning: every user
+    of the machine can read a command line); "" when none is given."""
+    if getattr(args, "token_file", None):
+        try:
+            token = Path(args.token_file).expanduser().read_text().strip()
+        except OSError as e:
+            raise UserError(f"--token-file {args.token_file}: cannot read it ({e.strerror or e})") from None
+        if not token:
+            raise UserError(f"--token-file {args.token_file} is empty; write the token in it")
+        return token
+    if args.token:
+        print(f"posttrain serve: warning: --token shows the token to every user of this machine (ps); use "
+              f"--token-file FILE or {TOKEN_ENV} instead", file=sys.stderr, flush=True)
+        return args.token
+    return os.environ.get(TOKEN_ENV, "")
 
 
 def die_with_parent():
@@ -129,15 +161,24 @@ def run_serve(args) -> int:
         from posttrain.rollout.vllm_engine import _check_cpu_head_dim
 
         _check_cpu_head_dim(args.model)
-    token = args.token or os.environ.get(TOKEN_ENV)
+    memory = []
+    if not on_gpu and (Path(args.model) / "config.json").is_file():
+        from posttrain.rollout.cpu_memory import serve_kv_cache_option
+
+        memory = serve_kv_cache_option(args.model, list(args.vllm_args), os.environ, args.kv_cache_gb,
+                                       "--trust-remote-code" in args.vllm_args)
+        if memory:
+            print(f"posttrain serve: CPU KV cache of {int(memory[1]) / 2**30:.2f} GiB (--kv-cache-gb to change "
+                  "it)", flush=True)
+    token = read_token(args)
     if not token:
         token = secrets.token_urlsafe(24)
-        print(f"posttrain serve: no --token or {TOKEN_ENV}; generated one. On the trainer: "
+        print(f"posttrain serve: no --token-file or {TOKEN_ENV}; generated one. On the trainer: "
               f"export {TOKEN_ENV}={token}", flush=True)
     env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", TOKEN_ENV: token}
     host = socket.getfqdn() if args.host in ("0.0.0.0", "::") else args.host
     url = f"http://{host}:{args.port}"
-    process = subprocess.Popen(vllm_command(args, on_gpu), env=env, start_new_session=True,
+    process = subprocess.Popen(vllm_command(args, on_gpu, memory), env=env, start_new_session=True,
                                preexec_fn=die_with_parent())
     stopping = []
 

@@ -5,7 +5,7 @@ tokens and their log-probs at every position of the student's sequences (vLLM's 
     posttrain distill --config recipes/distill.yaml algo.teacher_server=http://gpu9:8001 algo.teacher_top_k=20
 
 One `/v1/completions` request per sequence (the token ids as the prompt, max_tokens 1, prompt_logprobs k), all in
-flight at once; a failed request is retried (generation.request_retries, each generation.request_timeout seconds),
+flight at once; a failed request is retried (generation.request_retries, each generation.request_timeout_s seconds),
 then the run stops naming the server. vLLM's prompt log-probs are raw (temperature 1): losses.distill's top-k loss
 applies algo.temperature, which over a fixed support is exact. The start-up check (before any model loads): the
 server answers, takes the token (POSTTRAIN_SERVER_TOKEN) and tokenizes text as the student's tokenizer does.
@@ -81,7 +81,7 @@ class TeacherServer:
             except ServerUnavailable as e:
                 if getattr(e, "status", 500) < 500 or attempt == self.retries:
                     raise RunStopped(f"the teacher server {self.url} failed: {e} ({attempt + 1} tries, "
-                                     f"generation.request_timeout={self.timeout:g}s each); checkpoints already saved "
+                                     f"generation.request_timeout_s={self.timeout:g} each); checkpoints already saved "
                                      "are complete: continue with train.resume_from_checkpoint=auto",
                                      shared=False) from None
                 time.sleep(min(2.0 ** attempt, 10.0))

@@ -2,7 +2,7 @@
 vllm_server; real vLLM on CPU): the loss over the teacher's top-k log-probs (prompt_logprobs) trains every parameter
 of the student, on the data and on its own samples; a server that refuses the token is exit 2 naming
 algo.teacher_server before any model loads. The session server's weights may have been synced by other tests (GRPO
-with generation.engine=server): any weights of the tiny vocabulary make a valid teacher here."""
+with generation.placement=servers): any weights of the tiny vocabulary make a valid teacher here."""
 
 from __future__ import annotations
 

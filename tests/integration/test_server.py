@@ -1,4 +1,4 @@
-"""GRPO with `generation.engine: server`: the test session's one `posttrain serve` server (real vLLM on CPU, fp32,
+"""GRPO with `generation.placement: servers`: the test session's one `posttrain serve` server (real vLLM on CPU, fp32,
 tests/conftest.py::vllm_server). The token guards every control endpoint; a 3-step run from the shipped recipe
 leaves the server holding exactly final/; a server that dies mid-run stops the run with its name; bad
 `generation.servers` entries exit 2 before any model is loaded."""
@@ -11,6 +11,7 @@ import socket
 import subprocess
 import sys
 import time
+import types
 from pathlib import Path
 
 import pytest
@@ -94,7 +95,7 @@ def test_grpo_leaves_the_server_holding_final(vllm_server, data, tmp_path):
     tokenizer = AutoTokenizer.from_pretrained(tmp_path / "run" / "final")
     prompts = [tokenizer(text)["input_ids"] for text in ("What is 12 + 7?", "Hello there", "Count: 1 2 3")]
     params = SamplingParams(max_new_tokens=12, temperature=0)
-    engine = ServerEngine(GenerationConfig(engine="server", servers=(vllm_server.url,)), tokenizer, False)
+    engine = ServerEngine(GenerationConfig(engine="vllm", placement="servers", servers=(vllm_server.url,)), tokenizer, False)
     hf = HFEngine(AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "final", dtype=torch.float32), tokenizer)
     assert engine.generate(prompts, params).completion_ids == hf.generate(prompts, params).completion_ids
 
@@ -125,7 +126,7 @@ def test_lora_grpo_syncs_the_folded_adapters(vllm_server, data, tmp_path):
     from posttrain.config.schema import GenerationConfig
     from posttrain.rollout.server import ServerEngine
 
-    engine = ServerEngine(GenerationConfig(engine="server", servers=(vllm_server.url,)), tokenizer, False)
+    engine = ServerEngine(GenerationConfig(engine="vllm", placement="servers", servers=(vllm_server.url,)), tokenizer, False)
     hf = HFEngine(AutoModelForCausalLM.from_pretrained(out / "final", dtype=torch.float32), tokenizer)
     assert engine.generate(prompts, params).completion_ids == hf.generate(prompts, params).completion_ids
 
@@ -189,7 +190,7 @@ def test_a_server_dying_mid_run_stops_the_run_naming_it(vllm_server, data, tmp_p
         assert proxy.stdout.readline().strip() == "listening"
         url = f"http://127.0.0.1:{proxy_port}"
         run = start_grpo(overrides(url, vllm_server.model_dir, data, tmp_path / "run", "train.max_steps=500",
-                                   "generation.request_timeout=20", "generation.request_retries=1"))
+                                   "generation.request_timeout_s=20", "generation.request_retries=1"))
         deadline = time.monotonic() + 300
         while not (tmp_path / "run" / "metrics.jsonl").exists() or not metrics(tmp_path / "run"):
             assert run.poll() is None and time.monotonic() < deadline, run.communicate()[1][-3000:]
@@ -205,7 +206,7 @@ def test_a_server_dying_mid_run_stops_the_run_naming_it(vllm_server, data, tmp_p
     assert run.returncode == 1, stderr[-3000:]
     assert f"generation server {url} failed" in stderr, stderr[-3000:]
     assert "Traceback" not in stderr, stderr[-3000:]
-    assert took < 2 * 20 + 15, took  # (retries + 1) x request_timeout, + backoff
+    assert took < 2 * 20 + 15, took  # (retries + 1) x request_timeout_s, + backoff
 
 
 @pytest.fixture
@@ -235,3 +236,74 @@ def test_bad_servers_exit_2_before_any_model_is_loaded(case, vllm_server, data, 
     said = [line for line in err.splitlines() if line.startswith("posttrain:")]
     assert len(said) == 1 and said[0].startswith("posttrain: error: ") and expected in said[0], err
     assert not (out / "config.yaml").exists()  # stopped before the run began: nothing written, no model loaded
+
+
+@pytest.fixture(scope="module")
+def stock_server(tiny_vllm_model_dir, tmp_path_factory):
+    """A stock vLLM api_server (no posttrain serve, no worker extension, no middleware): only the weight-transfer
+    backend that posttrain's plugin entry point registers in every vLLM process, and vLLM's own --api-key."""
+    from posttrain.rollout.http import ServerUnavailable, call
+
+    port, token = free_port(), "stock-token"
+    log = tmp_path_factory.mktemp("stock") / "api_server.log"
+    command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(tiny_vllm_model_dir),
+               "--port", str(port), "--api-key", token, "--weight-transfer-config", '{"backend": "gloo-posttrain"}',
+               "--enable-scale-out", "--logprobs-mode", "processed_logprobs", "--dtype", "float32",
+               "--max-model-len", "1024", "--enforce-eager", "--no-enable-prefix-caching",
+               "--no-enable-chunked-prefill"]
+    env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1"}
+    with log.open("w") as out:
+        process = subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 600
+        while True:
+            try:
+                call(url, "/health", timeout=2.0, token="")
+                break
+            except ServerUnavailable:
+                assert process.poll() is None and time.monotonic() < deadline, log.read_text()[-5000:]
+                time.sleep(1.0)
+        yield types.SimpleNamespace(url=url, token=token, log=log)
+    finally:
+        os.killpg(process.pid, signal.SIGTERM)
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+
+
+def test_a_stock_vllm_server_takes_syncs_and_serves_the_synced_policy(stock_server, tiny_vllm_model_dir,
+                                                                     monkeypatch):
+    """The start-up checks pass on a plain api_server, and the trainer's four phases (init, start, update, finish)
+    sync into it: after a sync of perturbed weights its greedy completions are HF's on those weights, token for
+    token, and it holds the version set."""
+    from posttrain.config.schema import GenerationConfig, Recipe
+    from posttrain.rollout.server import check_servers
+    from posttrain.rollout.base import SamplingParams
+    from posttrain.rollout.hf import HFEngine
+    from posttrain.rollout.http import call
+    from posttrain.rollout.server import ServerEngine
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_vllm_model_dir)
+    monkeypatch.setenv("POSTTRAIN_SERVER_TOKEN", stock_server.token)
+    check_servers(Recipe(model=Recipe().model.__class__(name_or_path=str(tiny_vllm_model_dir)),
+                         data=Recipe().data.__class__(train="x.jsonl"),
+                         generation=GenerationConfig(engine="vllm", placement="servers", servers=(stock_server.url,))), tokenizer)
+    model = AutoModelForCausalLM.from_pretrained(tiny_vllm_model_dir, dtype=torch.float32)
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(0.5 * param.std() * torch.randn(param.shape, generator=generator))
+    config = GenerationConfig(engine="vllm", placement="servers", servers=(stock_server.url,), sync_bucket_mb=1)
+    engine = ServerEngine(config, tokenizer, sends_weights=True, token=stock_server.token)
+    prompts = [tokenizer(text)["input_ids"] for text in ("What is 12 + 7?", "Hello there", "Count: 1 2 3")]
+    params = SamplingParams(max_new_tokens=12, temperature=0)
+    before = engine.generate(prompts, params).completion_ids
+    engine.load_weights((name, param.detach()) for name, param in model.named_parameters())
+    engine.version = 7
+    after = engine.generate(prompts, params).completion_ids
+    engine.close()
+    expected = HFEngine(model, tokenizer).generate(prompts, params).completion_ids
+    assert after == expected and before != expected
+    assert call(stock_server.url, "/weight_info", token=stock_server.token)["weight_version"] == "7"

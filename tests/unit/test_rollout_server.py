@@ -28,7 +28,8 @@ def recipe(**generation) -> Recipe:
     (dict(engine="vllm", placement="servers", servers=("http://a:1", "http://a:1")), "lists a server twice"),
     (dict(engine="hf", servers=("http://a:1",)), "generation.servers is set but generation.placement is 'colocated'"),
     (dict(engine="hf", placement="servers", servers=("http://a:1",)), "generation.engine=hf generates with the policy"),
-    (dict(engine="vllm", placement="servers", servers=("http://a:1",), request_timeout=0), "generation.request_timeout must be > 0"),
+    (dict(engine="vllm", placement="servers", servers=("http://a:1",), request_timeout_s=0), "generation.request_timeout_s must be > 0"),
+    (dict(engine="vllm", placement="servers", servers=("http://a:1",), sync_timeout_s=-1), "generation.sync_timeout_s must be > 0"),
     (dict(engine="vllm", placement="servers", servers=("http://a:1",), request_retries=-1), "generation.request_retries must be >= 0"),
 ])
 def test_bad_server_settings_are_user_errors(generation, message):
@@ -98,11 +99,14 @@ def test_serve_command_line():
     assert cpu[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
     for option in (["--worker-extension-cls", EXTENSION], ["--middleware", MIDDLEWARE], ["--enable-scale-out"],
                    ["--logprobs-mode", "processed_logprobs"], ["--dtype", "float32"], ["--no-enable-chunked-prefill"],
+                   ["--weight-transfer-config", '{"backend": "gloo-posttrain"}'],
                    ["--host", "127.0.0.1"], ["--max-model-len", "512"]):
         assert any(cpu[i : i + len(option)] == option for i in range(len(cpu))), option
     assert "--dtype" not in vllm_command(serve_args(), on_gpu=True)  # a GPU keeps vLLM's defaults
     mine = vllm_command(serve_args("--dtype", "bfloat16", "--enable-prefix-caching"), on_gpu=False)
     assert mine.count("--dtype") == 1 and "--no-enable-prefix-caching" not in mine  # the user's options win
+    nccl = vllm_command(serve_args("--weight-transfer-config", '{"backend": "nccl"}'), on_gpu=True)
+    assert nccl.count("--weight-transfer-config") == 1
 
 
 def test_serve_bad_input_is_a_user_error(tmp_path):
@@ -221,3 +225,21 @@ def test_a_node_engine_that_cannot_start_stops_every_rank_naming_node_and_log(tm
     with pytest.raises(UserError, match=expected):
         NodeEngine(r, backend, tokenizer=None)
     assert "no config.json" in (tmp_path / "out" / "engines" / "vllm-node0.log").read_text()
+
+
+def test_serve_reads_its_token_from_a_file_or_the_environment_not_the_command_line(tmp_path, monkeypatch, capsys):
+    from posttrain.rollout.serve import read_token
+
+    monkeypatch.setenv("POSTTRAIN_SERVER_TOKEN", "from-env")
+    (tmp_path / "token").write_text("from-file\n")
+    assert read_token(serve_args(token_file=str(tmp_path / "token"))) == "from-file"
+    assert read_token(serve_args(token_file=None)) == "from-env"
+    assert capsys.readouterr().err == ""
+    monkeypatch.delenv("POSTTRAIN_SERVER_TOKEN")
+    assert read_token(serve_args(token="on-the-command-line", token_file=None)) == "on-the-command-line"
+    assert "--token shows the token to every user" in capsys.readouterr().err
+    (tmp_path / "empty").write_text("\n")
+    with pytest.raises(UserError, match="--token-file .*empty is empty"):
+        read_token(serve_args(token_file=str(tmp_path / "empty")))
+    with pytest.raises(UserError, match="--token-file .*missing: cannot read it"):
+        read_token(serve_args(token_file=str(tmp_path / "missing")))
