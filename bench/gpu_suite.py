@@ -31,6 +31,7 @@ import datetime
 import importlib
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -42,7 +43,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 from gpu_suite_report import markdown  # noqa: E402 - beside this file, which may be loaded by path (tests)
 
 CORE = ("torch", "transformers", "accelerate", "datasets", "safetensors", "yaml", "posttrain")
-OPTIONAL = ("trl", "deepspeed", "peft")
+OPTIONAL = ("trl", "deepspeed")  # imported only when a selected row needs it (trl: the TRL side)
 VERSIONS = ("torch", "transformers", "accelerate", "datasets", "trl", "deepspeed", "peft", "pyarrow", "tokenizers")
 
 
@@ -103,6 +104,7 @@ PLAN_ENGINES = {  # engine -> (launcher before the script, budget factor): ZeRO 
 PLAN_PART, PLAN_MODEL = 2, "0.5b"
 PREPARE_BUDGET = {"0.5b": 60, "1.5b": 120, "tiny": 120}
 GPU_PLAN = ("model.dtype=bfloat16", "train.mixed_precision=bf16", "train.per_device_train_batch_size=8")
+TINY_PLAN = ("train.mixed_precision=bf16", "train.per_device_train_batch_size=4", "data.max_length=64")
 SCALES = {
     "gpu": Scale(model={"0.5b": "0.5b", "1.5b": "1.5b"},
                  compare={"sft": (None, None, 20, 3, None), "dpo": (None, None, 15, 3, None),
@@ -112,9 +114,8 @@ SCALES = {
                  plan_budget=38, needs=("cuda", "bf16")),
     "tiny": Scale(model={"0.5b": "tiny", "1.5b": "tiny"},
                   compare={"sft": (2, 64, 4, 1, 300), "dpo": (2, 64, 4, 1, 300), "grpo": (4, 8, 3, 1, 300)},
-                  plan_overrides={a: ("train.mixed_precision=bf16", "train.per_device_train_batch_size=4",
-                                      "data.max_length=64", "generation.max_completion_length=8") for a in
-                                  ("sft", "dpo", "grpo")},
+                  plan_overrides={"sft": TINY_PLAN, "dpo": TINY_PLAN, "grpo": TINY_PLAN + (
+                      "generation.max_completion_length=8", "algo.num_generations=4")},
                   plan_budget=150, needs=()),
 }
 
@@ -122,15 +123,17 @@ SCALES = {
 def plan_rows(size: str, work: Path, tools: str) -> list[Row]:
     """Every row of the suite at this size, in the order they run."""
     scale, py = SCALES[size], "python"
-    rows, prepared = [], {}
+    rows, parts, longest = [], {PLAN_MODEL: {PLAN_PART}}, {}
     for part, algo, model, bs, length, gc, budget in COMPARE:
-        prepared.setdefault(model, set()).add(part)
-    prepared.setdefault(PLAN_MODEL, set()).add(PLAN_PART)
-    for model, parts in prepared.items():
+        parts.setdefault(model, set()).add(part)
+        if algo != "grpo":  # the model's positions and the data's rows cover the longest row
+            longest[model] = max(longest.get(model, 0), scale.compare[algo][1] or length)
+    for model, model_parts in parts.items():
         size_arg = scale.model[model]
         rows.append(Row(f"prepare {model}", "prepare", size_arg,
-                        (py, "bench/compare_trl.py", "--prepare-only", "--size", size_arg, "--seq", "1024",
-                         "--work", str(work / size_arg)), PREPARE_BUDGET[size_arg], tuple(sorted(parts)), scale.needs))
+                        (py, "bench/compare_trl.py", "--prepare-only", "--size", size_arg, "--seq",
+                         str(longest.get(model, 1024)), "--work", str(work / size_arg)), PREPARE_BUDGET[size_arg],
+                        tuple(sorted(model_parts)), scale.needs))
     for part, algo, model, bs, length, gc, budget in COMPARE:
         name = f"{algo} {model} bs{bs}x{length}" + (" gc" if gc else "")
         t_bs, t_len, steps, warmup, t_budget = scale.compare[algo]
@@ -155,15 +158,15 @@ def plan_rows(size: str, work: Path, tools: str) -> list[Row]:
 
 
 # ----------------------------------------------------------------------------------------------------- preflight
-def probe() -> dict:
-    """What is importable here (in this process: run as `gpu_suite.py --probe` in a child of the suite), each
-    distribution's unmet requirements, and the device."""
+def probe(optional: list[str]) -> dict:
+    """What is importable here of CORE and `optional` (in this process: run as `gpu_suite.py --probe NAME...` in a
+    child of the suite), each distribution's unmet requirements, and the device."""
     from importlib import metadata
 
     from packaging.requirements import Requirement
 
     found: dict = {}
-    for name in CORE + OPTIONAL:
+    for name in CORE + tuple(optional):
         try:
             module = importlib.import_module(name)
             found[name] = {"ok": True, "version": getattr(module, "__version__", "?")}
@@ -198,10 +201,10 @@ def probe() -> dict:
     return {"modules": found, "unmet": unmet, "device": device}
 
 
-def preflight(env: dict) -> dict:
+def preflight(env: dict, optional: list[str]) -> dict:
     """The probe, run in a child (a failing import cannot take the suite with it), with what is missing spelled out."""
-    done = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--probe"], capture_output=True, text=True,
-                          env=env, cwd=ROOT, timeout=300)
+    done = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--probe", *optional], capture_output=True,
+                          text=True, env=env, cwd=ROOT, timeout=300)
     lines = [x for x in done.stdout.splitlines() if x.startswith("PROBE ")]
     if not lines:
         return {"modules": {}, "unmet": {}, "device": {"cuda": False, "name": "unknown"}, "missing": {},
@@ -209,7 +212,7 @@ def preflight(env: dict) -> dict:
     found = json.loads(lines[-1][6:])
     fix = "build the wheels here with scripts/gpu_wheels.sh and carry .whl (docs/performance.md, GPU suite)"
     found["missing_core"] = [f"{n}: {found['modules'][n]['error']}" for n in CORE if not found["modules"][n]["ok"]]
-    found["missing"] = {n: f"{found['modules'][n]['error']}; {fix}" for n in OPTIONAL if not found["modules"][n]["ok"]}
+    found["missing"] = {n: f"{found['modules'][n]['error']}; {fix}" for n in optional if not found["modules"][n]["ok"]}
     return found
 
 
@@ -255,12 +258,12 @@ def run_row(row: Row, budget: float, env: dict, scratch: Path) -> dict:
     figures_file, log_file = scratch / f"{slug}.json", scratch / f"{slug}.log"
     figures_file.unlink(missing_ok=True)
     command = [sys.executable if arg == "python" else arg for arg in row.command]
-    if row.kind != "prepare":
-        command += ["--json", str(figures_file)] if row.kind == "compare" else []
-    if row.kind == "plan":  # the recipe overrides come last: --json goes before them
+    if row.kind == "compare":
+        command += ["--json", str(figures_file)]
+    elif row.kind == "plan":  # before the recipe overrides, which come last
         at = command.index("bench/plan_accuracy.py") + 1
         command[at:at] = ["--json", str(figures_file)]
-    started, status, reason = time.monotonic(), "passed", None
+    started, status, reason, code = time.monotonic(), "passed", None, None
     with log_file.open("w") as log:
         process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
                                    start_new_session=True)
@@ -278,7 +281,12 @@ def run_row(row: Row, budget: float, env: dict, scratch: Path) -> dict:
     if row.kind == "compare" and figures and figures.get("errors"):
         reason = "; ".join(filter(None, [reason] + [f"{tool}: {error.strip().splitlines()[-1]}" if error.strip()
                                                     else tool for tool, error in figures["errors"].items()]))
-    tail = log_file.read_text(errors="replace").splitlines()[-30:] if status == "failed" else None
+    tail = None
+    if status == "failed":  # the first exception raised (a launcher's own traceback comes after it), then the end
+        lines = log_file.read_text(errors="replace").splitlines()
+        raised = [x for x in lines if re.match(r"[\w.]+(Error|Exception|Interrupt)\b", x)]
+        reason += f": {raised[0][:600]}" if raised and code else ""
+        tail = raised[:5] + ["..."] + lines[-25:]
     return {"status": status, "reason": reason, "seconds": round(time.monotonic() - started, 1), "figures": figures,
             "log": str(log_file), "log_tail": tail}
 
@@ -361,10 +369,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--work", default=str(ROOT / "runs" / "gpu-suite"), help="generated models, data and logs")
     p.add_argument("--commit", help="the commit measured, where this copy has no git (default: the code version)")
     p.add_argument("--dry-run", action="store_true", help="preflight and plan only; nothing runs")
-    p.add_argument("--probe", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--probe", nargs="*", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
-    if a.probe:
-        print("PROBE " + json.dumps(probe()), flush=True)
+    if a.probe is not None:
+        print("PROBE " + json.dumps(probe(a.probe)), flush=True)
         return 0
     work = Path(a.work).resolve()
     rows = plan_rows(a.size, work, a.tools)
@@ -384,7 +392,10 @@ def main(argv: list[str] | None = None) -> int:
     env = {"TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", **os.environ, "TQDM_DISABLE": "1",
            "PYTHONUNBUFFERED": "1", "PYTHONPATH": os.pathsep.join(filter(None, (str(ROOT), str(ROOT / "bench"),
                                                                                 os.environ.get("PYTHONPATH"))))}
-    found = preflight(env)
+    chosen_rows = [r for r in rows if r.name in selected]
+    optional = ["trl"] * ("trl" in a.tools and any(r.kind == "compare" for r in chosen_rows)) + ["deepspeed"] * any(
+        "deepspeed" in r.needs for r in chosen_rows)
+    found = preflight(env, optional)
     for problem in found["missing_core"]:
         print(f"[gpu-suite] preflight: posttrain cannot run: {problem}", flush=True)
     for name, why in found["missing"].items():

@@ -114,11 +114,24 @@ def launched_engine() -> tuple[str, str]:
     return ("ddp" if int(os.environ.get("WORLD_SIZE", "1")) > 1 else "single"), "none"
 
 
+def bench_recipe(algorithm: str, model: str, data: Path, output_dir: Path, steps: int, overrides: tuple[str, ...]):
+    """recipes/<algorithm>.yaml with this bench's fixed settings, then the caller's overrides (loaded and checked)."""
+    from posttrain.algorithms import ALGORITHMS
+    from posttrain.config.load import load_recipe
+
+    fixed = [f"model.name_or_path={model}", f"data.train={data}", "data.eval=null", f"output_dir={output_dir}",
+             f"train.max_steps={steps}", "train.report=false", "train.tensorboard=false",
+             "train.save_final_model=false", "train.save_steps=0", f"train.logging_steps={steps}", "data.packing=false"]
+    if algorithm == "dpo":
+        fixed.append("algo.precompute_ref_logprobs=false")  # keep the frozen reference copy: it is estimated
+    if algorithm == "grpo":
+        fixed.append("data.max_prompt_length=64")
+    return load_recipe(str(ROOT / "recipes" / f"{algorithm}.yaml"), fixed + list(overrides), ALGORITHMS[algorithm][0])
+
+
 def measure(algorithm: str, model: str = "tiny", steps: int = 3, overrides: tuple[str, ...] = ()) -> dict:
     """Run `steps` steps of recipes/<algorithm>.yaml on long synthetic rows; the estimate and the measured peak."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    from posttrain.algorithms import ALGORITHMS
-    from posttrain.config.load import load_recipe
     from posttrain.models.tiny import make_tiny_model
     from posttrain.plan import estimate_for_run
     from posttrain.run import run
@@ -127,15 +140,7 @@ def measure(algorithm: str, model: str = "tiny", steps: int = 3, overrides: tupl
     if model in MODELS:
         model = str(make_tiny_model(work / model, **MODELS[model]))
     data = work / "data.jsonl"
-    recipe_file = ROOT / "recipes" / f"{algorithm}.yaml"
-    fixed = [f"model.name_or_path={model}", f"data.train={data}", "data.eval=null", f"output_dir={work / 'run'}",
-             f"train.max_steps={steps}", "train.report=false", "train.tensorboard=false",
-             "train.save_final_model=false", "train.save_steps=0", f"train.logging_steps={steps}", "data.packing=false"]
-    if algorithm == "dpo":
-        fixed.append("algo.precompute_ref_logprobs=false")  # keep the frozen reference copy: it is estimated
-    if algorithm == "grpo":
-        fixed.append("data.max_prompt_length=64")
-    recipe = load_recipe(str(recipe_file), fixed + list(overrides), ALGORITHMS[algorithm][0])
+    recipe = bench_recipe(algorithm, model, data, work / "run", steps, overrides)
     write_data(algorithm, data, words=max(200, recipe.data.max_length * 3 // 2))
 
     cuda = torch.cuda.is_available()

@@ -96,3 +96,18 @@ def test_parts_merge_into_one_file_and_another_device_keeps_the_older(tmp_path):
     assert json.loads((out / "results-2026-11-24T100000Z.json").read_text())["rows"] == doc["rows"]
     fresh = json.loads((out / "results.json").read_text())
     assert {r["status"] for r in fresh["rows"]} == {"not run"} and fresh["environment"]["device"]["name"] == "H200"
+
+
+def test_every_plan_row_is_a_valid_recipe(tmp_path):
+    """The plan rows' overrides pass the recipe checks at both sizes (a GRPO batch that is no multiple of
+    algo.num_generations would fail at start, on the GPU)."""
+    suite = load_suite()
+    spec = importlib.util.spec_from_file_location("plan_accuracy", BENCH / "plan_accuracy.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    for size in ("gpu", "tiny"):
+        for row in (r for r in suite.plan_rows(size, tmp_path, "posttrain") if r.kind == "plan"):
+            at = row.command.index("--algorithm") + 1
+            overrides = tuple(arg for arg in row.command[at + 1:] if "=" in arg)
+            recipe = bench.bench_recipe(row.command[at], "model", tmp_path / "d.jsonl", tmp_path / "o", 3, overrides)
+            assert recipe.train.mixed_precision == "bf16", row
