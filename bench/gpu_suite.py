@@ -80,7 +80,9 @@ class Scale:
     plan_overrides: dict
     """algorithm -> the recipe overrides of its plan rows."""
     plan_budget: float
+    """Seconds of a plain plan row (ZeRO and GRPO rows get more, PLAN_ENGINES)."""
     needs: tuple[str, ...]
+    """What every row needs at this size (Row.needs)."""
 
 
 # docs/performance.md's GPU rows: (part, algorithm, model, batch, length, gradient checkpointing, budget seconds).
@@ -203,12 +205,15 @@ def probe(optional: list[str]) -> dict:
 
 def preflight(env: dict, optional: list[str]) -> dict:
     """The probe, run in a child (a failing import cannot take the suite with it), with what is missing spelled out."""
-    done = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--probe", *optional], capture_output=True,
-                          text=True, env=env, cwd=ROOT, timeout=300)
-    lines = [x for x in done.stdout.splitlines() if x.startswith("PROBE ")]
+    try:
+        done = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--probe", *optional],
+                              capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
+        lines, failure = [x for x in done.stdout.splitlines() if x.startswith("PROBE ")], done.stderr.strip()[-800:]
+    except subprocess.TimeoutExpired:
+        lines, failure = [], "its imports took over 300 s"
     if not lines:
         return {"modules": {}, "unmet": {}, "device": {"cuda": False, "name": "unknown"}, "missing": {},
-                "missing_core": [f"the probe failed (exit {done.returncode}): {done.stderr.strip()[-800:]}"]}
+                "missing_core": [f"the import probe failed: {failure}"]}
     found = json.loads(lines[-1][6:])
     fix = "build the wheels here with scripts/gpu_wheels.sh and carry .whl (docs/performance.md, GPU suite)"
     found["missing_core"] = [f"{n}: {found['modules'][n]['error']}" for n in CORE if not found["modules"][n]["ok"]]
@@ -278,15 +283,18 @@ def run_row(row: Row, budget: float, env: dict, scratch: Path) -> dict:
 
             stop_group(process)
     figures = json.loads(figures_file.read_text()) if figures_file.exists() else None
-    if row.kind == "compare" and figures and figures.get("errors"):
-        reason = "; ".join(filter(None, [reason] + [f"{tool}: {error.strip().splitlines()[-1]}" if error.strip()
-                                                    else tool for tool, error in figures["errors"].items()]))
     tail = None
     if status == "failed":  # the first exception raised (a launcher's own traceback comes after it), then the end
         lines = log_file.read_text(errors="replace").splitlines()
         raised = [x for x in lines if re.match(r"[\w.]+(Error|Exception|Interrupt)\b", x)]
         reason += f": {raised[0][:600]}" if raised and code else ""
         tail = raised[:5] + ["..."] + lines[-25:]
+    if row.kind == "compare":  # why a side has no figures: its error, or not asked for
+        notes = [f"{tool}: {error.strip().splitlines()[-1] if error.strip() else 'failed'}"
+                 for tool, error in ((figures or {}).get("errors") or {}).items()]
+        tools = row.command[row.command.index("--tools") + 1].split(",")
+        notes += [f"{tool}: not asked (--tools {','.join(tools)})" for tool in ("posttrain", "trl") if tool not in tools]
+        reason = "; ".join(filter(None, [reason, *notes])) or None
     return {"status": status, "reason": reason, "seconds": round(time.monotonic() - started, 1), "figures": figures,
             "log": str(log_file), "log_tail": tail}
 

@@ -27,6 +27,7 @@ def test_a_failing_row_is_recorded_and_the_next_one_runs(tiny_model_dir, tmp_pat
     assert rows["prepare 0.5b"]["status"] == "passed" and rows["prepare 0.5b"]["seconds"] > 0
     failed = rows["sft 0.5b bs8x1024"]
     assert failed["status"] == "failed" and "over its 1 s budget: stopped" in failed["reason"], failed
+    assert "trl: not asked (--tools posttrain)" in failed["reason"]  # the empty TRL columns say why
     plan = rows["plan sft 0.5b ddp1"]  # ran after the failure
     assert plan["status"] == "passed", plan
     assert plan["figures"]["engine"] == "single" and plan["figures"]["device"] == "cpu"
