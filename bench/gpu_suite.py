@@ -13,7 +13,7 @@ Rows:
 - `posttrain plan`'s estimate vs the measured peak (bench/plan_accuracy.py) for SFT / DPO / GRPO on the 0.5B shape,
   in one process: plain (DDP-1), DeepSpeed ZeRO-2 and ZeRO-3 (accelerate launch --num_processes 1).
 Each row runs in its own process group under its own time budget: one over it is stopped and recorded as failed,
-and the next row runs. A run stops starting rows at --minutes. The parts each fit a 10-minute command (about 8
+and the next row runs. A run stops starting rows at --minutes. The parts each fit a 10-minute command (at most 9
 minutes of budgets each, 25 minutes together); a part needs the model it measures, made by its "prepare" row.
 
 Results: OUT/results.json and OUT/results.md (OUT: --out, default bench/results/gpu-suite): device, versions, date,
@@ -26,7 +26,6 @@ itself unable to run (every row is then recorded as skipped, with what is missin
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import datetime
 import importlib
 import json
@@ -111,7 +110,8 @@ SCALES = {
     "gpu": Scale(model={"0.5b": "0.5b", "1.5b": "1.5b"},
                  compare={"sft": (None, None, 20, 3, None), "dpo": (None, None, 15, 3, None),
                           "grpo": (None, None, 6, 2, None)},
-                 plan_overrides={"sft": GPU_PLAN + ("data.max_length=1024",), "dpo": GPU_PLAN + ("data.max_length=1024",),
+                 plan_overrides={"sft": GPU_PLAN + ("data.max_length=1024",),
+                                 "dpo": GPU_PLAN + ("data.max_length=1024",),
                                  "grpo": GPU_PLAN + ("generation.max_completion_length=128",)},
                  plan_budget=38, needs=("cuda", "bf16")),
     "tiny": Scale(model={"0.5b": "tiny", "1.5b": "tiny"},
@@ -196,7 +196,8 @@ def probe(optional: list[str]) -> dict:
 
         if torch.cuda.is_available():
             props = torch.cuda.get_device_properties(0)
-            device = {"cuda": True, "name": torch.cuda.get_device_name(0), "memory_gib": round(props.total_memory / 2**30, 1),
+            device = {"cuda": True, "name": torch.cuda.get_device_name(0),
+                      "memory_gib": round(props.total_memory / 2**30, 1),
                       "bf16": torch.cuda.is_bf16_supported(), "cuda_version": torch.version.cuda}
         else:
             device["name"] = f"CPU ({os.cpu_count()} cores, torch {torch.get_num_threads()} threads)"
@@ -293,7 +294,8 @@ def run_row(row: Row, budget: float, env: dict, scratch: Path) -> dict:
         notes = [f"{tool}: {error.strip().splitlines()[-1] if error.strip() else 'failed'}"
                  for tool, error in ((figures or {}).get("errors") or {}).items()]
         tools = row.command[row.command.index("--tools") + 1].split(",")
-        notes += [f"{tool}: not asked (--tools {','.join(tools)})" for tool in ("posttrain", "trl") if tool not in tools]
+        notes += [f"{tool}: not asked (--tools {','.join(tools)})" for tool in ("posttrain", "trl")
+                  if tool not in tools]
         reason = "; ".join(filter(None, [reason, *notes])) or None
     return {"status": status, "reason": reason, "seconds": round(time.monotonic() - started, 1), "figures": figures,
             "log": str(log_file), "log_tail": tail}

@@ -21,7 +21,8 @@ def markdown(doc: dict) -> str:
     rows = doc["rows"]
     keys = ("s/step", "tokens/s", "peak GB", "MFU", "start-up s")
     lines += ["", "## posttrain vs TRL (bench/compare_trl.py; best repeat, steady state)", "",
-              "| row | shape | " + " | ".join(f"posttrain {k}" for k in keys) + " | " + " | ".join(f"TRL {k}" for k in keys)
+              "| row | shape | " + " | ".join(f"posttrain {k}" for k in keys) + " | "
+              + " | ".join(f"TRL {k}" for k in keys)
               + " | speed | memory | start-up | status |", "|---" * (2 * len(keys) + 6) + "|"]
     for r in (r for r in rows if r["kind"] == "compare"):
         tools = (r.get("figures") or {}).get("tools", {})
@@ -30,9 +31,9 @@ def markdown(doc: dict) -> str:
         lines.append(f"| {r['name']} | {r['shape']} | " + " | ".join(_fmt(k, ours.get(k)) for k in keys) + " | "
                      + " | ".join(_fmt(k, theirs.get(k)) for k in keys) + " | " + " | ".join(ratios)
                      + f" | {_status(r)} |")
-    lines += ["", "speed: TRL's s/step over posttrain's; memory and start-up: posttrain's over TRL's. MFU: 6 x parameters"
-              " + attention FLOPs per trained token over 989 TFLOP/s (H100 / H200 dense bf16) on CUDA, over the measured"
-              " matmul rate on a CPU; none for GRPO (generation dominates)."]
+    lines += ["", "speed: TRL's s/step over posttrain's; memory and start-up: posttrain's over TRL's. MFU: 6 x "
+              "parameters + attention FLOPs per trained token over 989 TFLOP/s (H100 / H200 dense bf16) on CUDA, over "
+              "the measured matmul rate on a CPU; none for GRPO (generation dominates)."]
     lines += ["", "## posttrain plan's estimate vs the measured peak (bench/plan_accuracy.py)", "",
               "| row | engine | device | rows x tokens | estimate | measured | error | run's own estimate | status |",
               "|---" * 9 + "|"]
