@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "bench"))
+sys.path[:0] = [str(ROOT), str(ROOT / "bench")]  # this checkout's posttrain (not an installed one), the report
 from gpu_suite_report import markdown  # noqa: E402 - beside this file, which may be loaded by path (tests)
 
 CORE = ("torch", "transformers", "accelerate", "datasets", "safetensors", "yaml", "posttrain")
