@@ -4,6 +4,11 @@
     .venv/bin/python bench/compare_trl.py --algo dpo --size 20m --bs 2 --seq 256
     .venv/bin/python bench/compare_trl.py --algo grpo --size tiny --bs 8 --gens 4 --completion 32
     python bench/compare_trl.py --algo sft --size 0.5b --bs 8 --seq 1024 --precision bf16 [--gc] [--packing]  # GPU
+    python bench/compare_trl.py --size 1.5b --seq 2048 --work runs/w --prepare-only   # only make the model and data
+
+`--json FILE` also writes the figures as JSON, rewritten after every tool's run (bench/gpu_suite.py reads it, and
+keeps the figures of the tools that finished when a later one is stopped). A tool that fails does not stop the other:
+its error is reported and the exit status is 1.
 
 Each tool runs in a fresh process (clean peak memory, its own start-up cost), one after the other and `--repeats`
 times in alternating order, so neither side always runs on a warmer machine; the best repeat of each side is shown.
@@ -56,7 +61,8 @@ def length_reward(prompts, completions, **_):
 
 # ----------------------------------------------------------------------------------------------------- inputs
 def prepare(work: Path, size: str, seq: int) -> None:
-    """The model (random weights, local tokenizer) and the three data files, made once per work directory."""
+    """The model (random weights, local tokenizer) and the three data files, made once per work directory (the
+    data once per --seq: SFT rows must be longer than it)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -80,9 +86,13 @@ def prepare(work: Path, size: str, seq: int) -> None:
         "grpo": [{"prompt": say(12), "answer": "yes"} for _ in range(2000)],
     }
     for name, rows in files.items():
-        path = work / f"{name}.jsonl"
+        path = data_file(work, name, seq)
         if not path.exists():
             path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def data_file(work: Path, algo: str, seq: int) -> Path:
+    return work / f"{algo}-{seq}.jsonl"
 
 
 def parameters_and_dims(model_dir: Path) -> tuple[int, int, int]:
@@ -133,7 +143,7 @@ def run_posttrain(a, work: Path, started: float) -> dict:
         "train.learning_rate=1e-6", "train.lr_scheduler_type=constant", "train.save_final_model=false",
         "train.report=false", "train.tensorboard=false", "train.save_steps=0",
         f"train.gradient_checkpointing={str(a.gc).lower()}", f"train.mixed_precision={a.precision_value}",
-        f"data.train={work / f'{a.algo}.jsonl'}", "seed=0",
+        f"data.train={data_file(work, a.algo, a.seq)}", "seed=0",
     ]
     if a.algo == "sft":
         overrides += [f"data.max_length={a.seq}", f"data.packing={str(a.packing).lower()}"]
@@ -188,7 +198,7 @@ def run_trl(a, work: Path, started: float) -> dict:
                   learning_rate=1e-6, lr_scheduler_type="constant", logging_steps=1, save_strategy="no",
                   report_to="none", bf16=a.precision == "bf16", gradient_checkpointing=a.gc, dataloader_num_workers=0,
                   disable_tqdm=True, seed=0, use_cpu=not torch.cuda.is_available())
-    data = load_dataset("json", data_files=str(work / f"{a.algo}.jsonl"), split="train")
+    data = load_dataset("json", data_files=str(data_file(work, a.algo, a.seq)), split="train")
     if a.algo == "sft":
         from trl import SFTConfig, SFTTrainer
 
@@ -265,6 +275,8 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--tools", default="posttrain,trl")
     p.add_argument("--work", help="keep model and data here (default: a temporary directory)")
+    p.add_argument("--prepare-only", action="store_true", help="make the model and data in --work, then stop")
+    p.add_argument("--json", help="also write the figures to this file")
     p.add_argument("--tool", help=argparse.SUPPRESS)
     a = p.parse_args()
     a.precision_value = "bf16" if a.precision == "bf16" else "'no'"
@@ -273,17 +285,27 @@ def main() -> None:
 
     import torch
 
+    if a.prepare_only:
+        if not a.work:
+            sys.exit("--prepare-only needs --work DIR (where the model and data are kept)")
+        return prepare(Path(a.work), a.size, a.seq)
     on_cuda = torch.cuda.is_available()
-    tools = [t for t in a.tools.split(",") if t != "trl" or _has_trl()]
+    device = torch.cuda.get_device_name() if on_cuda else f"CPU, {torch.get_num_threads()} threads"
+    asked = a.tools.split(",")
+    trl_missing = _trl_missing() if "trl" in asked else None
+    tools = [t for t in asked if t != "trl" or trl_missing is None]
+    best: dict[str, dict] = {}
+    errors: dict[str, str] = {"trl": trl_missing} if trl_missing else {}
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(a.work or tmp)
         work.mkdir(parents=True, exist_ok=True)
         prepare(work, a.size, a.seq)
         probe = matmul_probe("cuda" if on_cuda else "cpu", a.precision)
         params = parameters_and_dims(work / "model")[0]
-        best: dict[str, dict] = {}
         for r in range(a.repeats):
             for tool in tools if r % 2 == 0 else tools[::-1]:
+                if tool in errors:
+                    continue
                 args = _without_work(sys.argv[1:]) + ["--tool", tool, "--work", str(work)]
                 env = {**os.environ, "TQDM_DISABLE": "1",
                        "PYTHONPATH": f"{Path(__file__).parent}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
@@ -291,11 +313,15 @@ def main() -> None:
                 done = subprocess.run([sys.executable, __file__, *args], capture_output=True, text=True, env=env)
                 line = [x for x in done.stdout.splitlines() if x.startswith("RESULT ")]
                 if done.returncode or not line:
-                    sys.exit(f"{tool} failed:\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}")
-                row = figures(json.loads(line[0][7:]), a, work, probe, on_cuda)
-                if tool not in best or row["s/step"] < best[tool]["s/step"]:
-                    best[tool] = row
-    device = torch.cuda.get_device_name() if on_cuda else f"CPU, {torch.get_num_threads()} threads"
+                    errors[tool] = f"exited {done.returncode}: {done.stderr.strip()[-1500:] or done.stdout[-1500:]}"
+                    print(f"{tool} failed:\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}", file=sys.stderr)
+                else:
+                    row = figures(json.loads(line[0][7:]), a, work, probe, on_cuda)
+                    if tool not in best or row["s/step"] < best[tool]["s/step"]:
+                        best[tool] = row
+                if a.json:
+                    Path(a.json).write_text(json.dumps({"device": device, "params": params, "tools": best,
+                                                        "errors": errors}, indent=1))
     print(f"\n{a.algo} | size {a.size} ({params / 1e6:.1f}M params) | bs {a.bs} | seq {a.seq}"
           f" | {a.precision} | gc {a.gc} | packing {a.packing} | {device} | torch {torch.__version__} | best of "
           f"{a.repeats}")
@@ -307,6 +333,10 @@ def main() -> None:
         ours, theirs = best["posttrain"], best["trl"]
         print(f"posttrain / TRL: speed {theirs['s/step'] / ours['s/step']:.2f}x, memory "
               f"{ours['peak GB'] / theirs['peak GB']:.2f}x, start-up {ours['start-up s'] / theirs['start-up s']:.2f}x")
+    for tool, error in errors.items():
+        print(f"{tool}: not measured: {error.splitlines()[-1] if error.strip() else error}")
+    if any(tool in errors for tool in tools):
+        sys.exit(1)
 
 
 def _without_work(argv: list[str]) -> list[str]:
@@ -319,13 +349,16 @@ def _without_work(argv: list[str]) -> list[str]:
     return out
 
 
-def _has_trl() -> bool:
+def _trl_missing() -> str | None:
+    """Why TRL's side cannot run here, or None when it can."""
     try:
         import trl  # noqa: F401
-    except ImportError:
+    except ImportError as e:
         print("trl is not installed (pip install trl): posttrain's rows only")
-        return False
-    return True
+        return f"trl is not importable ({e}): pip install trl, or carry its wheel (scripts/gpu_wheels.sh)"
+    except Exception as e:  # noqa: BLE001 - an installed TRL that breaks on import (a transformers it does not fit)
+        return f"trl fails to import: {type(e).__name__}: {e}"
+    return None
 
 
 def _fmt(key: str, value) -> str:

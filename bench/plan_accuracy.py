@@ -4,7 +4,7 @@
     .venv/bin/python bench/plan_accuracy.py --algorithm dpo --model 20m            # the ~20M bench model
     .venv/bin/python bench/plan_accuracy.py --algorithm grpo --model Qwen/Qwen2.5-0.5B train.mixed_precision=bf16
     accelerate launch --config_file recipes/accelerate/zero3.yaml --num_processes 1 bench/plan_accuracy.py \\
-        --algorithm sft --model Qwen/Qwen2.5-1.5B --engine zero3 model.dtype=bfloat16 train.mixed_precision=bf16
+        --algorithm sft --model Qwen/Qwen2.5-1.5B model.dtype=bfloat16 train.mixed_precision=bf16
 
 Data are synthetic and long, so every row is cut at data.max_length (every completion runs to
 generation.max_completion_length as far as sampling allows): the estimate assumes full-length rows, and so the run
@@ -17,7 +17,9 @@ must have them. Packing is off (a packed micro-batch's token count depends on th
   allocation events (each carries the running total). This is the CPU counterpart of max_memory_allocated. The
   loaded weights are copied once into allocator memory (`weights_in_allocator`): transformers memory-maps them. Peak RSS (the run's logged peak_memory_mb on CPU) is not comparable: it includes the
   interpreter, the libraries (~0.5 GB) and freed-but-kept pages, which dwarf a tiny model.
-Prints one markdown table row: model | algorithm | engine | device | batch x length | estimate | measured | error.
+Prints one markdown table row: model | algorithm | engine | device | batch x length | estimate | measured | error;
+`--json FILE` also writes the figures as JSON (bench/gpu_suite.py reads it). The engine of the estimate is the one
+the process was launched under (accelerate launch's DeepSpeed / FSDP settings), as the run itself reports it.
 """
 
 from __future__ import annotations
@@ -44,17 +46,19 @@ def long_text(rng: random.Random, words: int = 200) -> str:
     return " ".join(rng.choice(WORDS) for _ in range(words))
 
 
-def write_data(algorithm: str, path: Path, rows: int = 64) -> None:
+def write_data(algorithm: str, path: Path, rows: int = 64, words: int = 200) -> None:
+    """Synthetic rows of `words` words (one or more tokens each), so every row is cut at data.max_length < words."""
     rng = random.Random(0)
     with path.open("w") as f:
         for _ in range(rows):
-            prompt = [{"role": "user", "content": long_text(rng)}]
+            prompt = [{"role": "user", "content": long_text(rng, words)}]
             if algorithm == "sft":
-                row = {"prompt": [{"role": "user", "content": long_text(rng, 20)}], "completion": [{"role": "assistant", "content": long_text(rng)}]}
+                row = {"prompt": [{"role": "user", "content": long_text(rng, 20)}],
+                       "completion": [{"role": "assistant", "content": long_text(rng, words)}]}
             elif algorithm in ("dpo", "rm"):
                 row = {"prompt": [{"role": "user", "content": long_text(rng, 20)}],
-                       "chosen": [{"role": "assistant", "content": long_text(rng)}],
-                       "rejected": [{"role": "assistant", "content": long_text(rng)}]}
+                       "chosen": [{"role": "assistant", "content": long_text(rng, words)}],
+                       "rejected": [{"role": "assistant", "content": long_text(rng, words)}]}
             else:
                 row = {"prompt": prompt, "answer": "1"}
             f.write(json.dumps(row) + "\n")
@@ -99,12 +103,35 @@ def weights_in_allocator():
         load._from_pretrained = original
 
 
-def measure(algorithm: str, model: str = "tiny", steps: int = 3, overrides: tuple[str, ...] = (),
-            engine: str | None = None) -> dict:
-    """Run `steps` steps of recipes/<algorithm>.yaml on long synthetic rows; the estimate and the measured peak."""
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+def launched_engine() -> tuple[str, str]:
+    """(engine, offload) of this process in Backend.describe()'s words, from what accelerate launch exported."""
+    if os.environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() == "true":
+        offload = [part for part in ("optimizer", "param")
+                   if os.environ.get(f"ACCELERATE_DEEPSPEED_OFFLOAD_{part.upper()}_DEVICE", "none") != "none"]
+        return f"deepspeed-zero{os.environ.get('ACCELERATE_DEEPSPEED_ZERO_STAGE', '2')}", ",".join(offload) or "none"
+    if os.environ.get("ACCELERATE_USE_FSDP", "").lower() == "true":
+        return "fsdp2", "none"
+    return ("ddp" if int(os.environ.get("WORLD_SIZE", "1")) > 1 else "single"), "none"
+
+
+def bench_recipe(algorithm: str, model: str, data: Path, output_dir: Path, steps: int, overrides: tuple[str, ...]):
+    """recipes/<algorithm>.yaml with this bench's fixed settings, then the caller's overrides (loaded and checked)."""
     from posttrain.algorithms import ALGORITHMS
     from posttrain.config.load import load_recipe
+
+    fixed = [f"model.name_or_path={model}", f"data.train={data}", "data.eval=null", f"output_dir={output_dir}",
+             f"train.max_steps={steps}", "train.report=false", "train.tensorboard=false",
+             "train.save_final_model=false", "train.save_steps=0", f"train.logging_steps={steps}", "data.packing=false"]
+    if algorithm == "dpo":
+        fixed.append("algo.precompute_ref_logprobs=false")  # keep the frozen reference copy: it is estimated
+    if algorithm == "grpo":
+        fixed.append("data.max_prompt_length=64")
+    return load_recipe(str(ROOT / "recipes" / f"{algorithm}.yaml"), fixed + list(overrides), ALGORITHMS[algorithm][0])
+
+
+def measure(algorithm: str, model: str = "tiny", steps: int = 3, overrides: tuple[str, ...] = ()) -> dict:
+    """Run `steps` steps of recipes/<algorithm>.yaml on long synthetic rows; the estimate and the measured peak."""
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     from posttrain.models.tiny import make_tiny_model
     from posttrain.plan import estimate_for_run
     from posttrain.run import run
@@ -113,16 +140,8 @@ def measure(algorithm: str, model: str = "tiny", steps: int = 3, overrides: tupl
     if model in MODELS:
         model = str(make_tiny_model(work / model, **MODELS[model]))
     data = work / "data.jsonl"
-    write_data(algorithm, data)
-    recipe_file = ROOT / "recipes" / f"{algorithm}.yaml"
-    fixed = [f"model.name_or_path={model}", f"data.train={data}", "data.eval=null", f"output_dir={work / 'run'}",
-             f"train.max_steps={steps}", "train.report=false", "train.tensorboard=false",
-             "train.save_final_model=false", "train.save_steps=0", f"train.logging_steps={steps}", "data.packing=false"]
-    if algorithm == "dpo":
-        fixed.append("algo.precompute_ref_logprobs=false")  # keep the frozen reference copy: it is estimated
-    if algorithm == "grpo":
-        fixed.append("data.max_prompt_length=64")
-    recipe = load_recipe(str(recipe_file), fixed + list(overrides), ALGORITHMS[algorithm][0])
+    recipe = bench_recipe(algorithm, model, data, work / "run", steps, overrides)
+    write_data(algorithm, data, words=max(200, recipe.data.max_length * 3 // 2))
 
     cuda = torch.cuda.is_available()
     if cuda:
@@ -136,30 +155,33 @@ def measure(algorithm: str, model: str = "tiny", steps: int = 3, overrides: tupl
             result = run(algorithm, recipe)
         measured = cpu_peak_bytes(profiler)
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    engine = engine or ("ddp" if world > 1 else "single")
-    breakdown = estimate_for_run(algorithm, recipe, engine, "none", world)
+    engine, offload = launched_engine()
+    breakdown = estimate_for_run(algorithm, recipe, engine, offload, world)
     rows = recipe.train.per_device_train_batch_size * (2 if algorithm in ("dpo", "rm") else 1)
     length = recipe.data.max_length if algorithm != "grpo" else (
         recipe.data.max_prompt_length + recipe.generation.max_completion_length)
     shutil.rmtree(work, ignore_errors=True)
     return {"estimate": breakdown.peak_bytes, "measured": measured, "breakdown": breakdown.parts(), "engine": engine,
             "device": "cuda" if cuda else "cpu", "rows": rows, "length": length,
-            "logged_peak_memory_mb": (result.metrics[-1] if result.metrics else {}).get("peak_memory_mb")}
+            "logged_peak_memory_mb": (result.metrics[-1] if result.metrics else {}).get("peak_memory_mb"),
+            "logged_estimate_mb": (result.metrics[-1] if result.metrics else {}).get("estimated_peak_memory_mb")}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--algorithm", default="sft", choices=["sft", "dpo", "grpo", "rm"])
     parser.add_argument("--model", default="tiny", help="tiny, 20m (made here) or a model directory / hub id")
-    parser.add_argument("--engine", default=None, help="the engine name for the estimate (default: what runs)")
+    parser.add_argument("--json", help="also write the figures to this file")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("overrides", nargs="*", help="recipe overrides, e.g. train.per_device_train_batch_size=4")
     args = parser.parse_args()
-    m = measure(args.algorithm, args.model, args.steps, tuple(args.overrides), args.engine)
+    m = measure(args.algorithm, args.model, args.steps, tuple(args.overrides))
     if int(os.environ.get("RANK", "0")) != 0:
         return
     mib = 2**20
     error = (m["estimate"] - m["measured"]) / m["measured"] * 100
+    if args.json:
+        Path(args.json).write_text(json.dumps({**m, "error_percent": error}, indent=1))
     print(json.dumps({"estimate_parts_mib": {k: round(v / mib, 2) for k, v in m["breakdown"].items()},
                       "logged_peak_memory_mb": m["logged_peak_memory_mb"]}))
     print(f"| {args.model} | {args.algorithm} | {m['engine']} | {m['device']} | {m['rows']} x {m['length']} | "
