@@ -35,6 +35,9 @@ def load_recipe(path: str | None, overrides: list[str], algo_cls: type) -> Recip
         if not isinstance(raw, dict):
             raise UserError(f"recipe {path} must be a mapping of sections (model:, data:, train:, ...)")
         where = str(path)
+        from posttrain.config.trl_compat import from_trl_file
+
+        raw = from_trl_file(raw, where, algo_cls)  # a TRL config's flat keys (model_name_or_path, ...) into sections
     for item in overrides:
         apply_override(raw, item)
     raw.setdefault("algo", {})  # the command's own algo config, with its defaults, even without an algo: section
@@ -145,7 +148,9 @@ def coerce(hint: Any, value: Any, where: str, key: str) -> Any:
     if hint is str:
         if isinstance(value, bool) or value is None:
             # YAML reads unquoted no/yes/off as booleans: a classic trap for mixed_precision: no
-            raise UserError(f"{where}: '{key}' must be a string, got {value!r} (quote it in YAML, e.g. '{value}')")
+            words = {True: "yes, on or true as true", False: "no, off or false as false", None: "null or ~ as null"}
+            raise UserError(f"{where}: '{key}' must be a string, got {value!r}: YAML reads a bare "
+                            f"{words[value]}; quote the word you meant, e.g. {key.rsplit('.', 1)[-1]}: 'no'")
         return str(value)
     return value
 
