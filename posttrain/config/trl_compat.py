@@ -245,10 +245,17 @@ def looks_like_override(arg: str) -> bool:
 
 
 def parse_value(text: str) -> Any:
+    """A flag's text as YAML reads it, except that 1e-6 is a number (YAML 1.1 wants 1.0e-6)."""
     try:
-        return yaml.safe_load(text) if text != "" else ""
+        value = yaml.safe_load(text) if text != "" else ""
     except yaml.YAMLError:
         return text
+    if isinstance(value, str):
+        try:
+            return float(value)
+        except ValueError:
+            pass
+    return value
 
 
 def as_override(path: str, value: Any) -> str:

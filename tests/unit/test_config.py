@@ -49,7 +49,7 @@ def test_unknown_override_section(tmp_path):
         ("train.per_device_train_batch_size=two", "must be an integer"),
         ("train.max_steps=0", "train.max_steps must be"),
         ("train.lr_scheduler_type=wavy", "choose one of constant, linear, cosine"),
-        ("train.mixed_precision=no", "quote it in YAML"),
+        ("train.mixed_precision=no", "quote the word you meant"),
         ("train.warmup_ratio=1.5", "warmup_ratio"),
         ("model.lora.enabled=maybe", "must be true or false"),
     ],
