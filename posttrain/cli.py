@@ -83,7 +83,10 @@ def main(argv: list[str] | None = None) -> int:
 def run_command(argv: list[str] | None = None) -> int:
     from posttrain.errors import RunStopped, UserError
 
+    from posttrain.console import quiet_healthy_run_warnings
+
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    quiet_healthy_run_warnings()
     argv = list(sys.argv[1:] if argv is None else argv)
     command = next((a for a in argv if not a.startswith("-")), None)
     trl_flags: dict = {}

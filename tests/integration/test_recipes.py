@@ -12,6 +12,7 @@ and lines for a cluster that is not there (`placement.address=<head>:6379`) are 
 from __future__ import annotations
 
 import os
+import re
 import shlex
 import shutil
 import subprocess
@@ -124,7 +125,7 @@ def workdir(tmp_path, tiny_vllm_model_dir, request):
 
 
 @pytest.mark.parametrize("name", RECIPES)
-def test_recipe_header_commands_run(name, workdir, request):
+def test_recipe_header_commands_run(name, workdir, request, capfd):
     lines = header_commands(ROOT / "recipes" / name)
     assert any(line.startswith("posttrain ") for line in lines) or name == "grpo_multinode_servers.yaml", \
         f"recipes/{name} has no `posttrain ...` command in its header"
@@ -143,3 +144,8 @@ def test_recipe_header_commands_run(name, workdir, request):
     out_dir = next(ln.split(": ", 1)[1].strip() for ln in (ROOT / "recipes" / name).read_text().splitlines()
                    if ln.startswith("output_dir:"))
     assert (workdir.root / out_dir / "final" / "config.json").is_file(), f"recipes/{name} wrote no {out_dir}/final"
+    console = capfd.readouterr()
+    if name in ("grpo.yaml", "ppo.yaml", "ppo_rm.yaml"):  # online runs in this process: the reward on the progress line
+        assert re.search(r"step 1/1 loss=\S+ reward/mean=", console.out), console.out[-2000:]
+    for noise in ("Setting accelerator to CPU", "LOAD REPORT", "Removed shared tensor"):  # a healthy run's console
+        assert noise not in console.out + console.err, noise
