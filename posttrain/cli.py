@@ -31,13 +31,14 @@ Recipe keys (key = default  # what it does); set any with key.sub=value:
 """
 
 
-def build_parser(command: str | None = None) -> argparse.ArgumentParser:
-    """The command line; only `command`'s own options import anything beyond argparse."""
+def build_parser(command: str | None = None, help_wanted: bool = False) -> argparse.ArgumentParser:
+    """The command line; only `command`'s own options import anything beyond argparse (its recipe keys, listed by
+    its --help, only when help is asked for)."""
     parser = argparse.ArgumentParser(prog="posttrain", description="Post-training for language models.")
     sub = parser.add_subparsers(dest="command", required=True)
     for name in ALGORITHM_COMMANDS:
         epilog = None
-        if name == command:
+        if name == command and help_wanted:
             from posttrain.algorithms import ALGORITHMS
             from posttrain.config.keys import format_keys
 
@@ -53,9 +54,9 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     tiny.add_argument("--arch", default="llama", choices=["llama", "qwen2"])
     tiny.add_argument("--seed", type=int, default=0)
     demo = sub.add_parser("demo", help="tiny model, synthetic arithmetic task, SFT -> DPO -> GRPO and PPO on CPU "
-                          "(about 10 minutes on 2 cores)")
+                          "(6-10 minutes on 2 CPU cores)")
     demo.add_argument("--out", default="runs/demo", help="where the demo writes its runs")
-    demo.add_argument("--quick", action="store_true", help="a smoke run of every stage (a few minutes on 2 cores); "
+    demo.add_argument("--quick", action="store_true", help="a smoke run of every stage (about 30 s of CPU, up to 4 minutes on 2 busy cores); "
                       "it checks the pipeline runs and learns nothing, so its accuracies are near 0")
     demo.add_argument("--seed", type=int, default=0, help="model initialisation, problems drawn and run seeds")
     if command in OTHER_COMMANDS:
@@ -94,7 +95,7 @@ def run_command(argv: list[str] | None = None) -> int:
         from posttrain.config.trl_compat import split_trl_flags
 
         argv, trl_flags = split_trl_flags(argv)
-    args = build_parser(command).parse_args(argv)
+    args = build_parser(command, help_wanted=bool({"-h", "--help"} & set(argv))).parse_args(argv)
     if args.command in ALGORITHM_COMMANDS or args.command == "demo":
         one_thread_unless_asked()
     try:

@@ -324,6 +324,8 @@ class Backend:
 
     # --- parameters and state --------------------------------------------------------------------------------
     def unwrap(self, model):
+        if self.distributed_type == DistributedType.NO:  # nothing wraps it; accelerate would import DeepSpeed to check
+            return model
         return self.accelerator.unwrap_model(model)
 
     @contextlib.contextmanager
