@@ -24,8 +24,8 @@ OTHER_COMMANDS = {  # command -> (its one-line help, the module and function tha
                "posttrain.plan.commands", "add_plan_and_doctor"),
     "serve": ("start a vLLM generation server for generation.engine=server", "posttrain.rollout.serve", "add_serve"),
 }
-ALGORITHM_EPILOG = """TRL-style flags work too: --learning_rate 1e-4, --num_generations=4, --bf16 (docs/trl.md has the table),
-and --config takes a flat TRL config file (model_name_or_path: ..., learning_rate: ...).
+ALGORITHM_EPILOG = """TRL-style flags work too: --learning_rate 1e-4, --num_generations=4, --bf16 (docs/trl.md has
+the table), and --config takes a flat TRL config file (model_name_or_path: ..., learning_rate: ...).
 
 Recipe keys (key = default  # what it does); set any with key.sub=value:
 """
@@ -56,8 +56,9 @@ def build_parser(command: str | None = None, help_wanted: bool = False) -> argpa
     demo = sub.add_parser("demo", help="tiny model, synthetic arithmetic task, SFT -> DPO -> GRPO and PPO on CPU "
                           "(6-10 minutes on 2 CPU cores)")
     demo.add_argument("--out", default="runs/demo", help="where the demo writes its runs")
-    demo.add_argument("--quick", action="store_true", help="a smoke run of every stage (about 30 s of CPU, up to 4 minutes on 2 busy cores); "
-                      "it checks the pipeline runs and learns nothing, so its accuracies are near 0")
+    demo.add_argument("--quick", action="store_true", help="a smoke run of every stage (about 30 s of CPU, up to 4 "
+                      "minutes on 2 busy cores); it checks the pipeline runs and learns nothing, so its accuracies "
+                      "are near 0")
     demo.add_argument("--seed", type=int, default=0, help="model initialisation, problems drawn and run seeds")
     if command in OTHER_COMMANDS:
         import importlib

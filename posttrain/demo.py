@@ -1,7 +1,7 @@
 """`posttrain demo`: the whole pipeline on a laptop CPU, no downloads.
 
     posttrain demo                 # 6-10 minutes on 2 CPU cores (one thread per process)
-    posttrain demo --quick         # a smoke run of every stage, a few minutes: it checks the pipeline and learns nothing
+    posttrain demo --quick         # a smoke run of every stage, a few minutes: it checks the pipeline, learns nothing
 
 1. a tiny random Llama-style model + a tokenizer trained here (posttrain make-tiny-model);
 2. a synthetic task with a checkable answer: a number up to 999 plus a one-digit number, asked and answered in chat

@@ -148,7 +148,8 @@ def translate(flat: dict[str, Any], where: str, algo_cls: type, shown: str = "")
     out, problems = [], []
     for key, value in flat.items():
         if key not in TRL_KEYS:
-            problems.append(f"{shown}{key}: {closest(key, valid_keys, shown) or 'neither a TRL key posttrain knows nor a recipe key'}")
+            unknown = "neither a TRL key posttrain knows nor a recipe key"
+            problems.append(f"{shown}{key}: {closest(key, valid_keys, shown) or unknown}")
             continue
         path, convert = TRL_KEYS[key]
         if path not in valid_keys:
