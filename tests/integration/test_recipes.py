@@ -5,8 +5,8 @@ own, and a header and its recipe cannot drift apart).
 The commands run as typed, with a few overrides appended to keep them cheap (one or two steps, no eval, no report)
 and `make-tiny-model` answered by the session's tiny model (the same default shape a user gets). vLLM and Ray commands
 run in a subprocess (one vLLM engine, one Ray driver per process) where those extras are installed, as in CI;
-`posttrain serve` lines are answered by the session's `vllm_server`. Multi-process launch lines (`accelerate launch`, `torchrun`), GPU lines
-and lines for a cluster that is not there (`placement.address=<head>:6379`) are left to tests/distributed.
+`posttrain serve` lines are answered by the session's `vllm_server`. Multi-process launch lines (`accelerate launch`,
+`torchrun`), GPU lines and lines for a cluster that is not there (`placement.address=<head>:6379`) are left to tests/distributed.
 """
 
 from __future__ import annotations
@@ -95,7 +95,7 @@ class Workdir:
             finally:
                 os.chdir(cwd)
         else:
-            pytest.importorskip(extra, reason=f"the {extra} extra is not installed (CI: make setup EXTRAS=dev,vllm,ray)")
+            pytest.importorskip(extra, reason=f"the {extra} extra is not installed (CI: EXTRAS=dev,vllm,ray)")
             env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
                    "VLLM_CPU_KVCACHE_SPACE": "1"}
             proc = subprocess.run([sys.executable, "-m", "posttrain", *argv], cwd=self.root, env=env,
