@@ -6,7 +6,8 @@ The commands run as typed, with a few overrides appended to keep them cheap (one
 and `make-tiny-model` answered by the session's tiny model (the same default shape a user gets). vLLM and Ray commands
 run in a subprocess (one vLLM engine, one Ray driver per process) where those extras are installed, as in CI;
 `posttrain serve` lines are answered by the session's `vllm_server`. Multi-process launch lines (`accelerate launch`,
-`torchrun`), GPU lines and lines for a cluster that is not there (`placement.address=<head>:6379`) are left to tests/distributed.
+`torchrun`), GPU lines and lines for a cluster that is not there (`placement.address=<head>:6379`) are left to
+tests/distributed.
 """
 
 from __future__ import annotations
