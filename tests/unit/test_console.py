@@ -34,3 +34,21 @@ def test_tied_embedding_save_note_is_dropped_untied_names_are_kept():
 def test_deepspeed_cpu_accelerator_note_is_dropped():
     assert not kept("DeepSpeed", "Setting accelerator to CPU. If you have GPU or other accelerator, we were unable")
     assert kept("DeepSpeed", "Setting ds_accelerator to cuda (auto detect)")
+
+
+def test_a_lone_process_takes_one_thread_unless_the_user_set_a_count(monkeypatch):
+    import torch
+
+    from posttrain.cli import one_thread_unless_asked
+
+    before = torch.get_num_threads()
+    try:
+        monkeypatch.setenv("OMP_NUM_THREADS", "2")
+        torch.set_num_threads(2)
+        one_thread_unless_asked()
+        assert torch.get_num_threads() == 2  # the user's count stands
+        monkeypatch.delenv("OMP_NUM_THREADS")
+        one_thread_unless_asked()
+        assert torch.get_num_threads() == 1 and __import__("os").environ["OMP_NUM_THREADS"] == "1"
+    finally:
+        torch.set_num_threads(before)
