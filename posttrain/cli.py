@@ -16,14 +16,39 @@ import sys
 import traceback
 
 
-def build_parser() -> argparse.ArgumentParser:
-    from posttrain.algorithms import ALGORITHMS
+# The commands, listed without importing what runs them (torch, the planner, vLLM): `posttrain --help` stays fast.
+ALGORITHM_COMMANDS = ("sft", "grpo", "rm", "dpo", "ppo", "distill")  # posttrain.algorithms.ALGORITHMS (a test keeps them equal)
+OTHER_COMMANDS = {  # command -> (its one-line help, the module and function that add its options)
+    "plan": ("estimate per-GPU memory for a recipe under each engine; recommend one",
+             "posttrain.launch.commands", "add_plan_and_doctor"),
+    "doctor": ("check GPUs, versions, the process group and disk before a launch",
+               "posttrain.launch.commands", "add_plan_and_doctor"),
+    "serve": ("start a vLLM generation server for generation.placement=servers", "posttrain.rollout.serve",
+              "add_serve"),
+    "report": ("redraw a run's report.html, or compare several runs on one page", "posttrain.report", "add_report"),
+}
+ALGORITHM_EPILOG = """TRL-style flags work too: --learning_rate 1e-4, --num_generations=4, --bf16 (docs/trl.md has
+the table), and --config takes a flat TRL config file (model_name_or_path: ..., learning_rate: ...).
 
+Recipe keys (key = default  # what it does); set any with key.sub=value:
+"""
+
+
+def build_parser(command: str | None = None, help_wanted: bool = False) -> argparse.ArgumentParser:
+    """The command line; only `command`'s own options import anything beyond argparse (its recipe keys, listed by
+    its --help, only when help is asked for)."""
     parser = argparse.ArgumentParser(prog="posttrain", description="Post-training for language models.")
     sub = parser.add_subparsers(dest="command", required=True)
-    for name in ALGORITHMS:
-        p = sub.add_parser(name, help=f"train with {name}")
-        p.add_argument("--config", "-c", help="recipe YAML (see recipes/)")
+    for name in ALGORITHM_COMMANDS:
+        epilog = None
+        if name == command and help_wanted:
+            from posttrain.algorithms import ALGORITHMS
+            from posttrain.config.keys import format_keys
+
+            epilog = ALGORITHM_EPILOG + format_keys(ALGORITHMS[name][0])
+        p = sub.add_parser(name, help=f"train with {name}", epilog=epilog,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
+        p.add_argument("--config", "-c", help="recipe YAML (see recipes/), or a flat TRL config file")
         p.add_argument("--ray", action="store_true", help="run under Ray, placed by the recipe's placement: "
                        "(the same as launcher=ray; docs/ray.md)")
         p.add_argument("overrides", nargs="*", help="key.sub=value overrides, e.g. train.max_steps=20")
@@ -31,19 +56,21 @@ def build_parser() -> argparse.ArgumentParser:
     tiny.add_argument("--out", required=True, help="directory to write")
     tiny.add_argument("--arch", default="llama", choices=["llama", "qwen2"])
     tiny.add_argument("--seed", type=int, default=0)
-    demo = sub.add_parser("demo", help="tiny model, synthetic arithmetic task, SFT -> DPO -> GRPO on CPU")
+    demo = sub.add_parser("demo", help="tiny model, synthetic arithmetic task, SFT -> DPO -> GRPO and PPO on CPU "
+                          "(6-10 minutes on 2 CPU cores)")
     demo.add_argument("--out", default="runs/demo", help="where the demo writes its runs")
-    demo.add_argument("--quick", action="store_true", help="a much shorter run (smoke test)")
+    demo.add_argument("--quick", action="store_true", help="a smoke run of every stage (about 30 s of CPU, up to 4 "
+                      "minutes on 2 busy cores); it checks the pipeline runs and learns nothing, so its accuracies "
+                      "are near 0")
     demo.add_argument("--seed", type=int, default=0, help="model initialisation, problems drawn and run seeds")
-    from posttrain.launch.commands import add_plan_and_doctor
+    if command in OTHER_COMMANDS:
+        import importlib
 
-    add_plan_and_doctor(sub)
-    from posttrain.rollout.serve import add_serve
-
-    add_serve(sub)
-    from posttrain.report import add_report
-
-    add_report(sub)
+        _, module, function = OTHER_COMMANDS[command]
+        getattr(importlib.import_module(module), function)(sub)
+    for name, (help_text, _, _) in OTHER_COMMANDS.items():
+        if name not in sub.choices:
+            sub.add_parser(name, help=help_text, add_help=False)
     return parser
 
 
@@ -62,8 +89,20 @@ def run_command(argv: list[str] | None = None) -> int:
     from posttrain.errors import RunStopped, UserError
     from posttrain.usercode import UserCodeError
 
+    from posttrain.console import quiet_healthy_run_warnings
+
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    args = build_parser().parse_args(argv)
+    quiet_healthy_run_warnings()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    command = next((a for a in argv if not a.startswith("-")), None)
+    trl_flags: dict = {}
+    if command in ALGORITHM_COMMANDS:
+        from posttrain.config.trl_compat import split_trl_flags
+
+        argv, trl_flags = split_trl_flags(argv)
+    args = build_parser(command, help_wanted=bool({"-h", "--help"} & set(argv))).parse_args(argv)
+    if args.command in ALGORITHM_COMMANDS or args.command == "demo":
+        one_thread_unless_asked()
     try:
         if args.command == "make-tiny-model":
             from posttrain.models.tiny import make_tiny_model
@@ -92,8 +131,9 @@ def run_command(argv: list[str] | None = None) -> int:
         from posttrain.config.load import load_recipe
         from posttrain.run import run
 
-        overrides = args.overrides + (["launcher=ray"] if args.ray else [])
-        recipe = load_recipe(args.config, overrides, ALGORITHMS[args.command][0])
+        algo_cls = ALGORITHMS[args.command][0]
+        overrides = command_line_overrides(args.overrides, trl_flags, algo_cls) + (["launcher=ray"] if args.ray else [])
+        recipe = load_recipe(args.config, overrides, algo_cls)
         if recipe.launcher == "ray":
             from posttrain.launch.ray_launcher import run_on_ray
 
@@ -137,6 +177,58 @@ def run_command(argv: list[str] | None = None) -> int:
         print(f"posttrain: failed{where}:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
         abort_process_group()
         return 1
+
+
+def one_thread_unless_asked() -> None:
+    """One torch thread per process unless the user set a count (OMP_NUM_THREADS): torchrun and accelerate launch
+    already do this for their workers. A lone process with torch's default (every core) ran a tiny model's step 25x
+    slower on busy cores (0.72 s against 0.028 s, the same losses)."""
+    if "OMP_NUM_THREADS" in os.environ:
+        return
+    os.environ["OMP_NUM_THREADS"] = "1"  # read by torch when it is first imported (and by the processes it starts)
+    if "torch" in sys.modules:  # called in-process after torch started (a notebook, the tests)
+        sys.modules["torch"].set_num_threads(1)
+
+
+def command_line_overrides(overrides: list[str], trl_flags: dict, algo_cls: type) -> list[str]:
+    """TRL-style flags translated to overrides, then the typed overrides, each checked on its own so that an error
+    names the command line and echoes what was typed (not the recipe file the value would land in). A bare word for
+    a string key stays that word (train.mixed_precision=no is 'no', not YAML's false)."""
+    from posttrain.config.trl_compat import as_override, translate
+
+    translate(trl_flags, "command line", algo_cls, "--")  # every flag with no meaning here, reported at once
+    checked = []
+    for key, value in trl_flags.items():
+        for path, converted in translate({key: value}, "command line", algo_cls, "--"):
+            checked.append(checked_override(as_override(path, converted), f"--{key} {value}", algo_cls))
+    return checked + [checked_override(item, item, algo_cls) for item in overrides]
+
+
+def checked_override(item: str, typed: str, algo_cls: type) -> str:
+    """`item` if it builds alone; else the same word quoted where that builds (a string key given no/yes/null);
+    else the error, naming the command line and what was typed."""
+    from posttrain.config.load import apply_override, build
+    from posttrain.config.schema import Recipe
+    from posttrain.errors import UserError
+
+    def check(text: str) -> None:
+        raw: dict = {}
+        apply_override(raw, text)
+        build(Recipe, {**raw, "algo": raw.get("algo", {})}, f"command line '{typed}'", "", algo_cls)
+
+    try:
+        check(item)
+        return item
+    except UserError as error:
+        key, _, value = item.partition("=")
+        if value and value.isalpha():
+            quoted = f"{key}='{value}'"
+            try:
+                check(quoted)
+                return quoted
+            except UserError:
+                pass
+        raise error from None
 
 
 def lost_peers() -> list[int]:

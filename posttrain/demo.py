@@ -1,7 +1,7 @@
 """`posttrain demo`: the whole pipeline on a laptop CPU, no downloads.
 
-    posttrain demo                 # 2-4 minutes on 2 CPU cores
-    posttrain demo --quick         # a smoke run in under a minute
+    posttrain demo                 # 6-10 minutes on 2 CPU cores (one thread per process)
+    posttrain demo --quick         # a smoke run of every stage, a few minutes: it checks the pipeline, learns nothing
 
 1. a tiny random Llama-style model + a tokenizer trained here (posttrain make-tiny-model);
 2. a synthetic task with a checkable answer: a number up to 999 plus a one-digit number, asked and answered in chat
@@ -102,6 +102,10 @@ def run_demo(out_dir: str = "runs/demo", quick: bool = False, seed: int = 0) -> 
     size = QUICK if quick else FULL
     out = Path(out_dir)
     started = time.time()
+    if quick:
+        print(f"[demo] --quick: a smoke run of every stage ({size.sft_steps} SFT steps on a smaller model) that checks "
+              "the pipeline runs end to end; it learns nothing, so expect accuracies near 0%. `posttrain demo` is "
+              "the real one.", flush=True)
     tiny = make_tiny_model(out / "tiny", hidden_size=size.hidden_size, num_layers=size.num_layers, num_heads=4,
                            num_kv_heads=2, intermediate_size=4 * size.hidden_size, seed=seed)
     data = write_example_data(out / "data", n_train=size.n_train, n_eval=size.n_eval, max_operand=size.max_operand,
@@ -169,5 +173,7 @@ def run_demo(out_dir: str = "runs/demo", quick: bool = False, seed: int = 0) -> 
           f"| after DPO {results['dpo_pref_accuracy_after']:.1%} (log p(right) > log p(wrong) under the policy)")
     print(f"  DPO implicit-reward accuracy on held-out pairs: {results['dpo_implicit_reward_accuracy']:.1%} (chance 50%)")
     print(f"  {results['minutes']:.1f} minutes; reports: " + ", ".join(results["reports"].values()))
+    if quick:
+        print("  (--quick: a smoke run; these figures say only that every stage ran. `posttrain demo` learns the task)")
     print(f"  summary: {out / 'demo_results.json'}")
     return results

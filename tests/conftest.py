@@ -15,17 +15,17 @@ def tiny_model_dir(tmp_path_factory):
     from posttrain.models.tiny import make_tiny_model
 
     out = tmp_path_factory.mktemp("tiny") / "model"
-    make_tiny_model(out, arch="llama", seed=0)
+    make_tiny_model(out, arch="llama", seed=0, num_heads=4, num_kv_heads=2)  # the shape the tests' figures were taken on
     return out
 
 
 @pytest.fixture(scope="session")
 def tiny_vllm_model_dir(tmp_path_factory):
-    """The tiny model with head_dim 32 (2 heads of 32): vLLM's CPU attention has no kernel for head_dim 16."""
+    """`posttrain make-tiny-model`'s default (head_dim 32, 2 heads of 32): vLLM's CPU attention has no kernel for 16."""
     from posttrain.models.tiny import make_tiny_model
 
     out = tmp_path_factory.mktemp("tiny-vllm") / "model"
-    make_tiny_model(out, arch="llama", seed=0, num_heads=2, num_kv_heads=1)
+    make_tiny_model(out, arch="llama", seed=0)
     return out
 
 

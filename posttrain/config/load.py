@@ -16,6 +16,7 @@ from typing import Any
 
 import yaml
 
+from posttrain.config.keys import recipe_key
 from posttrain.config.legacy import upgrade
 from posttrain.config.schema import Recipe
 from posttrain.errors import UserError
@@ -36,6 +37,9 @@ def load_recipe(path: str | None, overrides: list[str], algo_cls: type) -> Recip
         if not isinstance(raw, dict):
             raise UserError(f"recipe {path} must be a mapping of sections (model:, data:, train:, ...)")
         where = str(path)
+        from posttrain.config.trl_compat import from_trl_file
+
+        raw = from_trl_file(raw, where, algo_cls)  # a TRL config's flat keys (model_name_or_path, ...) into sections
     for item in overrides:
         apply_override(raw, item)
     upgrade(raw)  # earlier releases' spellings (config/legacy.py)
@@ -151,11 +155,6 @@ def build(cls: type, raw: Any, where: str, prefix: str, algo_cls: type | None = 
         raise UserError(f"{where}: section '{prefix.rstrip('.')}': {e}") from None
 
 
-def recipe_key(f: dataclasses.Field) -> str:
-    """A field's key in recipes: its name, or metadata["key"] where the key is a Python keyword (generation.async)."""
-    return f.metadata.get("key", f.name)
-
-
 def unknown_key_message(where: str, key: str, valid: list[str], prefix: str) -> str:
     leaf = key.rsplit(".", 1)[-1]
     close = difflib.get_close_matches(leaf, valid, n=1, cutoff=0.5)
@@ -209,7 +208,9 @@ def coerce(hint: Any, value: Any, where: str, key: str) -> Any:
     if hint is str:
         if isinstance(value, bool) or value is None:
             # YAML reads unquoted no/yes/off as booleans: a classic trap for mixed_precision: no
-            raise UserError(f"{where}: '{key}' must be a string, got {value!r} (quote it in YAML, e.g. '{value}')")
+            words = {True: "yes, on or true as true", False: "no, off or false as false", None: "null or ~ as null"}
+            raise UserError(f"{where}: '{key}' must be a string, got {value!r}: YAML reads a bare "
+                            f"{words[value]}; quote the word you meant, e.g. {key.rsplit('.', 1)[-1]}: 'no'")
         return str(value)
     return value
 

@@ -36,7 +36,7 @@ from accelerate.utils import DistributedType, InitProcessGroupKwargs
 
 from posttrain.config.schema import Recipe, TrainConfig
 from posttrain.distributed import peers
-from posttrain.distributed.build_locks import clear_stale_build_locks
+from posttrain.distributed.build_locks import announce_cpu_op_builds, clear_stale_build_locks
 from posttrain.distributed.launch_config import (check_launcher_settings, env_flag, fill_deepspeed_config,
                                                  launcher_engine)
 from posttrain.distributed.weight_sync import SyncUnit, sync_buckets, sync_units
@@ -127,6 +127,7 @@ class Backend:
         _reset_accelerate_state()  # an earlier run in this process (tests, the demo) that stopped on an error
         if use_cpu and launcher_engine() == "deepspeed":  # before DeepSpeed loads (and JIT-checks) its CPU ops
             clear_stale_build_locks()
+            announce_cpu_op_builds(os.environ.get("ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE") in ("cpu", "nvme"))
         self.accelerator = _make_accelerator(t, use_cpu)
         self.world_size = self.accelerator.num_processes
         self.rank = self.accelerator.process_index
@@ -328,6 +329,8 @@ class Backend:
 
     # --- parameters and state --------------------------------------------------------------------------------
     def unwrap(self, model):
+        if self.distributed_type == DistributedType.NO:  # nothing wraps it; accelerate would import DeepSpeed to check
+            return model
         return self.accelerator.unwrap_model(model)
 
     @contextlib.contextmanager

@@ -20,10 +20,7 @@ def clear_stale_build_locks(root: Optional[str] = None, now: Optional[float] = N
     under TORCH_EXTENSIONS_DIR at every start, holding `<op>/lock`; torch waits on a leftover lock forever, silently).
     A lock is stale when it and every other file of its op directory are older than STALE_BUILD_LOCK_SECONDS: a live
     build keeps writing there. Returns the removed paths (each said on stderr)."""
-    if root is None:
-        from torch.utils.cpp_extension import get_default_build_root
-
-        root = os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()
+    root = build_root(root)
     now = time.time() if now is None else now
     removed = []
     for lock in Path(root).glob("**/lock"):
@@ -39,3 +36,26 @@ def clear_stale_build_locks(root: Optional[str] = None, now: Optional[float] = N
               "a process killed while building or checking DeepSpeed's ops; torch would wait on it forever)",
               file=sys.stderr, flush=True)
     return removed
+
+
+def build_root(root: Optional[str] = None) -> str:
+    """Where torch JIT-builds extensions (DeepSpeed's CPU ops among them)."""
+    if root is not None:
+        return root
+    from torch.utils.cpp_extension import get_default_build_root
+
+    return os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()
+
+
+def announce_cpu_op_builds(offload: bool, root: Optional[str] = None) -> list[str]:
+    """One line before DeepSpeed may spend minutes compiling its CPU ops without a word: the ops this run loads
+    (the shared-memory collectives; CPU Adam when the optimizer is offloaded) with no built library under the
+    extensions root yet (said by each node's first process). Returns those ops."""
+    root = build_root(root)
+    ops = ("deepspeed_shm_comm",) + (("cpu_adam",) if offload else ())
+    unbuilt = [op for op in ops if not any(Path(root).glob(f"**/{op}/{op}*.so"))]
+    if unbuilt and os.environ.get("LOCAL_RANK", "0") == "0":
+        print(f"posttrain: DeepSpeed compiles its CPU ops on first use ({', '.join(unbuilt)} not built yet under "
+              f"{root}): this start can take a few minutes, once per machine; later runs reuse them",
+              file=sys.stderr, flush=True)
+    return unbuilt

@@ -1,7 +1,7 @@
 """A tiny random causal LM with a locally trained tokenizer: for tests, the demo and benchmarks (no downloads).
 
     from posttrain.models.tiny import make_tiny_model
-    make_tiny_model("tiny/", arch="llama", seed=0)        # ~0.1M parameters, about a second on a CPU
+    make_tiny_model("tiny/", arch="llama", seed=0)        # ~0.1M parameters, 2 heads of 32, about a second on a CPU
     make_tiny_model("bench/", hidden_size=512, num_layers=8, num_heads=8, num_kv_heads=4, intermediate_size=1408)  # 24M
 
 The tokenizer is byte-level BPE (~630 tokens; any NFC-normalised text round-trips through encode/decode), puts every
@@ -123,12 +123,15 @@ def make_tiny_model(
     seed: int = 0,
     hidden_size: int = 64,
     num_layers: int = 2,
-    num_heads: int = 4,
-    num_kv_heads: int = 2,
+    num_heads: int = 2,
+    num_kv_heads: int = 1,
     intermediate_size: int = 128,
     max_position_embeddings: int = 1024,
 ) -> Path:
-    """Write a random-init `arch` (llama or qwen2) causal LM (float32, tied embeddings) and its tokenizer to out_dir."""
+    """Write a random-init `arch` (llama or qwen2) causal LM (float32, tied embeddings) and its tokenizer to out_dir.
+
+    The default shape has head_dim 32 (hidden 64 / 2 heads): vLLM's CPU attention has no kernel below 32, and the
+    shipped vLLM recipes run on this model as their headers say."""
     import torch
     from transformers import AutoModelForCausalLM, GenerationConfig, LlamaConfig, Qwen2Config
 

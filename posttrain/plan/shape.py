@@ -15,19 +15,55 @@ from posttrain.plan.estimate import ModelShape
 
 
 def read_config(model_cfg: ModelConfig):
-    """transformers' AutoConfig for model.name_or_path (a local directory, or a hub id already in the cache)."""
+    """transformers' AutoConfig for model.name_or_path: a local directory, a hub id in the cache, or else fetched
+    from the hub once it answers (no retries against a hub that cannot be reached)."""
     from transformers import AutoConfig
 
     from posttrain.models.load import _resolve, check_model_source
 
     check_model_source(model_cfg)
     src = _resolve(model_cfg.name_or_path)
+    kwargs = {"revision": model_cfg.revision, "trust_remote_code": model_cfg.trust_remote_code}
     try:
-        return AutoConfig.from_pretrained(src, revision=model_cfg.revision,
-                                          trust_remote_code=model_cfg.trust_remote_code)
+        try:
+            return AutoConfig.from_pretrained(src, local_files_only=True, **kwargs)  # a directory, or the cache
+        except OSError:
+            if not hub_reachable_for(src):
+                raise UserError(f"model.name_or_path '{src}' is neither a local directory nor in the Hugging Face "
+                                f"cache. {offline_advice()}") from None
+            return AutoConfig.from_pretrained(src, **kwargs)
     except (OSError, ValueError, KeyError) as e:
         raise UserError(f"could not read config.json of model.name_or_path '{src}': {type(e).__name__}: {e}. "
-                        "Give a local model directory or a hub id (set HF_HUB_OFFLINE=0 to fetch its config)") from e
+                        f"{offline_advice()}") from e
+
+
+def hub_reachable_for(src: str) -> bool:
+    """Whether fetching `src` from the hub can work now: not offline by choice, and the hub answers a connection
+    within 3 s (a proxy is trusted to answer). huggingface_hub would otherwise retry 5 times (~40 s) first."""
+    import os
+    import socket
+    from urllib.parse import urlparse
+
+    if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on"):
+        return False
+    if any(os.environ.get(k) for k in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")):
+        return True
+    endpoint = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co"))
+    try:
+        socket.create_connection((endpoint.hostname or "huggingface.co", endpoint.port or 443), timeout=3).close()
+        return True
+    except OSError:
+        return False
+
+
+def offline_advice() -> str:
+    """What to do about a model config that is neither local nor cached, true to why it could not be fetched."""
+    import os
+
+    if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on"):
+        return "HF_HUB_OFFLINE is set: unset it to fetch config.json from the hub, or give a local model directory"
+    return ("The hub could not be reached (no network?): give a local model directory (one with config.json), or "
+            "run once where the hub is reachable to cache it (HF_ENDPOINT names a mirror)")
 
 
 def _text_config(config):

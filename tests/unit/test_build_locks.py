@@ -31,3 +31,19 @@ def test_stale_lock_removed_live_and_recent_ones_kept(tmp_path, capsys):
     assert (fresh / "lock").exists() and (busy / "lock").exists() and (done / "build.ninja").exists()
     assert "deepspeed_shm_comm/lock" in capsys.readouterr().err
     assert clear_stale_build_locks(str(tmp_path), now=now) == []  # nothing left to do
+
+
+def test_a_line_before_deepspeed_compiles_unbuilt_cpu_ops(tmp_path, capsys, monkeypatch):
+    from posttrain.distributed.build_locks import announce_cpu_op_builds
+
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    (tmp_path / "deepspeed_shm_comm").mkdir()
+    (tmp_path / "deepspeed_shm_comm" / "deepspeed_shm_comm.so").write_bytes(b"")
+    assert announce_cpu_op_builds(False, str(tmp_path)) == []
+    assert capsys.readouterr().err == ""
+    assert announce_cpu_op_builds(True, str(tmp_path)) == ["cpu_adam"]
+    assert "DeepSpeed compiles its CPU ops on first use (cpu_adam not built yet" in capsys.readouterr().err
+    (tmp_path / "py311_cpu" / "cpu_adam").mkdir(parents=True)
+    (tmp_path / "py311_cpu" / "cpu_adam" / "cpu_adam.so").write_bytes(b"")
+    assert announce_cpu_op_builds(True, str(tmp_path)) == []
+    assert capsys.readouterr().err == ""

@@ -18,7 +18,7 @@ FORBIDDEN = ("torch.distributed", "accelerate", "deepspeed", "ray", "vllm")
 MACHINERY = ("torch.distributed", "accelerate", "deepspeed", "ray")
 ALLOWED_IN = {"distributed": MACHINERY, "launch": MACHINERY, "rollout": ("vllm",)}
 LAYERS = [
-    ("cli", "__main__", "demo"),                                    # the command line
+    ("cli", "__main__", "console", "demo"),                         # the command line
     ("launch",),                                                    # what starts processes: Ray, serve children, doctor
     ("run", "roles", "checkpoint", "outputs", "plan",               # composition of one run, and what it writes
      "logging", "trackers", "report", "report_charts", "report_html"),

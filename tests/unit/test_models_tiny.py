@@ -122,3 +122,10 @@ def test_session_fixture(tiny_model_dir):
     assert (tiny_model_dir / "config.json").is_file()
     assert (tiny_model_dir / "model.safetensors").is_file()
     assert (tiny_model_dir / "tokenizer.json").is_file()
+
+
+def test_default_shape_fits_vllm_cpu_attention(tiny_dirs):
+    """`posttrain make-tiny-model`'s default is what the shipped vLLM recipes run on: vLLM's CPU attention has no
+    kernel for a head_dim under 32."""
+    config = AutoModelForCausalLM.from_pretrained(tiny_dirs["llama"]).config
+    assert config.hidden_size // config.num_attention_heads >= 32

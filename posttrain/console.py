@@ -1,0 +1,69 @@
+"""A clean console: the libraries' warnings that a healthy run always prints, and that only alarm people, are
+dropped; the same warnings stay whenever they say something.
+
+    from posttrain.console import quiet_healthy_run_warnings
+    quiet_healthy_run_warnings()        # once per process, before the libraries log (cli.py does it)
+
+Dropped, each by its own filter (a table, so a new one is one line):
+- DeepSpeed's "Setting accelerator to CPU. If you have GPU ..." on every import on a machine without CUDA (the run's
+  own first line says device=cpu);
+- accelerate's "Removed shared tensor {'lm_head.weight'} while saving" for tied embeddings (a tied model saves the
+  tensor once, on purpose, and reloads it tied);
+- transformers' "LOAD REPORT ... score.weight | MISSING" where the only missing weights are a value / reward head
+  (`score.*`) that a reward model or critic starts afresh from a causal LM, by design.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+
+TIED = ("lm_head.weight", "embed_tokens.weight", "wte.weight", "embed_out.weight")
+
+
+def _cpu_accelerator(record: logging.LogRecord) -> bool:
+    return "Setting accelerator to CPU" in record.getMessage()
+
+
+def _tied_embeddings(record: logging.LogRecord) -> bool:
+    match = re.search(r"Removed shared tensor \{([^}]*)\}", record.getMessage())
+    names = [n.strip(" '\"") for n in match.group(1).split(",")] if match else []
+    return bool(names) and all(n.endswith(TIED) for n in names)
+
+
+def _fresh_score_head(record: logging.LogRecord) -> bool:
+    message = record.getMessage()
+    if "LOAD REPORT" not in message:
+        return False
+    rows = [[c.strip() for c in line.split("|")] for line in message.splitlines() if line.count("|") >= 2]
+    statuses = [(row[0], row[1]) for row in rows if len(row) >= 2 and row[1] not in ("Status", "")
+                and not set(row[0]) <= {"-"}]
+    return bool(statuses) and all(key.startswith("score.") and status == "MISSING" for key, status in statuses)
+
+
+# logger name -> the records of it to drop
+NOISE = {
+    "DeepSpeed": _cpu_accelerator,
+    "accelerate.utils.other": _tied_embeddings,
+    "transformers.modeling_utils": _fresh_score_head,
+}
+
+
+class _Drop(logging.Filter):
+    def __init__(self, is_noise):
+        super().__init__()
+        self.is_noise = is_noise
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        try:
+            return not self.is_noise(record)
+        except Exception:  # a message of another shape: keep it
+            return True
+
+
+def quiet_healthy_run_warnings() -> None:
+    """Install the filters (loggers exist before their libraries import them, so this imports nothing)."""
+    for name, is_noise in NOISE.items():
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _Drop) for f in logger.filters):
+            logger.addFilter(_Drop(is_noise))

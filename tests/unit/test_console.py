@@ -1,0 +1,54 @@
+"""The console filters drop the warnings a healthy run always prints and keep the same warnings when they say
+something (another missing weight, an untied tensor)."""
+
+from __future__ import annotations
+
+import logging
+
+from posttrain.console import NOISE, _Drop
+
+REPORT = ("LlamaForSequenceClassification LOAD REPORT from: tiny\nKey          | Status  | \n"
+          "-------------+---------+-\n{rows}\nNotes:\n- MISSING:\tthose params were newly initialized")
+
+
+def kept(logger: str, message: str) -> bool:
+    record = logging.LogRecord(logger, logging.WARNING, __file__, 1, message, None, None)
+    return _Drop(NOISE[logger]).filter(record)
+
+
+def test_fresh_score_head_report_is_dropped_other_missing_weights_are_kept():
+    assert not kept("transformers.modeling_utils", REPORT.format(rows="score.weight | MISSING | "))
+    assert not kept("transformers.modeling_utils", REPORT.format(rows="score.bias   | MISSING | "))
+    assert kept("transformers.modeling_utils",
+                REPORT.format(rows="score.weight | MISSING | \nmodel.layers.0.mlp.up_proj.weight | MISSING | "))
+    assert kept("transformers.modeling_utils", REPORT.format(rows="score.weight | UNEXPECTED | "))
+    assert kept("transformers.modeling_utils", "some other warning")
+
+
+def test_tied_embedding_save_note_is_dropped_untied_names_are_kept():
+    message = "Removed shared tensor {names} while saving. This should be OK, but check by verifying ..."
+    assert not kept("accelerate.utils.other", message.format(names="{'lm_head.weight'}"))
+    assert kept("accelerate.utils.other", message.format(names="{'lm_head.weight', 'model.norm.weight'}"))
+
+
+def test_deepspeed_cpu_accelerator_note_is_dropped():
+    assert not kept("DeepSpeed", "Setting accelerator to CPU. If you have GPU or other accelerator, we were unable")
+    assert kept("DeepSpeed", "Setting ds_accelerator to cuda (auto detect)")
+
+
+def test_a_lone_process_takes_one_thread_unless_the_user_set_a_count(monkeypatch):
+    import torch
+
+    from posttrain.cli import one_thread_unless_asked
+
+    before = torch.get_num_threads()
+    try:
+        monkeypatch.setenv("OMP_NUM_THREADS", "2")
+        torch.set_num_threads(2)
+        one_thread_unless_asked()
+        assert torch.get_num_threads() == 2  # the user's count stands
+        monkeypatch.delenv("OMP_NUM_THREADS")
+        one_thread_unless_asked()
+        assert torch.get_num_threads() == 1 and __import__("os").environ["OMP_NUM_THREADS"] == "1"
+    finally:
+        torch.set_num_threads(before)
