@@ -27,6 +27,7 @@ import traceback
 from typing import Any
 
 from posttrain.config.schema import Recipe
+from posttrain.launch.ray_inputs import absolute_paths, worker_env
 from posttrain.launch.ray_engines import Engines, check_engines, start_engines
 from posttrain.launch.ray_placement import (Plan, RankSlot, fit, node_options, nodes_from_ray,
                                                  pick_gpu_resource, placement_table, rank_slots, resolve,
@@ -35,9 +36,6 @@ from posttrain.launch.ray_actors import Worker, import_ray, last_line, rank_env
 from posttrain.launch.ray_roles import RoleGroups, RoleWorkerDied, check_apart, start_role_groups
 from posttrain.errors import RunStopped, UserError
 
-# the driver's environment the workers inherit (Ray starts them from the raylet's environment, not the driver's)
-FORWARDED_PREFIXES = ("HF_", "TOKENIZERS_", "OMP_", "MKL_", "TORCH_", "ACCELERATE_", "FSDP_", "TRANSFORMERS_",
-                      "POSTTRAIN_", "NCCL_", "GLOO_", "WANDB_", "MLFLOW_", "TRACKIO_")  # + the trackers' settings
 START_TIMEOUT_S = 300.0  # actors not started by then: their resources are held by something else
 GRACE_S = 10.0  # after the first failure, how long the others get to report theirs (a survivor's error is noise)
 
@@ -81,8 +79,10 @@ def run_on_ray(command: str, recipe: Recipe) -> int:
 
     algorithm = ALGORITHMS[command][1](recipe)  # the algorithm's own checks, before a cluster is touched
     roles = roles_needed(algorithm, recipe)
+    recipe = absolute_paths(recipe)  # a relative path means the same in every actor, on every node
     address = recipe.placement.address or os.environ.get("RAY_ADDRESS") or None
-    ray.init(address=address, include_dashboard=False, configure_logging=False, log_to_driver=True)
+    local = {} if address else {"_node_ip_address": "127.0.0.1"}  # a cluster of its own listens on loopback only
+    ray.init(address=address, include_dashboard=False, configure_logging=False, log_to_driver=True, **local)
     actors: list = []
     engines = Engines()
     try:
@@ -93,7 +93,7 @@ def run_on_ray(command: str, recipe: Recipe) -> int:
         plan = fit(units, nodes, p)
         print(f"posttrain ray placement ({len(nodes)} node(s), cluster {address or 'local'}):\n"
               f"{placement_table(plan)}", flush=True)
-        forwarded = {k: v for k, v in os.environ.items() if k.startswith(FORWARDED_PREFIXES)}
+        forwarded = worker_env(os.environ, recipe)
         engines = start_engines(ray, plan, recipe, forwarded)  # placement.generation.num_engines servers, if any
         groups = RoleGroups()
         if len(plan.units) > 1:  # roles apart from the policy: their groups load before the ranks start
