@@ -158,6 +158,9 @@ def run(command: str, recipe: Recipe, remote_roles: Optional[dict] = None) -> Ru
         from posttrain.rollout.server import check_servers
 
         check_servers(recipe, tokenizer)
+    from posttrain.agents import check_rollout
+
+    check_rollout(recipe, tokenizer, command)  # tools import, the template shows them, the environment loads
     train_examples, train_stats = load_examples(recipe, algorithm, tokenizer, "train")
     eval_examples, eval_stats = (None, None)
     if recipe.data.eval:
