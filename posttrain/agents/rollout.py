@@ -58,6 +58,8 @@ class Trajectory:
     """Calls that failed: unreadable, unknown tool, bad arguments, raised, crashed, timed out."""
     tool_timeouts: int = 0
     tool_seconds: float = 0.0
+    cut_turns: int = 0
+    """Turns that reached rollout.max_turn_tokens and were closed by the template's end-of-turn token."""
 
     def append(self, ids: list[int], logprobs: Optional[list[float]], budget: int) -> bool:
         """Add ids (the engine's when logprobs is given), cut at the budget; finished once the budget is full.
@@ -77,7 +79,8 @@ class Trajectory:
 
     def stats(self) -> dict:
         return dict(turns=self.turns, tool_calls=self.tool_calls, tool_errors=self.tool_errors,
-                    tool_timeouts=self.tool_timeouts, tool_seconds=self.tool_seconds, truncated=self.truncated)
+                    tool_timeouts=self.tool_timeouts, tool_seconds=self.tool_seconds, truncated=self.truncated,
+                    cut_turns=self.cut_turns)
 
 
 class AgentRollout:
@@ -85,14 +88,14 @@ class AgentRollout:
 
     def __init__(self, tokenizer, engine: GenerationEngine, budget: int, max_turns: int, tools=None, parser=None,
                  runner: Optional[ToolRunner] = None, environment: Optional[type] = None, environment_name: str = "",
-                 max_prompt_length: Optional[int] = None):
+                 max_prompt_length: Optional[int] = None, max_turn_tokens: Optional[int] = None):
         if tokenizer.eos_token_id is None:
             raise UserError("the tokenizer has no eos token; a multi-turn rollout needs the end-of-turn token")
         self.tokenizer, self.engine, self.budget, self.max_turns = tokenizer, engine, budget, max_turns
         self.tools, self.parser, self.runner = tools or {}, parser, runner
         self.schemas = [t.schema for t in self.tools.values()] or None
         self.environment, self.environment_name = environment, environment_name
-        self.max_prompt_length = max_prompt_length
+        self.max_prompt_length, self.max_turn_tokens = max_prompt_length, max_turn_tokens
         self.eos_id = tokenizer.eos_token_id
 
     @classmethod
@@ -103,7 +106,8 @@ class AgentRollout:
                    tools=tools, parser=pick_parser(r.tool_parser, tokenizer.chat_template) if tools else None,
                    runner=ToolRunner(tools, r.tool_timeout, r.tool_max_output_chars, r.tool_workers),
                    environment=load_environment(r.environment) if r.environment else None,
-                   environment_name=r.environment or "", max_prompt_length=recipe.data.max_prompt_length)
+                   environment_name=r.environment or "", max_prompt_length=recipe.data.max_prompt_length,
+                   max_turn_tokens=r.max_turn_tokens)
 
     # --- tokens ------------------------------------------------------------------------------------------------------
 
@@ -117,8 +121,9 @@ class AgentRollout:
         limit = self.max_prompt_length
         return ids[len(ids) - limit:] if limit is not None and len(ids) > limit else ids
 
-    def delta_ids(self, messages: list[dict], new: list[dict]) -> list[int]:
-        """The ids `new` adds after `messages` (which end with the model's turn), up to the next generation prompt."""
+    def delta_ids(self, messages: list[dict], new: list[dict], closed: bool = True) -> list[int]:
+        """The ids `new` adds after `messages` (which end with the model's turn), up to the next generation prompt;
+        closed: the engine's turn ended with the end-of-turn token (else it is part of the delta)."""
         before = self._encode(messages, add_generation_prompt=False)
         after = self._encode(messages + new, add_generation_prompt=True)
         if after[: len(before)] != before:
@@ -128,7 +133,7 @@ class AgentRollout:
                 "with the prefix property (model.chat_template)")
         # the engine stopped at the end-of-turn token; what the template puts after it ("\n") is appended here
         last_eos = max((i for i, t in enumerate(before) if t == self.eos_id), default=len(before) - 1)
-        return before[last_eos + 1 :] + after[len(before):]
+        return before[last_eos + int(closed) :] + after[len(before):]
 
     # --- the rollout -------------------------------------------------------------------------------------------------
 
@@ -142,6 +147,7 @@ class AgentRollout:
             if not active:
                 break
             room = max(self.budget - len(trajectories[i].completion_ids) for i in active)
+            room = min(room, self.max_turn_tokens or room)
             turn_params = dataclasses.replace(params, max_new_tokens=room,
                                               seed=None if params.seed is None else (params.seed + turn) % 2**62)
             out = self.engine.generate([trajectories[i].prompt_ids + trajectories[i].completion_ids for i in active],
@@ -157,6 +163,7 @@ class AgentRollout:
                 if t.finished:  # cut mid-turn, or its turn filled the budget
                     t.messages.append({"role": "assistant", "content": message["content"]})
                     continue
+                closed = message.pop("closed")
                 done = not new
                 if sessions[i] is not None:
                     env_messages, reward, done = sessions[i].step(dict(message))
@@ -166,7 +173,7 @@ class AgentRollout:
                 if done or last or not new:
                     t.finished = True
                     continue
-                fits = t.append(self.delta_ids(t.messages, new), None, self.budget)
+                fits = t.append(self.delta_ids(t.messages, new, closed=closed), None, self.budget)
                 t.truncated = not fits or len(t.completion_ids) >= self.budget  # no room left for the model
                 t.messages += new
         return trajectories
@@ -186,10 +193,12 @@ class AgentRollout:
         kept = ids[: self.budget - len(t.completion_ids)]
         ended = bool(kept) and kept[-1] == self.eos_id
         t.append(ids, logprobs, self.budget)
-        if not ended:  # cut before its end-of-turn token (budget reached): it cannot be continued
-            t.truncated = t.finished = True
+        if not ended and t.finished:  # the budget cut it before its end-of-turn token: no further turn
+            t.truncated = True
+        elif not ended:  # rollout.max_turn_tokens cut it: the delta closes it with the end-of-turn token
+            t.cut_turns += 1
         text = self.tokenizer.decode(kept[:-1] if ended else kept, skip_special_tokens=False)
-        return {"role": "assistant", "content": text}
+        return {"role": "assistant", "content": text, "closed": ended}
 
     def _run_tools(self, trajectories: list[Trajectory], replies: list[dict], skip: bool) -> None:
         """Parse every reply's tool calls and run them all together; results go in reply['_tool_messages']."""

@@ -220,6 +220,9 @@ class RolloutConfig:
     one instance per sample."""
     max_turns: int = 4
     """Most model turns per trajectory (>= 1)."""
+    max_turn_tokens: Optional[int] = None
+    """Most new tokens per model turn (None: what is left of generation.max_completion_length); a turn cut there is
+    closed with the template's end-of-turn token, which is not trained, and counted in turns/cut."""
     tool_timeout: float = 10.0
     """Seconds one tool call may run before its process is killed and the model reads a timeout error."""
     tool_max_output_chars: int = 2000

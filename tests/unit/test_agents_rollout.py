@@ -176,3 +176,16 @@ def test_a_template_that_rewrites_earlier_turns_is_refused(tok):
     with pytest.raises(UserError, match="renders the earlier turns"):
         agent.delta_ids([{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}],
                         [{"role": "user", "content": "c"}])
+
+
+def test_a_turn_cut_at_max_turn_tokens_is_closed_by_an_untrained_end_of_turn(tok):
+    eos = tok.eos_token_id
+    engine = ScriptedEngine([[[40, 41]], [[42, eos]], [[43, eos]]])
+    agent = AgentRollout(tok, engine, budget=200, max_turns=5, environment=Guess, environment_name="tests:Guess",
+                         max_turn_tokens=2)
+    [t] = agent.run([{"prompt": "a", "columns": {}}], [0], SamplingParams())
+    user_no = ids(tok, "\n<|im_start|>user\nno<|im_end|>\n<|im_start|>assistant\n")
+    assert t.completion_ids == [40, 41, eos] + user_no + [42, eos] + user_no + [43, eos]
+    assert t.completion_mask == [1, 1, 0] + [0] * len(user_no) + [1, 1] + [0] * len(user_no) + [1, 1]
+    assert [c[1].max_new_tokens for c in engine.calls] == [2, 2, 2]
+    assert (t.cut_turns, t.truncated, t.turns) == (1, False, 3)
