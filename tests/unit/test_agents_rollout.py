@@ -189,3 +189,14 @@ def test_a_turn_cut_at_max_turn_tokens_is_closed_by_an_untrained_end_of_turn(tok
     assert t.completion_mask == [1, 1, 0] + [0] * len(user_no) + [1, 1] + [0] * len(user_no) + [1, 1]
     assert [c[1].max_new_tokens for c in engine.calls] == [2, 2, 2]
     assert (t.cut_turns, t.truncated, t.turns) == (1, False, 3)
+
+
+def test_agents_never_import_the_loop_or_the_composition_root():
+    from pathlib import Path
+
+    from tests.unit.test_imports import imported_modules
+
+    package = Path(__file__).resolve().parents[2] / "posttrain" / "agents"
+    for path in package.glob("*.py"):
+        bad = [m for _, m in imported_modules(path.read_text()) if m.startswith(("posttrain.train", "posttrain.run"))]
+        assert not bad, f"{path.name} imports {bad}; agents/ sits below train/ and run.py"
