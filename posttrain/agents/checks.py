@@ -8,7 +8,7 @@ from posttrain.agents.parsers import pick_parser
 from posttrain.agents.tools import load_tools
 from posttrain.errors import UserError
 
-MULTI_TURN_COMMANDS = ("grpo",)
+MULTI_TURN_COMMANDS = ("grpo", "ppo")
 
 
 def check_rollout(recipe, tokenizer, command: str) -> None:

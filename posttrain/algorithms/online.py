@@ -49,4 +49,4 @@ class OnlineAlgorithm(Algorithm):
 
         self.source.before_evaluation()  # an engine with its own copy of the weights gets the current policy
         return evaluate_prompts(backend, self.source.engine, models.tokenizer, eval_examples, self.rewards,
-                                self.recipe.generation)
+                                self.recipe.generation, self.source.agent)

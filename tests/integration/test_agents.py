@@ -66,9 +66,11 @@ def base(tiny_model_dir, data, out, *extra):
 
 def test_multi_turn_grpo_trains_on_the_models_tokens(tiny_model_dir, data, tmp_path):
     out = tmp_path / "run"
-    assert run_cli("grpo", *base(tiny_model_dir, data, out)) == 0
-    rows = metrics(out)
+    assert run_cli("grpo", *base(tiny_model_dir, data, out, f"data.eval={data['prompts_eval']}")) == 0
+    rows = [r for r in metrics(out) if "loss" in r]
     assert [r["step"] for r in rows] == [1, 2]
+    evals = [r for r in metrics(out) if "eval/reward" in r]  # held-out: whole trajectories, greedy
+    assert evals and all(0 <= r["eval/accuracy"] <= 1 and r["eval/completion_length"] > 4 for r in evals)
     for r in rows:
         assert torch.isfinite(torch.tensor(r["loss"]))
         # 4 trajectories a step, 3 turns each (nothing ends them sooner), a call after each of the first two
@@ -96,3 +98,14 @@ def test_resume_continues_exactly(tiny_model_dir, data, tmp_path):
     common = ["train.max_steps=3", "train.save_steps=1"]
     assert_resume_is_exact("grpo", lambda out, *extra: base(tiny_model_dir, data, out, *extra), tmp_path, common,
                            stop_after=2, steps=3)
+
+
+def test_multi_turn_ppo_values_and_advantages_on_the_models_tokens(tiny_model_dir, data, tmp_path):
+    out = tmp_path / "run"
+    assert run_cli("ppo", *base(tiny_model_dir, data, out, "algo.ppo_epochs=1")) == 0
+    rows = metrics(out)
+    assert [r["step"] for r in rows] == [1, 2]
+    for r in rows:
+        for key in ("loss", "loss/critic", "values/mean", "returns/mean", "rewards/environment/mean"):
+            assert torch.isfinite(torch.tensor(r[key])), (key, r)
+        assert (r["turns/mean"], r["tools/calls"]) == (3, 8)

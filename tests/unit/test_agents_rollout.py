@@ -200,3 +200,22 @@ def test_agents_never_import_the_loop_or_the_composition_root():
     for path in package.glob("*.py"):
         bad = [m for _, m in imported_modules(path.read_text()) if m.startswith(("posttrain.train", "posttrain.run"))]
         assert not bad, f"{path.name} imports {bad}; agents/ sits below train/ and run.py"
+
+
+def test_gae_passes_over_appended_tokens_as_if_they_were_not_there():
+    """PPO on a trajectory: advantages and returns at the model's tokens equal those of the same row with the tool /
+    environment tokens removed (the value after a model token is the value at the next model token)."""
+    import torch
+
+    from posttrain.ops.advantages import gae
+
+    rewards = torch.tensor([[0.1, 0.0, 0.0, -0.2, 0.0, 1.0]])
+    values = torch.tensor([[0.5, 9.0, 9.0, 0.3, 9.0, 0.7]])
+    mask = torch.tensor([[1, 0, 0, 1, 0, 1]])
+    adv, ret = gae(rewards, values, mask, 0.9, 0.8)
+    kept = mask[0].bool()
+    adv_ref, ret_ref = gae(rewards[:, kept], values[:, kept], torch.ones(1, 3), 0.9, 0.8)
+    assert torch.allclose(adv[:, kept], adv_ref) and torch.allclose(ret[:, kept], ret_ref)
+    assert (adv[:, ~kept] == 0).all()
+    # by hand: A2 = 1 - 0.7 = 0.3; A1 = -0.2 + 0.9*0.7 - 0.3 + 0.72*0.3 = 0.346; A0 = 0.1 + 0.27 - 0.5 + 0.72*0.346
+    assert adv[0, kept].tolist() == pytest.approx([0.1 + 0.9 * 0.3 - 0.5 + 0.72 * 0.346, 0.346, 0.3])

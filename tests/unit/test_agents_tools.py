@@ -185,7 +185,7 @@ def test_startup_checks(tool_file, tiny_model_dir):
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     check_rollout(recipe(tools=specs(tool_file, "add")), tok, "grpo")  # the tiny template shows tools
     check_rollout(recipe(), tok, "sft")  # off: nothing to check
-    with pytest.raises(UserError, match="multi-turn rollouts run under grpo, not dpo"):
+    with pytest.raises(UserError, match="multi-turn rollouts run under grpo, ppo, not dpo"):
         check_rollout(recipe(tools=specs(tool_file, "add")), tok, "dpo")
     plain = AutoTokenizer.from_pretrained(tiny_model_dir)
     plain.chat_template = tok.chat_template[tok.chat_template.index("{%- for message"):]  # ChatML without tools
