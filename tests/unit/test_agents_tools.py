@@ -210,3 +210,15 @@ def test_tiny_template_renders_plain_conversations_as_before(tiny_model_dir):
     assert tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True) == (
         "<|im_start|>system\ns<|im_end|>\n<|im_start|>user\nu<|im_end|>\n<|im_start|>assistant\na<|im_end|>\n"
         "<|im_start|>assistant\n")
+
+
+def test_the_shipped_tools_template_is_the_demos():
+    from pathlib import Path
+
+    from posttrain.demo_tools import TEMPLATE, calculator
+
+    root = Path(__file__).resolve().parents[2]
+    assert (root / "examples" / "agents" / "tools_chatml.jinja").read_text() == TEMPLATE
+    assert calculator("123 + 456") == "579" and calculator(" 7 * -2 ") == "-14"
+    with pytest.raises(ValueError, match="cannot evaluate"):
+        calculator("__import__('os')")
