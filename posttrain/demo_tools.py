@@ -110,7 +110,7 @@ def run_demo(out_dir: str, sft_steps: int, grpo_steps: int, seed: int = 0, slip:
                      f"train.eval_steps={grpo_steps}", "generation.temperature=1.0", "algo.num_generations=8",
                      "rewards=[{name: exact_match}]"]
         if name == "tools":
-            overrides += [f"model.chat_template={out / 'tools.jinja'}", "generation.max_completion_length=96",
+            overrides += [f"model.chat_template={out / 'tools.jinja'}", "generation.max_completion_length=128",
                           "rollout.tools=[posttrain.demo_tools:calculator]", "rollout.tool_parser=hermes",
                           "rollout.max_turns=2"]
         else:

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Optional
 
 from posttrain.agents.environment import EnvironmentSession, load_environment
 from posttrain.agents.parsers import pick_parser
@@ -88,7 +88,11 @@ class AgentRollout:
 
     def __init__(self, tokenizer, engine: GenerationEngine, budget: int, max_turns: int, tools=None, parser=None,
                  runner: Optional[ToolRunner] = None, environment: Optional[type] = None, environment_name: str = "",
-                 max_prompt_length: Optional[int] = None, max_turn_tokens: Optional[int] = None):
+                 max_prompt_length: Optional[int] = None, max_turn_tokens: Optional[int] = None,
+                 active_anywhere: Optional[Callable[[int], int]] = None):
+        """active_anywhere: sums this rank's count of active trajectories over the ranks, for an engine whose
+        generate is a collective (hf under ZeRO-3 / FSDP2 gathers parameters): a rank whose trajectories have all
+        finished keeps joining the calls (one token from a one-token prompt) while another rank's go on."""
         if tokenizer.eos_token_id is None:
             raise UserError("the tokenizer has no eos token; a multi-turn rollout needs the end-of-turn token")
         self.tokenizer, self.engine, self.budget, self.max_turns = tokenizer, engine, budget, max_turns
@@ -96,10 +100,12 @@ class AgentRollout:
         self.schemas = [t.schema for t in self.tools.values()] or None
         self.environment, self.environment_name = environment, environment_name
         self.max_prompt_length, self.max_turn_tokens = max_prompt_length, max_turn_tokens
+        self.active_anywhere = active_anywhere
         self.eos_id = tokenizer.eos_token_id
 
     @classmethod
-    def from_recipe(cls, recipe, tokenizer, engine: GenerationEngine) -> "AgentRollout":
+    def from_recipe(cls, recipe, tokenizer, engine: GenerationEngine,
+                    active_anywhere: Optional[Callable[[int], int]] = None) -> "AgentRollout":
         r = recipe.rollout
         tools = load_tools(r.tools)
         return cls(tokenizer, engine, budget=recipe.generation.max_completion_length, max_turns=r.max_turns,
@@ -107,7 +113,7 @@ class AgentRollout:
                    runner=ToolRunner(tools, r.tool_timeout, r.tool_max_output_chars, r.tool_workers),
                    environment=load_environment(r.environment) if r.environment else None,
                    environment_name=r.environment or "", max_prompt_length=recipe.data.max_prompt_length,
-                   max_turn_tokens=r.max_turn_tokens)
+                   max_turn_tokens=r.max_turn_tokens, active_anywhere=active_anywhere)
 
     # --- tokens ------------------------------------------------------------------------------------------------------
 
@@ -144,8 +150,11 @@ class AgentRollout:
         trajectories = [self._open(e, s) for e, s in zip(examples, sessions)]
         for turn in range(self.max_turns):
             active = [i for i, t in enumerate(trajectories) if not t.finished]
-            if not active:
+            if not (self.active_anywhere(len(active)) if self.active_anywhere else active):
                 break
+            if not active:  # other ranks go on: join their collective generate call
+                self.engine.generate([[self.eos_id]], dataclasses.replace(params, max_new_tokens=1))
+                continue
             room = max(self.budget - len(trajectories[i].completion_ids) for i in active)
             room = min(room, self.max_turn_tokens or room)
             turn_params = dataclasses.replace(params, max_new_tokens=room,

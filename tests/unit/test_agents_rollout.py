@@ -219,3 +219,16 @@ def test_gae_passes_over_appended_tokens_as_if_they_were_not_there():
     assert (adv[:, ~kept] == 0).all()
     # by hand: A2 = 1 - 0.7 = 0.3; A1 = -0.2 + 0.9*0.7 - 0.3 + 0.72*0.3 = 0.346; A0 = 0.1 + 0.27 - 0.5 + 0.72*0.346
     assert adv[0, kept].tolist() == pytest.approx([0.1 + 0.9 * 0.3 - 0.5 + 0.72 * 0.346, 0.346, 0.3])
+
+
+def test_a_rank_whose_trajectories_ended_keeps_joining_the_engine_calls(tok):
+    """Rank A's trajectory ends after 1 turn, rank B's (simulated by active_anywhere) after 3: A makes 3 calls, the
+    last two one-token pads that add nothing to its trajectory; with no rank active both stop."""
+    eos = tok.eos_token_id
+    others = iter([1, 1, 1, 0])  # rank B's active trajectories at each turn
+    engine = ScriptedEngine([[[40, eos]], [[7]], [[7]]])
+    agent = AgentRollout(tok, engine, budget=50, max_turns=5, active_anywhere=lambda n: n + next(others))
+    [t] = agent.run([{"prompt": "a", "columns": {}}], [0], SamplingParams(max_new_tokens=9))
+    assert t.completion_ids == [40, eos] and t.turns == 1
+    assert [c[0] for c in engine.calls[1:]] == [[[eos]], [[eos]]]
+    assert [c[1].max_new_tokens for c in engine.calls[1:]] == [1, 1]
