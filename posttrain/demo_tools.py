@@ -3,8 +3,9 @@
     python -m posttrain.demo_tools --out runs/agents-demo          # minutes on 2 CPU cores (docs/agents.md)
 
 Task: three-digit + three-digit addition (posttrain/tasks.py), far harder for a tiny model than copying numbers.
+The tool is called in a compact form, `calc 123 + 456`, read by a custom parser (rollout.tool_parser).
 Two pipelines, same tiny random model, same problems, same demonstrator who slips on 30% of the problems:
-- tools: SFT on scripted traces (question -> <tool_call> calculator -> the tool's result -> the answer); a slip
+- tools: SFT on scripted traces (question -> `calc a + b` -> the tool's result -> the answer); a slip
   copies one operand wrong into the call, and the trace carries the wrong result through. Then GRPO with the tool
   live (recipes/grpo_tools.yaml's settings): rollout.tools, exact match on the last turn.
 - plain: SFT on direct answers (a slip gives the same wrong sum), then GRPO with exact match and no tool.
@@ -50,6 +51,14 @@ def calculator(expression: str) -> str:
     return str({"+": a + b, "-": a - b, "*": a * b}[op])
 
 
+def parse_call(text: str) -> list[dict]:
+    """The demo's compact tool-call format, read by a custom rollout.tool_parser: `calc 123 + 456` calls the
+    calculator (the Hermes JSON form costs ~70 tokens of the tiny tokenizer, `calc ...` ~10)."""
+    if not text.startswith("calc "):
+        return []
+    return [{"name": "calculator", "arguments": {"expression": text[len("calc "):]}}]
+
+
 def slipped(b: int, rng: random.Random) -> int:
     """b with one digit changed: a copying slip."""
     digits = list(f"{b:03d}")
@@ -64,10 +73,9 @@ def traces(problems, slip: float, seed: int) -> tuple[list[dict], list[dict]]:
     tool_rows, plain_rows = [], []
     for a, b in problems:
         shown_b = slipped(b, rng) if rng.random() < slip else b
-        call = json.dumps({"name": "calculator", "arguments": {"expression": f"{a} + {shown_b}"}})
         tool_rows.append({"messages": [
             {"role": "system", "content": SYSTEM}, {"role": "user", "content": question(a, b)},
-            {"role": "assistant", "content": f"<tool_call>{call}</tool_call>"},
+            {"role": "assistant", "content": f"calc {a} + {shown_b}"},
             {"role": "tool", "content": str(a + shown_b)}, {"role": "assistant", "content": str(a + shown_b)}]})
         plain_rows.append({"prompt": [{"role": "user", "content": question(a, b)}],
                            "completion": [{"role": "assistant", "content": str(a + shown_b)}]})
@@ -101,7 +109,7 @@ def run_demo(out_dir: str, sft_steps: int, grpo_steps: int, seed: int = 0, slip:
     for name in pipelines:
         sft = stage("sft", out / name, [
             f"model.name_or_path={tiny}", f"data.train={files['sft_' + name]}", "data.packing=true",
-            "data.max_length=256", "train.per_device_train_batch_size=8", "train.learning_rate=3e-3",
+            "data.max_length=128", "train.per_device_train_batch_size=16", "train.learning_rate=3e-3",
             "train.lr_scheduler_type=cosine", "train.warmup_ratio=0.05", "train.weight_decay=0.01",
             f"train.max_steps={sft_steps}", "train.logging_steps=20"], seed)
         overrides = [f"model.name_or_path={sft.final_dir}", f"data.train={files['rl']}", f"data.eval={files['eval']}",
@@ -110,8 +118,9 @@ def run_demo(out_dir: str, sft_steps: int, grpo_steps: int, seed: int = 0, slip:
                      f"train.eval_steps={grpo_steps}", "generation.temperature=1.0", "algo.num_generations=8",
                      "rewards=[{name: exact_match}]"]
         if name == "tools":
-            overrides += [f"model.chat_template={out / 'tools.jinja'}", "generation.max_completion_length=128",
-                          "rollout.tools=[posttrain.demo_tools:calculator]", "rollout.tool_parser=hermes",
+            overrides += [f"model.chat_template={out / 'tools.jinja'}", "generation.max_completion_length=48",
+                          "rollout.tools=[posttrain.demo_tools:calculator]",
+                          "rollout.tool_parser=posttrain.demo_tools:parse_call",
                           "rollout.max_turns=2"]
         else:
             overrides += ["generation.max_completion_length=8"]
@@ -136,7 +145,7 @@ def run_demo(out_dir: str, sft_steps: int, grpo_steps: int, seed: int = 0, slip:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="runs/agents-demo")
-    parser.add_argument("--sft-steps", type=int, default=400)
+    parser.add_argument("--sft-steps", type=int, default=600)
     parser.add_argument("--grpo-steps", type=int, default=20)
     parser.add_argument("--pipelines", default="plain,tools", help="plain, tools or both (comma-separated)")
     parser.add_argument("--seed", type=int, default=0)

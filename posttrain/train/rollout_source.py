@@ -110,8 +110,9 @@ class RolloutSource:
         # rollout.tools / rollout.environment: multi-turn trajectories over the same engine (posttrain/agents/)
         self.agent = None
         if recipe.rollout.enabled:  # the hf engine's generate is a collective under ZeRO-3 / FSDP2: ranks keep in step
-            in_step = (lambda n: int(backend.all_reduce_sum(torch.tensor(float(n))).item())
-                       if recipe.generation.engine == "hf" and backend.world_size > 1 else None)
+            in_step = None
+            if recipe.generation.engine == "hf" and backend.world_size > 1:
+                in_step = lambda n: int(backend.all_reduce_sum(torch.tensor(float(n))).item())  # noqa: E731
             self.agent = AgentRollout.from_recipe(recipe, self.tokenizer, self.engine, in_step)
         self._synced_at: int | None = None  # the step whose policy the engine last received
         self._sync_seconds = 0.0
