@@ -261,14 +261,13 @@ class RolloutSource:
         score_started = time.perf_counter()
 
         # 3. score this rank's completions; gather the step's rewards from every rank
-        texts = self.tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
         columns = {key: [p["columns"][key] for p in prompts for _ in range(group)] for key in prompts[0]["columns"]}
         columns.setdefault("completion_ids", completion_ids)
         if trajectories is not None:  # rewards score the model's last turn; the whole conversation is a column
-            texts, score = [t.final_text for t in trajectories], score_trajectories(self.rewards, trajectories,
-                                                                                  self.agent.environment is not None)
+            texts = [t.final_text for t in trajectories]
+            score = score_trajectories(self.rewards, trajectories, self.agent.environment is not None)
         else:
-            score = self.rewards.score
+            texts, score = self.tokenizer.batch_decode(completion_ids, skip_special_tokens=True), self.rewards.score
         total_B, per_function, skipped = score([p["prompt"] for p in prompts for _ in range(group)], texts, columns)
         lengths = [len(ids) for ids in completion_ids]
         mine = dict(total=total_B.tolist(), per_function={k: v.tolist() for k, v in per_function.items()},

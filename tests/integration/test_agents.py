@@ -64,7 +64,13 @@ def base(tiny_model_dir, data, out, *extra):
                          "data.max_length=512", *extra, learning_rate="1e-3")
 
 
-def test_multi_turn_grpo_trains_on_the_models_tokens(tiny_model_dir, data, tmp_path):
+def test_multi_turn_grpo_trains_on_the_models_tokens(tiny_model_dir, data, tmp_path, monkeypatch):
+    from posttrain.train.rollout_source import RolloutSource
+
+    built = []
+    real = RolloutSource._micro_batches
+    monkeypatch.setattr(RolloutSource, "_micro_batches",
+                        lambda self, *a: built.append((a[1], a[6], real(self, *a))) or built[-1][2])
     out = tmp_path / "run"
     assert run_cli("grpo", *base(tiny_model_dir, data, out, f"data.eval={data['prompts_eval']}")) == 0
     rows = [r for r in metrics(out) if "loss" in r]
@@ -78,6 +84,15 @@ def test_multi_turn_grpo_trains_on_the_models_tokens(tiny_model_dir, data, tmp_p
         assert r["tools/timeouts"] == 0 and r["tools/seconds"] > 0 and r["truncated_trajectories"] == 0
         assert "rewards/environment/mean" in r and "rewards/length_reward/mean" in r
         assert 0 < r["completion_length/mean"] <= 96
+    # the batches train exactly the model's tokens: each row's mask, after its prompt, is the trajectory's
+    assert len(built) == 2
+    for completion_ids, masks, batches in built:
+        rows = [(b.input_ids_BT[r], b.completion_mask_BT[r]) for b in batches for r in range(b.num_sequences)]
+        for (ids_T, mask_T), completion, mask in zip(rows, completion_ids, masks):
+            prompt = int(mask_T.nonzero()[0]) - mask.index(1)
+            assert ids_T[prompt : prompt + len(completion)].tolist() == completion
+            assert mask_T[prompt : prompt + len(mask)].int().tolist() == mask and mask_T.sum() == sum(mask)
+            assert 0 < sum(mask) < len(mask)  # tool and environment tokens sit between the model's turns
     initial = load_file(str(next(tiny_model_dir.glob("*.safetensors"))))
     trained = final_weights(out)
     assert [k for k in initial if torch.equal(initial[k], trained[k])] == []

@@ -215,10 +215,12 @@ def test_tiny_template_renders_plain_conversations_as_before(tiny_model_dir):
 def test_the_shipped_tools_template_is_the_demos():
     from pathlib import Path
 
-    from posttrain.demo_tools import TEMPLATE, calculator
+    from posttrain.demo_tools import TEMPLATE, calculator, parse_call
 
     root = Path(__file__).resolve().parents[2]
     assert (root / "examples" / "agents" / "tools_chatml.jinja").read_text() == TEMPLATE
     assert calculator("123 + 456") == "579" and calculator(" 7 * -2 ") == "-14"
     with pytest.raises(ValueError, match="cannot evaluate"):
         calculator("__import__('os')")
+    assert parse_call("calc 12 + 3") == [{"name": "calculator", "arguments": {"expression": "12 + 3"}}]
+    assert parse_call("15") == []
