@@ -124,3 +124,19 @@ def test_multi_turn_ppo_values_and_advantages_on_the_models_tokens(tiny_model_di
         for key in ("loss", "loss/critic", "values/mean", "returns/mean", "rewards/environment/mean"):
             assert torch.isfinite(torch.tensor(r[key])), (key, r)
         assert (r["turns/mean"], r["tools/calls"]) == (3, 8)
+
+
+@pytest.mark.parametrize("override, message", [
+    ("rollout.tools=['no_such_module_q:f']", "rollout.tools entry 'no_such_module_q:f': cannot import module"),
+    ("rollout.max_turns=0", "rollout.max_turns must be > 0"),
+    ("rollout.environment=tests.integration.test_agents:calculator", "rollout.environment"),
+])
+def test_bad_rollout_input_exits_2_before_loading(tiny_model_dir, data, tmp_path, capsys, monkeypatch, override,
+                                                  message):
+    import posttrain.models.load as load
+
+    monkeypatch.setattr(load, "load_causal_lm", lambda *a, **k: pytest.fail("a model was loaded"))
+    out = tmp_path / "run"
+    assert run_cli("grpo", *base(tiny_model_dir, data, out, override)) == 2
+    assert message in capsys.readouterr().err
+    assert not (out / "config.yaml").exists()
