@@ -19,6 +19,7 @@ from typing import Any, Optional
 import torch
 
 from posttrain import data, outputs
+from posttrain.agents import check_rollout
 from posttrain.algorithms import ALGORITHMS
 from posttrain.checkpoint import Checkpointer, export_final, resume_path, run_facts
 from posttrain.checkpoint_files import tree_bytes, warn_low_disk
@@ -129,6 +130,7 @@ def run(command: str, recipe: Recipe, launched: Optional[Launched] = None) -> Ru
     servers = launched.servers or recipe.generation.servers
     if servers:  # every server answers, takes the token, serves our vocabulary
         check_servers(recipe, tokenizer, servers)
+    check_rollout(recipe, tokenizer, command)  # tools import, the template shows them, the environment loads
     train_examples, train_stats = load_examples(recipe, algorithm, tokenizer, "train")
     eval_examples, eval_stats = (None, None)
     if recipe.data.eval:

@@ -88,7 +88,7 @@ class GRPOAlgoConfig:
         if self.num_iterations < 1 or self.log_samples < 0:
             raise UserError(f"need algo.num_iterations >= 1 and algo.log_samples >= 0; got {self.num_iterations}, "
                             f"{self.log_samples}")
-        if not recipe.rewards:
+        if not recipe.rewards and recipe.rollout.environment is None:  # an environment may score alone
             raise UserError("grpo needs at least one reward: add `rewards: [{name: exact_match}]` to the recipe "
                             "(built-ins: exact_match, format, length_penalty, reward_model; or 'module:function')")
         if recipe.generation.temperature == 0:

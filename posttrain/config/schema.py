@@ -223,6 +223,37 @@ class RewardConfig:
 
 
 @dataclass(frozen=True)
+class RolloutConfig:
+    """Multi-turn rollouts with tools and / or an environment (GRPO; docs/agents.md). Off while both are empty."""
+
+    tools: tuple[str, ...] = ()
+    """Functions the model may call: 'package.module:function' or 'path/to/file.py:function' (type hints and a
+    docstring with Args give their JSON schema)."""
+    tool_parser: str = "auto"
+    """How tool calls are read from the model's turn: auto (from the chat template), hermes, llama3, or your own
+    'module:function' taking the text and returning [{'name', 'arguments'}]."""
+    environment: Optional[str] = None
+    """A class 'module:Class' with reset(row) -> messages and step(assistant_message) -> (messages, reward, done),
+    one instance per sample."""
+    max_turns: int = 4
+    """Most model turns per trajectory (>= 1)."""
+    max_turn_tokens: Optional[int] = None
+    """Most new tokens per model turn (None: what is left of generation.max_completion_length); a turn cut there is
+    closed with the template's end-of-turn token, which is not trained, and counted in turns/cut."""
+    tool_timeout: float = 10.0
+    """Seconds one tool call may run before its process is killed and the model reads a timeout error."""
+    tool_max_output_chars: int = 2000
+    """Longest tool output the model reads; longer output is cut."""
+    tool_workers: int = 4
+    """Tool calls run at once (one process each)."""
+
+    @property
+    def enabled(self) -> bool:
+        """Whether generation is multi-turn: tools or an environment are named."""
+        return bool(self.tools) or self.environment is not None
+
+
+@dataclass(frozen=True)
 class RolePlacement:
     """Where one role's workers go under `launcher: ray` (OpenRLHF's --actor_num_nodes / --actor_num_gpus_per_node)."""
 
@@ -292,6 +323,8 @@ class Recipe:
     """Sampling for online algorithms."""
     rewards: tuple[RewardConfig, ...] = ()
     """Reward functions for online algorithms."""
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    """Multi-turn rollouts: tools, environment, turns (rollout.*)."""
     launcher: str = "local"
     """local: the processes torchrun / accelerate launch started (or one); ray: Ray actors placed by `placement`."""
     placement: PlacementConfig = field(default_factory=PlacementConfig)

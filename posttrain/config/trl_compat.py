@@ -10,11 +10,13 @@ run stops (exit 2) before anything loads.
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 from typing import Any, Callable
 
 import yaml
 
+from posttrain.config.schema import Recipe
 from posttrain.errors import UserError
 
 
@@ -134,8 +136,7 @@ TRL_KEYS: dict[str, tuple[str, Callable[[Any], Any] | None]] = {
     "value_model_path": ("algo.critic_model_name_or_path", None),
 }
 
-RECIPE_TOP_LEVEL = ("output_dir", "seed", "model", "data", "train", "algo", "generation", "rewards", "launcher",
-                    "placement")
+RECIPE_TOP_LEVEL = tuple(f.metadata.get("key", f.name) for f in dataclasses.fields(Recipe))  # the recipe's sections
 
 
 def translate(flat: dict[str, Any], where: str, algo_cls: type, shown: str = "") -> list[tuple[str, Any]]:

@@ -34,6 +34,10 @@ POSITIVE = (
     "generation.sync_timeout_s",
     "placement.cpus_per_worker",
     "placement.generation.tensor_parallel_size",
+    "rollout.max_turns",
+    "rollout.tool_timeout",
+    "rollout.tool_max_output_chars",
+    "rollout.tool_workers",
 )
 NON_NEGATIVE = ("train.weight_decay", "train.warmup_steps", "train.max_grad_norm", "train.save_steps", "train.eval_steps",
                 "train.max_nonfinite_skips", "generation.request_retries", "placement.generation.num_engines")

@@ -21,7 +21,14 @@ SPECIAL_TOKENS = (PAD, IM_START, IM_END)
 
 # ChatML. The assistant turn's content and its <|im_end|> sit inside {% generation %} so that
 # `apply_chat_template(..., return_assistant_tokens_mask=True)` can mark what the model should learn to say.
+# With `tools=[...]` a system turn lists their JSON schemas and asks for Hermes-style <tool_call> JSON (Qwen 2.5's
+# convention); tool results render as `tool` turns. Without tools the text is exactly plain ChatML.
 CHATML_TEMPLATE = (
+    "{%- if tools %}"
+    "{{- '<|im_start|>system\\nYou may call these tools:\\n<tools>\\n' }}"
+    "{%- for tool in tools %}{{- (tool | tojson) + '\\n' }}{%- endfor %}"
+    "{{- '</tools>\\nCall one as <tool_call>{\"name\": <name>, \"arguments\": {...}}</tool_call><|im_end|>\\n' }}"
+    "{%- endif %}"
     "{%- for message in messages %}"
     "{{- '<|im_start|>' + message['role'] + '\\n' }}"
     "{%- if message['role'] == 'assistant' %}"

@@ -62,17 +62,27 @@ def load_rewards(cfgs: Sequence[RewardConfig]) -> RewardSet:
     return RewardSet(rewards)
 
 
-def _resolve(spec: str, module, attribute: str) -> Any:
+def load_callable(spec: str, what: str) -> Callable:
+    """'package.module:attribute' or 'path/to/file.py:attribute' -> the callable it names; a UserError starting
+    "{what} '{spec}'" when it does not import or is not callable (rewards, tools, environments, parsers)."""
+    if ":" not in spec:
+        raise UserError(f"{what} '{spec}' is not an import path; write it as 'package.module:name' or "
+                        "'path/to/file.py:name'")
+    module_name, _, attribute = spec.rpartition(":")
+    return _resolve(spec, import_user(module_name, f"{what} '{spec}'"), attribute, what)
+
+
+def _resolve(spec: str, module, attribute: str, what: str = "reward") -> Any:
     target = module
     for part in attribute.split("."):
         if not hasattr(target, part):
             names = [n for n in dir(target) if not n.startswith("_")]
             close = difflib.get_close_matches(part, names, n=1, cutoff=0.5)
             hint = f"; did you mean '{close[0]}'?" if close else ""
-            raise UserError(f"reward '{spec}': {getattr(target, '__name__', target)!s} has no attribute '{part}'{hint}")
+            raise UserError(f"{what} '{spec}': {getattr(target, '__name__', target)!s} has no attribute '{part}'{hint}")
         target = getattr(target, part)
     if not callable(target):
-        raise UserError(f"reward '{spec}': '{attribute}' is a {type(target).__name__}, not a function or class")
+        raise UserError(f"{what} '{spec}': '{attribute}' is a {type(target).__name__}, not a function or class")
     return target
 
 

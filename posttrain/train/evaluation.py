@@ -34,6 +34,18 @@ def greedy_texts(engine, tokenizer, examples: list[dict], max_new_tokens: int, p
     return tokenizer.batch_decode(ids, skip_special_tokens=True), ids
 
 
+def greedy_trajectories(agent, examples: list[dict], max_new_tokens: int, per_call: Optional[int] = None):
+    """A multi-turn run's held-out trajectories (posttrain.agents.AgentRollout), greedy, `per_call` prompts per
+    batch of turns."""
+    params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0)
+    per_call = per_call or len(examples)
+    out = []
+    for start in range(0, len(examples), per_call):
+        chunk = examples[start : start + per_call]
+        out += agent.run(chunk, list(range(start, start + len(chunk))), params)
+    return out
+
+
 def accuracy_counts(examples: list[dict], texts: list[str]) -> tuple[int, int]:
     """(correct, with a reference) by exact match against the `answer` column; (0, 0) when the data has none."""
     references = [e["columns"].get(ANSWER_COLUMN) for e in examples]
@@ -52,20 +64,30 @@ def exact_match_accuracy(model, tokenizer, prompt_examples: list[dict], max_new_
     return correct / counted if counted else 0.0
 
 
-def evaluate_prompts(backend, engine, tokenizer, examples: list[dict], rewards, generation) -> dict[str, float]:
+def evaluate_prompts(backend, engine, tokenizer, examples: list[dict], rewards, generation,
+                     agent=None) -> dict[str, float]:
     """eval/accuracy, eval/reward and eval/completion_length over the whole eval set, every rank taking a strided
-    share. Shares are padded to equal size (fillers are not counted) so every rank makes the same engine calls."""
+    share. Shares are padded to equal size (fillers are not counted) so every rank makes the same engine calls.
+    agent: multi-turn trajectories instead, their last model turn scored (and the environment's reward added)."""
     share = -(-len(examples) // backend.world_size)
     mine = examples[backend.rank :: backend.world_size]
     weights = [1.0] * len(mine) + [0.0] * (share - len(mine))
     mine = mine + [examples[0]] * (share - len(mine))
+    score = rewards.score
     with backend.autocast():
-        texts, ids = greedy_texts(engine, tokenizer, mine, generation.max_completion_length, generation.batch_size)
+        if agent is not None:
+            from posttrain.agents import score_trajectories
+
+            trajectories = greedy_trajectories(agent, mine, generation.max_completion_length, generation.batch_size)
+            texts, ids = [t.final_text for t in trajectories], [t.completion_ids for t in trajectories]
+            score = score_trajectories(rewards, trajectories, agent.environment is not None)
+        else:
+            texts, ids = greedy_texts(engine, tokenizer, mine, generation.max_completion_length, generation.batch_size)
     real = [i for i, w in enumerate(weights) if w]
     correct, counted = accuracy_counts([mine[i] for i in real], [texts[i] for i in real])
     columns = {k: [e["columns"][k] for e in mine] for k in mine[0]["columns"]}
     columns.setdefault("completion_ids", ids)
-    total_B, _, _ = rewards.score([e["prompt"] for e in mine], texts, columns)
+    total_B, _, _ = score([e["prompt"] for e in mine], texts, columns)
     weight_B = torch.tensor(weights, dtype=torch.float64)
     local = torch.stack([
         torch.tensor(float(correct), dtype=torch.float64), torch.tensor(float(counted), dtype=torch.float64),
@@ -84,7 +106,7 @@ def evaluate_online(backend, source, tokenizer, eval_examples, rewards, generati
     """An online algorithm's held-out figures (`evaluate_prompts`) with the rollout source's engine, so evaluation runs
     wherever generation does, on the current policy's weights (an engine holding a copy is synced first)."""
     source.before_evaluation()
-    return evaluate_prompts(backend, source.engine, tokenizer, eval_examples, rewards, generation)
+    return evaluate_prompts(backend, source.engine, tokenizer, eval_examples, rewards, generation, source.agent)
 
 
 def preference_accuracy(

@@ -43,6 +43,7 @@ from typing import Callable
 import torch
 
 from posttrain.data.collate import collate_padded
+from posttrain.agents import AgentRollout, agent_metrics, score_trajectories
 from posttrain.ops.advantages import zero_std_fraction
 from posttrain.ops.logprobs import sequence_mean
 from posttrain.rewards import reward_metrics
@@ -105,6 +106,13 @@ class RolloutSource(Source):
         self.prompts_per_step = self.prompts_per_rank * backend.world_size
         self.order = SampleOrder(len(examples), t.dataloader_seed if t.dataloader_seed is not None else recipe.seed)
         self.engine = make_engine(recipe, backend, models.policy.model, self.tokenizer, servers)
+        # rollout.tools / rollout.environment: multi-turn trajectories over the same engine (posttrain/agents/)
+        self.agent = None
+        if recipe.rollout.enabled:  # the hf engine's generate is a collective under ZeRO-3 / FSDP2: ranks keep in step
+            in_step = None
+            if recipe.generation.engine == "hf" and backend.world_size > 1:
+                in_step = lambda n: int(backend.all_reduce_sum(torch.tensor(float(n))).item())  # noqa: E731
+            self.agent = AgentRollout.from_recipe(recipe, self.tokenizer, self.engine, in_step)
         self._synced_at: int | None = None  # the step whose policy the engine last received
         self._sync_seconds = 0.0
         self._generation: Generation | None = None
@@ -215,13 +223,14 @@ class RolloutSource(Source):
         started = time.perf_counter()
         pending, self._pending = self._pending, None
         if pending is not None and pending[0] == index:
-            sampled_by, (prompt_ids, completion_ids, sampler_logprobs, truncated) = pending[1], pending[2].result()
+            sampled_by, (prompt_ids, completion_ids, sampler_logprobs, truncated, trajectories) = (pending[1],
+                                                                                                pending[2].result())
         else:
             if pending is not None:  # sampled for another batch (cannot happen in a plain run): not used
                 pending[2].result()
             self._sync_weights(step)
             sampled_by = self._synced_at
-            prompt_ids, completion_ids, sampler_logprobs, truncated = self._sample(prompts, positions)
+            prompt_ids, completion_ids, sampler_logprobs, truncated, trajectories = self._sample(prompts, positions)
         generated, synced_before = time.perf_counter(), self._sync_seconds
         if self._async:
             self._sync_weights(step)  # no generation is in flight now
@@ -232,21 +241,26 @@ class RolloutSource(Source):
         score_started = time.perf_counter()
 
         # 3. score this rank's completions; gather the step's rewards from every rank
-        texts = self.tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
         columns = {key: [p["columns"][key] for p in prompts for _ in range(group)] for key in prompts[0]["columns"]}
         columns.setdefault("completion_ids", completion_ids)
-        total_B, per_function, skipped = self.rewards.score(
-            [p["prompt"] for p in prompts for _ in range(group)], texts, columns)
+        if trajectories is not None:  # rewards score the model's last turn; the whole conversation is a column
+            texts = [t.final_text for t in trajectories]
+            score = score_trajectories(self.rewards, trajectories, self.agent.environment is not None)
+        else:
+            texts, score = self.tokenizer.batch_decode(completion_ids, skip_special_tokens=True), self.rewards.score
+        total_B, per_function, skipped = score([p["prompt"] for p in prompts for _ in range(group)], texts, columns)
         lengths = [len(ids) for ids in completion_ids]
         mine = dict(total=total_B.tolist(), per_function={k: v.tolist() for k, v in per_function.items()},
-                    skipped=skipped, lengths=lengths, truncated=truncated)
+                    skipped=skipped, lengths=lengths, truncated=truncated,
+                    agent=[t.stats() for t in trajectories] if trajectories is not None else None)
         everyone = backend.all_gather_object(mine)
         global_total_B = torch.tensor([r for part in everyone for r in part["total"]])
         scored = time.perf_counter()
 
         # 4. micro-batches, with old / reference log-probs and values taken once
+        masks = [t.completion_mask for t in trajectories] if trajectories is not None else None
         batches = self._micro_batches(prompt_ids, completion_ids, sampler_logprobs, truncated, total_B,
-                                      [i for i in dataset_index for _ in range(group)])
+                                      [i for i in dataset_index for _ in range(group)], masks)
         with torch.no_grad(), backend.autocast():
             batches = [self.algorithm.prepare(b.to(backend.device), self.models) for b in batches]
 
@@ -258,6 +272,7 @@ class RolloutSource(Source):
         prepared = time.perf_counter()
 
         metrics = step_metrics(everyone, global_total_B, group)
+        metrics.update(agent_metrics([part["agent"] for part in everyone]))
         metrics.update({"time/generate": generated - started - synced_before, "time/score": scored - score_started,
                         "time/ref": prepared - scored, "time/sync": self._sync_seconds,
                         "policy_lag": float(step - (sampled_by if sampled_by is not None else step)),
@@ -277,23 +292,38 @@ class RolloutSource(Source):
         gen = self.recipe.generation
         per_call = gen.batch_size or len(prompts)
         prompt_ids, completion_ids, logprobs, truncated = [], [], [], []
+        trajectories = [] if self.agent is not None else None
         for start in range(0, len(prompts), per_call):
             rows = [p["prompt_ids"] for p in prompts[start : start + per_call] for _ in range(self.group)]
             params = SamplingParams.from_config(gen, seed=sampling_seed(self.recipe.seed, positions[start]))
+            if self.agent is not None:
+                chunk = [(p, self.order.index(q)) for p, q in zip(prompts[start : start + per_call],
+                                                                  positions[start : start + per_call])]
+                with self.backend.autocast():
+                    out = self.agent.run([p for p, _ in chunk for _ in range(self.group)],
+                                         [row for _, row in chunk for _ in range(self.group)], params)
+                trajectories += out
+                prompt_ids += [t.prompt_ids for t in out]
+                completion_ids += [t.completion_ids for t in out]
+                logprobs += [t.logprobs for t in out]
+                truncated += [t.truncated for t in out]
+                continue
             with self.backend.autocast():
                 out = self.engine.generate(rows, params)
             prompt_ids += rows
             completion_ids += out.completion_ids
             logprobs += out.logprobs
             truncated += out.truncated
-        return prompt_ids, completion_ids, logprobs, truncated
+        return prompt_ids, completion_ids, logprobs, truncated, trajectories
 
     def _micro_batches(self, prompt_ids, completion_ids, sampler_logprobs, truncated, rewards_B,
-                       dataset_index) -> list[Batch]:
+                       dataset_index, masks=None) -> list[Batch]:
+        """masks: multi-turn, 1 at the model's tokens of each completion (None: every completion token)."""
         masked = self.recipe.algo.mask_truncated_completions
+        masks = masks or [[1] * len(c) for c in completion_ids]
         rows = [
-            {"input_ids": p + c, "completion_mask": [0] * len(p) + [int(not (masked and cut))] * len(c)}
-            for p, c, cut in zip(prompt_ids, completion_ids, truncated)
+            {"input_ids": p + c, "completion_mask": [0] * len(p) + [m * int(not (masked and cut)) for m in mask]}
+            for p, c, cut, mask in zip(prompt_ids, completion_ids, truncated, masks)
         ]
         pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
         batches = []

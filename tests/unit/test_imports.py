@@ -18,12 +18,12 @@ FORBIDDEN = ("torch.distributed", "accelerate", "deepspeed", "ray", "vllm")
 MACHINERY = ("torch.distributed", "accelerate", "deepspeed", "ray")
 ALLOWED_IN = {"distributed": MACHINERY, "launch": MACHINERY, "rollout": ("vllm",)}
 LAYERS = [
-    ("cli", "__main__", "console", "demo"),                         # the command line
+    ("cli", "__main__", "console", "demo", "demo_tools"),           # the command line
     ("launch",),                                                    # what starts processes: Ray, serve children, doctor
     ("run", "roles", "checkpoint", "outputs", "plan",               # composition of one run, and what it writes
      "logging", "trackers", "report", "report_charts", "report_html"),
     ("train",),                                                     # the loop, sources, rollout source, evaluation
-    ("algorithms",),                                                # prepare + loss plug-ins
+    ("algorithms", "agents"),                                       # prepare + loss plug-ins; multi-turn rollouts
     ("rollout", "rewards", "models", "data", "tasks"),              # engines, rewards, models, data
     ("distributed",),                                               # what runs inside a training process
     ("ops", "losses", "config", "batch", "errors", "checkpoint_files", "usercode", "__init__"),   # pure

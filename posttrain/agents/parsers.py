@@ -1,0 +1,90 @@
+"""Tool-call parsers: the model's turn (text) -> the calls it makes, in the format of the model's own chat template.
+
+    rollout:
+      tool_parser: auto          # hermes | llama3 | auto (from the chat template) | my_module:parse
+
+A parser takes the assistant turn's text and returns `(calls, errors)`: calls as {"name": str, "arguments": dict},
+errors as messages for the calls it saw but could not read (bad JSON), which go back to the model as failed tool
+calls. A custom parser `module:function` takes the text and returns a list of calls (raising ValueError for a
+malformed one).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Callable
+
+from posttrain.errors import UserError
+from posttrain.rewards.load import load_callable
+
+Parsed = tuple[list[dict], list[str]]
+
+_HERMES = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
+
+
+def parse_hermes(text: str) -> Parsed:
+    """Hermes / Qwen 2.5-3: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, any number of them."""
+    calls, errors = [], []
+    for body in _HERMES.findall(text):
+        try:
+            call = json.loads(body)
+            calls.append({"name": call["name"], "arguments": call.get("arguments", {})})
+        except (ValueError, KeyError, TypeError) as e:
+            errors.append(f"could not read the tool call {body[:200]!r}: {type(e).__name__}: {e}")
+    return calls, errors
+
+
+def parse_llama3(text: str) -> Parsed:
+    """Llama 3.1-3.3 JSON tool calling: the whole turn is `{"name": ..., "parameters": {...}}` (optionally after
+    <|python_tag|>, several separated by ';'). A turn that is not such JSON is a plain answer."""
+    body = text.replace("<|python_tag|>", "").strip()
+    if not body.startswith("{"):
+        return [], []
+    calls, errors = [], []
+    for part in (p.strip() for p in body.split(";") if p.strip()):
+        try:
+            call = json.loads(part)
+            calls.append({"name": call["name"], "arguments": call.get("parameters", call.get("arguments", {}))})
+        except (ValueError, KeyError, TypeError) as e:
+            errors.append(f"could not read the tool call {part[:200]!r}: {type(e).__name__}: {e}")
+    return calls, errors
+
+
+TOOL_PARSERS: dict[str, Callable[[str], Parsed]] = {"hermes": parse_hermes, "llama3": parse_llama3}
+
+# How a chat template shows which format it teaches the model (checked in order).
+TEMPLATE_MARKERS = (("<tool_call>", "hermes"), ("<|python_tag|>", "llama3"), ('"parameters"', "llama3"))
+
+
+def _custom(spec: str) -> Callable[[str], Parsed]:
+    fn = load_callable(spec, "rollout.tool_parser")
+
+    def parse(text: str) -> Parsed:
+        try:
+            calls = fn(text)
+        except ValueError as e:
+            return [], [f"could not read the tool call: {e}"]
+        if not isinstance(calls, list) or not all(isinstance(c, dict) and "name" in c for c in calls):
+            raise UserError(f"rollout.tool_parser '{spec}' returned {type(calls).__name__}; it must return a list of "
+                            "{'name': str, 'arguments': dict}")
+        return [{"name": c["name"], "arguments": c.get("arguments", {})} for c in calls], []
+
+    return parse
+
+
+def pick_parser(spec: str, chat_template) -> Callable[[str], Parsed]:
+    """rollout.tool_parser -> a parser: a table entry, a custom import path, or (auto) the format the template uses."""
+    if spec in TOOL_PARSERS:
+        return TOOL_PARSERS[spec]
+    if ":" in spec:
+        return _custom(spec)
+    if spec != "auto":
+        raise UserError(f"rollout.tool_parser is {spec!r}; choose auto, {', '.join(TOOL_PARSERS)} or give your own "
+                        "as 'module:function'")
+    text = " ".join(chat_template.values()) if isinstance(chat_template, dict) else str(chat_template or "")
+    for marker, name in TEMPLATE_MARKERS:
+        if marker in text:
+            return TOOL_PARSERS[name]
+    raise UserError("rollout.tool_parser=auto: the chat template shows no tool-call format posttrain knows "
+                    f"({', '.join(TOOL_PARSERS)}); set rollout.tool_parser to one of them or to 'module:function'")

@@ -1,0 +1,151 @@
+"""Tools: plain Python functions the model may call, named in the recipe, each call run in a process of its own.
+
+    rollout:
+      tools: [my_tools:calculator, tools/search.py:lookup]
+
+A tool is a function with type hints and a Google-style docstring (its description and an `Args:` line per
+parameter); transformers' `get_json_schema` turns it into the JSON schema the chat template shows the model
+(`apply_chat_template(tools=[...])`). The model's call `{"name": "calculator", "arguments": {"expression": "2+3"}}`
+runs as `calculator(expression="2+3")`; what it returns comes back to the model as a tool message, as `str(result)`
+(JSON for dicts and lists), cut to `rollout.tool_max_output_chars`.
+
+Each call runs in a forked child process with a deadline (`rollout.tool_timeout`): a tool that hangs is killed, one
+that raises or crashes its process gives the model an error message, and neither stops the batch. The counts go to
+the step's metrics (tools/errors, tools/timeouts).
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from posttrain.errors import UserError
+from posttrain.rewards.load import load_callable
+
+
+@dataclass(frozen=True)
+class Tool:
+    name: str
+    """The name the model calls it by (the function's __name__)."""
+    fn: Callable
+    """The function itself."""
+    schema: dict
+    """Its JSON schema ({"type": "function", "function": {...}}), as chat templates take it."""
+
+
+def load_tools(specs: tuple[str, ...]) -> dict[str, Tool]:
+    """rollout.tools -> {name: Tool}; UserError naming the entry when it does not import, is not a function, has no
+    usable signature (type hints + docstring with Args), or repeats another tool's name."""
+    from transformers.utils import get_json_schema
+
+    tools: dict[str, Tool] = {}
+    for spec in specs:
+        fn = load_callable(spec, "rollout.tools entry")
+        try:
+            schema = get_json_schema(fn)
+        except Exception as e:  # noqa: BLE001 - transformers raises several types for a signature it cannot read
+            raise UserError(
+                f"rollout.tools entry '{spec}': no usable signature for a tool schema ({type(e).__name__}: {e}); "
+                "give every parameter a type hint and the docstring a description and an 'Args:' line per parameter"
+            ) from None
+        name = schema["function"]["name"]
+        if name in tools:
+            raise UserError(f"rollout.tools entry '{spec}': a tool named '{name}' is already listed; rename one")
+        tools[name] = Tool(name, fn, schema)
+    return tools
+
+
+@dataclass(frozen=True)
+class ToolResult:
+    content: str
+    """What the model reads in the tool message."""
+    error: bool
+    """The call failed: unknown tool, bad arguments, an exception, a crash or a timeout."""
+    timed_out: bool
+    """The call ran past rollout.tool_timeout and its process was killed."""
+    seconds: float
+    """Wall time of the call."""
+
+
+def _render(result: Any) -> str:
+    if isinstance(result, str):
+        return result
+    try:
+        return json.dumps(result)
+    except (TypeError, ValueError):
+        return str(result)
+
+
+def _child(fn: Callable, arguments: dict, limit: int, conn) -> None:
+    """In the forked process: call, render, cut, send back (ok, text). Only the capped text crosses the pipe."""
+    try:
+        text, ok = _render(fn(**arguments)), True
+    except BaseException as e:  # noqa: BLE001 - whatever the tool raises is the model's to read
+        text, ok = f"{type(e).__name__}: {e}", False
+    conn.send((ok, text[:limit]))
+    conn.close()
+
+
+class ToolRunner:
+    """Runs tool calls, several at once, each in a forked process with a deadline and an output cap."""
+
+    def __init__(self, tools: dict[str, Tool], timeout: float, max_output_chars: int, workers: int):
+        self.tools, self.timeout, self.limit, self.workers = tools, timeout, max_output_chars, workers
+        self._context = multiprocessing.get_context("fork")  # the child inherits the tools: no pickling, no import
+
+    def run(self, calls: list[dict]) -> list[ToolResult]:
+        """One result per call ({"name", "arguments"}), in order; at most `workers` processes at a time."""
+        results: list[ToolResult] = []
+        for start in range(0, len(calls), self.workers):
+            results += self._run_together(calls[start : start + self.workers])
+        return results
+
+    def _run_together(self, calls: list[dict]) -> list[ToolResult]:
+        started = time.perf_counter()
+        running: list[Any] = []
+        for call in calls:
+            tool = self.tools.get(call.get("name"))
+            arguments = call.get("arguments")
+            if tool is None:
+                running.append(f"unknown tool {call.get('name')!r}; the tools are: {', '.join(self.tools)}")
+            elif not isinstance(arguments, dict):
+                running.append(f"the arguments of {tool.name} must be a JSON object, got {type(arguments).__name__}")
+            else:
+                receive, send = self._context.Pipe(duplex=False)
+                process = self._context.Process(target=_child, args=(tool.fn, arguments, self.limit, send), daemon=True)
+                process.start()
+                send.close()
+                running.append((process, receive))
+        deadline = started + self.timeout
+        results = []
+        for item in running:
+            if isinstance(item, str):
+                results.append(ToolResult(f"Error: {item}"[: self.limit], True, False, 0.0))
+                continue
+            process, receive = item
+            results.append(self._collect(process, receive, deadline, started))
+        return results
+
+    def _collect(self, process, receive, deadline: float, started: float) -> ToolResult:
+        try:
+            if receive.poll(max(0.0, deadline - time.perf_counter())):
+                ok, text = receive.recv()
+                process.join(timeout=1.0)
+                return ToolResult(text if ok else f"Error: {text}"[: self.limit], not ok, False,
+                                  time.perf_counter() - started)
+            timed_out = process.is_alive()
+            message = (f"Error: the tool did not return within {self.timeout:g}s" if timed_out
+                       else f"Error: the tool's process died (exit code {process.exitcode})")
+            return ToolResult(message, True, timed_out, time.perf_counter() - started)
+        except EOFError:  # the child died after the poll said data or end of file was there
+            process.join(timeout=1.0)
+            return ToolResult(f"Error: the tool's process died (exit code {process.exitcode})", True, False,
+                              time.perf_counter() - started)
+        finally:
+            if process.is_alive():
+                process.kill()
+                process.join()
+            receive.close()

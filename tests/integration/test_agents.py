@@ -1,0 +1,142 @@
+"""Multi-turn GRPO end to end with the hf engine on the tiny model: tools and an environment over several turns,
+the agent metrics, and an exact resume.
+
+A random tiny model never writes a well-formed tool call, so `every_turn_calls` (a custom rollout.tool_parser)
+reads each turn as a calculator call; rollout.max_turn_tokens ends its turns. Everything else is the real path:
+forked tool processes, the template's delta tokens, the environment, rewards over the trajectory.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from posttrain.tasks import write_example_data
+from tests.integration.helpers import assert_resume_is_exact, final_weights, metrics, run_cli, run_overrides
+
+HERE = "tests.integration.test_agents"
+
+
+def calculator(expression: str) -> str:
+    """Evaluate an arithmetic expression.
+
+    Args:
+        expression: For example "2 + 3".
+    """
+    return str(eval(expression, {"__builtins__": {}}))  # noqa: S307 - digits and operators only in these tests
+
+
+def every_turn_calls(text: str) -> list[dict]:
+    """Reads any turn as a call of the calculator on the number of characters + 1."""
+    return [{"name": "calculator", "arguments": {"expression": f"{len(text)} + 1"}}]
+
+
+class Echo:
+    """Answers each turn with its length; rewards a turn by its length (so a group's rewards differ)."""
+
+    def reset(self, row: dict) -> list[dict]:
+        return list(row["prompt"])
+
+    def step(self, message: dict) -> tuple[list[dict], float, bool]:
+        return [{"role": "user", "content": f"{len(message['content'])} characters"}], len(message["content"]) / 50, False
+
+
+def length_reward(prompts, completions, trajectory, **columns):
+    """The last turn's length (the whole conversation comes in the trajectory column)."""
+    assert all(any(m["role"] == "assistant" for m in t) for t in trajectory)
+    return [len(c) / 40.0 for c in completions]
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    return write_example_data(tmp_path_factory.mktemp("data"), n_train=16, n_eval=2)
+
+
+def base(tiny_model_dir, data, out, *extra):
+    return run_overrides(tiny_model_dir, data["prompts_train"], out, "train.max_steps=2",
+                         "train.per_device_train_batch_size=4", "generation.max_completion_length=96",
+                         "algo.num_generations=2", f"rewards=[{{name: '{HERE}:length_reward'}}]",
+                         f"rollout.tools=['{HERE}:calculator']", f"rollout.tool_parser={HERE}:every_turn_calls",
+                         f"rollout.environment={HERE}:Echo", "rollout.max_turns=3", "rollout.max_turn_tokens=4",
+                         "data.max_length=512", *extra, learning_rate="1e-3")
+
+
+def test_multi_turn_grpo_trains_on_the_models_tokens(tiny_model_dir, data, tmp_path, monkeypatch):
+    from posttrain.train.rollout_source import RolloutSource
+
+    built = []
+    real = RolloutSource._micro_batches
+    monkeypatch.setattr(RolloutSource, "_micro_batches",
+                        lambda self, *a: built.append((a[1], a[6], real(self, *a))) or built[-1][2])
+    out = tmp_path / "run"
+    assert run_cli("grpo", *base(tiny_model_dir, data, out, f"data.eval={data['prompts_eval']}")) == 0
+    rows = [r for r in metrics(out) if "loss" in r]
+    assert [r["step"] for r in rows] == [1, 2]
+    evals = [r for r in metrics(out) if "eval/reward" in r]  # held-out: whole trajectories, greedy
+    assert evals and all(0 <= r["eval/accuracy"] <= 1 and r["eval/completion_length"] > 4 for r in evals)
+    for r in rows:
+        assert torch.isfinite(torch.tensor(r["loss"]))
+        # 4 trajectories a step, 3 turns each (nothing ends them sooner), a call after each of the first two
+        assert (r["turns/mean"], r["turns/max"], r["tools/calls"], r["tools/errors"]) == (3, 3, 8, 0)
+        assert r["tools/timeouts"] == 0 and r["tools/seconds"] > 0 and r["truncated_trajectories"] == 0
+        assert "rewards/environment/mean" in r and "rewards/length_reward/mean" in r
+        assert 0 < r["completion_length/mean"] <= 96
+    # the batches train exactly the model's tokens: each row's mask, after its prompt, is the trajectory's
+    assert len(built) == 2
+    for completion_ids, masks, batches in built:
+        rows = [(b.input_ids_BT[r], b.completion_mask_BT[r]) for b in batches for r in range(b.num_sequences)]
+        for (ids_T, mask_T), completion, mask in zip(rows, completion_ids, masks):
+            prompt = int(mask_T.nonzero()[0]) - mask.index(1)
+            assert ids_T[prompt : prompt + len(completion)].tolist() == completion
+            assert mask_T[prompt : prompt + len(mask)].int().tolist() == mask and mask_T.sum() == sum(mask)
+            assert 0 < sum(mask) < len(mask)  # tool and environment tokens sit between the model's turns
+    initial = load_file(str(next(tiny_model_dir.glob("*.safetensors"))))
+    trained = final_weights(out)
+    assert [k for k in initial if torch.equal(initial[k], trained[k])] == []
+    samples = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
+    assert samples and all(len(s["completion"]) <= 4 * 8 for s in samples)  # the last turn: at most 4 tokens
+
+
+def test_budget_truncates_and_mask_truncated_completions_applies(tiny_model_dir, data, tmp_path):
+    out = tmp_path / "run"
+    assert run_cli("grpo", *base(tiny_model_dir, data, out, "generation.max_completion_length=12",
+                                 "algo.mask_truncated_completions=true", "train.max_steps=1")) == 0
+    [r] = metrics(out)
+    assert r["truncated_trajectories"] == 4 and r["truncated_fraction"] == 1.0
+    assert r["loss"] == 0.0  # every trajectory is left out of the loss
+
+
+def test_resume_continues_exactly(tiny_model_dir, data, tmp_path):
+    common = ["train.max_steps=3", "train.save_steps=1"]
+    assert_resume_is_exact("grpo", lambda out, *extra: base(tiny_model_dir, data, out, *extra), tmp_path, common,
+                           stop_after=2, steps=3)
+
+
+def test_multi_turn_ppo_values_and_advantages_on_the_models_tokens(tiny_model_dir, data, tmp_path):
+    out = tmp_path / "run"
+    assert run_cli("ppo", *base(tiny_model_dir, data, out, "algo.ppo_epochs=1")) == 0
+    rows = metrics(out)
+    assert [r["step"] for r in rows] == [1, 2]
+    for r in rows:
+        for key in ("loss", "loss/critic", "values/mean", "returns/mean", "rewards/environment/mean"):
+            assert torch.isfinite(torch.tensor(r[key])), (key, r)
+        assert (r["turns/mean"], r["tools/calls"]) == (3, 8)
+
+
+@pytest.mark.parametrize("override, message", [
+    ("rollout.tools=['no_such_module_q:f']", "rollout.tools entry 'no_such_module_q:f': cannot import module"),
+    ("rollout.max_turns=0", "rollout.max_turns must be > 0"),
+    ("rollout.environment=tests.integration.test_agents:calculator", "rollout.environment"),
+])
+def test_bad_rollout_input_exits_2_before_loading(tiny_model_dir, data, tmp_path, capsys, monkeypatch, override,
+                                                  message):
+    import posttrain.models.load as load
+
+    monkeypatch.setattr(load, "load_causal_lm", lambda *a, **k: pytest.fail("a model was loaded"))
+    out = tmp_path / "run"
+    assert run_cli("grpo", *base(tiny_model_dir, data, out, override)) == 2
+    assert message in capsys.readouterr().err
+    assert not (out / "config.yaml").exists()
