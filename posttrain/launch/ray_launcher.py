@@ -81,8 +81,7 @@ def run_on_ray(command: str, recipe: Recipe) -> int:
     roles = roles_needed(algorithm, recipe)
     recipe = absolute_paths(recipe)  # a relative path means the same in every actor, on every node
     address = recipe.placement.address or os.environ.get("RAY_ADDRESS") or None
-    local = {} if address else {"_node_ip_address": "127.0.0.1"}  # a cluster of its own listens on loopback only
-    ray.init(address=address, include_dashboard=False, configure_logging=False, log_to_driver=True, **local)
+    ray.init(**init_options(address))
     actors: list = []
     engines = Engines()
     try:
@@ -120,6 +119,12 @@ def run_on_ray(command: str, recipe: Recipe) -> int:
             except Exception:
                 pass
         ray.shutdown()
+
+
+def init_options(address: str | None) -> dict[str, Any]:
+    """ray.init's options: join the cluster at `address`, or start one for the run that listens on 127.0.0.1 only."""
+    local = {} if address else {"_node_ip_address": "127.0.0.1"}
+    return dict(address=address, include_dashboard=False, configure_logging=False, log_to_driver=True, **local)
 
 
 def check_built(units, recipe: Recipe) -> None:

@@ -41,3 +41,10 @@ def test_workers_get_only_the_secrets_the_run_needs(tmp_path):
     got = worker_env(env, hub)
     assert got["HF_TOKEN"] == "hf_secret" and got["WANDB_API_KEY"] == "w_secret"  # a hub model; W&B reporting
     assert "AWS_SECRET_ACCESS_KEY" not in got and "PATH" not in got and "POSTTRAIN_SERVER_TOKEN" not in got
+
+
+def test_a_cluster_started_for_the_run_listens_on_loopback():
+    from posttrain.launch.ray_launcher import init_options
+
+    assert init_options(None)["_node_ip_address"] == "127.0.0.1"
+    assert "_node_ip_address" not in init_options("10.0.0.1:6379")  # an existing cluster keeps its own addresses
