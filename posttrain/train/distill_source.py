@@ -69,7 +69,7 @@ class DistillSource(RolloutSource):
         positions = [p for micro in self.data.step_positions(step) for p in micro]
         indices = [self.data.order.index(p) for p in positions]
         prompts = [{"prompt_ids": prompt_ids(self.examples[i])} for i in indices]
-        prompt_rows, completion_ids, _, _ = self._sample(prompts, positions)
+        prompt_rows, completion_ids, _, _, _ = self._sample(prompts, positions)
         self.engine.sleep()
         rows = [{"input_ids": p + c, "completion_mask": [0] * len(p) + [1] * len(c)}
                 for p, c in zip(prompt_rows, completion_ids)]
