@@ -207,6 +207,7 @@ def command_line_overrides(overrides: list[str], trl_flags: dict, algo_cls: type
 def checked_override(item: str, typed: str, algo_cls: type) -> str:
     """`item` if it builds alone; else the same word quoted where that builds (a string key given no/yes/null);
     else the error, naming the command line and what was typed."""
+    from posttrain.config.legacy import upgrade
     from posttrain.config.load import apply_override, build
     from posttrain.config.schema import Recipe
     from posttrain.errors import UserError
@@ -214,6 +215,7 @@ def checked_override(item: str, typed: str, algo_cls: type) -> str:
     def check(text: str) -> None:
         raw: dict = {}
         apply_override(raw, text)
+        upgrade(raw, say=False)  # an earlier release's spelling is read as today's key (said once, by load_recipe)
         build(Recipe, {**raw, "algo": raw.get("algo", {})}, f"command line '{typed}'", "", algo_cls)
 
     try:

@@ -29,9 +29,9 @@ def _set_placement(generation: dict, value: str, old: str) -> None:
     generation["placement"] = value
 
 
-def upgrade(raw: dict[str, Any]) -> list[str]:
+def upgrade(raw: dict[str, Any], say: bool = True) -> list[str]:
     """Rewrite earlier spellings in `raw` (the recipe mapping, overrides applied) in place; returns what was
-    rewritten, one line each."""
+    rewritten, one line each (printed on rank 0 when `say`)."""
     notes = []
     generation = raw.get("generation")
     if isinstance(generation, dict):
@@ -63,7 +63,7 @@ def upgrade(raw: dict[str, Any]) -> list[str]:
             if generation.get("engine", "hf") == "hf":
                 generation["engine"] = "vllm"
             notes.append("placement.generation.num_engines > 0 now goes with generation.placement=ray")
-    if notes and os.environ.get("RANK", "0") == "0":
+    if say and notes and os.environ.get("RANK", "0") == "0":
         for note in notes:
             print(f"posttrain: note: {note} (the recipe is read that way)", file=sys.stderr, flush=True)
     return notes

@@ -243,3 +243,14 @@ def test_serve_reads_its_token_from_a_file_or_the_environment_not_the_command_li
         read_token(serve_args(token_file=str(tmp_path / "empty")))
     with pytest.raises(UserError, match="--token-file .*missing: cannot read it"):
         read_token(serve_args(token_file=str(tmp_path / "missing")))
+
+
+def test_earlier_spellings_pass_the_command_lines_own_check():
+    """The CLI checks each override on its own before the recipe is loaded: an earlier spelling passes there too."""
+    from posttrain.algorithms.grpo import GRPOAlgoConfig
+    from posttrain.cli import command_line_overrides
+
+    typed = ["generation.vllm.placement=node", "generation.engine=server", "generation.request_timeout=5"]
+    assert command_line_overrides(typed, {}, GRPOAlgoConfig) == typed
+    with pytest.raises(UserError, match="command line 'generation.vllm.placment=node'"):
+        command_line_overrides(["generation.vllm.placment=node"], {}, GRPOAlgoConfig)
