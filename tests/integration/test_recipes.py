@@ -3,7 +3,7 @@ run in order from a fresh copy of the repository's recipes/ and examples/ per re
 own, and a header and its recipe cannot drift apart).
 
 The commands run as typed, with a few overrides appended to keep them cheap (one or two steps, no eval, no report)
-and `make-tiny-model` answered by the session's tiny model (the same default shape a user gets). vLLM and Ray commands
+and `make-tiny-model --out tiny/` answered by the session's tiny model (the same default shape a user gets). vLLM and Ray commands
 run in a subprocess (one vLLM engine, one Ray driver per process) where those extras are installed, as in CI;
 `posttrain serve` lines are answered by the session's `vllm_server`. Multi-process launch lines (`accelerate launch`,
 `torchrun`), GPU lines and lines for a cluster that is not there (`placement.address=<head>:6379`) are left to
@@ -72,8 +72,8 @@ class Workdir:
         if any(mark in line for mark in LEFT_TO_DISTRIBUTED) or line.startswith("export "):
             return None
         argv = shlex.split(line, comments=True)
-        if argv[:2] == ["posttrain", "make-tiny-model"]:
-            return 0  # tiny/ is the session's model of the same default shape
+        if argv[:2] == ["posttrain", "make-tiny-model"] and argv[2:] in (["--out", "tiny/"], ["--out", "tiny"]):
+            return 0  # tiny/ is the session's model of the same default shape (another one is made as typed)
         if argv[:2] == ["posttrain", "serve"]:
             if server is None:
                 pytest.skip("vLLM is not installed (make setup EXTRAS=dev,vllm)")
