@@ -4,6 +4,8 @@ time: the launcher's callers work without the ray extra until a Ray run is asked
 
 from __future__ import annotations
 
+import re
+
 from posttrain.errors import UserError
 from posttrain.launch.ray_placement import Plan, RankSlot
 
@@ -51,4 +53,4 @@ def rank_env(slot: RankSlot, world_size: int, num_nodes: int, master_addr: str, 
 def last_line(message: str) -> str:
     """Ray's actor-death message without its generic advice: what happened and the worker's exit detail."""
     text = " ".join(line.strip() for line in message.splitlines() if line.strip())
-    return text.split(" Some common causes", 1)[0]
+    return re.split(r"\s*Some common causes", text, maxsplit=1)[0]

@@ -196,6 +196,8 @@ def wait_for_ranks(ray, futures: dict, plan: Plan) -> int:
         print(f"posttrain: stopped ({where}): {cause['error']}", file=sys.stderr, flush=True)
         return cause["code"]
     what = "its actor died" if cause.get("died") else "it failed"
+    if cause.get("died"):  # Ray's generic advice is cut whichever way the death was reported
+        cause = {**cause, "error": last_line(cause["error"])}
     print(f"posttrain: error: {where}: {what}: {cause['error'].rstrip()}\nThe other ranks were stopped. Checkpoints "
           "already saved are complete; continue with train.resume_from_checkpoint=auto", file=sys.stderr, flush=True)
     return cause["code"] or 1
