@@ -11,11 +11,13 @@ setup:
 demo: setup
 	.venv/bin/posttrain demo
 
+# the 2-process tests one at a time, then the rest on two workers (tests/conftest.py keeps vLLM and Ray on one)
 test: setup
-	.venv/bin/python -m pytest tests -q
+	.venv/bin/python -m pytest tests/distributed -q; first=$$?; \
+	.venv/bin/python -m pytest tests -q --ignore=tests/distributed -n 2 --dist loadgroup; exit $$(( first || $$? ))
 
 test-fast: setup
-	.venv/bin/python -m pytest tests -q -m "not distributed"
+	.venv/bin/python -m pytest tests -q --ignore=tests/distributed -n 2 --dist loadgroup
 
 test-distributed: setup
 	.venv/bin/python -m pytest tests -q -m distributed

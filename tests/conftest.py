@@ -9,6 +9,19 @@ import pytest
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+# `make test` runs the tests outside tests/distributed on two pytest-xdist workers (--dist loadgroup). Whatever
+# starts vLLM or Ray stays on ONE worker, one after another: one vLLM server per session, and a vLLM engine beside
+# a Ray cluster starves the cluster's actors on two cores.
+_ONE_WORKER_MODULES = {"test_recipes.py", "test_rollout_contract.py", "test_ray_engines.py", "test_reliability.py",
+                       "test_server.py", "test_distill_server.py", "test_grpo_vllm.py"}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if (item.path.name in _ONE_WORKER_MODULES or "vllm_server" in getattr(item, "fixturenames", ())
+                or item.get_closest_marker("vllm") or item.get_closest_marker("ray")):
+            item.add_marker(pytest.mark.xdist_group("engines"))
+
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):

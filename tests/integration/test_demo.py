@@ -34,6 +34,7 @@ def test_quick_demo_writes_reports_and_results(tmp_path):
     assert "<th>eval/accuracy</th>" in (out / "grpo" / "report.html").read_text()
 
 
+@pytest.mark.timeout(1800)
 def test_full_demo_raises_held_out_accuracy(tmp_path):
     """The demo's claims, on its own 200 held-out problems (about 6 minutes on 2 cores): DPO raises the policy's
     preference for the right sum, and GRPO and PPO raise exact match above the SFT model they start from. The margins

@@ -69,10 +69,14 @@ def server_engine(model_dir, tokenizer=None, server=None, **kwargs) -> Generatio
 
     key = (str(model_dir), server.url)
     if key not in _SERVER:
-        generation = GenerationConfig(engine="server", servers=(server.url,), request_timeout_s=120)
+        generation = GenerationConfig(engine="server", servers=(server.url,), request_timeout_s=120, sync_timeout_s=120)
         engine = ServerEngine(generation, AutoTokenizer.from_pretrained(model_dir), sends_weights=True)
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-        engine.load_weights((u.name, u.compute([p.data for p in u.params])) for u in sync_units(model))
+        try:
+            engine.load_weights((u.name, u.compute([p.data for p in u.params])) for u in sync_units(model))
+        except Exception as e:  # what the server said is the diagnosis
+            raise RuntimeError(f"the sync to the session's server failed; its log ends:\n"
+                               f"{server.log.read_text()[-4000:]}") from e
         engine.version = 0
         _SERVER[key] = engine
     engine = copy.copy(_SERVER[key])
