@@ -144,6 +144,19 @@ class WeightSyncExtension:
         return {"vocab_size": int(config.vocab_size), "rank": int(self.rank),
                 "world_size": int(self.parallel_config.world_size)}
 
+    def posttrain_end_abandoned_update(self) -> bool:
+        """End a weight update its trainer never finished (killed, or cut off, between /start_weight_update and
+        /finish_weight_update): vLLM refuses every later start until it ends, so the next trainer ends it before
+        its first sync, which then replaces whatever half of the weights arrived. True when there was one."""
+        if not getattr(self, "_weight_update_active", False):
+            return False
+        try:
+            self.weight_transfer_engine.finish_weight_update()
+        finally:
+            self._weight_update_active = False
+            self.weight_transfer_engine.reset_weight_update_target()
+        return True
+
     def posttrain_digests(self) -> dict:
         """SHA-256 per tensor of the last sync this worker received (empty before the first; POSTTRAIN_SYNC_DIGESTS=1
         in the server's environment)."""

@@ -16,12 +16,15 @@ phase; the gloo group has the sync deadline too, so a server that stops in the m
 
 from __future__ import annotations
 
+import logging
 import threading
 from dataclasses import dataclass
 from typing import ClassVar, Iterable, Optional
 
 from posttrain.errors import RunStopped
 from posttrain.rollout.http import ServerUnavailable, call
+
+logger = logging.getLogger(__name__)
 
 BACKEND = "gloo-posttrain"
 
@@ -48,6 +51,19 @@ class ServersClient:
             self.offsets.append(offset)
             offset += size
         return offset - 1
+
+    def end_abandoned_updates(self) -> None:
+        """Before this trainer's first sync: a server left inside a weight update by a trainer that died mid-sync
+        ends it (posttrain serve's worker extension; a stock server has none and is left as it is)."""
+        for url in self.servers:
+            try:
+                ended = call(url, "/collective_rpc", {"method": "posttrain_end_abandoned_update"},
+                             timeout=self.sync_timeout, token=self.token)
+            except ServerUnavailable:
+                continue
+            if isinstance(ended, dict) and any(ended.get("results") or ()):
+                logger.warning("%s was still inside a weight update that an earlier trainer never finished; ended it "
+                               "(this trainer's first sync replaces the weights)", self.name(url))
 
     def init_weight_transfer_engine(self, init_info: dict) -> None:
         bodies = [{"init_info": {**init_info, "rank_offset": offset}} for offset in self.offsets]
@@ -119,6 +135,7 @@ class GlooTrainerEngine:
         store = SyncStore(init_info.addr, init_info.world_size, init_info.timeout_s)
         worker_info = {"addr": init_info.addr, "port": store.port, "key": store.key,
                        "world_size": init_info.world_size, "timeout_s": init_info.timeout_s}
+        client.end_abandoned_updates()
         joining = Background(client.init_weight_transfer_engine, worker_info)
         try:
             group = open_sync_group(init_info.addr, store.port, 0, init_info.world_size, init_info.timeout_s,

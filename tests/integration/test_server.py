@@ -209,6 +209,28 @@ def test_a_server_dying_mid_run_stops_the_run_naming_it(vllm_server, data, tmp_p
     assert took < 2 * 20 + 15, took  # (retries + 1) x request_timeout_s, + backoff
 
 
+def test_an_update_a_dead_trainer_left_open_is_ended_by_the_next_trainer(vllm_server):
+    """A trainer killed between /start_weight_update and /finish_weight_update (the test above can do it) leaves the
+    server inside the update, and vLLM refuses every later start: the next trainer ends it, then syncs whole."""
+    from posttrain.config.schema import GenerationConfig
+    from posttrain.distributed.weight_sync import sync_units
+    from posttrain.rollout.http import ServerUnavailable
+    from posttrain.rollout.server import ServerEngine, call
+    from posttrain.rollout.server_worker import tensor_digest
+
+    call(vllm_server.url, "/start_weight_update", {})  # what the dead trainer did last
+    with pytest.raises(ServerUnavailable, match="already active"):
+        call(vllm_server.url, "/start_weight_update", {})
+    model = AutoModelForCausalLM.from_pretrained(vllm_server.model_dir, dtype=torch.float32)
+    engine = ServerEngine(GenerationConfig(engine="vllm", placement="servers", servers=(vllm_server.url,),
+                                           sync_timeout_s=120), AutoTokenizer.from_pretrained(vllm_server.model_dir),
+                          sends_weights=True)
+    pairs = [(u.name, u.compute([p.data for p in u.params])) for u in sync_units(model)]
+    engine.load_weights(iter(pairs))
+    held = call(vllm_server.url, "/collective_rpc", {"method": "posttrain_digests"})["results"][0]
+    assert held == {name: tensor_digest(t) for name, t in pairs}
+
+
 @pytest.fixture
 def other_vocabulary_model(vllm_server, tmp_path):
     """The server's model with 100 more rows in its (tied) embedding: a real model directory of another vocabulary."""
