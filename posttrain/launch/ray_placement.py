@@ -6,8 +6,8 @@
     plan = fit(units, nodes, placement)                          # UserError (exit 2) saying what is short
     print(placement_table(plan))                                 # role | node | GPUs | colocated with
 
-Nothing here imports ray at module level (node_options does when called): the same functions check a placement for `posttrain plan`, unit tests and the launcher.
-A *unit* is what shares GPUs: a `colocate` group, or one role alone. Each unit needs `num_nodes` distinct nodes with
+Nothing here imports ray at module level (node_options does when called): `posttrain plan`, tests and the launcher
+check a placement with the same functions. A *unit* is what shares GPUs: a `colocate` group, or one role alone. Each unit needs `num_nodes` distinct nodes with
 `num_gpus_per_node` GPUs (and `cpus_per_worker` CPUs per worker) free on each; colocated roles share those GPUs in
 `gpu_fraction` shares. With `gpu_resource: none` a worker takes CPUs only.
 """
@@ -67,9 +67,6 @@ class Plan:
     engine_gpus: int = 0
     gpu_resource: str = "GPU"
     cpus_per_worker: int = 1
-
-    def unit_of(self, role: str) -> PlacedUnit:
-        return next(p for p in self.units if role in p.unit.roles)
 
 
 def uses_gpus(placement: PlacementConfig) -> bool:
@@ -159,32 +156,23 @@ def fit(units: list[Unit], nodes: list[Node], placement: PlacementConfig) -> Pla
     Units go in order (the policy's first), each on the nodes with the most GPUs free, then the most CPUs."""
     gpu = uses_gpus(placement)
     free = {n.node_id: [n.gpus if gpu else 0.0, n.cpus] for n in nodes}
-    placed = []
-    for unit in units:
-        need_gpus = unit.workers_per_node if gpu else 0
-        need_cpus = unit.workers_per_node * placement.cpus_per_worker
+
+    def take(what: str, num_nodes: int, per_node: int, need_gpus: float, need_cpus: float) -> tuple[Node, ...]:
         fitting = [n for n in nodes if free[n.node_id][0] + EPS >= need_gpus and free[n.node_id][1] + EPS >= need_cpus]
-        fitting.sort(key=lambda n: (-free[n.node_id][0], -free[n.node_id][1]))
-        if len(fitting) < unit.num_nodes:
-            raise UserError(short_message(unit.name, unit.num_nodes, unit.workers_per_node, need_gpus, need_cpus,
-                                          len(fitting), nodes, free, placement))
-        chosen = tuple(fitting[:unit.num_nodes])
-        for n in chosen:
+        fitting.sort(key=lambda n: (-free[n.node_id][0], -free[n.node_id][1]))  # stable: ties keep the nodes' order
+        if len(fitting) < num_nodes:
+            raise UserError(short_message(what, num_nodes, per_node, need_gpus, need_cpus, len(fitting), nodes, free,
+                                          placement))
+        for n in fitting[:num_nodes]:
             free[n.node_id][0] -= need_gpus
             free[n.node_id][1] -= need_cpus
-        placed.append(PlacedUnit(unit, chosen))
-    engines = []
-    tp = placement.generation.tensor_parallel_size
-    for i in range(placement.generation.num_engines):
-        need_gpus, need_cpus = (tp if gpu else 0), placement.cpus_per_worker
-        fitting = [n for n in nodes if free[n.node_id][0] + EPS >= need_gpus and free[n.node_id][1] + EPS >= need_cpus]
-        if not fitting:
-            raise UserError(short_message(f"generation engine {i + 1} of {placement.generation.num_engines}", 1, 1,
-                                          need_gpus, need_cpus, 0, nodes, free, placement))
-        best = max(fitting, key=lambda n: (free[n.node_id][0], free[n.node_id][1]))
-        free[best.node_id][0] -= need_gpus
-        free[best.node_id][1] -= need_cpus
-        engines.append(best)
+        return tuple(fitting[:num_nodes])
+
+    placed = [PlacedUnit(u, take(u.name, u.num_nodes, u.workers_per_node, u.workers_per_node if gpu else 0,
+                                 u.workers_per_node * placement.cpus_per_worker)) for u in units]
+    tp, count = placement.generation.tensor_parallel_size, placement.generation.num_engines
+    engines = [take(f"generation engine {i + 1} of {count}", 1, 1, tp if gpu else 0, placement.cpus_per_worker)[0]
+               for i in range(count)]
     return Plan(tuple(placed), tuple(engines), tp if gpu else 0, placement.gpu_resource, placement.cpus_per_worker)
 
 
