@@ -50,6 +50,15 @@ def rank_env(slot: RankSlot, world_size: int, num_nodes: int, master_addr: str, 
             "GROUP_WORLD_SIZE": str(num_nodes), "MASTER_ADDR": master_addr, "MASTER_PORT": str(master_port)}
 
 
+def kill_all(ray, actors: list) -> None:
+    """Kill every actor, best effort (one already gone is no error)."""
+    for actor in actors:
+        try:
+            ray.kill(actor)
+        except Exception:
+            pass
+
+
 def last_line(message: str) -> str:
     """Ray's actor-death message without its generic advice: what happened and the worker's exit detail."""
     text = " ".join(line.strip() for line in message.splitlines() if line.strip())
