@@ -33,13 +33,10 @@ class DataFormat:
 
     def columns(self) -> tuple[str, ...]:
         """The columns this format reads."""
-        if self.kind == "language_modeling":
-            return ("messages",) if self.conversational else ("text",)
-        if self.kind == "prompt_completion":
-            return ("prompt", "completion")
-        if self.kind == "prompt_only":
-            return ("prompt",)
-        return ("chosen", "rejected") if self.implicit_prompt else ("prompt", "chosen", "rejected")
+        return {"language_modeling": ("messages",) if self.conversational else ("text",),
+                "prompt_completion": ("prompt", "completion"), "prompt_only": ("prompt",),
+                "preference": ("chosen", "rejected") if self.implicit_prompt else ("prompt", "chosen", "rejected")
+                }[self.kind]
 
 
 def detect_format(dataset: datasets.Dataset, what: str = "data.train") -> DataFormat:
@@ -81,15 +78,11 @@ def _check_value(value, conversational: bool, where: str, like: str) -> None:
             raise UserError(f"{where} must be a string{like}, got {got}")
         return
     if not isinstance(value, list):
-        raise UserError(
-            f"{where} must be a list of messages ({{'role': ..., 'content': ...}}){like}, got "
-            f"{type(value).__name__} {value!r:.40}"
-        )
+        raise UserError(f"{where} must be a list of messages ({{'role': ..., 'content': ...}}){like}, got "
+                        f"{type(value).__name__} {value!r:.40}")
     for j, message in enumerate(value):
         if not isinstance(message, dict) or not isinstance(message.get("role"), str) or not message["role"]:
-            raise UserError(
-                f"{where} message {j} needs a 'role' string; each message is {{'role': ..., 'content': ...}}"
-            )
+            raise UserError(f"{where} message {j} needs a 'role' string; each message is {{'role': ..., 'content': ...}}")
         content = message.get("content")
         if not (isinstance(content, (str, list)) or (content is None and message.get("tool_calls"))):
             raise UserError(f"{where} message {j} needs 'content' (a string), got {content!r:.40}")

@@ -148,10 +148,8 @@ def _from_records(records: list[tuple[str, dict]], path: Path, what: str) -> dat
                 if first is None:
                     first = shape
                 elif shape != first:
-                    raise UserError(
-                        f"{what}: {path} {where}: column {column!r} holds {shape} where earlier rows hold "
-                        f"{first}; every row must use the same type per column"
-                    ) from None
+                    raise UserError(f"{what}: {path} {where}: column {column!r} holds {shape} where earlier rows "
+                                    f"hold {first}; every row must use the same type per column") from None
         raise UserError(f"{what}: could not build a dataset from {path}: {e}") from None
 
 
@@ -159,14 +157,9 @@ def _shape(value) -> str:
     """A coarse type name for comparing rows: 'string', 'number', 'list of object', ..."""
     if value is None:
         return "null"
-    if isinstance(value, bool):
-        return "boolean"
-    if isinstance(value, (int, float)):
-        return "number"
-    if isinstance(value, str):
-        return "string"
-    if isinstance(value, dict):
-        return "object"
+    for kinds, name in ((bool, "boolean"), ((int, float), "number"), (str, "string"), (dict, "object")):
+        if isinstance(value, kinds):  # bool first: it is an int too
+            return name
     if isinstance(value, list):
         inner = sorted({_shape(v) for v in value} - {"null"})
         return "list of " + (" or ".join(inner) if inner else "nothing")
@@ -188,10 +181,8 @@ def _read_hub(name: str, split: str, what: str) -> datasets.Dataset:
     try:
         rows = datasets.load_dataset(name, split=split)
     except (OSError, ValueError) as e:  # not found / offline (OSError subclasses), no such split (ValueError)
-        raise UserError(
-            f"{what}: {name!r} is not a local file or directory, and loading it as a hub dataset (split {split!r}) "
-            f"failed: {e}"
-        ) from None
+        raise UserError(f"{what}: {name!r} is not a local file or directory, and loading it as a hub dataset (split "
+                        f"{split!r}) failed: {e}") from None
     if not isinstance(rows, datasets.Dataset):
         raise UserError(f"{what}: {name!r} split {split!r} did not load as one table of rows")
     return rows
