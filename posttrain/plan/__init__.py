@@ -15,6 +15,9 @@ import json
 import re
 from typing import Optional
 
+import torch
+import yaml
+
 from posttrain.errors import UserError
 from posttrain.plan.estimate import ENGINES, GIB, Breakdown, estimate
 from posttrain.plan.recommend import format_table, launch_command, make_plan, to_json
@@ -39,8 +42,6 @@ def infer_algorithm(config: Optional[str], overrides: list[str]) -> str:
 
     keys = set()
     if config:
-        import yaml
-
         try:
             keys = set(((yaml.safe_load(open(config)) or {}).get("algo") or {}).keys())
         except (OSError, yaml.YAMLError, AttributeError) as e:
@@ -57,20 +58,14 @@ def infer_algorithm(config: Optional[str], overrides: list[str]) -> str:
 
 
 def detect_gpu_memory() -> Optional[int]:
-    import torch
-
-    if torch.cuda.is_available():
-        return torch.cuda.get_device_properties(0).total_memory
-    return None
+    return torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available() else None
 
 
 def engine_for(engine: str, offload: str = "none") -> str:
     """Backend.describe()'s engine / offload words -> the name in estimate.ENGINES."""
     name = {"single": "ddp", "ddp": "ddp", "deepspeed-zero1": "zero1", "deepspeed-zero2": "zero2",
             "deepspeed-zero3": "zero3", "fsdp2": "fsdp2", "fsdp1": "fsdp2"}.get(engine, "ddp")
-    if offload != "none" and name in ("zero2", "zero3"):
-        return f"{name}_offload"
-    return name
+    return f"{name}_offload" if offload != "none" and name in ("zero2", "zero3") else name
 
 
 def estimate_for_run(command: str, recipe, engine: str, offload: str, world_size: int,

@@ -186,9 +186,7 @@ def activation_elements_per_token(shape: ModelShape, gradient_checkpointing: boo
     With gradient checkpointing a layer keeps only its input (h).
     """
     h, kv, i = shape.hidden_size, shape.kv_size, shape.intermediate_size
-    if gradient_checkpointing:
-        return h
-    return 10 * h + 4 * kv + 4 * i
+    return h if gradient_checkpointing else 10 * h + 4 * kv + 4 * i
 
 
 def activation_bytes(shape: ModelShape, w: Workload) -> int:
@@ -265,19 +263,10 @@ def estimate(shape: ModelShape, w: Workload, engine: Engine, world_size: int = 1
         frozen = w.frozen_copies * _share(p * weight_bytes, n)
     gathered = 2 * shape.layer_parameters * weight_bytes if engine.shards_parameters else 0
     optimizer_step = 0 if deepspeed or not w.foreach_optimizer else _share(t, n if engine.fsdp else 1) * 4
-    return Breakdown(
-        parameters=parameters,
-        gradients=gradients,
-        gradient_buffers=buffers,
-        optimizer=optimizer,
-        frozen_copies=frozen,
-        activations=activation_bytes(shape, w),
-        logits=logits_bytes(shape, w),
-        gathered=gathered,
-        optimizer_step=optimizer_step,
-        generation=generation_bytes(shape, w, engine, n, weight_bytes),
-        vllm=int(w.vllm_fraction * gpu_bytes),
-        cpu_bytes=cpu,
-        gradients_in_forward=gradients if w.accumulation > 1 else 0,
-        autocast_copies=2 * p if w.mixed_precision and weight_bytes == 4 and not engine.fsdp and not deepspeed else 0,
-    )
+    return Breakdown(parameters=parameters, gradients=gradients, gradient_buffers=buffers, optimizer=optimizer,
+                     frozen_copies=frozen, activations=activation_bytes(shape, w), logits=logits_bytes(shape, w),
+                     gathered=gathered, optimizer_step=optimizer_step, vllm=int(w.vllm_fraction * gpu_bytes),
+                     generation=generation_bytes(shape, w, engine, n, weight_bytes), cpu_bytes=cpu,
+                     gradients_in_forward=gradients if w.accumulation > 1 else 0,
+                     autocast_copies=2 * p if w.mixed_precision and weight_bytes == 4 and not engine.fsdp
+                     and not deepspeed else 0)

@@ -72,11 +72,9 @@ def make_plan(shape: ModelShape, workload_for: WorkloadFor, per_device_batch: in
     for engine in ENGINES.values():
         breakdown = estimate(shape, workload_for(per_device_batch), engine, gpus, gpu_bytes)
         table.append(Option(engine, per_device_batch, accumulation, breakdown, fits(breakdown, gpu_bytes)))
-    recommended = None
-    for engine in ENGINES.values():
-        recommended = best_option(shape, workload_for, engine, per_device_batch, accumulation, gpus, gpu_bytes)
-        if recommended is not None:
-            break
+    options = (best_option(shape, workload_for, e, per_device_batch, accumulation, gpus, gpu_bytes)
+               for e in ENGINES.values())
+    recommended = next((o for o in options if o is not None), None)  # the fastest engine that fits
     plan = Plan(gpus, nodes, gpu_bytes, table, recommended)
     if recommended is None:
         plan.suggestions = suggestions(shape, workload_for, gpus, gpu_bytes, lora_shape, max_length)
@@ -146,8 +144,7 @@ def _gib(n: int) -> str:
 
 
 def format_table(plan: Plan) -> str:
-    head = ["engine", "fits", "peak"] + [c.replace("_copies", "").replace("gradient_", "grad_") for c in COLUMNS] + [
-        "cpu"]
+    head = ["engine", "fits", "peak", *(c.replace("_copies", "").replace("gradient_", "grad_") for c in COLUMNS), "cpu"]
     rows = [head]
     for option in plan.at_recipe_batch:
         b = option.breakdown
