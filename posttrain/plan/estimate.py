@@ -5,25 +5,11 @@
     breakdown = estimate(shape, workload, ENGINES["zero3"], world_size=8)
     breakdown.peak_bytes, breakdown.parts()                     # where the bytes go, per device
 
-The model of a step (bytes per device; P parameters, P_t trainable, N world size, s = 1/N where sharded):
-  persistent  parameters (weights dtype; ZeRO-3/FSDP2: /N), optimizer state (AdamW's two moments, plus DeepSpeed's
-              fp32 master copy under bf16/fp16; /N from ZeRO-1 on), the frozen reference / reward-model copies the
-              algorithm keeps, gradient buffers that outlive a step (DeepSpeed's partitions, /N from ZeRO-2 on;
-              DDP's buckets);
-  transient   the largest of three phases that never overlap:
-              training   activations kept for backward (per token per layer, counted from the Llama / Qwen2 forward;
-                         with gradient checkpointing one layer input per layer plus one layer recomputed), the logits
-                         and their gradient (B x T x V twice), the chunked log-softmax's float32 work rows, under
-                         ZeRO-3 / FSDP2 two layers gathered (the one computing, the one prefetched), and with
-                         accumulation > 1 the parameters' .grad of the earlier micro-batches (at accumulation 1 the
-                         peak is the start of backward: no .grad yet, and activations free as gradients appear),
-                         and under torch autocast (DDP, one process) its 16-bit copies of the fp32 weights;
-              optimizer  the .grad tensors and torch AdamW's foreach temporaries (one trainable-parameter copy;
-                         none on CPU, where AdamW steps one tensor at a time);
-              generation KV cache of every sequence of a generate call at full length, the last-position logits,
-                         and under ZeRO-3 / FSDP2 the whole model gathered for HF generate.
-Offload moves the optimizer state (and with it the fp32 gradients) or the parameters to CPU RAM (`cpu_bytes`).
-Colocated vLLM holds its share of the GPU whatever the training needs (`vllm_bytes`).
+Peak = persistent (parameters, optimizer state, frozen copies, gradient buffers that outlive a step, a colocated
+vLLM's share) + the largest of three phases that never overlap: training (activations, logits, gathered layers,
+and with accumulation > 1 the earlier micro-batches' .grad), the optimizer step (.grad and AdamW's foreach
+temporaries), generation (KV cache, last-position logits, the model gathered under ZeRO-3 / FSDP2). Offload moves
+optimizer state or parameters to CPU RAM (`cpu_bytes`). docs/planning.md has the table, part by part.
 """
 
 from __future__ import annotations

@@ -4,19 +4,11 @@
     total_B, per_function, skipped = rewards.score(prompts, completions, {"answer": answers})
     metrics = reward_metrics(per_function)          # rewards/<name>/mean, rewards/<name>/std
 
-Each function runs in its own worker thread (all at once, so slow I/O-bound verifiers overlap) and gets `timeout`
-seconds. On an exception or a timeout, on_error decides:
-- "raise": stop with a RewardError naming the function and, when re-running one sample at a time finds it, the
-  sample that fails (index, prompt and completion excerpts);
-- "skip": that function's rewards for this batch become NaN.
-NaN (skipped, or None returned for a sample) counts as 0 in the total and is counted in `skipped`; means and stds
-in the metrics leave it out. A UserError raised by a function (a missing column, say) always propagates: it is the
-recipe or the data that is wrong. Wrong-length or non-numeric output, NaN and inf are bugs in the function:
-always a RewardError naming the sample (None is the way to say "no reward for this sample"). sys.exit inside a
-function is a failure like any other (posttrain/usercode.py).
-
-Python cannot stop a thread: a function that times out keeps running in the background until it returns. The
-threads are daemons, so one stuck for good does not keep the process from exiting.
+Each function runs in its own daemon thread (all at once, so slow verifiers overlap) with `timeout` seconds; a stuck
+one runs on in the background but never keeps the process from exiting. On an exception or a timeout, on_error
+"raise" stops with a RewardError naming the function and the failing sample, "skip" makes its batch NaN. NaN (skipped,
+or None for a sample) counts as 0 in the total and in `skipped`, and is left out of the metrics. A UserError from a
+function (a missing column) always propagates; wrong-length or non-numeric output, NaN and inf are RewardErrors.
 """
 
 from __future__ import annotations
