@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
+import yaml
+
 from posttrain.errors import UserError
 from posttrain.logging import finite, parse_row, read_metrics
 from posttrain.report_charts import COLORS, LINESTYLES, Series, draw, is_constant
@@ -77,8 +79,6 @@ class Chart:
 
 
 def load_run(path: str | Path) -> Run:
-    import yaml
-
     path = Path(path)
     if not (path / "metrics.jsonl").is_file():
         raise UserError(f"{path} is not a run directory (no metrics.jsonl there); pass the output_dir of a "
@@ -86,9 +86,8 @@ def load_run(path: str | Path) -> Run:
     facts = json.loads((path / "summary.json").read_text()) if (path / "summary.json").is_file() else {}
     config = yaml.safe_load((path / "config.yaml").read_text()) if (path / "config.yaml").is_file() else {}
     rows = read_metrics(path)
-    samples = []
-    if (path / "samples.jsonl").is_file():
-        samples = [row for row in map(parse_row, (path / "samples.jsonl").read_text().splitlines()) if row]
+    samples_file = path / "samples.jsonl"
+    samples = [r for r in map(parse_row, samples_file.read_text().splitlines()) if r] if samples_file.is_file() else []
     keys = {k for r in rows for k in r}
     command = facts.get("command") or next((c for c, marker in COMMAND_MARKERS if marker in keys), "sft")
     name = ((config or {}).get("train") or {}).get("run_name") or path.resolve().name

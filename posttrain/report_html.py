@@ -9,6 +9,7 @@ import json
 
 from posttrain.logging import finite
 from posttrain.report_charts import COLORS
+from posttrain.trackers import flatten
 
 CSS = """
 body { font: 14px/1.45 -apple-system, "Segoe UI", Roboto, "Helvetica Neue", Arial, sans-serif; color: #1f2937;
@@ -122,9 +123,8 @@ def prompt_text(prompt) -> str:
 
 def spread(items: list, count: int) -> list:
     """count items spread over a list: the first, the last, and evenly between (all of them when fewer)."""
-    if len(items) <= count:
-        return items
-    return [items[i] for i in sorted({round(j * (len(items) - 1) / (count - 1)) for j in range(count)})]
+    return items if len(items) <= count else [items[i] for i in sorted({round(j * (len(items) - 1) / (count - 1))
+                                                                        for j in range(count)})]
 
 
 def samples_section(run) -> str:
@@ -178,8 +178,6 @@ def _number_cell(value, reward: bool = False) -> str:
 
 def config_section(runs) -> str:
     """What differs between the runs' recipes: the comparison a person otherwise makes by diffing config.yaml."""
-    from posttrain.trackers import flatten
-
     flat = [flatten(run.config or {}) for run in runs]
     keys = sorted({k for f in flat for k in f} - {"output_dir"})
     differing = [k for k in keys if len({json.dumps(f.get(k), default=str) for f in flat}) > 1]
