@@ -175,8 +175,7 @@ class Backend:
     def describe(self) -> dict[str, Any]:
         """The facts rank 0 prints at start: world, nodes, engine, stage, offload, precision."""
         engine = {DistributedType.NO: "single", DistributedType.MULTI_CPU: "ddp", DistributedType.MULTI_GPU: "ddp"}.get(
-            self.distributed_type, self.distributed_type.value.lower()
-        )
+            self.distributed_type, self.distributed_type.value.lower())
         offload = "none"
         if self.is_deepspeed:
             engine = f"deepspeed-zero{self.zero_stage}"
@@ -188,14 +187,8 @@ class Backend:
             plugin = self.accelerator.state.fsdp_plugin
             engine = f"fsdp{getattr(plugin, 'fsdp_version', 1)}"
             offload = "param,optimizer" if _fsdp_offloads(plugin) else "none"
-        return {
-            "world_size": self.world_size,
-            "nodes": self.num_nodes,
-            "engine": engine,
-            "offload": offload,
-            "precision": self.recipe.train.mixed_precision,
-            "device": str(self.device),
-        }
+        return {"world_size": self.world_size, "nodes": self.num_nodes, "engine": engine, "offload": offload,
+                "precision": self.recipe.train.mixed_precision, "device": str(self.device)}
 
     # --- DeepSpeed: the recipe is the one source of truth ----------------------------------------------------
     def _fill_deepspeed_config(self) -> None:
@@ -234,12 +227,10 @@ class Backend:
             launcher = self.accelerator.state.deepspeed_plugin.deepspeed_config.get("zero_optimization", {})
             if zero3 and (offload or (launcher.get("offload_param") or {}).get("device") not in ("none", None)):
                 zero["offload_param"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
-            config = {
-                "train_micro_batch_size_per_gpu": self.recipe.train.per_device_train_batch_size,
-                "bf16": {"enabled": self.recipe.train.mixed_precision == "bf16"},
-                "fp16": {"enabled": self.recipe.train.mixed_precision == "fp16"},
-                "zero_optimization": zero,
-            }
+            precision = self.recipe.train.mixed_precision
+            config = {"train_micro_batch_size_per_gpu": self.recipe.train.per_device_train_batch_size,
+                      "bf16": {"enabled": precision == "bf16"}, "fp16": {"enabled": precision == "fp16"},
+                      "zero_optimization": zero}
             engine, *_ = deepspeed.initialize(model=model, config=config)
             engine.eval()
             return engine
@@ -298,17 +289,15 @@ class Backend:
         return y.to(x.device)
 
     def all_gather_object(self, obj: Any) -> list[Any]:
-        if self.world_size == 1:
-            return [obj]
-        out: list[Any] = [None] * self.world_size
-        dist.all_gather_object(out, obj)
+        out: list[Any] = [obj] if self.world_size == 1 else [None] * self.world_size
+        if self.world_size > 1:
+            dist.all_gather_object(out, obj)
         return out
 
     def broadcast_object(self, obj: Any) -> Any:
-        if self.world_size == 1:
-            return obj
         box = [obj]
-        dist.broadcast_object_list(box, src=0)
+        if self.world_size > 1:
+            dist.broadcast_object_list(box, src=0)
         return box[0]
 
     def barrier(self) -> None:
@@ -388,13 +377,11 @@ class Backend:
 
     def nonfinite_parameters(self, model) -> int:
         """How many of this rank's parameter tensors (its shards under ZeRO-3 / FSDP2) hold NaN or inf."""
-        bad = 0
-        for param in model.parameters():
-            local = getattr(param, "ds_tensor", None)  # ZeRO-3: the parameter itself is an empty placeholder
-            if local is None:
-                local = param.to_local() if hasattr(param, "to_local") else param  # FSDP2: a DTensor shard
-            bad += int(not bool(torch.isfinite(local.detach()).all()))
-        return bad
+        def local(param):  # ZeRO-3: the parameter is an empty placeholder beside its shard; FSDP2: a DTensor
+            shard = getattr(param, "ds_tensor", None)
+            return shard if shard is not None else param.to_local() if hasattr(param, "to_local") else param
+
+        return sum(int(not bool(torch.isfinite(local(p).detach()).all())) for p in model.parameters())
 
     def save_state(self, path: str) -> None:
         self.accelerator.save_state(path, safe_serialization=True)
