@@ -65,8 +65,7 @@ def check_versions(report: Report) -> None:
     found = {n: _version(n) for n in names}
     cuda = torch.version.cuda
     nccl = ".".join(map(str, torch.cuda.nccl.version())) if cuda and torch.cuda.is_available() else None
-    parts = [f"{n} {v}" for n, v in found.items() if v] + ([f"CUDA {cuda}"] if cuda else []) + (
-        [f"NCCL {nccl}"] if nccl else [])
+    parts = [f"{n} {v}" for n, v in {**found, "CUDA": cuda, "NCCL": nccl}.items() if v]
     report.add("PASS", "versions", ", ".join(parts))
     for required in ("transformers", "accelerate"):
         if not found[required]:
@@ -78,10 +77,8 @@ def check_versions(report: Report) -> None:
 
 
 def _vllm_torch_pin() -> Optional[str]:
-    for line in requires("vllm") or []:
-        if line.startswith("torch==") and ";" not in line:
-            return line.split("==", 1)[1].strip()
-    return None
+    return next((line.split("==", 1)[1].strip() for line in requires("vllm") or []
+                 if line.startswith("torch==") and ";" not in line), None)
 
 
 def check_gpus(report: Report) -> None:
@@ -130,9 +127,7 @@ def _run(*command: str) -> Optional[str]:
 
 def check_disk(report: Report, output_dir: Optional[str], need: int = MIN_FREE_DISK) -> None:
     target = Path(output_dir or ".").resolve()
-    probe = target
-    while not probe.exists():
-        probe = probe.parent
+    probe = next(p for p in (target, *target.parents) if p.exists())
     free = shutil.disk_usage(probe).free
     if free < need:
         report.add("FAIL", "disk", f"{free / 2**30:.1f} GiB free under {probe}, checkpoints need about "

@@ -114,13 +114,9 @@ def resolve(placement: PlacementConfig, roles: tuple[str, ...], nodes: list[Node
         specs = [getattr(placement, r) for r in group]
         lead = specs[group.index("policy")] if "policy" in group else next(
             (s for s in specs if s.num_nodes is not None or s.num_gpus_per_node is not None), specs[0])
-        num_nodes, per_node = lead.num_nodes, lead.num_gpus_per_node
-        if "policy" in group and alone:
-            default_nodes, default_per_node = whole_cluster(placement, nodes)
-        else:
-            default_nodes, default_per_node = 1, 1
-        num_nodes = num_nodes if num_nodes is not None else default_nodes
-        per_node = per_node if per_node is not None else default_per_node
+        default_nodes, default_per_node = whole_cluster(placement, nodes) if "policy" in group and alone else (1, 1)
+        num_nodes = lead.num_nodes if lead.num_nodes is not None else default_nodes
+        per_node = lead.num_gpus_per_node if lead.num_gpus_per_node is not None else default_per_node
         for role, spec in zip(group, specs):
             for key, value in (("num_nodes", num_nodes), ("num_gpus_per_node", per_node)):
                 if getattr(spec, key) is not None and getattr(spec, key) != value:
@@ -209,10 +205,9 @@ def placement_table(plan: Plan) -> str:
 
 
 def node_options(node: Node, plan: Plan, gpus: float = 1) -> dict[str, Any]:
-    """A Ray actor's options on `node`: cpus_per_worker CPUs and `gpus` GPUs (or as much of the resource standing in
-    for them; none with gpu_resource none), pinned there by hard node affinity: nodes of a local test cluster share
-    one IP, so a placement group's bundles could not be told apart by node resource; the fit already checked the
-    resources are there."""
+    """A Ray actor's options on `node`: cpus_per_worker CPUs and `gpus` GPUs (or of the resource standing in for them),
+    pinned by hard node affinity (a local test cluster's nodes share one IP, so placement-group bundles could not be
+    told apart); the fit already checked the resources are there."""
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     options: dict[str, Any] = dict(num_cpus=plan.cpus_per_worker, max_restarts=0,
@@ -242,12 +237,7 @@ def rank_slots(placed: PlacedUnit) -> list[RankSlot]:
 
 def roles_needed(algorithm, recipe) -> tuple[str, ...]:
     """The roles a run of `algorithm` uses, policy first."""
-    roles = ["policy"]
-    if algorithm.needs_reference:
-        roles.append("reference")
-    if algorithm.needs_critic:
-        roles.append("critic")
-    if any(r.name == "reward_model" for r in recipe.rewards):
-        roles.append("reward_model")
-    return tuple(roles)
+    needed = {"policy": True, "reference": algorithm.needs_reference, "critic": algorithm.needs_critic,
+              "reward_model": any(r.name == "reward_model" for r in recipe.rewards)}
+    return tuple(role for role, wanted in needed.items() if wanted)
 
