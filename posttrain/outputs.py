@@ -101,9 +101,7 @@ def classify(out: Path) -> str:
     names = {p.name for p in out.iterdir()}
     if not names - {engine_logs()}:
         return "new"
-    if MARKER in names or is_unmarked_run(out):
-        return "run"
-    return "foreign"
+    return "run" if MARKER in names or is_unmarked_run(out) else "foreign"
 
 
 def is_unmarked_run(out: Path) -> bool:

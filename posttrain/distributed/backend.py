@@ -304,10 +304,8 @@ class Backend:
         self.accelerator.wait_for_everyone()
 
     # --- parameters and state --------------------------------------------------------------------------------
-    def unwrap(self, model):
-        if self.distributed_type == DistributedType.NO:  # nothing wraps it; accelerate would import DeepSpeed to check
-            return model
-        return self.accelerator.unwrap_model(model)
+    def unwrap(self, model):  # with nothing wrapping it, accelerate would import DeepSpeed just to check
+        return model if self.distributed_type == DistributedType.NO else self.accelerator.unwrap_model(model)
 
     @contextlib.contextmanager
     def gathered_parameters(self, model) -> Iterator[None]:

@@ -87,9 +87,7 @@ def safetensors_problem(path: Path) -> Optional[str]:
         end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
     except (ValueError, KeyError, TypeError, IndexError) as e:
         return f"unreadable header: {e}"
-    if 8 + n + end != size:
-        return f"{size} bytes where its header describes {8 + n + end}"
-    return None
+    return f"{size} bytes where its header describes {8 + n + end}" if 8 + n + end != size else None
 
 
 def _resolve(source: str) -> str:
@@ -222,9 +220,7 @@ def disable_adapter(model) -> Iterator[None]:
 def merge_lora(model):
     """The plain transformers model with the adapters folded in (in place: do not train the LoRA model after)."""
     inner = unwrap_module(model)
-    if not hasattr(inner, "merge_and_unload"):
-        return inner
-    return inner.merge_and_unload(safe_merge=True)
+    return inner.merge_and_unload(safe_merge=True) if hasattr(inner, "merge_and_unload") else inner
 
 
 def merge_lora_state(peft_model, state: dict, model_class: type):
