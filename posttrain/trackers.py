@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
+from posttrain.config.load import to_dict
 from posttrain.errors import RunStopped, UserError
 
 
@@ -176,8 +177,6 @@ def open_trackers(names: tuple[str, ...], run: TrackedRun) -> list[Tracker]:
 
 def tracked_run(recipe, command: str, start_step: int, facts: dict[str, Any]) -> TrackedRun:
     """The run as trackers see it: name, project, and the resolved recipe with the command and the run's facts."""
-    from posttrain.config.load import to_dict
-
     out = Path(recipe.output_dir)
     config = {"command": command, **to_dict(recipe), "facts": {k: v for k, v in facts.items() if v is not None}}
     return TrackedRun(output_dir=out, name=recipe.train.run_name or out.resolve().name,

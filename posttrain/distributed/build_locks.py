@@ -12,6 +12,8 @@ import time
 from pathlib import Path
 from typing import Optional
 
+from torch.utils.cpp_extension import get_default_build_root
+
 STALE_BUILD_LOCK_SECONDS = 600  # DeepSpeed's CPU op builds take ~40-70 s; nothing in a live build sits still this long
 
 
@@ -38,11 +40,7 @@ def clear_stale_build_locks(root: Optional[str] = None, now: Optional[float] = N
 
 def build_root(root: Optional[str] = None) -> str:
     """Where torch JIT-builds extensions (DeepSpeed's CPU ops among them)."""
-    if root is not None:
-        return root
-    from torch.utils.cpp_extension import get_default_build_root
-
-    return os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()
+    return root if root is not None else os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()
 
 
 def announce_cpu_op_builds(offload: bool, root: Optional[str] = None) -> list[str]:

@@ -6,6 +6,8 @@
 
 from __future__ import annotations
 
+from posttrain.errors import UserError
+
 
 def add_plan_and_doctor(sub) -> None:
     plan = sub.add_parser("plan", help="estimate per-GPU memory for a recipe under each engine; recommend one")
@@ -26,7 +28,6 @@ def add_plan_and_doctor(sub) -> None:
 def run_plan_or_doctor(args) -> int:
     from posttrain.algorithms import ALGORITHMS
     from posttrain.config.load import load_recipe
-    from posttrain.errors import UserError
 
     if args.command == "doctor":
         from posttrain.launch.doctor import run_doctor

@@ -5,6 +5,7 @@ time: the launcher's callers work without the ray extra until a Ray run is asked
 from __future__ import annotations
 
 import re
+import socket
 
 from posttrain.errors import UserError
 from posttrain.launch.ray_placement import Plan, RankSlot
@@ -30,8 +31,6 @@ class Worker:
 
     def rendezvous(self) -> tuple[str, int]:
         """This node's address and a free port on it (MASTER_ADDR / MASTER_PORT of the worker's group)."""
-        import socket
-
         import ray
 
         address = ray.util.get_node_ip_address()

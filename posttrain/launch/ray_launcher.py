@@ -19,6 +19,7 @@ import time
 import traceback
 from typing import Any
 
+from posttrain.algorithms import ALGORITHMS
 from posttrain.config.schema import Recipe
 from posttrain.launch.ray_inputs import absolute_paths, worker_env
 from posttrain.launch.ray_engines import Engines, check_engines, start_engines
@@ -28,13 +29,14 @@ from posttrain.launch.ray_placement import (Plan, RankSlot, fit, node_options, n
 from posttrain.launch.ray_actors import Worker, import_ray, kill_all, last_line, rank_env
 from posttrain.launch.ray_roles import RoleGroups, RoleWorkerDied, check_apart, start_role_groups
 from posttrain.errors import RunStopped, UserError
+from posttrain.run import Launched, run
 
 START_TIMEOUT_S = 300.0  # actors not started by then: their resources are held by something else
 GRACE_S = 10.0  # after the first failure, how long the others get to report theirs (a survivor's error is noise)
 
 
 class RankWorker(Worker):
-    """One training rank; nothing heavy is imported before `run`."""
+    """One training rank."""
 
     def run(self, command: str, recipe: Recipe, cwd: str, env: dict[str, str], remote_roles: dict,
             servers: list[str]) -> dict[str, Any]:
@@ -43,8 +45,6 @@ class RankWorker(Worker):
         os.environ.update(env)
         os.chdir(cwd)
         try:
-            from posttrain.run import Launched, run
-
             result = run(command, recipe, Launched(remote_roles, tuple(servers)))
             return {"code": 0, "final_dir": str(result.final_dir) if result.final_dir else None, "steps": result.steps}
         except UserError as e:
@@ -67,8 +67,6 @@ def run_on_ray(command: str, recipe: Recipe) -> int:
                         "accelerate launch")
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")  # rank 0's and rank 1's lines are not duplicates to fold
     ray = import_ray()
-    from posttrain.algorithms import ALGORITHMS
-
     algorithm = ALGORITHMS[command][1](recipe)  # the algorithm's own checks, before a cluster is touched
     roles = roles_needed(algorithm, recipe)
     recipe = absolute_paths(recipe)  # a relative path means the same in every actor, on every node
