@@ -3,11 +3,8 @@
     posttrain report runs/grpo                          # redraw runs/grpo/report.html from the run's files
     posttrain report runs/a runs/b --out compare.html   # overlay several runs on one comparison page
 
-Top to bottom: the headline (what was trained, on what, for how long, the last and best held-out figures); the curves
-a person reads first for the algorithm, eval beside train; throughput and memory; what was logged once or never
-moved, as values; for online algorithms, sampled completions with their rewards at a few steps; the rest collapsed.
 Read from a run directory: metrics.jsonl, config.yaml, summary.json (the run's facts, written at the end of a run)
-and samples.jsonl (GRPO / PPO, algo.log_samples).
+and samples.jsonl (GRPO / PPO, algo.log_samples); `render` lays the page out top to bottom.
 """
 
 from __future__ import annotations

@@ -182,19 +182,15 @@ def coerce(hint: Any, value: Any, where: str, key: str) -> Any:
             return value
         raise UserError(f"{where}: '{key}' must be true or false, got {value!r}")
     if hint is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-        if isinstance(value, float) and value.is_integer():
+        if (isinstance(value, int) and not isinstance(value, bool)) or (isinstance(value, float) and value.is_integer()):
             return int(value)
         raise UserError(f"{where}: '{key}' must be an integer, got {value!r}")
     if hint is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):
-            try:
+        try:  # a number, or text YAML did not read as one (1e-4)
+            if not isinstance(value, bool) and isinstance(value, (int, float, str)):
                 return float(value)
-            except ValueError:
-                pass
+        except ValueError:
+            pass
         raise UserError(f"{where}: '{key}' must be a number, got {value!r}")
     if hint is str:
         if isinstance(value, bool) or value is None:

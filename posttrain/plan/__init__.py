@@ -3,9 +3,8 @@
     posttrain plan --config recipes/dpo.yaml model.name_or_path=Qwen/Qwen2.5-1.5B --gpus 8 --gpu-memory 80GiB
     posttrain plan --command grpo --config recipes/grpo.yaml --gpus 1 --gpu-memory 80GiB --json
 
-The arithmetic is in plan/estimate.py (pure, unit-tested against hand counts); plan/shape.py reads the model's
-shape on the meta device; plan/recommend.py searches engines and micro-batches. `estimate_for_run` is what a run
-logs at start next to the peak it then measures.
+The arithmetic is in plan/estimate.py, the model's shape in plan/shape.py, the search in plan/recommend.py;
+`estimate_for_run` is what a run logs at start next to the peak it then measures.
 """
 
 from __future__ import annotations

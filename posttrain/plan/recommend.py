@@ -4,12 +4,11 @@
                        per_device_batch=8, accumulation=2, gpus=8, gpu_bytes=40 * GIB)
     result.recommended            # Option(engine, per_device_batch, accumulation, breakdown) or None
     result.suggestions            # when nothing fits: more GPUs, LoRA, shorter sequences
-    print(format_plan(result))
+    print(format_table(result))
 
-An option fits when its peak is at most USABLE_FRACTION of the device's memory (the CUDA context, NCCL buffers
-and the allocator's fragmentation take the rest). Engines are tried fastest first (`estimate.ENGINES`); within one,
-the largest per-device micro-batch that divides the recipe's per-device sequences per step (so the global batch
-stays the same) wins.
+An option fits when its peak is at most USABLE_FRACTION of the device's memory (CUDA context, NCCL buffers and
+fragmentation take the rest). Engines are tried fastest first; within one, the largest micro-batch that keeps the
+global batch wins.
 """
 
 from __future__ import annotations

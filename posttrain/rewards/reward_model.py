@@ -74,9 +74,7 @@ class RewardModelScorer:
 
     def encode(self, prompt, completion: str) -> list[int]:
         """Token ids of prompt + completion exactly as `posttrain rm` tokenised its pairs (posttrain.data), so the
-        head reads the token it was trained to read: plain text is the prompt (with the tokenizer's special tokens)
-        then the completion ending in EOS; messages are the chat template's prompt with generation prompt, then the
-        assistant turn through its end-of-turn token (whitespace the template puts after it is not scored)."""
+        head reads the token it was trained to read (EOS, or the chat template's end-of-turn token)."""
         from posttrain.data.chat import split_rendered
         from posttrain.data.tokenize import _with_eos
 
