@@ -43,10 +43,10 @@ def check_roles(rows, columns, tokenizer, what: str) -> None:
         for column in columns:
             for j, message in enumerate(row[column] or []):
                 if message["role"] not in known:
-                    raise UserError(
-                        f"{what} row {i}: column {column!r} message {j} has role {message['role']!r}, which the chat "
-                        f"template does not know (roles: {', '.join(sorted(STANDARD_ROLES))}); fix the row, or set "
-                        "model.chat_template to a template that handles it")
+                    raise UserError(f"{what} row {i}: column {column!r} message {j} has role {message['role']!r}, "
+                                    "which the chat template does not know (roles: "
+                                    f"{', '.join(sorted(STANDARD_ROLES))}); fix the row, or set model.chat_template "
+                                    "to a template that handles it")
 
 
 def render(tokenizer, messages: list[dict], add_generation_prompt: bool = False) -> str:

@@ -56,12 +56,10 @@ def _check_not_a_lone_cpu_process() -> None:
     """`accelerate launch --cpu --num_processes 2` starts ONE process that expects mpirun to start the others."""
     launched = any(k in os.environ for k in ("LOCAL_RANK", "WORLD_SIZE", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE"))
     if env_flag("ACCELERATE_USE_CPU") and "MASTER_ADDR" in os.environ and not launched:
-        raise UserError(
-            "accelerate launch --cpu with several processes starts only one here (it expects mpirun). Use "
-            "`torchrun --nproc_per_node N -m posttrain ...`, or `accelerate launch --config_file "
-            "recipes/accelerate/ddp.yaml --num_processes N -m posttrain ...` (without --cpu: with no GPU, posttrain "
-            "runs every process on the CPU over gloo)"
-        )
+        raise UserError("accelerate launch --cpu with several processes starts only one here (it expects mpirun). "
+                        "Use `torchrun --nproc_per_node N -m posttrain ...`, or `accelerate launch --config_file "
+                        "recipes/accelerate/ddp.yaml --num_processes N -m posttrain ...` (without --cpu: with no GPU, "
+                        "posttrain runs every process on the CPU over gloo)")
 
 
 def _make_accelerator(t: TrainConfig, use_cpu: bool) -> Accelerator:
@@ -71,22 +69,17 @@ def _make_accelerator(t: TrainConfig, use_cpu: bool) -> Accelerator:
     launched = "LOCAL_RANK" in os.environ  # torchrun / accelerate launch set it, a plain `posttrain` does not
     if use_cpu and engine is not None:
         if not launched:
-            raise UserError(
-                f"ACCELERATE_USE_{engine.upper()}=true asks for {engine}, which needs a launcher: run through "
-                "`torchrun --nproc_per_node N -m posttrain ...` or `accelerate launch --config_file ... -m posttrain ...`"
-            )
+            raise UserError(f"ACCELERATE_USE_{engine.upper()}=true asks for {engine}, which needs a launcher: run "
+                            "through `torchrun --nproc_per_node N -m posttrain ...` or `accelerate launch "
+                            "--config_file ... -m posttrain ...`")
         # the gloo group first, with the right world size; the engine is then enabled over it (cpu=False below)
         PartialState(cpu=True, backend="gloo", timeout=timeout)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     handlers = [InitProcessGroupKwargs(backend="gloo" if use_cpu else "nccl", timeout=timeout)] if world > 1 else []
     try:
-        accelerator = Accelerator(
-            cpu=use_cpu and engine is None,
-            mixed_precision=t.mixed_precision,
-            gradient_accumulation_steps=t.gradient_accumulation_steps,
-            kwargs_handlers=handlers,
-            step_scheduler_with_optimizer=False,
-        )
+        accelerator = Accelerator(cpu=use_cpu and engine is None, mixed_precision=t.mixed_precision,
+                                  gradient_accumulation_steps=t.gradient_accumulation_steps, kwargs_handlers=handlers,
+                                  step_scheduler_with_optimizer=False)
     except ValueError as e:  # Accelerate's own checks of the launcher configuration
         raise UserError(f"the launcher configuration does not work: {e}") from e
     if use_cpu and engine == "fsdp" and accelerator.distributed_type == DistributedType.MULTI_CPU:
@@ -106,10 +99,8 @@ def _enable_fsdp_on_cpu(mixed_precision: str) -> None:
     (FSDP1 does not), so the state Accelerate would have built is set here."""
     plugin = FullyShardedDataParallelPlugin()
     if plugin.fsdp_version != 2:
-        raise UserError(
-            "FSDP on CPU needs FSDP2: set fsdp_version: 2 in the accelerate config (or FSDP_VERSION=2); "
-            "FSDP1 runs only on GPUs"
-        )
+        raise UserError("FSDP on CPU needs FSDP2: set fsdp_version: 2 in the accelerate config (or FSDP_VERSION=2); "
+                        "FSDP1 runs only on GPUs")
     if mixed_precision != "no":
         plugin.set_mixed_precision(mixed_precision)
     state = AcceleratorState()

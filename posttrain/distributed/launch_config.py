@@ -67,13 +67,12 @@ def check_launcher_settings(t: TrainConfig) -> None:
 
 def deepspeed_values(t: TrainConfig, world_size: int) -> dict[str, tuple[str, Any]]:
     """The DeepSpeed config keys the recipe decides: key -> (where the recipe says it, value)."""
-    return {
-        "train_micro_batch_size_per_gpu": ("train.per_device_train_batch_size", t.per_device_train_batch_size),
-        "gradient_accumulation_steps": ("train.gradient_accumulation_steps", t.gradient_accumulation_steps),
-        "gradient_clipping": ("train.max_grad_norm", t.max_grad_norm),
-        "train_batch_size": (f"per_device_train_batch_size x gradient_accumulation_steps x {world_size} processes",
-                             t.per_device_train_batch_size * t.gradient_accumulation_steps * world_size),
-    }
+    batch, steps = t.per_device_train_batch_size, t.gradient_accumulation_steps
+    return {"train_micro_batch_size_per_gpu": ("train.per_device_train_batch_size", batch),
+            "gradient_accumulation_steps": ("train.gradient_accumulation_steps", steps),
+            "gradient_clipping": ("train.max_grad_norm", t.max_grad_norm),
+            "train_batch_size": (f"per_device_train_batch_size x gradient_accumulation_steps x {world_size} processes",
+                                 batch * steps * world_size)}
 
 
 def check_deepspeed_json(user: dict[str, Any], path: str, t: TrainConfig, world_size: int) -> None:

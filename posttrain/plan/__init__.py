@@ -124,13 +124,11 @@ def run_plan(command: str, recipe, config: Optional[str], overrides: list[str], 
     if as_json:
         return json.dumps({"command": command, "model": recipe.model.name_or_path, "parameters": shape.parameters,
                            "trainable": shape.trainable, **to_json(plan, line)}, indent=2)
-    lines = [
-        f"posttrain plan: {command}, {recipe.model.name_or_path}: {_count(shape.parameters)} parameters "
-        f"({_count(shape.trainable)} trainable), {gpus} GPU(s) of {gpu_bytes / GIB:.1f} GiB on {nodes} node(s)",
-        f"per device at the recipe's batch (per_device_train_batch_size={t.per_device_train_batch_size}, "
-        f"gradient_accumulation_steps={t.gradient_accumulation_steps}), GiB; fits = peak <= 90% of the GPU:",
-        format_table(plan),
-    ]
+    lines = [f"posttrain plan: {command}, {recipe.model.name_or_path}: {_count(shape.parameters)} parameters "
+             f"({_count(shape.trainable)} trainable), {gpus} GPU(s) of {gpu_bytes / GIB:.1f} GiB on {nodes} node(s)",
+             f"per device at the recipe's batch (per_device_train_batch_size={t.per_device_train_batch_size}, "
+             f"gradient_accumulation_steps={t.gradient_accumulation_steps}), GiB; fits = peak <= 90% of the GPU:",
+             format_table(plan)]
     if plan.recommended is not None:
         r = plan.recommended
         lines += [f"recommended: {r.engine.name}, per_device_train_batch_size={r.per_device_batch} x "
