@@ -56,10 +56,8 @@ def tokenize_sft(dataset: datasets.Dataset, tokenizer, data_cfg: DataConfig, wha
         if _sft_empty(row, fmt):
             stats["dropped_empty"] += 1
             continue
-        if fmt.conversational:
-            input_ids, mask = _sft_conversation(row, tokenizer, data_cfg, f"{what} row {i}")
-        else:
-            input_ids, mask = _sft_text(row, tokenizer, data_cfg)
+        input_ids, mask = (_sft_conversation(row, tokenizer, data_cfg, f"{what} row {i}") if fmt.conversational
+                           else _sft_text(row, tokenizer, data_cfg))
         if len(input_ids) > data_cfg.max_length:
             input_ids, mask = input_ids[: data_cfg.max_length], mask[: data_cfg.max_length]
             stats["truncated"] += 1
@@ -100,11 +98,8 @@ def _sft_text(row: dict, tokenizer, data_cfg: DataConfig) -> tuple[list[int], li
 
 
 def _sft_conversation(row: dict, tokenizer, data_cfg: DataConfig, where: str) -> tuple[list[int], list[int]]:
-    if "messages" in row:
-        prompt, messages = [], clean_messages(row["messages"])
-    else:
-        prompt = clean_messages(row["prompt"])
-        messages = prompt + clean_messages(row["completion"])
+    prompt = [] if "messages" in row else clean_messages(row["prompt"])
+    messages = clean_messages(row["messages"]) if "messages" in row else prompt + clean_messages(row["completion"])
     completion_only = data_cfg.completion_only_loss and bool(prompt)  # only prompt-completion rows have a prompt
     full = render(tokenizer, messages)
     if data_cfg.assistant_only_loss:
@@ -251,16 +246,12 @@ def tokenize_prompts(dataset: datasets.Dataset, tokenizer, data_cfg: DataConfig,
     stats = dict(rows=len(dataset), tokens=0, truncated=0, dropped_empty=0)
     examples = []
     for row in dataset:
-        prompt = row["prompt"]
-        if fmt.conversational:
-            prompt = clean_messages(prompt)
+        prompt = clean_messages(row["prompt"]) if fmt.conversational else row["prompt"]
         if not prompt or (_no_text(prompt) if fmt.conversational else not prompt.strip()):
             stats["dropped_empty"] += 1  # nothing to answer: the generation would start from nothing
             continue
-        if fmt.conversational:
-            prompt_ids = _ids(tokenizer, render(tokenizer, prompt, add_generation_prompt=True), False)
-        else:
-            prompt_ids = _ids(tokenizer, prompt, True)
+        prompt_ids = (_ids(tokenizer, render(tokenizer, prompt, add_generation_prompt=True), False)
+                      if fmt.conversational else _ids(tokenizer, prompt, True))
         if limit is not None and len(prompt_ids) > limit:
             prompt_ids = prompt_ids[len(prompt_ids) - limit:]
             stats["truncated"] += 1
