@@ -5,8 +5,7 @@
     batch = collate_packed(examples[:8]) if recipe.data.packing else collate_padded(examples[:8], pad_id)
 """
 
-from posttrain.data.collate import (collate_packed, collate_padded, collate_preference, collate_prompts,
-                                    eval_batches)
+from posttrain.data.collate import collate_packed, collate_padded, collate_preference, collate_prompts, eval_batches
 from posttrain.data.formats import DataFormat, detect_format
 from posttrain.data.io import load_rows
 from posttrain.data.tokenize import tokenize_preference, tokenize_prompts, tokenize_sft

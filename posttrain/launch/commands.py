@@ -39,6 +39,5 @@ def run_plan_or_doctor(args) -> int:
     if algorithm not in ALGORITHMS:
         raise UserError(f"--algorithm {algorithm!r} is not one of {', '.join(ALGORITHMS)}")
     recipe = load_recipe(args.config, args.overrides, ALGORITHMS[algorithm][0])
-    print(run_plan(algorithm, recipe, args.config, args.overrides, args.gpus, args.nodes, args.gpu_memory,
-                   args.json))
+    print(run_plan(algorithm, recipe, args.config, args.overrides, args.gpus, args.nodes, args.gpu_memory, args.json))
     return 0

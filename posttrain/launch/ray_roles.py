@@ -138,8 +138,7 @@ class TrainedRoleWorker(RoleWorker):
         loss, grad_norm, metrics = self.role.update(step, self.algorithm.objectives(step)[self.name],
                                                     [b.to(device) for b in micro_batches], normaliser.to(device),
                                                     skip_nonfinite)
-        return (loss.cpu(), grad_norm, {k: v.cpu() for k, v in metrics.items()},
-                self.role.learning_rate())
+        return (loss.cpu(), grad_norm, {k: v.cpu() for k, v in metrics.items()}, self.role.learning_rate())
 
     def nonfinite(self, key: str) -> float:
         """NaN/inf parameter tensors over the whole group (agreed with one all-reduce, like guard.require_finite)."""

@@ -48,8 +48,7 @@ def infer_algorithm(config: Optional[str], overrides: list[str]) -> str:
     keys |= {o.split("=", 1)[0][5:] for o in overrides if o.startswith("algo.")}
     if not keys:
         return "sft"
-    matches = [name for name, (cls, _) in ALGORITHMS.items()
-               if keys <= {f.name for f in dataclasses.fields(cls)}]
+    matches = [name for name, (cls, _) in ALGORITHMS.items() if keys <= {f.name for f in dataclasses.fields(cls)}]
     if len(matches) != 1:
         raise UserError(f"cannot tell the algorithm from the recipe's algo keys ({', '.join(sorted(keys))}): "
                         f"pass --algorithm ({', '.join(ALGORITHMS)})")

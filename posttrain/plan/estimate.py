@@ -156,8 +156,7 @@ class Breakdown:
 
     @property
     def peak_bytes(self) -> int:
-        return self.persistent_bytes + max(self.training_bytes, self.gradients + self.optimizer_step,
-                                           self.generation)
+        return self.persistent_bytes + max(self.training_bytes, self.gradients + self.optimizer_step, self.generation)
 
     def parts(self) -> dict[str, int]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
