@@ -17,22 +17,18 @@ body { font: 14px/1.45 -apple-system, "Segoe UI", Roboto, "Helvetica Neue", Aria
 main { max-width: 1480px; margin: 0 auto; padding: 20px 28px 48px; }
 h1 { font-size: 22px; margin: 4px 0 2px; }
 h2 { font-size: 16px; margin: 28px 0 8px; padding-bottom: 4px; border-bottom: 1px solid #e2e8f0; }
-.what { color: #475569; margin: 2px 0 14px; }
-.tiles { display: flex; flex-wrap: wrap; gap: 10px; }
+.what { color: #475569; margin: 2px 0 14px; } .tiles { display: flex; flex-wrap: wrap; gap: 10px; }
 .tile { background: #fff; border: 1px solid #e2e8f0; border-radius: 8px; padding: 8px 14px; min-width: 150px; }
-.tile .k { color: #64748b; font-size: 12px; }
-.tile .v { font-size: 22px; font-weight: 600; }
+.tile .k { color: #64748b; font-size: 12px; } .tile .v { font-size: 22px; font-weight: 600; }
 .tile .d { color: #64748b; font-size: 11px; }
 .grid { display: grid; grid-template-columns: repeat(auto-fill, minmax(420px, 1fr)); gap: 10px; }
 figure { margin: 0; background: #fff; border: 1px solid #e2e8f0; border-radius: 8px; padding: 4px; }
 figure img { width: 100%; height: auto; display: block; }
 table { border-collapse: collapse; background: #fff; font-size: 13px; }
 th, td { border: 1px solid #e2e8f0; padding: 4px 8px; text-align: left; vertical-align: top; }
-th { background: #f1f5f9; font-weight: 600; }
-td.num { text-align: right; font-variant-numeric: tabular-nums; }
+th { background: #f1f5f9; font-weight: 600; } td.num { text-align: right; font-variant-numeric: tabular-nums; }
 pre { margin: 0; white-space: pre-wrap; word-break: break-word; max-height: 9em; overflow: auto; font-size: 12px; }
-details { margin: 18px 0; }
-summary { cursor: pointer; font-weight: 600; font-size: 15px; }
+details { margin: 18px 0; } summary { cursor: pointer; font-weight: 600; font-size: 15px; }
 .chip { display: inline-block; width: 10px; height: 10px; border-radius: 2px; margin-right: 6px; }
 .note { color: #64748b; font-size: 12px; }
 table.samples { width: 100%; } table.samples pre { min-width: 16em; }

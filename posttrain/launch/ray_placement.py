@@ -6,10 +6,9 @@
     plan = fit(units, nodes, placement)                          # UserError (exit 2) saying what is short
     print(placement_table(plan))                                 # role | node | GPUs | colocated with
 
-Nothing here imports ray at module level (node_options does when called): `posttrain plan`, tests and the launcher
-check a placement with the same functions. A *unit* is what shares GPUs: a `colocate` group, or one role alone. Each unit needs `num_nodes` distinct nodes with
-`num_gpus_per_node` GPUs (and `cpus_per_worker` CPUs per worker) free on each; colocated roles share those GPUs in
-`gpu_fraction` shares. With `gpu_resource: none` a worker takes CPUs only.
+Nothing here imports ray at module level (node_options does when called). A *unit* is what shares GPUs: a `colocate`
+group, or one role alone; it needs `num_nodes` distinct nodes with `num_gpus_per_node` GPUs (and `cpus_per_worker`
+CPUs per worker) free on each, its roles sharing those GPUs in `gpu_fraction` shares (CPUs only with gpu_resource none).
 """
 
 from __future__ import annotations
