@@ -10,6 +10,7 @@ The arithmetic is in plan/estimate.py, the model's shape in plan/shape.py, the s
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import re
 from typing import Optional
@@ -110,10 +111,7 @@ def run_plan(command: str, recipe, config: Optional[str], overrides: list[str], 
     if not recipe.model.lora.enabled:
         lora_shape = model_shape(dataclasses.replace(recipe.model, lora=dataclasses.replace(recipe.model.lora,
                                                                                             enabled=True)), task)
-
-    def workload_for(batch: int, length: Optional[int] = None):
-        return workload_from_recipe(command, recipe, batch, length)
-
+    workload_for = functools.partial(workload_from_recipe, command, recipe)  # (batch, length=None) -> Workload
     plan = make_plan(shape, workload_for, t.per_device_train_batch_size, t.gradient_accumulation_steps, gpus,
                      gpu_bytes, nodes, lora_shape, recipe.data.max_length)
     line = None
