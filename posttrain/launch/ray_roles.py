@@ -3,17 +3,11 @@
     placement:
       colocate: [[policy, reference], [critic, reward_model]]    # OpenRLHF's --colocate_actor_ref + critic_reward
 
-A frozen role (reference, reward_model) placed apart runs as replicas: one `RoleWorker` actor per worker slot of its
-unit, each holding the whole model (the weights a colocated copy would hold) and serving no-grad forwards; rank r asks
-replica r % replicas, and no process group is needed. In the ranks the role is a `RayRole` (algorithms.base.Role):
-forwards return small outputs (scores, values) and log-probs are computed in the replica (the (B, T, V) logits never
-travel); the seconds its calls take are logged as `time/role/<role>`.
-
-A trained role (PPO's critic) apart is a group of `TrainedRoleWorker` actors with a torch.distributed group of its own
-(DDP, ZeRO or FSDP2, from the ranks' ACCELERATE_* variables), one worker per policy rank: rank r drives worker r, so
-the group's collectives are reached in the same order. Updates (the algorithm's own objective), values, checkpoints
-(<checkpoint>/<role>/) and final-<role>/ run there. A critic from the policy draws its fresh value head from the
-worker's own random stream, so it does not start bit for bit where a torchrun run's would.
+A frozen role (reference, reward_model) placed apart runs as `RoleWorker` replicas, one per worker slot, each holding
+the whole model; rank r asks replica r % replicas through a `RayRole`, which returns small outputs (scores, values,
+log-probs: the logits never travel) and times its calls as `time/role/<role>`. A trained role (PPO's critic) apart is
+a group of `TrainedRoleWorker` actors with a process group of its own, one worker per policy rank (rank r drives worker
+r, so the group's collectives are reached in order); its updates, checkpoints and final-<role>/ run there.
 """
 
 from __future__ import annotations
