@@ -47,10 +47,8 @@ def _read_file(path: Path, what: str) -> datasets.Dataset:
     if suffix not in SUFFIXES:
         known = ", ".join(SUFFIXES)
         raise UserError(f"{what}: {path} has an unknown extension {suffix or '(none)'!r}; use one of {known}")
-    if suffix in (".jsonl", ".json"):
-        return _from_records(_read_json(path, what), path, what)
-    if suffix == ".csv":
-        return _from_records(_read_csv(path, what), path, what)
+    if suffix != ".parquet":  # parsed here, so a broken row is named by its line
+        return _from_records((_read_csv if suffix == ".csv" else _read_json)(path, what), path, what)
     try:
         return datasets.Dataset.from_parquet(str(path))
     except Exception as e:  # pyarrow raises many types for a broken file
@@ -84,8 +82,8 @@ def _read_json(path: Path, what: str) -> list[tuple[str, dict]]:
         except RecursionError:
             raise UserError(f"{what}: {path} line {number}: {_TOO_DEEP}") from None
         if not isinstance(item, dict):
-            got = type(item).__name__
-            raise UserError(f"{what}: {path} line {number}: expected a JSON object (one row), got {got}")
+            raise UserError(f"{what}: {path} line {number}: expected a JSON object (one row), got "
+                            f"{type(item).__name__}")
         _check_depth(item, f"{what}: {path} line {number}")
         records.append((f"line {number}", item))
     return records
