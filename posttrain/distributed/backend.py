@@ -37,7 +37,6 @@ import torch.distributed as dist
 from accelerate import Accelerator, PartialState
 from accelerate.state import AcceleratorState, GradientState
 from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin, InitProcessGroupKwargs
-from torch.distributed.fsdp import FSDPModule
 
 from posttrain.config.schema import Recipe, TrainConfig
 from posttrain.distributed import peers
@@ -308,6 +307,8 @@ class Backend:
             with deepspeed.zero.GatheredParameters(list(model.parameters())):
                 yield
         elif self.is_fsdp:
+            from torch.distributed.fsdp import FSDPModule
+
             sharded = [m for m in self.unwrap(model).modules() if isinstance(m, FSDPModule)]
             for module in sharded:  # every rank, same order
                 module.set_reshard_after_forward(False, recurse=False)
@@ -402,7 +403,11 @@ def _settle_at_exit() -> None:
 def _gloo_workers_running() -> bool:
     """Whether a gloo worker thread of this process is running or runnable (Linux /proc; False elsewhere)."""
     task = Path("/proc/self/task")
-    for tid in (os.listdir(task) if task.is_dir() else ()):
+    try:
+        tids = os.listdir(task)
+    except OSError:
+        return False
+    for tid in tids:
         try:
             if ((task / tid / "comm").read_text().startswith("pt_gloo_runloop")
                     and (task / tid / "stat").read_text().rsplit(")", 1)[1].split()[0] == "R"):
