@@ -124,8 +124,8 @@ class RewardSet:
             if len(values) != size:
                 raise ValueError(f"column '{key}' has {len(values)} values for {size} completions")
         started = time.monotonic()
-        futures = [_in_thread(r.fn, prompts, completions, **keep(columns)) for r, keep in zip(self.rewards,
-                                                                                             self._filters)]
+        futures = [_in_thread(r.fn, prompts, completions, **keep(columns))
+                   for r, keep in zip(self.rewards, self._filters)]
         per_function: dict[str, torch.Tensor] = {}
         for r, keep, future in zip(self.rewards, self._filters, futures):
             remaining = max(0.0, started + r.timeout - time.monotonic())
