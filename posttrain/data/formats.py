@@ -20,6 +20,9 @@ import datasets
 from posttrain.errors import UserError
 
 EXPECTED = "text | messages | prompt + completion | prompt | prompt + chosen + rejected | chosen + rejected"
+DETECTION = ((("chosen", "rejected"), "preference", "chosen"), (("prompt", "completion"), "prompt_completion", "prompt"),
+             (("messages",), "language_modeling", "messages"), (("text",), "language_modeling", "text"),
+             (("prompt",), "prompt_only", "prompt"))  # (columns, kind, the column that tells the row type), first wins
 
 
 @dataclass(frozen=True)
@@ -42,18 +45,10 @@ class DataFormat:
 def detect_format(dataset: datasets.Dataset, what: str = "data.train") -> DataFormat:
     """The format of `dataset`, after checking every row's columns; a bad row raises a UserError naming it."""
     names = set(dataset.column_names)
-    if {"chosen", "rejected"} <= names:
-        kind, key = "preference", "chosen"
-    elif {"prompt", "completion"} <= names:
-        kind, key = "prompt_completion", "prompt"
-    elif "messages" in names:
-        kind, key = "language_modeling", "messages"
-    elif "text" in names:
-        kind, key = "language_modeling", "text"
-    elif "prompt" in names:
-        kind, key = "prompt_only", "prompt"
-    else:
+    found = next(((kind, key) for columns, kind, key in DETECTION if set(columns) <= names), None)
+    if found is None:
         raise UserError(f"{what}: columns {sorted(names)} match no known dataset format; expected {EXPECTED}")
+    kind, key = found
     if len(dataset) == 0:
         raise UserError(f"{what}: the dataset holds no rows")
     conversational = key == "messages" or isinstance(dataset[0][key], list)
