@@ -325,10 +325,8 @@ class Backend:
 
     def full_state_dict(self, model) -> dict[str, torch.Tensor]:
         """The whole model's weights on rank 0, tied weights once; {} elsewhere. A collective: every rank calls it."""
-        if self.is_deepspeed and self.zero_stage == 3:
-            state = self._gather_zero3(model)
-        else:
-            state = self.accelerator.get_state_dict(model)
+        zero3 = self.is_deepspeed and self.zero_stage == 3
+        state = self._gather_zero3(model) if zero3 else self.accelerator.get_state_dict(model)
         return drop_tied_aliases(self.unwrap(model), state) if self.is_main else {}
 
     def weight_buckets(self, model, bucket_mb: float) -> Iterator[list[tuple[str, torch.Tensor]]]:

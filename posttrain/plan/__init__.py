@@ -71,10 +71,8 @@ def estimate_for_run(command: str, recipe, engine: str, offload: str, world_size
                      counts: Optional[tuple[int, int]] = None) -> Breakdown:
     """The estimate of this recipe as it is being launched (logged at start beside the measured peak). `counts`:
     the loaded model's (total, trainable) parameters, which spare building the model on the meta device."""
-    if counts is not None:
-        shape = shape_from_config(read_config(recipe.model), *counts)
-    else:
-        shape = model_shape(recipe.model, algorithm_facts(command, recipe)["task"])
+    shape = (shape_from_config(read_config(recipe.model), *counts) if counts is not None
+             else model_shape(recipe.model, algorithm_facts(command, recipe)["task"]))
     gpu_bytes = detect_gpu_memory()
     return estimate(shape, workload_from_recipe(command, recipe, on_gpu=gpu_bytes is not None),
                     ENGINES[engine_for(engine, offload)], world_size, gpu_bytes or 0)
