@@ -11,21 +11,26 @@ Exit codes: 0 done; 2 the input is wrong (the message says what, where and what 
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import sys
 import traceback
 
+from posttrain.console import quiet_healthy_run_warnings
+from posttrain.errors import RunStopped, UserError
+from posttrain.usercode import UserCodeError
 
 # The commands, listed without importing what runs them (torch, the planner, vLLM): `posttrain --help` stays fast.
 ALGORITHM_COMMANDS = ("sft", "grpo", "rm", "dpo", "ppo", "distill")  # posttrain.algorithms.ALGORITHMS (a test keeps them equal)
-OTHER_COMMANDS = {  # command -> (its one-line help, the module and function that add its options)
+OTHER_COMMANDS = {  # command -> (its one-line help, its module, the functions there that add its options and run it)
     "plan": ("estimate per-GPU memory for a recipe under each engine; recommend one",
-             "posttrain.launch.commands", "add_plan_and_doctor"),
+             "posttrain.launch.commands", "add_plan_and_doctor", "run_plan_or_doctor"),
     "doctor": ("check GPUs, versions, the process group and disk before a launch",
-               "posttrain.launch.commands", "add_plan_and_doctor"),
+               "posttrain.launch.commands", "add_plan_and_doctor", "run_plan_or_doctor"),
     "serve": ("start a vLLM generation server for generation.placement=servers", "posttrain.rollout.serve",
-              "add_serve"),
-    "report": ("redraw a run's report.html, or compare several runs on one page", "posttrain.report", "add_report"),
+              "add_serve", "run_serve"),
+    "report": ("redraw a run's report.html, or compare several runs on one page", "posttrain.report", "add_report",
+               "run_report"),
 }
 ALGORITHM_EPILOG = """TRL-style flags work too: --learning_rate 1e-4, --num_generations=4, --bf16 (docs/trl.md has
 the table), and --config takes a flat TRL config file (model_name_or_path: ..., learning_rate: ...).
@@ -64,11 +69,9 @@ def build_parser(command: str | None = None, help_wanted: bool = False) -> argpa
                       "are near 0")
     demo.add_argument("--seed", type=int, default=0, help="model initialisation, problems drawn and run seeds")
     if command in OTHER_COMMANDS:
-        import importlib
-
-        _, module, function = OTHER_COMMANDS[command]
+        _, module, function, _ = OTHER_COMMANDS[command]
         getattr(importlib.import_module(module), function)(sub)
-    for name, (help_text, _, _) in OTHER_COMMANDS.items():
+    for name, (help_text, *_) in OTHER_COMMANDS.items():
         if name not in sub.choices:
             sub.add_parser(name, help=help_text, add_help=False)
     return parser
@@ -86,11 +89,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run_command(argv: list[str] | None = None) -> int:
-    from posttrain.errors import RunStopped, UserError
-    from posttrain.usercode import UserCodeError
-
-    from posttrain.console import quiet_healthy_run_warnings
-
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     quiet_healthy_run_warnings()
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -115,18 +113,9 @@ def run_command(argv: list[str] | None = None) -> int:
 
             run_demo(args.out, quick=args.quick, seed=args.seed)
             return 0
-        if args.command == "serve":
-            from posttrain.rollout.serve import run_serve
-
-            return run_serve(args)
-        if args.command == "report":
-            from posttrain.report import run_report
-
-            return run_report(args)
-        if args.command in ("plan", "doctor"):
-            from posttrain.launch.commands import run_plan_or_doctor
-
-            return run_plan_or_doctor(args)
+        if args.command in OTHER_COMMANDS:
+            _, module, _, function = OTHER_COMMANDS[args.command]
+            return getattr(importlib.import_module(module), function)(args)
         from posttrain.algorithms import ALGORITHMS
         from posttrain.config.load import load_recipe
         from posttrain.run import run
@@ -210,7 +199,6 @@ def checked_override(item: str, typed: str, algo_cls: type) -> str:
     from posttrain.config.legacy import upgrade
     from posttrain.config.load import apply_override, build
     from posttrain.config.schema import Recipe
-    from posttrain.errors import UserError
 
     def check(text: str) -> None:
         raw: dict = {}

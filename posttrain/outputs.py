@@ -5,15 +5,9 @@
     (out / "config.yaml").write_text(...)
     end_overwrite(aside)                          # the old run's files go only once the new config is written
 
-The rules (docs/reliability.md, "Output directories"):
-- a run writes into a directory that does not exist, is empty, or that a run made; a run recognises its own
-  directory by the marker file `.posttrain-run` it writes first, never by the flags it is given;
-- a directory written before the marker existed counts as a run's when its config.yaml is a posttrain recipe dump
-  (a mapping with output_dir, model, data and train); it gets the marker when a run continues it;
-- `/`, the home directory and the working directory itself are refused whatever the flags;
-- a run's own entry (final, checkpoints, ...) that is a symbolic link is refused: nothing is written through links;
-- overwrite_output_dir moves the run's own files (RUN_ARTIFACTS) into a folder inside output_dir and deletes it
-  only after the new config.yaml is written, so a failure before that leaves the old run where it was.
+The rules are in docs/reliability.md ("Output directories"): a run writes only into a directory that is absent,
+empty, or marked by a run (`.posttrain-run`); never into /, home or the working directory, nor through a link; and
+overwrite_output_dir deletes the old run's files only after the new config.yaml is written.
 """
 
 from __future__ import annotations
@@ -70,10 +64,8 @@ def check_output_dir(recipe) -> Optional[Path]:
         return resume  # auto and no checkpoint yet (a run stopped before its first save): the run starts
     # config.yaml alone: that run never trained; the engines' logs: the Ray launcher started them first
     if kind == "run" and any(p.name not in ("config.yaml", MARKER, engine_logs()) for p in out.iterdir()):
-        raise UserError(
-            f"output_dir {out} already holds a run (config.yaml); pass train.resume_from_checkpoint=auto to continue "
-            "it, train.overwrite_output_dir=true to replace it, or choose another output_dir"
-        )
+        raise UserError(f"output_dir {out} already holds a run (config.yaml); pass train.resume_from_checkpoint=auto "
+                        "to continue it, train.overwrite_output_dir=true to replace it, or choose another output_dir")
     return None
 
 
@@ -109,9 +101,7 @@ def classify(out: Path) -> str:
     names = {p.name for p in out.iterdir()}
     if not names - {engine_logs()}:
         return "new"
-    if MARKER in names or is_unmarked_run(out):
-        return "run"
-    return "foreign"
+    return "run" if MARKER in names or is_unmarked_run(out) else "foreign"
 
 
 def is_unmarked_run(out: Path) -> bool:

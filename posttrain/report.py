@@ -3,11 +3,8 @@
     posttrain report runs/grpo                          # redraw runs/grpo/report.html from the run's files
     posttrain report runs/a runs/b --out compare.html   # overlay several runs on one comparison page
 
-Top to bottom: the headline (what was trained, on what, for how long, the last and best held-out figures); the curves
-a person reads first for the algorithm, eval beside train; throughput and memory; what was logged once or never
-moved, as values; for online algorithms, sampled completions with their rewards at a few steps; the rest collapsed.
 Read from a run directory: metrics.jsonl, config.yaml, summary.json (the run's facts, written at the end of a run)
-and samples.jsonl (GRPO / PPO, algo.log_samples).
+and samples.jsonl (GRPO / PPO, algo.log_samples); `render` lays the page out top to bottom.
 """
 
 from __future__ import annotations
@@ -18,6 +15,8 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
+
+import yaml
 
 from posttrain.errors import UserError
 from posttrain.logging import finite, parse_row, read_metrics
@@ -77,8 +76,6 @@ class Chart:
 
 
 def load_run(path: str | Path) -> Run:
-    import yaml
-
     path = Path(path)
     if not (path / "metrics.jsonl").is_file():
         raise UserError(f"{path} is not a run directory (no metrics.jsonl there); pass the output_dir of a "
@@ -86,9 +83,8 @@ def load_run(path: str | Path) -> Run:
     facts = json.loads((path / "summary.json").read_text()) if (path / "summary.json").is_file() else {}
     config = yaml.safe_load((path / "config.yaml").read_text()) if (path / "config.yaml").is_file() else {}
     rows = read_metrics(path)
-    samples = []
-    if (path / "samples.jsonl").is_file():
-        samples = [row for row in map(parse_row, (path / "samples.jsonl").read_text().splitlines()) if row]
+    samples_file = path / "samples.jsonl"
+    samples = [r for r in map(parse_row, samples_file.read_text().splitlines()) if r] if samples_file.is_file() else []
     keys = {k for r in rows for k in r}
     command = facts.get("command") or next((c for c, marker in COMMAND_MARKERS if marker in keys), "sft")
     name = ((config or {}).get("train") or {}).get("run_name") or path.resolve().name

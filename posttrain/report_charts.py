@@ -48,25 +48,22 @@ def is_constant(values: list[float]) -> bool:
     return len(values) <= 1 or max(values) - min(values) <= 1e-9 * max(1.0, abs(max(values)))
 
 
-def draw(title: str, series: list[Series], max_step: int, ylabel: str = "") -> str:
+def draw(title: str, series: list[Series], max_step: int) -> str:
     """A chart as a base64 PNG. max_step: the x axis ends at the run's last step, so charts line up by step."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-
     from matplotlib.ticker import MaxNLocator
 
     crowded = len(series) > 4  # the legend goes under the axes instead of over the lines
     fig, ax = plt.subplots(figsize=(4.8, 2.9 + 0.16 * math.ceil(len(series) / 3) * crowded), dpi=110)
     varying = [s for s in series if not is_constant(list(s.values))]
-    labelled = 0
+    labelled = len(series)  # every series has a legend entry
     for s in series:
         if s not in varying and varying:  # a constant beside curves: a reference level, not a flat curve of dots
             ax.axhline(s.values[0], color=s.color, linestyle="--", linewidth=1, alpha=0.8, label=s.label)
-            labelled += 1
-            continue
-        if s.eval:
+        elif s.eval:
             ax.plot(s.steps, s.values, color=s.color, linestyle="--", linewidth=1.2, marker="o", markersize=4,
                     label=s.label)
         else:
@@ -75,11 +72,8 @@ def draw(title: str, series: list[Series], max_step: int, ylabel: str = "") -> s
                 ax.plot(s.steps, s.values, color=s.color, linestyle=s.linestyle, linewidth=0.8, alpha=0.25)
             ax.plot(s.steps, smooth(list(s.values), weight), color=s.color, linestyle=s.linestyle, linewidth=1.6,
                     marker="." if len(s.values) < 10 else None, label=s.label)
-        labelled += 1
     ax.set_title(title, fontsize=10, loc="left")
     ax.set_xlabel("step", fontsize=8)
-    if ylabel:
-        ax.set_ylabel(ylabel, fontsize=8)
     ax.set_xlim(0, max(1, max_step))
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.tick_params(labelsize=8)

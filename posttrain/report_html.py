@@ -9,6 +9,7 @@ import json
 
 from posttrain.logging import finite
 from posttrain.report_charts import COLORS
+from posttrain.trackers import flatten
 
 CSS = """
 body { font: 14px/1.45 -apple-system, "Segoe UI", Roboto, "Helvetica Neue", Arial, sans-serif; color: #1f2937;
@@ -16,22 +17,18 @@ body { font: 14px/1.45 -apple-system, "Segoe UI", Roboto, "Helvetica Neue", Aria
 main { max-width: 1480px; margin: 0 auto; padding: 20px 28px 48px; }
 h1 { font-size: 22px; margin: 4px 0 2px; }
 h2 { font-size: 16px; margin: 28px 0 8px; padding-bottom: 4px; border-bottom: 1px solid #e2e8f0; }
-.what { color: #475569; margin: 2px 0 14px; }
-.tiles { display: flex; flex-wrap: wrap; gap: 10px; }
+.what { color: #475569; margin: 2px 0 14px; } .tiles { display: flex; flex-wrap: wrap; gap: 10px; }
 .tile { background: #fff; border: 1px solid #e2e8f0; border-radius: 8px; padding: 8px 14px; min-width: 150px; }
-.tile .k { color: #64748b; font-size: 12px; }
-.tile .v { font-size: 22px; font-weight: 600; }
+.tile .k { color: #64748b; font-size: 12px; } .tile .v { font-size: 22px; font-weight: 600; }
 .tile .d { color: #64748b; font-size: 11px; }
 .grid { display: grid; grid-template-columns: repeat(auto-fill, minmax(420px, 1fr)); gap: 10px; }
 figure { margin: 0; background: #fff; border: 1px solid #e2e8f0; border-radius: 8px; padding: 4px; }
 figure img { width: 100%; height: auto; display: block; }
 table { border-collapse: collapse; background: #fff; font-size: 13px; }
 th, td { border: 1px solid #e2e8f0; padding: 4px 8px; text-align: left; vertical-align: top; }
-th { background: #f1f5f9; font-weight: 600; }
-td.num { text-align: right; font-variant-numeric: tabular-nums; }
+th { background: #f1f5f9; font-weight: 600; } td.num { text-align: right; font-variant-numeric: tabular-nums; }
 pre { margin: 0; white-space: pre-wrap; word-break: break-word; max-height: 9em; overflow: auto; font-size: 12px; }
-details { margin: 18px 0; }
-summary { cursor: pointer; font-weight: 600; font-size: 15px; }
+details { margin: 18px 0; } summary { cursor: pointer; font-weight: 600; font-size: 15px; }
 .chip { display: inline-block; width: 10px; height: 10px; border-radius: 2px; margin-right: 6px; }
 .note { color: #64748b; font-size: 12px; }
 table.samples { width: 100%; } table.samples pre { min-width: 16em; }
@@ -122,9 +119,8 @@ def prompt_text(prompt) -> str:
 
 def spread(items: list, count: int) -> list:
     """count items spread over a list: the first, the last, and evenly between (all of them when fewer)."""
-    if len(items) <= count:
-        return items
-    return [items[i] for i in sorted({round(j * (len(items) - 1) / (count - 1)) for j in range(count)})]
+    return items if len(items) <= count else [items[i] for i in sorted({round(j * (len(items) - 1) / (count - 1))
+                                                                        for j in range(count)})]
 
 
 def samples_section(run) -> str:
@@ -178,8 +174,6 @@ def _number_cell(value, reward: bool = False) -> str:
 
 def config_section(runs) -> str:
     """What differs between the runs' recipes: the comparison a person otherwise makes by diffing config.yaml."""
-    from posttrain.trackers import flatten
-
     flat = [flatten(run.config or {}) for run in runs]
     keys = sorted({k for f in flat for k in f} - {"output_dir"})
     differing = [k for k in keys if len({json.dumps(f.get(k), default=str) for f in flat}) > 1]

@@ -7,14 +7,9 @@ it writes to metrics.jsonl.
       run_name: qwen-sft                # default: the output_dir's folder name
       project: my-project               # W&B project, MLflow experiment, trackio project
 
-Each tracker gets the run name and the resolved recipe once (with the run's facts: parameters, batch, processes),
-every numeric metric at each logging step (eval/ metrics included) and is closed at the end: finished, or failed /
-killed when the run raised or was stopped. Where each one writes:
-  tensorboard  output_dir/tensorboard
-  wandb        output_dir/wandb (or WANDB_DIR); WANDB_MODE=offline keeps it there for a later `wandb sync`
-  mlflow       MLFLOW_TRACKING_URI, else MLflow's default store (sqlite:///mlflow.db in the working directory)
-  trackio      TRACKIO_DIR, else trackio's own folder (~/.cache/huggingface/trackio); `trackio show` opens it
-A tracker that fails to log a step is reported once and the run goes on: metrics.jsonl holds every row regardless.
+Each gets the run name and resolved recipe once, every numeric metric at each logging step, and is closed finished,
+failed or killed; where each one writes is in docs/tracking.md. A tracker that fails to log a step is reported once
+and the run goes on: metrics.jsonl holds every row regardless.
 """
 
 from __future__ import annotations
@@ -27,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
+from posttrain.config.load import to_dict
 from posttrain.errors import RunStopped, UserError
 
 
@@ -126,7 +122,7 @@ class MLflowTracker(Tracker):
         self.run_id = self.client.create_run(experiment_id, run_name=run.name).info.run_id
         params = [Param(key, str(value)[:6000]) for key, value in flatten(run.config).items()]
         for start in range(0, len(params), 100):  # MLflow takes at most 100 params per batch
-            self.client.log_batch(self.run_id, params=params[start : start + 100])
+            self.client.log_batch(self.run_id, params=params[start:start + 100])
 
     def write(self, step, metrics):
         from mlflow.entities import Metric
@@ -158,12 +154,10 @@ class TrackioTracker(Tracker):
 
 TRACKERS = {"tensorboard": TensorBoardTracker, "wandb": WandbTracker, "mlflow": MLflowTracker,
             "trackio": TrackioTracker}
-START_HINTS = {
-    "wandb": "log in with `wandb login` or WANDB_API_KEY, or set WANDB_MODE=offline to sync later",
-    "mlflow": "check MLFLOW_TRACKING_URI (a server URL, or sqlite:///path/mlflow.db)",
-    "trackio": "check TRACKIO_DIR / TRACKIO_SPACE_ID",
-    "tensorboard": "check that output_dir/tensorboard can be written",
-}
+START_HINTS = {"wandb": "log in with `wandb login` or WANDB_API_KEY, or set WANDB_MODE=offline to sync later",
+               "mlflow": "check MLFLOW_TRACKING_URI (a server URL, or sqlite:///path/mlflow.db)",
+               "trackio": "check TRACKIO_DIR / TRACKIO_SPACE_ID",
+               "tensorboard": "check that output_dir/tensorboard can be written"}
 
 
 def open_trackers(names: tuple[str, ...], run: TrackedRun) -> list[Tracker]:
@@ -183,8 +177,6 @@ def open_trackers(names: tuple[str, ...], run: TrackedRun) -> list[Tracker]:
 
 def tracked_run(recipe, command: str, start_step: int, facts: dict[str, Any]) -> TrackedRun:
     """The run as trackers see it: name, project, and the resolved recipe with the command and the run's facts."""
-    from posttrain.config.load import to_dict
-
     out = Path(recipe.output_dir)
     config = {"command": command, **to_dict(recipe), "facts": {k: v for k, v in facts.items() if v is not None}}
     return TrackedRun(output_dir=out, name=recipe.train.run_name or out.resolve().name,

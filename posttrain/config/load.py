@@ -19,6 +19,8 @@ import yaml
 from posttrain.config.keys import recipe_key
 from posttrain.config.legacy import upgrade
 from posttrain.config.schema import Recipe
+from posttrain.config.trl_compat import from_trl_file
+from posttrain.config.validate import validate
 from posttrain.errors import UserError
 
 
@@ -37,16 +39,12 @@ def load_recipe(path: str | None, overrides: list[str], algo_cls: type) -> Recip
         if not isinstance(raw, dict):
             raise UserError(f"recipe {path} must be a mapping of sections (model:, data:, train:, ...)")
         where = str(path)
-        from posttrain.config.trl_compat import from_trl_file
-
         raw = from_trl_file(raw, where, algo_cls)  # a TRL config's flat keys (model_name_or_path, ...) into sections
     for item in overrides:
         apply_override(raw, item)
     upgrade(raw)  # earlier releases' spellings (config/legacy.py)
     raw.setdefault("algo", {})  # the command's own algo config, with its defaults, even without an algo: section
     recipe = build(Recipe, raw, where, "", algo_cls)
-    from posttrain.config.validate import validate
-
     validate(recipe)
     return recipe
 
@@ -132,8 +130,7 @@ def _check_nodes(root: yaml.Node, where: str, key: str) -> None:
 
 def build(cls: type, raw: Any, where: str, prefix: str, algo_cls: type | None = None) -> Any:
     """Recursively turn a mapping into the dataclass `cls`, checking keys and types."""
-    if raw is None:
-        raw = {}
+    raw = {} if raw is None else raw
     if not isinstance(raw, dict):
         raise UserError(f"{where}: '{prefix.rstrip('.') or 'recipe'}' must be a mapping, got {raw!r}")
     hints = typing.get_type_hints(cls)
@@ -141,14 +138,8 @@ def build(cls: type, raw: Any, where: str, prefix: str, algo_cls: type | None = 
     for key in raw:
         if key not in fields:
             raise UserError(unknown_key_message(where, prefix + str(key), list(fields), prefix))
-    kwargs = {}
-    for key, value in raw.items():
-        name = fields[key]
-        hint = hints[name]
-        if cls is Recipe and name == "algo":
-            kwargs[name] = build(algo_cls, value, where, "algo.")
-        else:
-            kwargs[name] = coerce(hint, value, where, prefix + key)
+    kwargs = {fields[key]: build(algo_cls, value, where, "algo.") if cls is Recipe and fields[key] == "algo"
+              else coerce(hints[fields[key]], value, where, prefix + key) for key, value in raw.items()}
     try:
         return cls(**kwargs)
     except TypeError as e:
@@ -191,19 +182,15 @@ def coerce(hint: Any, value: Any, where: str, key: str) -> Any:
             return value
         raise UserError(f"{where}: '{key}' must be true or false, got {value!r}")
     if hint is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-        if isinstance(value, float) and value.is_integer():
+        if (isinstance(value, int) and not isinstance(value, bool)) or (isinstance(value, float) and value.is_integer()):
             return int(value)
         raise UserError(f"{where}: '{key}' must be an integer, got {value!r}")
     if hint is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):
-            try:
+        try:  # a number, or text YAML did not read as one (1e-4)
+            if not isinstance(value, bool) and isinstance(value, (int, float, str)):
                 return float(value)
-            except ValueError:
-                pass
+        except ValueError:
+            pass
         raise UserError(f"{where}: '{key}' must be a number, got {value!r}")
     if hint is str:
         if isinstance(value, bool) or value is None:

@@ -16,6 +16,7 @@ from typing import Any, Callable
 
 import yaml
 
+from posttrain.config.keys import recipe_keys
 from posttrain.config.schema import Recipe
 from posttrain.errors import UserError
 
@@ -38,103 +39,61 @@ def _report_to(value: Any) -> Any:
     return [value] if isinstance(value, str) else value
 
 
-# TRL key -> (recipe key, value conversion or None). Keys whose recipe key an algorithm lacks (num_generations for
-# SFT) have no meaning for that algorithm and are reported as such.
-TRL_KEYS: dict[str, tuple[str, Callable[[Any], Any] | None]] = {
+# TRL key -> recipe key. A key whose recipe key an algorithm lacks (num_generations for SFT) has no meaning for
+# that algorithm and is reported as such. max_seq_length is TRL < 0.20's max_length; response_length is PPOConfig's.
+TRL_RENAMES: dict[str, str] = {
     # model (TRL's ModelConfig and the trainers' model_init_kwargs)
-    "model_name_or_path": ("model.name_or_path", None),
-    "model_revision": ("model.revision", None),
-    "torch_dtype": ("model.dtype", None),
-    "dtype": ("model.dtype", None),
-    "attn_implementation": ("model.attn_implementation", None),
-    "trust_remote_code": ("model.trust_remote_code", None),
-    "chat_template_path": ("model.chat_template", None),
-    "use_peft": ("model.lora.enabled", None),
-    "lora_r": ("model.lora.r", None),
-    "lora_alpha": ("model.lora.alpha", None),
-    "lora_dropout": ("model.lora.dropout", None),
-    "lora_target_modules": ("model.lora.target_modules", None),
+    "model_name_or_path": "model.name_or_path", "model_revision": "model.revision", "torch_dtype": "model.dtype",
+    "dtype": "model.dtype", "attn_implementation": "model.attn_implementation",
+    "trust_remote_code": "model.trust_remote_code", "chat_template_path": "model.chat_template",
+    "use_peft": "model.lora.enabled", "lora_r": "model.lora.r", "lora_alpha": "model.lora.alpha",
+    "lora_dropout": "model.lora.dropout", "lora_target_modules": "model.lora.target_modules",
     # data
-    "dataset_name": ("data.train", None),
-    "dataset_train_split": ("data.train_split", None),
-    "dataset_test_split": ("data.eval_split", None),
-    "dataset_num_proc": ("data.num_proc", None),
-    "max_length": ("data.max_length", None),
-    "max_seq_length": ("data.max_length", None),  # TRL < 0.20
-    "max_prompt_length": ("data.max_prompt_length", None),
-    "packing": ("data.packing", None),
-    "padding_free": ("data.packing", None),
-    "completion_only_loss": ("data.completion_only_loss", None),
-    "assistant_only_loss": ("data.assistant_only_loss", None),
+    "dataset_name": "data.train", "dataset_train_split": "data.train_split", "dataset_test_split": "data.eval_split",
+    "dataset_num_proc": "data.num_proc", "max_length": "data.max_length", "max_seq_length": "data.max_length",
+    "max_prompt_length": "data.max_prompt_length", "packing": "data.packing", "padding_free": "data.packing",
+    "completion_only_loss": "data.completion_only_loss", "assistant_only_loss": "data.assistant_only_loss",
     # run and optimiser (transformers' TrainingArguments)
-    "output_dir": ("output_dir", None),
-    "seed": ("seed", None),
-    "per_device_train_batch_size": ("train.per_device_train_batch_size", None),
-    "per_device_eval_batch_size": ("train.per_device_eval_batch_size", None),
-    "gradient_accumulation_steps": ("train.gradient_accumulation_steps", None),
-    "learning_rate": ("train.learning_rate", None),
-    "weight_decay": ("train.weight_decay", None),
-    "adam_beta1": ("train.adam_beta1", None),
-    "adam_beta2": ("train.adam_beta2", None),
-    "adam_epsilon": ("train.adam_epsilon", None),
-    "lr_scheduler_type": ("train.lr_scheduler_type", None),
-    "warmup_steps": ("train.warmup_steps", None),
-    "warmup_ratio": ("train.warmup_ratio", None),
-    "max_steps": ("train.max_steps", None),
-    "num_train_epochs": ("train.num_train_epochs", None),
-    "max_grad_norm": ("train.max_grad_norm", None),
-    "bf16": ("train.mixed_precision", _flag("bf16")),
-    "fp16": ("train.mixed_precision", _flag("fp16")),
-    "gradient_checkpointing": ("train.gradient_checkpointing", None),
-    "logging_steps": ("train.logging_steps", None),
-    "eval_steps": ("train.eval_steps", None),
-    "save_steps": ("train.save_steps", None),
-    "save_total_limit": ("train.save_total_limit", None),
-    "resume_from_checkpoint": ("train.resume_from_checkpoint", None),
-    "overwrite_output_dir": ("train.overwrite_output_dir", None),
-    "data_seed": ("train.dataloader_seed", None),
-    "ddp_timeout": ("train.ddp_timeout", None),
-    "report_to": ("train.report_to", _report_to),
+    "output_dir": "output_dir", "seed": "seed", "per_device_train_batch_size": "train.per_device_train_batch_size",
+    "per_device_eval_batch_size": "train.per_device_eval_batch_size",
+    "gradient_accumulation_steps": "train.gradient_accumulation_steps", "learning_rate": "train.learning_rate",
+    "weight_decay": "train.weight_decay", "adam_beta1": "train.adam_beta1", "adam_beta2": "train.adam_beta2",
+    "adam_epsilon": "train.adam_epsilon", "lr_scheduler_type": "train.lr_scheduler_type",
+    "warmup_steps": "train.warmup_steps", "warmup_ratio": "train.warmup_ratio", "max_steps": "train.max_steps",
+    "num_train_epochs": "train.num_train_epochs", "max_grad_norm": "train.max_grad_norm",
+    "bf16": "train.mixed_precision", "fp16": "train.mixed_precision",
+    "gradient_checkpointing": "train.gradient_checkpointing", "logging_steps": "train.logging_steps",
+    "eval_steps": "train.eval_steps", "save_steps": "train.save_steps", "save_total_limit": "train.save_total_limit",
+    "resume_from_checkpoint": "train.resume_from_checkpoint", "overwrite_output_dir": "train.overwrite_output_dir",
+    "data_seed": "train.dataloader_seed", "ddp_timeout": "train.ddp_timeout", "report_to": "train.report_to",
     # generation (GRPOConfig, PPOConfig)
-    "max_completion_length": ("generation.max_completion_length", None),
-    "response_length": ("generation.max_completion_length", None),  # PPOConfig
-    "temperature": ("generation.temperature", None),
-    "top_p": ("generation.top_p", None),
-    "top_k": ("generation.top_k", None),
-    "generation_batch_size": ("generation.batch_size", None),
-    "use_vllm": ("generation.engine", _flag("vllm")),
-    "vllm_gpu_memory_utilization": ("generation.vllm.gpu_memory_utilization", None),
-    "vllm_tensor_parallel_size": ("generation.vllm.tensor_parallel_size", None),
-    "vllm_enable_sleep_mode": ("generation.vllm.enable_sleep_mode", None),
-    "vllm_max_model_length": ("generation.vllm.max_model_len", None),
-    "vllm_importance_sampling_correction": ("algo.vllm_is_correction", None),
-    "vllm_importance_sampling_cap": ("algo.vllm_is_cap", None),
+    "max_completion_length": "generation.max_completion_length",
+    "response_length": "generation.max_completion_length", "temperature": "generation.temperature",
+    "top_p": "generation.top_p", "top_k": "generation.top_k", "generation_batch_size": "generation.batch_size",
+    "use_vllm": "generation.engine", "vllm_gpu_memory_utilization": "generation.vllm.gpu_memory_utilization",
+    "vllm_tensor_parallel_size": "generation.vllm.tensor_parallel_size",
+    "vllm_enable_sleep_mode": "generation.vllm.enable_sleep_mode",
+    "vllm_max_model_length": "generation.vllm.max_model_len",
+    "vllm_importance_sampling_correction": "algo.vllm_is_correction",
+    "vllm_importance_sampling_cap": "algo.vllm_is_cap",
     # the algorithm's own knobs (DPOConfig, GRPOConfig, RewardConfig, PPOConfig)
-    "beta": ("algo.beta", None),
-    "loss_type": ("algo.loss_type", None),
-    "label_smoothing": ("algo.label_smoothing", None),
-    "rpo_alpha": ("algo.rpo_alpha", None),
-    "simpo_gamma": ("algo.simpo_gamma", None),
-    "precompute_ref_log_probs": ("algo.precompute_ref_logprobs", None),
-    "center_rewards_coefficient": ("algo.center_rewards_coefficient", None),
-    "num_generations": ("algo.num_generations", None),
-    "epsilon": ("algo.epsilon", None),
-    "epsilon_high": ("algo.epsilon_high", None),
-    "scale_rewards": ("algo.scale_rewards", _scale_rewards),
-    "num_iterations": ("algo.num_iterations", None),
-    "importance_sampling_level": ("algo.importance_sampling_level", None),
-    "mask_truncated_completions": ("algo.mask_truncated_completions", None),
-    "kl_coef": ("algo.kl_coef", None),
-    "kl_estimator": ("algo.kl_estimator", None),
-    "cliprange": ("algo.epsilon", None),
-    "cliprange_value": ("algo.value_clip", None),
-    "gamma": ("algo.gamma", None),
-    "lam": ("algo.lam", None),
-    "num_ppo_epochs": ("algo.ppo_epochs", None),
-    "missing_eos_penalty": ("algo.missing_eos_penalty", None),
-    "sft_model_path": ("model.name_or_path", None),
-    "value_model_path": ("algo.critic_model_name_or_path", None),
+    "beta": "algo.beta", "loss_type": "algo.loss_type", "label_smoothing": "algo.label_smoothing",
+    "rpo_alpha": "algo.rpo_alpha", "simpo_gamma": "algo.simpo_gamma",
+    "precompute_ref_log_probs": "algo.precompute_ref_logprobs",
+    "center_rewards_coefficient": "algo.center_rewards_coefficient", "num_generations": "algo.num_generations",
+    "epsilon": "algo.epsilon", "epsilon_high": "algo.epsilon_high", "scale_rewards": "algo.scale_rewards",
+    "num_iterations": "algo.num_iterations", "importance_sampling_level": "algo.importance_sampling_level",
+    "mask_truncated_completions": "algo.mask_truncated_completions", "kl_coef": "algo.kl_coef",
+    "kl_estimator": "algo.kl_estimator", "cliprange": "algo.epsilon", "cliprange_value": "algo.value_clip",
+    "gamma": "algo.gamma", "lam": "algo.lam", "num_ppo_epochs": "algo.ppo_epochs",
+    "missing_eos_penalty": "algo.missing_eos_penalty", "sft_model_path": "model.name_or_path",
+    "value_model_path": "algo.critic_model_name_or_path",
 }
+CONVERSIONS: dict[str, Callable[[Any], Any]] = {  # TRL values spelled otherwise here
+    "bf16": _flag("bf16"), "fp16": _flag("fp16"), "report_to": _report_to, "use_vllm": _flag("vllm"),
+    "scale_rewards": _scale_rewards}
+TRL_KEYS: dict[str, tuple[str, Callable[[Any], Any] | None]] = {
+    key: (path, CONVERSIONS.get(key)) for key, path in TRL_RENAMES.items()}  # key -> (recipe key, conversion)
 
 RECIPE_TOP_LEVEL = tuple(f.metadata.get("key", f.name) for f in dataclasses.fields(Recipe))  # the recipe's sections
 
@@ -142,8 +101,6 @@ RECIPE_TOP_LEVEL = tuple(f.metadata.get("key", f.name) for f in dataclasses.fiel
 def translate(flat: dict[str, Any], where: str, algo_cls: type, shown: str = "") -> list[tuple[str, Any]]:
     """TRL keys and their values -> [(recipe key, value)]; every key without a meaning here is reported at once, as
     `shown` + key (shown='--' for command-line flags)."""
-    from posttrain.config.keys import recipe_keys
-
     valid_keys = {k.path for k in recipe_keys(algo_cls)}
     command = command_of(algo_cls)
     out, problems = [], []

@@ -3,52 +3,33 @@
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import importlib.util
+import os
+from urllib.parse import urlsplit
 
-from posttrain.config.schema import Recipe
+from posttrain.config.schema import Recipe, trackers
 from posttrain.errors import UserError
 
 CHOICES = {
-    "model.dtype": ("float32", "bfloat16", "float16", "auto"),
-    "train.lr_scheduler_type": ("constant", "linear", "cosine"),
-    "train.mixed_precision": ("no", "bf16", "fp16"),
-    "generation.engine": ("hf", "vllm"),
-    "generation.placement": ("colocated", "node", "servers", "ray"),
-    "train.nonfinite": ("stop", "skip"),
-    "generation.vllm.dtype": ("auto", "float32", "bfloat16", "float16"),
-    "launcher": ("local", "ray"),
+    "model.dtype": ("float32", "bfloat16", "float16", "auto"), "train.lr_scheduler_type": ("constant", "linear", "cosine"),
+    "train.mixed_precision": ("no", "bf16", "fp16"), "generation.engine": ("hf", "vllm"),
+    "generation.placement": ("colocated", "node", "servers", "ray"), "train.nonfinite": ("stop", "skip"),
+    "generation.vllm.dtype": ("auto", "float32", "bfloat16", "float16"), "launcher": ("local", "ray"),
 }
 POSITIVE = (
-    "train.per_device_train_batch_size",
-    "train.per_device_eval_batch_size",
-    "train.gradient_accumulation_steps",
-    "train.learning_rate",
-    "train.logging_steps",
-    "train.num_train_epochs",
-    "data.max_length",
-    "generation.max_completion_length",
-    "train.ddp_timeout",
-    "generation.sync_every",
-    "generation.sync_bucket_mb",
-    "generation.vllm.tensor_parallel_size",
-    "generation.request_timeout_s",
-    "generation.sync_timeout_s",
-    "placement.cpus_per_worker",
-    "placement.generation.tensor_parallel_size",
-    "rollout.max_turns",
-    "rollout.tool_timeout",
-    "rollout.tool_max_output_chars",
-    "rollout.tool_workers",
+    "train.per_device_train_batch_size", "train.per_device_eval_batch_size", "train.gradient_accumulation_steps",
+    "train.learning_rate", "train.logging_steps", "train.num_train_epochs", "data.max_length",
+    "generation.max_completion_length", "train.ddp_timeout", "generation.sync_every", "generation.sync_bucket_mb",
+    "generation.vllm.tensor_parallel_size", "generation.request_timeout_s", "generation.sync_timeout_s",
+    "placement.cpus_per_worker", "placement.generation.tensor_parallel_size", "rollout.max_turns",
+    "rollout.tool_timeout", "rollout.tool_max_output_chars", "rollout.tool_workers",
 )
 NON_NEGATIVE = ("train.weight_decay", "train.warmup_steps", "train.max_grad_norm", "train.save_steps", "train.eval_steps",
                 "train.max_nonfinite_skips", "generation.request_retries", "placement.generation.num_engines")
 PLACED_ROLES = ("policy", "reference", "critic", "reward_model")  # algorithms.base.ROLE_NAMES; config stays torch-free
 # train.report_to: tracker -> (modules it imports, the install command); posttrain/trackers.py writes to each
-TRACKERS = {
-    "tensorboard": (("tensorboard",), "pip install tensorboard"),
-    "wandb": (("wandb",), "pip install wandb"),
-    "mlflow": (("mlflow",), "pip install mlflow"),
-    "trackio": (("trackio",), "pip install trackio"),
-}
+TRACKERS = {name: ((name,), f"pip install {name}") for name in ("tensorboard", "wandb", "mlflow", "trackio")}
 # MLflow's database stores (its default since 3.x is sqlite:///mlflow.db) need SQLAlchemy and Alembic, which full
 # mlflow brings and mlflow-skinny does not
 MLFLOW_DATABASE_SCHEMES = ("sqlite", "postgresql", "mysql", "mssql")
@@ -135,8 +116,6 @@ def check_placement(recipe: Recipe) -> None:
 
 def check_servers_listed(g) -> None:
     """generation.servers: given exactly when placement=servers, each an http(s)://host:port URL, none twice."""
-    from urllib.parse import urlsplit
-
     if g.placement != "servers":
         if g.servers:
             raise UserError(f"generation.servers is set but generation.placement is {g.placement!r}; set "
@@ -193,12 +172,6 @@ def validate_placement(placement) -> None:
 
 def check_trackers(train) -> None:
     """train.report_to: known names, none alone, and every named tracker installed (found, not imported)."""
-    import difflib
-    import importlib.util
-    import os
-
-    from posttrain.config.schema import trackers
-
     for name in train.report_to:
         if name not in (*TRACKERS, "none"):
             close = difflib.get_close_matches(str(name), list(TRACKERS), n=1)

@@ -5,14 +5,10 @@
     batch = collate_packed(examples[:8]) if recipe.data.packing else collate_padded(examples[:8], pad_id)
 """
 
-from posttrain.data.collate import (collate_packed, collate_padded, collate_preference, collate_prompts,
-                                    eval_batches)
+from posttrain.data.collate import collate_packed, collate_padded, collate_preference, collate_prompts, eval_batches
 from posttrain.data.formats import DataFormat, detect_format
 from posttrain.data.io import load_rows
 from posttrain.data.tokenize import tokenize_preference, tokenize_prompts, tokenize_sft
 
-__all__ = [
-    "eval_batches",
-    "DataFormat", "collate_packed", "collate_padded", "collate_preference", "collate_prompts", "detect_format",
-    "load_rows", "tokenize_preference", "tokenize_prompts", "tokenize_sft",
-]
+__all__ = ["eval_batches", "DataFormat", "collate_packed", "collate_padded", "collate_preference", "collate_prompts",
+           "detect_format", "load_rows", "tokenize_preference", "tokenize_prompts", "tokenize_sft"]

@@ -21,10 +21,8 @@ Span = tuple[int, int]
 
 def require_chat_template(tokenizer, what: str) -> None:
     if not getattr(tokenizer, "chat_template", None):
-        raise UserError(
-            f"{what} holds conversations (lists of messages) but the tokenizer has no chat template; "
-            "set model.chat_template to a Jinja template or a .jinja file"
-        )
+        raise UserError(f"{what} holds conversations (lists of messages) but the tokenizer has no chat template; "
+                        "set model.chat_template to a Jinja template or a .jinja file")
 
 
 STANDARD_ROLES = ("system", "user", "assistant", "tool")
@@ -45,10 +43,10 @@ def check_roles(rows, columns, tokenizer, what: str) -> None:
         for column in columns:
             for j, message in enumerate(row[column] or []):
                 if message["role"] not in known:
-                    raise UserError(
-                        f"{what} row {i}: column {column!r} message {j} has role {message['role']!r}, which the chat "
-                        f"template does not know (roles: {', '.join(sorted(STANDARD_ROLES))}); fix the row, or set "
-                        "model.chat_template to a template that handles it")
+                    raise UserError(f"{what} row {i}: column {column!r} message {j} has role {message['role']!r}, "
+                                    "which the chat template does not know (roles: "
+                                    f"{', '.join(sorted(STANDARD_ROLES))}); fix the row, or set model.chat_template "
+                                    "to a template that handles it")
 
 
 def render(tokenizer, messages: list[dict], add_generation_prompt: bool = False) -> str:
@@ -57,16 +55,13 @@ def render(tokenizer, messages: list[dict], add_generation_prompt: bool = False)
 
 def _no_prefix_property(where: str, option: str | None) -> UserError:
     fix = f"set {option}=false or fix the template" if option else "fix the template"
-    return UserError(
-        f"{where}: the chat template does not render a conversation's beginning as the beginning of the whole "
-        f"conversation (it rewrites or reorders earlier turns), so the trained tokens cannot be found; {fix} "
-        "(model.chat_template)"
-    )
+    return UserError(f"{where}: the chat template does not render a conversation's beginning as the beginning of the "
+                     "whole conversation (it rewrites or reorders earlier turns), so the trained tokens cannot be "
+                     f"found; {fix} (model.chat_template)")
 
 
-def split_rendered(
-    tokenizer, prompt: list[dict], completion: list[dict], where: str, option: str | None = None
-) -> tuple[str, str]:
+def split_rendered(tokenizer, prompt: list[dict], completion: list[dict], where: str,
+                   option: str | None = None) -> tuple[str, str]:
     """(prompt text with generation prompt, completion text) such that their concatenation is the rendered whole."""
     prompt_text = render(tokenizer, prompt, add_generation_prompt=True)
     full = render(tokenizer, prompt + completion)
@@ -76,11 +71,8 @@ def split_rendered(
 
 
 def assistant_spans(tokenizer, messages: list[dict], full: str, first: int, where: str, option: str) -> list[Span]:
-    """Character spans in `full` (the rendered conversation) of the assistant turns messages[first:].
-
-    An assistant turn that opens the conversation is not trained: it answers nothing, and transformers cannot
-    render the empty conversation before it.
-    """
+    """Character spans in `full` (the rendered conversation) of the assistant turns messages[first:]; one that opens
+    the conversation is not trained (it answers nothing, and the empty conversation before it cannot be rendered)."""
     spans = []
     for i in range(max(first, 1), len(messages)):
         if messages[i]["role"] != "assistant":

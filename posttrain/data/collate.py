@@ -24,25 +24,17 @@ def _right_pad(rows: list[list[int]], value: int) -> torch.Tensor:
 def collate_padded(examples: list[dict], pad_id: int) -> Batch:
     """[{"input_ids", "completion_mask"}] -> right-padded Batch; padding is outside completion and attention masks."""
     ids = [e["input_ids"] for e in examples]
-    return Batch(
-        input_ids_BT=_right_pad(ids, pad_id),
-        completion_mask_BT=_right_pad([e["completion_mask"] for e in examples], 0).bool(),
-        attention_mask_BT=_right_pad([[1] * len(r) for r in ids], 0),
-        num_sequences=len(examples),
-    )
+    return Batch(input_ids_BT=_right_pad(ids, pad_id), num_sequences=len(examples),
+                 completion_mask_BT=_right_pad([e["completion_mask"] for e in examples], 0).bool(),
+                 attention_mask_BT=_right_pad([[1] * len(r) for r in ids], 0))
 
 
 def collate_packed(examples: list[dict], row_length: int | None = None, pad_id: int = 0) -> Batch:
     """[{"input_ids", "completion_mask"}] -> padding-free rows: sequences concatenated, position ids restarting at 0
-    (transformers finds the boundaries from them and keeps attention inside each sequence).
-
-    row_length None: one row holding everything. Otherwise sequences are packed first-fit-decreasing into rows of at
-    most `row_length` tokens, so attention cost stays ~rows x row_length^2 instead of (all tokens)^2; rows shorter
-    than the longest are filled with `pad_id` tokens that form their own segment and are never trained.
-
-    Each sequence's first token is left out of the completion mask: it would be predicted from the previous
-    sequence's last token. `sequence_index_BT` numbers sequences in the order given (-1 for filler).
-    """
+    (transformers keeps attention inside each sequence from them). row_length None: one row; else first-fit-decreasing
+    rows of at most `row_length` tokens (attention ~rows x row_length^2, not (all tokens)^2), short rows filled with
+    untrained `pad_id` segments. Each sequence's first token is out of the completion mask (it would be predicted
+    from the previous sequence); `sequence_index_BT` numbers sequences in the order given (-1 for filler)."""
     order = sorted(range(len(examples)), key=lambda n: -len(examples[n]["input_ids"]))
     bins: list[list[int]] = []
     sizes: list[int] = []
@@ -71,13 +63,10 @@ def collate_packed(examples: list[dict], row_length: int | None = None, pad_id: 
         rows["mask"].append(mask + [0] * filler)
         rows["positions"].append(positions + list(range(filler)))
         rows["index"].append(index + [-1] * filler)
-    return Batch(
-        input_ids_BT=torch.tensor(rows["input_ids"], dtype=torch.long),
-        completion_mask_BT=torch.tensor(rows["mask"], dtype=torch.long).bool(),
-        position_ids_BT=torch.tensor(rows["positions"], dtype=torch.long),
-        sequence_index_BT=torch.tensor(rows["index"], dtype=torch.long),
-        num_sequences=len(examples),
-    )
+    return Batch(input_ids_BT=torch.tensor(rows["input_ids"], dtype=torch.long), num_sequences=len(examples),
+                 completion_mask_BT=torch.tensor(rows["mask"], dtype=torch.long).bool(),
+                 position_ids_BT=torch.tensor(rows["positions"], dtype=torch.long),
+                 sequence_index_BT=torch.tensor(rows["index"], dtype=torch.long))
 
 
 def collate_preference(examples: list[dict], pad_id: int) -> Batch:
@@ -102,9 +91,8 @@ def collate_prompts(examples: list[dict], pad_id: int) -> tuple[torch.Tensor, to
     return input_ids_BT, attention_mask_BT
 
 
-def eval_batches(
-    examples: Sequence[dict], collate: Callable[[list[dict]], Batch], batch_size: int, world_size: int, rank: int
-) -> list[tuple[Batch, float]]:
+def eval_batches(examples: Sequence[dict], collate: Callable[[list[dict]], Batch], batch_size: int, world_size: int,
+                 rank: int) -> list[tuple[Batch, float]]:
     """This rank's eval micro-batches with a weight (0 for a filler batch), the same COUNT on every rank so that
     collective forwards (ZeRO-3) stay in step."""
     out = []

@@ -20,6 +20,9 @@ import datasets
 from posttrain.errors import UserError
 
 EXPECTED = "text | messages | prompt + completion | prompt | prompt + chosen + rejected | chosen + rejected"
+DETECTION = ((("chosen", "rejected"), "preference", "chosen"), (("prompt", "completion"), "prompt_completion", "prompt"),
+             (("messages",), "language_modeling", "messages"), (("text",), "language_modeling", "text"),
+             (("prompt",), "prompt_only", "prompt"))  # (columns, kind, the column that tells the row type), first wins
 
 
 @dataclass(frozen=True)
@@ -33,30 +36,19 @@ class DataFormat:
 
     def columns(self) -> tuple[str, ...]:
         """The columns this format reads."""
-        if self.kind == "language_modeling":
-            return ("messages",) if self.conversational else ("text",)
-        if self.kind == "prompt_completion":
-            return ("prompt", "completion")
-        if self.kind == "prompt_only":
-            return ("prompt",)
-        return ("chosen", "rejected") if self.implicit_prompt else ("prompt", "chosen", "rejected")
+        return {"language_modeling": ("messages",) if self.conversational else ("text",),
+                "prompt_completion": ("prompt", "completion"), "prompt_only": ("prompt",),
+                "preference": ("chosen", "rejected") if self.implicit_prompt else ("prompt", "chosen", "rejected")
+                }[self.kind]
 
 
 def detect_format(dataset: datasets.Dataset, what: str = "data.train") -> DataFormat:
     """The format of `dataset`, after checking every row's columns; a bad row raises a UserError naming it."""
     names = set(dataset.column_names)
-    if {"chosen", "rejected"} <= names:
-        kind, key = "preference", "chosen"
-    elif {"prompt", "completion"} <= names:
-        kind, key = "prompt_completion", "prompt"
-    elif "messages" in names:
-        kind, key = "language_modeling", "messages"
-    elif "text" in names:
-        kind, key = "language_modeling", "text"
-    elif "prompt" in names:
-        kind, key = "prompt_only", "prompt"
-    else:
+    found = next(((kind, key) for columns, kind, key in DETECTION if set(columns) <= names), None)
+    if found is None:
         raise UserError(f"{what}: columns {sorted(names)} match no known dataset format; expected {EXPECTED}")
+    kind, key = found
     if len(dataset) == 0:
         raise UserError(f"{what}: the dataset holds no rows")
     conversational = key == "messages" or isinstance(dataset[0][key], list)
@@ -81,15 +73,11 @@ def _check_value(value, conversational: bool, where: str, like: str) -> None:
             raise UserError(f"{where} must be a string{like}, got {got}")
         return
     if not isinstance(value, list):
-        raise UserError(
-            f"{where} must be a list of messages ({{'role': ..., 'content': ...}}){like}, got "
-            f"{type(value).__name__} {value!r:.40}"
-        )
+        raise UserError(f"{where} must be a list of messages ({{'role': ..., 'content': ...}}){like}, got "
+                        f"{type(value).__name__} {value!r:.40}")
     for j, message in enumerate(value):
         if not isinstance(message, dict) or not isinstance(message.get("role"), str) or not message["role"]:
-            raise UserError(
-                f"{where} message {j} needs a 'role' string; each message is {{'role': ..., 'content': ...}}"
-            )
+            raise UserError(f"{where} message {j} needs a 'role' string; each message is {{'role': ..., 'content': ...}}")
         content = message.get("content")
         if not (isinstance(content, (str, list)) or (content is None and message.get("tool_calls"))):
             raise UserError(f"{where} message {j} needs 'content' (a string), got {content!r:.40}")

@@ -47,10 +47,8 @@ def _read_file(path: Path, what: str) -> datasets.Dataset:
     if suffix not in SUFFIXES:
         known = ", ".join(SUFFIXES)
         raise UserError(f"{what}: {path} has an unknown extension {suffix or '(none)'!r}; use one of {known}")
-    if suffix in (".jsonl", ".json"):
-        return _from_records(_read_json(path, what), path, what)
-    if suffix == ".csv":
-        return _from_records(_read_csv(path, what), path, what)
+    if suffix != ".parquet":  # parsed here, so a broken row is named by its line
+        return _from_records((_read_csv if suffix == ".csv" else _read_json)(path, what), path, what)
     try:
         return datasets.Dataset.from_parquet(str(path))
     except Exception as e:  # pyarrow raises many types for a broken file
@@ -84,8 +82,8 @@ def _read_json(path: Path, what: str) -> list[tuple[str, dict]]:
         except RecursionError:
             raise UserError(f"{what}: {path} line {number}: {_TOO_DEEP}") from None
         if not isinstance(item, dict):
-            got = type(item).__name__
-            raise UserError(f"{what}: {path} line {number}: expected a JSON object (one row), got {got}")
+            raise UserError(f"{what}: {path} line {number}: expected a JSON object (one row), got "
+                            f"{type(item).__name__}")
         _check_depth(item, f"{what}: {path} line {number}")
         records.append((f"line {number}", item))
     return records
@@ -148,10 +146,8 @@ def _from_records(records: list[tuple[str, dict]], path: Path, what: str) -> dat
                 if first is None:
                     first = shape
                 elif shape != first:
-                    raise UserError(
-                        f"{what}: {path} {where}: column {column!r} holds {shape} where earlier rows hold "
-                        f"{first}; every row must use the same type per column"
-                    ) from None
+                    raise UserError(f"{what}: {path} {where}: column {column!r} holds {shape} where earlier rows "
+                                    f"hold {first}; every row must use the same type per column") from None
         raise UserError(f"{what}: could not build a dataset from {path}: {e}") from None
 
 
@@ -159,14 +155,9 @@ def _shape(value) -> str:
     """A coarse type name for comparing rows: 'string', 'number', 'list of object', ..."""
     if value is None:
         return "null"
-    if isinstance(value, bool):
-        return "boolean"
-    if isinstance(value, (int, float)):
-        return "number"
-    if isinstance(value, str):
-        return "string"
-    if isinstance(value, dict):
-        return "object"
+    for kinds, name in ((bool, "boolean"), ((int, float), "number"), (str, "string"), (dict, "object")):
+        if isinstance(value, kinds):  # bool first: it is an int too
+            return name
     if isinstance(value, list):
         inner = sorted({_shape(v) for v in value} - {"null"})
         return "list of " + (" or ".join(inner) if inner else "nothing")
@@ -188,10 +179,8 @@ def _read_hub(name: str, split: str, what: str) -> datasets.Dataset:
     try:
         rows = datasets.load_dataset(name, split=split)
     except (OSError, ValueError) as e:  # not found / offline (OSError subclasses), no such split (ValueError)
-        raise UserError(
-            f"{what}: {name!r} is not a local file or directory, and loading it as a hub dataset (split {split!r}) "
-            f"failed: {e}"
-        ) from None
+        raise UserError(f"{what}: {name!r} is not a local file or directory, and loading it as a hub dataset (split "
+                        f"{split!r}) failed: {e}") from None
     if not isinstance(rows, datasets.Dataset):
         raise UserError(f"{what}: {name!r} split {split!r} did not load as one table of rows")
     return rows

@@ -45,7 +45,8 @@ def _detect(dataset, tokenizer, what: str, accepts, needs: str) -> DataFormat:
 
 def tokenize_sft(dataset: datasets.Dataset, tokenizer, data_cfg: DataConfig, what: str = "data.train"):
     """Rows -> [{"input_ids", "completion_mask"}], stats {rows, examples, tokens, completion_tokens, truncated,
-    dropped_no_completion, dropped_empty (see _sft_empty)}. Sequences are cut to data_cfg.max_length (their start is kept)."""
+    dropped_no_completion, dropped_empty (see _sft_empty)}. Sequences are cut to data_cfg.max_length, keeping their
+    start."""
     fmt = _detect(dataset, tokenizer, what, lambda f: f.kind in ("language_modeling", "prompt_completion"),
                   "SFT needs text, messages or prompt + completion rows")
     stats = dict(rows=len(dataset), examples=0, tokens=0, completion_tokens=0, truncated=0, dropped_no_completion=0,
@@ -55,10 +56,8 @@ def tokenize_sft(dataset: datasets.Dataset, tokenizer, data_cfg: DataConfig, wha
         if _sft_empty(row, fmt):
             stats["dropped_empty"] += 1
             continue
-        if fmt.conversational:
-            input_ids, mask = _sft_conversation(row, tokenizer, data_cfg, f"{what} row {i}")
-        else:
-            input_ids, mask = _sft_text(row, tokenizer, data_cfg)
+        input_ids, mask = (_sft_conversation(row, tokenizer, data_cfg, f"{what} row {i}") if fmt.conversational
+                           else _sft_text(row, tokenizer, data_cfg))
         if len(input_ids) > data_cfg.max_length:
             input_ids, mask = input_ids[: data_cfg.max_length], mask[: data_cfg.max_length]
             stats["truncated"] += 1
@@ -71,12 +70,10 @@ def tokenize_sft(dataset: datasets.Dataset, tokenizer, data_cfg: DataConfig, wha
         stats["completion_tokens"] += sum(mask)
     stats["examples"] = len(examples)
     if not examples:
-        raise UserError(
-            f"{what}: no row has a token to train on within data.max_length={data_cfg.max_length} "
-            f"({stats['rows']} rows, {stats['dropped_empty']} with an empty text, completion or assistant turn, "
-            f"{stats['truncated']} truncated); raise data.max_length or check that rows have "
-            "completions / assistant turns"
-        )
+        raise UserError(f"{what}: no row has a token to train on within data.max_length={data_cfg.max_length} "
+                        f"({stats['rows']} rows, {stats['dropped_empty']} with an empty text, completion or assistant "
+                        f"turn, {stats['truncated']} truncated); raise data.max_length or check that rows have "
+                        "completions / assistant turns")
     return examples, stats
 
 
@@ -101,20 +98,16 @@ def _sft_text(row: dict, tokenizer, data_cfg: DataConfig) -> tuple[list[int], li
 
 
 def _sft_conversation(row: dict, tokenizer, data_cfg: DataConfig, where: str) -> tuple[list[int], list[int]]:
-    if "messages" in row:
-        prompt, messages = [], clean_messages(row["messages"])
-    else:
-        prompt = clean_messages(row["prompt"])
-        messages = prompt + clean_messages(row["completion"])
+    prompt = [] if "messages" in row else clean_messages(row["prompt"])
+    messages = clean_messages(row["messages"]) if "messages" in row else prompt + clean_messages(row["completion"])
     completion_only = data_cfg.completion_only_loss and bool(prompt)  # only prompt-completion rows have a prompt
     full = render(tokenizer, messages)
     if data_cfg.assistant_only_loss:
         first = len(prompt) if completion_only else 0
         spans = assistant_spans(tokenizer, messages, full, first, where, "data.assistant_only_loss")
     elif completion_only:
-        prompt_text, completion_text = split_rendered(
-            tokenizer, prompt, messages[len(prompt):], where, "data.completion_only_loss"
-        )
+        prompt_text, completion_text = split_rendered(tokenizer, prompt, messages[len(prompt):], where,
+                                                      "data.completion_only_loss")
         spans = [(len(prompt_text), len(prompt_text) + len(completion_text))]
     else:
         spans = [(0, len(full))]
@@ -160,11 +153,10 @@ def tokenize_preference(dataset: datasets.Dataset, tokenizer, data_cfg: DataConf
         stats["tokens"] += 2 * len(example["prompt_ids"]) + len(example["chosen_ids"]) + len(example["rejected_ids"])
     stats["pairs"] = len(examples)
     if not examples:
-        raise UserError(
-            f"{what}: no usable preference pair in {stats['rows']} rows: {stats['dropped_prompt_mismatch']} had "
-            f"no prompt shared by chosen and rejected, {stats['dropped_identical']} had chosen == rejected, "
-            f"{stats['dropped_empty']} had an empty chosen or rejected"
-        )
+        raise UserError(f"{what}: no usable preference pair in {stats['rows']} rows: "
+                        f"{stats['dropped_prompt_mismatch']} had no prompt shared by chosen and rejected, "
+                        f"{stats['dropped_identical']} had chosen == rejected, {stats['dropped_empty']} had an empty "
+                        "chosen or rejected")
     return examples, stats
 
 
@@ -198,11 +190,7 @@ def _split_pair(row: dict, fmt: DataFormat):
             if not prompt:
                 return "prompt_mismatch"
         empty = not chosen.strip() or not rejected.strip()
-    if chosen == rejected:
-        return "identical"
-    if empty:
-        return "empty"
-    return prompt, chosen, rejected
+    return "identical" if chosen == rejected else "empty" if empty else (prompt, chosen, rejected)
 
 
 def _no_text(messages: list[dict]) -> bool:
@@ -251,23 +239,19 @@ def _fit_pair(prompt_ids: list[int], chosen_ids: list[int], rejected_ids: list[i
 
 
 def tokenize_prompts(dataset: datasets.Dataset, tokenizer, data_cfg: DataConfig, what: str = "data.train"):
-    """Rows -> [{"prompt_ids", "prompt", "columns"}] where columns holds the row's other values (for rewards);
-    stats {rows, tokens, truncated, dropped_empty}. Empty prompts are dropped. Prompts longer than data_cfg.max_prompt_length keep their last tokens."""
+    """Rows -> [{"prompt_ids", "prompt", "columns"}] (columns: the row's other values, for rewards); stats {rows,
+    tokens, truncated, dropped_empty}. Empty prompts are dropped; long ones keep their last max_prompt_length tokens."""
     fmt = _detect(dataset, tokenizer, what, lambda f: "prompt" in f.columns(), "generation needs a 'prompt' column")
     limit = data_cfg.max_prompt_length
     stats = dict(rows=len(dataset), tokens=0, truncated=0, dropped_empty=0)
     examples = []
     for row in dataset:
-        prompt = row["prompt"]
-        if fmt.conversational:
-            prompt = clean_messages(prompt)
+        prompt = clean_messages(row["prompt"]) if fmt.conversational else row["prompt"]
         if not prompt or (_no_text(prompt) if fmt.conversational else not prompt.strip()):
             stats["dropped_empty"] += 1  # nothing to answer: the generation would start from nothing
             continue
-        if fmt.conversational:
-            prompt_ids = _ids(tokenizer, render(tokenizer, prompt, add_generation_prompt=True), False)
-        else:
-            prompt_ids = _ids(tokenizer, prompt, True)
+        prompt_ids = (_ids(tokenizer, render(tokenizer, prompt, add_generation_prompt=True), False)
+                      if fmt.conversational else _ids(tokenizer, prompt, True))
         if limit is not None and len(prompt_ids) > limit:
             prompt_ids = prompt_ids[len(prompt_ids) - limit:]
             stats["truncated"] += 1

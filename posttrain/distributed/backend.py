@@ -17,12 +17,15 @@ engine the launcher asked for is switched on over it; see `_make_accelerator`.
 
 from __future__ import annotations
 
+import argparse
 import atexit
 import contextlib
 import functools
 import gc
+import io
 import os
 import resource
+import sys
 import time
 import warnings
 from datetime import timedelta
@@ -32,13 +35,15 @@ from typing import Any, Iterator
 import torch
 import torch.distributed as dist
 from accelerate import Accelerator, PartialState
-from accelerate.utils import DistributedType, InitProcessGroupKwargs
+from accelerate.state import AcceleratorState, GradientState
+from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin, InitProcessGroupKwargs
 
 from posttrain.config.schema import Recipe, TrainConfig
 from posttrain.distributed import peers
 from posttrain.distributed.build_locks import announce_cpu_op_builds, clear_stale_build_locks
 from posttrain.distributed.launch_config import (check_launcher_settings, env_flag, fill_deepspeed_config,
                                                  launcher_engine)
+from posttrain.distributed.offload import Offloaded
 from posttrain.distributed.weight_sync import SyncUnit, sync_buckets, sync_units
 from posttrain.errors import UserError
 
@@ -47,16 +52,13 @@ warnings.filterwarnings("ignore", message=r".*torch\.distributed\.(all_gather_in
 
 
 def _check_not_a_lone_cpu_process() -> None:
-    """`accelerate launch --cpu --num_processes 2` (or a config with use_cpu and no multi-process type) starts ONE
-    process that expects mpirun to have started the others; it would train alone as if nothing were wrong."""
+    """`accelerate launch --cpu --num_processes 2` starts ONE process that expects mpirun to start the others."""
     launched = any(k in os.environ for k in ("LOCAL_RANK", "WORLD_SIZE", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE"))
     if env_flag("ACCELERATE_USE_CPU") and "MASTER_ADDR" in os.environ and not launched:
-        raise UserError(
-            "accelerate launch --cpu with several processes starts only one here (it expects mpirun). Use "
-            "`torchrun --nproc_per_node N -m posttrain ...`, or `accelerate launch --config_file "
-            "recipes/accelerate/ddp.yaml --num_processes N -m posttrain ...` (without --cpu: with no GPU, posttrain "
-            "runs every process on the CPU over gloo)"
-        )
+        raise UserError("accelerate launch --cpu with several processes starts only one here (it expects mpirun). "
+                        "Use `torchrun --nproc_per_node N -m posttrain ...`, or `accelerate launch --config_file "
+                        "recipes/accelerate/ddp.yaml --num_processes N -m posttrain ...` (without --cpu: with no GPU, "
+                        "posttrain runs every process on the CPU over gloo)")
 
 
 def _make_accelerator(t: TrainConfig, use_cpu: bool) -> Accelerator:
@@ -66,22 +68,17 @@ def _make_accelerator(t: TrainConfig, use_cpu: bool) -> Accelerator:
     launched = "LOCAL_RANK" in os.environ  # torchrun / accelerate launch set it, a plain `posttrain` does not
     if use_cpu and engine is not None:
         if not launched:
-            raise UserError(
-                f"ACCELERATE_USE_{engine.upper()}=true asks for {engine}, which needs a launcher: run through "
-                "`torchrun --nproc_per_node N -m posttrain ...` or `accelerate launch --config_file ... -m posttrain ...`"
-            )
+            raise UserError(f"ACCELERATE_USE_{engine.upper()}=true asks for {engine}, which needs a launcher: run "
+                            "through `torchrun --nproc_per_node N -m posttrain ...` or `accelerate launch "
+                            "--config_file ... -m posttrain ...`")
         # the gloo group first, with the right world size; the engine is then enabled over it (cpu=False below)
         PartialState(cpu=True, backend="gloo", timeout=timeout)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     handlers = [InitProcessGroupKwargs(backend="gloo" if use_cpu else "nccl", timeout=timeout)] if world > 1 else []
     try:
-        accelerator = Accelerator(
-            cpu=use_cpu and engine is None,
-            mixed_precision=t.mixed_precision,
-            gradient_accumulation_steps=t.gradient_accumulation_steps,
-            kwargs_handlers=handlers,
-            step_scheduler_with_optimizer=False,
-        )
+        accelerator = Accelerator(cpu=use_cpu and engine is None, mixed_precision=t.mixed_precision,
+                                  gradient_accumulation_steps=t.gradient_accumulation_steps, kwargs_handlers=handlers,
+                                  step_scheduler_with_optimizer=False)
     except ValueError as e:  # Accelerate's own checks of the launcher configuration
         raise UserError(f"the launcher configuration does not work: {e}") from e
     if use_cpu and engine == "fsdp" and accelerator.distributed_type == DistributedType.MULTI_CPU:
@@ -99,15 +96,10 @@ def _make_accelerator(t: TrainConfig, use_cpu: bool) -> Accelerator:
 def _enable_fsdp_on_cpu(mixed_precision: str) -> None:
     """Accelerate switches to FSDP only for GPU-like devices; FSDP2's fully_shard itself runs on CPU over gloo
     (FSDP1 does not), so the state Accelerate would have built is set here."""
-    from accelerate.state import AcceleratorState
-    from accelerate.utils import FullyShardedDataParallelPlugin
-
     plugin = FullyShardedDataParallelPlugin()
     if plugin.fsdp_version != 2:
-        raise UserError(
-            "FSDP on CPU needs FSDP2: set fsdp_version: 2 in the accelerate config (or FSDP_VERSION=2); "
-            "FSDP1 runs only on GPUs"
-        )
+        raise UserError("FSDP on CPU needs FSDP2: set fsdp_version: 2 in the accelerate config (or FSDP_VERSION=2); "
+                        "FSDP1 runs only on GPUs")
     if mixed_precision != "no":
         plugin.set_mixed_precision(mixed_precision)
     state = AcceleratorState()
@@ -168,15 +160,12 @@ class Backend:
 
     @property
     def zero_stage(self) -> int:
-        if not self.is_deepspeed:
-            return 0
-        return int(self.accelerator.state.deepspeed_plugin.zero_stage)
+        return int(self.accelerator.state.deepspeed_plugin.zero_stage) if self.is_deepspeed else 0
 
     def describe(self) -> dict[str, Any]:
         """The facts rank 0 prints at start: world, nodes, engine, stage, offload, precision."""
         engine = {DistributedType.NO: "single", DistributedType.MULTI_CPU: "ddp", DistributedType.MULTI_GPU: "ddp"}.get(
-            self.distributed_type, self.distributed_type.value.lower()
-        )
+            self.distributed_type, self.distributed_type.value.lower())
         offload = "none"
         if self.is_deepspeed:
             engine = f"deepspeed-zero{self.zero_stage}"
@@ -188,14 +177,8 @@ class Backend:
             plugin = self.accelerator.state.fsdp_plugin
             engine = f"fsdp{getattr(plugin, 'fsdp_version', 1)}"
             offload = "param,optimizer" if _fsdp_offloads(plugin) else "none"
-        return {
-            "world_size": self.world_size,
-            "nodes": self.num_nodes,
-            "engine": engine,
-            "offload": offload,
-            "precision": self.recipe.train.mixed_precision,
-            "device": str(self.device),
-        }
+        return {"world_size": self.world_size, "nodes": self.num_nodes, "engine": engine, "offload": offload,
+                "precision": self.recipe.train.mixed_precision, "device": str(self.device)}
 
     # --- DeepSpeed: the recipe is the one source of truth ----------------------------------------------------
     def _fill_deepspeed_config(self) -> None:
@@ -208,9 +191,6 @@ class Backend:
     def convert_to_universal(engine_dir: Path, target_dir: Path) -> None:
         """One DeepSpeed engine checkpoint (the per-rank shards under engine_dir) rewritten in DeepSpeed's universal
         format under target_dir: each parameter's weights and optimiser state whole. Called on one rank."""
-        import argparse
-        import io
-
         from deepspeed.checkpoint.ds_to_universal import main as convert
 
         args = argparse.Namespace(input_folder=str(engine_dir), output_folder=str(target_dir), num_extract_workers=1,
@@ -219,8 +199,7 @@ class Backend:
             convert(args)
 
     def load_universal(self) -> None:
-        """Have the DeepSpeed engine built by `prepare` read checkpoints in the universal format (see
-        checkpoint.to_universal)."""
+        """The DeepSpeed engine built by `prepare` reads checkpoints in the universal format."""
         self.accelerator.state.deepspeed_plugin.deepspeed_config.setdefault("checkpoint", {})["load_universal"] = True
 
     # --- training --------------------------------------------------------------------------------------------
@@ -228,10 +207,8 @@ class Backend:
         return self.accelerator.prepare(model, optimizer)
 
     def prepare_frozen(self, model, offload: bool = False):
-        """A model used only for no-grad forwards (reference policy, reward model): no optimiser state. Under ZeRO-3
-        it is partitioned like the trained models. offload: its weights stay in CPU memory between forwards
-        (ZeRO-3: DeepSpeed's parameter offload, also when the launcher's config offloads parameters; otherwise
-        distributed/offload.Offloaded)."""
+        """A no-grad model (reference, reward model): partitioned like the trained ones under ZeRO-3. offload: its
+        weights stay in CPU memory between forwards (ZeRO-3: DeepSpeed's parameter offload; else Offloaded)."""
         zero3 = self.is_deepspeed and self.zero_stage == 3
         if zero3 or (self.is_deepspeed and not offload):
             import deepspeed
@@ -240,19 +217,15 @@ class Backend:
             launcher = self.accelerator.state.deepspeed_plugin.deepspeed_config.get("zero_optimization", {})
             if zero3 and (offload or (launcher.get("offload_param") or {}).get("device") not in ("none", None)):
                 zero["offload_param"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
-            config = {
-                "train_micro_batch_size_per_gpu": self.recipe.train.per_device_train_batch_size,
-                "bf16": {"enabled": self.recipe.train.mixed_precision == "bf16"},
-                "fp16": {"enabled": self.recipe.train.mixed_precision == "fp16"},
-                "zero_optimization": zero,
-            }
+            precision = self.recipe.train.mixed_precision
+            config = {"train_micro_batch_size_per_gpu": self.recipe.train.per_device_train_batch_size,
+                      "bf16": {"enabled": precision == "bf16"}, "fp16": {"enabled": precision == "fp16"},
+                      "zero_optimization": zero}
             engine, *_ = deepspeed.initialize(model=model, config=config)
             engine.eval()
             return engine
         model.eval()
         if offload:
-            from posttrain.distributed.offload import Offloaded
-
             precision = self.recipe.train.mixed_precision
             if self.is_deepspeed and precision in ("bf16", "fp16"):  # as DeepSpeed's engine would hold it
                 model.to(torch.bfloat16 if precision == "bf16" else torch.float16)
@@ -264,9 +237,8 @@ class Backend:
         return self.accelerator.accumulate(model)
 
     def backward(self, loss: torch.Tensor, model=None) -> None:
-        """Backward of `model`'s loss (the policy's when None). Under DeepSpeed each trained model is its own engine:
-        its backward, then its step at the accumulation boundary only, as Accelerate's DeepSpeedEngineWrapper does
-        for one (ZeRO-0/1 skip the gradient all-reduce inside no_sync before it, where step() is refused)."""
+        """Backward of `model`'s loss (the policy's when None). Under DeepSpeed each trained model is its own engine,
+        stepped at the accumulation boundary only, as Accelerate's DeepSpeedEngineWrapper does for one."""
         loss = loss * (self.recipe.train.gradient_accumulation_steps * self.world_size)
         if self.is_deepspeed and model is not None:
             boundary = self.accelerator.sync_gradients
@@ -278,9 +250,8 @@ class Backend:
             self.accelerator.backward(loss)
 
     def step(self, model, optimizer, skip_nonfinite: bool = False) -> torch.Tensor:
-        """Clip, step, zero the gradients. Returns the global gradient norm (before clipping). With skip_nonfinite a
-        NaN/inf norm drops the update (the norm is global, so every rank drops it; not possible under DeepSpeed,
-        whose engine already stepped)."""
+        """Clip, step, zero the gradients; returns the global norm before clipping. skip_nonfinite: a NaN/inf norm
+        drops the update on every rank (not under DeepSpeed, whose engine already stepped)."""
         max_norm = self.recipe.train.max_grad_norm
         if self.is_deepspeed:
             # the engine already clipped and stepped inside backward() at the accumulation boundary
@@ -307,31 +278,24 @@ class Backend:
         dist.all_reduce(y, op=dist.ReduceOp.SUM)
         return y.to(x.device)
 
-    def all_reduce_mean(self, x: torch.Tensor) -> torch.Tensor:
-        return self.all_reduce_sum(x) / self.world_size
-
     def all_gather_object(self, obj: Any) -> list[Any]:
-        if self.world_size == 1:
-            return [obj]
-        out: list[Any] = [None] * self.world_size
-        dist.all_gather_object(out, obj)
+        out: list[Any] = [obj] if self.world_size == 1 else [None] * self.world_size
+        if self.world_size > 1:
+            dist.all_gather_object(out, obj)
         return out
 
     def broadcast_object(self, obj: Any) -> Any:
-        if self.world_size == 1:
-            return obj
         box = [obj]
-        dist.broadcast_object_list(box, src=0)
+        if self.world_size > 1:
+            dist.broadcast_object_list(box, src=0)
         return box[0]
 
     def barrier(self) -> None:
         self.accelerator.wait_for_everyone()
 
     # --- parameters and state --------------------------------------------------------------------------------
-    def unwrap(self, model):
-        if self.distributed_type == DistributedType.NO:  # nothing wraps it; accelerate would import DeepSpeed to check
-            return model
-        return self.accelerator.unwrap_model(model)
+    def unwrap(self, model):  # with nothing wrapping it, accelerate would import DeepSpeed just to check
+        return model if self.distributed_type == DistributedType.NO else self.accelerator.unwrap_model(model)
 
     @contextlib.contextmanager
     def gathered_parameters(self, model) -> Iterator[None]:
@@ -360,21 +324,15 @@ class Backend:
             yield
 
     def full_state_dict(self, model) -> dict[str, torch.Tensor]:
-        """The whole model's weights (gathered from shards) on rank 0, tied weights once; other ranks get {}.
-
-        Every rank must call it (it is a collective under ZeRO-3 and FSDP)."""
-        if self.is_deepspeed and self.zero_stage == 3:
-            state = self._gather_zero3(model)
-        else:
-            state = self.accelerator.get_state_dict(model)
+        """The whole model's weights on rank 0, tied weights once; {} elsewhere. A collective: every rank calls it."""
+        zero3 = self.is_deepspeed and self.zero_stage == 3
+        state = self._gather_zero3(model) if zero3 else self.accelerator.get_state_dict(model)
         return drop_tied_aliases(self.unwrap(model), state) if self.is_main else {}
 
     def weight_buckets(self, model, bucket_mb: float) -> Iterator[list[tuple[str, torch.Tensor]]]:
-        """The policy's full parameters for a weight sync, about `bucket_mb` MiB per bucket, named as the plain
-        transformers model names them: LoRA folded into the base weights on the fly (adapters never sent), a tied
-        weight once. Every rank must iterate to the end (each bucket is a collective under ZeRO-3 and FSDP2: ZeRO-3
-        gathers one bucket at a time, FSDP2 `full_tensor`s one parameter at a time); every rank gets the tensors.
-        A bucket's tensors are valid until the next one is asked for: copy what must outlive it."""
+        """The policy's full parameters for a weight sync in ~`bucket_mb` MiB buckets, named as the plain model names
+        them (LoRA folded in, a tied weight once). Every rank iterates to the end (each bucket is a collective under
+        ZeRO-3 / FSDP2); a bucket's tensors are valid until the next one is asked for."""
         for units in sync_buckets(sync_units(self.unwrap(model)), bucket_mb):
             yield from self._materialise(units)
 
@@ -394,8 +352,7 @@ class Backend:
                 yield [(u.name, u.compute([p.data for p in u.params])) for u in units]
 
     def _gather_zero3(self, model) -> dict[str, torch.Tensor]:
-        """ZeRO-3: gather one parameter at a time (so no rank ever holds two full copies) into rank 0's CPU memory.
-        Does not depend on stage3_gather_16bit_weights_on_model_save."""
+        """ZeRO-3: one parameter at a time (no rank holds two full copies) into rank 0's CPU memory."""
         import deepspeed
 
         unwrapped = self.unwrap(model)
@@ -408,13 +365,11 @@ class Backend:
 
     def nonfinite_parameters(self, model) -> int:
         """How many of this rank's parameter tensors (its shards under ZeRO-3 / FSDP2) hold NaN or inf."""
-        bad = 0
-        for param in model.parameters():
-            local = getattr(param, "ds_tensor", None)  # ZeRO-3: the parameter itself is an empty placeholder
-            if local is None:
-                local = param.to_local() if hasattr(param, "to_local") else param  # FSDP2: a DTensor shard
-            bad += int(not bool(torch.isfinite(local.detach()).all()))
-        return bad
+        def local(param):  # ZeRO-3: the parameter is an empty placeholder beside its shard; FSDP2: a DTensor
+            shard = getattr(param, "ds_tensor", None)
+            return shard if shard is not None else param.to_local() if hasattr(param, "to_local") else param
+
+        return sum(int(not bool(torch.isfinite(local(p).detach()).all())) for p in model.parameters())
 
     def save_state(self, path: str) -> None:
         self.accelerator.save_state(path, safe_serialization=True)
@@ -429,8 +384,8 @@ class Backend:
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
     def end(self) -> None:
-        """Leave the process clean: trackers closed, process group destroyed, Accelerate's singletons reset (so a
-        second run in the same process, as in tests and the demo, starts from scratch)."""
+        """Trackers closed, process group destroyed, Accelerate's singletons reset (a second run in this process
+        starts from scratch)."""
         self.accelerator.end_training()
         if dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()
@@ -445,31 +400,24 @@ def _settle_at_exit() -> None:
 
 def _gloo_workers_running() -> bool:
     """Whether a gloo worker thread of this process is running or runnable (Linux /proc; False elsewhere)."""
+    task = Path("/proc/self/task")
     try:
-        tasks = os.listdir("/proc/self/task")
+        tids = os.listdir(task)
     except OSError:
         return False
-    for tid in tasks:
+    for tid in tids:
         try:
-            with open(f"/proc/self/task/{tid}/comm") as f:
-                if not f.read().startswith("pt_gloo_runloop"):
-                    continue
-            with open(f"/proc/self/task/{tid}/stat") as f:
-                if f.read().rsplit(")", 1)[1].split()[0] == "R":
-                    return True
+            if ((task / tid / "comm").read_text().startswith("pt_gloo_runloop")
+                    and (task / tid / "stat").read_text().rsplit(")", 1)[1].split()[0] == "R"):
+                return True
         except OSError:
             continue
     return False
 
 
 def _let_gloo_workers_finish(limit_s: float = 2.0) -> None:
-    """At exit, before the interpreter shuts down: let gloo's worker threads finish releasing their last work.
-
-    destroy_process_group() does not stop them (the engines keep the group alive). A worker that was preempted
-    right after a collective completed drops that work later, and dropping its tensors takes the GIL; if that
-    happens while Python is finalizing, the process aborts ("terminate called without an active exception") after
-    a run that succeeded. Sleeping here releases the GIL until the workers are idle (bounded by `limit_s`).
-    """
+    """At exit, let gloo's worker threads finish releasing their last work: one that drops a tensor (taking the GIL)
+    while Python finalizes aborts a run that succeeded ("terminate called without an active exception")."""
     gc.collect()
     deadline = time.monotonic() + limit_s
     idle_checks = 0
@@ -480,8 +428,6 @@ def _let_gloo_workers_finish(limit_s: float = 2.0) -> None:
 
 def _reset_accelerate_state() -> None:
     """Accelerate keeps its state in process-wide singletons; a new Backend starts from none."""
-    from accelerate.state import AcceleratorState, GradientState
-
     AcceleratorState._reset_state(reset_partial_state=True)
     GradientState._reset_state()
 
@@ -493,8 +439,8 @@ def _fsdp_offloads(plugin) -> bool:
 
 
 def drop_tied_aliases(model, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """A tied weight (lm_head = embed_tokens) under one name, as save_pretrained writes it from an unsharded model.
-    Gathered copies no longer share storage, so save_pretrained cannot see the tie by itself."""
+    """A tied weight (lm_head = embed_tokens) under one name: gathered copies no longer share storage, so
+    save_pretrained cannot see the tie by itself."""
     first: dict[int, str] = {}
     for name, param in model.named_parameters(remove_duplicate=False):
         if id(param) in first and first[id(param)] in state:
@@ -507,8 +453,6 @@ def drop_tied_aliases(model, state: dict[str, torch.Tensor]) -> dict[str, torch.
 def abort() -> None:
     """After an unrecoverable error on this rank: exit now, so peers waiting in a collective see the connection
     drop (and torchrun / accelerate launch stop the group) instead of hanging until the timeout."""
-    import sys
-
     sys.stdout.flush()
     sys.stderr.flush()
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:

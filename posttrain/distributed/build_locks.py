@@ -12,14 +12,14 @@ import time
 from pathlib import Path
 from typing import Optional
 
+from torch.utils.cpp_extension import get_default_build_root
+
 STALE_BUILD_LOCK_SECONDS = 600  # DeepSpeed's CPU op builds take ~40-70 s; nothing in a live build sits still this long
 
 
 def clear_stale_build_locks(root: Optional[str] = None, now: Optional[float] = None) -> list[Path]:
-    """Remove torch JIT build locks left by a process killed while holding one (DeepSpeed builds / checks its CPU ops
-    under TORCH_EXTENSIONS_DIR at every start, holding `<op>/lock`; torch waits on a leftover lock forever, silently).
-    A lock is stale when it and every other file of its op directory are older than STALE_BUILD_LOCK_SECONDS: a live
-    build keeps writing there. Returns the removed paths (each said on stderr)."""
+    """Remove `<op>/lock` files older, with every file of their op directory, than STALE_BUILD_LOCK_SECONDS (a live
+    build keeps writing there). Returns the removed paths (each said on stderr)."""
     root = build_root(root)
     now = time.time() if now is None else now
     removed = []
@@ -40,17 +40,12 @@ def clear_stale_build_locks(root: Optional[str] = None, now: Optional[float] = N
 
 def build_root(root: Optional[str] = None) -> str:
     """Where torch JIT-builds extensions (DeepSpeed's CPU ops among them)."""
-    if root is not None:
-        return root
-    from torch.utils.cpp_extension import get_default_build_root
-
-    return os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()
+    return root if root is not None else os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()
 
 
 def announce_cpu_op_builds(offload: bool, root: Optional[str] = None) -> list[str]:
-    """One line before DeepSpeed may spend minutes compiling its CPU ops without a word: the ops this run loads
-    (the shared-memory collectives; CPU Adam when the optimizer is offloaded) with no built library under the
-    extensions root yet (said by each node's first process). Returns those ops."""
+    """One line (from each node's first process) before DeepSpeed spends minutes silently compiling the CPU ops this
+    run loads and that are not built yet. Returns those ops."""
     root = build_root(root)
     ops = ("deepspeed_shm_comm",) + (("cpu_adam",) if offload else ())
     unbuilt = [op for op in ops if not any(Path(root).glob(f"**/{op}/{op}*.so"))]

@@ -24,11 +24,7 @@ def env_flag(name: str) -> bool:
 
 def launcher_engine() -> Optional[str]:
     """The engine the launcher asked for through Accelerate's environment: 'deepspeed', 'fsdp' or None."""
-    if env_flag("ACCELERATE_USE_DEEPSPEED"):
-        return "deepspeed"
-    if env_flag("ACCELERATE_USE_FSDP"):
-        return "fsdp"
-    return None
+    return next((e for e in ("deepspeed", "fsdp") if env_flag(f"ACCELERATE_USE_{e.upper()}")), None)
 
 
 def _disagree(value: Any, recipe_value: Any) -> bool:
@@ -48,17 +44,13 @@ def _check_agrees(source: str, key: str, value: Any, recipe_key: str, recipe_val
     it must equal `expected` (by default the recipe's value itself), or the run stops naming both."""
     if value is None or value == "auto" or not _disagree(value, recipe_value if expected is None else expected):
         return
-    raise UserError(
-        f"{source} sets {key}={value!r} but the recipe has {recipe_key}={recipe_value!r}. The recipe is the source "
-        f"of truth: {fix}, or change {recipe_key}, so that they agree"
-    )
+    raise UserError(f"{source} sets {key}={value!r} but the recipe has {recipe_key}={recipe_value!r}. The recipe is "
+                    f"the source of truth: {fix}, or change {recipe_key}, so that they agree")
 
 
 def check_launcher_settings(t: TrainConfig) -> None:
-    """Numbers an `accelerate launch` config may also set, checked against the recipe before anything starts.
-
-    `mixed_precision: 'no'` is taken as "not set": accelerate launch exports 'no' whenever the config omits it.
-    """
+    """Numbers an `accelerate launch` config may also set, checked against the recipe before anything starts
+    ('no' mixed precision is "not set": accelerate launch exports it whenever the config omits it)."""
     where = "the accelerate config"
     launcher_mp = os.environ.get("ACCELERATE_MIXED_PRECISION", "no")
     if launcher_mp != "no":
@@ -75,15 +67,12 @@ def check_launcher_settings(t: TrainConfig) -> None:
 
 def deepspeed_values(t: TrainConfig, world_size: int) -> dict[str, tuple[str, Any]]:
     """The DeepSpeed config keys the recipe decides: key -> (where the recipe says it, value)."""
-    return {
-        "train_micro_batch_size_per_gpu": ("train.per_device_train_batch_size", t.per_device_train_batch_size),
-        "gradient_accumulation_steps": ("train.gradient_accumulation_steps", t.gradient_accumulation_steps),
-        "gradient_clipping": ("train.max_grad_norm", t.max_grad_norm),
-        "train_batch_size": (
-            f"per_device_train_batch_size x gradient_accumulation_steps x {world_size} processes",
-            t.per_device_train_batch_size * t.gradient_accumulation_steps * world_size,
-        ),
-    }
+    batch, steps = t.per_device_train_batch_size, t.gradient_accumulation_steps
+    return {"train_micro_batch_size_per_gpu": ("train.per_device_train_batch_size", batch),
+            "gradient_accumulation_steps": ("train.gradient_accumulation_steps", steps),
+            "gradient_clipping": ("train.max_grad_norm", t.max_grad_norm),
+            "train_batch_size": (f"per_device_train_batch_size x gradient_accumulation_steps x {world_size} processes",
+                                 batch * steps * world_size)}
 
 
 def check_deepspeed_json(user: dict[str, Any], path: str, t: TrainConfig, world_size: int) -> None:
@@ -91,11 +80,9 @@ def check_deepspeed_json(user: dict[str, Any], path: str, t: TrainConfig, world_
     It must not define the optimizer or schedule either: those come from the recipe too."""
     for section in ("optimizer", "scheduler"):
         if section in user:
-            raise UserError(
-                f"the DeepSpeed config {path} defines an {section!r} section; posttrain builds AdamW and the LR "
-                f"schedule from the recipe (train.learning_rate, train.lr_scheduler_type, ...): remove {section!r} "
-                f"from {path}"
-            )
+            raise UserError(f"the DeepSpeed config {path} defines an {section!r} section; posttrain builds AdamW and "
+                            "the LR schedule from the recipe (train.learning_rate, train.lr_scheduler_type, ...): "
+                            f"remove {section!r} from {path}")
     source = f"the DeepSpeed config {path}"
     for key, (recipe_key, value) in deepspeed_values(t, world_size).items():
         _check_agrees(source, key, user.get(key), recipe_key, value, f'set {key} to "auto" in {path}')

@@ -4,12 +4,9 @@
     ...  backend.load_state(path) ...
     drop_converted(backend, path)                                                           # after the load
 
-Full-weight engines (one process, DDP) hold the whole model and optimiser in one file, so any process count can
-continue them. FSDP2 writes torch.distributed.checkpoint shards, which load into any sharding. DeepSpeed shards per
-rank; its universal format (each parameter's weights and optimiser state whole) loads into any process count, so a
-DeepSpeed checkpoint resumed on another process count is first converted to a copy under
-output_dir/.universal/step-N (rank 0 converts, the others wait), read once and removed. The engine itself must stay
-the same.
+One process, DDP and FSDP2 checkpoints load into any process count. DeepSpeed shards per rank, so one resumed on
+another process count is first converted to its universal format under output_dir/.universal/step-N (rank 0
+converts), read once and removed. The engine itself must stay the same.
 """
 
 from __future__ import annotations
@@ -29,11 +26,9 @@ def needs_conversion(path: Path, saved: dict[str, Any], now: dict[str, Any]) -> 
     to DeepSpeed's universal format. `saved`, `now`: the run facts (engine, world_size) of both launches."""
     sharded = any(str(e).startswith(("deepspeed", "fsdp")) for e in (saved.get("engine", ""), now["engine"]))
     if sharded and saved.get("engine") != now["engine"]:
-        raise UserError(
-            f"{path} holds {saved.get('engine')} state sharded over {saved.get('world_size')} processes; this run is "
-            f"{now['engine']} on {now['world_size']}. Resume with the same launcher config (any process count), "
-            "or start a new run from a model exported with the old launch (final/)"
-        )
+        raise UserError(f"{path} holds {saved.get('engine')} state sharded over {saved.get('world_size')} processes; "
+                        f"this run is {now['engine']} on {now['world_size']}. Resume with the same launcher config "
+                        "(any process count), or start a new run from a model exported with the old launch (final/)")
     return str(now["engine"]).startswith("deepspeed") and saved.get("world_size") != now["world_size"]
 
 

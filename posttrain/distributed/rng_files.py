@@ -10,13 +10,13 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Optional
 
+from accelerate.utils import load
+from accelerate.utils.constants import RNG_STATE_NAME
+
 
 def rng_problem(root: Path, world_size: int) -> Optional[str]:
     """None when random_states_<rank>.pkl of every process that saved the checkpoint reads back as Accelerate's RNG
     state; else what is wrong with the first that does not."""
-    from accelerate.utils import load
-    from accelerate.utils.constants import RNG_STATE_NAME
-
     for rank in range(world_size):
         path = root / f"{RNG_STATE_NAME}_{rank}.pkl"
         if not path.is_file():

@@ -9,13 +9,10 @@ from __future__ import annotations
 
 def unwrap_module(model):
     """The model inside DDP / DeepSpeed (.module) and torch.compile (._orig_mod) wrappers."""
-    while True:
-        inner = getattr(model, "module", None)
-        if inner is None:
-            inner = getattr(model, "_orig_mod", None)
-        if inner is None:
-            return model
+    while ((inner := getattr(model, "module", None)) is not None
+           or (inner := getattr(model, "_orig_mod", None)) is not None):
         model = inner
+    return model
 
 
 def plain_class(module) -> type:

@@ -6,6 +6,8 @@
 
 from __future__ import annotations
 
+from posttrain.errors import UserError
+
 
 def add_plan_and_doctor(sub) -> None:
     plan = sub.add_parser("plan", help="estimate per-GPU memory for a recipe under each engine; recommend one")
@@ -26,7 +28,6 @@ def add_plan_and_doctor(sub) -> None:
 def run_plan_or_doctor(args) -> int:
     from posttrain.algorithms import ALGORITHMS
     from posttrain.config.load import load_recipe
-    from posttrain.errors import UserError
 
     if args.command == "doctor":
         from posttrain.launch.doctor import run_doctor
@@ -38,6 +39,5 @@ def run_plan_or_doctor(args) -> int:
     if algorithm not in ALGORITHMS:
         raise UserError(f"--algorithm {algorithm!r} is not one of {', '.join(ALGORITHMS)}")
     recipe = load_recipe(args.config, args.overrides, ALGORITHMS[algorithm][0])
-    print(run_plan(algorithm, recipe, args.config, args.overrides, args.gpus, args.nodes, args.gpu_memory,
-                   args.json))
+    print(run_plan(algorithm, recipe, args.config, args.overrides, args.gpus, args.nodes, args.gpu_memory, args.json))
     return 0

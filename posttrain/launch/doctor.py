@@ -21,51 +21,39 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass
 from datetime import timedelta
+from importlib.metadata import PackageNotFoundError, requires, version
 from pathlib import Path
 from typing import Optional
 
 import torch
 import torch.distributed as dist
+import yaml
+
+import posttrain
+from posttrain.config.load import apply_override
+from posttrain.errors import UserError
 
 STORE_PREFIX = "posttrain_doctor/"
 MIN_FREE_DISK = 2**30
 
 
-@dataclass
-class Check:
-    status: str  # PASS, WARN, FAIL
-    name: str
-    detail: str
-    fix: str = ""
-
-    def line(self, prefix: str = "") -> str:
-        text = f"{prefix}{self.status:4}  {self.name}: {self.detail}"
-        return text + (f"\n{prefix}      fix: {self.fix}" if self.fix else "")
-
-
 class Report:
+    """The checks' statuses (PASS, WARN, FAIL), each printed as it is added, with its fix."""
+
     def __init__(self, rank: int, world_size: int):
         self.prefix = f"[rank {rank}] " if world_size > 1 else ""
-        self.checks: list[Check] = []
+        self.statuses: list[str] = []
 
-    def add(self, status: str, name: str, detail: str, fix: str = "") -> Check:
-        check = Check(status, name, detail, fix)
-        self.checks.append(check)
-        print(check.line(self.prefix), flush=True)
-        return check
-
-    @property
-    def failed(self) -> bool:
-        return any(c.status == "FAIL" for c in self.checks)
+    def add(self, status: str, name: str, detail: str, fix: str = "") -> None:
+        self.statuses.append(status)
+        fix = f"\n{self.prefix}      fix: {fix}" if fix else ""
+        print(f"{self.prefix}{status:4}  {name}: {detail}{fix}", flush=True)
 
 
 # --- this machine --------------------------------------------------------------------------------------------------
 
 def _version(module: str) -> Optional[str]:
-    from importlib.metadata import PackageNotFoundError, version
-
     try:
         return version(module)
     except PackageNotFoundError:
@@ -77,8 +65,7 @@ def check_versions(report: Report) -> None:
     found = {n: _version(n) for n in names}
     cuda = torch.version.cuda
     nccl = ".".join(map(str, torch.cuda.nccl.version())) if cuda and torch.cuda.is_available() else None
-    parts = [f"{n} {v}" for n, v in found.items() if v] + ([f"CUDA {cuda}"] if cuda else []) + (
-        [f"NCCL {nccl}"] if nccl else [])
+    parts = [f"{n} {v}" for n, v in {**found, "CUDA": cuda, "NCCL": nccl}.items() if v]
     report.add("PASS", "versions", ", ".join(parts))
     for required in ("transformers", "accelerate"):
         if not found[required]:
@@ -90,12 +77,8 @@ def check_versions(report: Report) -> None:
 
 
 def _vllm_torch_pin() -> Optional[str]:
-    from importlib.metadata import requires
-
-    for line in requires("vllm") or []:
-        if line.startswith("torch==") and ";" not in line:
-            return line.split("==", 1)[1].strip()
-    return None
+    return next((line.split("==", 1)[1].strip() for line in requires("vllm") or []
+                 if line.startswith("torch==") and ";" not in line), None)
 
 
 def check_gpus(report: Report) -> None:
@@ -104,7 +87,8 @@ def check_gpus(report: Report) -> None:
         return
     count = torch.cuda.device_count()
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    total = _nvidia_smi_count()
+    listed = _run("nvidia-smi", "-L")
+    total = None if listed is None else sum(1 for line in listed.splitlines() if line.startswith("GPU "))
     if visible is not None and total is not None and count < total and "LOCAL_RANK" not in os.environ:
         report.add("WARN", "CUDA_VISIBLE_DEVICES", f"shows {count} of the {total} GPUs (CUDA_VISIBLE_DEVICES="
                    f"{visible})", "unset CUDA_VISIBLE_DEVICES (or list every GPU) to train on all of them")
@@ -127,30 +111,23 @@ def check_gpus(report: Report) -> None:
             report.add("WARN", "p2p", f"no peer-to-peer access between {len(no_p2p)} GPU pairs, e.g. {no_p2p[0]}; "
                        "collectives go through host memory", "check `nvidia-smi topo -m`; NCCL_P2P_DISABLE unset")
         else:
-            report.add("PASS", "p2p", f"every GPU pair has peer-to-peer access ({_topology()})")
+            topology = _run("nvidia-smi", "topo", "-m")
+            link = "topology unknown" if topology is None else ("NVLink" if "NV" in topology.split("Legend")[0]
+                                                                else "PCIe")
+            report.add("PASS", "p2p", f"every GPU pair has peer-to-peer access ({link})")
 
 
-def _nvidia_smi_count() -> Optional[int]:
+def _run(*command: str) -> Optional[str]:
+    """A command's stdout, or None where it cannot run."""
     try:
-        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=10).stdout
+        return subprocess.run(command, capture_output=True, text=True, timeout=10).stdout
     except (OSError, subprocess.SubprocessError):
         return None
-    return sum(1 for line in out.splitlines() if line.startswith("GPU "))
-
-
-def _topology() -> str:
-    try:
-        out = subprocess.run(["nvidia-smi", "topo", "-m"], capture_output=True, text=True, timeout=10).stdout
-    except (OSError, subprocess.SubprocessError):
-        return "topology unknown"
-    return "NVLink" if "NV" in out.split("Legend")[0] else "PCIe"
 
 
 def check_disk(report: Report, output_dir: Optional[str], need: int = MIN_FREE_DISK) -> None:
     target = Path(output_dir or ".").resolve()
-    probe = target
-    while not probe.exists():
-        probe = probe.parent
+    probe = next(p for p in (target, *target.parents) if p.exists())
     free = shutil.disk_usage(probe).free
     if free < need:
         report.add("FAIL", "disk", f"{free / 2**30:.1f} GiB free under {probe}, checkpoints need about "
@@ -282,16 +259,9 @@ def check_collectives(report: Report, rank: int, world_size: int, timeout: float
 
 
 def _code_version() -> str:
-    import posttrain
-
     root = Path(posttrain.__file__).resolve().parent
-    try:
-        head = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True,
-                              timeout=10).stdout.strip()
-        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--", "."], capture_output=True,
-                               text=True, timeout=10).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        head, dirty = "", ""
+    head = (_run("git", "-C", str(root), "rev-parse", "HEAD") or "").strip()
+    dirty = (_run("git", "-C", str(root), "status", "--porcelain", "--", ".") or "").strip()
     digest = hashlib.sha256()
     if dirty or not head:  # uncommitted edits: compare the sources themselves
         for path in sorted(root.rglob("*.py")):
@@ -344,11 +314,6 @@ def run_doctor(config: Optional[str], overrides: list[str], timeout: float, buil
     report = Report(rank, world_size)
     recipe_text = output_dir = None
     if config is not None:
-        from posttrain.config.load import apply_override
-        from posttrain.errors import UserError
-
-        import yaml
-
         path = Path(config)
         if not path.is_file():
             raise UserError(f"recipe file {config} does not exist; pass --config with a YAML recipe (see recipes/)")
@@ -377,7 +342,7 @@ def run_doctor(config: Optional[str], overrides: list[str], timeout: float, buil
             dist.destroy_process_group()
     elif world_size == 1:
         report.add("PASS", "process group", "one process: launch with torchrun / accelerate launch to test the group")
-    failures = sum(c.status == "FAIL" for c in report.checks)
+    failures = report.statuses.count("FAIL")
     if rank == 0 or failures:
         print(f"{report.prefix}doctor: {'FAILED, ' + str(failures) + ' failure(s)' if failures else 'all checks passed'}",
               flush=True)

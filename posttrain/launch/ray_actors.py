@@ -5,6 +5,7 @@ time: the launcher's callers work without the ray extra until a Ray run is asked
 from __future__ import annotations
 
 import re
+import socket
 
 from posttrain.errors import UserError
 from posttrain.launch.ray_placement import Plan, RankSlot
@@ -30,8 +31,6 @@ class Worker:
 
     def rendezvous(self) -> tuple[str, int]:
         """This node's address and a free port on it (MASTER_ADDR / MASTER_PORT of the worker's group)."""
-        import socket
-
         import ray
 
         address = ray.util.get_node_ip_address()
@@ -48,6 +47,15 @@ def rank_env(slot: RankSlot, world_size: int, num_nodes: int, master_addr: str, 
     return {"RANK": str(slot.rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(local_rank),
             "LOCAL_WORLD_SIZE": str(world_size // num_nodes), "GROUP_RANK": str(slot.node_rank),
             "GROUP_WORLD_SIZE": str(num_nodes), "MASTER_ADDR": master_addr, "MASTER_PORT": str(master_port)}
+
+
+def kill_all(ray, actors: list) -> None:
+    """Kill every actor, best effort (one already gone is no error)."""
+    for actor in actors:
+        try:
+            ray.kill(actor)
+        except Exception:
+            pass
 
 
 def last_line(message: str) -> str:

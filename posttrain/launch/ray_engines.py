@@ -5,16 +5,10 @@
               and engines.env                           # the servers' token
     engines.stop()                                      # every server, its vLLM processes and the actors
 
-Each engine is an `EngineWorker` actor pinned to its planned node, holding tensor_parallel_size GPUs there (or as
-much of the resource standing in for GPUs; no GPU with gpu_resource none). The actor runs `posttrain serve` as a
-child process, so the training ranks use the server engine unchanged: bucketed weight syncs from rank 0, policy
-versions, retries, and a run stopped naming the URL of a server that stops answering (the start-up banner maps each
-URL to its engine and node, and the driver names an engine that ended early). A server does not outlive its actor:
-`posttrain serve` gets SIGTERM when the actor's process ends, and vLLM gets SIGTERM when serve's ends, killed or not.
-
-generation.placement=ray with placement.generation.num_engines engines (OpenRLHF's --vllm_num_engines); servers of
-one's own (generation.servers) are another placement (config/validate.py refuses both at once).
-Nothing here imports ray: the launcher passes the module in.
+Each engine is an `EngineWorker` actor pinned to its planned node with tensor_parallel_size GPUs, running `posttrain
+serve` as a child process, so the ranks use the server engine unchanged (weight syncs, versions, retries; the banner
+maps each URL to its engine and node). A server does not outlive its actor: serve gets SIGTERM when the actor's
+process ends, vLLM when serve's does. Nothing here imports ray at import time: the launcher passes the module in.
 """
 
 from __future__ import annotations
@@ -27,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from posttrain.config.schema import Recipe
-from posttrain.launch.ray_actors import last_line
+from posttrain.launch.ray_actors import kill_all, last_line
 from posttrain.launch.ray_placement import Node, Plan, node_options
 from posttrain.errors import RunStopped, UserError
 from posttrain.rollout.server_process import LOG_DIR, READY_TIMEOUT_S, ServerProcess, serve_args, server_env
@@ -48,8 +42,8 @@ def check_engines(recipe: Recipe) -> None:
 
 
 class EngineWorker(ServerProcess):
-    """One generation engine: a `posttrain serve` process on this actor's node. Its methods run in the actor
-    (tasks run on its main thread, the one whose end the server's death signal watches)."""
+    """One generation engine: a `posttrain serve` process on this actor's node (tasks run on the actor's main thread,
+    the one whose end the server's death signal watches)."""
 
     def start(self, args: list[str], log: str, env: dict[str, str]) -> dict:
         """Start the server on this node's address (ServerProcess.launch) and wait until it answers."""
@@ -100,11 +94,7 @@ class Engines:
             if ended and report:
                 print(f"posttrain: generation engine {i} on node {self.nodes[i].label} ({self.urls[i]}) had stopped "
                       f"before the run ended: {ended}; log: {self.logs[i]}", file=sys.stderr, flush=True)
-        for actor in self.actors:
-            try:
-                self.ray.kill(actor)
-            except Exception:
-                pass
+        kill_all(self.ray, self.actors)
         self.actors = []
 
 

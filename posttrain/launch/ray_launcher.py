@@ -3,19 +3,12 @@
     ray start --head --num-gpus 4                                  # or an existing cluster; none: a local one
     posttrain grpo --config recipes/grpo.yaml --ray placement.policy.num_gpus_per_node=4
 
-The driver (this process) checks the placement against the cluster before anything starts, prints the placement
-table, then starts one actor per rank, pinned to the node the fit chose. Each actor runs the ordinary training code
-(`posttrain.run.run`) as one rank of a torch.distributed group, with the environment torchrun would give it (RANK,
-WORLD_SIZE, LOCAL_RANK, GROUP_WORLD_SIZE, MASTER_ADDR, MASTER_PORT): the algorithms, the loop and the backend do not
-know Ray exists, so a Ray run and a torchrun run with the same seed and world size train the same weights.
-
-Roles: by default every role lives in the policy's workers (colocated, as under torchrun). Roles placed apart
-(placement.colocate) run in actor groups of their own (ray_roles.py), started and loaded before the ranks: frozen ones
-(reference, reward_model) as replicas, the critic as a group with its own process group, one worker per rank.
-Generation engines (placement.generation.num_engines) are `posttrain serve` servers in actors of their own
-(ray_engines.py), started before the ranks, which then generate on them (generation.placement=ray).
-A rank that fails or an actor that dies stops the run: the driver names the rank, its node and its last error, and
-stops the others; checkpoints already written are complete (each is written to a temporary name, then renamed).
+The driver (this process) fits the placement to the cluster, prints the placement table, then starts one actor per
+rank on the node the fit chose. Each runs `posttrain.run.run` as one rank of a torch.distributed group with the
+environment torchrun would give it, so a Ray run and a torchrun run with the same seed and world size train the same
+weights. Roles placed apart (placement.colocate) run in actor groups of their own (ray_roles.py) and generation
+engines in actors of their own (ray_engines.py), both started before the ranks. A rank that fails or an actor that
+dies stops the run: the driver names the rank, its node and its last error, and stops the others.
 """
 
 from __future__ import annotations
@@ -26,33 +19,32 @@ import time
 import traceback
 from typing import Any
 
+from posttrain.algorithms import ALGORITHMS
 from posttrain.config.schema import Recipe
 from posttrain.launch.ray_inputs import absolute_paths, worker_env
 from posttrain.launch.ray_engines import Engines, check_engines, start_engines
 from posttrain.launch.ray_placement import (Plan, RankSlot, fit, node_options, nodes_from_ray,
                                                  pick_gpu_resource, placement_table, rank_slots, resolve,
                                                  roles_needed)
-from posttrain.launch.ray_actors import Worker, import_ray, last_line, rank_env
+from posttrain.launch.ray_actors import Worker, import_ray, kill_all, last_line, rank_env
 from posttrain.launch.ray_roles import RoleGroups, RoleWorkerDied, check_apart, start_role_groups
 from posttrain.errors import RunStopped, UserError
+from posttrain.run import Launched, run
 
 START_TIMEOUT_S = 300.0  # actors not started by then: their resources are held by something else
 GRACE_S = 10.0  # after the first failure, how long the others get to report theirs (a survivor's error is noise)
 
 
 class RankWorker(Worker):
-    """One training rank. Its methods run in the actor's process; nothing heavy is imported before `run`."""
+    """One training rank."""
 
     def run(self, command: str, recipe: Recipe, cwd: str, env: dict[str, str], remote_roles: dict,
             servers: list[str]) -> dict[str, Any]:
-        """The ordinary run, as rank env["RANK"], with the roles `remote_roles` served by groups apart (ray_roles)
-        and the generation engines at `servers` (ray_engines). Errors come back as data, so the driver can name the
-        rank (or the replica that died)."""
+        """The ordinary run as rank env["RANK"], with `remote_roles` served apart and the engines at `servers`.
+        Errors come back as data, so the driver can name the rank (or the replica that died)."""
         os.environ.update(env)
         os.chdir(cwd)
         try:
-            from posttrain.run import Launched, run
-
             result = run(command, recipe, Launched(remote_roles, tuple(servers)))
             return {"code": 0, "final_dir": str(result.final_dir) if result.final_dir else None, "steps": result.steps}
         except UserError as e:
@@ -75,8 +67,6 @@ def run_on_ray(command: str, recipe: Recipe) -> int:
                         "accelerate launch")
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")  # rank 0's and rank 1's lines are not duplicates to fold
     ray = import_ray()
-    from posttrain.algorithms import ALGORITHMS
-
     algorithm = ALGORITHMS[command][1](recipe)  # the algorithm's own checks, before a cluster is touched
     roles = roles_needed(algorithm, recipe)
     recipe = absolute_paths(recipe)  # a relative path means the same in every actor, on every node
@@ -88,7 +78,8 @@ def run_on_ray(command: str, recipe: Recipe) -> int:
         p = pick_gpu_resource(recipe.placement, ray.nodes())
         nodes = nodes_from_ray(ray.nodes(), p.gpu_resource)
         units = resolve(p, roles, nodes)
-        check_built(units, recipe)
+        check_apart(units)  # what this build cannot run, or contradicts the recipe, before any actor starts
+        check_engines(recipe)
         plan = fit(units, nodes, p)
         print(f"posttrain ray placement ({len(nodes)} node(s), cluster {address or 'local'}):\n"
               f"{placement_table(plan)}", flush=True)
@@ -99,7 +90,7 @@ def run_on_ray(command: str, recipe: Recipe) -> int:
             groups = start_role_groups(ray, plan, command, recipe, forwarded, lambda s: node_options(s.node, plan))
             actors += groups.actors
         slots = rank_slots(plan.units[0])
-        ranks = [start_actor(ray, slot, plan) for slot in slots]
+        ranks = [ray.remote(RankWorker).options(**node_options(slot.node, plan)).remote() for slot in slots]
         actors += ranks
         wait_started(ray, ranks, slots)
         master_addr, master_port = ray.get(ranks[0].rendezvous.remote())
@@ -113,11 +104,7 @@ def run_on_ray(command: str, recipe: Recipe) -> int:
         return wait_for_ranks(ray, futures, plan)
     finally:
         engines.stop()
-        for actor in actors:
-            try:
-                ray.kill(actor)
-            except Exception:
-                pass
+        kill_all(ray, actors)
         ray.shutdown()
 
 
@@ -125,17 +112,6 @@ def init_options(address: str | None) -> dict[str, Any]:
     """ray.init's options: join the cluster at `address`, or start one for the run that listens on 127.0.0.1 only."""
     local = {} if address else {"_node_ip_address": "127.0.0.1"}
     return dict(address=address, include_dashboard=False, configure_logging=False, log_to_driver=True, **local)
-
-
-def check_built(units, recipe: Recipe) -> None:
-    """What the placement asks that this build cannot run, or that contradicts the recipe, fails here, before any
-    actor starts."""
-    check_apart(units)
-    check_engines(recipe)
-
-
-def start_actor(ray, slot: RankSlot, plan: Plan):
-    return ray.remote(RankWorker).options(**node_options(slot.node, plan)).remote()
 
 
 def wait_started(ray, actors: list, slots: list[RankSlot]) -> None:

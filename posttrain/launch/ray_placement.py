@@ -6,10 +6,9 @@
     plan = fit(units, nodes, placement)                          # UserError (exit 2) saying what is short
     print(placement_table(plan))                                 # role | node | GPUs | colocated with
 
-Nothing here imports ray at module level (node_options does when called): the same functions check a placement for `posttrain plan`, unit tests and the launcher.
-A *unit* is what shares GPUs: a `colocate` group, or one role alone. Each unit needs `num_nodes` distinct nodes with
-`num_gpus_per_node` GPUs (and `cpus_per_worker` CPUs per worker) free on each; colocated roles share those GPUs in
-`gpu_fraction` shares. With `gpu_resource: none` a worker takes CPUs only.
+Nothing here imports ray at module level (node_options does when called). A *unit* is what shares GPUs: a `colocate`
+group, or one role alone; it needs `num_nodes` distinct nodes with `num_gpus_per_node` GPUs (and `cpus_per_worker`
+CPUs per worker) free on each, its roles sharing those GPUs in `gpu_fraction` shares (CPUs only with gpu_resource none).
 """
 
 from __future__ import annotations
@@ -68,9 +67,6 @@ class Plan:
     gpu_resource: str = "GPU"
     cpus_per_worker: int = 1
 
-    def unit_of(self, role: str) -> PlacedUnit:
-        return next(p for p in self.units if role in p.unit.roles)
-
 
 def uses_gpus(placement: PlacementConfig) -> bool:
     if placement.gpu_resource == "auto":
@@ -117,13 +113,9 @@ def resolve(placement: PlacementConfig, roles: tuple[str, ...], nodes: list[Node
         specs = [getattr(placement, r) for r in group]
         lead = specs[group.index("policy")] if "policy" in group else next(
             (s for s in specs if s.num_nodes is not None or s.num_gpus_per_node is not None), specs[0])
-        num_nodes, per_node = lead.num_nodes, lead.num_gpus_per_node
-        if "policy" in group and alone:
-            default_nodes, default_per_node = whole_cluster(placement, nodes)
-        else:
-            default_nodes, default_per_node = 1, 1
-        num_nodes = num_nodes if num_nodes is not None else default_nodes
-        per_node = per_node if per_node is not None else default_per_node
+        default_nodes, default_per_node = whole_cluster(placement, nodes) if "policy" in group and alone else (1, 1)
+        num_nodes = lead.num_nodes if lead.num_nodes is not None else default_nodes
+        per_node = lead.num_gpus_per_node if lead.num_gpus_per_node is not None else default_per_node
         for role, spec in zip(group, specs):
             for key, value in (("num_nodes", num_nodes), ("num_gpus_per_node", per_node)):
                 if getattr(spec, key) is not None and getattr(spec, key) != value:
@@ -159,32 +151,23 @@ def fit(units: list[Unit], nodes: list[Node], placement: PlacementConfig) -> Pla
     Units go in order (the policy's first), each on the nodes with the most GPUs free, then the most CPUs."""
     gpu = uses_gpus(placement)
     free = {n.node_id: [n.gpus if gpu else 0.0, n.cpus] for n in nodes}
-    placed = []
-    for unit in units:
-        need_gpus = unit.workers_per_node if gpu else 0
-        need_cpus = unit.workers_per_node * placement.cpus_per_worker
+
+    def take(what: str, num_nodes: int, per_node: int, need_gpus: float, need_cpus: float) -> tuple[Node, ...]:
         fitting = [n for n in nodes if free[n.node_id][0] + EPS >= need_gpus and free[n.node_id][1] + EPS >= need_cpus]
-        fitting.sort(key=lambda n: (-free[n.node_id][0], -free[n.node_id][1]))
-        if len(fitting) < unit.num_nodes:
-            raise UserError(short_message(unit.name, unit.num_nodes, unit.workers_per_node, need_gpus, need_cpus,
-                                          len(fitting), nodes, free, placement))
-        chosen = tuple(fitting[:unit.num_nodes])
-        for n in chosen:
+        fitting.sort(key=lambda n: (-free[n.node_id][0], -free[n.node_id][1]))  # stable: ties keep the nodes' order
+        if len(fitting) < num_nodes:
+            raise UserError(short_message(what, num_nodes, per_node, need_gpus, need_cpus, len(fitting), nodes, free,
+                                          placement))
+        for n in fitting[:num_nodes]:
             free[n.node_id][0] -= need_gpus
             free[n.node_id][1] -= need_cpus
-        placed.append(PlacedUnit(unit, chosen))
-    engines = []
-    tp = placement.generation.tensor_parallel_size
-    for i in range(placement.generation.num_engines):
-        need_gpus, need_cpus = (tp if gpu else 0), placement.cpus_per_worker
-        fitting = [n for n in nodes if free[n.node_id][0] + EPS >= need_gpus and free[n.node_id][1] + EPS >= need_cpus]
-        if not fitting:
-            raise UserError(short_message(f"generation engine {i + 1} of {placement.generation.num_engines}", 1, 1,
-                                          need_gpus, need_cpus, 0, nodes, free, placement))
-        best = max(fitting, key=lambda n: (free[n.node_id][0], free[n.node_id][1]))
-        free[best.node_id][0] -= need_gpus
-        free[best.node_id][1] -= need_cpus
-        engines.append(best)
+        return tuple(fitting[:num_nodes])
+
+    placed = [PlacedUnit(u, take(u.name, u.num_nodes, u.workers_per_node, u.workers_per_node if gpu else 0,
+                                 u.workers_per_node * placement.cpus_per_worker)) for u in units]
+    tp, count = placement.generation.tensor_parallel_size, placement.generation.num_engines
+    engines = [take(f"generation engine {i + 1} of {count}", 1, 1, tp if gpu else 0, placement.cpus_per_worker)[0]
+               for i in range(count)]
     return Plan(tuple(placed), tuple(engines), tp if gpu else 0, placement.gpu_resource, placement.cpus_per_worker)
 
 
@@ -221,10 +204,9 @@ def placement_table(plan: Plan) -> str:
 
 
 def node_options(node: Node, plan: Plan, gpus: float = 1) -> dict[str, Any]:
-    """A Ray actor's options on `node`: cpus_per_worker CPUs and `gpus` GPUs (or as much of the resource standing in
-    for them; none with gpu_resource none), pinned there by hard node affinity: nodes of a local test cluster share
-    one IP, so a placement group's bundles could not be told apart by node resource; the fit already checked the
-    resources are there."""
+    """A Ray actor's options on `node`: cpus_per_worker CPUs and `gpus` GPUs (or of the resource standing in for them),
+    pinned by hard node affinity (a local test cluster's nodes share one IP, so placement-group bundles could not be
+    told apart); the fit already checked the resources are there."""
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     options: dict[str, Any] = dict(num_cpus=plan.cpus_per_worker, max_restarts=0,
@@ -254,12 +236,7 @@ def rank_slots(placed: PlacedUnit) -> list[RankSlot]:
 
 def roles_needed(algorithm, recipe) -> tuple[str, ...]:
     """The roles a run of `algorithm` uses, policy first."""
-    roles = ["policy"]
-    if algorithm.needs_reference:
-        roles.append("reference")
-    if algorithm.needs_critic:
-        roles.append("critic")
-    if any(r.name == "reward_model" for r in recipe.rewards):
-        roles.append("reward_model")
-    return tuple(roles)
+    needed = {"policy": True, "reference": algorithm.needs_reference, "critic": algorithm.needs_critic,
+              "reward_model": any(r.name == "reward_model" for r in recipe.rewards)}
+    return tuple(role for role, wanted in needed.items() if wanted)
 

@@ -3,24 +3,11 @@
     placement:
       colocate: [[policy, reference], [critic, reward_model]]    # OpenRLHF's --colocate_actor_ref + critic_reward
 
-A frozen role (reference, reward_model) placed apart from the policy runs as replicas: one `RoleWorker` actor per
-worker slot of its unit, pinned to the node the fit chose, each holding the whole model and serving no-grad forwards.
-Training rank r asks replica r % replicas. Frozen models need no collectives, so replicas need no process group of
-their own, and a replica holds exactly the weights a colocated copy would (the policy's source, or the reward model's).
-
-In the training ranks the role is a `RayRole` (algorithms.base.Role): asked for a forward (a reward model's scores,
-values: small outputs), or for token log-probs (the (B, T, V) logits never leave the replica). The algorithms call
-`models.reference.logprobs(...)` as they would on a local role and do not know Ray exists. Each RayRole counts the
-seconds its calls take (transfer included), logged per step as `time/role/<role>`. A replica that dies stops the run naming the role, the replica and its node.
-
-A trained role (PPO's critic) apart from the policy is a group of `TrainedRoleWorker` actors forming a torch.distributed
-group of its own (DDP, DeepSpeed ZeRO or FSDP2 inside, from the same ACCELERATE_* variables as the ranks), with as many
-workers as the policy has ranks: rank r drives worker r, so every collective inside the group is reached by all its
-workers in the same order, as the ranks' own loop reaches theirs. The rank's loop hands the step's micro-batches and
-global normaliser to `RayRole.update`, which runs `train.loop.update_role` there (the algorithm's own objective);
-values, checkpoints (saved to <checkpoint>/<role>/ by the group) and final-<role>/ go the same way. A critic that starts
-from the policy gets a fresh value head drawn from the worker's own random stream, so unlike a critic from a reward
-model it does not start bit for bit where a torchrun run's would.
+A frozen role (reference, reward_model) placed apart runs as `RoleWorker` replicas, one per worker slot, each holding
+the whole model; rank r asks replica r % replicas through a `RayRole`, which returns small outputs (scores, values,
+log-probs: the logits never travel) and times its calls as `time/role/<role>`. A trained role (PPO's critic) apart is
+a group of `TrainedRoleWorker` actors with a process group of its own, one worker per policy rank (rank r drives worker
+r, so the group's collectives are reached in order); its updates, checkpoints and final-<role>/ run there.
 """
 
 from __future__ import annotations
@@ -63,13 +50,11 @@ class RoleWorkerDied(RuntimeError):
 
 
 class RoleWorker(Worker):
-    """One replica of a unit's frozen roles. Its methods run in the actor's process; nothing heavy is imported before
-    `load`."""
+    """One replica of a unit's frozen roles; its methods run in the actor's process."""
 
     def load(self, command: str, recipe, roles: tuple[str, ...], env: dict[str, str]) -> dict[str, int]:
-        """Load every model of `roles` as a run would: the reference from the policy's source (the algorithm's head),
-        each `reward_model` entry of the recipe from its path. Keys: 'reference', 'reward_model:<i>' (the i-th reward
-        model of algorithm.reward_models()). Returns each key's parameter count."""
+        """Load every model of `roles` as a run would, under the keys 'reference' and 'reward_model:<i>' (the i-th of
+        algorithm.reward_models()). Returns each key's parameter count."""
         os.environ.update(env)
         seed_everything(recipe.seed)  # a seq_cls reference's fresh head is the policy's only after the same seed
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # Ray shows each actor its GPU
@@ -104,14 +89,12 @@ class RoleWorker(Worker):
 
 
 class TrainedRoleWorker(RoleWorker):
-    """One worker of a trained role's own group (see the module docstring): the role's model, optimiser, schedule and
-    Backend, driven by training rank `RANK` of the policy's group; frozen roles colocated with it (the reward model of
-    OpenRLHF's --colocate_critic_reward) are served from the same worker."""
+    """One worker of a trained role's group (its model, optimiser, schedule and Backend), driven by the policy's rank
+    `RANK`; frozen roles colocated with it are served from the same worker."""
 
     def load(self, command: str, recipe, roles: tuple[str, ...], env: dict[str, str]) -> dict[str, int]:
-        """Join the group (env: RANK, WORLD_SIZE, MASTER_ADDR, ... of this group) and load the trained role as run.py
-        would (the critic: algorithm.critic_source(), its own learning rate), then the frozen ones. Returns each
-        key's parameter count."""
+        """Join the group (env: its RANK, WORLD_SIZE, MASTER_ADDR, ...), load the trained role as run.py would, then
+        the frozen ones. Returns each key's parameter count."""
         os.environ.update(env)
         self.recipe, self.name = recipe, next(r for r in roles if r not in FROZEN_ROLES)
         if self.name != "critic":
@@ -144,14 +127,12 @@ class TrainedRoleWorker(RoleWorker):
         return out.logits.float().cpu()
 
     def update(self, key: str, step: int, micro_batches: list, normaliser, skip_nonfinite: bool):
-        """The local role's update (train.loop.update_role) on this worker's share of the step -> (loss, grad norm,
-        metric sums, LR), on CPU."""
+        """The local role's update on this worker's share of the step -> (loss, grad norm, metric sums, LR), on CPU."""
         device = self.backend.device
         loss, grad_norm, metrics = self.role.update(step, self.algorithm.objectives(step)[self.name],
                                                     [b.to(device) for b in micro_batches], normaliser.to(device),
                                                     skip_nonfinite)
-        return (loss.cpu(), grad_norm, {k: v.cpu() for k, v in metrics.items()},
-                self.role.learning_rate())
+        return (loss.cpu(), grad_norm, {k: v.cpu() for k, v in metrics.items()}, self.role.learning_rate())
 
     def nonfinite(self, key: str) -> float:
         """NaN/inf parameter tensors over the whole group (agreed with one all-reduce, like guard.require_finite)."""
@@ -159,7 +140,7 @@ class TrainedRoleWorker(RoleWorker):
         return float(self.backend.all_reduce_sum(bad))
 
     def save(self, key: str, path: str) -> None:
-        """Engine state (weights, optimiser, RNG) of the group into `path`, and the schedule's state beside it."""
+        """The group's engine state into `path`, the schedule's state beside it."""
         self.backend.save_state(path)
         if self.backend.is_main:
             (Path(path) / "role_state.json").write_text(json.dumps({"scheduler": self.role.schedule_state()}))
@@ -192,16 +173,14 @@ class RemoteRole:
 
 
 class RayRole(Role):
-    """A role served by its actor group, as a training rank holds it (algorithms.base.Role; see the module docstring).
-    Forwards and log-probs are counted in time/role/<role>; an update, save, restore or export runs in the group."""
+    """A role served by its actor group, as a training rank holds it (see the module docstring)."""
 
     def __init__(self, remote: RemoteRole, key: str, trains: bool, placement: str):
         self.remote, self.key, self.trains, self.placement = remote, key, trains, placement
         self.lr = float("nan")
 
     def _call(self, method: str, *args, timed: bool = True):
-        """The replica's `method`(key, *args); timed: counted in time/role/<role> (forwards; an update is logged as
-        time/update/<role> by the loop)."""
+        """The replica's `method`(key, *args); timed: counted in time/role/<role> (the loop times updates itself)."""
         import ray
         from ray.exceptions import RayActorError
 
@@ -287,11 +266,8 @@ class RoleGroups:
 
 def start_role_groups(ray, plan, command: str, recipe, env: dict[str, str],
                       options_for: Callable[[Any], dict]) -> RoleGroups:
-    """Start one worker per slot of each unit apart from the policy, on its node (`options_for(slot)`: the actor
-    options the launcher gives a worker there; a unit with a trained role gets TrainedRoleWorkers and a process group
-    of their own), load their models in parallel, and wait. A replica that fails to
-    load stops the start naming its role and node (its own error: a UserError, e.g. a missing file, exits 2)."""
-
+    """One worker per slot of each unit apart from the policy, on its node (`options_for(slot)`: its actor options),
+    loading in parallel. A replica that fails to load stops the start naming its role and node (a UserError: exit 2)."""
     groups = RoleGroups()
     loads = []
     for placed in plan.units[1:]:

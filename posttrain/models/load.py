@@ -15,10 +15,13 @@ weights while loading (zero.Init), so nothing here moves devices or knows about 
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 import re
 from pathlib import Path
 from typing import Iterator, Optional
+
+import torch
 
 from posttrain.config.schema import LoraConfig, ModelConfig
 from posttrain.distributed.wrappers import unwrap_module
@@ -31,11 +34,8 @@ _MAKE_TINY = "make a local one with `posttrain make-tiny-model --out tiny/`"
 
 
 def check_model_source(model_cfg: ModelConfig, what: str = "model.name_or_path") -> None:
-    """Fail early when a local model (or tokenizer) path is missing or not a Hugging Face directory.
-
-    Anything that looks like a path (exists, starts with ./ ../ / ~, ends with /, or has more than one /) must be a
-    directory holding config.json; a hub id (`name` or `org/name`) passes through to from_pretrained.
-    """
+    """Fail early when a local model (or tokenizer) path is missing or not a Hugging Face directory; anything that
+    looks like a path (exists, starts with ./ ../ / ~, ends with /, more than one /) must be one."""
     _check_source(model_cfg.name_or_path, what, ("config.json",))
     if model_cfg.tokenizer_name_or_path:
         key = what.rsplit(".", 1)[0] + ".tokenizer_name_or_path" if "." in what else "tokenizer_name_or_path"
@@ -43,9 +43,8 @@ def check_model_source(model_cfg: ModelConfig, what: str = "model.name_or_path")
 
 
 def _looks_local(source: str) -> bool:
-    return Path(source).expanduser().exists() or source.startswith(("./", "../", "/", "~")) or source.endswith("/") or (
-        _HUB_ID.match(source) is None
-    )
+    return (Path(source).expanduser().exists() or source.startswith(("./", "../", "/", "~")) or source.endswith("/")
+            or _HUB_ID.match(source) is None)
 
 
 def _check_source(source: str, what: str, marker_files: tuple[str, ...]) -> None:
@@ -55,14 +54,12 @@ def _check_source(source: str, what: str, marker_files: tuple[str, ...]) -> None
         return
     path = Path(source).expanduser()
     if not path.exists():
-        raise UserError(
-            f"{what}: local path '{source}' does not exist. Give a hub id (org/name) or a model directory; {_MAKE_TINY}"
-        )
+        raise UserError(f"{what}: local path '{source}' does not exist. Give a hub id (org/name) or a model "
+                        f"directory; {_MAKE_TINY}")
     if not path.is_dir() or not any((path / name).is_file() for name in marker_files):
-        raise UserError(
-            f"{what}: '{source}' is not a Hugging Face model directory (it has no {' or '.join(marker_files)}). "
-            "Point it at the directory written by save_pretrained (for a finished run: <output_dir>/final)"
-        )
+        raise UserError(f"{what}: '{source}' is not a Hugging Face model directory (it has no "
+                        f"{' or '.join(marker_files)}). Point it at the directory written by save_pretrained (for a "
+                        "finished run: <output_dir>/final)")
     for weights in sorted(path.glob("*.safetensors")):
         problem = safetensors_problem(weights)
         if problem:
@@ -90,9 +87,7 @@ def safetensors_problem(path: Path) -> Optional[str]:
         end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
     except (ValueError, KeyError, TypeError, IndexError) as e:
         return f"unreadable header: {e}"
-    if 8 + n + end != size:
-        return f"{size} bytes where its header describes {8 + n + end}"
-    return None
+    return f"{size} bytes where its header describes {8 + n + end}" if 8 + n + end != size else None
 
 
 def _resolve(source: str) -> str:
@@ -110,9 +105,7 @@ def load_tokenizer(model_cfg: ModelConfig):
     else:
         src, revision = _resolve(model_cfg.name_or_path), model_cfg.revision
     try:
-        tokenizer = AutoTokenizer.from_pretrained(
-            src, revision=revision, trust_remote_code=model_cfg.trust_remote_code
-        )
+        tokenizer = AutoTokenizer.from_pretrained(src, revision=revision, trust_remote_code=model_cfg.trust_remote_code)
     except (OSError, ValueError) as e:
         raise UserError(f"could not load the tokenizer from '{src}': {e}") from e
     if model_cfg.chat_template:
@@ -123,9 +116,8 @@ def load_tokenizer(model_cfg: ModelConfig):
             raise UserError(f"model.chat_template does not render: {type(e).__name__}: {e}") from e
     if tokenizer.pad_token is None:
         if tokenizer.eos_token is None:
-            raise UserError(
-                f"the tokenizer of '{src}' has neither a pad nor an eos token; set pad_token in tokenizer_config.json"
-            )
+            raise UserError(f"the tokenizer of '{src}' has neither a pad nor an eos token; set pad_token in "
+                            "tokenizer_config.json")
         tokenizer.pad_token = tokenizer.eos_token
     tokenizer.padding_side = "right"
     return tokenizer
@@ -137,15 +129,12 @@ def _read_chat_template(value: str) -> str:
         return value
     path = Path(value).expanduser()
     if not path.is_file():
-        raise UserError(
-            f"model.chat_template: '{value}' is neither a Jinja template (no {{% or {{{{ in it) nor an existing file"
-        )
+        raise UserError(f"model.chat_template: '{value}' is neither a Jinja template (no {{% or {{{{ in it) nor an "
+                        "existing file")
     return path.read_text()
 
 
 def _dtype(name: str):
-    import torch
-
     table = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "auto": "auto"}
     if name not in table:
         raise UserError(f"model.dtype must be one of {', '.join(DTYPES)}, got '{name}'")
@@ -156,14 +145,9 @@ def _from_pretrained(auto_cls, model_cfg: ModelConfig, gradient_checkpointing: b
     check_model_source(model_cfg)
     src = _resolve(model_cfg.name_or_path)
     try:
-        model = auto_cls.from_pretrained(
-            src,
-            dtype=_dtype(model_cfg.dtype),
-            attn_implementation=model_cfg.attn_implementation,
-            revision=model_cfg.revision,
-            trust_remote_code=model_cfg.trust_remote_code,
-            **extra,
-        )
+        model = auto_cls.from_pretrained(src, dtype=_dtype(model_cfg.dtype), revision=model_cfg.revision,
+                                         attn_implementation=model_cfg.attn_implementation,
+                                         trust_remote_code=model_cfg.trust_remote_code, **extra)
     except (OSError, ValueError, ImportError) as e:
         raise UserError(f"could not load model.name_or_path '{src}': {type(e).__name__}: {e}") from e
     if gradient_checkpointing:
@@ -185,18 +169,14 @@ def load_causal_lm(model_cfg: ModelConfig, gradient_checkpointing: bool = False)
 
 
 def load_sequence_classifier(model_cfg: ModelConfig, gradient_checkpointing: bool = False, pad_token_id=None):
-    """A one-score head (num_labels=1) on the model; from a causal-LM checkpoint the head starts freshly initialised.
-
-    The model scores each sequence at its last non-pad token, so config.pad_token_id must be the tokenizer's
-    (taken from `load_tokenizer(model_cfg)` when not given).
-    """
+    """A one-score head (num_labels=1) on the model (fresh from a causal-LM checkpoint). It scores each sequence at
+    its last non-pad token, so config.pad_token_id must be the tokenizer's (load_tokenizer's when not given)."""
     from transformers import AutoModelForSequenceClassification
 
     if pad_token_id is None:
         pad_token_id = load_tokenizer(model_cfg).pad_token_id
-    model = _from_pretrained(
-        AutoModelForSequenceClassification, model_cfg, gradient_checkpointing, num_labels=1, pad_token_id=pad_token_id
-    )
+    model = _from_pretrained(AutoModelForSequenceClassification, model_cfg, gradient_checkpointing, num_labels=1,
+                             pad_token_id=pad_token_id)
     model.config.pad_token_id = pad_token_id
     return model
 
@@ -211,24 +191,15 @@ def apply_lora(model, lora_cfg: LoraConfig, task: str = "causal_lm"):
         raise ValueError(f"task must be one of {TASKS}, got {task!r}")
     linear_names = sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules() if _is_linear(m)})
     if not set(lora_cfg.target_modules) & set(linear_names):
-        raise UserError(
-            f"model.lora.target_modules {list(lora_cfg.target_modules)} match no layer of this model; "
-            f"its linear layers are named: {', '.join(linear_names)}"
-        )
-    config = peft.LoraConfig(
-        r=lora_cfg.r,
-        lora_alpha=lora_cfg.alpha,
-        lora_dropout=lora_cfg.dropout,
-        target_modules=list(lora_cfg.target_modules),
-        bias="none",
-        task_type=peft.TaskType.CAUSAL_LM if task == "causal_lm" else peft.TaskType.SEQ_CLS,
-    )
+        raise UserError(f"model.lora.target_modules {list(lora_cfg.target_modules)} match no layer of this model; "
+                        f"its linear layers are named: {', '.join(linear_names)}")
+    config = peft.LoraConfig(r=lora_cfg.r, lora_alpha=lora_cfg.alpha, lora_dropout=lora_cfg.dropout, bias="none",
+                             target_modules=list(lora_cfg.target_modules),
+                             task_type=peft.TaskType.CAUSAL_LM if task == "causal_lm" else peft.TaskType.SEQ_CLS)
     return peft.get_peft_model(model, config)
 
 
 def _is_linear(module) -> bool:
-    import torch
-
     return isinstance(module, torch.nn.Linear) or type(module).__name__ == "Conv1D"
 
 
@@ -247,24 +218,15 @@ def disable_adapter(model) -> Iterator[None]:
 
 
 def merge_lora(model):
-    """Fold the adapters into the weights and return the plain transformers model (a non-LoRA model as is).
-
-    The adapters are merged in place: the LoRA model must not be trained further afterwards.
-    """
+    """The plain transformers model with the adapters folded in (in place: do not train the LoRA model after)."""
     inner = unwrap_module(model)
-    if not hasattr(inner, "merge_and_unload"):
-        return inner
-    return inner.merge_and_unload(safe_merge=True)
+    return inner.merge_and_unload(safe_merge=True) if hasattr(inner, "merge_and_unload") else inner
 
 
 def merge_lora_state(peft_model, state: dict, model_class: type):
-    """The plain model with the adapters folded in, built on CPU from `state` (the LoRA model's full state dict, as
-    gathered from FSDP shards on rank 0) and the structure of `peft_model`, which is left untouched. `model_class`:
-    the transformers class of the base model (sharding may have swapped the instance's class). The copy is made on
-    the meta device and takes the gathered tensors as they are, so no further copy of the weights is allocated."""
-    import copy
-
-    import torch
+    """The plain model with the adapters folded in, built on CPU from `state` (the LoRA model's full state dict
+    gathered from FSDP shards) and `peft_model`'s structure (left untouched); `model_class`: the base model's class
+    (sharding may have swapped the instance's). Built on the meta device, it takes the gathered tensors as they are."""
     from peft import get_peft_model
 
     name = peft_model.active_adapter

@@ -3,17 +3,20 @@
     posttrain plan --config recipes/dpo.yaml model.name_or_path=Qwen/Qwen2.5-1.5B --gpus 8 --gpu-memory 80GiB
     posttrain plan --command grpo --config recipes/grpo.yaml --gpus 1 --gpu-memory 80GiB --json
 
-The arithmetic is in plan/estimate.py (pure, unit-tested against hand counts); plan/shape.py reads the model's
-shape on the meta device; plan/recommend.py searches engines and micro-batches. `estimate_for_run` is what a run
-logs at start next to the peak it then measures.
+The arithmetic is in plan/estimate.py, the model's shape in plan/shape.py, the search in plan/recommend.py;
+`estimate_for_run` is what a run logs at start next to the peak it then measures.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import re
 from typing import Optional
+
+import torch
+import yaml
 
 from posttrain.errors import UserError
 from posttrain.plan.estimate import ENGINES, GIB, Breakdown, estimate
@@ -39,8 +42,6 @@ def infer_algorithm(config: Optional[str], overrides: list[str]) -> str:
 
     keys = set()
     if config:
-        import yaml
-
         try:
             keys = set(((yaml.safe_load(open(config)) or {}).get("algo") or {}).keys())
         except (OSError, yaml.YAMLError, AttributeError) as e:
@@ -48,8 +49,7 @@ def infer_algorithm(config: Optional[str], overrides: list[str]) -> str:
     keys |= {o.split("=", 1)[0][5:] for o in overrides if o.startswith("algo.")}
     if not keys:
         return "sft"
-    matches = [name for name, (cls, _) in ALGORITHMS.items()
-               if keys <= {f.name for f in dataclasses.fields(cls)}]
+    matches = [name for name, (cls, _) in ALGORITHMS.items() if keys <= {f.name for f in dataclasses.fields(cls)}]
     if len(matches) != 1:
         raise UserError(f"cannot tell the algorithm from the recipe's algo keys ({', '.join(sorted(keys))}): "
                         f"pass --algorithm ({', '.join(ALGORITHMS)})")
@@ -57,30 +57,22 @@ def infer_algorithm(config: Optional[str], overrides: list[str]) -> str:
 
 
 def detect_gpu_memory() -> Optional[int]:
-    import torch
-
-    if torch.cuda.is_available():
-        return torch.cuda.get_device_properties(0).total_memory
-    return None
+    return torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available() else None
 
 
 def engine_for(engine: str, offload: str = "none") -> str:
     """Backend.describe()'s engine / offload words -> the name in estimate.ENGINES."""
     name = {"single": "ddp", "ddp": "ddp", "deepspeed-zero1": "zero1", "deepspeed-zero2": "zero2",
             "deepspeed-zero3": "zero3", "fsdp2": "fsdp2", "fsdp1": "fsdp2"}.get(engine, "ddp")
-    if offload != "none" and name in ("zero2", "zero3"):
-        return f"{name}_offload"
-    return name
+    return f"{name}_offload" if offload != "none" and name in ("zero2", "zero3") else name
 
 
 def estimate_for_run(command: str, recipe, engine: str, offload: str, world_size: int,
                      counts: Optional[tuple[int, int]] = None) -> Breakdown:
     """The estimate of this recipe as it is being launched (logged at start beside the measured peak). `counts`:
     the loaded model's (total, trainable) parameters, which spare building the model on the meta device."""
-    if counts is not None:
-        shape = shape_from_config(read_config(recipe.model), *counts)
-    else:
-        shape = model_shape(recipe.model, algorithm_facts(command, recipe)["task"])
+    shape = (shape_from_config(read_config(recipe.model), *counts) if counts is not None
+             else model_shape(recipe.model, algorithm_facts(command, recipe)["task"]))
     gpu_bytes = detect_gpu_memory()
     return estimate(shape, workload_from_recipe(command, recipe, on_gpu=gpu_bytes is not None),
                     ENGINES[engine_for(engine, offload)], world_size, gpu_bytes or 0)
@@ -117,10 +109,7 @@ def run_plan(command: str, recipe, config: Optional[str], overrides: list[str], 
     if not recipe.model.lora.enabled:
         lora_shape = model_shape(dataclasses.replace(recipe.model, lora=dataclasses.replace(recipe.model.lora,
                                                                                             enabled=True)), task)
-
-    def workload_for(batch: int, length: Optional[int] = None):
-        return workload_from_recipe(command, recipe, batch, length)
-
+    workload_for = functools.partial(workload_from_recipe, command, recipe)  # (batch, length=None) -> Workload
     plan = make_plan(shape, workload_for, t.per_device_train_batch_size, t.gradient_accumulation_steps, gpus,
                      gpu_bytes, nodes, lora_shape, recipe.data.max_length)
     line = None
@@ -130,13 +119,11 @@ def run_plan(command: str, recipe, config: Optional[str], overrides: list[str], 
     if as_json:
         return json.dumps({"command": command, "model": recipe.model.name_or_path, "parameters": shape.parameters,
                            "trainable": shape.trainable, **to_json(plan, line)}, indent=2)
-    lines = [
-        f"posttrain plan: {command}, {recipe.model.name_or_path}: {_count(shape.parameters)} parameters "
-        f"({_count(shape.trainable)} trainable), {gpus} GPU(s) of {gpu_bytes / GIB:.1f} GiB on {nodes} node(s)",
-        f"per device at the recipe's batch (per_device_train_batch_size={t.per_device_train_batch_size}, "
-        f"gradient_accumulation_steps={t.gradient_accumulation_steps}), GiB; fits = peak <= 90% of the GPU:",
-        format_table(plan),
-    ]
+    lines = [f"posttrain plan: {command}, {recipe.model.name_or_path}: {_count(shape.parameters)} parameters "
+             f"({_count(shape.trainable)} trainable), {gpus} GPU(s) of {gpu_bytes / GIB:.1f} GiB on {nodes} node(s)",
+             f"per device at the recipe's batch (per_device_train_batch_size={t.per_device_train_batch_size}, "
+             f"gradient_accumulation_steps={t.gradient_accumulation_steps}), GiB; fits = peak <= 90% of the GPU:",
+             format_table(plan)]
     if plan.recommended is not None:
         r = plan.recommended
         lines += [f"recommended: {r.engine.name}, per_device_train_batch_size={r.per_device_batch} x "

@@ -5,25 +5,11 @@
     breakdown = estimate(shape, workload, ENGINES["zero3"], world_size=8)
     breakdown.peak_bytes, breakdown.parts()                     # where the bytes go, per device
 
-The model of a step (bytes per device; P parameters, P_t trainable, N world size, s = 1/N where sharded):
-  persistent  parameters (weights dtype; ZeRO-3/FSDP2: /N), optimizer state (AdamW's two moments, plus DeepSpeed's
-              fp32 master copy under bf16/fp16; /N from ZeRO-1 on), the frozen reference / reward-model copies the
-              algorithm keeps, gradient buffers that outlive a step (DeepSpeed's partitions, /N from ZeRO-2 on;
-              DDP's buckets);
-  transient   the largest of three phases that never overlap:
-              training   activations kept for backward (per token per layer, counted from the Llama / Qwen2 forward;
-                         with gradient checkpointing one layer input per layer plus one layer recomputed), the logits
-                         and their gradient (B x T x V twice), the chunked log-softmax's float32 work rows, under
-                         ZeRO-3 / FSDP2 two layers gathered (the one computing, the one prefetched), and with
-                         accumulation > 1 the parameters' .grad of the earlier micro-batches (at accumulation 1 the
-                         peak is the start of backward: no .grad yet, and activations free as gradients appear),
-                         and under torch autocast (DDP, one process) its 16-bit copies of the fp32 weights;
-              optimizer  the .grad tensors and torch AdamW's foreach temporaries (one trainable-parameter copy;
-                         none on CPU, where AdamW steps one tensor at a time);
-              generation KV cache of every sequence of a generate call at full length, the last-position logits,
-                         and under ZeRO-3 / FSDP2 the whole model gathered for HF generate.
-Offload moves the optimizer state (and with it the fp32 gradients) or the parameters to CPU RAM (`cpu_bytes`).
-Colocated vLLM holds its share of the GPU whatever the training needs (`vllm_bytes`).
+Peak = persistent (parameters, optimizer state, frozen copies, gradient buffers that outlive a step, a colocated
+vLLM's share) + the largest of three phases that never overlap: training (activations, logits, gathered layers,
+and with accumulation > 1 the earlier micro-batches' .grad), the optimizer step (.grad and AdamW's foreach
+temporaries), generation (KV cache, last-position logits, the model gathered under ZeRO-3 / FSDP2). Offload moves
+optimizer state or parameters to CPU RAM (`cpu_bytes`). docs/planning.md has the table, part by part.
 """
 
 from __future__ import annotations
@@ -170,8 +156,7 @@ class Breakdown:
 
     @property
     def peak_bytes(self) -> int:
-        return self.persistent_bytes + max(self.training_bytes, self.gradients + self.optimizer_step,
-                                           self.generation)
+        return self.persistent_bytes + max(self.training_bytes, self.gradients + self.optimizer_step, self.generation)
 
     def parts(self) -> dict[str, int]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
@@ -186,9 +171,7 @@ def activation_elements_per_token(shape: ModelShape, gradient_checkpointing: boo
     With gradient checkpointing a layer keeps only its input (h).
     """
     h, kv, i = shape.hidden_size, shape.kv_size, shape.intermediate_size
-    if gradient_checkpointing:
-        return h
-    return 10 * h + 4 * kv + 4 * i
+    return h if gradient_checkpointing else 10 * h + 4 * kv + 4 * i
 
 
 def activation_bytes(shape: ModelShape, w: Workload) -> int:
@@ -265,19 +248,10 @@ def estimate(shape: ModelShape, w: Workload, engine: Engine, world_size: int = 1
         frozen = w.frozen_copies * _share(p * weight_bytes, n)
     gathered = 2 * shape.layer_parameters * weight_bytes if engine.shards_parameters else 0
     optimizer_step = 0 if deepspeed or not w.foreach_optimizer else _share(t, n if engine.fsdp else 1) * 4
-    return Breakdown(
-        parameters=parameters,
-        gradients=gradients,
-        gradient_buffers=buffers,
-        optimizer=optimizer,
-        frozen_copies=frozen,
-        activations=activation_bytes(shape, w),
-        logits=logits_bytes(shape, w),
-        gathered=gathered,
-        optimizer_step=optimizer_step,
-        generation=generation_bytes(shape, w, engine, n, weight_bytes),
-        vllm=int(w.vllm_fraction * gpu_bytes),
-        cpu_bytes=cpu,
-        gradients_in_forward=gradients if w.accumulation > 1 else 0,
-        autocast_copies=2 * p if w.mixed_precision and weight_bytes == 4 and not engine.fsdp and not deepspeed else 0,
-    )
+    return Breakdown(parameters=parameters, gradients=gradients, gradient_buffers=buffers, optimizer=optimizer,
+                     frozen_copies=frozen, activations=activation_bytes(shape, w), logits=logits_bytes(shape, w),
+                     gathered=gathered, optimizer_step=optimizer_step, vllm=int(w.vllm_fraction * gpu_bytes),
+                     generation=generation_bytes(shape, w, engine, n, weight_bytes), cpu_bytes=cpu,
+                     gradients_in_forward=gradients if w.accumulation > 1 else 0,
+                     autocast_copies=2 * p if w.mixed_precision and weight_bytes == 4 and not engine.fsdp
+                     and not deepspeed else 0)

@@ -4,12 +4,11 @@
                        per_device_batch=8, accumulation=2, gpus=8, gpu_bytes=40 * GIB)
     result.recommended            # Option(engine, per_device_batch, accumulation, breakdown) or None
     result.suggestions            # when nothing fits: more GPUs, LoRA, shorter sequences
-    print(format_plan(result))
+    print(format_table(result))
 
-An option fits when its peak is at most USABLE_FRACTION of the device's memory (the CUDA context, NCCL buffers
-and the allocator's fragmentation take the rest). Engines are tried fastest first (`estimate.ENGINES`); within one,
-the largest per-device micro-batch that divides the recipe's per-device sequences per step (so the global batch
-stays the same) wins.
+An option fits when its peak is at most USABLE_FRACTION of the device's memory (CUDA context, NCCL buffers and
+fragmentation take the rest). Engines are tried fastest first; within one, the largest micro-batch that keeps the
+global batch wins.
 """
 
 from __future__ import annotations
@@ -72,11 +71,9 @@ def make_plan(shape: ModelShape, workload_for: WorkloadFor, per_device_batch: in
     for engine in ENGINES.values():
         breakdown = estimate(shape, workload_for(per_device_batch), engine, gpus, gpu_bytes)
         table.append(Option(engine, per_device_batch, accumulation, breakdown, fits(breakdown, gpu_bytes)))
-    recommended = None
-    for engine in ENGINES.values():
-        recommended = best_option(shape, workload_for, engine, per_device_batch, accumulation, gpus, gpu_bytes)
-        if recommended is not None:
-            break
+    options = (best_option(shape, workload_for, e, per_device_batch, accumulation, gpus, gpu_bytes)
+               for e in ENGINES.values())
+    recommended = next((o for o in options if o is not None), None)  # the fastest engine that fits
     plan = Plan(gpus, nodes, gpu_bytes, table, recommended)
     if recommended is None:
         plan.suggestions = suggestions(shape, workload_for, gpus, gpu_bytes, lora_shape, max_length)
@@ -146,8 +143,7 @@ def _gib(n: int) -> str:
 
 
 def format_table(plan: Plan) -> str:
-    head = ["engine", "fits", "peak"] + [c.replace("_copies", "").replace("gradient_", "grad_") for c in COLUMNS] + [
-        "cpu"]
+    head = ["engine", "fits", "peak", *(c.replace("_copies", "").replace("gradient_", "grad_") for c in COLUMNS), "cpu"]
     rows = [head]
     for option in plan.at_recipe_batch:
         b = option.breakdown

@@ -7,6 +7,11 @@ allocated (a 70B config counts in seconds).
 from __future__ import annotations
 
 import functools
+import os
+import socket
+from urllib.parse import urlparse
+
+import torch
 
 from posttrain.models.forward import FUSED_HEAD_MODELS
 from posttrain.config.schema import ModelConfig
@@ -40,10 +45,6 @@ def read_config(model_cfg: ModelConfig):
 def hub_reachable_for(src: str) -> bool:
     """Whether fetching `src` from the hub can work now: not offline by choice, and the hub answers a connection
     within 3 s (a proxy is trusted to answer). huggingface_hub would otherwise retry 5 times (~40 s) first."""
-    import os
-    import socket
-    from urllib.parse import urlparse
-
     if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on"):
         return False
     if any(os.environ.get(k) for k in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")):
@@ -58,8 +59,6 @@ def hub_reachable_for(src: str) -> bool:
 
 def offline_advice() -> str:
     """What to do about a model config that is neither local nor cached, true to why it could not be fetched."""
-    import os
-
     if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on"):
         return "HF_HUB_OFFLINE is set: unset it to fetch config.json from the hub, or give a local model directory"
     return ("The hub could not be reached (no network?): give a local model directory (one with config.json), or "
@@ -73,19 +72,13 @@ def _text_config(config):
 
 def lora_parameters(model, target_modules, r: int) -> int:
     """Parameters peft adds: r x (in + out) for every linear layer whose name ends in one of target_modules."""
-    import torch
-
-    total = 0
-    for name, module in model.named_modules():
-        if isinstance(module, torch.nn.Linear) and name.rsplit(".", 1)[-1] in target_modules:
-            total += r * (module.in_features + module.out_features)
-    return total
+    return sum(r * (m.in_features + m.out_features) for name, m in model.named_modules()
+               if isinstance(m, torch.nn.Linear) and name.rsplit(".", 1)[-1] in target_modules)
 
 
 @functools.lru_cache(maxsize=8)  # plan asks for the same shape again (with and without LoRA, per engine)
 def model_shape(model_cfg: ModelConfig, task: str = "causal_lm") -> ModelShape:
     """Parameter counts (tied weights once) and the sizes activations depend on, for the recipe's model."""
-    import torch
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
     config = read_config(model_cfg)
@@ -116,17 +109,9 @@ def model_shape(model_cfg: ModelConfig, task: str = "causal_lm") -> ModelShape:
 def shape_from_config(config, parameters: int, trainable: int, largest_layer: int = 0) -> ModelShape:
     """The shape with counts already known (a run counts its loaded model; no meta build needed)."""
     text = _text_config(config)
-    hidden = text.hidden_size
-    heads = text.num_attention_heads
-    return ModelShape(
-        parameters=parameters,
-        trainable=trainable,
-        vocab_size=text.vocab_size,
-        hidden_size=hidden,
-        num_layers=text.num_hidden_layers,
-        num_heads=heads,
-        num_kv_heads=getattr(text, "num_key_value_heads", None) or heads,
-        intermediate_size=getattr(text, "intermediate_size", None) or 4 * hidden,
-        largest_layer=largest_layer,
-        fused_head=getattr(config, "model_type", None) in FUSED_HEAD_MODELS,
-    )
+    hidden, heads = text.hidden_size, text.num_attention_heads
+    return ModelShape(parameters=parameters, trainable=trainable, vocab_size=text.vocab_size, hidden_size=hidden,
+                      num_layers=text.num_hidden_layers, num_heads=heads, largest_layer=largest_layer,
+                      num_kv_heads=getattr(text, "num_key_value_heads", None) or heads,
+                      intermediate_size=getattr(text, "intermediate_size", None) or 4 * hidden,
+                      fused_head=getattr(config, "model_type", None) in FUSED_HEAD_MODELS)

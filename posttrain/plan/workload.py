@@ -44,21 +44,13 @@ def workload_from_recipe(command: str, recipe: Recipe, per_device_batch: Optiona
     length = max_length or d.max_length
     mixed = t.mixed_precision in ("bf16", "fp16")
     weight_bytes = BYTES.get(recipe.model.dtype, 4)
-    workload = Workload(
-        algorithm=command,
-        sequences=batch * facts["rows_per_unit"],
-        sequence_length=length,
-        weight_bytes=weight_bytes,
-        compute_bytes=2 if mixed else weight_bytes,
-        mixed_precision=mixed,
-        foreach_optimizer=on_gpu and not t.fused_optimizer,  # the fused step makes no temporaries
-        accumulation=t.per_device_train_batch_size * t.gradient_accumulation_steps // batch,
-        gradient_checkpointing=t.gradient_checkpointing,
-        frozen_copies=facts["frozen"],
-        lm_head=facts["task"] == "causal_lm",
-        logprobs_only=command in ("sft", "dpo"),
-        eager_attention=recipe.model.attn_implementation == "eager",
-    )
+    workload = Workload(algorithm=command, sequences=batch * facts["rows_per_unit"], sequence_length=length,
+                        weight_bytes=weight_bytes, compute_bytes=2 if mixed else weight_bytes, mixed_precision=mixed,
+                        foreach_optimizer=on_gpu and not t.fused_optimizer,  # the fused step makes no temporaries
+                        accumulation=t.per_device_train_batch_size * t.gradient_accumulation_steps // batch,
+                        gradient_checkpointing=t.gradient_checkpointing, frozen_copies=facts["frozen"],
+                        lm_head=facts["task"] == "causal_lm", logprobs_only=command in ("sft", "dpo"),
+                        eager_attention=recipe.model.attn_implementation == "eager")
     if not facts["generate"]:
         return workload
     prompt_length = d.max_prompt_length or max(1, length - g.max_completion_length)
@@ -69,10 +61,6 @@ def workload_from_recipe(command: str, recipe: Recipe, per_device_batch: Optiona
     per_call = min(g.batch_size or prompts, prompts) or 1
     vllm = g.engine == "vllm" and g.placement in ("colocated", "node")  # its KV cache lives in its reserved share
     fraction = (VLLM_DEFAULT_FRACTION if vllm_fraction is None else vllm_fraction) if vllm else 0.0
-    return dataclasses.replace(
-        workload,
-        sequence_length=prompt_length + g.max_completion_length,
-        generation_sequences=0 if vllm else per_call * generations,
-        generation_length=prompt_length + g.max_completion_length,
-        vllm_fraction=fraction,
-    )
+    return dataclasses.replace(workload, sequence_length=prompt_length + g.max_completion_length,
+                               generation_sequences=0 if vllm else per_call * generations,
+                               generation_length=prompt_length + g.max_completion_length, vllm_fraction=fraction)

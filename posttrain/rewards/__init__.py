@@ -9,17 +9,5 @@ from posttrain.rewards.combine import Reward, RewardError, RewardSet, reward_met
 from posttrain.rewards.load import load_reward, load_rewards
 from posttrain.rewards.reward_model import RewardModelScorer
 
-__all__ = [
-    "BUILTIN_REWARDS",
-    "Reward",
-    "RewardError",
-    "RewardModelScorer",
-    "RewardSet",
-    "exact_match",
-    "extract_answer",
-    "format_reward",
-    "length_penalty",
-    "load_reward",
-    "load_rewards",
-    "reward_metrics",
-]
+__all__ = ["BUILTIN_REWARDS", "Reward", "RewardError", "RewardModelScorer", "RewardSet", "exact_match", "extract_answer",
+           "format_reward", "length_penalty", "load_reward", "load_rewards", "reward_metrics"]

@@ -48,17 +48,13 @@ def _boxed(text: str) -> Optional[str]:
 
 def _after_last(text: str, marker: re.Pattern | str) -> Optional[str]:
     """The rest of the line after the last occurrence of `marker`; None when it does not occur."""
-    if isinstance(marker, str):
+    if isinstance(marker, str):  # rfind: the last occurrence, overlapping ones too ('######')
         at = text.rfind(marker)
-        if at < 0:
-            return None
-        rest = text[at + len(marker) :]
+        end = at + len(marker) if at >= 0 else None
     else:
         found = list(marker.finditer(text))
-        if not found:
-            return None
-        rest = text[found[-1].end() :]
-    return rest.strip().split("\n", 1)[0]
+        end = found[-1].end() if found else None
+    return None if end is None else text[end:].strip().split("\n", 1)[0]
 
 
 def _marked_answer(text: str) -> Optional[str]:
@@ -79,10 +75,7 @@ def extract_answer(text: str) -> str:
 
 
 def _normalise(answer: str) -> str:
-    answer = " ".join(answer.split()).strip()
-    answer = answer.strip("$").strip()
-    answer = answer.rstrip(".").strip()
-    return answer.casefold()
+    return " ".join(answer.split()).strip().strip("$").strip().rstrip(".").strip().casefold()
 
 
 def _as_number(answer: str) -> Optional[float]:
@@ -105,9 +98,8 @@ def answers_match(completion: str, reference: Any) -> bool:
     return candidate_number is not None and math.isclose(candidate_number, target_number, rel_tol=1e-9, abs_tol=1e-9)
 
 
-def exact_match(
-    prompts: list, completions: list[str], answer_column: str = "answer", **columns
-) -> list[Optional[float]]:
+def exact_match(prompts: list, completions: list[str], answer_column: str = "answer",
+                **columns) -> list[Optional[float]]:
     """1.0 when the completion's final answer equals the reference in `answer_column`, else 0.0 (None: no reference).
 
     The completion's final answer is the last \\boxed{...}, else the text after the last '####', else after the last
@@ -116,23 +108,16 @@ def exact_match(
     surrounding '$' and a final '.'.
     """
     if answer_column not in columns:
-        raise UserError(
-            f"reward exact_match reads the dataset column '{answer_column}', which the data does not have "
-            f"(columns: {', '.join(sorted(columns)) or 'none'}); set kwargs.answer_column"
-        )
-    return [
-        None if reference is None else float(answers_match(completion, reference))
-        for completion, reference in zip(completions, columns[answer_column])
-    ]
+        raise UserError(f"reward exact_match reads the dataset column '{answer_column}', which the data does not have "
+                        f"(columns: {', '.join(sorted(columns)) or 'none'}); set kwargs.answer_column")
+    return [None if reference is None else float(answers_match(completion, reference))
+            for completion, reference in zip(completions, columns[answer_column])]
 
 
-def format_reward(
-    prompts: list, completions: list[str], pattern: str, fullmatch: bool = True, **columns
-) -> list[float]:
-    """1.0 when the completion matches the regex `pattern` (re.DOTALL: '.' spans lines), else 0.0.
-
-    fullmatch=True: the whole completion must match (re.fullmatch); False: anywhere in it (re.search).
-    """
+def format_reward(prompts: list, completions: list[str], pattern: str, fullmatch: bool = True,
+                  **columns) -> list[float]:
+    """1.0 when the completion matches the regex `pattern` (re.DOTALL), else 0.0; the whole of it (fullmatch=True) or
+    anywhere in it (re.search)."""
     regex = re.compile(pattern, re.DOTALL)
     match = regex.fullmatch if fullmatch else regex.search
     return [float(match(completion) is not None) for completion in completions]
@@ -145,15 +130,8 @@ def _tokenizer(name_or_path: str):
     return AutoTokenizer.from_pretrained(name_or_path)
 
 
-def length_penalty(
-    prompts: list,
-    completions: list[str],
-    max_length: int,
-    target_length: int = 0,
-    unit: str = "chars",
-    tokenizer: Optional[str] = None,
-    **columns,
-) -> list[float]:
+def length_penalty(prompts: list, completions: list[str], max_length: int, target_length: int = 0,
+                   unit: str = "chars", tokenizer: Optional[str] = None, **columns) -> list[float]:
     """A penalty in [-1, 0] for completions longer than `target_length`, reaching -1 at `max_length` (DAPO's soft
     overlong punishment, Yu et al. 2025):
 
@@ -171,54 +149,38 @@ def length_penalty(
             encode = _tokenizer(tokenizer)
             lengths = [len(encode(c, add_special_tokens=False)["input_ids"]) for c in completions]
         else:
-            raise UserError(
-                "reward length_penalty with unit=tokens needs kwargs.tokenizer (a tokenizer path or hub id)"
-            )
+            raise UserError("reward length_penalty with unit=tokens needs kwargs.tokenizer (a tokenizer path or hub id)")
     else:
         lengths = [len(c) for c in completions]
     span = max_length - target_length
     return [-min(1.0, max(0, length - target_length) / span) for length in lengths]
 
 
-BUILTIN_REWARDS: dict[str, Callable[..., list]] = {
-    "exact_match": exact_match,
-    "format": format_reward,
-    "length_penalty": length_penalty,
-    "reward_model": reward_model,
-}
+BUILTIN_REWARDS: dict[str, Callable[..., list]] = {"exact_match": exact_match, "format": format_reward,
+                                                   "length_penalty": length_penalty, "reward_model": reward_model}
 
 
 def _check_format(kwargs: dict) -> None:
     try:
         re.compile(kwargs["pattern"], re.DOTALL)
     except (re.error, TypeError) as e:
-        raise UserError(
-            f"reward format: kwargs.pattern {kwargs['pattern']!r} is not a valid regular expression: {e}"
-        ) from None
+        raise UserError(f"reward format: kwargs.pattern {kwargs['pattern']!r} is not a valid regular expression: "
+                        f"{e}") from None
 
 
 def _check_length_penalty(kwargs: dict) -> None:
     target, most, unit = kwargs.get("target_length", 0), kwargs["max_length"], kwargs.get("unit", "chars")
     if not (isinstance(most, int) and isinstance(target, int) and 0 <= target < most):
-        raise UserError(
-            "reward length_penalty: need integers 0 <= kwargs.target_length < kwargs.max_length, "
-            f"got {target} and {most}"
-        )
+        raise UserError("reward length_penalty: need integers 0 <= kwargs.target_length < kwargs.max_length, "
+                        f"got {target} and {most}")
     if unit not in ("chars", "tokens"):
         raise UserError(f"reward length_penalty: kwargs.unit must be chars or tokens, got {unit!r}")
     if unit == "tokens" and kwargs.get("tokenizer"):
         _tokenizer(kwargs["tokenizer"])
 
 
-def _check_reward_model(kwargs: dict) -> None:
-    load_scorer(**kwargs)  # load now: a bad path fails before any compute
-
-
-CHECKS: dict[str, Callable[[dict], None]] = {
-    "format": _check_format,
-    "length_penalty": _check_length_penalty,
-    "reward_model": _check_reward_model,
-}
+CHECKS: dict[str, Callable[[dict], None]] = {  # reward_model loads now: a bad path fails before any compute
+    "format": _check_format, "length_penalty": _check_length_penalty, "reward_model": lambda kw: load_scorer(**kw)}
 
 
 def check_builtin_kwargs(name: str, kwargs: dict) -> None:

@@ -4,19 +4,11 @@
     total_B, per_function, skipped = rewards.score(prompts, completions, {"answer": answers})
     metrics = reward_metrics(per_function)          # rewards/<name>/mean, rewards/<name>/std
 
-Each function runs in its own worker thread (all at once, so slow I/O-bound verifiers overlap) and gets `timeout`
-seconds. On an exception or a timeout, on_error decides:
-- "raise": stop with a RewardError naming the function and, when re-running one sample at a time finds it, the
-  sample that fails (index, prompt and completion excerpts);
-- "skip": that function's rewards for this batch become NaN.
-NaN (skipped, or None returned for a sample) counts as 0 in the total and is counted in `skipped`; means and stds
-in the metrics leave it out. A UserError raised by a function (a missing column, say) always propagates: it is the
-recipe or the data that is wrong. Wrong-length or non-numeric output, NaN and inf are bugs in the function:
-always a RewardError naming the sample (None is the way to say "no reward for this sample"). sys.exit inside a
-function is a failure like any other (posttrain/usercode.py).
-
-Python cannot stop a thread: a function that times out keeps running in the background until it returns. The
-threads are daemons, so one stuck for good does not keep the process from exiting.
+Each function runs in its own daemon thread (all at once, so slow verifiers overlap) with `timeout` seconds; a stuck
+one runs on in the background but never keeps the process from exiting. On an exception or a timeout, on_error
+"raise" stops with a RewardError naming the function and the failing sample, "skip" makes its batch NaN. NaN (skipped,
+or None for a sample) counts as 0 in the total and in `skipped`, and is left out of the metrics. A UserError from a
+function (a missing column) always propagates; wrong-length or non-numeric output, NaN and inf are RewardErrors.
 """
 
 from __future__ import annotations
@@ -120,9 +112,8 @@ class RewardSet:
     def names(self) -> list[str]:
         return [r.name for r in self.rewards]
 
-    def score(
-        self, prompts: list, completions: list[str], columns: Optional[dict[str, list]] = None
-    ) -> tuple[torch.Tensor, dict[str, torch.Tensor], int]:
+    def score(self, prompts: list, completions: list[str],
+              columns: Optional[dict[str, list]] = None) -> tuple[torch.Tensor, dict[str, torch.Tensor], int]:
         """-> (total_B: weighted sum, NaN as 0; per_function: name -> rewards_B with NaN where missing;
         skipped: number of missing (function, sample) values). float32 CPU tensors."""
         columns = dict(columns or {})
@@ -133,9 +124,8 @@ class RewardSet:
             if len(values) != size:
                 raise ValueError(f"column '{key}' has {len(values)} values for {size} completions")
         started = time.monotonic()
-        futures = [
-            _in_thread(r.fn, prompts, completions, **keep(columns)) for r, keep in zip(self.rewards, self._filters)
-        ]
+        futures = [_in_thread(r.fn, prompts, completions, **keep(columns))
+                   for r, keep in zip(self.rewards, self._filters)]
         per_function: dict[str, torch.Tensor] = {}
         for r, keep, future in zip(self.rewards, self._filters, futures):
             remaining = max(0.0, started + r.timeout - time.monotonic())
@@ -150,53 +140,36 @@ class RewardSet:
             else:
                 values = self._check(r, future.result(), prompts)
             per_function[r.name] = values
-        total_B = torch.zeros(size, dtype=torch.float32)
-        skipped = 0
-        for r in self.rewards:
-            values_B = per_function[r.name]
-            total_B += r.weight * torch.nan_to_num(values_B, nan=0.0)
-            skipped += int(values_B.isnan().sum())
-        return total_B, per_function, skipped
+        total_B = sum((r.weight * torch.nan_to_num(per_function[r.name], nan=0.0) for r in self.rewards),
+                      torch.zeros(size, dtype=torch.float32))
+        return total_B, per_function, sum(int(v.isnan().sum()) for v in per_function.values())
 
     def _failed(self, reward: Reward, what: str, prompts, completions, error, columns) -> torch.Tensor:
         size = len(completions)
         if reward.on_error == "skip":
-            logger.warning(
-                "reward '%s' %s on a batch of %d; its rewards for the batch count as missing (on_error: skip): %r",
-                reward.name,
-                what,
-                size,
-                error,
-            )
+            logger.warning("reward '%s' %s on a batch of %d; its rewards for the batch count as missing "
+                           "(on_error: skip): %r", reward.name, what, size, error)
             return torch.full((size,), float("nan"))
         if error is None:
-            raise RewardError(
-                f"reward '{reward.name}' {what} on a batch of {size} completions (first prompt: "
-                f"{excerpt(prompts[0] if prompts else '')!r}); raise its timeout in the recipe's rewards, or set on_error: skip"
-            )
+            raise RewardError(f"reward '{reward.name}' {what} on a batch of {size} completions (first prompt: "
+                              f"{excerpt(prompts[0] if prompts else '')!r}); raise its timeout in the recipe's "
+                              "rewards, or set on_error: skip")
         culprit = self._find_failing_sample(reward, prompts, completions, columns)
         if culprit is not None:
             index, error = culprit
-            where = (
-                f"on sample {index} (prompt: {excerpt(prompts[index])!r}; completion: {excerpt(completions[index])!r})"
-            )
+            where = f"on sample {index} (prompt: {excerpt(prompts[index])!r}; completion: {excerpt(completions[index])!r})"
         else:
             where = f"on a batch of {size} completions (first prompt: {excerpt(prompts[0] if prompts else '')!r})"
-        raise RewardError(
-            f"reward '{reward.name}' {what_it_did(error)} {where}; fix the function, "
-            "or set on_error: skip to count such batches as missing", error
-        ) from error
+        raise RewardError(f"reward '{reward.name}' {what_it_did(error)} {where}; fix the function, or set on_error: "
+                          "skip to count such batches as missing", error) from error
 
     @staticmethod
     def _find_failing_sample(reward: Reward, prompts, completions, columns) -> Optional[tuple[int, BaseException]]:
         """Re-run the function one sample at a time (within its timeout) to name the sample that fails."""
-
         def first_failure():
             for i in range(len(completions)):
                 try:
-                    reward.fn(
-                        prompts[i : i + 1], completions[i : i + 1], **{k: v[i : i + 1] for k, v in columns.items()}
-                    )
+                    reward.fn(prompts[i:i + 1], completions[i:i + 1], **{k: v[i:i + 1] for k, v in columns.items()})
                 except (Exception, SystemExit) as e:  # noqa: BLE001 - reported to the user
                     return i, e
             return None
@@ -212,15 +185,11 @@ class RewardSet:
         if isinstance(values, torch.Tensor) or hasattr(values, "tolist"):
             values = values.tolist()
         if isinstance(values, (str, bytes)) or not isinstance(values, Sequence):
-            raise RewardError(
-                f"reward '{reward.name}' returned a {type(values).__name__} for a batch of {size} ({first}); it must "
-                "return a list with one float (or None) per completion"
-            )
+            raise RewardError(f"reward '{reward.name}' returned a {type(values).__name__} for a batch of {size} "
+                              f"({first}); it must return a list with one float (or None) per completion")
         if len(values) != size:
-            raise RewardError(
-                f"reward '{reward.name}' returned {len(values)} values for {size} completions ({first}); it must "
-                "return one float (or None) per completion"
-            )
+            raise RewardError(f"reward '{reward.name}' returned {len(values)} values for {size} completions ({first}); "
+                              "it must return one float (or None) per completion")
         out = []
         for i, value in enumerate(values):
             if value is None:
@@ -228,18 +197,14 @@ class RewardSet:
             elif isinstance(value, numbers.Real) and math.isfinite(value):
                 out.append(float(value))
             else:  # NaN too: None says "no reward for this sample" on purpose; NaN is a bug that would count as 0
-                raise RewardError(
-                    f"reward '{reward.name}' returned {value!r} for sample {i} (prompt: {excerpt(prompts[i])!r}); "
-                    "rewards must be finite numbers, or None for a sample it does not score"
-                )
+                raise RewardError(f"reward '{reward.name}' returned {value!r} for sample {i} (prompt: "
+                                  f"{excerpt(prompts[i])!r}); rewards must be finite numbers, or None for a sample it "
+                                  "does not score")
         return torch.tensor(out, dtype=torch.float32)
 
 
 def reward_metrics(per_function: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """rewards/<name>/mean and rewards/<name>/std (population std) of each function over its non-NaN values.
-
-    NaN when a function has no value in the batch. Detached float32 scalars.
-    """
+    """rewards/<name>/mean and /std (population) of each function over its non-NaN values (NaN when it has none)."""
     metrics = {}
     for name, values_B in per_function.items():
         values_B = values_B.detach().float()

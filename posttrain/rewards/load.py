@@ -33,17 +33,14 @@ def load_reward(cfg: RewardConfig) -> Reward:
     kwargs = dict(cfg.kwargs)
     if cfg.name in BUILTIN_REWARDS:
         check_builtin_kwargs(cfg.name, kwargs)
-        return Reward(
-            cfg.name, functools.partial(BUILTIN_REWARDS[cfg.name], **kwargs), cfg.weight, cfg.timeout, cfg.on_error
-        )
+        return Reward(cfg.name, functools.partial(BUILTIN_REWARDS[cfg.name], **kwargs), cfg.weight, cfg.timeout,
+                      cfg.on_error)
     if ":" not in cfg.name:
         close = difflib.get_close_matches(cfg.name, list(BUILTIN_REWARDS), n=1, cutoff=0.5)
         hint = f"did you mean '{close[0]}'? " if close else ""
-        raise UserError(
-            f"reward '{cfg.name}' is neither a built-in reward ({', '.join(BUILTIN_REWARDS)}) nor an import path "
-            f"'module:function'; {hint}"
-            "write your own as 'my_module:my_reward' taking (prompts, completions, **columns)"
-        )
+        raise UserError(f"reward '{cfg.name}' is neither a built-in reward ({', '.join(BUILTIN_REWARDS)}) nor an "
+                        f"import path 'module:function'; {hint}write your own as 'my_module:my_reward' taking "
+                        "(prompts, completions, **columns)")
     module_name, _, attribute = cfg.name.rpartition(":")
     target = _resolve(cfg.name, import_user(module_name, f"reward '{cfg.name}'"), attribute)
     return Reward(attribute.rsplit(".", 1)[-1], _bind(cfg.name, target, kwargs), cfg.weight, cfg.timeout, cfg.on_error)
@@ -98,9 +95,8 @@ def _bind(spec: str, target: Any, kwargs: dict) -> Callable:
     try:
         inspect.signature(target).bind_partial(None, None, **kwargs)
     except TypeError as e:
-        raise UserError(
-            f"reward '{spec}' cannot be called as fn(prompts, completions, **kwargs) with kwargs {sorted(kwargs)}: {e}"
-        ) from None
+        raise UserError(f"reward '{spec}' cannot be called as fn(prompts, completions, **kwargs) with kwargs "
+                        f"{sorted(kwargs)}: {e}") from None
     except ValueError:  # no signature to check (some C callables)
         pass
     return functools.partial(target, **kwargs)

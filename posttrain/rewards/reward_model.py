@@ -13,30 +13,23 @@ import threading
 from pathlib import Path
 from typing import Optional
 
+import torch
+
+from posttrain.config.schema import ModelConfig
 from posttrain.errors import UserError
+from posttrain.models.load import check_model_source, load_sequence_classifier, load_tokenizer
 
 
 class RewardModelScorer:
     """Scores text with an AutoModelForSequenceClassification (num_labels 1) saved as a Hugging Face directory.
 
-    model_dir: a directory written by `posttrain rm` (its final/), or a hub id. device: cuda when available, else cpu.
-    max_length: keep the last this many tokens of each text (the score reads the end), None: no truncation.
-    dtype: weights dtype (auto: as saved).
+    model_dir: `posttrain rm`'s final/, or a hub id. device: cuda when available, else cpu. max_length: keep the last
+    this many tokens of each text (the score reads the end). dtype: weights dtype (auto: as saved).
     """
 
-    def __init__(
-        self,
-        model_dir: str,
-        device: Optional[str] = None,
-        batch_size: int = 8,
-        max_length: Optional[int] = None,
-        dtype: str = "auto",
-    ):
-        import torch
+    def __init__(self, model_dir: str, device: Optional[str] = None, batch_size: int = 8,
+                 max_length: Optional[int] = None, dtype: str = "auto"):
         from transformers import AutoConfig
-
-        from posttrain.config.schema import ModelConfig
-        from posttrain.models.load import check_model_source, load_tokenizer
 
         if batch_size < 1:
             raise UserError(f"reward_model: batch_size must be >= 1, got {batch_size}")
@@ -48,14 +41,10 @@ class RewardModelScorer:
             raise UserError(f"reward_model kwargs.path: cannot read the model config of '{model_dir}': {e}") from None
         architectures = getattr(config, "architectures", None) or []
         if architectures and not any(a.endswith("ForSequenceClassification") for a in architectures):
-            raise UserError(
-                f"{model_dir} holds a {architectures[0]}, not a reward model (a *ForSequenceClassification with one "
-                "label, as `posttrain rm` writes); its score head would be random"
-            )
+            raise UserError(f"{model_dir} holds a {architectures[0]}, not a reward model (a *ForSequenceClassification "
+                            "with one label, as `posttrain rm` writes); its score head would be random")
         if config.num_labels != 1:
-            raise UserError(
-                f"{model_dir} has {config.num_labels} labels; a reward model has exactly one (num_labels 1)"
-            )
+            raise UserError(f"{model_dir} has {config.num_labels} labels; a reward model has exactly one (num_labels 1)")
         # The loaders `posttrain rm` trains with: same pad token, so the head reads the same last token.
         self.source = source
         self.tokenizer = load_tokenizer(source)
@@ -68,32 +57,24 @@ class RewardModelScorer:
 
     def load_model(self):
         """The classifier's weights, as `posttrain rm` saved them (not yet placed on a device)."""
-        from posttrain.models.load import load_sequence_classifier
-
         return load_sequence_classifier(self.source, pad_token_id=self.pad_id).eval()
 
     def place(self, model, device) -> None:
         """Score with `model` (what the backend made of load_model(): a partitioned engine, an offloaded module) on
         `device`. A run places its reward models after the backend exists; used alone, the scorer loads on first
         call."""
-        import torch
-
         self._model, self.device = model, torch.device(device)
 
     @property
     def model(self):
         if self._model is None:
-            import torch
-
             device = self.device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
             self.place(self.load_model().to(device), device)
         return self._model
 
     def encode(self, prompt, completion: str) -> list[int]:
         """Token ids of prompt + completion exactly as `posttrain rm` tokenised its pairs (posttrain.data), so the
-        head reads the token it was trained to read: plain text is the prompt (with the tokenizer's special tokens)
-        then the completion ending in EOS; messages are the chat template's prompt with generation prompt, then the
-        assistant turn through its end-of-turn token (whitespace the template puts after it is not scored)."""
+        head reads the token it was trained to read (EOS, or the chat template's end-of-turn token)."""
         from posttrain.data.chat import split_rendered
         from posttrain.data.tokenize import _with_eos
 
@@ -103,29 +84,24 @@ class RewardModelScorer:
         else:
             turn = [{"role": "assistant", "content": completion}]
             prompt_text, completion_text = split_rendered(tok, list(prompt), turn, "reward_model")
-            ids = tok(prompt_text, add_special_tokens=False)["input_ids"] + tok(
-                completion_text, add_special_tokens=False
-            )["input_ids"]
-        return ids[-self.max_length :] if self.max_length else ids
+            ids = (tok(prompt_text, add_special_tokens=False)["input_ids"]
+                   + tok(completion_text, add_special_tokens=False)["input_ids"])
+        return ids[-self.max_length:] if self.max_length else ids
 
     def __call__(self, prompts: list, completions: list[str], **columns) -> list[float]:
-        import torch
-
         encoded = [self.encode(p, c) for p, c in zip(prompts, completions)]
         scores: list[float] = []
         for start in range(0, len(encoded), self.batch_size):
-            chunk = encoded[start : start + self.batch_size]
+            chunk = encoded[start:start + self.batch_size]
             width = max(len(ids) for ids in chunk)
             input_ids = torch.full((len(chunk), width), self.pad_id, dtype=torch.long)
             attention_mask = torch.zeros((len(chunk), width), dtype=torch.long)
             for row, ids in enumerate(chunk):  # right padding
-                input_ids[row, : len(ids)] = torch.tensor(ids, dtype=torch.long)
-                attention_mask[row, : len(ids)] = 1
+                input_ids[row, :len(ids)] = torch.tensor(ids, dtype=torch.long)
+                attention_mask[row, :len(ids)] = 1
             model = self.model
             with torch.no_grad():
-                logits = model(
-                    input_ids=input_ids.to(self.device), attention_mask=attention_mask.to(self.device)
-                ).logits
+                logits = model(input_ids=input_ids.to(self.device), attention_mask=attention_mask.to(self.device)).logits
             scores += logits[:, 0].float().cpu().tolist()
         return scores
 
@@ -134,9 +110,8 @@ _SCORERS: dict[tuple, RewardModelScorer] = {}
 _SCORERS_LOCK = threading.Lock()
 
 
-def load_scorer(
-    path: str, device: Optional[str] = None, batch_size: int = 8, max_length: Optional[int] = None, dtype: str = "auto"
-) -> RewardModelScorer:
+def load_scorer(path: str, device: Optional[str] = None, batch_size: int = 8, max_length: Optional[int] = None,
+                dtype: str = "auto") -> RewardModelScorer:
     """One scorer per directory and settings per process: the recipe's reward_model entry loads its model once."""
     local = Path(path).expanduser()
     key = (str(local.resolve()) if local.exists() else path, device, batch_size, max_length, dtype)
@@ -146,15 +121,7 @@ def load_scorer(
         return _SCORERS[key]
 
 
-def reward_model(
-    prompts: list,
-    completions: list[str],
-    path: str,
-    device: Optional[str] = None,
-    batch_size: int = 8,
-    max_length: Optional[int] = None,
-    dtype: str = "auto",
-    **columns,
-) -> list[float]:
+def reward_model(prompts: list, completions: list[str], path: str, device: Optional[str] = None, batch_size: int = 8,
+                 max_length: Optional[int] = None, dtype: str = "auto", **columns) -> list[float]:
     """The built-in `reward_model` reward: the score of the reward model at `path` (see RewardModelScorer)."""
     return load_scorer(path, device, batch_size, max_length, dtype)(prompts, completions)
