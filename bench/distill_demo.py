@@ -109,8 +109,9 @@ def main() -> None:
     results["machine_at_end"] = machine()
     (out / "results.json").write_text(json.dumps(results, indent=2))
 
-    print(f"\n[distill-demo] held-out exact match on {sum(1 for _ in open(eval_prompts))} problems; student hidden "
-          f"{args.hidden_size} x {args.layers} layers; each run {args.steps} steps x {args.batch} rows; seed {args.seed}")
+    problems = len(eval_prompts.read_text().splitlines())
+    print(f"\n[distill-demo] held-out exact match on {problems} problems; student hidden {args.hidden_size} x "
+          f"{args.layers} layers; each run {args.steps} steps x {args.batch} rows; seed {args.seed}")
     print(f"  {'student before (warm start)':<30} {results['student_before_accuracy']:>7.1%}")
     labels = {"sft": "SFT on the demonstrations", "kd": "distill, supervised KD",
               "on-policy": f"distill, on-policy ({args.lmbda:g})"}

@@ -261,5 +261,7 @@ def roles_needed(algorithm, recipe) -> tuple[str, ...]:
         roles.append("critic")
     if any(r.name == "reward_model" for r in recipe.rewards):
         roles.append("reward_model")
+    if algorithm.teacher_model() is not None:  # a server teacher (algo.teacher_server) is no role to place
+        roles.append("teacher")
     return tuple(roles)
 

@@ -3,14 +3,16 @@
     placement:
       colocate: [[policy, reference], [critic, reward_model]]    # OpenRLHF's --colocate_actor_ref + critic_reward
 
-A frozen role (reference, reward_model) placed apart from the policy runs as replicas: one `RoleWorker` actor per
-worker slot of its unit, pinned to the node the fit chose, each holding the whole model and serving no-grad forwards.
-Training rank r asks replica r % replicas. Frozen models need no collectives, so replicas need no process group of
-their own, and a replica holds exactly the weights a colocated copy would (the policy's source, or the reward model's).
+A frozen role (reference, reward_model, a distillation teacher) placed apart from the policy runs as replicas: one
+`RoleWorker` actor per worker slot of its unit, pinned to the node the fit chose, each holding the whole model and
+serving no-grad forwards. Training rank r asks replica r % replicas. Frozen models need no collectives, so replicas
+need no process group of their own, and a replica holds exactly the weights a colocated copy would (the policy's
+source, the reward model's, the teacher's).
 
 In the training ranks the role is a `RayRole` (algorithms.base.Role): asked for a forward (a reward model's scores,
-values: small outputs), or for token log-probs (the (B, T, V) logits never leave the replica). The algorithms call
-`models.reference.logprobs(...)` as they would on a local role and do not know Ray exists. Each RayRole counts the
+values: small outputs; a teacher's logits, which distillation needs whole), or for token log-probs (the reference's
+(B, T, V) logits never leave the replica). The algorithms call `models.reference.logprobs(...)` as they would on a
+local role and do not know Ray exists. Each RayRole counts the
 seconds its calls take (transfer included), logged per step as `time/role/<role>`. A replica that dies stops the run naming the role, the replica and its node.
 
 A trained role (PPO's critic) apart from the policy is a group of `TrainedRoleWorker` actors forming a torch.distributed
@@ -50,7 +52,7 @@ from posttrain.models.reference import make_reference
 from posttrain.run import seed_everything
 from posttrain.train.optim import make_optimizer
 
-FROZEN_ROLES = ("reference", "reward_model")
+FROZEN_ROLES = ("reference", "reward_model", "teacher")
 LOAD_TIMEOUT_S = 600.0
 
 
@@ -68,8 +70,9 @@ class RoleWorker(Worker):
 
     def load(self, command: str, recipe, roles: tuple[str, ...], env: dict[str, str]) -> dict[str, int]:
         """Load every model of `roles` as a run would: the reference from the policy's source (the algorithm's head),
-        each `reward_model` entry of the recipe from its path. Keys: 'reference', 'reward_model:<i>' (the i-th reward
-        model of algorithm.reward_models()). Returns each key's parameter count."""
+        each `reward_model` entry of the recipe from its path, the teacher from algorithm.teacher_model(). Keys:
+        'reference', 'reward_model:<i>' (the i-th reward model of algorithm.reward_models()), 'teacher'. Returns
+        each key's parameter count."""
         os.environ.update(env)
         seed_everything(recipe.seed)  # a seq_cls reference's fresh head is the policy's only after the same seed
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # Ray shows each actor its GPU
@@ -85,6 +88,8 @@ class RoleWorker(Worker):
         if "reward_model" in roles:
             for i, scorer in enumerate(algorithm.reward_models()):
                 self.models[f"reward_model:{i}"] = scorer.load_model().requires_grad_(False).to(self.device)
+        if "teacher" in roles:
+            self.models["teacher"] = make_reference(algorithm.teacher_model()).to(self.device)
         return {key: sum(p.numel() for p in m.parameters()) for key, m in self.models.items()}
 
     def _autocast(self):
