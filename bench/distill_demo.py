@@ -14,7 +14,8 @@ same steps, batch and schedule:
   sft        more SFT on the demonstrations (it imitates the forgotten carries too);
   kd         supervised KD (`algo.lmbda=0`): the teacher's next-token distributions on the same demonstrations;
   on-policy  GKD (`algo.lmbda`, default 0.5): that share of the steps on completions the student samples itself.
-Held-out: the demo's 200 problems that no stage trained on. Writes <out>/results.json and prints a table.
+Held-out: the demo's 200 problems that no stage trained on, greedy exact match overall, on those that carry (where
+the demonstrations slip) and on the rest. Writes <out>/results.json (after each run) and prints a table.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import argparse
 import json
 import os
 import platform
+import re
 import subprocess
 import sys
 import time
@@ -30,6 +32,7 @@ from pathlib import Path
 
 from posttrain.demo import held_out_accuracy, stage
 from posttrain.models.tiny import make_tiny_model
+from posttrain.tasks import carries
 
 
 def machine() -> dict:
@@ -45,6 +48,28 @@ def commit() -> str:
                               capture_output=True, check=True).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
+
+
+def split_by_carry(prompts: Path, out: Path) -> dict[str, Path]:
+    """The held-out prompts in two files: problems whose ones digits carry (where the demonstrations slip) and the
+    rest."""
+    rows = [json.loads(line) for line in prompts.read_text().splitlines() if line.strip()]
+    parts: dict[str, list[str]] = {"carry": [], "no_carry": []}
+    for row in rows:
+        a, b = map(int, re.fullmatch(r"What is (\d+) \+ (\d+)\?", row["prompt"][-1]["content"]).groups())
+        parts["carry" if carries(a, b) else "no_carry"].append(json.dumps(row))
+    out.mkdir(parents=True, exist_ok=True)
+    for name, lines in parts.items():
+        (out / f"eval_{name}.jsonl").write_text("\n".join(lines) + "\n")
+    return {name: out / f"eval_{name}.jsonl" for name in parts}
+
+
+def accuracy(model_dir: Path, parts: dict[str, Path]) -> dict[str, float]:
+    """Held-out exact match overall, on carrying problems and on the rest."""
+    sizes = {name: len(path.read_text().splitlines()) for name, path in parts.items()}
+    out = {name: held_out_accuracy(model_dir, path) for name, path in parts.items()}
+    out["all"] = sum(out[name] * sizes[name] for name in parts) / sum(sizes.values())
+    return out
 
 
 def main() -> None:
@@ -67,10 +92,11 @@ def main() -> None:
                if not p.is_file()]
     if missing:
         sys.exit(f"distill_demo: --demo {demo} lacks {', '.join(missing)}: run `posttrain demo --out {demo}` first")
-    eval_prompts = data / "prompts_eval.jsonl"
+    parts = split_by_carry(data / "prompts_eval.jsonl", out)
     results = {"teacher": str(teacher), **{k: v for k, v in vars(args).items() if k not in ("demo", "out")},
-               "commit": commit(), "machine_at_start": machine(), "runs": {}}
-    results["teacher_accuracy"] = held_out_accuracy(teacher, eval_prompts)
+               "commit": commit(), "machine_at_start": machine(),
+               "held_out": {name: len(path.read_text().splitlines()) for name, path in parts.items()}}
+    results["teacher_accuracy"] = accuracy(teacher, parts)
 
     # the shared start: a fresh student, then the demo's SFT stage on it (packed rows, as posttrain demo trains)
     started = time.time()
@@ -83,9 +109,10 @@ def main() -> None:
         f"train.max_steps={args.warm_steps}", "train.logging_steps=100", "train.report=false"], args.seed)
     student = warm.final_dir
     results["warm_seconds"] = round(time.time() - started, 1)
-    results["student_before_accuracy"] = held_out_accuracy(student, eval_prompts)
+    results["student_before_accuracy"] = accuracy(student, parts)
+    results["runs"] = {}
     print(f"[distill-demo] the student after {args.warm_steps} SFT steps: held-out exact match "
-          f"{results['student_before_accuracy']:.1%} ({results['warm_seconds']:.0f} s)", flush=True)
+          f"{results['student_before_accuracy']['all']:.1%} ({results['warm_seconds']:.0f} s)", flush=True)
 
     common = [f"model.name_or_path={student}", f"data.train={data / 'sft_train.jsonl'}", "data.max_length=64",
               "data.packing=false", f"train.per_device_train_batch_size={args.batch}",
@@ -100,24 +127,30 @@ def main() -> None:
         started = time.time()
         result = stage(command, out / name, common + extra, args.seed)
         seconds = time.time() - started
-        accuracy = held_out_accuracy(result.final_dir, eval_prompts)
         logged = [r for r in result.metrics if "loss" in r]
-        results["runs"][name] = {"command": command, "seconds": round(seconds, 1), "held_out_accuracy": accuracy,
+        results["runs"][name] = {"command": command, "seconds": round(seconds, 1),
+                                 "held_out_accuracy": accuracy(result.final_dir, parts),
                                  "final_loss": logged[-1]["loss"] if logged else None,
                                  "load_1min_after": round(os.getloadavg()[0], 2)}
-        print(f"[distill-demo] {name}: held-out exact match {accuracy:.1%} ({seconds:.0f} s)", flush=True)
+        (out / "results.json").write_text(json.dumps(results, indent=2))  # what is done so far, if stopped
+        print(f"[distill-demo] {name}: held-out exact match {results['runs'][name]['held_out_accuracy']['all']:.1%} "
+              f"({seconds:.0f} s)", flush=True)
     results["machine_at_end"] = machine()
     (out / "results.json").write_text(json.dumps(results, indent=2))
 
-    problems = len(eval_prompts.read_text().splitlines())
-    print(f"\n[distill-demo] held-out exact match on {problems} problems; student hidden {args.hidden_size} x "
-          f"{args.layers} layers; each run {args.steps} steps x {args.batch} rows; seed {args.seed}")
-    print(f"  {'student before (warm start)':<30} {results['student_before_accuracy']:>7.1%}")
+    sizes = results["held_out"]
+    print(f"\n[distill-demo] held-out exact match ({sizes['carry']} carrying + {sizes['no_carry']} other problems); "
+          f"student hidden {args.hidden_size} x {args.layers} layers; each run {args.steps} steps x {args.batch} rows; "
+          f"seed {args.seed}")
+    print(f"  {'':<32} {'all':>7} {'carry':>7} {'other':>7} {'seconds':>8}")
+    rows = [("student before (warm start)", results["student_before_accuracy"], results["warm_seconds"])]
     labels = {"sft": "SFT on the demonstrations", "kd": "distill, supervised KD",
-              "on-policy": f"distill, on-policy ({args.lmbda:g})"}
-    for name, run in results["runs"].items():
-        print(f"  {labels[name]:<30} {run['held_out_accuracy']:>7.1%}   {run['seconds']:>5.0f} s")
-    print(f"  {'teacher (the demo GRPO model)':<30} {results['teacher_accuracy']:>7.1%}")
+              "on-policy": f"distill, on-policy (lmbda {args.lmbda:g})"}
+    rows += [(labels[name], run["held_out_accuracy"], run["seconds"]) for name, run in results["runs"].items()]
+    rows.append(("teacher (the demo's GRPO model)", results["teacher_accuracy"], None))
+    for label, acc, seconds in rows:
+        print(f"  {label:<32} {acc['all']:>7.1%} {acc['carry']:>7.1%} {acc['no_carry']:>7.1%} "
+              f"{'' if seconds is None else f'{seconds:.0f}':>8}")
     print(f"  summary: {out / 'results.json'}")
 
 
