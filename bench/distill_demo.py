@@ -37,7 +37,9 @@ from posttrain.tasks import carries
 
 def machine() -> dict:
     """What the seconds were measured on: CPU, cores, threads, and the 1-minute load average now."""
-    return {"platform": platform.platform(), "cpu": platform.processor() or platform.machine(),
+    cpuinfo = Path("/proc/cpuinfo")
+    names = re.findall(r"model name\s*:\s*(.+)", cpuinfo.read_text()) if cpuinfo.is_file() else []
+    return {"platform": platform.platform(), "cpu": names[0] if names else platform.processor() or platform.machine(),
             "cores": os.cpu_count(), "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
             "load_1min": round(os.getloadavg()[0], 2)}
 
