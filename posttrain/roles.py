@@ -107,7 +107,9 @@ def build_roles(recipe, algorithm, backend, tokenizer, policy, eval_examples=Non
         where = algorithm.placement("reference")
         frozen = backend.prepare_frozen(make_reference(recipe.model, algorithm.model_kind), offload=where == "offload")
         models.reference = LocalRole(frozen, backend, placement=where)
-    if algorithm.teacher_model() is not None:  # frozen like the reference: partitioned under ZeRO-3, offloadable
+    if algorithm.teacher_model() is not None and "teacher" in remote:
+        models.teacher = remote["teacher"].as_role()
+    elif algorithm.teacher_model() is not None:  # frozen like the reference: partitioned under ZeRO-3, offloadable
         where = algorithm.placement("teacher")
         models.teacher = LocalRole(backend.prepare_frozen(make_reference(algorithm.teacher_model()),
                                                           offload=where == "offload"), backend, placement=where)

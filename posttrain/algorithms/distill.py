@@ -9,7 +9,8 @@ completions from the data or sampled by the student itself (GKD, Agarwal et al. 
 - `algo.beta`: the divergence, TRL's convention: 0 forward KL(teacher || student), 1 reverse KL(student || teacher),
   in between the generalised JSD (losses/distill.py). Both models at `algo.temperature`.
 - the teacher (`algo.teacher_model_name_or_path`) is a frozen role loaded like the reference: partitioned under
-  ZeRO-3, in CPU memory between forwards with `algo.teacher_offload`. It must share the student's tokenizer and
+  ZeRO-3, in CPU memory between forwards with `algo.teacher_offload`, or (launcher: ray) replicas of its own placed
+  apart (`placement.teacher`, `placement.colocate`), which return its logits. It must share the student's tokenizer and
   vocabulary; another is exit 2 naming both models, before any weights load. Or it is served by vLLM
   (`algo.teacher_server`): its top-k log-probs per position, fetched in `prepare` (rollout/teacher_server.py).
 
@@ -75,9 +76,6 @@ class DistillAlgoConfig:
         if not self.loss_temperature(recipe) > 0:
             raise UserError(f"algo.temperature must be > 0 (it is generation.temperature when null), got "
                             f"{self.loss_temperature(recipe)}; set algo.temperature=1.0")
-        if recipe.launcher != "local":
-            raise UserError("posttrain distill runs under torchrun / accelerate launch (launcher: local); a teacher "
-                            "placed by Ray is not built yet")
         if self.lmbda > 0:
             if recipe.data.packing:
                 raise UserError("algo.lmbda > 0 samples completions, whose batches are built padded; set "
@@ -98,7 +96,7 @@ class Distill(Algorithm):
         self.recipe = recipe
         self.config: DistillAlgoConfig = recipe.algo
         self.temperature = self.config.loss_temperature(recipe)
-        self.teacher = None  # the local teacher's model, from setup
+        self.teacher = None  # the teacher's Role (local or served apart), from setup
         self.teacher_config = self.server = None
         if self.config.teacher_server:  # top-k log-probs from a server: it answers and tokenizes like the student
             from posttrain.models.load import check_model_source, load_tokenizer
@@ -128,7 +126,7 @@ class Distill(Algorithm):
         return "distill" if self.config.lmbda > 0 else "dataset"
 
     def setup(self, backend, models: Models, train_examples, collate, out) -> None:
-        self.teacher = models.teacher.model if models.teacher is not None else None
+        self.teacher = models.teacher
 
     def prepare(self, batch: Batch, models: Models) -> Batch:
         """A server teacher's top-k log-probs for every real token of the batch (padded layout), fetched once."""
@@ -156,7 +154,7 @@ class Distill(Algorithm):
                                     batch.input_ids_BT, mask_BT, self.config.beta, self.temperature)
         else:
             with torch.no_grad():
-                teacher_logits_BTV = policy_logits(self.teacher, batch)
+                teacher_logits_BTV = self.teacher.forward(**batch.model_inputs(), use_cache=False).logits
             out = distill_loss(student_logits_BTV, teacher_logits_BTV, batch.input_ids_BT, mask_BT, self.config.beta,
                                self.temperature)
         metrics = {name: masked_mean(value_BT, mask_BT) for name, value_BT in out.metrics_BT.items()}

@@ -294,6 +294,8 @@ class PlacementConfig:
     """The critic's workers (placement.critic.*)."""
     reward_model: RolePlacement = field(default_factory=RolePlacement)
     """The reward model's workers (placement.reward_model.*)."""
+    teacher: RolePlacement = field(default_factory=RolePlacement)
+    """A distillation teacher's workers (placement.teacher.*)."""
     colocate: Optional[tuple[tuple[str, ...], ...]] = None
     """Groups of roles sharing GPUs, e.g. [[policy, reference], [critic, reward_model]] (None: all with the policy)."""
     generation: EnginePlacement = field(default_factory=EnginePlacement)

@@ -27,7 +27,7 @@ POSITIVE = (
 )
 NON_NEGATIVE = ("train.weight_decay", "train.warmup_steps", "train.max_grad_norm", "train.save_steps", "train.eval_steps",
                 "train.max_nonfinite_skips", "generation.request_retries", "placement.generation.num_engines")
-PLACED_ROLES = ("policy", "reference", "critic", "reward_model")  # algorithms.base.ROLE_NAMES; config stays torch-free
+PLACED_ROLES = ("policy", "reference", "critic", "reward_model", "teacher")  # algorithms.base.ROLE_NAMES; config stays torch-free
 # train.report_to: tracker -> (modules it imports, the install command); posttrain/trackers.py writes to each
 TRACKERS = {name: ((name,), f"pip install {name}") for name in ("tensorboard", "wandb", "mlflow", "trackio")}
 # MLflow's database stores (its default since 3.x is sqlite:///mlflow.db) need SQLAlchemy and Alembic, which full

@@ -237,6 +237,7 @@ def rank_slots(placed: PlacedUnit) -> list[RankSlot]:
 def roles_needed(algorithm, recipe) -> tuple[str, ...]:
     """The roles a run of `algorithm` uses, policy first."""
     needed = {"policy": True, "reference": algorithm.needs_reference, "critic": algorithm.needs_critic,
-              "reward_model": any(r.name == "reward_model" for r in recipe.rewards)}
+              "reward_model": any(r.name == "reward_model" for r in recipe.rewards),
+              "teacher": algorithm.teacher_model() is not None}  # a server teacher (algo.teacher_server) is no role
     return tuple(role for role, wanted in needed.items() if wanted)
 

@@ -3,11 +3,12 @@
     placement:
       colocate: [[policy, reference], [critic, reward_model]]    # OpenRLHF's --colocate_actor_ref + critic_reward
 
-A frozen role (reference, reward_model) placed apart runs as `RoleWorker` replicas, one per worker slot, each holding
-the whole model; rank r asks replica r % replicas through a `RayRole`, which returns small outputs (scores, values,
-log-probs: the logits never travel) and times its calls as `time/role/<role>`. A trained role (PPO's critic) apart is
-a group of `TrainedRoleWorker` actors with a process group of its own, one worker per policy rank (rank r drives worker
-r, so the group's collectives are reached in order); its updates, checkpoints and final-<role>/ run there.
+A frozen role (reference, reward_model, a distillation teacher) placed apart runs as `RoleWorker` replicas, one per
+worker slot, each holding the whole model; rank r asks replica r % replicas through a `RayRole`, which returns small
+outputs (scores, values, log-probs: the reference's logits never travel; a teacher's logits do, distillation needs
+them whole) and times its calls as `time/role/<role>`. A trained role (PPO's critic) apart is a group of
+`TrainedRoleWorker` actors with a process group of its own, one worker per policy rank (rank r drives worker r, so the
+group's collectives are reached in order); its updates, checkpoints and final-<role>/ run there.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from posttrain.models.reference import make_reference
 from posttrain.run import seed_everything
 from posttrain.train.optim import make_optimizer
 
-FROZEN_ROLES = ("reference", "reward_model")
+FROZEN_ROLES = ("reference", "reward_model", "teacher")
 LOAD_TIMEOUT_S = 600.0
 
 
@@ -53,8 +54,8 @@ class RoleWorker(Worker):
     """One replica of a unit's frozen roles; its methods run in the actor's process."""
 
     def load(self, command: str, recipe, roles: tuple[str, ...], env: dict[str, str]) -> dict[str, int]:
-        """Load every model of `roles` as a run would, under the keys 'reference' and 'reward_model:<i>' (the i-th of
-        algorithm.reward_models()). Returns each key's parameter count."""
+        """Load every model of `roles` as a run would, under the keys 'reference', 'reward_model:<i>' (the i-th of
+        algorithm.reward_models()) and 'teacher' (algorithm.teacher_model()). Returns each key's parameter count."""
         os.environ.update(env)
         seed_everything(recipe.seed)  # a seq_cls reference's fresh head is the policy's only after the same seed
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # Ray shows each actor its GPU
@@ -70,6 +71,8 @@ class RoleWorker(Worker):
         if "reward_model" in roles:
             for i, scorer in enumerate(algorithm.reward_models()):
                 self.models[f"reward_model:{i}"] = scorer.load_model().requires_grad_(False).to(self.device)
+        if "teacher" in roles:
+            self.models["teacher"] = make_reference(algorithm.teacher_model()).to(self.device)
         return {key: sum(p.numel() for p in m.parameters()) for key, m in self.models.items()}
 
     def _autocast(self):

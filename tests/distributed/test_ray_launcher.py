@@ -1,8 +1,9 @@
 """`posttrain grpo --ray` on a local Ray cluster of two "nodes" (a head and a worker on this machine, each with one
 `fake_gpu` standing in for a GPU and one CPU): the 2 ranks land one per node and train the same weights as
 `torchrun --nproc_per_node 2` with the same seed; PPO with reference and reward model in a replica on the other node
-trains what one torchrun process does; a placement that does not fit stops before anything starts; a killed rank or
-replica stops the run naming it and its node; GRPO generates on a vLLM engine actor on the other node.
+trains what one torchrun process does, and so does distill with its teacher there; a placement that does not fit stops
+before anything starts; a killed rank or replica stops the run naming it and its node; GRPO generates on a vLLM engine
+actor on the other node.
 
 One cluster per module (start-up costs seconds and memory); it is shut down at the end.
 """
@@ -249,6 +250,30 @@ def test_ppo_with_frozen_roles_apart_matches_torchrun(tiny_model_dir, data, tmp_
         assert "time/role/reference" not in expected  # colocated roles are not remote calls
     assert max_weight_diff(reference.final_weights(), result.final_weights()) < 1e-4
     assert max_weight_diff(critic_weights(reference.output_dir), critic_weights(result.output_dir)) < 1e-4
+
+
+def test_distill_with_the_teacher_apart_matches_one_process(tiny_model_dir, data, tmp_path, cluster):
+    """posttrain distill with the teacher in a replica on the other node (its logits come back over Ray) trains what
+    one process holding the teacher trains, on-policy steps included."""
+    from posttrain.models.tiny import make_tiny_model
+    from tests.distributed.test_distill_distributed import overrides as distill_overrides
+    from tests.integration.helpers import final_weights, metrics, run_cli
+
+    teacher = make_tiny_model(tmp_path / "teacher", seed=1)
+    assert run_cli("distill", *distill_overrides(tiny_model_dir, teacher, data, tmp_path / "one", 1)) == 0
+    apart = ["placement.colocate=[]", "placement.policy.num_nodes=1", "placement.policy.num_gpus_per_node=1"]
+    result = run_ray("distill", distill_overrides(tiny_model_dir, teacher, data, tmp_path / "ray", 1) + apart, cluster)
+    result.check_world(1)
+    table = result.output[result.output.index("posttrain ray placement"):].splitlines()[2:4]
+    node_of = {row.split()[0]: row.split()[2] for row in table}
+    assert set(node_of) == {"policy", "teacher"} and node_of["policy"] != node_of["teacher"], table
+    one, two = metrics(tmp_path / "one"), result.metrics()
+    assert {r["on_policy"] for r in one} == {0.0, 1.0}  # both kinds of step are compared
+    assert [r["on_policy"] for r in one] == [r["on_policy"] for r in two]
+    for expected, got in zip(one, two):
+        for name in ("loss", "forward_kl", "top1_agreement", "teacher_logprob"):
+            assert got[name] == pytest.approx(expected[name], abs=1e-5), (name, expected, got)
+    assert max_weight_diff(final_weights(tmp_path / "one"), result.final_weights()) < 1e-5
 
 
 def test_killed_role_replica_names_role_and_node(tiny_model_dir, data, tmp_path, cluster):

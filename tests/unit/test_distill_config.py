@@ -36,7 +36,7 @@ def load(*overrides):
     (["data.completion_only_loss=false"], "data.completion_only_loss=true"),
     (["algo.teacher_server=http://127.0.0.1:9"], "name the teacher once"),
     (["algo.teacher_model_name_or_path=null"], "name the teacher once"),
-    (["launcher=ray"], "launcher: local"),
+    (["launcher=ray", "placement.colocate=[[policy, teachers]]"], "unknown role 'teachers'"),
 ])
 def test_bad_recipes_fail_at_load(overrides, message):
     with pytest.raises(UserError, match=message.replace("[", r"\[").replace("]", r"\]")):
@@ -44,6 +44,7 @@ def test_bad_recipes_fail_at_load(overrides, message):
 
 
 def test_supervised_kd_may_pack_and_greedy_sampling_needs_a_loss_temperature():
+    assert load("launcher=ray", "placement.colocate=[[policy, teacher]]").placement.colocate == (("policy", "teacher"),)
     assert load("algo.lmbda=0", "data.packing=true").data.packing
     recipe = load("generation.temperature=0", "algo.temperature=1.0")
     assert recipe.algo.loss_temperature(recipe) == 1.0

@@ -170,3 +170,19 @@ def test_a_trained_role_apart_has_one_worker_per_policy_rank():
     with pytest.raises(UserError, match=r"placement: critic\+reward_model apart from the policy has 1 worker\(s\) but "
                                         r"the policy has 2: .* set placement.critic.num_nodes / num_gpus_per_node"):
         check_apart(resolve(fewer, roles, two_nodes()))
+
+
+def test_a_distillation_teacher_is_a_role_to_place_unless_it_is_a_server():
+    from types import SimpleNamespace
+
+    from posttrain.launch.ray_placement import roles_needed
+
+    r = recipe("placement.colocate=[]", "placement.teacher.num_gpus_per_node=2")
+    local = SimpleNamespace(needs_reference=False, needs_critic=False, teacher_model=lambda: "its ModelConfig")
+    server = SimpleNamespace(needs_reference=False, needs_critic=False, teacher_model=lambda: None)
+    assert roles_needed(local, r) == ("policy", "teacher")
+    assert roles_needed(server, r) == ("policy",)  # algo.teacher_server: a URL, nothing to place
+    units = resolve(r.placement, ("policy", "teacher"), two_nodes())
+    assert [(u.roles, u.num_nodes, u.workers_per_node) for u in units] == [(("policy",), 1, 1), (("teacher",), 1, 2)]
+    with pytest.raises(UserError, match="placement.teacher.num_nodes must be >= 1"):
+        recipe("placement.teacher.num_nodes=0")
