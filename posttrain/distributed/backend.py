@@ -39,7 +39,7 @@ from posttrain.distributed import peers
 from posttrain.distributed.build_locks import announce_cpu_op_builds, clear_stale_build_locks
 from posttrain.distributed.launch_config import (check_launcher_settings, env_flag, fill_deepspeed_config,
                                                  launcher_engine)
-from posttrain.distributed.weight_sync import SyncUnit, sync_buckets, sync_units
+from posttrain.distributed.weight_sync import SyncUnit, adapter_units, sync_buckets, sync_units
 from posttrain.errors import UserError
 
 # DeepSpeed still calls the torch collectives that torch 2.x deprecates; one warning per call buries the log.
@@ -369,13 +369,16 @@ class Backend:
             state = self.accelerator.get_state_dict(model)
         return drop_tied_aliases(self.unwrap(model), state) if self.is_main else {}
 
-    def weight_buckets(self, model, bucket_mb: float) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    def weight_buckets(self, model, bucket_mb: float, adapter: bool = False
+                       ) -> Iterator[list[tuple[str, torch.Tensor]]]:
         """The policy's full parameters for a weight sync, about `bucket_mb` MiB per bucket, named as the plain
         transformers model names them: LoRA folded into the base weights on the fly (adapters never sent), a tied
-        weight once. Every rank must iterate to the end (each bucket is a collective under ZeRO-3 and FSDP2: ZeRO-3
-        gathers one bucket at a time, FSDP2 `full_tensor`s one parameter at a time); every rank gets the tensors.
+        weight once; with `adapter`, a LoRA model's adapter tensors alone, named as peft saves them. Every rank must
+        iterate to the end (each bucket is a collective under ZeRO-3 and FSDP2: ZeRO-3 gathers one bucket at a time,
+        FSDP2 `full_tensor`s one parameter at a time); every rank gets the tensors.
         A bucket's tensors are valid until the next one is asked for: copy what must outlive it."""
-        for units in sync_buckets(sync_units(self.unwrap(model)), bucket_mb):
+        units = (adapter_units if adapter else sync_units)(self.unwrap(model))
+        for units in sync_buckets(units, bucket_mb):
             yield from self._materialise(units)
 
     def _materialise(self, units: list[SyncUnit]) -> Iterator[list[tuple[str, torch.Tensor]]]:
