@@ -158,7 +158,8 @@ def check_delivery(probes: list[DeliveryProbe], policy, device, atol: float, ver
                 raise RunStopped(
                     f"generation server {probe.server} serves adapter {probe.adapter} (policy version {version}) with "
                     f"log-probs up to {gap:.3g} away from the trainer's on a probe of {len(probe.logprobs)} tokens "
-                    f"(generation.lora_check_atol={atol:g}): the adapter did not arrive intact or is not the one "
-                    "served. Check the server's log; generation.lora_sync=merged sends full weights instead")
+                    f"(generation.lora_check_atol={atol:g}): the adapter did not arrive intact, is not the one "
+                    "served, or sits on other base weights than the policy's (a server that took another run's "
+                    "syncs: restart it). Check the server's log; generation.lora_sync=merged sends full weights")
     finally:
         policy.train(True)

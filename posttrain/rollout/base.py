@@ -141,8 +141,8 @@ class GenerationEngine:
         raise NotImplementedError
 
     def delivery_probes(self) -> list:
-        """After an adapter-only sync, on the syncing rank: what each of its servers sampled with the new adapter
-        (posttrain.rollout.adapter_sync.DeliveryProbe), for the trainer to check; [] elsewhere."""
+        """After an adapter-only sync, on a syncing rank: what each of its servers sampled with the new adapter
+        (posttrain.rollout.adapter_sync.DeliveryProbe), for every rank to check; [] elsewhere."""
         return []
 
     def sleep(self) -> None:

@@ -137,9 +137,9 @@ class RolloutSource(Source):
         buckets = self.backend.weight_buckets(self.models.policy.model, gen.sync_bucket_mb, engine.adapter_only)
         engine.load_weights(pair for bucket in buckets for pair in bucket)  # one load, streamed bucket by bucket
         engine.version = step
-        if engine.adapter_only:  # generation.lora_sync=adapter: rank 0's probe of every server, checked on all ranks
-            check_delivery(self.backend.broadcast_object(engine.delivery_probes()), self.models.policy,
-                           self.backend.device, gen.lora_check_atol, step)
+        if engine.adapter_only:  # generation.lora_sync=adapter: the syncing ranks probe their servers, all ranks check
+            probes = [p for part in self.backend.all_gather_object(engine.delivery_probes()) for p in part]
+            check_delivery(probes, self.models.policy, self.backend.device, gen.lora_check_atol, step)
         if engine.shared:  # servers: no rank generates before rank 0's sync has landed
             self.backend.barrier()
         self._synced_at = step
