@@ -364,6 +364,15 @@ def test_a_stock_vllm_server_takes_syncs_and_serves_the_synced_policy(stock_serv
     check_servers(Recipe(model=Recipe().model.__class__(name_or_path=str(tiny_vllm_model_dir)),
                          data=Recipe().data.__class__(train="x.jsonl"),
                          generation=GenerationConfig(engine="vllm", placement="servers", servers=(stock_server.url,))), tokenizer)
+    from posttrain.config import LoraConfig
+    from posttrain.errors import UserError
+
+    with pytest.raises(UserError, match="does not load LoRA adapters at run time.*--enable-lora --max-lora-rank 8"):
+        check_servers(Recipe(model=Recipe().model.__class__(name_or_path=str(tiny_vllm_model_dir),
+                                                            lora=LoraConfig(enabled=True, r=4)),
+                             data=Recipe().data.__class__(train="x.jsonl"),
+                             generation=GenerationConfig(engine="vllm", placement="servers", lora_sync="adapter",
+                                                         servers=(stock_server.url,))), tokenizer)
     model = AutoModelForCausalLM.from_pretrained(tiny_vllm_model_dir, dtype=torch.float32)
     generator = torch.Generator().manual_seed(0)
     with torch.no_grad():
