@@ -1,6 +1,7 @@
 """GRPO with `generation.placement: servers`: the test session's one `posttrain serve` server (real vLLM on CPU, fp32,
 tests/conftest.py::vllm_server). The token guards every control endpoint; a 3-step run from the shipped recipe
-leaves the server holding exactly final/; a server that dies mid-run stops the run with its name; bad
+leaves the server holding exactly final/; LoRA synced as merged weights and as the adapter alone (the server then
+samples what final/ does; a corrupted adapter stops the run); a server that dies mid-run stops the run with its name; bad
 `generation.servers` entries exit 2 before any model is loaded."""
 
 from __future__ import annotations
