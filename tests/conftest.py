@@ -42,60 +42,40 @@ def tiny_vllm_model_dir(tmp_path_factory):
     return out
 
 
+SERVER_LORA = ("--enable-lora", "--max-lora-rank", "8")  # generation.lora_sync=adapter runs (model.lora.r <= 8)
+
+
 @pytest.fixture(scope="session")
 def vllm_server(tiny_vllm_model_dir, tmp_path_factory):
-    """ONE `posttrain serve` vLLM server for the whole test session (CPU, fp32, the head_dim-32 tiny model), stopped
-    with its whole process group at the end. Sets POSTTRAIN_SERVER_TOKEN for the session. Skips without vLLM."""
+    """ONE `posttrain serve` vLLM server for the whole test session (CPU, fp32, the head_dim-32 tiny model,
+    LoRA-enabled for generation.lora_sync=adapter), owned by `ServerProcess` (posttrain/rollout/server_process.py,
+    as the node and Ray engines own theirs): a process group of its own, its output in a log, stopped with everything
+    it started at the end. Sets POSTTRAIN_SERVER_TOKEN for the session. Skips without vLLM."""
     import secrets
-    import signal
-    import socket
-    import subprocess
-    import sys
-    import time
     import types
 
+    from posttrain.rollout.server_process import ServerProcess
     from posttrain.rollout.vllm_engine import vllm_available
 
     if not vllm_available():
         pytest.skip("vLLM is not installed (make setup EXTRAS=dev,vllm)")
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
     token = secrets.token_urlsafe(16)
     log = tmp_path_factory.mktemp("server") / "serve.log"
-    env = {**os.environ, "POSTTRAIN_SERVER_TOKEN": token, "VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1",
+    env = {"POSTTRAIN_SERVER_TOKEN": token, "VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1",
            "POSTTRAIN_SYNC_DIGESTS": "1"}  # the server keeps a checksum of every tensor it receives
-    with log.open("w") as out:
-        process = subprocess.Popen([sys.executable, "-m", "posttrain", "serve", "--model", str(tiny_vllm_model_dir),
-                                    "--port", str(port), "--", "--max-model-len", "1024", "--enforce-eager"],
-                                   env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-    vllm_group = None
+    server = ServerProcess()
     try:
-        deadline = time.monotonic() + 600
-        while vllm_group is None:
-            text = log.read_text()
-            if "ready at" in text:
-                vllm_group = int(text.split("process group ")[1].split(")")[0])
-            elif process.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"posttrain serve did not start (exit {process.poll()}):\n{text[-5000:]}")
-            else:
-                time.sleep(1)
+        answer = server.launch("127.0.0.1", ["--model", str(tiny_vllm_model_dir), "--", "--max-model-len", "1024",
+                                             "--enforce-eager", *SERVER_LORA], str(log), env)
+        if "error" in answer:
+            raise RuntimeError(f"posttrain serve did not start ({answer['error']}):\n{answer['tail']}")
         previous = os.environ.get("POSTTRAIN_SERVER_TOKEN")
         os.environ["POSTTRAIN_SERVER_TOKEN"] = token
-        yield types.SimpleNamespace(url=f"http://127.0.0.1:{port}", token=token, model_dir=tiny_vllm_model_dir,
-                                    log=log, process=process)
+        yield types.SimpleNamespace(url=answer["url"], token=token, model_dir=tiny_vllm_model_dir, log=log,
+                                    process=server.process)
         if previous is None:
             os.environ.pop("POSTTRAIN_SERVER_TOKEN", None)
         else:
             os.environ["POSTTRAIN_SERVER_TOKEN"] = previous
     finally:
-        process.send_signal(signal.SIGTERM)  # posttrain serve stops vLLM's process group, then exits
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-        for group in (vllm_group, process.pid):
-            try:
-                os.killpg(group, signal.SIGKILL)  # whatever is left (nothing, when serve stopped cleanly)
-            except (ProcessLookupError, TypeError):
-                pass
+        server.stop()  # SIGTERM to posttrain serve (it stops vLLM's group), SIGKILL to whatever is left

@@ -206,6 +206,11 @@ class GenerationConfig:
     """Servers (placement servers, node, ray): seconds each phase of a weight sync (open, send, load) may take."""
     request_retries: int = 2
     """Servers: further tries of a failed completion request before the run stops naming the server."""
+    lora_sync: str = "merged"
+    """With model.lora: merged (the adapters folded into full weights before each sync) or adapter (servers only:
+    only the adapter tensors travel, and the LoRA-enabled server serves them under a new name per sync)."""
+    lora_check_atol: float = 0.05
+    """lora_sync=adapter: most a probe's log-prob from a server may differ from the trainer's after a sync."""
 
 
 @dataclass(frozen=True)

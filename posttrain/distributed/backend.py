@@ -44,7 +44,7 @@ from posttrain.distributed.build_locks import announce_cpu_op_builds, clear_stal
 from posttrain.distributed.launch_config import (check_launcher_settings, env_flag, fill_deepspeed_config,
                                                  launcher_engine)
 from posttrain.distributed.offload import Offloaded
-from posttrain.distributed.weight_sync import SyncUnit, sync_buckets, sync_units
+from posttrain.distributed.weight_sync import SyncUnit, adapter_units, sync_buckets, sync_units
 from posttrain.errors import UserError
 
 # DeepSpeed still calls the torch collectives that torch 2.x deprecates; one warning per call buries the log.
@@ -329,11 +329,14 @@ class Backend:
         state = self._gather_zero3(model) if zero3 else self.accelerator.get_state_dict(model)
         return drop_tied_aliases(self.unwrap(model), state) if self.is_main else {}
 
-    def weight_buckets(self, model, bucket_mb: float) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    def weight_buckets(self, model, bucket_mb: float, adapter: bool = False
+                       ) -> Iterator[list[tuple[str, torch.Tensor]]]:
         """The policy's full parameters for a weight sync in ~`bucket_mb` MiB buckets, named as the plain model names
-        them (LoRA folded in, a tied weight once). Every rank iterates to the end (each bucket is a collective under
-        ZeRO-3 / FSDP2); a bucket's tensors are valid until the next one is asked for."""
-        for units in sync_buckets(sync_units(self.unwrap(model)), bucket_mb):
+        them (LoRA folded in, a tied weight once); with `adapter`, a LoRA model's adapter tensors alone, named as peft
+        saves them. Every rank iterates to the end (each bucket is a collective under ZeRO-3 / FSDP2); a bucket's
+        tensors are valid until the next one is asked for."""
+        units = (adapter_units if adapter else sync_units)(self.unwrap(model))
+        for units in sync_buckets(units, bucket_mb):
             yield from self._materialise(units)
 
     def _materialise(self, units: list[SyncUnit]) -> Iterator[list[tuple[str, torch.Tensor]]]:

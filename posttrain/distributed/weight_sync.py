@@ -62,6 +62,16 @@ def sync_units(model) -> list[SyncUnit]:
     return units
 
 
+def adapter_units(model) -> list[SyncUnit]:
+    """What an adapter-only sync sends (generation.lora_sync=adapter): a peft LoRA model's lora_A / lora_B weights,
+    named as peft saves them in adapter_model.safetensors (the adapter's name left out), which vLLM loads."""
+    adapter = getattr(model, "active_adapter", None)
+    if not hasattr(model, "peft_config") or adapter is None:
+        raise TypeError(f"an adapter-only weight sync needs a peft LoRA model, got {type(model).__name__}")
+    return [SyncUnit(name.replace(f".{adapter}.", "."), [param], lambda ts: ts[0], _full_nbytes(param))
+            for name, param in model.named_parameters() if ".lora_A." in name or ".lora_B." in name]
+
+
 def sync_buckets(units: list[SyncUnit], bucket_mb: float) -> Iterator[list[SyncUnit]]:
     """`units` in order, grouped into buckets of about `bucket_mb` MiB (a unit larger than that is a bucket alone)."""
     limit = max(1, int(bucket_mb * 2**20))

@@ -129,6 +129,8 @@ class GenerationEngine:
     """It goes on after the run (servers of one's own): it gets the final policy."""
     version: Optional[int] = None
     """The policy version (optimiser step) its weights are from; None: its start-up weights."""
+    adapter_only: bool = False
+    """Its syncs carry the LoRA adapter alone (generation.lora_sync=adapter, servers), each checked by a probe."""
 
     def generate(self, prompt_ids: list[list[int]], params: SamplingParams) -> Completions:
         """Sample one completion per prompt (prompts are unpadded token-id lists, any lengths)."""
@@ -137,6 +139,11 @@ class GenerationEngine:
     def load_weights(self, named_tensors: Iterable[tuple[str, "torch.Tensor"]]) -> None:
         """Make the engine sample from these weights (names as in the policy's `named_parameters()`)."""
         raise NotImplementedError
+
+    def delivery_probes(self) -> list:
+        """After an adapter-only sync, on a syncing rank: what each of its servers sampled with the new adapter
+        (posttrain.rollout.adapter_sync.DeliveryProbe), for every rank to check; [] elsewhere."""
+        return []
 
     def sleep(self) -> None:
         """Release what the engine holds on the accelerator between generations (KV cache, weights)."""

@@ -9,12 +9,14 @@
     servers     vllm     the listed servers (posttrain serve or a stock vLLM server) yes, from rank 0
     ray         vllm     `posttrain serve` in Ray actors the launch wing started      yes, from rank 0
 
+With generation.lora_sync=adapter a server engine is told to sync the LoRA adapter alone (`send_adapters`).
 `servers` are the URLs of the last two rows: generation.servers, or the engines the launch wing started. Every engine
 answers the same interface (rollout/base.GenerationEngine), with its capabilities declared.
 """
 
 from __future__ import annotations
 
+import secrets
 from typing import Callable, Optional, Sequence
 
 from posttrain.rollout.base import GenerationEngine, longest_sequence
@@ -61,4 +63,9 @@ def make_engine(recipe, backend, policy, tokenizer, servers: Optional[Sequence[s
     (the backend-prepared model) or syncing from it. `servers`: the URLs the launch wing started (placement ray);
     None: generation.servers."""
     g = recipe.generation
-    return ENGINES[g.placement, g.engine](recipe, backend, policy, tokenizer, tuple(servers or g.servers))
+    engine = ENGINES[g.placement, g.engine](recipe, backend, policy, tokenizer, tuple(servers or g.servers))
+    if g.lora_sync == "adapter":  # validated: a LoRA policy, vLLM servers (node, servers, ray)
+        from posttrain.rollout.adapter_sync import adapter_config
+
+        engine.send_adapters(adapter_config(backend.unwrap(policy)), backend.broadcast_object(secrets.token_hex(4)))
+    return engine

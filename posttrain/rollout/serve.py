@@ -13,6 +13,10 @@ token comes from --token-file or POSTTRAIN_SERVER_TOKEN (a random one is made an
 --token still works, with a warning: a command line is visible to every user), and the trainer reads it from
 POSTTRAIN_SERVER_TOKEN. The server listens on 127.0.0.1 unless --host says otherwise.
 
+With vLLM's --enable-lora (generation.lora_sync: adapter) it also turns on vLLM's runtime LoRA loading
+(VLLM_ALLOW_RUNTIME_LORA_UPDATING=1; its routes need the token too) and gives the server a directory of its own for
+the adapters the trainer syncs (POSTTRAIN_ADAPTER_DIR, removed when the server stops).
+
 It prints the URL once the server answers, and on SIGINT / SIGTERM stops the whole process group (vLLM's engine
 processes ignore SIGTERM, so what is left after a grace period is killed). On Linux vLLM also gets SIGTERM when this
 process ends without that chance (SIGKILL, as Ray deals to an actor's children when the actor ends), so no server is
@@ -25,10 +29,12 @@ import importlib.util
 import json
 import os
 import secrets
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -176,6 +182,12 @@ def run_serve(args) -> int:
         print(f"posttrain serve: no --token-file or {TOKEN_ENV}; generated one. On the trainer: "
               f"export {TOKEN_ENV}={token}", flush=True)
     env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", TOKEN_ENV: token}
+    adapters = None
+    if "--enable-lora" in args.vllm_args:  # lora_sync=adapter: adapters are loaded by name as the syncs write them
+        from posttrain.rollout.adapter_sync import ROOT_ENV
+
+        adapters = tempfile.mkdtemp(prefix="posttrain-adapters-")
+        env.update(VLLM_ALLOW_RUNTIME_LORA_UPDATING="1", **{ROOT_ENV: adapters})
     host = socket.getfqdn() if args.host in ("0.0.0.0", "::") else args.host
     url = f"http://{host}:{args.port}"
     process = subprocess.Popen(vllm_command(args, on_gpu, memory), env=env, start_new_session=True,
@@ -214,5 +226,7 @@ def run_serve(args) -> int:
         return 0
     finally:
         stop_group(process)
+        if adapters is not None:
+            shutil.rmtree(adapters, ignore_errors=True)
         for s, handler in previous.items():
             signal.signal(s, handler)

@@ -23,6 +23,10 @@ is set on every server
 (vLLM's `/update_weight_version`): vLLM stamps it on every completion, and this engine refuses a completion stamped
 with another version (a server that restarted and lost its weights, a sync that did not land).
 
+With `generation.lora_sync: adapter` (`send_adapters`) a sync carries the LoRA tensors alone, under a new adapter
+name each time (posttrain.rollout.adapter_sync), every request names the current adapter, and after each sync rank 0
+samples a probe from every server (`delivery_probes`), which the rollout source checks against the trainer.
+
 Start-up checks (`check_servers`, before any model is loaded): every server answers, takes the token, has the
 weight-transfer routes, and serves a model with the trainer's tokenizer (and vocabulary, where posttrain's worker
 extension can tell it); otherwise exit 2.
@@ -69,6 +73,9 @@ class ServerEngine(GenerationEngine):
         self.sends_weights = sends_weights
         self._version = None  # the policy version the servers hold; None: their start-up weights
         self._transfer = None  # the weight-transfer engine (rank 0 only), opened at the first sync
+        self.tokenizer = tokenizer
+        self._adapter_config: Optional[dict] = None  # lora_sync=adapter: the adapter's adapter_config.json
+        self._names = None  # lora_sync=adapter: the run's adapter names (AdapterNames)
         self._pool = ThreadPoolExecutor(max_workers=64, thread_name_prefix="posttrain-server")
 
     # --- GenerationEngine ---
@@ -93,7 +100,8 @@ class ServerEngine(GenerationEngine):
         return [g * n_servers // len(starts) for g in group_of]
 
     def _generate_one(self, url: str, ids: list[int], params: SamplingParams, row: int):
-        body = {"token_ids": list(ids), "sampling_params": {
+        body = {"token_ids": list(ids), **({"model": self._names.current} if self._names and self._names.current
+                                           else {}), "sampling_params": {
             "n": 1,
             "max_tokens": params.max_new_tokens,
             "temperature": params.temperature,
@@ -155,6 +163,8 @@ class ServerEngine(GenerationEngine):
         transfer group is opened at the first sync. Other ranks: iterate (a ZeRO-3 / FSDP2 gather is a collective)."""
         from posttrain.rollout.weight_transfer import wire_buckets
 
+        if self._names is not None:  # every rank: its requests name the adapter of this sync
+            self._names.next()
         if not self.sends_weights:
             for _ in named_tensors:
                 pass
@@ -162,9 +172,45 @@ class ServerEngine(GenerationEngine):
         if self._transfer is None:
             self._transfer = self._open_transfer()
         self._transfer.source = wire_buckets(named_tensors, self.bucket_bytes)
-        self._transfer.send_weights()
+        self._transfer.send_weights(self._update_info())
         for url in self.servers:  # prefixes cached before the sync hold keys and values of the old weights
             self._rpc(url, "/reset_prefix_cache", {}, phase="finish")
+
+    # --- lora_sync=adapter ---
+
+    def send_adapters(self, config: dict, run_key: str) -> None:
+        """Sync the LoRA adapter alone from now on (generation.lora_sync=adapter): `config` is its
+        adapter_config.json, `run_key` the run's part of every adapter name (the same on every rank)."""
+        from posttrain.rollout.adapter_sync import AdapterNames
+
+        self.adapter_only = True
+        self._adapter_config = config
+        self._names = AdapterNames(run_key)
+
+    def _update_info(self) -> dict:
+        if self._names is None:
+            return {}
+        return {"adapter_name": self._names.current, "adapter_config": self._adapter_config}
+
+    def delivery_probes(self) -> list:
+        """Rank 0, after an adapter sync: each server's sample of the probe prompt with the new adapter
+        (adapter_sync.DeliveryProbe); [] on the other ranks and without lora_sync=adapter."""
+        from posttrain.rollout.adapter_sync import PROBE_PROMPT, PROBE_TOKENS, DeliveryProbe
+
+        if self._names is None or not self.sends_weights:
+            return []
+        ids = self.tokenizer(PROBE_PROMPT, add_special_tokens=False)["input_ids"]
+        params = SamplingParams(max_new_tokens=PROBE_TOKENS, temperature=1.0, top_p=1.0, top_k=0, seed=0)
+        probes = []
+        for url in self.servers:
+            try:
+                tokens, logprobs, _ = self._generate_one(url, ids, params, 0)
+            except RunStopped as e:
+                raise RunStopped(f"adapter {self._names.current} (policy version {self._version}) was not delivered "
+                                 f"to {self.name(url)}: a request naming it failed ({e}). Is the server LoRA-enabled "
+                                 "(posttrain serve ... -- --enable-lora --max-lora-rank R)?", shared=False) from None
+            probes.append(DeliveryProbe(url, self._names.current, list(ids), tokens, logprobs))
+        return probes
 
     def _open_transfer(self):
         """The init phase: trainer rank 0 hosts the group's store on its address towards the first server (or
@@ -274,8 +320,25 @@ def check_servers(recipe, tokenizer, servers=None) -> None:
         if tokens != probe:
             raise UserError(f"{where} tokenizes text differently from the trainer's tokenizer (model "
                             f"{recipe.model.name_or_path}): start the server with the policy's model directory")
+        if gen.lora_sync == "adapter":
+            check_runtime_lora(url, where, recipe.model.lora.r, timeout)
         max_len = served_model.get("max_model_len") if isinstance(served_model, dict) else None
         if max_len is not None and (type(max_len) is not int or max_len < longest):
             raise UserError(f"{where} serves at most {max_len} tokens per sequence, but a prompt + completion may "
                             f"take {longest} (data.max_prompt_length or data.max_length, + "
                             "generation.max_completion_length): restart it with a larger --max-model-len")
+
+
+def check_runtime_lora(url: str, where: str, rank: int, timeout: float) -> None:
+    """generation.lora_sync=adapter: the server loads LoRA adapters at run time (its unload route answers "cannot be
+    found" for an adapter it never had; without runtime loading vLLM has no such route). UserError else."""
+    from posttrain.rollout.adapter_sync import max_lora_rank
+
+    try:
+        call(url, "/v1/unload_lora_adapter", {"lora_name": "posttrain-startup-check-0"}, timeout=timeout)
+    except ServerUnavailable as e:
+        if "cannot be found" not in str(e):
+            raise UserError(f"{where} does not load LoRA adapters at run time, which generation.lora_sync=adapter "
+                            f"needs: start it with `posttrain serve --model ... -- --enable-lora --max-lora-rank "
+                            f"{max_lora_rank(rank)}` (a stock server: VLLM_ALLOW_RUNTIME_LORA_UPDATING=1 and those "
+                            "options), or set generation.lora_sync=merged") from None

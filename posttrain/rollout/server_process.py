@@ -5,8 +5,9 @@
     answer["url"]                        # or answer["error"], ["code"] (2: serve refused its input), ["tail"] (its log)
     server.stop()                        # SIGTERM to serve (it stops vLLM), SIGKILL to what is left
 
-Two owners: an engine as a Ray actor (posttrain/launch/ray_engines.py, on the node Ray chose) and the engine a
-node's first training rank starts (`generation.placement: node`, posttrain/rollout/vllm_node.py). Either way the
+Its owners: an engine as a Ray actor (posttrain/launch/ray_engines.py, on the node Ray chose), the engine a node's
+first training rank starts (`generation.placement: node`, posttrain/rollout/vllm_node.py) and the tests' session
+server (tests/conftest.py::vllm_server). Either way the
 server does not outlive its owner: `posttrain serve` gets SIGTERM when the owner's process ends, killed or not, and
 vLLM gets SIGTERM when serve's ends. Torch-free, like the Ray launcher that imports it.
 """
@@ -48,6 +49,10 @@ def serve_args(recipe, tensor_parallel_size: int) -> list[str]:
         args += ["--tokenizer", model.tokenizer_name_or_path]
     if model.trust_remote_code:
         args.append("--trust-remote-code")
+    if recipe.generation.lora_sync == "adapter":  # the server serves the adapter each sync sends
+        from posttrain.rollout.adapter_sync import max_lora_rank
+
+        args += ["--enable-lora", "--max-lora-rank", str(max_lora_rank(model.lora.r))]
     return args
 
 

@@ -16,6 +16,10 @@ server (CI, a laptop) and any trainer run the same four phases a GPU pair runs w
 - update: the buckets the trainer broadcasts (a header, then one flat buffer each, `send_weights`) go into
   `model.load_weights` as they arrive, the next one received while one is loaded;
 - finish: the layerwise reload ends; a tied lm_head is reprocessed from the new embedding.
+An adapter-only sync (generation.lora_sync=adapter, `posttrain.rollout.adapter_sync`) names the adapter in its update
+info: its tensors are written to this machine's adapter directory instead of into the model (no layer is reloaded),
+and the LoRA resolver registered here serves them under that name (a LoRA-enabled server:
+VLLM_ALLOW_RUNTIME_LORA_UPDATING=1 --enable-lora --max-lora-rank R).
 With POSTTRAIN_SYNC_DIGESTS=1 in the server's environment each worker keeps a SHA-256 per received tensor
 (`digests`; tests compare them with final/).
 """
@@ -26,18 +30,26 @@ import json
 import os
 import time
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 from vllm.distributed.weight_transfer.base import (WeightTransferEngine, WeightTransferInitInfo,
                                                    WeightTransferUpdateInfo)
+from vllm.lora.request import LoRARequest
+from vllm.lora.resolver import LoRAResolver
 
 BACKEND = "gloo-posttrain"
 
 
 def register() -> None:
-    """The vLLM plugin (group vllm.general_plugins): `gloo-posttrain` in both of vLLM's weight-transfer registries.
-    vLLM may call it more than once per process; registering twice would raise, so it checks first."""
+    """The vLLM plugin (group vllm.general_plugins): `gloo-posttrain` in both of vLLM's weight-transfer registries,
+    and the resolver of posttrain's adapters. vLLM may call it more than once per process; registering twice would
+    raise, so it checks first."""
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory, WeightTransferTrainerFactory
+    from vllm.lora.resolver import LoRAResolverRegistry
+
+    if RESOLVER not in LoRAResolverRegistry.get_supported_resolvers():
+        LoRAResolverRegistry.register_resolver(RESOLVER, AdapterResolver())
 
     for factory, cls in ((WeightTransferEngineFactory, "GlooWeightTransferEngine"),
                          (WeightTransferTrainerFactory, "GlooTrainerEngine")):
@@ -60,7 +72,32 @@ class GlooInitInfo(WeightTransferInitInfo):
 
 @dataclass
 class GlooUpdateInfo(WeightTransferUpdateInfo):
-    """Nothing per round: names, dtypes and shapes travel in each bucket's header."""
+    """Names, dtypes and shapes travel in each bucket's header; an adapter-only sync names the adapter here."""
+
+    adapter_name: str = ""
+    """lora_sync=adapter: the name the adapter is served under ("": the tensors are the model's own weights)."""
+    adapter_config: Optional[dict] = None
+    """lora_sync=adapter: its adapter_config.json."""
+
+
+RESOLVER = "posttrain-adapters"
+
+
+class AdapterResolver(LoRAResolver):
+    """Finds a posttrain adapter by name in this machine's adapter directory (written by the workers at a sync)."""
+
+    async def resolve_lora(self, base_model_name: str, lora_name: str) -> Optional[LoRARequest]:
+        from posttrain.rollout.adapter_sync import adapter_root, parse_name
+
+        try:
+            parse_name(lora_name)
+        except ValueError:
+            return None
+        path = adapter_root() / lora_name
+        if not (path / "adapter_config.json").is_file():
+            return None
+        return LoRARequest(lora_name=lora_name, lora_int_id=1, lora_path=str(path),  # the id is vLLM's to set
+                           base_model_name=base_model_name)
 
 
 class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo]):
@@ -76,6 +113,7 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
         self.digests: dict[str, str] = {}  # SHA-256 per tensor of the last sync (POSTTRAIN_SYNC_DIGESTS=1)
         self.seconds = {"receive_s": 0.0, "total_s": 0.0}  # of the last sync: waiting for bytes, start to finish
         self._started = 0.0
+        self._reloading = False  # vLLM's layerwise reload began (the first bucket of a full-weight sync)
 
     def init_transfer_engine(self, init_info: GlooInitInfo) -> None:
         from posttrain.distributed.weight_sync import local_address_towards, open_sync_group
@@ -87,11 +125,9 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
                                      local_address_towards(init_info.addr), key=init_info.key)
 
     def start_weight_update(self) -> None:
-        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
-
         self._started = time.perf_counter()
         self.digests, self.seconds = {}, {"receive_s": 0.0, "total_s": 0.0}
-        initialize_layerwise_reload(self.model)
+        self._reloading = False  # begun at the first update that carries the model's weights (not an adapter)
 
     def update_weights(self, update_info: dict) -> None:
         """As vLLM's, without its `torch.accelerator.synchronize()`, which fails on a machine with no accelerator."""
@@ -106,24 +142,39 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
         if self.group is None:
             raise RuntimeError("gloo-posttrain: /update_weights before /init_weight_transfer_engine")
         keep_digests = os.environ.get("POSTTRAIN_SYNC_DIGESTS") == "1"
+        adapter: dict[str, torch.Tensor] = {}
+        if not update_info.adapter_name and not self._reloading:
+            from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
+            initialize_layerwise_reload(self.model)
+            self._reloading = True
         buckets = prefetched(receive_buckets(self.group))  # the next bucket arrives while this one loads
         while True:
             waited = time.perf_counter()
             bucket = next(buckets, None)
             self.seconds["receive_s"] += time.perf_counter() - waited
             if bucket is None:
-                return
+                break
             if keep_digests:
                 self.digests.update((name, tensor_digest(tensor)) for name, tensor in bucket)
-            self.model.load_weights([(name, tensor.to(self.device)) for name, tensor in bucket])
+            if update_info.adapter_name:
+                adapter.update((name, tensor.clone()) for name, tensor in bucket)
+            else:
+                self.model.load_weights([(name, tensor.to(self.device)) for name, tensor in bucket])
+        if update_info.adapter_name:
+            from posttrain.rollout.adapter_sync import adapter_root, write_adapter
+
+            write_adapter(adapter_root(), update_info.adapter_name, adapter, update_info.adapter_config or {})
 
     def finish_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
         from posttrain.rollout.server_worker import repack_tied_lm_head
 
-        finalize_layerwise_reload(self.model, self.model_config)
-        repack_tied_lm_head(self.model)
+        if self._reloading:  # an adapter-only sync left the model as it was
+            finalize_layerwise_reload(self.model, self.model_config)
+            repack_tied_lm_head(self.model)
+            self._reloading = False
         self.seconds["total_s"] = time.perf_counter() - self._started
 
     def shutdown(self) -> None:

@@ -147,9 +147,10 @@ class GlooTrainerEngine:
         joining.join()
         return cls(client=client, source=source, group=group)
 
-    def send_weights(self) -> int:
+    def send_weights(self, update_info: Optional[dict] = None) -> int:
         """One sync, every phase on every server: start, update (the servers receive while this broadcasts), finish.
-        Returns the bytes sent (0 on the other ranks)."""
+        `update_info`: the backend's (GlooUpdateInfo: an adapter's name and config). Returns the bytes sent (0 on
+        the other ranks)."""
         from posttrain.distributed.weight_sync import send_weights
 
         if not self.is_sender:
@@ -157,7 +158,7 @@ class GlooTrainerEngine:
                 pass
             return 0
         self.client.start_weight_update()
-        updating = Background(self.client.update_weights, {})
+        updating = Background(self.client.update_weights, update_info or {})
         try:
             sent = send_weights(self.group, self.source)
         except RuntimeError as e:  # gloo: a member left, or the deadline passed

@@ -48,6 +48,7 @@ from posttrain.ops.advantages import zero_std_fraction
 from posttrain.ops.logprobs import sequence_mean
 from posttrain.rewards import reward_metrics
 from posttrain.rollout import SamplingParams, make_engine
+from posttrain.rollout.adapter_sync import check_delivery
 from posttrain.batch import Batch
 from posttrain.train.sources import SampleOrder, Source
 
@@ -133,9 +134,12 @@ class RolloutSource(Source):
         if self._synced_at is not None and step - self._synced_at < gen.sync_every:
             return
         started = time.perf_counter()
-        buckets = self.backend.weight_buckets(self.models.policy.model, gen.sync_bucket_mb)
+        buckets = self.backend.weight_buckets(self.models.policy.model, gen.sync_bucket_mb, engine.adapter_only)
         engine.load_weights(pair for bucket in buckets for pair in bucket)  # one load, streamed bucket by bucket
         engine.version = step
+        if engine.adapter_only:  # generation.lora_sync=adapter: the syncing ranks probe their servers, all ranks check
+            probes = [p for part in self.backend.all_gather_object(engine.delivery_probes()) for p in part]
+            check_delivery(probes, self.models.policy, self.backend.device, gen.lora_check_atol, step)
         if engine.shared:  # servers: no rank generates before rank 0's sync has landed
             self.backend.barrier()
         self._synced_at = step

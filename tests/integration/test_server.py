@@ -1,6 +1,7 @@
 """GRPO with `generation.placement: servers`: the test session's one `posttrain serve` server (real vLLM on CPU, fp32,
 tests/conftest.py::vllm_server). The token guards every control endpoint; a 3-step run from the shipped recipe
-leaves the server holding exactly final/; a server that dies mid-run stops the run with its name; bad
+leaves the server holding exactly final/; LoRA synced as merged weights and as the adapter alone (the server then
+samples what final/ does; a corrupted adapter stops the run); a server that dies mid-run stops the run with its name; bad
 `generation.servers` entries exit 2 before any model is loaded."""
 
 from __future__ import annotations
@@ -129,6 +130,80 @@ def test_lora_grpo_syncs_the_folded_adapters(vllm_server, data, tmp_path):
     engine = ServerEngine(GenerationConfig(engine="vllm", placement="servers", servers=(vllm_server.url,)), tokenizer, False)
     hf = HFEngine(AutoModelForCausalLM.from_pretrained(out / "final", dtype=torch.float32), tokenizer)
     assert engine.generate(prompts, params).completion_ids == hf.generate(prompts, params).completion_ids
+
+
+LORA_ADAPTER = ("model.lora.enabled=true", "model.lora.r=4", "model.lora.alpha=8", "generation.lora_sync=adapter",
+                "generation.lora_check_atol=0.01")
+
+
+def restore_starting_weights(vllm_server, tokenizer):
+    """The session server's base weights back to the tiny model's (earlier tests synced trained ones into it): an
+    adapter is served on top of the base the policy started from."""
+    from posttrain.config.schema import GenerationConfig
+    from posttrain.rollout.server import ServerEngine
+
+    engine = ServerEngine(GenerationConfig(engine="vllm", placement="servers", servers=(vllm_server.url,)), tokenizer,
+                          sends_weights=True)
+    engine.load_weights(load_file(str(Path(vllm_server.model_dir) / "model.safetensors")).items())
+    engine.close()
+
+
+def test_lora_adapter_sync_serves_final_and_a_broken_delivery_stops_the_run(vllm_server, data, tmp_path, capsys,
+                                                                             monkeypatch):
+    """generation.lora_sync=adapter: only the adapter travels, and the server then samples what the merged final/
+    does (greedy, token for token); an adapter corrupted on its way is caught by the probe after the sync: exit 1
+    naming the server and the version."""
+    from posttrain.rollout.base import SamplingParams
+    from posttrain.rollout.hf import HFEngine
+    from posttrain.rollout.server import call
+
+    tokenizer = AutoTokenizer.from_pretrained(vllm_server.model_dir)
+    restore_starting_weights(vllm_server, tokenizer)
+
+    def adapters() -> set[str]:
+        return {m["id"] for m in call(vllm_server.url, "/v1/models")["data"] if m["id"].startswith("posttrain-")}
+
+    before = adapters()
+    out = tmp_path / "run"
+    run = start_grpo(overrides(vllm_server.url, vllm_server.model_dir, data, out, *LORA_ADAPTER))
+    _, stderr = run.communicate(timeout=600)
+    assert run.returncode == 0, stderr[-3000:]
+    rows = metrics(out)
+    assert all(r["sampler_logprob_gap"] < 2e-3 for r in rows), [r["sampler_logprob_gap"] for r in rows]
+    served = adapters() - before
+    assert len(served) == 4, served  # a new name per sync: before each of the 3 steps, and the final policy
+    final_adapter = max(served, key=lambda name: int(name.rsplit("-", 1)[1]))
+
+    prompts = [tokenizer(text)["input_ids"] for text in ("What is 12 + 7?", "Hello there", "Count: 1 2 3")]
+    bodies = [{"model": final_adapter, "token_ids": ids, "sampling_params": {
+        "max_tokens": 12, "temperature": 0, "ignore_eos": True, "stop_token_ids": [tokenizer.eos_token_id],
+        "detokenize": False}} for ids in prompts]
+    greedy = [call(vllm_server.url, "/inference/v1/generate", body)["choices"][0]["token_ids"] for body in bodies]
+    hf = HFEngine(AutoModelForCausalLM.from_pretrained(out / "final", dtype=torch.float32), tokenizer)
+    assert greedy == hf.generate(prompts, SamplingParams(max_new_tokens=12, temperature=0)).completion_ids
+
+    # the same run with one adapter tensor corrupted on its way to the server (after the trainer sent its bytes)
+    import posttrain.rollout.weight_transfer as transfer
+
+    sending = transfer.wire_buckets
+
+    def corrupted(named_tensors, bucket_bytes):  # the first v_proj's B gets 1.0 added: one tensor wrong
+        first = True
+        for bucket in sending(named_tensors, bucket_bytes):
+            out = []
+            for name, tensor in bucket:
+                if first and "v_proj.lora_B." in name:
+                    tensor, first = tensor + 1.0, False
+                out.append((name, tensor))
+            yield out
+
+    monkeypatch.setattr(transfer, "wire_buckets", corrupted)
+    capsys.readouterr()
+    code = run_cli("grpo", *overrides(vllm_server.url, vllm_server.model_dir, data, tmp_path / "broken",
+                                      *LORA_ADAPTER), config=RECIPE)
+    message = capsys.readouterr().err
+    assert code == 1, message[-3000:]
+    assert f"generation server {vllm_server.url}" in message and "policy version 0" in message, message[-3000:]
 
 
 def test_async_grpo_samples_one_step_behind_and_the_server_ends_on_final(vllm_server, data, tmp_path):
@@ -312,6 +387,15 @@ def test_a_stock_vllm_server_takes_syncs_and_serves_the_synced_policy(stock_serv
     check_servers(Recipe(model=Recipe().model.__class__(name_or_path=str(tiny_vllm_model_dir)),
                          data=Recipe().data.__class__(train="x.jsonl"),
                          generation=GenerationConfig(engine="vllm", placement="servers", servers=(stock_server.url,))), tokenizer)
+    from posttrain.config import LoraConfig
+    from posttrain.errors import UserError
+
+    with pytest.raises(UserError, match="does not load LoRA adapters at run time.*--enable-lora --max-lora-rank 8"):
+        check_servers(Recipe(model=Recipe().model.__class__(name_or_path=str(tiny_vllm_model_dir),
+                                                            lora=LoraConfig(enabled=True, r=4)),
+                             data=Recipe().data.__class__(train="x.jsonl"),
+                             generation=GenerationConfig(engine="vllm", placement="servers", lora_sync="adapter",
+                                                         servers=(stock_server.url,))), tokenizer)
     model = AutoModelForCausalLM.from_pretrained(tiny_vllm_model_dir, dtype=torch.float32)
     generator = torch.Generator().manual_seed(0)
     with torch.no_grad():
