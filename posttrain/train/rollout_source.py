@@ -244,9 +244,9 @@ class RolloutSource(Source):
             self._sync_weights(step)
             sampled_by = self._synced_at
             prompt_ids, completion_ids, sampler_logprobs, truncated, trajectories = self._sample(prompts, positions)
+        self._ahead.settle()  # the batches ahead finish first: no sync ever lands under a generation in flight
         generated, synced_before = time.perf_counter(), self._sync_seconds
         if self._pool is not None:  # up to k batches ahead, each from the policy current now
-            self._ahead.settle()  # no sync ever lands under a generation in flight
             self._sync_weights(step)
             for ahead_index in self._ahead.wanted(index):
                 ahead_positions, _, ahead_prompts = self._prompts(ahead_index)
