@@ -31,6 +31,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
+from posttrain.errors import UserError
+
 FILE = "rollouts_in_flight_{rank}.json"
 FORMAT = 1
 FIELDS = ("prompt_ids", "completion_ids", "logprobs", "truncated")
@@ -142,9 +144,13 @@ class InFlight:
         multi-turn trajectory from its saved fields."""
         saved: dict[int, dict] = {}
         for path in sorted(Path(directory).glob(FILE.format(rank="*"))):
-            data = json.loads(path.read_text())
-            if data.get("format") != FORMAT:
-                raise ValueError(f"{path}: format {data.get('format')!r}, expected {FORMAT}")
+            try:
+                data = json.loads(path.read_text())
+            except (OSError, ValueError) as e:
+                raise UserError(f"{path} cannot be read ({e}): resume from an earlier checkpoint") from e
+            if not isinstance(data, dict) or data.get("format") != FORMAT:
+                raise UserError(f"{path} is not a file of generation batches in flight of format {FORMAT} (written "
+                                "by another posttrain release?): resume from an earlier checkpoint")
             for record in data["batches"]:
                 batch = saved.setdefault(record["index"], {"meta": record, "rows": {}})
                 group = len(record["prompt_ids"]) // max(len(record["positions"]), 1)

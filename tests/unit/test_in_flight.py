@@ -10,6 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from posttrain.agents import Trajectory
+from posttrain.errors import UserError
 from posttrain.train.in_flight import FILE, InFlight, Sampled, policy_lag
 from posttrain.train.rollout_source import lag_metrics
 
@@ -113,3 +114,6 @@ def test_checkpoint_files_restore_every_value_exactly_under_any_world_size(tmp_p
     assert lost.load(tmp_path, lambda index: [12], Trajectory) == [
         f"generation batch 4: the rows of prompt positions [12] are not in {tmp_path}"]
     assert len(lost) == 0
+    (tmp_path / "rollouts_in_flight_1.json").write_text('{"format": 99, "batches": []}')
+    with pytest.raises(UserError, match="rollouts_in_flight_1.json is not a file of generation batches in flight"):
+        InFlight(2, 1).load(tmp_path, lambda index: [12])
