@@ -1,7 +1,8 @@
 """Save, resume and export, through the backend.
 
     output_dir/checkpoints/step-N/   every trained model + its optimizer (engine format via Accelerate),
-                                     trainer_state.json (where the run is, LR schedules, the algorithm's state)
+                                     trainer_state.json (where the run is, LR schedules, the algorithm's state),
+                                     the source's own files (rollouts_in_flight_<rank>.json: train/in_flight.py)
     output_dir/final/                a Hugging Face directory (safetensors, config, tokenizer, generation config)
     output_dir/final-critic/         the same for a trained critic (PPO)
 
@@ -98,8 +99,10 @@ def read_trainer_state(path: Path) -> dict[str, Any]:
 
 
 class Checkpointer:
-    def __init__(self, backend, output_dir: str, save_total_limit: Optional[int], run_facts: dict[str, Any]):
+    def __init__(self, backend, output_dir: str, save_total_limit: Optional[int], run_facts: dict[str, Any],
+                 source=None):
         self.backend = backend
+        self.source = source  # save_state / load_state: files of its own (generation batches in flight)
         self.root = Path(output_dir) / "checkpoints"
         self.save_total_limit = save_total_limit
         self.run_facts = run_facts  # world size, global batch, engine: checked on resume
@@ -131,6 +134,8 @@ class Checkpointer:
         self.backend.save_state(str(tmp))
         for name, role in models.trained():  # what the backend's state does not hold (a role trained apart)
             role.save(str(tmp / name))
+        if self.source is not None:
+            self.source.save_state(tmp)
         self.backend.barrier()  # every rank has written its files (shards, RNG state) before the rename
         if self.backend.is_main:
             schedules = {name: role.schedule_state() for name, role in models.trained()}
@@ -169,6 +174,8 @@ class Checkpointer:
         for name, role in models.trained():
             role.restore(str(path / name), schedules.get(name))
         algorithm.load_state_dict(payload.get("algorithm", {}))
+        if self.source is not None:
+            self.source.load_state(path)
         self.last_saved_step = payload["state"]["step"]
         drop_converted(self.backend, path)  # a copy converted for another process count: read, no longer needed
         return TrainState(**payload["state"])

@@ -161,7 +161,7 @@ def run(command: str, recipe: Recipe, launched: Optional[Launched] = None) -> Ru
     steps = total_steps(t, source.micro_batches_per_epoch())
     for _, role in models.trained():
         role.start_schedule(steps)
-    checkpointer = Checkpointer(backend, str(out), t.save_total_limit, facts)
+    checkpointer = Checkpointer(backend, str(out), t.save_total_limit, facts, source)
     state = TrainState()
     if resume_from is not None:
         state = checkpointer.load(resume_from, models, algorithm)

@@ -83,8 +83,9 @@ class DistillAlgoConfig:
             if not recipe.data.completion_only_loss:
                 raise UserError("algo.lmbda > 0 keeps each row's prompt (the tokens before its first trained token) "
                                 "and samples the completion: set data.completion_only_loss=true")
-            if recipe.generation.async_:
-                raise UserError("generation.async is not supported by distill; set generation.async=false")
+            if recipe.generation.max_staleness:
+                raise UserError("generation.max_staleness (generation.async) is not supported by distill; set "
+                                "generation.max_staleness=0")
 
 
 class Distill(Algorithm):

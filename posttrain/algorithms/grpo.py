@@ -67,7 +67,7 @@ class GRPOAlgoConfig:
     """Prompt groups written to output_dir/samples.jsonl at each logging step (0: none)."""
     vllm_is_correction: bool = False
     """Weight each token's surrogate by min(pi_old / pi_sampler, vllm_is_cap): truncated importance sampling for
-    an engine that samples with other numerics (vllm, server) or an older policy (generation.async)."""
+    an engine that samples with other numerics (vllm, server) or an older policy (generation.max_staleness)."""
     vllm_is_cap: float = 2.0
     """The cap of that weight (>= 1)."""
 
@@ -149,8 +149,10 @@ class GRPO(OnlineAlgorithm):
     def prepare(self, batch: Batch, models: Models) -> Batch:
         """Old log-probs (num_iterations > 1) and reference log-probs (beta > 0), unless the batch has them.
 
-        The rollout source calls this once per generation batch, right after sampling, so reused batches keep the
-        log-probs of the policy that sampled them; the loop's own call then finds them present.
+        The rollout source calls this once per generation batch, when the batch is taken for training (right after
+        sampling, or, with generation.max_staleness, when a batch sampled ahead by an older policy comes up), so
+        reused batches keep pi_old of their first step; the loop's own call then finds them present. The
+        sampler's own log-probs ride in sampler_logprobs_BT: truncated_importance_weights explains the two.
         """
         updates = {}
         if self.config.num_iterations > 1 and batch.old_logprobs_BT is None:

@@ -20,7 +20,7 @@ from posttrain.config.schema import Recipe
 
 
 def recipe_key(f: dataclasses.Field) -> str:
-    """A field's key in recipes: its name, or metadata["key"] where the key is a Python keyword (generation.async)."""
+    """A field's key in recipes: its name, or metadata["key"] where the key is a Python keyword."""
     return f.metadata.get("key", f.name)
 
 

@@ -3,6 +3,7 @@
     generation.engine: server                  -> generation.engine: vllm, generation.placement: servers
     generation.vllm.placement: rank | node     -> generation.placement: colocated | node
     generation.request_timeout                 -> generation.request_timeout_s (a whole-request deadline)
+    generation.async: true | false             -> generation.max_staleness: 1 | 0 (batches sampled ahead)
     placement.generation.num_engines: N > 0    -> generation.placement: ray (N engines as Ray actors; launcher: ray,
                                                   the only launcher that reads placement.*)
 
@@ -29,6 +30,20 @@ def _set_placement(generation: dict, value: str, old: str) -> None:
     generation["placement"] = value
 
 
+def _upgrade_async(generation: dict) -> str:
+    """generation.async (one batch sampled ahead, or none) -> generation.max_staleness."""
+    old = generation.pop("async")
+    if not isinstance(old, bool):
+        raise UserError(f"generation.async must be true or false, got {old!r} (it is now generation.max_staleness: "
+                        "the number of generation batches sampled ahead)")
+    given = generation.get("max_staleness")
+    if given is not None and given != int(old):
+        raise UserError(f"generation.async={str(old).lower()} means generation.max_staleness={int(old)}, but "
+                        f"generation.max_staleness={given} is given too: drop generation.async")
+    generation["max_staleness"] = int(old)
+    return f"generation.async={str(old).lower()} is now generation.max_staleness={int(old)}"
+
+
 def upgrade(raw: dict[str, Any], say: bool = True) -> list[str]:
     """Rewrite earlier spellings in `raw` (the recipe mapping, overrides applied) in place; returns what was
     rewritten, one line each (printed on rank 0 when `say`)."""
@@ -45,6 +60,8 @@ def upgrade(raw: dict[str, Any], say: bool = True) -> list[str]:
                                 "generation.request_timeout_s")
             generation["request_timeout_s"] = generation.pop("request_timeout")
             notes.append("generation.request_timeout is now generation.request_timeout_s")
+        if "async" in generation:
+            notes.append(_upgrade_async(generation))
         vllm = generation.get("vllm")
         if isinstance(vllm, dict) and "placement" in vllm:
             old = vllm.pop("placement")

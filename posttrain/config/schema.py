@@ -192,9 +192,10 @@ class GenerationConfig:
     """Optimiser steps between weight syncs to a vllm / server engine (1: before every generation)."""
     sync_bucket_mb: int = 256
     """MiB of full parameters gathered and sent per bucket during a weight sync."""
-    async_: bool = field(default=False, metadata={"key": "async"})
-    """generation.async (vllm, server): sample step N+1's completions while step N trains, from the policy one
-    step older (one-step off-policy; policy_lag logs it, algo.vllm_is_correction corrects for it)."""
+    max_staleness: int = 0
+    """Generation batches sampled ahead while training goes on (vllm, server; 0: none), each by the policy current
+    when it was submitted, so at most this many batches older (policy_lag logs it, algo.vllm_is_correction weights
+    it); checkpoints carry them. The earlier `generation.async: true` is 1."""
     vllm: VLLMConfig = field(default_factory=VLLMConfig)
     """In-process vLLM engine settings (generation.vllm.*)."""
     servers: tuple[str, ...] = ()

@@ -74,12 +74,17 @@ def validate(recipe: Recipe) -> None:
     check_placement(recipe)
     check_servers_listed(g)
     check_lora_sync(recipe)
-    if g.async_ and g.engine == "hf":
-        raise UserError("generation.async samples the next batch while this one trains, which needs an engine with "
-                        "its own copy of the weights: set generation.engine=vllm, or generation.async=false")
-    if g.async_ and g.vllm.enable_sleep_mode:
-        raise UserError("generation.async keeps the engine generating during training, so "
-                        "generation.vllm.enable_sleep_mode (free its memory while training) cannot apply; drop one")
+    if g.max_staleness < 0:
+        raise UserError(f"generation.max_staleness must be >= 0 (generation batches sampled ahead), got "
+                        f"{g.max_staleness}")
+    if g.max_staleness and g.engine == "hf":
+        raise UserError(f"generation.max_staleness={g.max_staleness} (generation.async) samples the next batches while "
+                        "this one trains, which needs an engine with its own copy of the weights: set "
+                        "generation.engine=vllm, or generation.max_staleness=0")
+    if g.max_staleness and g.vllm.enable_sleep_mode:
+        raise UserError(f"generation.max_staleness={g.max_staleness} (generation.async) keeps the engine generating "
+                        "during training, so generation.vllm.enable_sleep_mode (free its memory while training) "
+                        "cannot apply; drop one")
     for i, r in enumerate(recipe.rewards):
         if not r.name:
             raise UserError(f"rewards[{i}].name is empty: name a built-in reward or an import path module:function")

@@ -41,7 +41,9 @@ def engine_resume_path(backend, path: Path, saved: dict[str, Any], now: dict[str
     if backend.is_main:
         shutil.rmtree(target, ignore_errors=True)
         target.mkdir(parents=True)
-        shutil.copy2(path / "trainer_state.json", target / "trainer_state.json")
+        for state in path.glob("*.json"):  # trainer_state.json, the batches in flight; the manifest lists `path`
+            if state.name != "manifest.json":
+                shutil.copy2(state, target / state.name)
         backend.convert_to_universal(path / DEEPSPEED_TAG, target / DEEPSPEED_TAG)
     backend.barrier()
     backend.load_universal()

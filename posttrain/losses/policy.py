@@ -74,10 +74,18 @@ def truncated_importance_weights(
     """Truncated importance sampling (TIS, Yao et al. 2025) -> (weights_BT, metrics), all detached.
 
     A generation engine samples from pi_sampler, not exactly from the trainer's pi_old: other kernels and precision
-    (vLLM), or an older policy (generation.async). The surrogate's gradient is an expectation under pi_old, so each
-    completion token's loss is weighted by min(pi_old(y_t) / pi_sampler(y_t), cap). Outside the completion the
-    weight is 1 (the sampler log-probs are 0 there). metrics: is_ratio (mean ratio before the cap) and
+    (vLLM), or an older policy (generation.max_staleness). The surrogate's gradient is an expectation under pi_old,
+    so each completion token's loss is weighted by min(pi_old(y_t) / pi_sampler(y_t), cap). Outside the completion
+    the weight is 1 (the sampler log-probs are 0 there). metrics: is_ratio (mean ratio before the cap) and
     is_capped_fraction (share of tokens the cap changed), over completion tokens.
+
+    Any policy lag: pi_old is the trainer's policy when the batch is first trained (the rollout source takes the
+    old log-probs then, not when the batch was sampled), and pi_sampler is whichever version sampled it, its
+    log-probs recorded by the engine at sampling time and carried with the batch (through a checkpoint too). So
+    the clipped surrogate's ratio pi / pi_old stays a trust region around the current policy, and this weight
+    alone carries the whole distance to the sampler, however many versions back (the decoupled objective of
+    Hilton et al. 2022 and AReaL, Fu et al. 2025); a larger lag only makes the weights spread wider, which the cap
+    bounds at the price of bias.
     """
     with torch.no_grad():
         ratio_BT = torch.exp(old_logprobs_BT.float() - sampler_logprobs_BT.float())

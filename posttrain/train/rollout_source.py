@@ -12,9 +12,11 @@ made in phases:
      any world size; rank r takes the r-th contiguous slice, so each prompt's G completions stay on one rank;
   2. generate: G completions per prompt with the engine, `generation.batch_size` prompts per call, each call seeded
      by (seed, global position of its first prompt): resume reproduces it, and so does any accumulation split;
-     with generation.batch_size=1 so does any world size. With generation.async the batch was sampled in a thread
-     during the previous batch's training (from the policy one batch older); once it is taken, the engine gets the
-     current weights and the next batch starts sampling, overlapping the phases below and the training;
+     with generation.batch_size=1 so does any world size. With generation.max_staleness k > 0 the batch was
+     sampled in a thread during earlier batches' training, from the policy current when it was submitted (up to k
+     batches older; train/in_flight.py); once it is taken and nothing is sampling, the engine gets the current
+     weights and batches up to index + k start sampling, overlapping the phases below and the training. A
+     checkpoint carries the batches in flight (save_state / load_state), so a resume trains on the same samples;
   3. score: the RewardSet on this rank's completions; the step's total rewards are gathered from all ranks (one
      small all_gather) so advantages and the metrics can be computed on the whole step, identically on every rank;
   4. batches: prompt + completion rows, right padded, split into micro-batches, each completion's total reward in
@@ -23,11 +25,13 @@ made in phases:
   5. advantages: algorithm.advantages(Rollouts) over the step (group-relative, GAE, ...).
 
 last_metrics (whole step, all ranks): reward/mean|std, rewards/<name>/mean|std, rewards/skipped,
-frac_reward_zero_std, completion_length/mean|max|min, truncated_fraction; and this rank's seconds per phase:
-time/generate (with generation.async: the wait for the batch sampled ahead), time/score (with the gather), time/ref (old and reference log-probs, critic values, advantages),
-time/train (from handing the micro-batches over to the loop reading the metrics: forward, backward, optimiser step);
-under launcher: ray, time/role/<role> for each role served by replicas apart from the policy (its calls, transfer
-included: part of time/score for a reward model, of time/ref for the others).
+frac_reward_zero_std, completion_length/mean|max|min, truncated_fraction, policy_lag and
+rollout/policy_lag_mean|max (optimiser steps from the sampling policy to the trained one, per completion); and this
+rank's seconds per phase: time/generate (with max_staleness: the wait for the batch sampled ahead), time/score
+(with the gather), time/ref (old and reference log-probs, critic values, advantages), time/train (from handing
+the micro-batches over to the loop reading the metrics: forward, backward, optimiser step); under launcher: ray,
+time/role/<role> for each role served by replicas apart from the policy (its calls, transfer included: part of
+time/score for a reward model, of time/ref for the others).
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
@@ -43,13 +47,14 @@ from typing import Callable
 import torch
 
 from posttrain.data.collate import collate_padded
-from posttrain.agents import AgentRollout, agent_metrics, score_trajectories
+from posttrain.agents import AgentRollout, Trajectory, agent_metrics, score_trajectories
 from posttrain.ops.advantages import zero_std_fraction
 from posttrain.ops.logprobs import sequence_mean
 from posttrain.rewards import reward_metrics
 from posttrain.rollout import SamplingParams, make_engine
 from posttrain.rollout.adapter_sync import check_delivery
 from posttrain.batch import Batch
+from posttrain.train.in_flight import InFlight, Sampled, policy_lag
 from posttrain.train.sources import SampleOrder, Source
 
 logger = logging.getLogger(__name__)
@@ -92,6 +97,8 @@ class Generation:
     index: int
     batches: list[Batch]
     metrics: dict[str, float]
+    sampled_by: int | None = None
+    """The policy version its completions were sampled by (None: the policy itself, the hf engine)."""
 
 
 class RolloutSource(Source):
@@ -120,10 +127,10 @@ class RolloutSource(Source):
         self._handed_out = time.perf_counter()
         self._metrics: dict[str, float] = {}
         self._trained_through = 0  # optimiser steps the policy has taken (as far as this source knows)
-        # generation.async: the next generation batch, sampled in a thread while this one trains
-        self._async = recipe.generation.async_
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="posttrain-async") if self._async else None
-        self._pending: tuple[int, int | None, Future] | None = None  # (index, policy version it samples, future)
+        # generation.max_staleness: up to k generation batches sampled ahead, in one thread, while this one trains
+        self._ahead = InFlight(recipe.generation.max_staleness, self.iterations)
+        self._pool = (ThreadPoolExecutor(max_workers=1, thread_name_prefix="posttrain-async")
+                      if recipe.generation.max_staleness else None)
 
     def _sync_weights(self, step: int) -> None:
         """Before generating for `step`: an engine holding its own copy of the policy gets the trainer's weights
@@ -146,11 +153,10 @@ class RolloutSource(Source):
         self._sync_seconds += time.perf_counter() - started
 
     def before_evaluation(self) -> None:
-        """Held-out evaluation measures the current policy: an async generation in flight finishes first (its
-        batch is kept), then an engine holding its own copy of the weights gets the trainer's, whatever sync_every
+        """Held-out evaluation measures the current policy: the generations in flight finish first (their
+        batches are kept), then an engine holding its own copy of the weights gets the trainer's, whatever sync_every
         says."""
-        if self._pending is not None:
-            self._pending[2].result()
+        self._ahead.settle()
         if self.engine.holds_copy and self._synced_at != self._trained_through:
             self._synced_at = None
             self._sync_weights(self._trained_through)
@@ -169,15 +175,24 @@ class RolloutSource(Source):
         self.engine.end()
 
     def _drop_pending(self) -> None:
-        """Wait for an async generation in flight (the run ends or stops: its batch is not needed) and let it go."""
-        pending, self._pending = self._pending, None
-        if pending is not None:
-            try:
-                pending[2].result()
-            except Exception as e:  # the run is ending anyway; what stopped it matters more
-                logger.warning("the generation batch sampled ahead (generation.async) failed: %s", e)
+        """Wait for the generations in flight (the run ends or stops: their batches are not needed), let them go."""
+        try:
+            self._ahead.drop("the run ends")
+        except Exception as e:  # the run is ending anyway; what stopped it matters more
+            logger.warning("a generation batch sampled ahead (generation.max_staleness) failed: %s", e)
         if self._pool is not None:
             self._pool.shutdown(wait=True)
+
+    def save_state(self, directory: Path) -> None:
+        """Into a checkpoint being written (every rank): this rank's generation batches in flight (in_flight.py)."""
+        if self._pool is not None or len(self._ahead):
+            self._ahead.save(directory, self.backend.rank)
+
+    def load_state(self, directory: Path) -> None:
+        """From the checkpoint resumed: the batches that were in flight, so none is sampled again."""
+        lost = self._ahead.load(directory, lambda index: self._prompts(index)[0], Trajectory)
+        for line in lost:
+            logger.warning("resuming from %s: %s; sampled again from the current policy", directory, line)
 
     def micro_batches_per_epoch(self) -> int:
         """Per-rank micro-batches for one pass over the prompts (each reused num_iterations times)."""
@@ -196,14 +211,12 @@ class RolloutSource(Source):
             if step % self.iterations and self._generation is None:
                 logger.warning("resuming at step %d, inside generation batch %d (num_iterations=%d): the batch is "
                                "sampled again from the current policy", step, index, self.iterations)
-            if self._async and step and self._generation is None:
-                logger.warning("resuming at step %d with generation.async: the first batch is sampled from the "
-                               "current policy (the uninterrupted run sampled it one step earlier), so this run will "
-                               "not be bit-for-bit the uninterrupted one", step)
             self._generation = self._generate(index, step)
             self._metrics = self._generation.metrics
-        else:  # a reused batch: nothing was generated, scored or prepared for this step
-            self._metrics = {**self._generation.metrics, "time/generate": 0.0, "time/score": 0.0, "time/ref": 0.0}
+        else:  # a reused batch: nothing was generated, scored or prepared for this step; the policy moved on
+            g = self._generation
+            self._metrics = {**g.metrics, "time/generate": 0.0, "time/score": 0.0, "time/ref": 0.0,
+                             **lag_metrics([policy_lag(step, g.sampled_by)])}
         self._handed_out = time.perf_counter()
         return list(self._generation.batches)
 
@@ -222,24 +235,27 @@ class RolloutSource(Source):
         positions, dataset_index, prompts = self._prompts(index)
 
         # 2. generate (an engine with its own copy of the weights gets the current policy first); with
-        # generation.async the batch was sampled during the previous step, and the next one starts now
+        # generation.max_staleness the batch was sampled during earlier steps, and the next ones start now
         self._sync_seconds = 0.0
         started = time.perf_counter()
-        pending, self._pending = self._pending, None
-        if pending is not None and pending[0] == index:
-            sampled_by, (prompt_ids, completion_ids, sampler_logprobs, truncated, trajectories) = (pending[1],
-                                                                                                pending[2].result())
+        ahead, refused = self._ahead.take(index, step)
+        if refused:
+            logger.warning("step %d: %s; it is sampled again from the current policy", step, refused)
+        if ahead is not None:
+            sampled_by, (prompt_ids, completion_ids, sampler_logprobs, truncated, trajectories) = (ahead.sampled_by,
+                                                                                                ahead.wait())
         else:
-            if pending is not None:  # sampled for another batch (cannot happen in a plain run): not used
-                pending[2].result()
             self._sync_weights(step)
             sampled_by = self._synced_at
             prompt_ids, completion_ids, sampler_logprobs, truncated, trajectories = self._sample(prompts, positions)
+        self._ahead.settle()  # the batches ahead finish first: no sync ever lands under a generation in flight
         generated, synced_before = time.perf_counter(), self._sync_seconds
-        if self._async:
-            self._sync_weights(step)  # no generation is in flight now
-            next_positions, _, next_prompts = self._prompts(index + 1)
-            self._pending = (index + 1, self._synced_at, self._pool.submit(self._sample, next_prompts, next_positions))
+        if self._pool is not None:  # up to k batches ahead, each from the policy current now
+            self._sync_weights(step)
+            for ahead_index in self._ahead.wanted(index):
+                ahead_positions, _, ahead_prompts = self._prompts(ahead_index)
+                future = self._pool.submit(self._sample, ahead_prompts, ahead_positions)
+                self._ahead.push(Sampled(ahead_index, ahead_positions, step, self._synced_at, future))
         else:
             self.engine.sleep()  # training gets the engine's accelerator memory back (vllm sleep mode on a GPU)
         score_started = time.perf_counter()
@@ -256,6 +272,7 @@ class RolloutSource(Source):
         lengths = [len(ids) for ids in completion_ids]
         mine = dict(total=total_B.tolist(), per_function={k: v.tolist() for k, v in per_function.items()},
                     skipped=skipped, lengths=lengths, truncated=truncated,
+                    lag=[policy_lag(step, sampled_by)] * len(completion_ids),
                     agent=[t.stats() for t in trajectories] if trajectories is not None else None)
         everyone = backend.all_gather_object(mine)
         global_total_B = torch.tensor([r for part in everyone for r in part["total"]])
@@ -279,8 +296,7 @@ class RolloutSource(Source):
         metrics.update(agent_metrics([part["agent"] for part in everyone]))
         metrics.update({"time/generate": generated - started - synced_before, "time/score": scored - score_started,
                         "time/ref": prepared - scored, "time/sync": self._sync_seconds,
-                        "policy_lag": float(step - (sampled_by if sampled_by is not None else step)),
-                        **advantage_metrics})
+                        **lag_metrics([lag for part in everyone for lag in part["lag"]]), **advantage_metrics})
         for name in ("reference", "reward_model", "critic"):  # roles served apart: their calls' seconds
             role = getattr(self.models, name)
             seconds = role.seconds() if role is not None else None
@@ -288,7 +304,7 @@ class RolloutSource(Source):
                 metrics[f"time/role/{name}"] = seconds
         if backend.is_main:
             self._write_samples(step, prompts, texts, total_B, per_function, sequence_advantages(batches), truncated)
-        return Generation(index, batches, metrics)
+        return Generation(index, batches, metrics, sampled_by)
 
     def _sample(self, prompts: list[dict], positions: list[int]):
         """G completions per prompt, `generation.batch_size` prompts per engine call. Every rank makes the same number
@@ -367,6 +383,14 @@ def sequence_advantages(batches: list[Batch]) -> torch.Tensor:
     """One advantage per completion, for the samples file: the sequence's own, or its per-token mean."""
     return torch.cat([b.advantages_B if b.advantages_B is not None
                       else sequence_mean(b.advantages_BT, b.completion_mask_BT) for b in batches]).cpu()
+
+
+def lag_metrics(lags: list[int]) -> dict[str, float]:
+    """Policy lag of every completion of the step (in_flight.policy_lag): policy_lag (the mean, as logged before
+    rollout/*) and rollout/policy_lag_mean|max."""
+    mean = sum(lags) / max(len(lags), 1)
+    return {"policy_lag": float(mean), "rollout/policy_lag_mean": float(mean),
+            "rollout/policy_lag_max": float(max(lags, default=0))}
 
 
 def step_metrics(everyone: list[dict], total_B: torch.Tensor, group: int) -> dict[str, float]:

@@ -33,6 +33,13 @@ class Source:
         """Figures of the last step to log beside the loss (an online source's rewards, lengths, timings)."""
         return {}
 
+    def save_state(self, directory) -> None:
+        """Every rank, into a checkpoint being written: what the source holds beyond the step number (an online
+        source's generation batches sampled ahead); the data position itself is the step."""
+
+    def load_state(self, directory) -> None:
+        """On resume, from the checkpoint's directory: what `save_state` wrote."""
+
     def close(self, step: int) -> None:
         """After the loop, before export: engines that outlive the run get the final policy."""
 

@@ -1,19 +1,22 @@
 """GRPO with the in-process vLLM engine (real vLLM on CPU, fp32): with syncs switched off the log-probs it reports
-drift from the trainer's (with them, tests/distributed/test_grpo_vllm_distributed.py); one-step off-policy sampling.
+drift from the trainer's (with them, tests/distributed/test_grpo_vllm_distributed.py); one-step off-policy sampling;
+batches sampled two steps ahead, carried by a checkpoint so a resumed run equals its uninterrupted self bit for bit.
 
 Each run is its own process (one vLLM engine per process; vLLM's in-process engine is not torn down within one)."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
 
 import pytest
+import torch
 
 from posttrain.rollout.vllm_engine import vllm_available
 from posttrain.tasks import write_example_data
-from tests.integration.helpers import metrics, run_overrides
+from tests.integration.helpers import final_weights, metrics, run_overrides
 
 pytestmark = [pytest.mark.vllm,
               pytest.mark.skipif(not vllm_available(), reason="vLLM is not installed (make setup EXTRAS=dev,vllm)")]
@@ -56,3 +59,28 @@ def test_vllm_engine_async_samples_the_next_batch_during_training(tiny_vllm_mode
     gaps = [r["sampler_logprob_gap"] for r in rows]
     assert gaps[0] < 2e-3 and min(gaps[1:]) > 10 * max(gaps[0], 1e-4), gaps
     assert all(r["is_ratio"] > 0 and 0 <= r["is_capped_fraction"] <= 1 for r in rows), rows
+
+
+def test_max_staleness_2_resumes_bit_for_bit(tiny_vllm_model_dir, data, tmp_path):
+    """generation.max_staleness=2: batches are sampled two steps ahead (policy_lag 0, 1, 2, 2) and importance
+    weighted; a run stopped after step 2 carries its two batches in flight in the checkpoint (one file, listed in the
+    manifest), and resumed it trains on them: every logged figure but the clocks, and the final weights, equal the
+    uninterrupted run's exactly."""
+    common = ("generation.max_staleness=2", "algo.vllm_is_correction=true", "train.max_steps=4", "train.save_steps=2")
+    full, split = tmp_path / "full", tmp_path / "split"
+    for out, extra in ((full, []), (split, ["train.max_steps_per_run=2"]),
+                       (split, ["train.resume_from_checkpoint=auto"])):
+        run = run_grpo(tiny_vllm_model_dir, data, out, *common, *extra)
+        assert run.returncode == 0, run.stderr[-3000:]
+    assert "sampled again" not in run.stderr, run.stderr[-3000:]
+    saved = json.loads((split / "checkpoints" / "step-2" / "manifest.json").read_text())["files"]
+    assert "rollouts_in_flight_0.json" in saved
+    in_flight = json.loads((split / "checkpoints" / "step-2" / "rollouts_in_flight_0.json").read_text())["batches"]
+    assert [(b["index"], b["submitted_at"], b["sampled_by"]) for b in in_flight] == [(2, 0, 0), (3, 1, 1)]
+
+    clocks = ("time/", "tokens_per_second", "peak_memory_mb", "estimated_peak_memory_mb")
+    a, b = ([{k: v for k, v in r.items() if not k.startswith(clocks)} for r in metrics(out)] for out in (full, split))
+    assert [r["policy_lag"] for r in a] == [0, 1, 2, 2] and [r["rollout/policy_lag_max"] for r in a] == [0, 1, 2, 2]
+    assert b == a
+    weights_a, weights_b = final_weights(full), final_weights(split)
+    assert weights_a.keys() == weights_b.keys() and all(torch.equal(weights_a[k], weights_b[k]) for k in weights_a)

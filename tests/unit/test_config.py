@@ -95,23 +95,28 @@ def test_every_shipped_recipe_loads(path):
             assert (ROOT / source).exists(), f"{path.name} names {source}, which is not shipped"
 
 
-def test_generation_async_key_is_spelled_async_in_recipes(tmp_path):
+def test_generation_async_is_read_as_max_staleness_said_once(tmp_path, capsys):
     grpo = ALGORITHMS["grpo"][0]
-    base = ["data.train=a.jsonl", "rewards=[{name: exact_match}]", "generation.engine=server",
-            "generation.servers=[http://127.0.0.1:8000]"]
+    base = ["data.train=a.jsonl", "rewards=[{name: exact_match}]", "generation.engine=vllm"]
     r = load_recipe(None, base + ["generation.async=true"], grpo)
-    assert r.generation.async_ is True
-    assert "async: true" in dump_yaml(r) and "async_" not in dump_yaml(r)
+    assert r.generation.max_staleness == 1 and r == load_recipe(None, base + ["generation.max_staleness=1"], grpo)
+    assert capsys.readouterr().err.count("generation.async=true is now generation.max_staleness=1") == 1
+    assert "max_staleness: 1" in dump_yaml(r) and "async" not in dump_yaml(r)
     assert load_recipe(write(tmp_path, dump_yaml(r)), [], grpo) == r
-    with pytest.raises(UserError, match="unknown key 'generation.async_'.*did you mean 'generation.async'"):
-        load_recipe(None, base + ["generation.async_=true"], grpo)
+    assert load_recipe(None, base + ["generation.async=false"], grpo).generation.max_staleness == 0
+    with pytest.raises(UserError, match=r"generation.async=true means generation.max_staleness=1, but "
+                                        r"generation.max_staleness=2 is given too"):
+        load_recipe(None, base + ["generation.async=true", "generation.max_staleness=2"], grpo)
+    with pytest.raises(UserError, match="generation.async must be true or false, got 'soon'"):
+        load_recipe(None, base + ["generation.async=soon"], grpo)
 
 
 @pytest.mark.parametrize("overrides, message", [
-    (["generation.async=true"], "generation.async .*needs an engine with its own copy"),
+    (["generation.async=true"], r"generation.max_staleness=1 \(generation.async\) .*needs an engine with its own"),
+    (["generation.engine=vllm", "generation.max_staleness=-1"], "generation.max_staleness must be >= 0"),
     (["algo.vllm_is_correction=true"], "generation.engine=hf samples with the policy itself"),
     (["generation.engine=vllm", "algo.vllm_is_cap=0.5"], "algo.vllm_is_cap must be >= 1"),
-    (["generation.engine=vllm", "generation.async=true", "generation.vllm.enable_sleep_mode=true"],
+    (["generation.engine=vllm", "generation.max_staleness=2", "generation.vllm.enable_sleep_mode=true"],
      "enable_sleep_mode .*cannot apply"),
 ])
 @pytest.mark.parametrize("command", ["grpo", "ppo"])

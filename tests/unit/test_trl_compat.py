@@ -108,7 +108,7 @@ def test_algorithm_help_lists_recipe_keys_with_defaults_and_docs(capsys):
     assert e.value.code == 0
     out = capsys.readouterr().out
     assert "train.learning_rate = 0.0001  # Peak learning rate (AdamW)." in out
-    assert "algo.num_generations = 8  #" in out and "generation.async = False" in out
+    assert "algo.num_generations = 8  #" in out and "generation.max_staleness = 0" in out
     assert "--learning_rate 1e-4" in out  # the TRL-style flags are announced
 
 

@@ -1,0 +1,175 @@
+"""Generation batches sampled ahead of training (generation.max_staleness: k), and their place in a checkpoint.
+
+    queue = InFlight(max_staleness=2, steps_per_rollout=1)
+    taken, refused = queue.take(index, step)         # batch `index`, if it was sampled ahead and its lag fits
+    for j in queue.wanted(index):                     # what to submit so batches index+1 .. index+k are in flight
+        queue.push(Sampled(j, positions, submitted_at=step, sampled_by=engine_version, future=...))
+    queue.save(checkpoint_dir, rank)                  # every rank: rollouts_in_flight_<rank>.json
+    queue.load(checkpoint_dir, positions_of)          # on resume: the same batches, whatever the world size now
+
+Versions are optimiser steps: the trainer's policy after `step` steps is version `step`, and a batch records the
+version the trainer held when it was submitted (`submitted_at`) and the one its engine held while it sampled
+(`sampled_by`; older with generation.sync_every > 1). The policy lag of a sample is the version trained on minus
+`sampled_by`. A batch submitted k generation batches ahead of the one then training is trained k x
+steps_per_rollout steps later; `take` refuses a batch whose distance from submission exceeds that (a checkpoint
+written with a larger k, resumed with a smaller one): it is dropped and sampled again from the current policy.
+
+Exact resume: what the engine returned for each batch in flight (prompt ids, completion ids, sampler log-probs,
+truncation flags, multi-turn trajectories), its data positions and versions go into the step-N checkpoint, one file
+per rank (each rank samples its own shard of the prompts), listed in the checkpoint's manifest like every other
+file. JSON keeps Python floats exactly (repr round-trips) and loads no pickle. A resumed run takes these batches
+instead of sampling them again, so it trains on the very tokens and log-probs the uninterrupted run trained on.
+Loading gathers rows by data position from every rank's file, so a checkpoint resumes under another world size too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from concurrent.futures import Future
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Optional
+
+from posttrain.errors import UserError
+
+FILE = "rollouts_in_flight_{rank}.json"
+FORMAT = 1
+FIELDS = ("prompt_ids", "completion_ids", "logprobs", "truncated")
+"""The engine's answer for one batch, as RolloutSource._sample returns it (then `trajectories`, or None)."""
+
+
+@dataclass
+class Sampled:
+    """One generation batch of this rank sampled ahead of training."""
+
+    index: int
+    """Which generation batch (train step index x steps_per_rollout starts it)."""
+    positions: list[int]
+    """This rank's prompts: positions in the seeded global prompt order."""
+    submitted_at: int
+    """The trainer's policy version (optimiser steps) when the batch was submitted."""
+    sampled_by: Optional[int]
+    """The version of the weights the engine sampled with (None: the engine is the policy itself)."""
+    future: Optional[Future] = None
+    """The sampling in progress; None once `result` is set."""
+    result: Optional[tuple] = None
+    """(prompt_ids, completion_ids, logprobs, truncated, trajectories or None), G rows per position."""
+
+    def wait(self) -> tuple:
+        """The engine's answer (waiting for it when it is still being sampled)."""
+        if self.result is None:
+            self.result, self.future = self.future.result(), None
+        return self.result
+
+
+def policy_lag(step: int, sampled_by: Optional[int]) -> int:
+    """Optimiser steps between the policy that sampled a completion and the one trained on it at `step`."""
+    return 0 if sampled_by is None else step - sampled_by
+
+
+class InFlight:
+    """The batches sampled ahead, oldest first; a plain list the rollout source's one worker thread fills in order."""
+
+    def __init__(self, max_staleness: int, steps_per_rollout: int):
+        self.max_staleness = max_staleness
+        self.steps_per_rollout = steps_per_rollout
+        self.batches: list[Sampled] = []
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+    def take(self, index: int, step: int) -> tuple[Optional[Sampled], Optional[str]]:
+        """(batch `index`, None) when it was sampled ahead and may be trained at `step`; else (None, why not, or
+        None when nothing was in flight). What is not taken is dropped: sampled for another batch (a run that
+        skipped ahead), or too stale for this run's generation.max_staleness; later batches then go too (they would
+        be consumed out of order)."""
+        if not self.batches:
+            return None, None
+        head = self.batches[0]
+        if head.index != index:
+            return None, self.drop(f"the batch in flight is generation batch {head.index}, not {index}")
+        limit = self.max_staleness * self.steps_per_rollout
+        if step - head.submitted_at > limit:
+            return None, self.drop(f"generation batch {index} was submitted at step {head.submitted_at}, "
+                                   f"{step - head.submitted_at} steps before step {step}, more than "
+                                   f"generation.max_staleness={self.max_staleness} generation batches ({limit} steps)")
+        return self.batches.pop(0), None
+
+    def drop(self, why: str) -> str:
+        """Let every batch in flight go (waiting for any still sampling: the engine is not synced under it)."""
+        for batch in self.batches:
+            if batch.future is not None:
+                batch.future.result()
+        self.batches = []
+        return why
+
+    def wanted(self, index: int) -> list[int]:
+        """Generation batches to submit, in order, once batch `index` is taken: up to index + max_staleness."""
+        last = self.batches[-1].index if self.batches else index
+        return list(range(last + 1, index + self.max_staleness + 1))
+
+    def push(self, batch: Sampled) -> None:
+        if self.batches and batch.index != self.batches[-1].index + 1:
+            raise ValueError(f"generation batch {batch.index} submitted after {self.batches[-1].index}")
+        self.batches.append(batch)
+
+    def settle(self) -> None:
+        """Wait until nothing is being sampled (before a weight sync, an evaluation, a checkpoint)."""
+        for batch in self.batches:
+            batch.wait()
+
+    # --- the checkpoint ----------------------------------------------------------------------------------------
+
+    def save(self, directory: Path, rank: int) -> Path:
+        """Write this rank's batches in flight (waiting for them) to `directory`/rollouts_in_flight_<rank>.json."""
+        self.settle()
+        records = []
+        for b in self.batches:
+            prompt_ids, completion_ids, logprobs, truncated, trajectories = b.result
+            records.append({
+                "index": b.index, "positions": b.positions, "submitted_at": b.submitted_at,
+                "sampled_by": b.sampled_by, **dict(zip(FIELDS, (prompt_ids, completion_ids, logprobs, truncated))),
+                "trajectories": None if trajectories is None else [dataclasses.asdict(t) for t in trajectories],
+            })
+        path = Path(directory) / FILE.format(rank=rank)
+        path.write_text(json.dumps({"format": FORMAT, "rank": rank, "batches": records}))
+        return path
+
+    def load(self, directory: Path, positions_of: Callable[[int], list[int]],
+             trajectory: Optional[Callable[..., object]] = None) -> list[str]:
+        """Restore the batches in flight saved in `directory` (every rank's file), this rank's rows of each:
+        `positions_of(index)` names them. Returns what could not be restored (a batch whose rows are not all
+        there), one line each; such a batch and those after it are sampled again. `trajectory` rebuilds a
+        multi-turn trajectory from its saved fields."""
+        saved: dict[int, dict] = {}
+        for path in sorted(Path(directory).glob(FILE.format(rank="*"))):
+            try:
+                data = json.loads(path.read_text())
+            except (OSError, ValueError) as e:
+                raise UserError(f"{path} cannot be read ({e}): resume from an earlier checkpoint") from e
+            if not isinstance(data, dict) or data.get("format") != FORMAT:
+                raise UserError(f"{path} is not a file of generation batches in flight of format {FORMAT} (written "
+                                "by another posttrain release?): resume from an earlier checkpoint")
+            for record in data["batches"]:
+                batch = saved.setdefault(record["index"], {"meta": record, "rows": {}})
+                group = len(record["prompt_ids"]) // max(len(record["positions"]), 1)
+                for i, position in enumerate(record["positions"]):
+                    rows = slice(i * group, (i + 1) * group)
+                    batch["rows"][position] = {k: (record[k][rows] if record[k] is not None else None)
+                                               for k in (*FIELDS, "trajectories")}
+        self.batches = []
+        for index in sorted(saved):
+            meta, rows = saved[index]["meta"], saved[index]["rows"]
+            positions = positions_of(index)
+            missing = [p for p in positions if p not in rows]
+            if missing:
+                return [f"generation batch {index}: the rows of prompt positions {missing[:4]} are not in "
+                        f"{directory}"]
+            columns = {k: [v for p in positions for v in rows[p][k]] if rows[positions[0]][k] is not None else None
+                       for k in (*FIELDS, "trajectories")}
+            if columns["trajectories"] is not None:
+                columns["trajectories"] = [trajectory(**t) for t in columns["trajectories"]]
+            result = tuple(columns[k] for k in (*FIELDS, "trajectories"))
+            self.batches.append(Sampled(index, positions, meta["submitted_at"], meta["sampled_by"], result=result))
+        return []
