@@ -17,7 +17,13 @@ from safetensors.torch import load_file
 
 from posttrain.rollout.vllm_engine import vllm_available
 from posttrain.tasks import write_example_data
-from tests.integration.helpers import assert_resume_is_exact, final_weights, metrics, run_cli, run_overrides
+from tests.integration.helpers import (
+    assert_resume_is_exact,
+    final_weights,
+    metrics,
+    run_cli,
+    run_overrides,
+)
 
 HERE = "tests.integration.test_agents"
 

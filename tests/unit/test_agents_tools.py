@@ -234,7 +234,7 @@ def test_the_demos_problems_keep_every_copy_at_a_fixed_width():
     tool_rows, plain_rows = traces(pairs[:200], 0.3, 0)
     slips = 0
     for (a, b), tool, plain in zip(pairs, tool_rows, plain_rows):
-        system, user, call, result, answer = [m["content"] for m in tool["messages"]]
+        _, user, call, result, answer = [m["content"] for m in tool["messages"]]
         shown = int(call.rsplit(" ", 1)[1])
         assert user == f"What is {a} * {b}?" and call == f"calc {a} * {shown}" and shown // 10 == b // 10
         assert result == answer == plain["completion"][0]["content"] == str(a * shown)  # a slip carries through
