@@ -1,14 +1,17 @@
 """The tool-use demo: does a model that calls a calculator learn more than the same pipeline without one?
 
-    python -m posttrain.demo_tools --out runs/agents-demo          # minutes on 2 CPU cores (docs/agents.md)
+    python -m posttrain.demo_tools --out runs/agents-demo          # ~20 minutes on 2 CPU cores (docs/agents.md)
 
-Task: three-digit + three-digit addition (posttrain/tasks.py), far harder for a tiny model than copying numbers.
-The tool is called in a compact form, `calc 123 + 456`, read by a custom parser (rollout.tool_parser).
+Task: two-digit x two-digit multiplication, operands 32-99 so that every product has four digits. A tiny model
+does not learn to multiply in minutes; with the calculator it only has to copy: the operands into the call and the
+tool's result into its answer, each at a fixed place (the fixed widths keep the copies at fixed offsets, which a
+tiny model learns far sooner than copying numbers of varying length). The tool is called in a compact form,
+`calc 57 * 83`, read by a custom parser (rollout.tool_parser).
 Two pipelines, same tiny random model, same problems, same demonstrator who slips on 30% of the problems:
-- tools: SFT on scripted traces (question -> `calc a + b` -> the tool's result -> the answer); a slip
-  copies one operand wrong into the call, and the trace carries the wrong result through. Then GRPO with the tool
-  live (recipes/grpo_tools.yaml's settings): rollout.tools, exact match on the last turn.
-- plain: SFT on direct answers (a slip gives the same wrong sum), then GRPO with exact match and no tool.
+- tools: SFT on scripted traces (question -> `calc a * b` -> the tool's result -> the answer); a slip
+  copies the second operand's last digit wrong into the call, and the trace carries the wrong result through. Then
+  GRPO with the tool live (recipes/grpo_tools.yaml's settings): rollout.tools, exact match on the last turn.
+- plain: SFT on direct answers (a slip gives the same wrong product), then GRPO with exact match and no tool.
 Held-out exact match is each GRPO run's eval/accuracy: greedy, whole trajectories for the tool pipeline; step 0 is
 the SFT model, the last eval the GRPO model.
 """
@@ -17,13 +20,16 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import platform
 import random
 import re
 import time
 from pathlib import Path
 
-from posttrain.tasks import arithmetic_problems, question, write_jsonl
+from posttrain.tasks import write_jsonl
 
+LOW, HIGH = 32, 99  # 32 * 32 = 1024: every product has four digits
 SYSTEM = "Tools: calculator"
 # The tiny model's ChatML with a one-line tools turn: the full JSON schema is ~350 tokens of the tiny tokenizer,
 # longer than everything else in a trace together.
@@ -52,38 +58,46 @@ def calculator(expression: str) -> str:
 
 
 def parse_call(text: str) -> list[dict]:
-    """The demo's compact tool-call format, read by a custom rollout.tool_parser: `calc 123 + 456` calls the
+    """The demo's compact tool-call format, read by a custom rollout.tool_parser: `calc 57 * 83` calls the
     calculator (the Hermes JSON form costs ~70 tokens of the tiny tokenizer, `calc ...` ~10)."""
     if not text.startswith("calc "):
         return []
     return [{"name": "calculator", "arguments": {"expression": text[len("calc "):]}}]
 
 
+def question(a: int, b: int) -> str:
+    return f"What is {a} * {b}?"
+
+
+def problems(seed: int) -> list[tuple[int, int]]:
+    """Every (a, b) with LOW <= a, b <= HIGH, in a seeded order (the splits take disjoint runs of it)."""
+    pairs = [(a, b) for a in range(LOW, HIGH + 1) for b in range(LOW, HIGH + 1)]
+    random.Random(seed).shuffle(pairs)
+    return pairs
+
+
 def slipped(b: int, rng: random.Random) -> int:
-    """b with one digit changed: a copying slip."""
-    digits = list(f"{b:03d}")
-    k = rng.randrange(3)
-    digits[k] = str((int(digits[k]) + rng.randint(1, 9)) % 10)
-    return int("".join(digits))
+    """b with its last digit changed: a copying slip (still two digits)."""
+    return b - b % 10 + (b % 10 + rng.randint(1, 9)) % 10
 
 
-def traces(problems, slip: float, seed: int) -> tuple[list[dict], list[dict]]:
+def traces(pairs, slip: float, seed: int) -> tuple[list[dict], list[dict]]:
     """(tool-using SFT rows, direct-answer SFT rows) from one demonstrator: a slip uses a wrong second operand."""
     rng = random.Random(seed)
     tool_rows, plain_rows = [], []
-    for a, b in problems:
+    for a, b in pairs:
         shown_b = slipped(b, rng) if rng.random() < slip else b
         tool_rows.append({"messages": [
             {"role": "system", "content": SYSTEM}, {"role": "user", "content": question(a, b)},
-            {"role": "assistant", "content": f"calc {a} + {shown_b}"},
-            {"role": "tool", "content": str(a + shown_b)}, {"role": "assistant", "content": str(a + shown_b)}]})
+            {"role": "assistant", "content": f"calc {a} * {shown_b}"},
+            {"role": "tool", "content": str(a * shown_b)}, {"role": "assistant", "content": str(a * shown_b)}]})
         plain_rows.append({"prompt": [{"role": "user", "content": question(a, b)}],
-                           "completion": [{"role": "assistant", "content": str(a + shown_b)}]})
+                           "completion": [{"role": "assistant", "content": str(a * shown_b)}]})
     return tool_rows, plain_rows
 
 
-def prompts(problems) -> list[dict]:
-    return [{"prompt": [{"role": "user", "content": question(a, b)}], "answer": str(a + b)} for a, b in problems]
+def prompts(pairs) -> list[dict]:
+    return [{"prompt": [{"role": "user", "content": question(a, b)}], "answer": str(a * b)} for a, b in pairs]
 
 
 def run_demo(out_dir: str, sft_steps: int, grpo_steps: int, seed: int = 0, slip: float = 0.3,
@@ -95,9 +109,8 @@ def run_demo(out_dir: str, sft_steps: int, grpo_steps: int, seed: int = 0, slip:
     started = time.time()
     tiny = make_tiny_model(out / "tiny", hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=2,
                            intermediate_size=512, seed=seed)
-    sft_problems = arithmetic_problems(3000, seed, max_operand=999)
-    rl_problems = arithmetic_problems(1000, seed + 1, max_operand=999, exclude=set(sft_problems))
-    held_out = arithmetic_problems(100, seed + 2, max_operand=999, exclude=set(sft_problems) | set(rl_problems))
+    pairs = problems(seed)  # 4,624 problems: 100 held out, 1,000 GRPO prompts, 3,000 SFT traces, all disjoint
+    held_out, rl_problems, sft_problems = pairs[:100], pairs[100:1100], pairs[1100:4100]
     tool_rows, plain_rows = traces(sft_problems, slip, seed)
     data = out / "data"
     files = {"sft_tools": write_jsonl(tool_rows, data / "sft_tools.jsonl"),
@@ -105,13 +118,18 @@ def run_demo(out_dir: str, sft_steps: int, grpo_steps: int, seed: int = 0, slip:
              "rl": write_jsonl(prompts(rl_problems), data / "prompts_train.jsonl"),
              "eval": write_jsonl(prompts(held_out), data / "prompts_eval.jsonl")}
     (out / "tools.jinja").write_text(TEMPLATE)
-    results: dict = {"sft_steps": sft_steps, "grpo_steps": grpo_steps, "held_out": len(held_out), "slip": slip}
+    results: dict = {"task": f"a * b, {LOW} <= a, b <= {HIGH}", "sft_steps": sft_steps, "grpo_steps": grpo_steps,
+                     "held_out": len(held_out), "slip": slip, "seed": seed,
+                     "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, torch threads "
+                                f"{os.environ.get('OMP_NUM_THREADS', 'default')}"}
     for name in pipelines:
+        began = time.time()
         sft = stage("sft", out / name, [
             f"model.name_or_path={tiny}", f"data.train={files['sft_' + name]}", "data.packing=true",
             "data.max_length=128", "train.per_device_train_batch_size=16", "train.learning_rate=3e-3",
             "train.lr_scheduler_type=cosine", "train.warmup_ratio=0.05", "train.weight_decay=0.01",
             f"train.max_steps={sft_steps}", "train.logging_steps=20"], seed)
+        sft_seconds = time.time() - began
         overrides = [f"model.name_or_path={sft.final_dir}", f"data.train={files['rl']}", f"data.eval={files['eval']}",
                      "data.max_length=64", "train.per_device_train_batch_size=32", "train.learning_rate=1e-4",
                      "train.lr_scheduler_type=constant", f"train.max_steps={grpo_steps}", "train.logging_steps=5",
@@ -126,9 +144,11 @@ def run_demo(out_dir: str, sft_steps: int, grpo_steps: int, seed: int = 0, slip:
             overrides += ["generation.max_completion_length=8"]
         grpo = stage("grpo", out / name, overrides, seed)
         evals = [r for r in grpo.metrics if "eval/accuracy" in r]
+        rewards = [r["reward/mean"] for r in grpo.metrics if "reward/mean" in r]
         results[name] = {"sft_accuracy": evals[0]["eval/accuracy"], "grpo_accuracy": evals[-1]["eval/accuracy"],
-                         "grpo_reward_first": next(r["reward/mean"] for r in grpo.metrics if "reward/mean" in r),
-                         "grpo_reward_last": [r["reward/mean"] for r in grpo.metrics if "reward/mean" in r][-1]}
+                         "sft_final_loss": [r["loss"] for r in sft.metrics if "loss" in r][-1],
+                         "grpo_reward_first": rewards[0], "grpo_reward_last": rewards[-1],
+                         "sft_seconds": round(sft_seconds), "grpo_seconds": round(time.time() - began - sft_seconds)}
         if name == "tools":
             steps = [r for r in grpo.metrics if "tools/calls" in r]
             results[name].update({"tool_calls_per_step": steps[-1]["tools/calls"],
@@ -145,8 +165,8 @@ def run_demo(out_dir: str, sft_steps: int, grpo_steps: int, seed: int = 0, slip:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="runs/agents-demo")
-    parser.add_argument("--sft-steps", type=int, default=600)
-    parser.add_argument("--grpo-steps", type=int, default=20)
+    parser.add_argument("--sft-steps", type=int, default=1000)
+    parser.add_argument("--grpo-steps", type=int, default=10)
     parser.add_argument("--pipelines", default="plain,tools", help="plain, tools or both (comma-separated)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()

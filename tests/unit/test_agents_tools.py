@@ -224,3 +224,19 @@ def test_the_shipped_tools_template_is_the_demos():
         calculator("__import__('os')")
     assert parse_call("calc 12 + 3") == [{"name": "calculator", "arguments": {"expression": "12 + 3"}}]
     assert parse_call("15") == []
+
+
+def test_the_demos_problems_keep_every_copy_at_a_fixed_width():
+    from posttrain.demo_tools import HIGH, LOW, problems, traces
+
+    pairs = problems(0)
+    assert len(set(pairs)) == len(pairs) == (HIGH - LOW + 1) ** 2 and {len(str(a * b)) for a, b in pairs} == {4}
+    tool_rows, plain_rows = traces(pairs[:200], 0.3, 0)
+    slips = 0
+    for (a, b), tool, plain in zip(pairs, tool_rows, plain_rows):
+        _, user, call, result, answer = [m["content"] for m in tool["messages"]]
+        shown = int(call.rsplit(" ", 1)[1])
+        assert user == f"What is {a} * {b}?" and call == f"calc {a} * {shown}" and shown // 10 == b // 10
+        assert result == answer == plain["completion"][0]["content"] == str(a * shown)  # a slip carries through
+        slips += shown != b
+    assert 40 <= slips <= 80  # 30% of 200
