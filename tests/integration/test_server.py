@@ -148,7 +148,7 @@ def restore_starting_weights(vllm_server, tokenizer):
     engine.close()
 
 
-def test_lora_adapter_sync_serves_final_and_a_broken_delivery_stops_the_run(vllm_server, data, tmp_path, capsys,
+def test_lora_adapter_sync_serves_final_and_a_broken_delivery_stops_the_run(vllm_lora_server, data, tmp_path, capsys,
                                                                              monkeypatch):
     """generation.lora_sync=adapter: only the adapter travels, and the server then samples what the merged final/
     does (greedy, token for token); an adapter corrupted on its way is caught by the probe after the sync: exit 1
@@ -157,15 +157,15 @@ def test_lora_adapter_sync_serves_final_and_a_broken_delivery_stops_the_run(vllm
     from posttrain.rollout.hf import HFEngine
     from posttrain.rollout.server import call
 
-    tokenizer = AutoTokenizer.from_pretrained(vllm_server.model_dir)
-    restore_starting_weights(vllm_server, tokenizer)
+    tokenizer = AutoTokenizer.from_pretrained(vllm_lora_server.model_dir)
+    restore_starting_weights(vllm_lora_server, tokenizer)
 
     def adapters() -> set[str]:
-        return {m["id"] for m in call(vllm_server.url, "/v1/models")["data"] if m["id"].startswith("posttrain-")}
+        return {m["id"] for m in call(vllm_lora_server.url, "/v1/models")["data"] if m["id"].startswith("posttrain-")}
 
     before = adapters()
     out = tmp_path / "run"
-    run = start_grpo(overrides(vllm_server.url, vllm_server.model_dir, data, out, *LORA_ADAPTER))
+    run = start_grpo(overrides(vllm_lora_server.url, vllm_lora_server.model_dir, data, out, *LORA_ADAPTER))
     _, stderr = run.communicate(timeout=600)
     assert run.returncode == 0, stderr[-3000:]
     rows = metrics(out)
@@ -178,7 +178,7 @@ def test_lora_adapter_sync_serves_final_and_a_broken_delivery_stops_the_run(vllm
     bodies = [{"model": final_adapter, "token_ids": ids, "sampling_params": {
         "max_tokens": 12, "temperature": 0, "ignore_eos": True, "stop_token_ids": [tokenizer.eos_token_id],
         "detokenize": False}} for ids in prompts]
-    greedy = [call(vllm_server.url, "/inference/v1/generate", body)["choices"][0]["token_ids"] for body in bodies]
+    greedy = [call(vllm_lora_server.url, "/inference/v1/generate", body)["choices"][0]["token_ids"] for body in bodies]
     hf = HFEngine(AutoModelForCausalLM.from_pretrained(out / "final", dtype=torch.float32), tokenizer)
     assert greedy == hf.generate(prompts, SamplingParams(max_new_tokens=12, temperature=0)).completion_ids
 
@@ -199,11 +199,11 @@ def test_lora_adapter_sync_serves_final_and_a_broken_delivery_stops_the_run(vllm
 
     monkeypatch.setattr(transfer, "wire_buckets", corrupted)
     capsys.readouterr()
-    code = run_cli("grpo", *overrides(vllm_server.url, vllm_server.model_dir, data, tmp_path / "broken",
+    code = run_cli("grpo", *overrides(vllm_lora_server.url, vllm_lora_server.model_dir, data, tmp_path / "broken",
                                       *LORA_ADAPTER), config=RECIPE)
     message = capsys.readouterr().err
     assert code == 1, message[-3000:]
-    assert f"generation server {vllm_server.url}" in message and "policy version 0" in message, message[-3000:]
+    assert f"generation server {vllm_lora_server.url}" in message and "policy version 0" in message, message[-3000:]
 
 
 def test_async_grpo_samples_one_step_behind_and_the_server_ends_on_final(vllm_server, data, tmp_path):
