@@ -207,9 +207,9 @@ def test_lora_adapter_sync_serves_final_and_a_broken_delivery_stops_the_run(vllm
 
 
 def test_async_grpo_samples_one_step_behind_and_the_server_ends_on_final(vllm_server, data, tmp_path):
-    """generation.max_staleness=1 (generation.async): step N+1's batch is sampled while step N trains, from the policy one step older; the
-    truncated importance weights are logged; held-out evaluation and the end of the run still see the current
-    policy."""
+    """generation.max_staleness=1 (generation.async): step N+1's batch is sampled while step N trains, from the
+    policy one step older; the truncated importance weights are logged; held-out evaluation and the end of the run
+    still see the current policy."""
     from posttrain.algorithms import ALGORITHMS
     from posttrain.train.evaluation import greedy_texts
     from posttrain.config import load_recipe
