@@ -68,6 +68,14 @@ def policy_lag(step: int, sampled_by: Optional[int]) -> int:
     return 0 if sampled_by is None else step - sampled_by
 
 
+def lag_metrics(lags: list[int]) -> dict[str, float]:
+    """Policy lag of every completion of the step (policy_lag): policy_lag (the mean, as logged before
+    rollout/*) and rollout/policy_lag_mean|max."""
+    mean = sum(lags) / max(len(lags), 1)
+    return {"policy_lag": float(mean), "rollout/policy_lag_mean": float(mean),
+            "rollout/policy_lag_max": float(max(lags, default=0))}
+
+
 class InFlight:
     """The batches sampled ahead, oldest first; a plain list the rollout source's one worker thread fills in order."""
 

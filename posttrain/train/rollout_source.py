@@ -54,7 +54,7 @@ from posttrain.rewards import reward_metrics
 from posttrain.rollout import SamplingParams, make_engine
 from posttrain.rollout.adapter_sync import check_delivery
 from posttrain.batch import Batch
-from posttrain.train.in_flight import InFlight, Sampled, policy_lag
+from posttrain.train.in_flight import InFlight, Sampled, lag_metrics, policy_lag
 from posttrain.train.sources import SampleOrder, Source
 
 logger = logging.getLogger(__name__)
@@ -383,14 +383,6 @@ def sequence_advantages(batches: list[Batch]) -> torch.Tensor:
     """One advantage per completion, for the samples file: the sequence's own, or its per-token mean."""
     return torch.cat([b.advantages_B if b.advantages_B is not None
                       else sequence_mean(b.advantages_BT, b.completion_mask_BT) for b in batches]).cpu()
-
-
-def lag_metrics(lags: list[int]) -> dict[str, float]:
-    """Policy lag of every completion of the step (in_flight.policy_lag): policy_lag (the mean, as logged before
-    rollout/*) and rollout/policy_lag_mean|max."""
-    mean = sum(lags) / max(len(lags), 1)
-    return {"policy_lag": float(mean), "rollout/policy_lag_mean": float(mean),
-            "rollout/policy_lag_max": float(max(lags, default=0))}
 
 
 def step_metrics(everyone: list[dict], total_B: torch.Tensor, group: int) -> dict[str, float]:

@@ -11,8 +11,7 @@ import pytest
 
 from posttrain.agents import Trajectory
 from posttrain.errors import UserError
-from posttrain.train.in_flight import FILE, InFlight, Sampled, policy_lag
-from posttrain.train.rollout_source import lag_metrics
+from posttrain.train.in_flight import FILE, InFlight, Sampled, lag_metrics, policy_lag
 
 
 def answer(index: int, positions: list[int], group: int = 2) -> tuple:
