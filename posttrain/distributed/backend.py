@@ -370,7 +370,12 @@ class Backend:
         """How many of this rank's parameter tensors (its shards under ZeRO-3 / FSDP2) hold NaN or inf."""
         def local(param):  # ZeRO-3: the parameter is an empty placeholder beside its shard; FSDP2: a DTensor
             shard = getattr(param, "ds_tensor", None)
-            return shard if shard is not None else param.to_local() if hasattr(param, "to_local") else param
+            if shard is None:
+                return param.to_local() if hasattr(param, "to_local") else param
+            # the last ranks' shards are padded past the parameter's end with never-initialised memory (any bits,
+            # NaN included): only the elements this rank owns count
+            start = dist.get_rank(group=getattr(param, "ds_process_group", None)) * shard.numel()
+            return shard.narrow(0, 0, max(0, min(shard.numel(), param.ds_numel - start)))
 
         return sum(int(not bool(torch.isfinite(local(p).detach()).all())) for p in model.parameters())
 

@@ -35,3 +35,17 @@ def test_a_killed_rank_stops_the_run_with_its_name_and_resume_is_exact(two_proce
     resumed.check_world(2)
     assert resumed.losses() == pytest.approx(reference.losses(), abs=1e-6)
     assert max_weight_diff(resumed.final_weights(), reference.final_weights()) < 1e-6
+
+
+def test_a_nan_gradient_under_deepspeed_stops_at_its_step(tiny_model_dir, task_data, tmp_path):
+    """A finite loss with a NaN gradient under ZeRO-3: DeepSpeed skips its update and reports the norm as inf, and the
+    step's guard stops the run there (train.nonfinite=stop) with nothing of the step saved."""
+    out = tmp_path / "run"
+    result = launch(1, "sft", sft_overrides(tiny_model_dir, task_data, out, "train.gradient_accumulation_steps=2"),
+                    hooks=["fail_rank"], **ENGINES["zero3"],
+                    env={"POSTTRAIN_TEST_FAIL_HOW": "nan_grad", "POSTTRAIN_TEST_FAIL_RANK": "0",
+                         "POSTTRAIN_TEST_FAIL_CALL": "3"})  # in step 2
+    assert result.returncode == 1, result.output[-3000:]
+    assert "posttrain: error: step 2: the loss is finite and the gradient norm is inf" in result.output, \
+        result.output[-3000:]
+    assert not (out / "final").exists() and not (out / "checkpoints" / "step-2").exists()

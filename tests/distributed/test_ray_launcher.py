@@ -72,14 +72,15 @@ def run_ray(command: str, overrides: list[str], cluster, timeout: float = 400, w
 
 
 def kill_after_first_checkpoint(out, title: str):
-    """A watcher for run_ray: once checkpoint step-1 exists, SIGKILL the newest process whose title has `title`
-    (Ray names an actor's process ray::<Class>[.<method>])."""
+    """A watcher for run_ray: once a checkpoint exists, SIGKILL the newest process whose title has `title` (Ray
+    names an actor's process ray::<Class>[.<method>]). Any step-* counts: with train.save_total_limit=2 step-1 is
+    gone once step-3 is saved, which a fast run reaches between two looks."""
     import psutil
 
     def watch(proc):
         deadline = time.monotonic() + 300
         while time.monotonic() < deadline and proc.poll() is None:
-            if (out / "checkpoints" / "step-1").is_dir():
+            if any((out / "checkpoints").glob("step-*")):
                 found = [p for p in psutil.process_iter(["cmdline"]) if title in " ".join(p.info["cmdline"] or [])]
                 if found:
                     os.kill(max(found, key=lambda p: p.pid).pid, signal.SIGKILL)
@@ -193,7 +194,7 @@ def test_input_error_found_by_the_ranks_is_exit_2(tiny_model_dir, data, tmp_path
 
 def test_killed_actor_names_rank_and_node(tiny_model_dir, data, tmp_path, cluster):
     out = tmp_path / "run"
-    overrides = grpo_overrides(tiny_model_dir, data, out, per_device=2) + ["train.max_steps=50", "train.save_steps=1"]
+    overrides = grpo_overrides(tiny_model_dir, data, out, per_device=2) + ["train.max_steps=400", "train.save_steps=1"]
     result = run_ray("grpo", overrides, cluster, watch=kill_after_first_checkpoint(out, "ray::RankWorker.run"))
     assert result.returncode == 1, result.output[-4000:]
     message = result.output[result.output.index("posttrain: error: rank"):]
@@ -279,7 +280,7 @@ def test_distill_with_the_teacher_apart_matches_one_process(tiny_model_dir, data
 def test_killed_role_replica_names_role_and_node(tiny_model_dir, data, tmp_path, cluster):
     out = tmp_path / "run"
     overrides = grpo_overrides(tiny_model_dir, data, out, per_device=4) + [
-        "train.max_steps=50", "train.save_steps=1", "placement.colocate=[]", "placement.policy.num_nodes=1",
+        "train.max_steps=400", "train.save_steps=1", "placement.colocate=[]", "placement.policy.num_nodes=1",
         "placement.policy.num_gpus_per_node=1"]
     result = run_ray("grpo", overrides, cluster, watch=kill_after_first_checkpoint(out, "ray::RoleWorker"))
     assert result.returncode == 1, result.output[-4000:]
