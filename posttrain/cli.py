@@ -161,9 +161,8 @@ def run_command(argv: list[str] | None = None) -> int:
             print(f"posttrain: error (rank {rank}): lost rank {', '.join(map(str, lost))}: its process ended "
                   "(killed or crashed), so this rank stops too. Checkpoints already saved are complete; continue "
                   "with train.resume_from_checkpoint=auto", file=sys.stderr, flush=True)
-            abort_process_group()
-            return 1
-        print(f"posttrain: failed{where}:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
+        else:
+            print(f"posttrain: failed{where}:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
         abort_process_group()
         return 1
 

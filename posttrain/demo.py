@@ -83,15 +83,14 @@ def preference_accuracy(model_dir: Path, pairs_file: Path) -> float:
     return accuracy(str(model_dir), examples=str(pairs_file))
 
 
-def ppo_overrides(policy_dir: Path, data: dict, steps: int) -> list[str]:
-    """The demo's PPO stage (also what bench/ppo_accuracy measures): 128 prompts a step, one completion each."""
+def online_overrides(policy_dir: Path, data: dict, steps: int) -> list[str]:
+    """The demo's GRPO and PPO stages: from `policy_dir` on the new prompts, 128 completions a step, exact match."""
     return [
         f"model.name_or_path={policy_dir}", f"data.train={data['prompts_train']}", f"data.eval={data['prompts_eval']}",
         "data.max_length=64", "data.max_prompt_length=48", "train.per_device_train_batch_size=128",
         "train.learning_rate=1e-4", "train.lr_scheduler_type=constant", f"train.max_steps={steps}",
         "train.logging_steps=5", f"train.eval_steps={max(1, steps // 4)}", "generation.max_completion_length=6",
-        "generation.temperature=1.0", "algo.critic_learning_rate=1e-3", "algo.kl_coef=0.0",
-        "rewards=[{name: exact_match}]",
+        "generation.temperature=1.0", "rewards=[{name: exact_match}]",
     ]
 
 
@@ -144,19 +143,14 @@ def run_demo(out_dir: str = "runs/demo", quick: bool = False, seed: int = 0) -> 
 
     print(f"\n[demo 3/4] GRPO from the SFT model on {size.n_rl} new prompts with the exact-match reward "
           f"({size.grpo_steps} steps)", flush=True)
-    grpo = stage("grpo", out, [
-        f"model.name_or_path={sft.final_dir}", f"data.train={data['prompts_train']}", f"data.eval={data['prompts_eval']}",
-        "data.max_length=64", "data.max_prompt_length=48", "train.per_device_train_batch_size=128",
-        "train.learning_rate=1e-4", "train.lr_scheduler_type=constant", f"train.max_steps={size.grpo_steps}",
-        "train.logging_steps=5", f"train.eval_steps={max(1, size.grpo_steps // 4)}", "generation.max_completion_length=6",
-        "generation.temperature=1.0", "algo.num_generations=8", "algo.beta=0.0",
-        "rewards=[{name: exact_match}]",
-    ], seed)
+    grpo = stage("grpo", out, online_overrides(sft.final_dir, data, size.grpo_steps)
+                 + ["algo.num_generations=8", "algo.beta=0.0"], seed)
     results["grpo_accuracy"] = held_out_accuracy(grpo.final_dir, data["prompts_eval"])
 
     print(f"\n[demo 4/4] PPO from the SFT model on the same prompts: a critic from the SFT model, GAE "
           f"({size.ppo_steps} steps)", flush=True)
-    ppo = stage("ppo", out, ppo_overrides(sft.final_dir, data, size.ppo_steps), seed)
+    ppo = stage("ppo", out, online_overrides(sft.final_dir, data, size.ppo_steps)
+                + ["algo.critic_learning_rate=1e-3", "algo.kl_coef=0.0"], seed)
     results["ppo_accuracy"] = held_out_accuracy(ppo.final_dir, data["prompts_eval"])
     print(f"[demo] held-out exact match: SFT start {results['sft_accuracy']:.1%} -> after PPO "
           f"{results['ppo_accuracy']:.1%}", flush=True)

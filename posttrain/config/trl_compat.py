@@ -16,7 +16,7 @@ from typing import Any, Callable
 
 import yaml
 
-from posttrain.config.keys import recipe_keys
+from posttrain.config.keys import recipe_keys, set_dotted
 from posttrain.config.schema import Recipe
 from posttrain.errors import UserError
 
@@ -143,27 +143,16 @@ def flat_keys(raw: dict) -> dict:
                                                                            and not isinstance(v, dict))}
 
 
-def nest(raw: dict, pairs: list[tuple[str, Any]]) -> dict:
-    """A copy of `raw` with each (dotted key, value) set; a key the file also sets in its own section wins here."""
-    out = {k: (dict(v) if isinstance(v, dict) else v) for k, v in raw.items()}
-    for path, value in pairs:
-        node = out
-        *parents, leaf = path.split(".")
-        for part in parents:
-            node = node.setdefault(part, {})
-            if not isinstance(node, dict):
-                raise UserError(f"'{path}': '{part}' is a value, not a section")
-        node[leaf] = value
-    return out
-
-
 def from_trl_file(raw: dict, where: str, algo_cls: type) -> dict:
-    """A recipe file's mapping with its flat TRL keys translated into sections (unchanged when there are none)."""
+    """A recipe file's mapping with its flat TRL keys translated into sections (unchanged when there are none); a key
+    the file also sets in its own section takes the TRL key's value."""
     flat = flat_keys(raw)
     if not flat:
         return raw
-    rest = {k: v for k, v in raw.items() if k not in flat}
-    return nest(rest, translate(flat, where, algo_cls))
+    out = {k: (dict(v) if isinstance(v, dict) else v) for k, v in raw.items() if k not in flat}
+    for path, value in translate(flat, where, algo_cls):
+        set_dotted(out, path, value, f"'{path}'")
+    return out
 
 
 def command_of(algo_cls: type) -> str:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import importlib.util
 import os
 from urllib.parse import urlsplit
@@ -37,10 +38,7 @@ MLFLOW_DATABASE_SCHEMES = ("sqlite", "postgresql", "mysql", "mssql")
 
 
 def get(recipe: Recipe, dotted: str):
-    value = recipe
-    for part in dotted.split("."):
-        value = getattr(value, part)
-    return value
+    return functools.reduce(getattr, dotted.split("."), recipe)
 
 
 def validate(recipe: Recipe) -> None:

@@ -89,16 +89,13 @@ class RewardModelScorer:
         return ids[-self.max_length:] if self.max_length else ids
 
     def __call__(self, prompts: list, completions: list[str], **columns) -> list[float]:
+        from posttrain.data.collate import right_pad
+
         encoded = [self.encode(p, c) for p, c in zip(prompts, completions)]
         scores: list[float] = []
         for start in range(0, len(encoded), self.batch_size):
             chunk = encoded[start:start + self.batch_size]
-            width = max(len(ids) for ids in chunk)
-            input_ids = torch.full((len(chunk), width), self.pad_id, dtype=torch.long)
-            attention_mask = torch.zeros((len(chunk), width), dtype=torch.long)
-            for row, ids in enumerate(chunk):  # right padding
-                input_ids[row, :len(ids)] = torch.tensor(ids, dtype=torch.long)
-                attention_mask[row, :len(ids)] = 1
+            input_ids, attention_mask = right_pad(chunk, self.pad_id), right_pad([[1] * len(ids) for ids in chunk], 0)
             model = self.model
             with torch.no_grad():
                 logits = model(input_ids=input_ids.to(self.device), attention_mask=attention_mask.to(self.device)).logits
