@@ -77,12 +77,6 @@ def held_out_accuracy(model_dir: Path, prompts_file: Path) -> float:
     return exact_match_accuracy(load_causal_lm(model_cfg), tokenizer, examples, max_new_tokens=8)
 
 
-def preference_accuracy(model_dir: Path, pairs_file: Path) -> float:
-    from posttrain.train.evaluation import preference_accuracy as accuracy
-
-    return accuracy(str(model_dir), examples=str(pairs_file))
-
-
 def online_overrides(policy_dir: Path, data: dict, steps: int) -> list[str]:
     """The demo's GRPO and PPO stages: from `policy_dir` on the new prompts, 128 completions a step, exact match."""
     return [
@@ -97,6 +91,7 @@ def online_overrides(policy_dir: Path, data: dict, steps: int) -> list[str]:
 def run_demo(out_dir: str = "runs/demo", quick: bool = False, seed: int = 0) -> dict:
     """seed: the tiny model's initialisation, the problems drawn and every run's seed."""
     from posttrain.models.tiny import make_tiny_model
+    from posttrain.train.evaluation import preference_accuracy
 
     size = QUICK if quick else FULL
     out = Path(out_dir)
@@ -125,14 +120,14 @@ def run_demo(out_dir: str = "runs/demo", quick: bool = False, seed: int = 0) -> 
 
     print(f"\n[demo 2/4] DPO on {size.n_rl} new problems: the right sum preferred to the forgotten carry or a near miss "
           f"({size.dpo_steps} steps)", flush=True)
-    results["dpo_pref_accuracy_before"] = preference_accuracy(sft.final_dir, data["pref_eval"])
+    results["dpo_pref_accuracy_before"] = preference_accuracy(str(sft.final_dir), examples=str(data["pref_eval"]))
     dpo = stage("dpo", out, [
         f"model.name_or_path={sft.final_dir}", f"data.train={data['pref_train']}", f"data.eval={data['pref_eval']}",
         "data.max_length=64", "train.per_device_train_batch_size=16", "train.learning_rate=5e-5",
         "train.lr_scheduler_type=constant", f"train.max_steps={size.dpo_steps}", "train.logging_steps=5",
         f"train.eval_steps={max(1, size.dpo_steps // 4)}", "algo.beta=0.1", "algo.rpo_alpha=1.0",
     ], seed)
-    results["dpo_pref_accuracy_after"] = preference_accuracy(dpo.final_dir, data["pref_eval"])
+    results["dpo_pref_accuracy_after"] = preference_accuracy(str(dpo.final_dir), examples=str(data["pref_eval"]))
     # DPO's own held-out metric: how often the implicit reward beta * log(pi / pi_ref) ranks the right sum first
     # (50% is chance: before training pi == pi_ref and every pair is a tie)
     results["dpo_implicit_reward_accuracy"] = [r for r in dpo.metrics if "eval/rewards/accuracies" in r][-1][
