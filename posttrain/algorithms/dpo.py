@@ -104,9 +104,8 @@ class DPO(Algorithm):
         if not (self.uses_reference and self.config.precompute_ref_logprobs):
             return
         splits = {"train": train_examples}
-        eval_examples = models.eval_examples
-        if eval_examples:
-            splits["eval"] = eval_examples
+        if models.eval_examples:
+            splits["eval"] = models.eval_examples
         path = Path(out) / pl.CACHE_FILE
         identity = pl.cache_identity(self.recipe, splits)
         tables = pl.load_cached_tables(path, identity) if backend.is_main else None
