@@ -76,16 +76,15 @@ class RewardModelScorer:
         """Token ids of prompt + completion exactly as `posttrain rm` tokenised its pairs (posttrain.data), so the
         head reads the token it was trained to read (EOS, or the chat template's end-of-turn token)."""
         from posttrain.data.chat import split_rendered
-        from posttrain.data.tokenize import _with_eos
+        from posttrain.data.tokenize import _ids, _with_eos
 
         tok = self.tokenizer
         if isinstance(prompt, str):
-            ids = tok(prompt)["input_ids"] + _with_eos(tok, tok(completion, add_special_tokens=False)["input_ids"])
+            ids = _ids(tok, prompt, True) + _with_eos(tok, _ids(tok, completion, False))
         else:
             turn = [{"role": "assistant", "content": completion}]
             prompt_text, completion_text = split_rendered(tok, list(prompt), turn, "reward_model")
-            ids = (tok(prompt_text, add_special_tokens=False)["input_ids"]
-                   + tok(completion_text, add_special_tokens=False)["input_ids"])
+            ids = _ids(tok, prompt_text, False) + _ids(tok, completion_text, False)
         return ids[-self.max_length:] if self.max_length else ids
 
     def __call__(self, prompts: list, completions: list[str], **columns) -> list[float]:
