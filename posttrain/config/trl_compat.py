@@ -35,10 +35,6 @@ def _scale_rewards(value: Any) -> Any:
     return {True: "group", False: "none"}.get(value, value) if isinstance(value, bool) else value
 
 
-def _report_to(value: Any) -> Any:
-    return [value] if isinstance(value, str) else value
-
-
 # TRL key -> recipe key. A key whose recipe key an algorithm lacks (num_generations for SFT) has no meaning for
 # that algorithm and is reported as such. max_seq_length is TRL < 0.20's max_length; response_length is PPOConfig's.
 TRL_RENAMES: dict[str, str] = {
@@ -89,9 +85,9 @@ TRL_RENAMES: dict[str, str] = {
     "missing_eos_penalty": "algo.missing_eos_penalty", "sft_model_path": "model.name_or_path",
     "value_model_path": "algo.critic_model_name_or_path",
 }
-CONVERSIONS: dict[str, Callable[[Any], Any]] = {  # TRL values spelled otherwise here
-    "bf16": _flag("bf16"), "fp16": _flag("fp16"), "report_to": _report_to, "use_vllm": _flag("vllm"),
-    "scale_rewards": _scale_rewards}
+# TRL values spelled otherwise here (a lone report_to: wandb needs none: a recipe's list key takes one string)
+CONVERSIONS: dict[str, Callable[[Any], Any]] = {
+    "bf16": _flag("bf16"), "fp16": _flag("fp16"), "use_vllm": _flag("vllm"), "scale_rewards": _scale_rewards}
 TRL_KEYS: dict[str, tuple[str, Callable[[Any], Any] | None]] = {
     key: (path, CONVERSIONS.get(key)) for key, path in TRL_RENAMES.items()}  # key -> (recipe key, conversion)
 
