@@ -105,8 +105,7 @@ def run_command(argv: list[str] | None = None) -> int:
         if args.command == "make-tiny-model":
             from posttrain.models.tiny import make_tiny_model
 
-            path = make_tiny_model(args.out, arch=args.arch, seed=args.seed)
-            print(f"wrote {path}")
+            print(f"wrote {make_tiny_model(args.out, arch=args.arch, seed=args.seed)}")
             return 0
         if args.command == "demo":
             from posttrain.demo import run_demo

@@ -53,12 +53,9 @@ def field_docs(cls: type) -> dict[str, str]:
     except (OSError, TypeError, SyntaxError):  # no source (a frozen build): the keys are still listed
         return {}
     body = tree.body[0].body
-    docs = {}
-    for node, after in zip(body, body[1:]):
-        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and isinstance(after, ast.Expr) \
-                and isinstance(after.value, ast.Constant) and isinstance(after.value.value, str):
-            docs[node.target.id] = " ".join(after.value.value.split())
-    return docs
+    return {node.target.id: " ".join(after.value.value.split()) for node, after in zip(body, body[1:])
+            if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and isinstance(after, ast.Expr)
+            and isinstance(after.value, ast.Constant) and isinstance(after.value.value, str)}
 
 
 def recipe_keys(algo_cls: type, cls: type = Recipe, prefix: str = "") -> list[RecipeKey]:
