@@ -36,19 +36,16 @@ def collate_packed(examples: list[dict], row_length: int | None = None, pad_id: 
     rows of at most `row_length` tokens (attention ~rows x row_length^2, not (all tokens)^2), short rows filled with
     untrained `pad_id` segments. Each sequence's first token is out of the completion mask (it would be predicted
     from the previous sequence); `sequence_index_BT` numbers sequences in the order given (-1 for filler)."""
-    order = sorted(range(len(examples)), key=lambda n: -len(examples[n]["input_ids"]))
+    lengths = [len(e["input_ids"]) for e in examples]
     bins: list[list[int]] = []
     sizes: list[int] = []
-    for n in order if row_length else range(len(examples)):
-        length = len(examples[n]["input_ids"])
-        slot = next((b for b, size in enumerate(sizes) if row_length and size + length <= row_length), None)
-        if slot is None and (row_length or not bins):
+    for n in sorted(range(len(examples)), key=lambda n: -lengths[n]) if row_length else range(len(examples)):
+        slot = next((b for b, size in enumerate(sizes) if not row_length or size + lengths[n] <= row_length), len(bins))
+        if slot == len(bins):  # nothing fits: a new row
             bins.append([])
             sizes.append(0)
-            slot = len(bins) - 1
-        slot = 0 if slot is None else slot
         bins[slot].append(n)
-        sizes[slot] += length
+        sizes[slot] += lengths[n]
     width = max(sizes)
     rows = {"input_ids": [], "mask": [], "positions": [], "index": []}
     for members, size in zip(bins, sizes):
