@@ -46,25 +46,15 @@ def collate_packed(examples: list[dict], row_length: int | None = None, pad_id: 
             sizes.append(0)
         bins[slot].append(n)
         sizes[slot] += lengths[n]
-    width = max(sizes)
-    rows = {"input_ids": [], "mask": [], "positions": [], "index": []}
-    for members, size in zip(bins, sizes):
-        ids, mask, positions, index = [], [], [], []
-        for n in sorted(members):
-            e = examples[n]
-            ids += e["input_ids"]
-            mask += [0] + list(e["completion_mask"][1:])
-            positions += range(len(e["input_ids"]))
-            index += [n] * len(e["input_ids"])
-        filler = width - size
-        rows["input_ids"].append(ids + [pad_id] * filler)
-        rows["mask"].append(mask + [0] * filler)
-        rows["positions"].append(positions + list(range(filler)))
-        rows["index"].append(index + [-1] * filler)
-    return Batch(input_ids_BT=torch.tensor(rows["input_ids"], dtype=torch.long), num_sequences=len(examples),
-                 completion_mask_BT=torch.tensor(rows["mask"], dtype=torch.long).bool(),
-                 position_ids_BT=torch.tensor(rows["positions"], dtype=torch.long),
-                 sequence_index_BT=torch.tensor(rows["index"], dtype=torch.long))
+    rows = [sorted(members) for members in bins]  # each row's sequences in the order given, then filler
+    ids = [[t for n in row for t in examples[n]["input_ids"]] for row in rows]
+    mask = [[m for n in row for m in [0, *examples[n]["completion_mask"][1:]]] for row in rows]
+    index = [[n for n in row for _ in range(lengths[n])] for row in rows]
+    positions = [[p for n in row for p in range(lengths[n])] + list(range(max(sizes) - size))
+                 for row, size in zip(rows, sizes)]
+    return Batch(input_ids_BT=right_pad(ids, pad_id), num_sequences=len(examples),
+                 completion_mask_BT=right_pad(mask, 0).bool(), sequence_index_BT=right_pad(index, -1),
+                 position_ids_BT=torch.tensor(positions, dtype=torch.long))
 
 
 def collate_preference(examples: list[dict], pad_id: int) -> Batch:
