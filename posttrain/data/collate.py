@@ -60,11 +60,9 @@ def collate_packed(examples: list[dict], row_length: int | None = None, pad_id: 
 def collate_preference(examples: list[dict], pad_id: int) -> Batch:
     """[{"prompt_ids", "chosen_ids", "rejected_ids"(, "margin")}] -> padded Batch of 2P rows: P chosen sequences
     (prompt + chosen) then their P rejected partners; the completion mask covers the chosen / rejected tokens."""
-    sequences = []
-    for side in ("chosen_ids", "rejected_ids"):
-        for e in examples:
-            mask = [0] * len(e["prompt_ids"]) + [1] * len(e[side])
-            sequences.append({"input_ids": e["prompt_ids"] + e[side], "completion_mask": mask})
+    sequences = [{"input_ids": e["prompt_ids"] + e[side],
+                  "completion_mask": [0] * len(e["prompt_ids"]) + [1] * len(e[side])}
+                 for side in ("chosen_ids", "rejected_ids") for e in examples]
     margin_B = torch.tensor([e["margin"] for e in examples], dtype=torch.float32) if "margin" in examples[0] else None
     return dataclasses.replace(collate_padded(sequences, pad_id), num_pairs=len(examples), margin_B=margin_B)
 
