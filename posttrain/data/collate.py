@@ -16,8 +16,7 @@ import torch
 from posttrain.batch import Batch
 
 
-def right_pad(rows: list[list[int]], value: int) -> torch.Tensor:
-    """Rows of ids -> [B, T] long tensor, each row filled out with `value` on the right."""
+def _right_pad(rows: list[list[int]], value: int) -> torch.Tensor:
     width = max(len(r) for r in rows)
     return torch.tensor([r + [value] * (width - len(r)) for r in rows], dtype=torch.long)
 
@@ -25,9 +24,9 @@ def right_pad(rows: list[list[int]], value: int) -> torch.Tensor:
 def collate_padded(examples: list[dict], pad_id: int) -> Batch:
     """[{"input_ids", "completion_mask"}] -> right-padded Batch; padding is outside completion and attention masks."""
     ids = [e["input_ids"] for e in examples]
-    return Batch(input_ids_BT=right_pad(ids, pad_id), num_sequences=len(examples),
-                 completion_mask_BT=right_pad([e["completion_mask"] for e in examples], 0).bool(),
-                 attention_mask_BT=right_pad([[1] * len(r) for r in ids], 0))
+    return Batch(input_ids_BT=_right_pad(ids, pad_id), num_sequences=len(examples),
+                 completion_mask_BT=_right_pad([e["completion_mask"] for e in examples], 0).bool(),
+                 attention_mask_BT=_right_pad([[1] * len(r) for r in ids], 0))
 
 
 def collate_packed(examples: list[dict], row_length: int | None = None, pad_id: int = 0) -> Batch:
@@ -52,8 +51,8 @@ def collate_packed(examples: list[dict], row_length: int | None = None, pad_id: 
     index = [[n for n in row for _ in range(lengths[n])] for row in rows]
     positions = [[p for n in row for p in range(lengths[n])] + list(range(max(sizes) - size))
                  for row, size in zip(rows, sizes)]
-    return Batch(input_ids_BT=right_pad(ids, pad_id), num_sequences=len(examples),
-                 completion_mask_BT=right_pad(mask, 0).bool(), sequence_index_BT=right_pad(index, -1),
+    return Batch(input_ids_BT=_right_pad(ids, pad_id), num_sequences=len(examples),
+                 completion_mask_BT=_right_pad(mask, 0).bool(), sequence_index_BT=_right_pad(index, -1),
                  position_ids_BT=torch.tensor(positions, dtype=torch.long))
 
 

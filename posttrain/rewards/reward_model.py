@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Optional
 
 import torch
+from torch.nn.utils.rnn import pad_sequence
 
 from posttrain.config.schema import ModelConfig
 from posttrain.errors import UserError
@@ -88,13 +89,13 @@ class RewardModelScorer:
         return ids[-self.max_length:] if self.max_length else ids
 
     def __call__(self, prompts: list, completions: list[str], **columns) -> list[float]:
-        from posttrain.data.collate import right_pad
-
         encoded = [self.encode(p, c) for p, c in zip(prompts, completions)]
         scores: list[float] = []
         for start in range(0, len(encoded), self.batch_size):
             chunk = encoded[start:start + self.batch_size]
-            input_ids, attention_mask = right_pad(chunk, self.pad_id), right_pad([[1] * len(ids) for ids in chunk], 0)
+            rows = [torch.tensor(ids, dtype=torch.long) for ids in chunk]
+            input_ids = pad_sequence(rows, batch_first=True, padding_value=self.pad_id)  # right padding
+            attention_mask = pad_sequence([torch.ones_like(row) for row in rows], batch_first=True)
             model = self.model
             with torch.no_grad():
                 logits = model(input_ids=input_ids.to(self.device), attention_mask=attention_mask.to(self.device)).logits
