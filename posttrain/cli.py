@@ -105,8 +105,7 @@ def run_command(argv: list[str] | None = None) -> int:
         if args.command == "make-tiny-model":
             from posttrain.models.tiny import make_tiny_model
 
-            path = make_tiny_model(args.out, arch=args.arch, seed=args.seed)
-            print(f"wrote {path}")
+            print(f"wrote {make_tiny_model(args.out, arch=args.arch, seed=args.seed)}")
             return 0
         if args.command == "demo":
             from posttrain.demo import run_demo
@@ -161,9 +160,8 @@ def run_command(argv: list[str] | None = None) -> int:
             print(f"posttrain: error (rank {rank}): lost rank {', '.join(map(str, lost))}: its process ended "
                   "(killed or crashed), so this rank stops too. Checkpoints already saved are complete; continue "
                   "with train.resume_from_checkpoint=auto", file=sys.stderr, flush=True)
-            abort_process_group()
-            return 1
-        print(f"posttrain: failed{where}:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
+        else:
+            print(f"posttrain: failed{where}:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
         abort_process_group()
         return 1
 

@@ -77,27 +77,21 @@ def held_out_accuracy(model_dir: Path, prompts_file: Path) -> float:
     return exact_match_accuracy(load_causal_lm(model_cfg), tokenizer, examples, max_new_tokens=8)
 
 
-def preference_accuracy(model_dir: Path, pairs_file: Path) -> float:
-    from posttrain.train.evaluation import preference_accuracy as accuracy
-
-    return accuracy(str(model_dir), examples=str(pairs_file))
-
-
-def ppo_overrides(policy_dir: Path, data: dict, steps: int) -> list[str]:
-    """The demo's PPO stage (also what bench/ppo_accuracy measures): 128 prompts a step, one completion each."""
+def online_overrides(policy_dir: Path, data: dict, steps: int) -> list[str]:
+    """The demo's GRPO and PPO stages: from `policy_dir` on the new prompts, 128 completions a step, exact match."""
     return [
         f"model.name_or_path={policy_dir}", f"data.train={data['prompts_train']}", f"data.eval={data['prompts_eval']}",
         "data.max_length=64", "data.max_prompt_length=48", "train.per_device_train_batch_size=128",
         "train.learning_rate=1e-4", "train.lr_scheduler_type=constant", f"train.max_steps={steps}",
         "train.logging_steps=5", f"train.eval_steps={max(1, steps // 4)}", "generation.max_completion_length=6",
-        "generation.temperature=1.0", "algo.critic_learning_rate=1e-3", "algo.kl_coef=0.0",
-        "rewards=[{name: exact_match}]",
+        "generation.temperature=1.0", "rewards=[{name: exact_match}]",
     ]
 
 
 def run_demo(out_dir: str = "runs/demo", quick: bool = False, seed: int = 0) -> dict:
     """seed: the tiny model's initialisation, the problems drawn and every run's seed."""
     from posttrain.models.tiny import make_tiny_model
+    from posttrain.train.evaluation import preference_accuracy
 
     size = QUICK if quick else FULL
     out = Path(out_dir)
@@ -126,14 +120,14 @@ def run_demo(out_dir: str = "runs/demo", quick: bool = False, seed: int = 0) -> 
 
     print(f"\n[demo 2/4] DPO on {size.n_rl} new problems: the right sum preferred to the forgotten carry or a near miss "
           f"({size.dpo_steps} steps)", flush=True)
-    results["dpo_pref_accuracy_before"] = preference_accuracy(sft.final_dir, data["pref_eval"])
+    results["dpo_pref_accuracy_before"] = preference_accuracy(str(sft.final_dir), examples=str(data["pref_eval"]))
     dpo = stage("dpo", out, [
         f"model.name_or_path={sft.final_dir}", f"data.train={data['pref_train']}", f"data.eval={data['pref_eval']}",
         "data.max_length=64", "train.per_device_train_batch_size=16", "train.learning_rate=5e-5",
         "train.lr_scheduler_type=constant", f"train.max_steps={size.dpo_steps}", "train.logging_steps=5",
         f"train.eval_steps={max(1, size.dpo_steps // 4)}", "algo.beta=0.1", "algo.rpo_alpha=1.0",
     ], seed)
-    results["dpo_pref_accuracy_after"] = preference_accuracy(dpo.final_dir, data["pref_eval"])
+    results["dpo_pref_accuracy_after"] = preference_accuracy(str(dpo.final_dir), examples=str(data["pref_eval"]))
     # DPO's own held-out metric: how often the implicit reward beta * log(pi / pi_ref) ranks the right sum first
     # (50% is chance: before training pi == pi_ref and every pair is a tie)
     results["dpo_implicit_reward_accuracy"] = [r for r in dpo.metrics if "eval/rewards/accuracies" in r][-1][
@@ -144,19 +138,14 @@ def run_demo(out_dir: str = "runs/demo", quick: bool = False, seed: int = 0) -> 
 
     print(f"\n[demo 3/4] GRPO from the SFT model on {size.n_rl} new prompts with the exact-match reward "
           f"({size.grpo_steps} steps)", flush=True)
-    grpo = stage("grpo", out, [
-        f"model.name_or_path={sft.final_dir}", f"data.train={data['prompts_train']}", f"data.eval={data['prompts_eval']}",
-        "data.max_length=64", "data.max_prompt_length=48", "train.per_device_train_batch_size=128",
-        "train.learning_rate=1e-4", "train.lr_scheduler_type=constant", f"train.max_steps={size.grpo_steps}",
-        "train.logging_steps=5", f"train.eval_steps={max(1, size.grpo_steps // 4)}", "generation.max_completion_length=6",
-        "generation.temperature=1.0", "algo.num_generations=8", "algo.beta=0.0",
-        "rewards=[{name: exact_match}]",
-    ], seed)
+    grpo = stage("grpo", out, online_overrides(sft.final_dir, data, size.grpo_steps)
+                 + ["algo.num_generations=8", "algo.beta=0.0"], seed)
     results["grpo_accuracy"] = held_out_accuracy(grpo.final_dir, data["prompts_eval"])
 
     print(f"\n[demo 4/4] PPO from the SFT model on the same prompts: a critic from the SFT model, GAE "
           f"({size.ppo_steps} steps)", flush=True)
-    ppo = stage("ppo", out, ppo_overrides(sft.final_dir, data, size.ppo_steps), seed)
+    ppo = stage("ppo", out, online_overrides(sft.final_dir, data, size.ppo_steps)
+                + ["algo.critic_learning_rate=1e-3", "algo.kl_coef=0.0"], seed)
     results["ppo_accuracy"] = held_out_accuracy(ppo.final_dir, data["prompts_eval"])
     print(f"[demo] held-out exact match: SFT start {results['sft_accuracy']:.1%} -> after PPO "
           f"{results['ppo_accuracy']:.1%}", flush=True)

@@ -34,8 +34,7 @@ class MetricsLogger:
         if not self.path.exists():
             return
         lines = self.path.read_text().splitlines()
-        rows = map(parse_row, lines)
-        kept = [line for line, row in zip(lines, rows) if row is not None and row.get("step", 0) <= step]
+        kept = [line for line in lines if (row := parse_row(line)) is not None and row.get("step", 0) <= step]
         self.path.write_text("".join(line + "\n" for line in kept))
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
@@ -84,9 +83,8 @@ class MetricsLogger:
 
 def read_metrics(output_dir: str | Path) -> list[dict[str, Any]]:
     path = Path(output_dir) / "metrics.jsonl"
-    if not path.exists():
-        return []
-    return [row for row in map(parse_row, path.read_text().splitlines()) if row is not None]
+    rows = map(parse_row, path.read_text().splitlines()) if path.exists() else ()
+    return [row for row in rows if row is not None]
 
 
 def parse_row(line: str) -> Optional[dict[str, Any]]:

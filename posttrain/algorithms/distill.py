@@ -90,8 +90,6 @@ class DistillAlgoConfig:
 
 class Distill(Algorithm):
     name = "distill"
-    data_kind = "sft"
-    model_kind = "causal_lm"
 
     def __init__(self, recipe: Recipe):
         self.recipe = recipe

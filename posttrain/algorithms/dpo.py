@@ -66,11 +66,9 @@ class DPOAlgoConfig:
         if not 0 <= self.label_smoothing < 0.5:
             raise UserError(f"algo.label_smoothing must be in [0, 0.5), got {self.label_smoothing}")
         if self.label_smoothing > 0 and self.loss_type not in USES_LABEL_SMOOTHING:
-            raise UserError(
-                f"algo.label_smoothing={self.label_smoothing} has no effect with loss_type {self.loss_type}; "
-                f"it applies "
-                f"to {', '.join(USES_LABEL_SMOOTHING)}. Set it to 0 or change algo.loss_type"
-            )
+            raise UserError(f"algo.label_smoothing={self.label_smoothing} has no effect with loss_type "
+                            f"{self.loss_type}; it applies to {', '.join(USES_LABEL_SMOOTHING)}. Set it to 0 or "
+                            "change algo.loss_type")
         if self.rpo_alpha < 0:
             raise UserError(f"algo.rpo_alpha must be >= 0, got {self.rpo_alpha}")
         if self.simpo_gamma < 0:
@@ -80,7 +78,6 @@ class DPOAlgoConfig:
 class DPO(Algorithm):
     name = "dpo"
     data_kind = "preference"
-    model_kind = "causal_lm"
 
     def __init__(self, recipe: Recipe):
         self.recipe = recipe
@@ -107,9 +104,8 @@ class DPO(Algorithm):
         if not (self.uses_reference and self.config.precompute_ref_logprobs):
             return
         splits = {"train": train_examples}
-        eval_examples = models.eval_examples
-        if eval_examples:
-            splits["eval"] = eval_examples
+        if models.eval_examples:
+            splits["eval"] = models.eval_examples
         path = Path(out) / pl.CACHE_FILE
         identity = pl.cache_identity(self.recipe, splits)
         tables = pl.load_cached_tables(path, identity) if backend.is_main else None
@@ -160,9 +156,8 @@ class DPO(Algorithm):
             nll_P = -chosen_sums_P / pl.split_pairs(counts_B, p)[0].clamp(min=1)
             loss_P = loss_P + c.rpo_alpha * nll_P
             metrics["nll_loss"] = nll_P.detach().mean()
-        chosen_rewards_P, rejected_rewards_P = implicit_rewards(
-            policy_chosen_P, policy_rejected_P, ref_chosen_P, ref_rejected_P, beta=c.beta
-        )
+        chosen_rewards_P, rejected_rewards_P = implicit_rewards(policy_chosen_P, policy_rejected_P, ref_chosen_P,
+                                                                ref_rejected_P, beta=c.beta)
         metrics.update({
             "rewards/chosen": chosen_rewards_P.mean(),
             "rewards/rejected": rejected_rewards_P.mean(),
@@ -173,6 +168,3 @@ class DPO(Algorithm):
             "logps/accuracies": (chosen_sums_P > rejected_sums_P).float().mean(),
         })
         return loss_P.sum() / normaliser, metrics
-
-
-# --- held-out preference accuracy (outside a run) -------------------------------------------------------------------

@@ -98,14 +98,12 @@ class GRPOAlgoConfig:
         per_device = t.per_device_train_batch_size * t.gradient_accumulation_steps
         if per_device % self.num_generations:
             g = self.num_generations
-            raise UserError(
-                f"train.per_device_train_batch_size ({t.per_device_train_batch_size}) x "
-                f"train.gradient_accumulation_steps ({t.gradient_accumulation_steps}) = {per_device} completions per "
-                f"device per step, which is not a multiple of algo.num_generations ({g}): each prompt's {g} "
-                f"completions must be sampled on one device. Make the product a multiple of {g} (e.g. "
-                f"per_device_train_batch_size={g} or gradient_accumulation_steps={g}), or pick a num_generations "
-                f"that divides {per_device}"
-            )
+            raise UserError(f"train.per_device_train_batch_size ({t.per_device_train_batch_size}) x "
+                            f"train.gradient_accumulation_steps ({t.gradient_accumulation_steps}) = {per_device} "
+                            f"completions per device per step, which is not a multiple of algo.num_generations ({g}): "
+                            f"each prompt's {g} completions must be sampled on one device. Make the product a multiple "
+                            f"of {g} (e.g. per_device_train_batch_size={g} or gradient_accumulation_steps={g}), or "
+                            f"pick a num_generations that divides {per_device}")
         if recipe.data.packing:
             raise UserError("data.packing does not apply to grpo (rollout batches are built padded); set "
                             "data.packing=false")
@@ -114,16 +112,12 @@ class GRPOAlgoConfig:
         n = self.num_iterations
         for key, value in (("train.save_steps", t.save_steps), ("train.max_steps_per_run", t.max_steps_per_run)):
             if n > 1 and value and value % n:
-                raise UserError(
-                    f"{key}={value} is not a multiple of algo.num_iterations={n}: a checkpoint in the middle of a "
-                    f"generation batch could not resume exactly; use a multiple of {n}"
-                )
+                raise UserError(f"{key}={value} is not a multiple of algo.num_iterations={n}: a checkpoint in the "
+                                f"middle of a generation batch could not resume exactly; use a multiple of {n}")
 
 
 class GRPO(OnlineAlgorithm):
     name = "grpo"
-    data_kind = "prompt"
-    model_kind = "causal_lm"
 
     def __init__(self, recipe: Recipe):
         super().__init__(recipe)

@@ -21,7 +21,6 @@ def check_is_correction(config, recipe: Recipe) -> None:
 class OnlineAlgorithm(Algorithm):
     source_kind = "rollout"
     data_kind = "prompt"
-    model_kind = "causal_lm"
 
     def __init__(self, recipe: Recipe):
         from posttrain.rewards import load_rewards

@@ -166,10 +166,8 @@ class PPO(OnlineAlgorithm):
     def prepare(self, batch: Batch, models: Models) -> Batch:
         from posttrain.models.critic import critic_values
 
-        tasks = {"old_logprobs_BT": ("time/policy_logprobs", lambda: models.policy.logprobs(batch,
-                                                                                   self.temperature)),
-                 "ref_logprobs_BT": ("time/reference", lambda: models.reference.logprobs(batch,
-                                                                             self.temperature)),
+        tasks = {"old_logprobs_BT": ("time/policy_logprobs", lambda: models.policy.logprobs(batch, self.temperature)),
+                 "ref_logprobs_BT": ("time/reference", lambda: models.reference.logprobs(batch, self.temperature)),
                  "old_values_BT": ("time/values", lambda: critic_values(models.critic.forward, batch))}
         if not self.needs_reference:
             del tasks["ref_logprobs_BT"]

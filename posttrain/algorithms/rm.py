@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from posttrain.algorithms.base import Algorithm, Models
+from posttrain.algorithms.base import Algorithm
 from posttrain.algorithms.preference_logps import split_pairs
 from posttrain.config.schema import Recipe
 from posttrain.errors import UserError
@@ -54,13 +54,9 @@ class RM(Algorithm):
     name = "rm"
     data_kind = "preference"
     model_kind = "seq_cls"
-    needs_reference = False
 
     def __init__(self, recipe: Recipe):
         self.config: RMAlgoConfig = recipe.algo
-
-    def prepare(self, batch: Batch, models: Models) -> Batch:
-        return batch
 
     def count(self, batch: Batch) -> torch.Tensor:
         return torch.tensor(float(batch.num_pairs), device=batch.input_ids_BT.device)

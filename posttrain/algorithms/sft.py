@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from posttrain.algorithms.base import Algorithm, Models
+from posttrain.algorithms.base import Algorithm
 from posttrain.models.forward import policy_logprobs
 from posttrain.config.schema import Recipe, SFTAlgoConfig
 from posttrain.losses.sft import sft_loss_sum
@@ -19,15 +19,9 @@ from posttrain.batch import Batch
 
 class SFT(Algorithm):
     name = "sft"
-    data_kind = "sft"
-    model_kind = "causal_lm"
-    needs_reference = False
 
     def __init__(self, recipe: Recipe):
         self.config: SFTAlgoConfig = recipe.algo
-
-    def prepare(self, batch: Batch, models: Models) -> Batch:
-        return batch
 
     def count(self, batch: Batch) -> torch.Tensor:
         return batch.completion_mask_BT.sum()

@@ -17,11 +17,22 @@ from dataclasses import dataclass
 from typing import Any
 
 from posttrain.config.schema import Recipe
+from posttrain.errors import UserError
 
 
 def recipe_key(f: dataclasses.Field) -> str:
     """A field's key in recipes: its name, or metadata["key"] where the key is a Python keyword."""
     return f.metadata.get("key", f.name)
+
+
+def set_dotted(raw: dict, key: str, value: Any, what: str) -> None:
+    """raw['train']['max_steps'] = value for key 'train.max_steps', adding sections; `what` names it in errors."""
+    *parents, leaf = key.split(".")
+    for part in parents:
+        raw = raw.setdefault(part, {})
+        if not isinstance(raw, dict):
+            raise UserError(f"{what}: '{part}' is a value, not a section")
+    raw[leaf] = value
 
 
 @dataclass(frozen=True)
@@ -42,12 +53,9 @@ def field_docs(cls: type) -> dict[str, str]:
     except (OSError, TypeError, SyntaxError):  # no source (a frozen build): the keys are still listed
         return {}
     body = tree.body[0].body
-    docs = {}
-    for node, after in zip(body, body[1:]):
-        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and isinstance(after, ast.Expr) \
-                and isinstance(after.value, ast.Constant) and isinstance(after.value.value, str):
-            docs[node.target.id] = " ".join(after.value.value.split())
-    return docs
+    return {node.target.id: " ".join(after.value.value.split()) for node, after in zip(body, body[1:])
+            if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and isinstance(after, ast.Expr)
+            and isinstance(after.value, ast.Constant) and isinstance(after.value.value, str)}
 
 
 def recipe_keys(algo_cls: type, cls: type = Recipe, prefix: str = "") -> list[RecipeKey]:

@@ -16,7 +16,7 @@ from typing import Any
 
 import yaml
 
-from posttrain.config.keys import recipe_key
+from posttrain.config.keys import recipe_key, set_dotted
 from posttrain.config.legacy import upgrade
 from posttrain.config.schema import Recipe
 from posttrain.config.trl_compat import from_trl_file
@@ -54,16 +54,11 @@ def apply_override(raw: dict, item: str) -> None:
     if "=" not in item:
         raise UserError(f"override '{item}' must look like key.sub=value (for example train.max_steps=20)")
     key, _, value = item.partition("=")
-    parts = key.strip().split(".")
-    node = raw
-    for part in parts[:-1]:
-        node = node.setdefault(part, {})
-        if not isinstance(node, dict):
-            raise UserError(f"override '{item}': '{part}' is a value, not a section")
     try:
-        node[parts[-1]] = parse_yaml(value, f"override '{item}'", key.strip()) if value != "" else ""
+        parsed = parse_yaml(value, f"override '{item}'", key.strip()) if value != "" else ""
     except yaml.YAMLError:
-        node[parts[-1]] = value
+        parsed = value
+    set_dotted(raw, key.strip(), parsed, f"override '{item}'")
 
 
 MAX_ALIASED_VALUES = 10_000  # values YAML aliases may add to a recipe beyond those written out

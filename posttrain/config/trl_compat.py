@@ -16,7 +16,7 @@ from typing import Any, Callable
 
 import yaml
 
-from posttrain.config.keys import recipe_keys
+from posttrain.config.keys import recipe_keys, set_dotted
 from posttrain.config.schema import Recipe
 from posttrain.errors import UserError
 
@@ -33,10 +33,6 @@ def _flag(value_if_true: str) -> Callable[[Any], Any]:
 def _scale_rewards(value: Any) -> Any:
     """TRL's scale_rewards: true/false (older TRL) or group/batch/none (newer)."""
     return {True: "group", False: "none"}.get(value, value) if isinstance(value, bool) else value
-
-
-def _report_to(value: Any) -> Any:
-    return [value] if isinstance(value, str) else value
 
 
 # TRL key -> recipe key. A key whose recipe key an algorithm lacks (num_generations for SFT) has no meaning for
@@ -89,9 +85,9 @@ TRL_RENAMES: dict[str, str] = {
     "missing_eos_penalty": "algo.missing_eos_penalty", "sft_model_path": "model.name_or_path",
     "value_model_path": "algo.critic_model_name_or_path",
 }
-CONVERSIONS: dict[str, Callable[[Any], Any]] = {  # TRL values spelled otherwise here
-    "bf16": _flag("bf16"), "fp16": _flag("fp16"), "report_to": _report_to, "use_vllm": _flag("vllm"),
-    "scale_rewards": _scale_rewards}
+# TRL values spelled otherwise here (a lone report_to: wandb needs none: a recipe's list key takes one string)
+CONVERSIONS: dict[str, Callable[[Any], Any]] = {
+    "bf16": _flag("bf16"), "fp16": _flag("fp16"), "use_vllm": _flag("vllm"), "scale_rewards": _scale_rewards}
 TRL_KEYS: dict[str, tuple[str, Callable[[Any], Any] | None]] = {
     key: (path, CONVERSIONS.get(key)) for key, path in TRL_RENAMES.items()}  # key -> (recipe key, conversion)
 
@@ -143,27 +139,16 @@ def flat_keys(raw: dict) -> dict:
                                                                            and not isinstance(v, dict))}
 
 
-def nest(raw: dict, pairs: list[tuple[str, Any]]) -> dict:
-    """A copy of `raw` with each (dotted key, value) set; a key the file also sets in its own section wins here."""
-    out = {k: (dict(v) if isinstance(v, dict) else v) for k, v in raw.items()}
-    for path, value in pairs:
-        node = out
-        *parents, leaf = path.split(".")
-        for part in parents:
-            node = node.setdefault(part, {})
-            if not isinstance(node, dict):
-                raise UserError(f"'{path}': '{part}' is a value, not a section")
-        node[leaf] = value
-    return out
-
-
 def from_trl_file(raw: dict, where: str, algo_cls: type) -> dict:
-    """A recipe file's mapping with its flat TRL keys translated into sections (unchanged when there are none)."""
+    """A recipe file's mapping with its flat TRL keys translated into sections (unchanged when there are none); a key
+    the file also sets in its own section takes the TRL key's value."""
     flat = flat_keys(raw)
     if not flat:
         return raw
-    rest = {k: v for k, v in raw.items() if k not in flat}
-    return nest(rest, translate(flat, where, algo_cls))
+    out = {k: (dict(v) if isinstance(v, dict) else v) for k, v in raw.items() if k not in flat}
+    for path, value in translate(flat, where, algo_cls):
+        set_dotted(out, path, value, f"'{path}'")
+    return out
 
 
 def command_of(algo_cls: type) -> str:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import importlib.util
 import os
 from urllib.parse import urlsplit
@@ -29,18 +30,15 @@ POSITIVE = (
 NON_NEGATIVE = ("train.weight_decay", "train.warmup_steps", "train.max_grad_norm", "train.save_steps", "train.eval_steps",
                 "train.max_nonfinite_skips", "generation.request_retries", "placement.generation.num_engines")
 PLACED_ROLES = ("policy", "reference", "critic", "reward_model", "teacher")  # algorithms.base.ROLE_NAMES; config stays torch-free
-# train.report_to: tracker -> (modules it imports, the install command); posttrain/trackers.py writes to each
-TRACKERS = {name: ((name,), f"pip install {name}") for name in ("tensorboard", "wandb", "mlflow", "trackio")}
+# train.report_to: each is the module posttrain/trackers.py imports to write to it, and its pip package
+TRACKERS = ("tensorboard", "wandb", "mlflow", "trackio")
 # MLflow's database stores (its default since 3.x is sqlite:///mlflow.db) need SQLAlchemy and Alembic, which full
 # mlflow brings and mlflow-skinny does not
 MLFLOW_DATABASE_SCHEMES = ("sqlite", "postgresql", "mysql", "mssql")
 
 
 def get(recipe: Recipe, dotted: str):
-    value = recipe
-    for part in dotted.split("."):
-        value = getattr(value, part)
-    return value
+    return functools.reduce(getattr, dotted.split("."), recipe)
 
 
 def validate(recipe: Recipe) -> None:
@@ -212,12 +210,10 @@ def check_trackers(train) -> None:
         raise UserError(f"train.report_to is {list(train.report_to)}: 'none' means no tracker, so it cannot be "
                         "listed with others; drop 'none' or the others")
     for name in trackers(train):
-        modules, install = TRACKERS[name]
-        missing = [m for m in modules if importlib.util.find_spec(m) is None]
-        if missing:
-            raise UserError(f"train.report_to names {name}, but {', '.join(missing)} is not installed; install it "
-                            f"with `{install}` (or `pip install 'posttrain[trackers]'` for all four), or drop "
-                            f"{name} from train.report_to")
+        if importlib.util.find_spec(name) is None:
+            raise UserError(f"train.report_to names {name}, but {name} is not installed; install it with `pip "
+                            f"install {name}` (or `pip install 'posttrain[trackers]'` for all four), or drop {name} "
+                            "from train.report_to")
         uri = os.environ.get("MLFLOW_TRACKING_URI", "sqlite:")  # unset: MLflow's default, sqlite:///mlflow.db
         database = uri.split(":", 1)[0].split("+", 1)[0] in MLFLOW_DATABASE_SCHEMES
         missing = [m for m in ("sqlalchemy", "alembic") if importlib.util.find_spec(m) is None]

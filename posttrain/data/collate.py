@@ -35,48 +35,33 @@ def collate_packed(examples: list[dict], row_length: int | None = None, pad_id: 
     rows of at most `row_length` tokens (attention ~rows x row_length^2, not (all tokens)^2), short rows filled with
     untrained `pad_id` segments. Each sequence's first token is out of the completion mask (it would be predicted
     from the previous sequence); `sequence_index_BT` numbers sequences in the order given (-1 for filler)."""
-    order = sorted(range(len(examples)), key=lambda n: -len(examples[n]["input_ids"]))
+    lengths = [len(e["input_ids"]) for e in examples]
     bins: list[list[int]] = []
     sizes: list[int] = []
-    for n in order if row_length else range(len(examples)):
-        length = len(examples[n]["input_ids"])
-        slot = next((b for b, size in enumerate(sizes) if row_length and size + length <= row_length), None)
-        if slot is None and (row_length or not bins):
+    for n in sorted(range(len(examples)), key=lambda n: -lengths[n]) if row_length else range(len(examples)):
+        slot = next((b for b, size in enumerate(sizes) if not row_length or size + lengths[n] <= row_length), len(bins))
+        if slot == len(bins):  # nothing fits: a new row
             bins.append([])
             sizes.append(0)
-            slot = len(bins) - 1
-        slot = 0 if slot is None else slot
         bins[slot].append(n)
-        sizes[slot] += length
-    width = max(sizes)
-    rows = {"input_ids": [], "mask": [], "positions": [], "index": []}
-    for members, size in zip(bins, sizes):
-        ids, mask, positions, index = [], [], [], []
-        for n in sorted(members):
-            e = examples[n]
-            ids += e["input_ids"]
-            mask += [0] + list(e["completion_mask"][1:])
-            positions += range(len(e["input_ids"]))
-            index += [n] * len(e["input_ids"])
-        filler = width - size
-        rows["input_ids"].append(ids + [pad_id] * filler)
-        rows["mask"].append(mask + [0] * filler)
-        rows["positions"].append(positions + list(range(filler)))
-        rows["index"].append(index + [-1] * filler)
-    return Batch(input_ids_BT=torch.tensor(rows["input_ids"], dtype=torch.long), num_sequences=len(examples),
-                 completion_mask_BT=torch.tensor(rows["mask"], dtype=torch.long).bool(),
-                 position_ids_BT=torch.tensor(rows["positions"], dtype=torch.long),
-                 sequence_index_BT=torch.tensor(rows["index"], dtype=torch.long))
+        sizes[slot] += lengths[n]
+    rows = [sorted(members) for members in bins]  # each row's sequences in the order given, then filler
+    ids = [[t for n in row for t in examples[n]["input_ids"]] for row in rows]
+    mask = [[m for n in row for m in [0, *examples[n]["completion_mask"][1:]]] for row in rows]
+    index = [[n for n in row for _ in range(lengths[n])] for row in rows]
+    positions = [[p for n in row for p in range(lengths[n])] + list(range(max(sizes) - size))
+                 for row, size in zip(rows, sizes)]
+    return Batch(input_ids_BT=_right_pad(ids, pad_id), num_sequences=len(examples),
+                 completion_mask_BT=_right_pad(mask, 0).bool(), sequence_index_BT=_right_pad(index, -1),
+                 position_ids_BT=torch.tensor(positions, dtype=torch.long))
 
 
 def collate_preference(examples: list[dict], pad_id: int) -> Batch:
     """[{"prompt_ids", "chosen_ids", "rejected_ids"(, "margin")}] -> padded Batch of 2P rows: P chosen sequences
     (prompt + chosen) then their P rejected partners; the completion mask covers the chosen / rejected tokens."""
-    sequences = []
-    for side in ("chosen_ids", "rejected_ids"):
-        for e in examples:
-            mask = [0] * len(e["prompt_ids"]) + [1] * len(e[side])
-            sequences.append({"input_ids": e["prompt_ids"] + e[side], "completion_mask": mask})
+    sequences = [{"input_ids": e["prompt_ids"] + e[side],
+                  "completion_mask": [0] * len(e["prompt_ids"]) + [1] * len(e[side])}
+                 for side in ("chosen_ids", "rejected_ids") for e in examples]
     margin_B = torch.tensor([e["margin"] for e in examples], dtype=torch.float32) if "margin" in examples[0] else None
     return dataclasses.replace(collate_padded(sequences, pad_id), num_pairs=len(examples), margin_B=margin_B)
 

@@ -66,11 +66,7 @@ def _read_json(path: Path, what: str) -> list[tuple[str, dict]]:
         except RecursionError:
             raise UserError(f"{what}: {path}: {_TOO_DEEP} (the first row too deep is not known: the file is one "
                             "array)") from None
-        for i, item in enumerate(items):
-            if not isinstance(item, dict):
-                raise UserError(f"{what}: {path} item {i}: expected a JSON object (one row), got {type(item).__name__}")
-            _check_depth(item, f"{what}: {path} item {i}")
-        return [(f"item {i}", item) for i, item in enumerate(items)]
+        return [(f"item {i}", _check_row(item, f"{what}: {path} item {i}")) for i, item in enumerate(items)]
     records = []
     for number, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
@@ -81,11 +77,7 @@ def _read_json(path: Path, what: str) -> list[tuple[str, dict]]:
             raise UserError(f"{what}: {path} line {number}: not valid JSON: {e.msg} (column {e.colno})") from None
         except RecursionError:
             raise UserError(f"{what}: {path} line {number}: {_TOO_DEEP}") from None
-        if not isinstance(item, dict):
-            raise UserError(f"{what}: {path} line {number}: expected a JSON object (one row), got "
-                            f"{type(item).__name__}")
-        _check_depth(item, f"{what}: {path} line {number}")
-        records.append((f"line {number}", item))
+        records.append((f"line {number}", _check_row(item, f"{what}: {path} line {number}")))
     return records
 
 
@@ -94,8 +86,11 @@ _TOO_DEEP = (f"nested deeper than {MAX_DEPTH} levels of lists and objects; a row
              "prompt / completion columns: flatten it")
 
 
-def _check_depth(row: dict, where: str) -> None:
-    """Rows nested beyond MAX_DEPTH (counted without recursion) are refused before Arrow or a template meets them."""
+def _check_row(row, where: str) -> dict:
+    """`row` if it is a JSON object nested at most MAX_DEPTH deep (counted without recursion): deeper rows are refused
+    before Arrow or a template meets them."""
+    if not isinstance(row, dict):
+        raise UserError(f"{where}: expected a JSON object (one row), got {type(row).__name__}")
     stack = [(row, 1)]
     while stack:
         value, depth = stack.pop()
@@ -103,6 +98,7 @@ def _check_depth(row: dict, where: str) -> None:
             raise UserError(f"{where}: {_TOO_DEEP}")
         children = value.values() if isinstance(value, dict) else value if isinstance(value, list) else ()
         stack.extend((child, depth + 1) for child in children if isinstance(child, (dict, list)))
+    return row
 
 
 def _read_csv(path: Path, what: str) -> list[tuple[str, dict]]:

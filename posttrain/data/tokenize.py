@@ -12,6 +12,8 @@ Rows that leave nothing to train are dropped and counted in `stats`; if none are
 
 from __future__ import annotations
 
+import os
+
 import datasets
 
 from posttrain.config import DataConfig
@@ -215,9 +217,7 @@ def _last_assistant(messages: list[dict]):
 
 def _shared_prefix(chosen: str, rejected: str) -> tuple[str, str, str]:
     """TRL's implicit prompt: the longest common prefix, leaving a space that ends it to the completions."""
-    n = 0
-    while n < min(len(chosen), len(rejected)) and chosen[n] == rejected[n]:
-        n += 1
+    n = len(os.path.commonprefix([chosen, rejected]))
     if n < min(len(chosen), len(rejected)) and n > 0 and chosen[n - 1] == " ":
         n -= 1
     return chosen[:n], chosen[n:], rejected[n:]

@@ -67,10 +67,8 @@ def make_plan(shape: ModelShape, workload_for: WorkloadFor, per_device_batch: in
               gpu_bytes: int, nodes: int = 1, lora_shape: Optional[ModelShape] = None,
               max_length: Optional[int] = None) -> Plan:
     """Estimates at the recipe's batch for every engine, the recommendation, and suggestions if nothing fits."""
-    table = []
-    for engine in ENGINES.values():
-        breakdown = estimate(shape, workload_for(per_device_batch), engine, gpus, gpu_bytes)
-        table.append(Option(engine, per_device_batch, accumulation, breakdown, fits(breakdown, gpu_bytes)))
+    breakdowns = {e: estimate(shape, workload_for(per_device_batch), e, gpus, gpu_bytes) for e in ENGINES.values()}
+    table = [Option(e, per_device_batch, accumulation, b, fits(b, gpu_bytes)) for e, b in breakdowns.items()]
     options = (best_option(shape, workload_for, e, per_device_batch, accumulation, gpus, gpu_bytes)
                for e in ENGINES.values())
     recommended = next((o for o in options if o is not None), None)  # the fastest engine that fits

@@ -65,11 +65,6 @@ def offline_advice() -> str:
             "run once where the hub is reachable to cache it (HF_ENDPOINT names a mirror)")
 
 
-def _text_config(config):
-    getter = getattr(config, "get_text_config", None)
-    return getter() if getter is not None else config
-
-
 def lora_parameters(model, target_modules, r: int) -> int:
     """Parameters peft adds: r x (in + out) for every linear layer whose name ends in one of target_modules."""
     return sum(r * (m.in_features + m.out_features) for name, m in model.named_modules()
@@ -108,7 +103,7 @@ def model_shape(model_cfg: ModelConfig, task: str = "causal_lm") -> ModelShape:
 
 def shape_from_config(config, parameters: int, trainable: int, largest_layer: int = 0) -> ModelShape:
     """The shape with counts already known (a run counts its loaded model; no meta build needed)."""
-    text = _text_config(config)
+    text = config.get_text_config()
     hidden, heads = text.hidden_size, text.num_attention_heads
     return ModelShape(parameters=parameters, trainable=trainable, vocab_size=text.vocab_size, hidden_size=hidden,
                       num_layers=text.num_hidden_layers, num_heads=heads, largest_layer=largest_layer,

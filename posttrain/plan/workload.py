@@ -34,8 +34,7 @@ def algorithm_facts(command: str, recipe: Recipe) -> dict:
 
 
 def workload_from_recipe(command: str, recipe: Recipe, per_device_batch: Optional[int] = None,
-                         max_length: Optional[int] = None, vllm_fraction: Optional[float] = None,
-                         on_gpu: bool = True) -> Workload:
+                         max_length: Optional[int] = None, on_gpu: bool = True) -> Workload:
     """The recipe's micro-batch (or `per_device_batch`) at its lengths (or `max_length`) as a Workload; `on_gpu`
     False for a run on CPU (its AdamW steps tensor by tensor)."""
     t, d, g = recipe.train, recipe.data, recipe.generation
@@ -60,7 +59,7 @@ def workload_from_recipe(command: str, recipe: Recipe, per_device_batch: Optiona
     prompts = t.per_device_train_batch_size * t.gradient_accumulation_steps // generations  # kept by any split
     per_call = min(g.batch_size or prompts, prompts) or 1
     vllm = g.engine == "vllm" and g.placement in ("colocated", "node")  # its KV cache lives in its reserved share
-    fraction = (VLLM_DEFAULT_FRACTION if vllm_fraction is None else vllm_fraction) if vllm else 0.0
     return dataclasses.replace(workload, sequence_length=prompt_length + g.max_completion_length,
                                generation_sequences=0 if vllm else per_call * generations,
-                               generation_length=prompt_length + g.max_completion_length, vllm_fraction=fraction)
+                               generation_length=prompt_length + g.max_completion_length,
+                               vllm_fraction=VLLM_DEFAULT_FRACTION if vllm else 0.0)

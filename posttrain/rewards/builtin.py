@@ -59,10 +59,8 @@ def _after_last(text: str, marker: re.Pattern | str) -> Optional[str]:
 
 def _marked_answer(text: str) -> Optional[str]:
     """An explicitly marked answer: \\boxed{x}, then '#### x', then 'Answer: x'."""
-    for found in (_boxed(text), _after_last(text, "####"), _after_last(text, _ANSWER_PREFIX)):
-        if found is not None:
-            return found
-    return None
+    found = (_boxed(text), _after_last(text, "####"), _after_last(text, _ANSWER_PREFIX))
+    return next((answer for answer in found if answer is not None), None)
 
 
 def extract_answer(text: str) -> str:

@@ -41,9 +41,9 @@ def load_reward(cfg: RewardConfig) -> Reward:
         raise UserError(f"reward '{cfg.name}' is neither a built-in reward ({', '.join(BUILTIN_REWARDS)}) nor an "
                         f"import path 'module:function'; {hint}write your own as 'my_module:my_reward' taking "
                         "(prompts, completions, **columns)")
-    module_name, _, attribute = cfg.name.rpartition(":")
-    target = _resolve(cfg.name, import_user(module_name, f"reward '{cfg.name}'"), attribute)
-    return Reward(attribute.rsplit(".", 1)[-1], _bind(cfg.name, target, kwargs), cfg.weight, cfg.timeout, cfg.on_error)
+    target = load_callable(cfg.name, "reward")
+    name = cfg.name.rpartition(":")[2].rsplit(".", 1)[-1]
+    return Reward(name, _bind(cfg.name, target, kwargs), cfg.weight, cfg.timeout, cfg.on_error)
 
 
 def load_rewards(cfgs: Sequence[RewardConfig]) -> RewardSet:
@@ -66,11 +66,7 @@ def load_callable(spec: str, what: str) -> Callable:
         raise UserError(f"{what} '{spec}' is not an import path; write it as 'package.module:name' or "
                         "'path/to/file.py:name'")
     module_name, _, attribute = spec.rpartition(":")
-    return _resolve(spec, import_user(module_name, f"{what} '{spec}'"), attribute, what)
-
-
-def _resolve(spec: str, module, attribute: str, what: str = "reward") -> Any:
-    target = module
+    target = import_user(module_name, f"{what} '{spec}'")
     for part in attribute.split("."):
         if not hasattr(target, part):
             names = [n for n in dir(target) if not n.startswith("_")]

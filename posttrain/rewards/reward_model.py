@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Optional
 
 import torch
+from torch.nn.utils.rnn import pad_sequence
 
 from posttrain.config.schema import ModelConfig
 from posttrain.errors import UserError
@@ -76,16 +77,15 @@ class RewardModelScorer:
         """Token ids of prompt + completion exactly as `posttrain rm` tokenised its pairs (posttrain.data), so the
         head reads the token it was trained to read (EOS, or the chat template's end-of-turn token)."""
         from posttrain.data.chat import split_rendered
-        from posttrain.data.tokenize import _with_eos
+        from posttrain.data.tokenize import _ids, _with_eos
 
         tok = self.tokenizer
         if isinstance(prompt, str):
-            ids = tok(prompt)["input_ids"] + _with_eos(tok, tok(completion, add_special_tokens=False)["input_ids"])
+            ids = _ids(tok, prompt, True) + _with_eos(tok, _ids(tok, completion, False))
         else:
             turn = [{"role": "assistant", "content": completion}]
             prompt_text, completion_text = split_rendered(tok, list(prompt), turn, "reward_model")
-            ids = (tok(prompt_text, add_special_tokens=False)["input_ids"]
-                   + tok(completion_text, add_special_tokens=False)["input_ids"])
+            ids = _ids(tok, prompt_text, False) + _ids(tok, completion_text, False)
         return ids[-self.max_length:] if self.max_length else ids
 
     def __call__(self, prompts: list, completions: list[str], **columns) -> list[float]:
@@ -93,12 +93,9 @@ class RewardModelScorer:
         scores: list[float] = []
         for start in range(0, len(encoded), self.batch_size):
             chunk = encoded[start:start + self.batch_size]
-            width = max(len(ids) for ids in chunk)
-            input_ids = torch.full((len(chunk), width), self.pad_id, dtype=torch.long)
-            attention_mask = torch.zeros((len(chunk), width), dtype=torch.long)
-            for row, ids in enumerate(chunk):  # right padding
-                input_ids[row, :len(ids)] = torch.tensor(ids, dtype=torch.long)
-                attention_mask[row, :len(ids)] = 1
+            rows = [torch.tensor(ids, dtype=torch.long) for ids in chunk]
+            input_ids = pad_sequence(rows, batch_first=True, padding_value=self.pad_id)  # right padding
+            attention_mask = pad_sequence([torch.ones_like(row) for row in rows], batch_first=True)
             model = self.model
             with torch.no_grad():
                 logits = model(input_ids=input_ids.to(self.device), attention_mask=attention_mask.to(self.device)).logits
