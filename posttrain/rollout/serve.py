@@ -4,18 +4,13 @@
     POSTTRAIN_SERVER_TOKEN=s3cret CUDA_VISIBLE_DEVICES=4 posttrain serve --model Qwen/Qwen2.5-0.5B \
         --host 0.0.0.0 --port 8000 -- --tensor-parallel-size 1 --max-model-len 4096     # after --: vLLM's own options
 
-It runs `python -m vllm.entrypoints.openai.api_server` in its own process group with VLLM_SERVER_DEV_MODE=1 (the
-RL routes a weight sync drives), vLLM's weight-transfer API with posttrain's gloo backend (--weight-transfer-config
-'{"backend": "gloo-posttrain"}'), posttrain's worker extension (`posttrain.rollout.vllm_weight_transfer`), vLLM's
-token-in / token-out endpoint (--enable-scale-out) and log-probs after temperature (--logprobs-mode
-processed_logprobs, what the trainer computes). Every request but /health needs `Authorization: Bearer <token>`; the
-token comes from --token-file or POSTTRAIN_SERVER_TOKEN (a random one is made and printed when neither is given;
---token still works, with a warning: a command line is visible to every user), and the trainer reads it from
-POSTTRAIN_SERVER_TOKEN. The server listens on 127.0.0.1 unless --host says otherwise.
-
-With vLLM's --enable-lora (generation.lora_sync: adapter) it also turns on vLLM's runtime LoRA loading
-(VLLM_ALLOW_RUNTIME_LORA_UPDATING=1; its routes need the token too) and gives the server a directory of its own for
-the adapters the trainer syncs (POSTTRAIN_ADAPTER_DIR, removed when the server stops).
+It runs vLLM's api_server in its own process group with VLLM_SERVER_DEV_MODE=1 (the RL routes a weight sync drives)
+and the options of `vllm_command`: posttrain's gloo weight-transfer backend and worker extension, token-in /
+token-out generation, log-probs after temperature (what the trainer computes). Every request but /health needs
+`Authorization: Bearer <token>`: --token-file, else POSTTRAIN_SERVER_TOKEN (which the trainer reads), else a random
+one, printed; --token works too, with a warning (a command line is visible to every user). With vLLM's --enable-lora
+(generation.lora_sync: adapter) it also turns on runtime LoRA loading and gives the server a directory of its own
+for the adapters the trainer syncs (POSTTRAIN_ADAPTER_DIR, removed when the server stops).
 
 It prints the URL once the server answers, and on SIGINT / SIGTERM stops the whole process group (vLLM's engine
 processes ignore SIGTERM, so what is left after a grace period is killed). On Linux vLLM also gets SIGTERM when this
@@ -39,11 +34,11 @@ import time
 from pathlib import Path
 
 from posttrain.errors import UserError
-from posttrain.rollout.server import TOKEN_ENV, ServerUnavailable, call
+from posttrain.rollout.http import TOKEN_ENV, ServerUnavailable, call
+from posttrain.rollout.weight_transfer import BACKEND
 
 EXTENSION = "posttrain.rollout.vllm_weight_transfer.WeightSyncExtension"
 MIDDLEWARE = "posttrain.rollout.server_worker.TokenGuard"
-WEIGHT_TRANSFER_BACKEND = "gloo-posttrain"  # posttrain.rollout.vllm_weight_transfer
 GRACE_SECONDS = 10.0
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
@@ -75,7 +70,7 @@ def vllm_command(args, on_gpu: bool, memory: list[str] = ()) -> list[str]:
                "--host", args.host, "--port", str(args.port), "--worker-extension-cls", EXTENSION,
                "--middleware", MIDDLEWARE, "--enable-scale-out", "--logprobs-mode", "processed_logprobs"]
     if "--weight-transfer-config" not in given:
-        command += ["--weight-transfer-config", json.dumps({"backend": WEIGHT_TRANSFER_BACKEND})]
+        command += ["--weight-transfer-config", json.dumps({"backend": BACKEND})]
     if not on_gpu:  # fp32 is 3-5x faster than bf16 on CPUs without AVX-512; per-request seeds need no chunked prefill
         defaults = {"--dtype": ["float32"], "--enable-chunked-prefill": [], "--enable-prefix-caching": []}
         names = {"--enable-chunked-prefill": "--no-enable-chunked-prefill",
@@ -163,14 +158,12 @@ def run_serve(args) -> int:
 
     check_serve_args(args)
     on_gpu = torch.cuda.is_available()
-    if not on_gpu and (Path(args.model) / "config.json").is_file():
-        from posttrain.rollout.vllm_engine import _check_cpu_head_dim
-
-        _check_cpu_head_dim(args.model)
     memory = []
     if not on_gpu and (Path(args.model) / "config.json").is_file():
         from posttrain.rollout.cpu_memory import serve_kv_cache_option
+        from posttrain.rollout.vllm_engine import _check_cpu_head_dim
 
+        _check_cpu_head_dim(args.model)
         memory = serve_kv_cache_option(args.model, list(args.vllm_args), os.environ, args.kv_cache_gb,
                                        "--trust-remote-code" in args.vllm_args)
         if memory:

@@ -5,11 +5,10 @@
     answer["url"]                        # or answer["error"], ["code"] (2: serve refused its input), ["tail"] (its log)
     server.stop()                        # SIGTERM to serve (it stops vLLM), SIGKILL to what is left
 
-Its owners: an engine as a Ray actor (posttrain/launch/ray_engines.py, on the node Ray chose), the engine a node's
-first training rank starts (`generation.placement: node`, posttrain/rollout/vllm_node.py) and the tests' session
-server (tests/conftest.py::vllm_server). Either way the
-server does not outlive its owner: `posttrain serve` gets SIGTERM when the owner's process ends, killed or not, and
-vLLM gets SIGTERM when serve's ends. Torch-free, like the Ray launcher that imports it.
+Its owners: Ray engine actors (posttrain/launch/ray_engines.py), a node's first training rank (`generation.placement:
+node`, rollout/vllm_node.py) and the tests' session server (tests/conftest.py). The server does not outlive its
+owner: `posttrain serve` gets SIGTERM when the owner's process ends, killed or not, and vLLM when serve's ends.
+Torch-free, like the Ray launcher that imports it.
 """
 
 from __future__ import annotations
@@ -22,6 +21,8 @@ import sys
 import time
 from pathlib import Path
 from typing import Optional
+
+from posttrain.rollout.http import TOKEN_ENV, ServerUnavailable, call
 
 LOG_DIR = "engines"  # under output_dir: the servers' output (run.check_output_dir lets it be there)
 READY_TIMEOUT_S = 600.0  # model load + vLLM start-up (large models on GPUs take minutes)
@@ -58,8 +59,6 @@ def serve_args(recipe, tensor_parallel_size: int) -> list[str]:
 
 def server_env(recipe, token: str) -> dict[str, str]:
     """Variables a server gets on top of its owner's: the token, the CPU KV cache size, the driver's VLLM_*."""
-    from posttrain.rollout.server_worker import TOKEN_ENV
-
     env = {k: v for k, v in os.environ.items() if k.startswith("VLLM_")}
     env[TOKEN_ENV] = token
     if recipe.generation.vllm.kv_cache_gb is not None:
@@ -72,13 +71,6 @@ def log_tail(path: Path, lines: int = 20) -> str:
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
     except OSError:
         return "(no log)"
-
-
-def kill_group(group: Optional[int]) -> None:
-    try:
-        os.killpg(group, signal.SIGKILL)
-    except (ProcessLookupError, TypeError):  # gone already, or never known
-        pass
 
 
 class ServerProcess:
@@ -118,8 +110,6 @@ class ServerProcess:
 
     def _wait_ready(self, url: str) -> bool:
         """True once the server answers /health; False if it exits first or stays silent for READY_TIMEOUT_S."""
-        from posttrain.rollout.server import ServerUnavailable, call
-
         deadline = time.monotonic() + READY_TIMEOUT_S
         while self.process.poll() is None and time.monotonic() < deadline:
             try:
@@ -138,6 +128,9 @@ class ServerProcess:
             return ""
         code = self.process.poll()
         stop_group(self.process)
-        kill_group(self.vllm_group)  # a no-op after a clean stop; vLLM's processes when the server itself was killed
+        try:  # a no-op after a clean stop; vLLM's processes when the server itself was killed
+            os.killpg(self.vllm_group, signal.SIGKILL)
+        except (ProcessLookupError, TypeError):  # gone already, or never known
+            pass
         self.process = None
         return "" if code is None else f"its server exited with code {code}"

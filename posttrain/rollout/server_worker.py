@@ -1,11 +1,6 @@
-"""What `posttrain serve` adds to a vLLM server: a token on every request, and the helpers its workers use.
-
-    python -m vllm.entrypoints.openai.api_server --model DIR \
-        --worker-extension-cls posttrain.rollout.vllm_weight_transfer.WeightSyncExtension \
-        --middleware posttrain.rollout.server_worker.TokenGuard      # POSTTRAIN_SERVER_TOKEN set; VLLM_SERVER_DEV_MODE=1
-
-The worker extension (`posttrain.rollout.vllm_weight_transfer.WeightSyncExtension`) and the gloo weight-transfer
-backend live beside vLLM's classes in `posttrain.rollout.vllm_weight_transfer`; this module stays vLLM-free.
+"""What `posttrain serve` adds to a vLLM server: a token on every request (`--middleware
+posttrain.rollout.server_worker.TokenGuard`), and vLLM-free helpers its workers use (the worker extension and the
+weight-transfer backend are in `posttrain.rollout.vllm_weight_transfer`).
 
 `TokenGuard` refuses every request but `/health` without `Authorization: Bearer <POSTTRAIN_SERVER_TOKEN>`. vLLM's
 own `--api-key` guards only /v1, /v2, /inference and /cohere, not the dev endpoints that take new weights.
@@ -18,7 +13,8 @@ import json
 import os
 import secrets
 
-TOKEN_ENV = "POSTTRAIN_SERVER_TOKEN"
+from posttrain.rollout.http import TOKEN_ENV
+
 OPEN_PATHS = ("/health",)  # liveness probes (Kubernetes, SLURM scripts) need no token
 
 

@@ -38,7 +38,7 @@ from vllm.distributed.weight_transfer.base import (WeightTransferEngine, WeightT
 from vllm.lora.request import LoRARequest
 from vllm.lora.resolver import LoRAResolver
 
-BACKEND = "gloo-posttrain"
+from posttrain.rollout.weight_transfer import BACKEND
 
 
 def register() -> None:
@@ -184,10 +184,9 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
 
 
 class WeightSyncExtension:
-    """Methods added to vLLM's worker, called through /collective_rpc (JSON in and out). The sync itself goes
-    through vLLM's weight-transfer API and the gloo-posttrain backend (posttrain.rollout.vllm_weight_transfer); what
-    stays here is what that API has no route for: the vocabulary the start-up checks compare, the digests of the last
-    sync (tests), its seconds and the raw broadcast (bench/weight_sync.py)."""
+    """Methods added to vLLM's worker, called through /collective_rpc (JSON in and out): what vLLM's weight-transfer
+    API has no route for (the vocabulary the start-up checks compare, the last sync's digests and seconds, the raw
+    broadcast of bench/weight_sync.py)."""
 
     def posttrain_describe(self) -> dict:
         """What the trainer checks before it starts: vocabulary size, and this worker's rank among the server's."""
@@ -220,8 +219,6 @@ class WeightSyncExtension:
     def posttrain_broadcast_only(self, sizes: str) -> None:
         """bench/weight_sync.py's baseline: take part in plain broadcasts of these byte counts in the transfer group
         and drop the bytes."""
-        import torch
-
         for size in json.loads(sizes):
             self.weight_transfer_engine.group.broadcast(torch.empty(size, dtype=torch.uint8))
 
