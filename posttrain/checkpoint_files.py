@@ -32,12 +32,9 @@ def _sha256(path: Path) -> str:
         return hashlib.file_digest(f, "sha256").hexdigest()
 
 
-def _files(root: Path) -> list[Path]:
-    return sorted(p for p in root.rglob("*") if p.is_file() and p.name != MANIFEST)
-
-
 def write_manifest(root: Path) -> None:
-    files = {str(p.relative_to(root)): {"size": p.stat().st_size, "sha256": _sha256(p)} for p in _files(root)}
+    listed = sorted(p for p in root.rglob("*") if p.is_file() and p.name != MANIFEST)
+    files = {str(p.relative_to(root)): {"size": p.stat().st_size, "sha256": _sha256(p)} for p in listed}
     (root / MANIFEST).write_text(json.dumps({"files": files}, indent=1))
 
 

@@ -10,13 +10,12 @@ Order matters and is deliberate:
 
 from __future__ import annotations
 
-import random
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-import torch
+from transformers import set_seed
 
 from posttrain import data, outputs
 from posttrain.agents import check_rollout
@@ -42,7 +41,6 @@ from posttrain.train.distill_source import DistillSource
 from posttrain.train.sources import DatasetSource, Source
 from posttrain.train.state import TrainState
 from posttrain.trackers import closing_status
-
 
 
 @dataclass
@@ -76,14 +74,8 @@ def make_source(recipe: Recipe, backend, models, algorithm, examples, collate, s
 
 
 def seed_everything(seed: int) -> None:
-    random.seed(seed)
-    torch.manual_seed(seed)
-    try:
-        import numpy as np
-
-        np.random.seed(seed)
-    except ImportError:
-        pass
+    """Python's, numpy's and torch's generators."""
+    set_seed(seed)
 
 
 def load_examples(recipe: Recipe, algorithm, tokenizer, which: str):

@@ -132,6 +132,18 @@ def die_with_parent():
     return lambda: prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
+def wait_ready(process: subprocess.Popen, url: str, timeout: float, token: str = "") -> bool:
+    """True once the server answers /health; False if it exits first or stays silent for `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while process.poll() is None and time.monotonic() < deadline:
+        try:
+            call(url, "/health", timeout=2.0, token=token)
+            return True
+        except ServerUnavailable:
+            time.sleep(1.0)
+    return False
+
+
 def stop_group(process: subprocess.Popen) -> None:
     """SIGTERM to the server's whole process group, SIGKILL to what is left after the grace period."""
     try:
@@ -193,20 +205,13 @@ def run_serve(args) -> int:
 
     previous = {s: signal.signal(s, stop) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        started = time.monotonic()
-        while process.poll() is None:
-            try:
-                call(url, "/health", timeout=2.0, token=token)
-                break
-            except ServerUnavailable:
-                if time.monotonic() - started > args.ready_timeout:
-                    print(f"posttrain serve: the server did not answer at {url} within {args.ready_timeout:g}s; "
-                          "stopping it (raise --ready-timeout for large models)", file=sys.stderr, flush=True)
-                    return 1
-                time.sleep(1.0)
-        if process.poll() is not None:
-            print(f"posttrain serve: vLLM exited with code {process.returncode} while starting (its log is above)",
-                  file=sys.stderr, flush=True)
+        if not wait_ready(process, url, args.ready_timeout, token):
+            if process.poll() is None:
+                print(f"posttrain serve: the server did not answer at {url} within {args.ready_timeout:g}s; "
+                      "stopping it (raise --ready-timeout for large models)", file=sys.stderr, flush=True)
+            else:
+                print(f"posttrain serve: vLLM exited with code {process.returncode} while starting (its log is "
+                      "above)", file=sys.stderr, flush=True)
             return 1
         print(f"posttrain serve: ready at {url} (model {args.model}, process group {process.pid}); in the recipe: "
               f"generation.engine=vllm generation.placement=servers generation.servers=[{url}]; stop with Ctrl-C or "

@@ -15,15 +15,8 @@ Weight sync (trainer rank 0; the other ranks help gather the buckets and wait) d
 over each server's RL routes (`posttrain.rollout.weight_transfer`), each phase within generation.sync_timeout_s.
 Then the policy version is set on every server (`/update_weight_version`): vLLM stamps it on every completion, and
 this engine refuses a completion stamped with another version (a server that restarted and lost its weights, a sync
-that did not land).
-
-With `generation.lora_sync: adapter` (`send_adapters`) a sync carries the LoRA tensors alone, under a new adapter
-name each time (posttrain.rollout.adapter_sync), every request names the current adapter, and after each sync rank 0
-samples a probe from every server (`delivery_probes`), which the rollout source checks against the trainer.
-
-Start-up checks (`check_servers`, before any model is loaded): every server answers, takes the token, has the
-weight-transfer routes, and serves a model with the trainer's tokenizer (and vocabulary, where posttrain's worker
-extension can tell it); otherwise exit 2.
+that did not land). With `generation.lora_sync: adapter` a sync carries the LoRA tensors alone (`send_adapters`).
+`check_servers` checks every server at start-up, before any model is loaded.
 """
 
 from __future__ import annotations

@@ -18,11 +18,10 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Optional
 
-from posttrain.rollout.http import TOKEN_ENV, ServerUnavailable, call
+from posttrain.rollout.http import TOKEN_ENV
 
 LOG_DIR = "engines"  # under output_dir: the servers' output (run.check_output_dir lets it be there)
 READY_TIMEOUT_S = 600.0  # model load + vLLM start-up (large models on GPUs take minutes)
@@ -84,7 +83,7 @@ class ServerProcess:
         """Start the server with `args` (serve_args) on `host` and a free port, its output in `log`, and wait until
         it answers. Returns {"url": ...}, or {"error": ..., "code": its exit code (None: still running when given
         up), "tail": the end of its log}."""
-        from posttrain.rollout.serve import die_with_parent
+        from posttrain.rollout.serve import die_with_parent, wait_ready
 
         with socket.socket() as s:
             s.bind((host, 0))
@@ -97,7 +96,7 @@ class ServerProcess:
             self.process = subprocess.Popen(command, env={**inherited, **env}, stdout=out, stderr=subprocess.STDOUT,
                                             start_new_session=True, preexec_fn=die_with_parent())
         url = f"http://{host}:{port}"
-        if not self._wait_ready(url):
+        if not wait_ready(self.process, url, READY_TIMEOUT_S):
             code = self.process.poll()
             cause = (f"the server exited with code {code} while starting" if code is not None else
                      f"the server did not answer at {url} within {READY_TIMEOUT_S:.0f} s")
@@ -107,17 +106,6 @@ class ServerProcess:
 
         self.vllm_group = next((child.pid for child in psutil.Process(self.process.pid).children()), None)
         return {"url": url}
-
-    def _wait_ready(self, url: str) -> bool:
-        """True once the server answers /health; False if it exits first or stays silent for READY_TIMEOUT_S."""
-        deadline = time.monotonic() + READY_TIMEOUT_S
-        while self.process.poll() is None and time.monotonic() < deadline:
-            try:
-                call(url, "/health", timeout=2.0, token="")
-                return True
-            except ServerUnavailable:
-                time.sleep(1.0)
-        return False
 
     def stop(self) -> str:
         """Stop the server: SIGTERM (it then stops vLLM), SIGKILL to what is left after a grace period. Returns how

@@ -5,23 +5,17 @@
     VLLM_SERVER_DEV_MODE=1 python -m vllm.entrypoints.openai.api_server --model DIR \
         --weight-transfer-config '{"backend": "gloo-posttrain"}' --enable-scale-out --logprobs-mode processed_logprobs
 
-vLLM 0.32's weight-transfer API (`vllm.distributed.weight_transfer`) runs every sync as four phases driven over HTTP
-(`/init_weight_transfer_engine`, `/start_weight_update`, `/update_weights`, `/finish_weight_update`); a backend says
-how the bytes travel. vLLM ships `nccl` (GPU to GPU) and `ipc` (same GPU); this one is gloo over TCP, so a CPU
-server (CI, a laptop) and any trainer run the same four phases a GPU pair runs with `nccl`:
-- init: each worker joins the trainer's gloo group (`posttrain.distributed.weight_sync`: the trainer's store, bound
-  to its address, entries under a key sent over the token-guarded HTTP channel) as rank rank_offset + its rank;
+vLLM 0.32's weight-transfer API runs every sync as four phases driven over HTTP; a backend says how the bytes travel.
+vLLM ships `nccl` (GPU to GPU) and `ipc` (same GPU); this one is gloo over TCP, so a CPU server (CI, a laptop) and
+any trainer run the same four phases a GPU pair runs with `nccl`:
+- init: each worker joins the trainer's gloo group (`posttrain.distributed.weight_sync`) as rank_offset + its rank;
 - start: vLLM's layerwise reload begins (each layer is reprocessed, oneDNN repacking on a CPU, once all of its
   tensors have arrived, so no layer ever runs half new, half old);
-- update: the buckets the trainer broadcasts (a header, then one flat buffer each, `send_weights`) go into
-  `model.load_weights` as they arrive, the next one received while one is loaded;
+- update: the broadcast buckets go into `model.load_weights` as they arrive, the next received while one is loaded;
 - finish: the layerwise reload ends; a tied lm_head is reprocessed from the new embedding.
-An adapter-only sync (generation.lora_sync=adapter, `posttrain.rollout.adapter_sync`) names the adapter in its update
-info: its tensors are written to this machine's adapter directory instead of into the model (no layer is reloaded),
-and the LoRA resolver registered here serves them under that name (a LoRA-enabled server:
-VLLM_ALLOW_RUNTIME_LORA_UPDATING=1 --enable-lora --max-lora-rank R).
-With POSTTRAIN_SYNC_DIGESTS=1 in the server's environment each worker keeps a SHA-256 per received tensor
-(`digests`; tests compare them with final/).
+An adapter-only sync (generation.lora_sync=adapter) names the adapter in its update info: its tensors are written to
+this machine's adapter directory (`posttrain.rollout.adapter_sync`), where the LoRA resolver registered here finds
+them. With POSTTRAIN_SYNC_DIGESTS=1 each worker keeps a SHA-256 per received tensor (`digests`; tests).
 """
 
 from __future__ import annotations

@@ -7,19 +7,15 @@
     queue.save(checkpoint_dir, rank)                  # every rank: rollouts_in_flight_<rank>.json
     queue.load(checkpoint_dir, positions_of)          # on resume: the same batches, whatever the world size now
 
-Versions are optimiser steps: the trainer's policy after `step` steps is version `step`, and a batch records the
-version the trainer held when it was submitted (`submitted_at`) and the one its engine held while it sampled
-(`sampled_by`; older with generation.sync_every > 1). The policy lag of a sample is the version trained on minus
-`sampled_by`. A batch submitted k generation batches ahead of the one then training is trained k x
-steps_per_rollout steps later; `take` refuses a batch whose distance from submission exceeds that (a checkpoint
-written with a larger k, resumed with a smaller one): it is dropped and sampled again from the current policy.
+Versions are optimiser steps: a batch records the policy version the trainer held when it was submitted
+(`submitted_at`) and the one its engine sampled with (`sampled_by`; older with generation.sync_every > 1). A batch
+submitted k generation batches ahead is trained k x steps_per_rollout steps later; `take` refuses one that waited
+longer (a checkpoint written with a larger k, resumed with a smaller one): it is sampled again.
 
-Exact resume: what the engine returned for each batch in flight (prompt ids, completion ids, sampler log-probs,
-truncation flags, multi-turn trajectories), its data positions and versions go into the step-N checkpoint, one file
-per rank (each rank samples its own shard of the prompts), listed in the checkpoint's manifest like every other
-file. JSON keeps Python floats exactly (repr round-trips) and loads no pickle. A resumed run takes these batches
-instead of sampling them again, so it trains on the very tokens and log-probs the uninterrupted run trained on.
-Loading gathers rows by data position from every rank's file, so a checkpoint resumes under another world size too.
+Exact resume: what the engine returned for each batch in flight, its data positions and versions go into the step-N
+checkpoint, one JSON file per rank (floats round-trip exactly, no pickle), so a resumed run trains on the very tokens
+and log-probs the uninterrupted run trained on. Loading gathers rows by data position from every rank's file, so a
+checkpoint resumes under another world size too.
 """
 
 from __future__ import annotations

@@ -64,22 +64,10 @@ class SampleOrder:
 
 
 class DatasetSource(Source):
-    def __init__(
-        self,
-        examples: Sequence[dict],
-        collate: Callable[[list[dict]], Batch],
-        per_device_batch_size: int,
-        gradient_accumulation_steps: int,
-        world_size: int,
-        rank: int,
-        seed: int,
-    ):
-        self.examples = examples
-        self.collate = collate
-        self.micro = per_device_batch_size
-        self.accumulation = gradient_accumulation_steps
-        self.world_size = world_size
-        self.rank = rank
+    def __init__(self, examples: Sequence[dict], collate: Callable[[list[dict]], Batch], per_device_batch_size: int,
+                 gradient_accumulation_steps: int, world_size: int, rank: int, seed: int):
+        self.examples, self.collate, self.world_size, self.rank = examples, collate, world_size, rank
+        self.micro, self.accumulation = per_device_batch_size, gradient_accumulation_steps
         self.order = SampleOrder(len(examples), seed)
 
     @property
