@@ -27,8 +27,7 @@ from posttrain.distributed.rng_files import rng_problem
 from posttrain.distributed.resume import drop_converted, engine_resume_path, needs_conversion
 from posttrain.distributed.wrappers import plain_class
 from posttrain.errors import RunStopped, UserError
-from posttrain.models.load import merge_lora as merge
-from posttrain.models.load import merge_lora_state
+from posttrain.models.load import merge_lora, merge_lora_state
 from posttrain.train.guard import require_finite
 from posttrain.train.state import TrainState
 
@@ -220,15 +219,14 @@ def resume_path(backend, path: Path, now: dict[str, Any], output_dir) -> Path:
     return engine_resume_path(backend, path, read_trainer_state(path)["run"], now, output_dir)
 
 
-def export_final(backend, model, tokenizer, output_dir: str, merge_lora: bool = True,
-                 name: str = "final") -> Optional[Path]:
+def export_final(backend, model, tokenizer, output_dir: str, name: str = "final") -> Optional[Path]:
     """Write output_dir/<name> (final; final-critic for PPO's critic) as a Hugging Face directory that
-    from_pretrained (and vLLM, for the policy) can load.
+    from_pretrained (and vLLM, for the policy) can load, a LoRA adapter merged into its base weights.
 
     Every rank calls it: the full weights are gathered from the shards (ZeRO-3, FSDP) and rank 0 writes them."""
     require_finite(backend, backend.nonfinite_parameters(model), "exporting final/")
     unwrapped = backend.unwrap(model)
-    if merge_lora and hasattr(unwrapped, "merge_and_unload"):
+    if hasattr(unwrapped, "merge_and_unload"):
         if not backend.full_weights_in_place:
             # sharded parameters (FSDP2's DTensors): gather the LoRA model's state to rank 0 and merge a CPU copy there
             state_dict = backend.full_state_dict(model)
@@ -238,8 +236,9 @@ def export_final(backend, model, tokenizer, output_dir: str, merge_lora: bool = 
         else:
             # merging needs the whole base weights: under ZeRO-3 every rank gathers them and merges the same way
             with backend.gathered_parameters(model):
-                unwrapped = merge(unwrapped)
-                state_dict = {k: v.detach().to("cpu", copy=True) for k, v in unwrapped.state_dict().items()} if backend.is_main else {}
+                unwrapped = merge_lora(unwrapped)
+                state_dict = ({k: v.detach().to("cpu", copy=True) for k, v in unwrapped.state_dict().items()}
+                              if backend.is_main else {})
         state_dict = drop_tied_aliases(unwrapped, state_dict)
     else:
         state_dict = backend.full_state_dict(model)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any, Optional
 
@@ -186,11 +187,11 @@ def run(command: str, recipe: Recipe, launched: Optional[Launched] = None) -> Ru
     logger.info("posttrain " + " | ".join(f"{k}={v}" for k, v in summary.items() if v is not None))
     eval_fn = None
     if eval_examples is not None and algorithm.source_kind == "rollout":  # by generating, wherever generation runs
-        def eval_fn():
-            return evaluate_online(backend, source, tokenizer, eval_examples, algorithm.rewards, recipe.generation)
+        eval_fn = partial(evaluate_online, backend, source, tokenizer, eval_examples, algorithm.rewards,
+                          recipe.generation)
     elif eval_examples is not None:
         batches = eval_batches(eval_examples, collate, t.per_device_eval_batch_size, backend.world_size, backend.rank)
-        eval_fn = lambda: evaluate(backend, algorithm, models, batches)  # noqa: E731
+        eval_fn = partial(evaluate, backend, algorithm, models, batches)
 
     # 4. train, export, report
     ctx = LoopContext(backend=backend, algorithm=algorithm, models=models, source=source, total_steps=steps,

@@ -72,12 +72,11 @@ def vllm_command(args, on_gpu: bool, memory: list[str] = ()) -> list[str]:
     if "--weight-transfer-config" not in given:
         command += ["--weight-transfer-config", json.dumps({"backend": BACKEND})]
     if not on_gpu:  # fp32 is 3-5x faster than bf16 on CPUs without AVX-512; per-request seeds need no chunked prefill
-        defaults = {"--dtype": ["float32"], "--enable-chunked-prefill": [], "--enable-prefix-caching": []}
-        names = {"--enable-chunked-prefill": "--no-enable-chunked-prefill",
-                 "--enable-prefix-caching": "--no-enable-prefix-caching"}
-        for option, value in defaults.items():
-            if option not in given and names.get(option, "") not in given:
-                command += [names.get(option, option), *value]
+        defaults = {"--dtype": ["--dtype", "float32"], "--enable-chunked-prefill": ["--no-enable-chunked-prefill"],
+                    "--enable-prefix-caching": ["--no-enable-prefix-caching"]}
+        for option, added in defaults.items():
+            if option not in given and added[0] not in given:  # the user's choice, either way, stands
+                command += added
         command += list(memory)
     return command + user
 

@@ -139,7 +139,9 @@ class ServerEngine(GenerationEngine):
         if self._transfer is None:
             self._transfer = self._open_transfer()
         self._transfer.source = wire_buckets(named_tensors, self.bucket_bytes)
-        self._transfer.send_weights(self._update_info())
+        adapter = {} if self._names is None else {"adapter_name": self._names.current,
+                                                   "adapter_config": self._adapter_config}
+        self._transfer.send_weights(adapter)
         for url in self.servers:  # prefixes cached before the sync hold keys and values of the old weights
             self._rpc(url, "/reset_prefix_cache", {}, phase="finish")
 
@@ -153,11 +155,6 @@ class ServerEngine(GenerationEngine):
         self.adapter_only = True
         self._adapter_config = config
         self._names = AdapterNames(run_key)
-
-    def _update_info(self) -> dict:
-        if self._names is None:
-            return {}
-        return {"adapter_name": self._names.current, "adapter_config": self._adapter_config}
 
     def delivery_probes(self) -> list:
         """Rank 0, after an adapter sync: each server's sample of the probe prompt with the new adapter

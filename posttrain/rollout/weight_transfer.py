@@ -82,22 +82,12 @@ class ServersClient:
     def _all(self, path: str, body, phase: str, timeout: float) -> list:
         """`path` on every server at once (`body`: one for all, or a list with one per server); their answers."""
         bodies = body if isinstance(body, list) else [body] * len(self.servers)
-        answers: list = [None] * len(self.servers)
-        errors: list = [None] * len(self.servers)
-
-        def one(i):
+        calls = [Background(call, url, path, b, timeout, self.token) for url, b in zip(self.servers, bodies)]
+        answers = []
+        for url, running in zip(self.servers, calls):
             try:
-                answers[i] = call(self.servers[i], path, bodies[i], timeout=timeout, token=self.token)
-            except ServerUnavailable as e:
-                errors[i] = e
-
-        threads = [threading.Thread(target=one, args=(i,), daemon=True) for i in range(len(self.servers))]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
-        for url, error in zip(self.servers, errors):
-            if error is not None:
+                answers.append(running.join())
+            except ServerUnavailable as error:
                 raise RunStopped(f"{self.name(url)} failed during a weight sync ({phase} phase, {path}): {error}. "
                                  "Check that it is running and was started with the weight-transfer backend "
                                  f"{BACKEND} (posttrain serve does it); checkpoints already saved are complete: "

@@ -4,13 +4,10 @@ itself on a seeded `algo.lmbda` fraction of the steps (GKD's on-policy mixture, 
     source = DistillSource(recipe, backend, models, algorithm, train_examples, lmbda=0.5)   # run.py builds it
     micro_batches = source.step_batches(step)
 
-Every step takes its rows exactly as the dataset source does (the seeded global order, split over ranks and
-micro-batches: train/sources.py). Whether a step is on-policy is a coin seeded by (seed, step), the same on every
-rank, so a resumed run flips the same coins. On an on-policy step each row keeps its prompt (its tokens before the
-first trained token) and gets a completion sampled by the run's engine (generation.*), each generate call seeded by
-the global position of its first row, as the GRPO rollout source does: resume reproduces it, and so does any
-accumulation split (any world size too with generation.batch_size=1). Engines holding their own copy of the weights
-(vllm, server) get the current student first, by the rollout source's weight sync.
+Every step takes its rows exactly as the dataset source does (train/sources.py). Whether a step is on-policy is a
+coin seeded by (seed, step), the same on every rank and on resume. On an on-policy step each row keeps its prompt
+(its tokens before the first trained token) and gets a completion sampled by the run's engine, seeded and synced as
+in the GRPO rollout source (train/rollout_source.py), so resume reproduces it.
 """
 
 from __future__ import annotations

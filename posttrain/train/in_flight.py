@@ -31,8 +31,8 @@ from posttrain.errors import UserError
 
 FILE = "rollouts_in_flight_{rank}.json"
 FORMAT = 1
-FIELDS = ("prompt_ids", "completion_ids", "logprobs", "truncated")
-"""The engine's answer for one batch, as RolloutSource._sample returns it (then `trajectories`, or None)."""
+FIELDS = ("prompt_ids", "completion_ids", "logprobs", "truncated", "trajectories")
+"""The engine's answer for one batch, as RolloutSource._sample returns it (trajectories: None but multi-turn)."""
 
 
 @dataclass
@@ -128,14 +128,10 @@ class InFlight:
     def save(self, directory: Path, rank: int) -> Path:
         """Write this rank's batches in flight (waiting for them) to `directory`/rollouts_in_flight_<rank>.json."""
         self.settle()
-        records = []
-        for b in self.batches:
-            prompt_ids, completion_ids, logprobs, truncated, trajectories = b.result
-            records.append({
-                "index": b.index, "positions": b.positions, "submitted_at": b.submitted_at,
-                "sampled_by": b.sampled_by, **dict(zip(FIELDS, (prompt_ids, completion_ids, logprobs, truncated))),
-                "trajectories": None if trajectories is None else [dataclasses.asdict(t) for t in trajectories],
-            })
+        records = [{"index": b.index, "positions": b.positions, "submitted_at": b.submitted_at,
+                    "sampled_by": b.sampled_by, **dict(zip(FIELDS, b.result)),
+                    "trajectories": None if b.result[-1] is None else [dataclasses.asdict(t) for t in b.result[-1]]}
+                   for b in self.batches]
         path = Path(directory) / FILE.format(rank=rank)
         path.write_text(json.dumps({"format": FORMAT, "rank": rank, "batches": records}))
         return path
@@ -160,8 +156,7 @@ class InFlight:
                 group = len(record["prompt_ids"]) // max(len(record["positions"]), 1)
                 for i, position in enumerate(record["positions"]):
                     rows = slice(i * group, (i + 1) * group)
-                    batch["rows"][position] = {k: (record[k][rows] if record[k] is not None else None)
-                                               for k in (*FIELDS, "trajectories")}
+                    batch["rows"][position] = {k: (record[k][rows] if record[k] is not None else None) for k in FIELDS}
         self.batches = []
         for index in sorted(saved):
             meta, rows = saved[index]["meta"], saved[index]["rows"]
@@ -171,9 +166,9 @@ class InFlight:
                 return [f"generation batch {index}: the rows of prompt positions {missing[:4]} are not in "
                         f"{directory}"]
             columns = {k: [v for p in positions for v in rows[p][k]] if rows[positions[0]][k] is not None else None
-                       for k in (*FIELDS, "trajectories")}
+                       for k in FIELDS}
             if columns["trajectories"] is not None:
                 columns["trajectories"] = [trajectory(**t) for t in columns["trajectories"]]
-            result = tuple(columns[k] for k in (*FIELDS, "trajectories"))
-            self.batches.append(Sampled(index, positions, meta["submitted_at"], meta["sampled_by"], result=result))
+            self.batches.append(Sampled(index, positions, meta["submitted_at"], meta["sampled_by"],
+                                        result=tuple(columns[k] for k in FIELDS)))
         return []
