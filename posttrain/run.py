@@ -64,14 +64,11 @@ class RunResult:
 
 def make_source(recipe: Recipe, backend, models, algorithm, examples, collate, servers) -> Source:
     """The source of the loop's micro-batches, by algorithm.source_kind."""
-    t = recipe.train
     if algorithm.source_kind == "rollout":
         return RolloutSource(recipe, backend, models, algorithm, examples, algorithm.rewards, servers)
     if algorithm.source_kind == "distill":
         return DistillSource(recipe, backend, models, algorithm, examples, algorithm.config.lmbda, servers)
-    seed = t.dataloader_seed if t.dataloader_seed is not None else recipe.seed
-    return DatasetSource(examples, collate, t.per_device_train_batch_size, t.gradient_accumulation_steps,
-                         backend.world_size, backend.rank, seed)
+    return DatasetSource.from_recipe(recipe, backend, examples, collate)
 
 
 def seed_everything(seed: int) -> None:
@@ -98,10 +95,8 @@ def make_collate(recipe: Recipe, algorithm, tokenizer):
 
 
 def load_policy(recipe: Recipe, algorithm):
-    if algorithm.model_kind == "seq_cls":
-        model = load.load_sequence_classifier(recipe.model, recipe.train.gradient_checkpointing)
-    else:
-        model = load.load_causal_lm(recipe.model, recipe.train.gradient_checkpointing)
+    load_model = load.load_sequence_classifier if algorithm.model_kind == "seq_cls" else load.load_causal_lm
+    model = load_model(recipe.model, recipe.train.gradient_checkpointing)
     if recipe.model.lora.enabled:
         model = load.apply_lora(model, recipe.model.lora, task=algorithm.model_kind)
     return model

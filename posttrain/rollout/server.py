@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import os
 from concurrent.futures import ThreadPoolExecutor
+from itertools import accumulate
 from typing import Iterable, Optional
 from urllib.parse import urlsplit
 
@@ -78,12 +79,8 @@ class ServerEngine(GenerationEngine):
     def assign(prompt_ids: list[list[int]], n_servers: int) -> list[int]:
         """The server of each row: consecutive equal prompts (a prompt's group of samples) stay together, and the
         groups are split into `n_servers` contiguous runs of about equal size."""
-        starts = [i for i in range(len(prompt_ids)) if i == 0 or prompt_ids[i] != prompt_ids[i - 1]]
-        group_of = []
-        for g, start in enumerate(starts):
-            end = starts[g + 1] if g + 1 < len(starts) else len(prompt_ids)
-            group_of += [g] * (end - start)
-        return [g * n_servers // len(starts) for g in group_of]
+        group_B = list(accumulate(int(i > 0 and ids != prompt_ids[i - 1]) for i, ids in enumerate(prompt_ids)))
+        return [g * n_servers // (group_B[-1] + 1) for g in group_B]
 
     def _generate_one(self, url: str, ids: list[int], params: SamplingParams, row: int):
         adapter = {"model": self._names.current} if self._names and self._names.current else {}

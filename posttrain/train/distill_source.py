@@ -39,11 +39,8 @@ class DistillSource(RolloutSource):
 
     def __init__(self, recipe, backend, models, algorithm, examples, lmbda: float, servers=None):
         super().__init__(recipe, backend, models, algorithm, examples, rewards=None, servers=servers)
-        t = recipe.train
         pad_id = models.tokenizer.pad_token_id
-        seed = t.dataloader_seed if t.dataloader_seed is not None else recipe.seed
-        self.data = DatasetSource(examples, lambda rows: collate_padded(rows, pad_id), t.per_device_train_batch_size,
-                                  t.gradient_accumulation_steps, backend.world_size, backend.rank, seed)
+        self.data = DatasetSource.from_recipe(recipe, backend, examples, lambda rows: collate_padded(rows, pad_id))
         self.lmbda = lmbda
 
     def micro_batches_per_epoch(self) -> int:

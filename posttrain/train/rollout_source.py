@@ -77,11 +77,9 @@ class Rollouts:
 
     def per_batch(self, step_values_B: torch.Tensor) -> list[torch.Tensor]:
         """This rank's rows of a tensor over the whole step, split like its micro-batches (on their device)."""
-        out, start = [], self.offset
-        for b in self.batches:
-            out.append(step_values_B[start : start + b.num_sequences].to(b.input_ids_BT.device))
-            start += b.num_sequences
-        return out
+        sizes = [b.num_sequences for b in self.batches]
+        mine = step_values_B[self.offset : self.offset + sum(sizes)].split(sizes)
+        return [values.to(b.input_ids_BT.device) for values, b in zip(mine, self.batches)]
 
 
 @dataclass

@@ -70,6 +70,14 @@ class DatasetSource(Source):
         self.micro, self.accumulation = per_device_batch_size, gradient_accumulation_steps
         self.order = SampleOrder(len(examples), seed)
 
+    @classmethod
+    def from_recipe(cls, recipe, backend, examples: Sequence[dict], collate) -> "DatasetSource":
+        """This rank's source for a run: the train.* batch split, seeded by train.dataloader_seed (default: seed)."""
+        t = recipe.train
+        seed = t.dataloader_seed if t.dataloader_seed is not None else recipe.seed
+        return cls(examples, collate, t.per_device_train_batch_size, t.gradient_accumulation_steps, backend.world_size,
+                   backend.rank, seed)
+
     @property
     def global_batch(self) -> int:
         return self.micro * self.accumulation * self.world_size
