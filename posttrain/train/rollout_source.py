@@ -153,9 +153,15 @@ class RolloutSource(Source):
         self._sync_weights(self._trained_through, force=True)
 
     def close(self, step: int) -> None:
-        """After the run: servers, which outlive it, get the final policy (they then serve what final/ holds); the
-        engine lets go of what it holds (a server engine's sync group)."""
-        self._drop_pending()
+        """After the run: the generations in flight are let go (their batches are not needed); servers, which outlive
+        the run, get the final policy (they then serve what final/ holds); the engine lets go of what it holds (a
+        server engine's sync group)."""
+        try:
+            self._ahead.drop("the run ends")
+        except Exception as e:  # the run is ending anyway; what stopped it matters more
+            logger.warning("a generation batch sampled ahead (generation.max_staleness) failed: %s", e)
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
         if self.engine.outlives_run:
             self._sync_weights(step, force=True)
         self.engine.close()
@@ -163,15 +169,6 @@ class RolloutSource(Source):
     def end(self) -> None:
         """After the run's last collective: an engine with a runtime of its own in this process tears it down."""
         self.engine.end()
-
-    def _drop_pending(self) -> None:
-        """Wait for the generations in flight (the run ends or stops: their batches are not needed), let them go."""
-        try:
-            self._ahead.drop("the run ends")
-        except Exception as e:  # the run is ending anyway; what stopped it matters more
-            logger.warning("a generation batch sampled ahead (generation.max_staleness) failed: %s", e)
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
 
     def save_state(self, directory: Path) -> None:
         """Into a checkpoint being written (every rank): this rank's generation batches in flight (in_flight.py)."""
