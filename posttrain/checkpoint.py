@@ -38,7 +38,8 @@ def list_checkpoints(output_dir: str | Path) -> list[Path]:
     root = Path(output_dir) / "checkpoints"
     if not root.is_dir():
         return []
-    found = [p for p in root.iterdir() if p.is_dir() and STEP_DIR.match(p.name) and (p / "trainer_state.json").is_file()]
+    found = [p for p in root.iterdir()
+             if p.is_dir() and STEP_DIR.match(p.name) and (p / "trainer_state.json").is_file()]
     return sorted(found, key=lambda p: int(STEP_DIR.match(p.name).group(1)))
 
 
@@ -60,10 +61,9 @@ def resolve_resume(output_dir: str, resume: Optional[str], strict: bool = True) 
         return None
     path = Path(resume)
     if not (path / "trainer_state.json").is_file():
-        raise UserError(
-            f"train.resume_from_checkpoint={resume}: not a checkpoint directory (no trainer_state.json); "
-            f"use 'auto' or one of {[str(p) for p in list_checkpoints(output_dir)] or 'the checkpoints/step-N directories'}"
-        )
+        listed = [str(p) for p in list_checkpoints(output_dir)] or "the checkpoints/step-N directories"
+        raise UserError(f"train.resume_from_checkpoint={resume}: not a checkpoint directory (no trainer_state.json); "
+                        f"use 'auto' or one of {listed}")
     problem = resumable_problem(path, strict)
     if problem is not None:
         raise UserError(f"train.resume_from_checkpoint={resume}: {problem}")
@@ -148,9 +148,7 @@ class Checkpointer:
             }
             (tmp / "trainer_state.json").write_text(json.dumps(payload, indent=2))
             files.write_manifest(tmp)  # sizes and checksums: `auto` tells a complete checkpoint from a damaged one
-            files.fsync_tree(tmp)  # the data is on disk before the rename makes the checkpoint visible
-            files.replace_dir(tmp, final)  # an older step-N of this run goes only once the new one is in place
-            files.fsync_dir(self.root)
+            files.replace_dir(tmp, final)  # durably; an older step-N of this run goes only once the new one is in place
             self._rotate()
         self.backend.barrier()
         self.last_saved_step = state.step
@@ -250,8 +248,6 @@ def export_final(backend, model, tokenizer, output_dir: str, name: str = "final"
         tokenizer.save_pretrained(tmp)
         if getattr(unwrapped, "generation_config", None) is not None:
             unwrapped.generation_config.save_pretrained(tmp)
-        files.fsync_tree(tmp)
         files.replace_dir(tmp, final)
-        files.fsync_dir(final.parent)
     backend.barrier()
     return final if backend.is_main else None

@@ -54,10 +54,8 @@ class HFEngine(GenerationEngine):
                            [r for c in chunks for r in c.truncated])
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy tensors into the model's parameters and buffers by name.
-
-        When the engine wraps the policy itself (the usual case) the tensors are the parameters and nothing is copied.
-        """
+        """Copy tensors into the model's parameters and buffers by name (nothing to copy when the engine wraps the
+        policy itself, the usual case: the tensors are its parameters)."""
         targets = self.model.state_dict(keep_vars=True)
         with torch.no_grad():
             for name, tensor in named_tensors:
