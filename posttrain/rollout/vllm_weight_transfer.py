@@ -45,10 +45,10 @@ def register() -> None:
     if RESOLVER not in LoRAResolverRegistry.get_supported_resolvers():
         LoRAResolverRegistry.register_resolver(RESOLVER, AdapterResolver())
 
-    for factory, cls in ((WeightTransferEngineFactory, "GlooWeightTransferEngine"),
-                         (WeightTransferTrainerFactory, "GlooTrainerEngine")):
+    trainer_module = "posttrain.rollout.weight_transfer"
+    for factory, module, cls in ((WeightTransferEngineFactory, __name__, "GlooWeightTransferEngine"),
+                                 (WeightTransferTrainerFactory, trainer_module, "GlooTrainerEngine")):
         if BACKEND not in factory._registry:
-            module = __name__ if factory is WeightTransferEngineFactory else "posttrain.rollout.weight_transfer"
             factory.register_engine(BACKEND, module, cls)
 
 
