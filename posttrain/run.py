@@ -24,7 +24,7 @@ from posttrain.algorithms import ALGORITHMS
 from posttrain.checkpoint import Checkpointer, export_final, resume_path, run_facts
 from posttrain.checkpoint_files import tree_bytes, warn_low_disk
 from posttrain.config.load import dump_yaml
-from posttrain.config.schema import Recipe, total_steps
+from posttrain.config.schema import Recipe, total_steps, trackers as tracker_names
 from posttrain.data import eval_batches
 from posttrain.distributed.backend import Backend
 from posttrain.logging import MetricsLogger, read_metrics
@@ -41,7 +41,8 @@ from posttrain.train.rollout_source import RolloutSource
 from posttrain.train.distill_source import DistillSource
 from posttrain.train.sources import DatasetSource, Source
 from posttrain.train.state import TrainState
-from posttrain.trackers import closing_status
+from posttrain.report import write_report
+from posttrain.trackers import closing_status, open_trackers, tracked_run
 
 
 @dataclass
@@ -174,9 +175,6 @@ def run(command: str, recipe: Recipe, launched: Optional[Launched] = None) -> Ru
                                                             (total_params, trainable_params))
     trackers = []
     if backend.is_main:
-        from posttrain.config.schema import trackers as tracker_names
-        from posttrain.trackers import open_trackers, tracked_run
-
         trackers = open_trackers(tracker_names(t), tracked_run(recipe, command, state.step, summary))
     logger = MetricsLogger(str(out), steps, state.step, backend.is_main, trackers)
     logger.info("posttrain " + " | ".join(f"{k}={v}" for k, v in summary.items() if v is not None))
@@ -207,8 +205,6 @@ def run(command: str, recipe: Recipe, launched: Optional[Launched] = None) -> Ru
             if name != "policy":
                 role.export(str(out), f"final-{name}", tokenizer)
     if backend.is_main and t.report:
-        from posttrain.report import write_report
-
         report = write_report(out, {**summary, "minutes": round((time.time() - started) / 60, 2)})
         logger.info(f"report: {report}")
     metrics = read_metrics(out) if backend.is_main else []

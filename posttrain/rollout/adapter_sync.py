@@ -29,6 +29,9 @@ from pathlib import Path
 
 import torch
 
+from posttrain.batch import Batch
+from posttrain.errors import RunStopped
+
 PREFIX = "posttrain-"
 ROOT_ENV = "POSTTRAIN_ADAPTER_DIR"  # where a server's workers write adapters (default: the temp directory)
 KEEP = 2  # adapter versions of a run kept on a server: the current one and the one an async batch may still sample
@@ -140,9 +143,6 @@ def check_delivery(probes: list[DeliveryProbe], policy, device, atol: float, ver
     teacher-forced log-probs of each server's probe tokens (the LoRA policy, which computes what the merged final/
     does) against the server's own; RunStopped naming the server, the adapter and the version when they differ by
     more than `atol` (generation.lora_check_atol)."""
-    from posttrain.batch import Batch
-    from posttrain.errors import RunStopped
-
     if not probes:
         return
     policy.train(False)  # no dropout: the server samples without it

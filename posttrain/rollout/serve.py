@@ -34,7 +34,10 @@ import time
 from pathlib import Path
 
 from posttrain.errors import UserError
+from posttrain.rollout.adapter_sync import ROOT_ENV
+from posttrain.rollout.cpu_memory import serve_kv_cache_option
 from posttrain.rollout.http import TOKEN_ENV, ServerUnavailable, call
+from posttrain.rollout.vllm_engine import _check_cpu_head_dim
 from posttrain.rollout.weight_transfer import BACKEND
 
 EXTENSION = "posttrain.rollout.vllm_weight_transfer.WeightSyncExtension"
@@ -171,9 +174,6 @@ def run_serve(args) -> int:
     on_gpu = torch.cuda.is_available()
     memory = []
     if not on_gpu and (Path(args.model) / "config.json").is_file():
-        from posttrain.rollout.cpu_memory import serve_kv_cache_option
-        from posttrain.rollout.vllm_engine import _check_cpu_head_dim
-
         _check_cpu_head_dim(args.model)
         memory = serve_kv_cache_option(args.model, list(args.vllm_args), os.environ, args.kv_cache_gb,
                                        "--trust-remote-code" in args.vllm_args)
@@ -188,8 +188,6 @@ def run_serve(args) -> int:
     env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", TOKEN_ENV: token}
     adapters = None
     if "--enable-lora" in args.vllm_args:  # lora_sync=adapter: adapters are loaded by name as the syncs write them
-        from posttrain.rollout.adapter_sync import ROOT_ENV
-
         adapters = tempfile.mkdtemp(prefix="posttrain-adapters-")
         env.update(VLLM_ALLOW_RUNTIME_LORA_UPDATING="1", **{ROOT_ENV: adapters})
     host = socket.getfqdn() if args.host in ("0.0.0.0", "::") else args.host

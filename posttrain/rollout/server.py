@@ -27,11 +27,15 @@ from itertools import accumulate
 from typing import Iterable, Optional
 from urllib.parse import urlsplit
 
+from posttrain.distributed.weight_sync import local_address_towards
 from posttrain.errors import RunStopped, UserError
+from posttrain.rollout import weight_transfer
+from posttrain.rollout.adapter_sync import PROBE_PROMPT, PROBE_TOKENS, AdapterNames, DeliveryProbe, max_lora_rank
 from posttrain.rollout.base import (Completions, GenerationEngine, SamplingParams, check_prompts, eos_id,
                                     longest_sequence, vllm_sampling, vllm_truncated)
 from posttrain.rollout.http import (TOKEN_ENV, BadAnswer, ServerUnavailable, call, call_with_retries,  # noqa: F401
                                     completion_bytes, read_completion)
+from posttrain.rollout.weight_transfer import GlooTrainerEngine, GlooTrainerInitInfo, ServersClient
 
 TOKENIZER_PROBE = "posttrain vocabulary probe: What is 12 + 7? Answer: 19."
 
@@ -125,8 +129,6 @@ class ServerEngine(GenerationEngine):
         """Rank 0: one sync through vLLM's weight-transfer API (posttrain.rollout.weight_transfer): start, update
         (the tensors broadcast in buckets of generation.sync_bucket_mb while every server loads them), finish; the
         transfer group is opened at the first sync. Other ranks: iterate (a ZeRO-3 / FSDP2 gather is a collective)."""
-        from posttrain.rollout.weight_transfer import wire_buckets
-
         if self._names is not None:  # every rank: its requests name the adapter of this sync
             self._names.next()
         if not self.sends_weights:
@@ -135,7 +137,7 @@ class ServerEngine(GenerationEngine):
             return
         if self._transfer is None:
             self._transfer = self._open_transfer()
-        self._transfer.source = wire_buckets(named_tensors, self.bucket_bytes)
+        self._transfer.source = weight_transfer.wire_buckets(named_tensors, self.bucket_bytes)
         adapter = {} if self._names is None else {"adapter_name": self._names.current,
                                                    "adapter_config": self._adapter_config}
         self._transfer.send_weights(adapter)
@@ -147,8 +149,6 @@ class ServerEngine(GenerationEngine):
     def send_adapters(self, config: dict, run_key: str) -> None:
         """Sync the LoRA adapter alone from now on (generation.lora_sync=adapter): `config` is its
         adapter_config.json, `run_key` the run's part of every adapter name (the same on every rank)."""
-        from posttrain.rollout.adapter_sync import AdapterNames
-
         self.adapter_only = True
         self._adapter_config = config
         self._names = AdapterNames(run_key)
@@ -156,8 +156,6 @@ class ServerEngine(GenerationEngine):
     def delivery_probes(self) -> list:
         """Rank 0, after an adapter sync: each server's sample of the probe prompt with the new adapter
         (adapter_sync.DeliveryProbe); [] on the other ranks and without lora_sync=adapter."""
-        from posttrain.rollout.adapter_sync import PROBE_PROMPT, PROBE_TOKENS, DeliveryProbe
-
         if self._names is None or not self.sends_weights:
             return []
         ids = self.tokenizer(PROBE_PROMPT, add_special_tokens=False)["input_ids"]
@@ -176,9 +174,6 @@ class ServerEngine(GenerationEngine):
     def _open_transfer(self):
         """The init phase: trainer rank 0 hosts the group's store on its address towards the first server (or
         POSTTRAIN_SYNC_ADDR); every worker of every server joins as ranks 1.."""
-        from posttrain.distributed.weight_sync import local_address_towards
-        from posttrain.rollout.weight_transfer import GlooTrainerEngine, GlooTrainerInitInfo, ServersClient
-
         client = ServersClient(self.servers, self.token, self.timeout, self.sync_timeout, self.name)
         world = 1 + client.world_size()
         server_host = urlsplit(self.servers[0]).hostname or "127.0.0.1"
@@ -282,8 +277,6 @@ def check_servers(recipe, tokenizer, servers=None) -> None:
 def check_runtime_lora(url: str, where: str, rank: int, timeout: float) -> None:
     """generation.lora_sync=adapter: the server loads LoRA adapters at run time (its unload route answers "cannot be
     found" for an adapter it never had; without runtime loading vLLM has no such route). UserError else."""
-    from posttrain.rollout.adapter_sync import max_lora_rank
-
     try:
         call(url, "/v1/unload_lora_adapter", {"lora_name": "posttrain-startup-check-0"}, timeout=timeout)
     except ServerUnavailable as e:

@@ -8,7 +8,6 @@
 Its owners: Ray engine actors (posttrain/launch/ray_engines.py), a node's first training rank (`generation.placement:
 node`, rollout/vllm_node.py) and the tests' session server (tests/conftest.py). The server does not outlive its
 owner: `posttrain serve` gets SIGTERM when the owner's process ends, killed or not, and vLLM when serve's ends.
-Torch-free, like the Ray launcher that imports it.
 """
 
 from __future__ import annotations
@@ -21,7 +20,10 @@ import sys
 from pathlib import Path
 from typing import Optional
 
+from posttrain.rollout.adapter_sync import max_lora_rank
+from posttrain.rollout.base import longest_sequence
 from posttrain.rollout.http import TOKEN_ENV
+from posttrain.rollout.serve import die_with_parent, stop_group, wait_ready
 
 LOG_DIR = "engines"  # under output_dir: the servers' output (run.check_output_dir lets it be there)
 READY_TIMEOUT_S = 600.0  # model load + vLLM start-up (large models on GPUs take minutes)
@@ -34,8 +36,6 @@ def serve_args(recipe, tensor_parallel_size: int) -> list[str]:
     """`posttrain serve` options for the policy's starting weights and the recipe's `generation.vllm.*` (sleep mode
     and the seed are the caller's: they depend on where the server runs)."""
     model, vllm = recipe.model, recipe.generation.vllm
-    from posttrain.rollout.base import longest_sequence
-
     args = ["--model", model.name_or_path, "--", "--tensor-parallel-size", str(tensor_parallel_size),
             "--max-model-len", str(vllm.max_model_len or longest_sequence(recipe)),
             "--gpu-memory-utilization", str(vllm.gpu_memory_utilization)]
@@ -50,8 +50,6 @@ def serve_args(recipe, tensor_parallel_size: int) -> list[str]:
     if model.trust_remote_code:
         args.append("--trust-remote-code")
     if recipe.generation.lora_sync == "adapter":  # the server serves the adapter each sync sends
-        from posttrain.rollout.adapter_sync import max_lora_rank
-
         args += ["--enable-lora", "--max-lora-rank", str(max_lora_rank(model.lora.r))]
     return args
 
@@ -83,8 +81,6 @@ class ServerProcess:
         """Start the server with `args` (serve_args) on `host` and a free port, its output in `log`, and wait until
         it answers. Returns {"url": ...}, or {"error": ..., "code": its exit code (None: still running when given
         up), "tail": the end of its log}."""
-        from posttrain.rollout.serve import die_with_parent, wait_ready
-
         with socket.socket() as s:
             s.bind((host, 0))
             port = s.getsockname()[1]
@@ -110,8 +106,6 @@ class ServerProcess:
     def stop(self) -> str:
         """Stop the server: SIGTERM (it then stops vLLM), SIGKILL to what is left after a grace period. Returns how
         it had ended before this call ("" while it was still running, or never started)."""
-        from posttrain.rollout.serve import stop_group
-
         if self.process is None:
             return ""
         code = self.process.poll()

@@ -11,7 +11,9 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import queue
 import secrets
+import threading
 
 from posttrain.rollout.http import TOKEN_ENV
 
@@ -49,9 +51,6 @@ class TokenGuard:
 
 def prefetched(items, ahead: int = 1):
     """Iterate `items` in a background thread, at most `ahead` items ahead of the consumer (errors re-raised)."""
-    import queue
-    import threading
-
     box: queue.Queue = queue.Queue(maxsize=ahead)
     done = object()
 

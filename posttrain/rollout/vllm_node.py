@@ -21,6 +21,8 @@ import os
 import secrets
 from pathlib import Path
 
+import torch
+
 from posttrain.errors import RunStopped, UserError
 from posttrain.rollout.server import ServerEngine
 from posttrain.rollout.server_process import LOG_DIR, ServerProcess, serve_args, server_env
@@ -42,8 +44,6 @@ class NodeEngine(ServerEngine):
     outlives_run = False  # the engine ends with the run: no final sync
 
     def __init__(self, recipe, backend, tokenizer):
-        import torch
-
         self.backend = backend
         self.node, local_rank = node_position(backend.rank, backend.world_size)
         self.server = ServerProcess() if local_rank == 0 else None
@@ -73,8 +73,6 @@ class NodeEngine(ServerEngine):
                   f"(generation.placement=node), log {self.log}", flush=True)
 
     def _start(self, recipe) -> dict:
-        import torch
-
         cfg = recipe.generation.vllm
         args = serve_args(recipe, cfg.tensor_parallel_size) + ["--seed", str(recipe.seed + self.backend.rank)]
         if cfg.enable_sleep_mode and torch.cuda.is_available():

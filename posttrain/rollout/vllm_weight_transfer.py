@@ -32,6 +32,9 @@ from vllm.distributed.weight_transfer.base import (WeightTransferEngine, WeightT
 from vllm.lora.request import LoRARequest
 from vllm.lora.resolver import LoRAResolver
 
+from posttrain.distributed.weight_sync import local_address_towards, open_sync_group, receive_buckets
+from posttrain.rollout.adapter_sync import adapter_root, parse_name, write_adapter
+from posttrain.rollout.server_worker import prefetched, repack_tied_lm_head, tensor_digest
 from posttrain.rollout.weight_transfer import BACKEND
 
 
@@ -81,8 +84,6 @@ class AdapterResolver(LoRAResolver):
     """Finds a posttrain adapter by name in this machine's adapter directory (written by the workers at a sync)."""
 
     async def resolve_lora(self, base_model_name: str, lora_name: str) -> Optional[LoRARequest]:
-        from posttrain.rollout.adapter_sync import adapter_root, parse_name
-
         try:
             parse_name(lora_name)
         except ValueError:
@@ -110,8 +111,6 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
         self._reloading = False  # vLLM's layerwise reload began (the first bucket of a full-weight sync)
 
     def init_transfer_engine(self, init_info: GlooInitInfo) -> None:
-        from posttrain.distributed.weight_sync import local_address_towards, open_sync_group
-
         self.shutdown()
         parallel = self.parallel_config
         rank = init_info.rank_offset + parallel.data_parallel_index * parallel.world_size + parallel.rank
@@ -130,9 +129,6 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
             torch.cuda.synchronize()
 
     def receive_weights(self, update_info: GlooUpdateInfo) -> None:
-        from posttrain.distributed.weight_sync import receive_buckets
-        from posttrain.rollout.server_worker import prefetched, tensor_digest
-
         if self.group is None:
             raise RuntimeError("gloo-posttrain: /update_weights before /init_weight_transfer_engine")
         keep_digests = os.environ.get("POSTTRAIN_SYNC_DIGESTS") == "1"
@@ -156,14 +152,10 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
             else:
                 self.model.load_weights([(name, tensor.to(self.device)) for name, tensor in bucket])
         if update_info.adapter_name:
-            from posttrain.rollout.adapter_sync import adapter_root, write_adapter
-
             write_adapter(adapter_root(), update_info.adapter_name, adapter, update_info.adapter_config or {})
 
     def finish_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
-
-        from posttrain.rollout.server_worker import repack_tied_lm_head
 
         if self._reloading:  # an adapter-only sync left the model as it was
             finalize_layerwise_reload(self.model, self.model_config)

@@ -21,6 +21,7 @@ import threading
 from dataclasses import dataclass
 from typing import ClassVar, Iterable, Optional
 
+from posttrain.distributed.weight_sync import SyncStore, open_sync_group, send_weights
 from posttrain.errors import RunStopped
 from posttrain.rollout.http import ServerUnavailable, call
 
@@ -118,8 +119,6 @@ class GlooTrainerEngine:
     def trainer_init(cls, init_info: GlooTrainerInitInfo, *, client, source=None) -> "GlooTrainerEngine":
         """Open the group: host its store on init_info.addr, ask every server to join (all at once: the group forms
         only when every member is in), join as rank 0."""
-        from posttrain.distributed.weight_sync import SyncStore, open_sync_group
-
         if init_info.rank != 0:
             return cls(client=client, source=source, is_sender=False)
         store = SyncStore(init_info.addr, init_info.world_size, init_info.timeout_s)
@@ -141,8 +140,6 @@ class GlooTrainerEngine:
         """One sync, every phase on every server: start, update (the servers receive while this broadcasts), finish.
         `update_info`: the backend's (GlooUpdateInfo: an adapter's name and config). Returns the bytes sent (0 on
         the other ranks)."""
-        from posttrain.distributed.weight_sync import send_weights
-
         if not self.is_sender:
             for _ in self.source:
                 pass
