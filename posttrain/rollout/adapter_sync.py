@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors.torch import save_file
 
 from posttrain.batch import Batch
 from posttrain.errors import RunStopped
@@ -88,8 +89,6 @@ def adapter_config(peft_model) -> dict:
 def write_adapter(root: Path, name: str, tensors: dict[str, torch.Tensor], config: dict) -> Path:
     """`root/name/` with adapter_model.safetensors and adapter_config.json, written under a temporary name and
     renamed (a reader never sees half an adapter); older adapters of the same run beyond the last KEEP are removed."""
-    from safetensors.torch import save_file
-
     run_key, count = parse_name(name)
     root.mkdir(parents=True, exist_ok=True)
     final = root / name

@@ -33,6 +33,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import torch
+
 from posttrain.errors import UserError
 from posttrain.rollout.adapter_sync import ROOT_ENV
 from posttrain.rollout.cpu_memory import serve_kv_cache_option
@@ -168,8 +170,6 @@ def stop_group(process: subprocess.Popen) -> None:
 
 
 def run_serve(args) -> int:
-    import torch
-
     check_serve_args(args)
     on_gpu = torch.cuda.is_available()
     memory = []

@@ -20,6 +20,8 @@ import sys
 from pathlib import Path
 from typing import Optional
 
+import psutil
+
 from posttrain.rollout.adapter_sync import max_lora_rank
 from posttrain.rollout.base import longest_sequence
 from posttrain.rollout.http import TOKEN_ENV
@@ -98,8 +100,6 @@ class ServerProcess:
                      f"the server did not answer at {url} within {READY_TIMEOUT_S:.0f} s")
             self.stop()
             return {"error": cause, "code": code, "tail": log_tail(self.log)}
-        import psutil
-
         self.vllm_group = next((child.pid for child in psutil.Process(self.process.pid).children()), None)
         return {"url": url}
 

@@ -15,6 +15,8 @@ import queue
 import secrets
 import threading
 
+import torch
+
 from posttrain.rollout.http import TOKEN_ENV
 
 OPEN_PATHS = ("/health",)  # liveness probes (Kubernetes, SLURM scripts) need no token
@@ -71,8 +73,6 @@ def prefetched(items, ahead: int = 1):
 
 def tensor_digest(tensor) -> str:
     """SHA-256 of a tensor's dtype, shape and bytes (what `posttrain_digests` reports, and what tests compare)."""
-    import torch
-
     flat = tensor.detach().contiguous().cpu().reshape(-1).view(torch.uint8)
     h = hashlib.sha256(f"{tensor.dtype}{list(tensor.shape)}".encode())
     h.update(flat.numpy().tobytes())
