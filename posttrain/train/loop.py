@@ -208,8 +208,8 @@ def evaluate(backend, algorithm: Algorithm, models: Models, batches: list[tuple[
             for key, value in metrics.items():
                 metric_sums[key] = metric_sums.get(key, 0.0) + value.detach().float() * weight
     keys = sorted(metric_sums)
-    local = torch.cat([total, torch.stack([metric_sums[k] for k in keys]) if keys else torch.zeros(0, device=backend.device)])
-    local = torch.cat([local, torch.tensor([float(sum(w for _, w in batches))], device=backend.device)])
+    stacked = torch.stack([metric_sums[k] for k in keys]) if keys else torch.zeros(0, device=backend.device)
+    local = torch.cat([total, stacked, torch.tensor([float(sum(w for _, w in batches))], device=backend.device)])
     reduced = backend.all_reduce_sum(local)
     out = {"eval/loss": float(reduced[0] / reduced[1].clamp(min=1))}
     out.update({f"eval/{k}": float(v / reduced[-1].clamp(min=1)) for k, v in zip(keys, reduced[2:-1])})
