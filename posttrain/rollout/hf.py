@@ -14,6 +14,7 @@ import contextlib
 from typing import Callable, ContextManager, Iterable, Optional
 
 import torch
+from torch.nn.utils.rnn import pad_sequence
 
 from posttrain.rollout.base import Completions, GenerationEngine, SamplingParams, check_prompts, eos_id
 
@@ -73,12 +74,10 @@ class HFEngine(GenerationEngine):
 
     def _generate_chunk(self, prompts: list[list[int]], params: SamplingParams) -> Completions:
         device = _device_of(self.model)
-        width = max(len(p) for p in prompts)
-        input_ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
-        attention_mask = torch.zeros((len(prompts), width), dtype=torch.long)
-        for row, p in enumerate(prompts):  # left padding: every prompt ends at the same column
-            input_ids[row, width - len(p) :] = torch.tensor(p, dtype=torch.long)
-            attention_mask[row, width - len(p) :] = 1
+        rows = [torch.tensor(p, dtype=torch.long) for p in prompts]  # left padded: every prompt ends in one column
+        input_ids = pad_sequence(rows, batch_first=True, padding_value=self.pad_id, padding_side="left")
+        attention_mask = pad_sequence([torch.ones_like(r) for r in rows], batch_first=True, padding_side="left")
+        width = input_ids.shape[1]
         # under ZeRO-3 / FSDP transformers keeps the ranks stepping together until the last completion ends
         out = self.model.generate(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
                                   generation_config=self._generation_config(params))
