@@ -108,17 +108,9 @@ def evaluate_online(backend, source, tokenizer, eval_examples, rewards, generati
     return evaluate_prompts(backend, source.engine, tokenizer, eval_examples, rewards, generation, source.agent)
 
 
-def preference_accuracy(
-    model_or_dir: Any,
-    tokenizer: Any = None,
-    examples: Any = (),
-    *,
-    reference: Any = None,
-    length_normalised: bool = False,
-    batch_size: int = 16,
-    max_length: int = 512,
-    device: Optional[str] = None,
-) -> float:
+def preference_accuracy(model_or_dir: Any, tokenizer: Any = None, examples: Any = (), *, reference: Any = None,
+                        length_normalised: bool = False, batch_size: int = 16, max_length: int = 512,
+                        device: Optional[str] = None) -> float:
     """Fraction of pairs whose chosen completion the model prefers: log p(chosen) > log p(rejected) under the policy,
     or, given a `reference` (model or directory), the implicit reward log-ratio (policy - reference) of chosen >
     rejected, as DPO's rewards/accuracies.
