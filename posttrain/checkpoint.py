@@ -27,8 +27,7 @@ from posttrain.distributed.rng_files import rng_problem
 from posttrain.distributed.resume import drop_converted, engine_resume_path, needs_conversion
 from posttrain.distributed.wrappers import plain_class
 from posttrain.errors import RunStopped, UserError
-from posttrain.models.load import merge_lora as merge
-from posttrain.models.load import merge_lora_state
+from posttrain.models.load import merge_lora, merge_lora_state
 from posttrain.train.guard import require_finite
 from posttrain.train.state import TrainState
 
@@ -39,7 +38,8 @@ def list_checkpoints(output_dir: str | Path) -> list[Path]:
     root = Path(output_dir) / "checkpoints"
     if not root.is_dir():
         return []
-    found = [p for p in root.iterdir() if p.is_dir() and STEP_DIR.match(p.name) and (p / "trainer_state.json").is_file()]
+    found = [p for p in root.iterdir()
+             if p.is_dir() and STEP_DIR.match(p.name) and (p / "trainer_state.json").is_file()]
     return sorted(found, key=lambda p: int(STEP_DIR.match(p.name).group(1)))
 
 
@@ -61,10 +61,9 @@ def resolve_resume(output_dir: str, resume: Optional[str], strict: bool = True) 
         return None
     path = Path(resume)
     if not (path / "trainer_state.json").is_file():
-        raise UserError(
-            f"train.resume_from_checkpoint={resume}: not a checkpoint directory (no trainer_state.json); "
-            f"use 'auto' or one of {[str(p) for p in list_checkpoints(output_dir)] or 'the checkpoints/step-N directories'}"
-        )
+        listed = [str(p) for p in list_checkpoints(output_dir)] or "the checkpoints/step-N directories"
+        raise UserError(f"train.resume_from_checkpoint={resume}: not a checkpoint directory (no trainer_state.json); "
+                        f"use 'auto' or one of {listed}")
     problem = resumable_problem(path, strict)
     if problem is not None:
         raise UserError(f"train.resume_from_checkpoint={resume}: {problem}")
@@ -149,9 +148,7 @@ class Checkpointer:
             }
             (tmp / "trainer_state.json").write_text(json.dumps(payload, indent=2))
             files.write_manifest(tmp)  # sizes and checksums: `auto` tells a complete checkpoint from a damaged one
-            files.fsync_tree(tmp)  # the data is on disk before the rename makes the checkpoint visible
-            files.replace_dir(tmp, final)  # an older step-N of this run goes only once the new one is in place
-            files.fsync_dir(self.root)
+            files.replace_dir(tmp, final)  # durably; an older step-N of this run goes only once the new one is in place
             self._rotate()
         self.backend.barrier()
         self.last_saved_step = state.step
@@ -220,15 +217,14 @@ def resume_path(backend, path: Path, now: dict[str, Any], output_dir) -> Path:
     return engine_resume_path(backend, path, read_trainer_state(path)["run"], now, output_dir)
 
 
-def export_final(backend, model, tokenizer, output_dir: str, merge_lora: bool = True,
-                 name: str = "final") -> Optional[Path]:
+def export_final(backend, model, tokenizer, output_dir: str, name: str = "final") -> Optional[Path]:
     """Write output_dir/<name> (final; final-critic for PPO's critic) as a Hugging Face directory that
-    from_pretrained (and vLLM, for the policy) can load.
+    from_pretrained (and vLLM, for the policy) can load, a LoRA adapter merged into its base weights.
 
     Every rank calls it: the full weights are gathered from the shards (ZeRO-3, FSDP) and rank 0 writes them."""
     require_finite(backend, backend.nonfinite_parameters(model), "exporting final/")
     unwrapped = backend.unwrap(model)
-    if merge_lora and hasattr(unwrapped, "merge_and_unload"):
+    if hasattr(unwrapped, "merge_and_unload"):
         if not backend.full_weights_in_place:
             # sharded parameters (FSDP2's DTensors): gather the LoRA model's state to rank 0 and merge a CPU copy there
             state_dict = backend.full_state_dict(model)
@@ -238,8 +234,9 @@ def export_final(backend, model, tokenizer, output_dir: str, merge_lora: bool = 
         else:
             # merging needs the whole base weights: under ZeRO-3 every rank gathers them and merges the same way
             with backend.gathered_parameters(model):
-                unwrapped = merge(unwrapped)
-                state_dict = {k: v.detach().to("cpu", copy=True) for k, v in unwrapped.state_dict().items()} if backend.is_main else {}
+                unwrapped = merge_lora(unwrapped)
+                state_dict = ({k: v.detach().to("cpu", copy=True) for k, v in unwrapped.state_dict().items()}
+                              if backend.is_main else {})
         state_dict = drop_tied_aliases(unwrapped, state_dict)
     else:
         state_dict = backend.full_state_dict(model)
@@ -251,8 +248,6 @@ def export_final(backend, model, tokenizer, output_dir: str, merge_lora: bool = 
         tokenizer.save_pretrained(tmp)
         if getattr(unwrapped, "generation_config", None) is not None:
             unwrapped.generation_config.save_pretrained(tmp)
-        files.fsync_tree(tmp)
         files.replace_dir(tmp, final)
-        files.fsync_dir(final.parent)
     backend.barrier()
     return final if backend.is_main else None

@@ -1,7 +1,7 @@
 """Checkpoint files that survive crashes and damage: a manifest (sizes, SHA-256), fsync before rename, verification.
 
     write_manifest(tmp)               # after every file of the checkpoint is written (rank 0)
-    fsync_tree(tmp); os.replace(tmp, final); fsync_dir(final.parent)
+    replace_dir(tmp, final)           # fsync, rename (an older `final` goes only once the new one is in place), fsync
     problem = verify(path)            # None, or what is wrong ("pytorch_model.bin: 812 bytes, 4096 expected")
     raise disk_full_error(e, tmp, previous)   # ENOSPC while saving: one clear message, the partial copy removed
 
@@ -32,12 +32,9 @@ def _sha256(path: Path) -> str:
         return hashlib.file_digest(f, "sha256").hexdigest()
 
 
-def _files(root: Path) -> list[Path]:
-    return sorted(p for p in root.rglob("*") if p.is_file() and p.name != MANIFEST)
-
-
 def write_manifest(root: Path) -> None:
-    files = {str(p.relative_to(root)): {"size": p.stat().st_size, "sha256": _sha256(p)} for p in _files(root)}
+    listed = sorted(p for p in root.rglob("*") if p.is_file() and p.name != MANIFEST)
+    files = {str(p.relative_to(root)): {"size": p.stat().st_size, "sha256": _sha256(p)} for p in listed}
     (root / MANIFEST).write_text(json.dumps({"files": files}, indent=1))
 
 
@@ -157,11 +154,13 @@ def warn_low_disk(output_dir: Path, checkpoint_bytes: int) -> None:
 
 
 def replace_dir(tmp: Path, final: Path) -> None:
-    """Put the complete directory `tmp` at `final` (a checkpoint, final/): an older `final` of this run is renamed
-    aside first and removed only once `tmp` is in place; a link is never followed."""
+    """Put the complete directory `tmp` at `final` (a checkpoint, final/), durably: its data is on disk before the
+    rename makes it visible, and the rename after. An older `final` of this run is renamed aside first and removed
+    only once `tmp` is in place; a link is never followed."""
     if final.is_symlink():
         raise UserError(f"{final} is a symbolic link (to {os.readlink(final)}); posttrain does not write through "
                         "links: remove it and resume with train.resume_from_checkpoint=auto")
+    fsync_tree(tmp)
     old = None
     if final.exists():
         old = final.with_name(f".old-{final.name}")
@@ -169,5 +168,6 @@ def replace_dir(tmp: Path, final: Path) -> None:
             shutil.rmtree(old)
         os.rename(final, old)
     os.replace(tmp, final)
+    fsync_dir(final.parent)
     if old is not None:
         shutil.rmtree(old)

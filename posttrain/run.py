@@ -10,13 +10,13 @@ Order matters and is deliberate:
 
 from __future__ import annotations
 
-import random
 import time
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any, Optional
 
-import torch
+from transformers import set_seed
 
 from posttrain import data, outputs
 from posttrain.agents import check_rollout
@@ -24,7 +24,7 @@ from posttrain.algorithms import ALGORITHMS
 from posttrain.checkpoint import Checkpointer, export_final, resume_path, run_facts
 from posttrain.checkpoint_files import tree_bytes, warn_low_disk
 from posttrain.config.load import dump_yaml
-from posttrain.config.schema import Recipe, total_steps
+from posttrain.config.schema import Recipe, total_steps, trackers as tracker_names
 from posttrain.data import eval_batches
 from posttrain.distributed.backend import Backend
 from posttrain.logging import MetricsLogger, read_metrics
@@ -41,8 +41,8 @@ from posttrain.train.rollout_source import RolloutSource
 from posttrain.train.distill_source import DistillSource
 from posttrain.train.sources import DatasetSource, Source
 from posttrain.train.state import TrainState
-from posttrain.trackers import closing_status
-
+from posttrain.report import write_report
+from posttrain.trackers import closing_status, open_trackers, tracked_run
 
 
 @dataclass
@@ -65,25 +65,16 @@ class RunResult:
 
 def make_source(recipe: Recipe, backend, models, algorithm, examples, collate, servers) -> Source:
     """The source of the loop's micro-batches, by algorithm.source_kind."""
-    t = recipe.train
     if algorithm.source_kind == "rollout":
         return RolloutSource(recipe, backend, models, algorithm, examples, algorithm.rewards, servers)
     if algorithm.source_kind == "distill":
         return DistillSource(recipe, backend, models, algorithm, examples, algorithm.config.lmbda, servers)
-    seed = t.dataloader_seed if t.dataloader_seed is not None else recipe.seed
-    return DatasetSource(examples, collate, t.per_device_train_batch_size, t.gradient_accumulation_steps,
-                         backend.world_size, backend.rank, seed)
+    return DatasetSource.from_recipe(recipe, backend, examples, collate)
 
 
 def seed_everything(seed: int) -> None:
-    random.seed(seed)
-    torch.manual_seed(seed)
-    try:
-        import numpy as np
-
-        np.random.seed(seed)
-    except ImportError:
-        pass
+    """Python's, numpy's and torch's generators."""
+    set_seed(seed)
 
 
 def load_examples(recipe: Recipe, algorithm, tokenizer, which: str):
@@ -105,10 +96,8 @@ def make_collate(recipe: Recipe, algorithm, tokenizer):
 
 
 def load_policy(recipe: Recipe, algorithm):
-    if algorithm.model_kind == "seq_cls":
-        model = load.load_sequence_classifier(recipe.model, recipe.train.gradient_checkpointing)
-    else:
-        model = load.load_causal_lm(recipe.model, recipe.train.gradient_checkpointing)
+    load_model = load.load_sequence_classifier if algorithm.model_kind == "seq_cls" else load.load_causal_lm
+    model = load_model(recipe.model, recipe.train.gradient_checkpointing)
     if recipe.model.lora.enabled:
         model = load.apply_lora(model, recipe.model.lora, task=algorithm.model_kind)
     return model
@@ -186,19 +175,16 @@ def run(command: str, recipe: Recipe, launched: Optional[Launched] = None) -> Ru
                                                             (total_params, trainable_params))
     trackers = []
     if backend.is_main:
-        from posttrain.config.schema import trackers as tracker_names
-        from posttrain.trackers import open_trackers, tracked_run
-
         trackers = open_trackers(tracker_names(t), tracked_run(recipe, command, state.step, summary))
     logger = MetricsLogger(str(out), steps, state.step, backend.is_main, trackers)
     logger.info("posttrain " + " | ".join(f"{k}={v}" for k, v in summary.items() if v is not None))
     eval_fn = None
     if eval_examples is not None and algorithm.source_kind == "rollout":  # by generating, wherever generation runs
-        def eval_fn():
-            return evaluate_online(backend, source, tokenizer, eval_examples, algorithm.rewards, recipe.generation)
+        eval_fn = partial(evaluate_online, backend, source, tokenizer, eval_examples, algorithm.rewards,
+                          recipe.generation)
     elif eval_examples is not None:
         batches = eval_batches(eval_examples, collate, t.per_device_eval_batch_size, backend.world_size, backend.rank)
-        eval_fn = lambda: evaluate(backend, algorithm, models, batches)  # noqa: E731
+        eval_fn = partial(evaluate, backend, algorithm, models, batches)
 
     # 4. train, export, report
     ctx = LoopContext(backend=backend, algorithm=algorithm, models=models, source=source, total_steps=steps,
@@ -219,8 +205,6 @@ def run(command: str, recipe: Recipe, launched: Optional[Launched] = None) -> Ru
             if name != "policy":
                 role.export(str(out), f"final-{name}", tokenizer)
     if backend.is_main and t.report:
-        from posttrain.report import write_report
-
         report = write_report(out, {**summary, "minutes": round((time.time() - started) / 60, 2)})
         logger.info(f"report: {report}")
     metrics = read_metrics(out) if backend.is_main else []

@@ -28,6 +28,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors.torch import save_file
+
+from posttrain.batch import Batch
+from posttrain.errors import RunStopped
 
 PREFIX = "posttrain-"
 ROOT_ENV = "POSTTRAIN_ADAPTER_DIR"  # where a server's workers write adapters (default: the temp directory)
@@ -85,8 +89,6 @@ def adapter_config(peft_model) -> dict:
 def write_adapter(root: Path, name: str, tensors: dict[str, torch.Tensor], config: dict) -> Path:
     """`root/name/` with adapter_model.safetensors and adapter_config.json, written under a temporary name and
     renamed (a reader never sees half an adapter); older adapters of the same run beyond the last KEEP are removed."""
-    from safetensors.torch import save_file
-
     run_key, count = parse_name(name)
     root.mkdir(parents=True, exist_ok=True)
     final = root / name
@@ -140,9 +142,6 @@ def check_delivery(probes: list[DeliveryProbe], policy, device, atol: float, ver
     teacher-forced log-probs of each server's probe tokens (the LoRA policy, which computes what the merged final/
     does) against the server's own; RunStopped naming the server, the adapter and the version when they differ by
     more than `atol` (generation.lora_check_atol)."""
-    from posttrain.batch import Batch
-    from posttrain.errors import RunStopped
-
     if not probes:
         return
     policy.train(False)  # no dropout: the server samples without it

@@ -1,21 +1,11 @@
 """The generation-engine interface: prompt token ids in, completion token ids and their log-probs out.
 
-Online algorithms (GRPO, PPO) sample completions from the current policy, score them and train on them. The loop
-only ever talks to a `GenerationEngine`, so where the sampling happens is a launch-time choice:
+Online algorithms (GRPO, PPO) sample completions from the current policy, score them and train on them. The loop only
+ever talks to a `GenerationEngine`, so where the sampling happens is a launch-time choice (rollout/engines.py: hf on
+the policy itself, vLLM in-process, one vLLM engine per node, vLLM servers).
 
-- hf (`posttrain.rollout.hf.HFEngine`): transformers `model.generate` on the policy itself, in the training process.
-  No second copy of the weights and no weight sync; works on a CPU, under DDP, and under ZeRO-3 (the caller passes a
-  context manager that gathers the partitioned parameters for the duration of a `generate` call). The default.
-- vllm (`posttrain.rollout.vllm_engine.VLLMEngine`): a vLLM engine in the training process, weights pushed in with
-  `load_weights` after each optimiser step; `sleep`/`wake` free and restore its KV cache so training gets the GPU
-  memory back in between. With `generation.placement: node`, one engine per node in a process of its own,
-  shared by the node's ranks (`posttrain.rollout.vllm_node.NodeEngine`).
-- server (`posttrain.rollout.server.ServerEngine`): vLLM servers started with `posttrain serve`, in other processes
-  or on other nodes; `load_weights` broadcasts the weights to all of them over a gloo group.
-
-    engine = make_engine("hf", model=model, tokenizer=tokenizer)
-    params = SamplingParams(max_new_tokens=64, temperature=1.0, seed=step)
-    out = engine.generate([tokenizer("What is 2 + 3?")["input_ids"]], params)
+    engine = make_engine(recipe, backend, policy, tokenizer)
+    out = engine.generate([tokenizer("What is 2 + 3?")["input_ids"]], SamplingParams(max_new_tokens=64, seed=step))
     out.completion_ids[0], out.logprobs[0], out.truncated[0]
 
 Log-probs contract: `logprobs[i][t]` is log_softmax(logits / temperature)[completion_ids[i][t]] of the model's raw
@@ -28,6 +18,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Iterable, Optional
+
+from posttrain.errors import UserError
 
 if TYPE_CHECKING:
     import torch
@@ -70,13 +62,7 @@ class SamplingParams:
     @classmethod
     def from_config(cls, cfg: "GenerationConfig", seed: Optional[int] = None) -> "SamplingParams":
         """The recipe's `generation.*` section as sampling parameters."""
-        return cls(
-            max_new_tokens=cfg.max_completion_length,
-            temperature=cfg.temperature,
-            top_p=cfg.top_p,
-            top_k=cfg.top_k,
-            seed=seed,
-        )
+        return cls(cfg.max_completion_length, cfg.temperature, cfg.top_p, cfg.top_k, seed)
 
 
 def longest_sequence(recipe) -> int:
@@ -90,6 +76,29 @@ def check_prompts(prompt_ids: list[list[int]]) -> None:
     for i, ids in enumerate(prompt_ids):
         if len(ids) == 0:
             raise ValueError(f"prompt {i} is empty; every prompt needs at least one token")
+
+
+def eos_id(tokenizer) -> int:
+    """The token that ends a completion, in every engine (the model's own eos is ignored)."""
+    if tokenizer.eos_token_id is None:
+        raise UserError("the tokenizer has no eos token; set one (tokenizer.eos_token) so generation can stop")
+    return int(tokenizer.eos_token_id)
+
+
+def vllm_sampling(params: SamplingParams, eos: int, row: int) -> dict:
+    """vLLM's sampling parameters for row `row` of a call (in-process engine and servers alike): a seeded call gives
+    row i the seed `seed + i`, so a sample depends neither on the rest of the batch nor on the server that drew it."""
+    return dict(n=1, max_tokens=params.max_new_tokens, temperature=params.temperature, top_p=params.top_p,
+                top_k=params.top_k if params.top_k > 0 else -1,
+                **({} if params.seed is None else {"seed": (params.seed + row) % 2**63}),
+                logprobs=0,  # the sampled token's own log-prob
+                ignore_eos=True,  # the tokenizer's eos stops a completion, as in the HF engine
+                stop_token_ids=[eos], detokenize=False)
+
+
+def vllm_truncated(finish_reason: str, tokens: list[int], eos: int) -> bool:
+    """A vLLM completion hit max_tokens without the eos token."""
+    return finish_reason == "length" and (not tokens or tokens[-1] != eos)
 
 
 @dataclass(frozen=True)

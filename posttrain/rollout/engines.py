@@ -19,33 +19,30 @@ from __future__ import annotations
 import secrets
 from typing import Callable, Optional, Sequence
 
+from posttrain.rollout.adapter_sync import adapter_config
 from posttrain.rollout.base import GenerationEngine, longest_sequence
+from posttrain.rollout.hf import HFEngine
+from posttrain.rollout.server import ServerEngine
+from posttrain.rollout.vllm_engine import VLLMEngine
+from posttrain.rollout.vllm_node import NodeEngine
 
 
 def _hf(recipe, backend, policy, tokenizer, servers) -> GenerationEngine:
-    from posttrain.rollout.hf import HFEngine
-
     return HFEngine(model=backend.unwrap(policy), tokenizer=tokenizer,
                     gather=lambda: backend.gathered_parameters(policy))
 
 
 def _in_process(recipe, backend, policy, tokenizer, servers) -> GenerationEngine:
-    from posttrain.rollout.vllm_engine import VLLMEngine
-
     return VLLMEngine(model_dir=recipe.model.name_or_path, tokenizer=tokenizer, config=recipe.generation.vllm,
                       seed=recipe.seed + backend.rank, max_model_len=longest_sequence(recipe))
 
 
 def _node(recipe, backend, policy, tokenizer, servers) -> GenerationEngine:
-    from posttrain.rollout.vllm_node import NodeEngine
-
     return NodeEngine(recipe, backend, tokenizer)
 
 
 def _servers(recipe, backend, policy, tokenizer, servers) -> GenerationEngine:
     """Rank 0 pushes weight syncs to the servers; every rank sends them prompts."""
-    from posttrain.rollout.server import ServerEngine
-
     return ServerEngine(recipe.generation, tokenizer, sends_weights=backend.is_main, servers=servers)
 
 
@@ -65,7 +62,5 @@ def make_engine(recipe, backend, policy, tokenizer, servers: Optional[Sequence[s
     g = recipe.generation
     engine = ENGINES[g.placement, g.engine](recipe, backend, policy, tokenizer, tuple(servers or g.servers))
     if g.lora_sync == "adapter":  # validated: a LoRA policy, vLLM servers (node, servers, ray)
-        from posttrain.rollout.adapter_sync import adapter_config
-
         engine.send_adapters(adapter_config(backend.unwrap(policy)), backend.broadcast_object(secrets.token_hex(4)))
     return engine

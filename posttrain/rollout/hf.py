@@ -3,10 +3,6 @@
     engine = HFEngine(model, tokenizer)                     # model: the unwrapped policy (accelerator.unwrap_model)
     out = engine.generate(prompt_ids, SamplingParams(max_new_tokens=32, temperature=0.7, seed=3))
 
-Under DeepSpeed ZeRO-3 each rank holds a shard of every parameter, so the caller passes
-`gather=lambda: deepspeed.zero.GatheredParameters(list(model.parameters()))` (from `posttrain.distributed`); the
-engine enters it around each `generate` call and never imports deepspeed itself.
-
 Only the sampling knobs of `SamplingParams` shape the distribution: the model's own generation_config.json
 (repetition penalty, min_new_tokens, ...) is overridden with neutral values, because the reported log-probs, and the
 trainer's, are those of plain softmax(logits / temperature); anything else would make the samples off-policy.
@@ -18,24 +14,14 @@ import contextlib
 from typing import Callable, ContextManager, Iterable, Optional
 
 import torch
+from torch.nn.utils.rnn import pad_sequence
 
-from posttrain.errors import UserError
-from posttrain.rollout.base import Completions, GenerationEngine, SamplingParams, check_prompts
+from posttrain.rollout.base import Completions, GenerationEngine, SamplingParams, check_prompts, eos_id
 
 # Logits processors transformers would otherwise pick up from the model's generation_config.json.
-NEUTRAL_GENERATION = dict(
-    num_beams=1,
-    num_return_sequences=1,
-    min_new_tokens=0,
-    repetition_penalty=1.0,
-    encoder_repetition_penalty=1.0,
-    no_repeat_ngram_size=0,
-    typical_p=1.0,
-    epsilon_cutoff=0.0,
-    eta_cutoff=0.0,
-    renormalize_logits=False,
-    remove_invalid_values=False,
-)
+NEUTRAL_GENERATION = dict(num_beams=1, num_return_sequences=1, min_new_tokens=0, repetition_penalty=1.0,
+                          encoder_repetition_penalty=1.0, no_repeat_ngram_size=0, typical_p=1.0, epsilon_cutoff=0.0,
+                          eta_cutoff=0.0, renormalize_logits=False, remove_invalid_values=False)
 
 
 class HFEngine(GenerationEngine):
@@ -47,23 +33,12 @@ class HFEngine(GenerationEngine):
     batch_size: prompts per `model.generate` call (None: all at once).
     """
 
-    def __init__(
-        self,
-        model,
-        tokenizer,
-        gather: Optional[Callable[[], ContextManager]] = None,
-        batch_size: Optional[int] = None,
-    ):
+    def __init__(self, model, tokenizer, gather: Optional[Callable[[], ContextManager]] = None,
+                 batch_size: Optional[int] = None):
         if batch_size is not None and batch_size < 1:
             raise ValueError(f"batch_size must be >= 1 or None, got {batch_size}")
-        eos_id = tokenizer.eos_token_id
-        if eos_id is None:
-            raise UserError("the tokenizer has no eos token; set one (tokenizer.eos_token) so generation can stop")
-        self.model = model
-        self.tokenizer = tokenizer
-        self.gather = gather
-        self.batch_size = batch_size
-        self.eos_id = int(eos_id)
+        self.model, self.tokenizer, self.gather, self.batch_size = model, tokenizer, gather, batch_size
+        self.eos_id = eos_id(tokenizer)
         self.pad_id = int(tokenizer.pad_token_id) if tokenizer.pad_token_id is not None else self.eos_id
 
     # --- GenerationEngine ---
@@ -73,22 +48,15 @@ class HFEngine(GenerationEngine):
         if not prompt_ids:
             return Completions([], [], [])
         step = self.batch_size or len(prompt_ids)
-        ids: list[list[int]] = []
-        logprobs: list[list[float]] = []
-        truncated: list[bool] = []
         with self._generation_mode(), self._rng(params.seed):
-            for start in range(0, len(prompt_ids), step):
-                chunk = self._generate_chunk(prompt_ids[start : start + step], params)
-                ids += chunk.completion_ids
-                logprobs += chunk.logprobs
-                truncated += chunk.truncated
-        return Completions(ids, logprobs, truncated)
+            chunks = [self._generate_chunk(prompt_ids[start : start + step], params)
+                      for start in range(0, len(prompt_ids), step)]
+        return Completions([r for c in chunks for r in c.completion_ids], [r for c in chunks for r in c.logprobs],
+                           [r for c in chunks for r in c.truncated])
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy tensors into the model's parameters and buffers by name.
-
-        When the engine wraps the policy itself (the usual case) the tensors are the parameters and nothing is copied.
-        """
+        """Copy tensors into the model's parameters and buffers by name (nothing to copy when the engine wraps the
+        policy itself, the usual case: the tensors are its parameters)."""
         targets = self.model.state_dict(keep_vars=True)
         with torch.no_grad():
             for name, tensor in named_tensors:
@@ -96,48 +64,29 @@ class HFEngine(GenerationEngine):
                 if target is None:
                     raise KeyError(f"load_weights: the engine model has no parameter or buffer named '{name}'")
                 if target.shape != tensor.shape:
-                    raise ValueError(
-                        f"load_weights: '{name}' has shape {tuple(tensor.shape)}, "
-                        f"the engine model's is {tuple(target.shape)}"
-                    )
+                    raise ValueError(f"load_weights: '{name}' has shape {tuple(tensor.shape)}, "
+                                     f"the engine model's is {tuple(target.shape)}")
                 if target.data_ptr() == tensor.data_ptr() and target.device == tensor.device:
                     continue
                 target.data.copy_(tensor.detach())
-
-    def sleep(self) -> None:
-        """Nothing to release: the engine is the policy itself and the KV cache lives only inside a generate call."""
-
-    def wake(self) -> None:
-        """Nothing to restore (see `sleep`)."""
 
     # --- internals ---
 
     def _generate_chunk(self, prompts: list[list[int]], params: SamplingParams) -> Completions:
         device = _device_of(self.model)
-        width = max(len(p) for p in prompts)
-        input_ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
-        attention_mask = torch.zeros((len(prompts), width), dtype=torch.long)
-        for row, p in enumerate(prompts):  # left padding: every prompt ends at the same column
-            input_ids[row, width - len(p) :] = torch.tensor(p, dtype=torch.long)
-            attention_mask[row, width - len(p) :] = 1
-        out = self.model.generate(
-            input_ids=input_ids.to(device),
-            attention_mask=attention_mask.to(device),
-            generation_config=self._generation_config(params),
-        )  # under ZeRO-3 / FSDP transformers keeps the ranks stepping together until the last completion ends
+        rows = [torch.tensor(p, dtype=torch.long) for p in prompts]  # left padded: every prompt ends in one column
+        input_ids = pad_sequence(rows, batch_first=True, padding_value=self.pad_id, padding_side="left")
+        attention_mask = pad_sequence([torch.ones_like(r) for r in rows], batch_first=True, padding_side="left")
+        width = input_ids.shape[1]
+        # under ZeRO-3 / FSDP transformers keeps the ranks stepping together until the last completion ends
+        out = self.model.generate(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
+                                  generation_config=self._generation_config(params))
         new_BN = out.sequences[:, width:].cpu()
         # Raw logits, one (B, V) tensor per new token; processed `scores` would carry top-k/top-p masking.
         temperature = params.logprob_temperature
-        logprobs_BN = torch.stack(
-            [
-                torch.log_softmax(logits_BV.float() / temperature, dim=-1)
-                .gather(-1, new_BN[:, n, None].to(logits_BV.device))
-                .squeeze(-1)
-                .cpu()
-                for n, logits_BV in enumerate(out.logits)
-            ],
-            dim=1,
-        )
+        logprobs_BN = torch.stack([torch.log_softmax(logits_BV.float() / temperature, dim=-1)
+                                   .gather(-1, new_BN[:, n, None].to(logits_BV.device)).squeeze(-1).cpu()
+                                   for n, logits_BV in enumerate(out.logits)], dim=1)
         ids, logprobs, truncated = [], [], []
         for row in range(new_BN.shape[0]):
             tokens = new_BN[row].tolist()
@@ -155,17 +104,9 @@ class HFEngine(GenerationEngine):
             sampling = dict(temperature=params.temperature, top_p=params.top_p, top_k=params.top_k)
             if getattr(getattr(self.model, "generation_config", None), "min_p", None) is not None:
                 sampling["min_p"] = 0.0  # a model default would otherwise apply
-        return GenerationConfig(
-            max_new_tokens=params.max_new_tokens,
-            do_sample=not params.greedy,
-            use_cache=True,
-            eos_token_id=self.eos_id,
-            pad_token_id=self.pad_id,
-            return_dict_in_generate=True,
-            output_logits=True,
-            **NEUTRAL_GENERATION,
-            **sampling,
-        )
+        return GenerationConfig(max_new_tokens=params.max_new_tokens, do_sample=not params.greedy, use_cache=True,
+                                eos_token_id=self.eos_id, pad_token_id=self.pad_id, return_dict_in_generate=True,
+                                output_logits=True, **NEUTRAL_GENERATION, **sampling)
 
     @contextlib.contextmanager
     def _generation_mode(self):
@@ -186,20 +127,16 @@ class HFEngine(GenerationEngine):
                 config.use_cache = False
             model.train(was_training)
 
+    @contextlib.contextmanager
     def _rng(self, seed: Optional[int]):
         """Seed the global RNG for this call and put it back afterwards, so training randomness is unaffected."""
         if seed is None:
-            return contextlib.nullcontext()
+            yield
+            return
         device = _device_of(self.model)
-        devices = [device] if device.type == "cuda" else []
-        return _seeded(seed, devices)
-
-
-@contextlib.contextmanager
-def _seeded(seed: int, devices: list):
-    with torch.random.fork_rng(devices=devices):
-        torch.manual_seed(seed)
-        yield
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            torch.manual_seed(seed)
+            yield
 
 
 def _device_of(model) -> torch.device:

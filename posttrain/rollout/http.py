@@ -20,8 +20,10 @@ import socket
 import threading
 import time
 from http.client import HTTPConnection, HTTPException, HTTPSConnection
-from typing import Optional
+from typing import Callable, Optional
 from urllib.parse import urlsplit
+
+from posttrain.errors import RunStopped
 
 TOKEN_ENV = "POSTTRAIN_SERVER_TOKEN"
 MAX_ANSWER_BYTES = 32 * 2**20  # a control call's answer; a completion's is sized from its max_tokens
@@ -92,6 +94,19 @@ def call(url: str, path: str, body: Optional[dict] = None, timeout: float = 60.0
         return json.loads(raw)
     except (ValueError, UnicodeDecodeError) as e:
         raise ServerUnavailable(f"{path}: the answer is not JSON ({e}): {raw[:120]!r}", retry=False) from None
+
+
+def call_with_retries(url: str, path: str, body: dict, *, timeout: float, token: Optional[str], retries: int,
+                      failed: Callable[[ServerUnavailable, int], str], max_bytes: int = MAX_ANSWER_BYTES):
+    """`call`, tried again up to `retries` times (1, 2, 4 ... at most 10 s apart) while another try may help; then
+    RunStopped with the message `failed(error, tries)`."""
+    for attempt in range(retries + 1):
+        try:
+            return call(url, path, body, timeout=timeout, token=token, max_bytes=max_bytes)
+        except ServerUnavailable as e:
+            if not e.retry or attempt == retries:
+                raise RunStopped(failed(e, attempt + 1), shared=False) from None
+            time.sleep(min(2.0 ** attempt, 10.0))
 
 
 def _read(response, max_bytes: int, expired: threading.Event, truncate: bool = False) -> bytes:

@@ -4,18 +4,13 @@
     POSTTRAIN_SERVER_TOKEN=s3cret CUDA_VISIBLE_DEVICES=4 posttrain serve --model Qwen/Qwen2.5-0.5B \
         --host 0.0.0.0 --port 8000 -- --tensor-parallel-size 1 --max-model-len 4096     # after --: vLLM's own options
 
-It runs `python -m vllm.entrypoints.openai.api_server` in its own process group with VLLM_SERVER_DEV_MODE=1 (the
-RL routes a weight sync drives), vLLM's weight-transfer API with posttrain's gloo backend (--weight-transfer-config
-'{"backend": "gloo-posttrain"}'), posttrain's worker extension (`posttrain.rollout.vllm_weight_transfer`), vLLM's
-token-in / token-out endpoint (--enable-scale-out) and log-probs after temperature (--logprobs-mode
-processed_logprobs, what the trainer computes). Every request but /health needs `Authorization: Bearer <token>`; the
-token comes from --token-file or POSTTRAIN_SERVER_TOKEN (a random one is made and printed when neither is given;
---token still works, with a warning: a command line is visible to every user), and the trainer reads it from
-POSTTRAIN_SERVER_TOKEN. The server listens on 127.0.0.1 unless --host says otherwise.
-
-With vLLM's --enable-lora (generation.lora_sync: adapter) it also turns on vLLM's runtime LoRA loading
-(VLLM_ALLOW_RUNTIME_LORA_UPDATING=1; its routes need the token too) and gives the server a directory of its own for
-the adapters the trainer syncs (POSTTRAIN_ADAPTER_DIR, removed when the server stops).
+It runs vLLM's api_server in its own process group with VLLM_SERVER_DEV_MODE=1 (the RL routes a weight sync drives)
+and the options of `vllm_command`: posttrain's gloo weight-transfer backend and worker extension, token-in /
+token-out generation, log-probs after temperature (what the trainer computes). Every request but /health needs
+`Authorization: Bearer <token>`: --token-file, else POSTTRAIN_SERVER_TOKEN (which the trainer reads), else a random
+one, printed; --token works too, with a warning (a command line is visible to every user). With vLLM's --enable-lora
+(generation.lora_sync: adapter) it also turns on runtime LoRA loading and gives the server a directory of its own
+for the adapters the trainer syncs (POSTTRAIN_ADAPTER_DIR, removed when the server stops).
 
 It prints the URL once the server answers, and on SIGINT / SIGTERM stops the whole process group (vLLM's engine
 processes ignore SIGTERM, so what is left after a grace period is killed). On Linux vLLM also gets SIGTERM when this
@@ -38,12 +33,17 @@ import tempfile
 import time
 from pathlib import Path
 
+import torch
+
 from posttrain.errors import UserError
-from posttrain.rollout.server import TOKEN_ENV, ServerUnavailable, call
+from posttrain.rollout.adapter_sync import ROOT_ENV
+from posttrain.rollout.cpu_memory import serve_kv_cache_option
+from posttrain.rollout.http import TOKEN_ENV, ServerUnavailable, call
+from posttrain.rollout.vllm_engine import _check_cpu_head_dim
+from posttrain.rollout.weight_transfer import BACKEND
 
 EXTENSION = "posttrain.rollout.vllm_weight_transfer.WeightSyncExtension"
 MIDDLEWARE = "posttrain.rollout.server_worker.TokenGuard"
-WEIGHT_TRANSFER_BACKEND = "gloo-posttrain"  # posttrain.rollout.vllm_weight_transfer
 GRACE_SECONDS = 10.0
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
@@ -75,14 +75,13 @@ def vllm_command(args, on_gpu: bool, memory: list[str] = ()) -> list[str]:
                "--host", args.host, "--port", str(args.port), "--worker-extension-cls", EXTENSION,
                "--middleware", MIDDLEWARE, "--enable-scale-out", "--logprobs-mode", "processed_logprobs"]
     if "--weight-transfer-config" not in given:
-        command += ["--weight-transfer-config", json.dumps({"backend": WEIGHT_TRANSFER_BACKEND})]
+        command += ["--weight-transfer-config", json.dumps({"backend": BACKEND})]
     if not on_gpu:  # fp32 is 3-5x faster than bf16 on CPUs without AVX-512; per-request seeds need no chunked prefill
-        defaults = {"--dtype": ["float32"], "--enable-chunked-prefill": [], "--enable-prefix-caching": []}
-        names = {"--enable-chunked-prefill": "--no-enable-chunked-prefill",
-                 "--enable-prefix-caching": "--no-enable-prefix-caching"}
-        for option, value in defaults.items():
-            if option not in given and names.get(option, "") not in given:
-                command += [names.get(option, option), *value]
+        defaults = {"--dtype": ["--dtype", "float32"], "--enable-chunked-prefill": ["--no-enable-chunked-prefill"],
+                    "--enable-prefix-caching": ["--no-enable-prefix-caching"]}
+        for option, added in defaults.items():
+            if option not in given and added[0] not in given:  # the user's choice, either way, stands
+                command += added
         command += list(memory)
     return command + user
 
@@ -137,6 +136,18 @@ def die_with_parent():
     return lambda: prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
+def wait_ready(process: subprocess.Popen, url: str, timeout: float, token: str = "") -> bool:
+    """True once the server answers /health; False if it exits first or stays silent for `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while process.poll() is None and time.monotonic() < deadline:
+        try:
+            call(url, "/health", timeout=2.0, token=token)
+            return True
+        except ServerUnavailable:
+            time.sleep(1.0)
+    return False
+
+
 def stop_group(process: subprocess.Popen) -> None:
     """SIGTERM to the server's whole process group, SIGKILL to what is left after the grace period."""
     try:
@@ -159,18 +170,11 @@ def stop_group(process: subprocess.Popen) -> None:
 
 
 def run_serve(args) -> int:
-    import torch
-
     check_serve_args(args)
     on_gpu = torch.cuda.is_available()
-    if not on_gpu and (Path(args.model) / "config.json").is_file():
-        from posttrain.rollout.vllm_engine import _check_cpu_head_dim
-
-        _check_cpu_head_dim(args.model)
     memory = []
     if not on_gpu and (Path(args.model) / "config.json").is_file():
-        from posttrain.rollout.cpu_memory import serve_kv_cache_option
-
+        _check_cpu_head_dim(args.model)
         memory = serve_kv_cache_option(args.model, list(args.vllm_args), os.environ, args.kv_cache_gb,
                                        "--trust-remote-code" in args.vllm_args)
         if memory:
@@ -184,8 +188,6 @@ def run_serve(args) -> int:
     env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", TOKEN_ENV: token}
     adapters = None
     if "--enable-lora" in args.vllm_args:  # lora_sync=adapter: adapters are loaded by name as the syncs write them
-        from posttrain.rollout.adapter_sync import ROOT_ENV
-
         adapters = tempfile.mkdtemp(prefix="posttrain-adapters-")
         env.update(VLLM_ALLOW_RUNTIME_LORA_UPDATING="1", **{ROOT_ENV: adapters})
     host = socket.getfqdn() if args.host in ("0.0.0.0", "::") else args.host
@@ -200,20 +202,13 @@ def run_serve(args) -> int:
 
     previous = {s: signal.signal(s, stop) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        started = time.monotonic()
-        while process.poll() is None:
-            try:
-                call(url, "/health", timeout=2.0, token=token)
-                break
-            except ServerUnavailable:
-                if time.monotonic() - started > args.ready_timeout:
-                    print(f"posttrain serve: the server did not answer at {url} within {args.ready_timeout:g}s; "
-                          "stopping it (raise --ready-timeout for large models)", file=sys.stderr, flush=True)
-                    return 1
-                time.sleep(1.0)
-        if process.poll() is not None:
-            print(f"posttrain serve: vLLM exited with code {process.returncode} while starting (its log is above)",
-                  file=sys.stderr, flush=True)
+        if not wait_ready(process, url, args.ready_timeout, token):
+            if process.poll() is None:
+                print(f"posttrain serve: the server did not answer at {url} within {args.ready_timeout:g}s; "
+                      "stopping it (raise --ready-timeout for large models)", file=sys.stderr, flush=True)
+            else:
+                print(f"posttrain serve: vLLM exited with code {process.returncode} while starting (its log is "
+                      "above)", file=sys.stderr, flush=True)
             return 1
         print(f"posttrain serve: ready at {url} (model {args.model}, process group {process.pid}); in the recipe: "
               f"generation.engine=vllm generation.placement=servers generation.servers=[{url}]; stop with Ctrl-C or "

@@ -7,42 +7,35 @@ backend (docs/generation.md).
     posttrain grpo --config recipes/grpo_server.yaml generation.servers='[http://gpu7:8000, http://gpu8:8000]'
 
 Generation: each completion is one request to vLLM's token-in / token-out endpoint (`/inference/v1/generate`), all
-in flight at once; a prompt's group of samples goes to one server, the groups are spread evenly over the servers.
-Row i of a seeded call gets the seed `seed + i`, as in the in-process engine, so a sample does not depend on which
-server drew it. A request that fails is retried (`generation.request_retries`, each within
-`generation.request_timeout_s` seconds); one that still fails stops the run with a message naming the server, never
-a hang.
+in flight at once; a prompt's group of samples goes to one server, the groups are spread evenly over the servers. A
+request that fails is retried (`generation.request_retries`, each within `generation.request_timeout_s` seconds);
+one that still fails stops the run with a message naming the server, never a hang.
 
-Weight sync (trainer rank 0; the other ranks help gather the buckets and wait) goes through vLLM's weight-transfer
-API, its four phases driven over each server's RL routes (`posttrain.rollout.weight_transfer`): init (once: rank 0
-and every server's workers form one gloo group), start, update (buckets of `generation.sync_bucket_mb` broadcast to
-all servers at once, streamed into each worker's model by the `gloo-posttrain` backend,
-`posttrain.rollout.vllm_weight_transfer`), finish. Each phase has the deadline generation.sync_timeout_s; each
-HTTP call generation.request_timeout_s, and answers are checked (`posttrain.rollout.http`). Then the policy version
-is set on every server
-(vLLM's `/update_weight_version`): vLLM stamps it on every completion, and this engine refuses a completion stamped
-with another version (a server that restarted and lost its weights, a sync that did not land).
-
-With `generation.lora_sync: adapter` (`send_adapters`) a sync carries the LoRA tensors alone, under a new adapter
-name each time (posttrain.rollout.adapter_sync), every request names the current adapter, and after each sync rank 0
-samples a probe from every server (`delivery_probes`), which the rollout source checks against the trainer.
-
-Start-up checks (`check_servers`, before any model is loaded): every server answers, takes the token, has the
-weight-transfer routes, and serves a model with the trainer's tokenizer (and vocabulary, where posttrain's worker
-extension can tell it); otherwise exit 2.
+Weight sync (trainer rank 0; the other ranks help gather the buckets and wait) drives vLLM's weight-transfer API
+over each server's RL routes (`posttrain.rollout.weight_transfer`), each phase within generation.sync_timeout_s.
+Then the policy version is set on every server (`/update_weight_version`): vLLM stamps it on every completion, and
+this engine refuses a completion stamped with another version (a server that restarted and lost its weights, a sync
+that did not land). With `generation.lora_sync: adapter` a sync carries the LoRA tensors alone (`send_adapters`).
+`check_servers` checks every server at start-up, before any model is loaded.
 """
 
 from __future__ import annotations
 
 import os
-import time
 from concurrent.futures import ThreadPoolExecutor
+from itertools import accumulate
 from typing import Iterable, Optional
+from urllib.parse import urlsplit
 
+from posttrain.distributed.weight_sync import local_address_towards
 from posttrain.errors import RunStopped, UserError
-from posttrain.rollout.base import Completions, GenerationEngine, SamplingParams, check_prompts, longest_sequence
-from posttrain.rollout.http import (TOKEN_ENV, BadAnswer, ServerUnavailable, call, completion_bytes,  # noqa: F401
-                                    read_completion)
+from posttrain.rollout import weight_transfer
+from posttrain.rollout.adapter_sync import PROBE_PROMPT, PROBE_TOKENS, AdapterNames, DeliveryProbe, max_lora_rank
+from posttrain.rollout.base import (Completions, GenerationEngine, SamplingParams, check_prompts, eos_id,
+                                    longest_sequence, vllm_sampling, vllm_truncated)
+from posttrain.rollout.http import (TOKEN_ENV, BadAnswer, ServerUnavailable, call, call_with_retries,  # noqa: F401
+                                    completion_bytes, read_completion)
+from posttrain.rollout.weight_transfer import GlooTrainerEngine, GlooTrainerInitInfo, ServersClient
 
 TOKENIZER_PROBE = "posttrain vocabulary probe: What is 12 + 7? Answer: 19."
 
@@ -60,11 +53,9 @@ class ServerEngine(GenerationEngine):
 
     def __init__(self, generation, tokenizer, sends_weights: bool, servers=None, token: Optional[str] = None,
                  vocab_size: Optional[int] = None):
-        if tokenizer.eos_token_id is None:
-            raise UserError("the tokenizer has no eos token; set one (tokenizer.eos_token) so generation can stop")
+        self.eos_id = eos_id(tokenizer)
         self.servers = list(servers or generation.servers)
         self.token = token
-        self.eos_id = int(tokenizer.eos_token_id)
         self.vocab_size = vocab_size if vocab_size is not None else model_vocabulary(tokenizer)
         self.timeout = float(generation.request_timeout_s)
         self.sync_timeout = float(generation.sync_timeout_s)
@@ -92,28 +83,19 @@ class ServerEngine(GenerationEngine):
     def assign(prompt_ids: list[list[int]], n_servers: int) -> list[int]:
         """The server of each row: consecutive equal prompts (a prompt's group of samples) stay together, and the
         groups are split into `n_servers` contiguous runs of about equal size."""
-        starts = [i for i in range(len(prompt_ids)) if i == 0 or prompt_ids[i] != prompt_ids[i - 1]]
-        group_of = []
-        for g, start in enumerate(starts):
-            end = starts[g + 1] if g + 1 < len(starts) else len(prompt_ids)
-            group_of += [g] * (end - start)
-        return [g * n_servers // len(starts) for g in group_of]
+        group_B = list(accumulate(int(i > 0 and ids != prompt_ids[i - 1]) for i, ids in enumerate(prompt_ids)))
+        return [g * n_servers // (group_B[-1] + 1) for g in group_B]
 
     def _generate_one(self, url: str, ids: list[int], params: SamplingParams, row: int):
-        body = {"token_ids": list(ids), **({"model": self._names.current} if self._names and self._names.current
-                                           else {}), "sampling_params": {
-            "n": 1,
-            "max_tokens": params.max_new_tokens,
-            "temperature": params.temperature,
-            "top_p": params.top_p,
-            "top_k": params.top_k if params.top_k > 0 else -1,
-            **({} if params.seed is None else {"seed": (params.seed + row) % 2**63}),
-            "logprobs": 0,  # the sampled token's own log-prob
-            "ignore_eos": True,  # the tokenizer's eos stops a completion, as in the other engines
-            "stop_token_ids": [self.eos_id],
-            "detokenize": False,
-        }}
-        answer = self._with_retries(url, "/inference/v1/generate", body, completion_bytes(params.max_new_tokens))
+        adapter = {"model": self._names.current} if self._names and self._names.current else {}
+        body = {"token_ids": list(ids), **adapter, "sampling_params": vllm_sampling(params, self.eos_id, row)}
+        answer = call_with_retries(
+            url, "/inference/v1/generate", body, timeout=self.timeout, token=self.token, retries=self.retries,
+            max_bytes=completion_bytes(params.max_new_tokens),
+            failed=lambda e, tries: f"{self.name(url)} failed: {e} ({tries} tries, generation.request_timeout_s="
+                                    f"{self.timeout:g} each). Check that it is running (posttrain serve ...) and "
+                                    "reachable; checkpoints already saved are complete: continue with "
+                                    "train.resume_from_checkpoint=auto")
         try:
             tokens, logprobs, finish, versions = read_completion(answer, params.max_new_tokens, self.vocab_size)
         except BadAnswer as e:
@@ -125,21 +107,7 @@ class ServerEngine(GenerationEngine):
                              f"policy of step {expected} synced to it: did it restart? Restart the run "
                              f"(train.resume_from_checkpoint=auto) so every server gets the weights again",
                              shared=False)
-        truncated = finish == "length" and (not tokens or tokens[-1] != self.eos_id)
-        return tokens, logprobs, truncated
-
-    def _with_retries(self, url: str, path: str, body: dict, max_bytes: int):
-        for attempt in range(self.retries + 1):
-            try:
-                return call(url, path, body, timeout=self.timeout, token=self.token, max_bytes=max_bytes)
-            except ServerUnavailable as e:
-                if not e.retry or attempt == self.retries:
-                    raise RunStopped(
-                        f"{self.name(url)} failed: {e} ({attempt + 1} tries, generation.request_timeout_s="
-                        f"{self.timeout:g} each). Check that it is running (posttrain serve ...) and reachable; "
-                        f"checkpoints already saved are complete: continue with train.resume_from_checkpoint=auto",
-                        shared=False) from None
-                time.sleep(min(2.0 ** attempt, 10.0))
+        return tokens, logprobs, vllm_truncated(finish, tokens, self.eos_id)
 
     def name(self, url: str) -> str:
         """How errors name a server."""
@@ -161,8 +129,6 @@ class ServerEngine(GenerationEngine):
         """Rank 0: one sync through vLLM's weight-transfer API (posttrain.rollout.weight_transfer): start, update
         (the tensors broadcast in buckets of generation.sync_bucket_mb while every server loads them), finish; the
         transfer group is opened at the first sync. Other ranks: iterate (a ZeRO-3 / FSDP2 gather is a collective)."""
-        from posttrain.rollout.weight_transfer import wire_buckets
-
         if self._names is not None:  # every rank: its requests name the adapter of this sync
             self._names.next()
         if not self.sends_weights:
@@ -171,8 +137,10 @@ class ServerEngine(GenerationEngine):
             return
         if self._transfer is None:
             self._transfer = self._open_transfer()
-        self._transfer.source = wire_buckets(named_tensors, self.bucket_bytes)
-        self._transfer.send_weights(self._update_info())
+        self._transfer.source = weight_transfer.wire_buckets(named_tensors, self.bucket_bytes)
+        adapter = {} if self._names is None else {"adapter_name": self._names.current,
+                                                   "adapter_config": self._adapter_config}
+        self._transfer.send_weights(adapter)
         for url in self.servers:  # prefixes cached before the sync hold keys and values of the old weights
             self._rpc(url, "/reset_prefix_cache", {}, phase="finish")
 
@@ -181,22 +149,13 @@ class ServerEngine(GenerationEngine):
     def send_adapters(self, config: dict, run_key: str) -> None:
         """Sync the LoRA adapter alone from now on (generation.lora_sync=adapter): `config` is its
         adapter_config.json, `run_key` the run's part of every adapter name (the same on every rank)."""
-        from posttrain.rollout.adapter_sync import AdapterNames
-
         self.adapter_only = True
         self._adapter_config = config
         self._names = AdapterNames(run_key)
 
-    def _update_info(self) -> dict:
-        if self._names is None:
-            return {}
-        return {"adapter_name": self._names.current, "adapter_config": self._adapter_config}
-
     def delivery_probes(self) -> list:
         """Rank 0, after an adapter sync: each server's sample of the probe prompt with the new adapter
         (adapter_sync.DeliveryProbe); [] on the other ranks and without lora_sync=adapter."""
-        from posttrain.rollout.adapter_sync import PROBE_PROMPT, PROBE_TOKENS, DeliveryProbe
-
         if self._names is None or not self.sends_weights:
             return []
         ids = self.tokenizer(PROBE_PROMPT, add_special_tokens=False)["input_ids"]
@@ -215,12 +174,10 @@ class ServerEngine(GenerationEngine):
     def _open_transfer(self):
         """The init phase: trainer rank 0 hosts the group's store on its address towards the first server (or
         POSTTRAIN_SYNC_ADDR); every worker of every server joins as ranks 1.."""
-        from posttrain.distributed.weight_sync import local_address_towards
-        from posttrain.rollout.weight_transfer import GlooTrainerEngine, GlooTrainerInitInfo, ServersClient
-
         client = ServersClient(self.servers, self.token, self.timeout, self.sync_timeout, self.name)
         world = 1 + client.world_size()
-        addr = os.environ.get("POSTTRAIN_SYNC_ADDR") or local_address_towards(host_of(self.servers[0]))
+        server_host = urlsplit(self.servers[0]).hostname or "127.0.0.1"
+        addr = os.environ.get("POSTTRAIN_SYNC_ADDR") or local_address_towards(server_host)
         return GlooTrainerEngine.trainer_init(GlooTrainerInitInfo(addr, world, self.sync_timeout), client=client)
 
     def _rpc(self, url: str, path: str, body: dict, phase: str = "control", timeout: Optional[float] = None):
@@ -232,12 +189,6 @@ class ServerEngine(GenerationEngine):
             raise RunStopped(f"{self.name(url)} failed during a weight sync ({phase} phase): {e}. Check that it is "
                              "running (posttrain serve ...); checkpoints already saved are complete: continue with "
                              "train.resume_from_checkpoint=auto", shared=False) from None
-
-    def sleep(self) -> None:
-        """Nothing to free here: the servers run on their own accelerators."""
-
-    def wake(self) -> None:
-        pass
 
     def close(self) -> None:
         if self._transfer is not None:
@@ -257,12 +208,6 @@ def model_vocabulary(tokenizer) -> Optional[int]:
         return max(int(config.vocab_size), len(tokenizer))
     except (OSError, ValueError, TypeError, AttributeError):
         return len(tokenizer)
-
-
-def host_of(url: str) -> str:
-    from urllib.parse import urlsplit
-
-    return urlsplit(url).hostname or "127.0.0.1"
 
 
 def check_servers(recipe, tokenizer, servers=None) -> None:
@@ -332,8 +277,6 @@ def check_servers(recipe, tokenizer, servers=None) -> None:
 def check_runtime_lora(url: str, where: str, rank: int, timeout: float) -> None:
     """generation.lora_sync=adapter: the server loads LoRA adapters at run time (its unload route answers "cannot be
     found" for an adapter it never had; without runtime loading vLLM has no such route). UserError else."""
-    from posttrain.rollout.adapter_sync import max_lora_rank
-
     try:
         call(url, "/v1/unload_lora_adapter", {"lora_name": "posttrain-startup-check-0"}, timeout=timeout)
     except ServerUnavailable as e:

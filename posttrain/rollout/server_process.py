@@ -5,11 +5,9 @@
     answer["url"]                        # or answer["error"], ["code"] (2: serve refused its input), ["tail"] (its log)
     server.stop()                        # SIGTERM to serve (it stops vLLM), SIGKILL to what is left
 
-Its owners: an engine as a Ray actor (posttrain/launch/ray_engines.py, on the node Ray chose), the engine a node's
-first training rank starts (`generation.placement: node`, posttrain/rollout/vllm_node.py) and the tests' session
-server (tests/conftest.py::vllm_server). Either way the
-server does not outlive its owner: `posttrain serve` gets SIGTERM when the owner's process ends, killed or not, and
-vLLM gets SIGTERM when serve's ends. Torch-free, like the Ray launcher that imports it.
+Its owners: Ray engine actors (posttrain/launch/ray_engines.py), a node's first training rank (`generation.placement:
+node`, rollout/vllm_node.py) and the tests' session server (tests/conftest.py). The server does not outlive its
+owner: `posttrain serve` gets SIGTERM when the owner's process ends, killed or not, and vLLM when serve's ends.
 """
 
 from __future__ import annotations
@@ -19,9 +17,15 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Optional
+
+import psutil
+
+from posttrain.rollout.adapter_sync import max_lora_rank
+from posttrain.rollout.base import longest_sequence
+from posttrain.rollout.http import TOKEN_ENV
+from posttrain.rollout.serve import die_with_parent, stop_group, wait_ready
 
 LOG_DIR = "engines"  # under output_dir: the servers' output (run.check_output_dir lets it be there)
 READY_TIMEOUT_S = 600.0  # model load + vLLM start-up (large models on GPUs take minutes)
@@ -34,8 +38,6 @@ def serve_args(recipe, tensor_parallel_size: int) -> list[str]:
     """`posttrain serve` options for the policy's starting weights and the recipe's `generation.vllm.*` (sleep mode
     and the seed are the caller's: they depend on where the server runs)."""
     model, vllm = recipe.model, recipe.generation.vllm
-    from posttrain.rollout.base import longest_sequence
-
     args = ["--model", model.name_or_path, "--", "--tensor-parallel-size", str(tensor_parallel_size),
             "--max-model-len", str(vllm.max_model_len or longest_sequence(recipe)),
             "--gpu-memory-utilization", str(vllm.gpu_memory_utilization)]
@@ -50,16 +52,12 @@ def serve_args(recipe, tensor_parallel_size: int) -> list[str]:
     if model.trust_remote_code:
         args.append("--trust-remote-code")
     if recipe.generation.lora_sync == "adapter":  # the server serves the adapter each sync sends
-        from posttrain.rollout.adapter_sync import max_lora_rank
-
         args += ["--enable-lora", "--max-lora-rank", str(max_lora_rank(model.lora.r))]
     return args
 
 
 def server_env(recipe, token: str) -> dict[str, str]:
     """Variables a server gets on top of its owner's: the token, the CPU KV cache size, the driver's VLLM_*."""
-    from posttrain.rollout.server_worker import TOKEN_ENV
-
     env = {k: v for k, v in os.environ.items() if k.startswith("VLLM_")}
     env[TOKEN_ENV] = token
     if recipe.generation.vllm.kv_cache_gb is not None:
@@ -74,13 +72,6 @@ def log_tail(path: Path, lines: int = 20) -> str:
         return "(no log)"
 
 
-def kill_group(group: Optional[int]) -> None:
-    try:
-        os.killpg(group, signal.SIGKILL)
-    except (ProcessLookupError, TypeError):  # gone already, or never known
-        pass
-
-
 class ServerProcess:
     """One `posttrain serve` child of this process."""
 
@@ -92,8 +83,6 @@ class ServerProcess:
         """Start the server with `args` (serve_args) on `host` and a free port, its output in `log`, and wait until
         it answers. Returns {"url": ...}, or {"error": ..., "code": its exit code (None: still running when given
         up), "tail": the end of its log}."""
-        from posttrain.rollout.serve import die_with_parent
-
         with socket.socket() as s:
             s.bind((host, 0))
             port = s.getsockname()[1]
@@ -105,39 +94,25 @@ class ServerProcess:
             self.process = subprocess.Popen(command, env={**inherited, **env}, stdout=out, stderr=subprocess.STDOUT,
                                             start_new_session=True, preexec_fn=die_with_parent())
         url = f"http://{host}:{port}"
-        if not self._wait_ready(url):
+        if not wait_ready(self.process, url, READY_TIMEOUT_S):
             code = self.process.poll()
             cause = (f"the server exited with code {code} while starting" if code is not None else
                      f"the server did not answer at {url} within {READY_TIMEOUT_S:.0f} s")
             self.stop()
             return {"error": cause, "code": code, "tail": log_tail(self.log)}
-        import psutil
-
         self.vllm_group = next((child.pid for child in psutil.Process(self.process.pid).children()), None)
         return {"url": url}
-
-    def _wait_ready(self, url: str) -> bool:
-        """True once the server answers /health; False if it exits first or stays silent for READY_TIMEOUT_S."""
-        from posttrain.rollout.server import ServerUnavailable, call
-
-        deadline = time.monotonic() + READY_TIMEOUT_S
-        while self.process.poll() is None and time.monotonic() < deadline:
-            try:
-                call(url, "/health", timeout=2.0, token="")
-                return True
-            except ServerUnavailable:
-                time.sleep(1.0)
-        return False
 
     def stop(self) -> str:
         """Stop the server: SIGTERM (it then stops vLLM), SIGKILL to what is left after a grace period. Returns how
         it had ended before this call ("" while it was still running, or never started)."""
-        from posttrain.rollout.serve import stop_group
-
         if self.process is None:
             return ""
         code = self.process.poll()
         stop_group(self.process)
-        kill_group(self.vllm_group)  # a no-op after a clean stop; vLLM's processes when the server itself was killed
+        try:  # a no-op after a clean stop; vLLM's processes when the server itself was killed
+            os.killpg(self.vllm_group, signal.SIGKILL)
+        except (ProcessLookupError, TypeError):  # gone already, or never known
+            pass
         self.process = None
         return "" if code is None else f"its server exited with code {code}"

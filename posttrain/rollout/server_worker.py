@@ -1,11 +1,6 @@
-"""What `posttrain serve` adds to a vLLM server: a token on every request, and the helpers its workers use.
-
-    python -m vllm.entrypoints.openai.api_server --model DIR \
-        --worker-extension-cls posttrain.rollout.vllm_weight_transfer.WeightSyncExtension \
-        --middleware posttrain.rollout.server_worker.TokenGuard      # POSTTRAIN_SERVER_TOKEN set; VLLM_SERVER_DEV_MODE=1
-
-The worker extension (`posttrain.rollout.vllm_weight_transfer.WeightSyncExtension`) and the gloo weight-transfer
-backend live beside vLLM's classes in `posttrain.rollout.vllm_weight_transfer`; this module stays vLLM-free.
+"""What `posttrain serve` adds to a vLLM server: a token on every request (`--middleware
+posttrain.rollout.server_worker.TokenGuard`), and vLLM-free helpers its workers use (the worker extension and the
+weight-transfer backend are in `posttrain.rollout.vllm_weight_transfer`).
 
 `TokenGuard` refuses every request but `/health` without `Authorization: Bearer <POSTTRAIN_SERVER_TOKEN>`. vLLM's
 own `--api-key` guards only /v1, /v2, /inference and /cohere, not the dev endpoints that take new weights.
@@ -16,9 +11,14 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import queue
 import secrets
+import threading
 
-TOKEN_ENV = "POSTTRAIN_SERVER_TOKEN"
+import torch
+
+from posttrain.rollout.http import TOKEN_ENV
+
 OPEN_PATHS = ("/health",)  # liveness probes (Kubernetes, SLURM scripts) need no token
 
 
@@ -53,9 +53,6 @@ class TokenGuard:
 
 def prefetched(items, ahead: int = 1):
     """Iterate `items` in a background thread, at most `ahead` items ahead of the consumer (errors re-raised)."""
-    import queue
-    import threading
-
     box: queue.Queue = queue.Queue(maxsize=ahead)
     done = object()
 
@@ -76,8 +73,6 @@ def prefetched(items, ahead: int = 1):
 
 def tensor_digest(tensor) -> str:
     """SHA-256 of a tensor's dtype, shape and bytes (what `posttrain_digests` reports, and what tests compare)."""
-    import torch
-
     flat = tensor.detach().contiguous().cpu().reshape(-1).view(torch.uint8)
     h = hashlib.sha256(f"{tensor.dtype}{list(tensor.shape)}".encode())
     h.update(flat.numpy().tobytes())

@@ -13,14 +13,13 @@ server answers, takes the token (POSTTRAIN_SERVER_TOKEN) and tokenizes text as t
 
 from __future__ import annotations
 
-import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Optional
 
 import torch
 
-from posttrain.errors import RunStopped, UserError
-from posttrain.rollout.server import TOKEN_ENV, TOKENIZER_PROBE, ServerUnavailable, call
+from posttrain.errors import UserError
+from posttrain.rollout.server import TOKEN_ENV, TOKENIZER_PROBE, ServerUnavailable, call, call_with_retries
 
 KEY = "algo.teacher_server"
 
@@ -52,13 +51,13 @@ class TeacherServer:
 
     def check(self, tokenizer, student: str) -> None:
         """UserError unless the server answers, takes the token and tokenizes like the student's tokenizer."""
-        where = f"{KEY} = {self.url}"
+        where, timeout = f"{KEY} = {self.url}", min(self.timeout, 30.0)
         try:
-            self.model = call(self.url, "/v1/models", timeout=min(self.timeout, 30.0), token=self.token)["data"][0]["id"]
+            self.model = call(self.url, "/v1/models", timeout=timeout, token=self.token)["data"][0]["id"]
             tokens = call(self.url, "/tokenize", {"prompt": TOKENIZER_PROBE, "add_special_tokens": False},
-                          timeout=min(self.timeout, 30.0), token=self.token)["tokens"]
+                          timeout=timeout, token=self.token)["tokens"]
         except ServerUnavailable as e:
-            refused = getattr(e, "status", None) == 401
+            refused = e.status == 401
             raise UserError(f"{where}: " + (f"refused the token in {TOKEN_ENV}" if refused else f"no answer ({e})")
                             + "; start the teacher with `posttrain serve --model ...` and give its URL and token")
         if tokens != tokenizer(TOKENIZER_PROBE, add_special_tokens=False)["input_ids"]:
@@ -74,14 +73,9 @@ class TeacherServer:
     def _one(self, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         body = {"model": self.model, "prompt": ids, "max_tokens": 1, "temperature": 1.0,
                 "prompt_logprobs": self.top_k}
-        for attempt in range(self.retries + 1):
-            try:
-                answer = call(self.url, "/v1/completions", body, timeout=self.timeout, token=self.token)
-                return parse_prompt_logprobs(answer["choices"][0]["prompt_logprobs"], self.top_k)
-            except ServerUnavailable as e:
-                if getattr(e, "status", 500) < 500 or attempt == self.retries:
-                    raise RunStopped(f"the teacher server {self.url} failed: {e} ({attempt + 1} tries, "
-                                     f"generation.request_timeout_s={self.timeout:g} each); checkpoints already saved "
-                                     "are complete: continue with train.resume_from_checkpoint=auto",
-                                     shared=False) from None
-                time.sleep(min(2.0 ** attempt, 10.0))
+        answer = call_with_retries(
+            self.url, "/v1/completions", body, timeout=self.timeout, token=self.token, retries=self.retries,
+            failed=lambda e, tries: f"the teacher server {self.url} failed: {e} ({tries} tries, "
+                                    f"generation.request_timeout_s={self.timeout:g} each); checkpoints already saved "
+                                    "are complete: continue with train.resume_from_checkpoint=auto")
+        return parse_prompt_logprobs(answer["choices"][0]["prompt_logprobs"], self.top_k)

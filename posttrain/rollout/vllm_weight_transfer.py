@@ -5,23 +5,17 @@
     VLLM_SERVER_DEV_MODE=1 python -m vllm.entrypoints.openai.api_server --model DIR \
         --weight-transfer-config '{"backend": "gloo-posttrain"}' --enable-scale-out --logprobs-mode processed_logprobs
 
-vLLM 0.32's weight-transfer API (`vllm.distributed.weight_transfer`) runs every sync as four phases driven over HTTP
-(`/init_weight_transfer_engine`, `/start_weight_update`, `/update_weights`, `/finish_weight_update`); a backend says
-how the bytes travel. vLLM ships `nccl` (GPU to GPU) and `ipc` (same GPU); this one is gloo over TCP, so a CPU
-server (CI, a laptop) and any trainer run the same four phases a GPU pair runs with `nccl`:
-- init: each worker joins the trainer's gloo group (`posttrain.distributed.weight_sync`: the trainer's store, bound
-  to its address, entries under a key sent over the token-guarded HTTP channel) as rank rank_offset + its rank;
+vLLM 0.32's weight-transfer API runs every sync as four phases driven over HTTP; a backend says how the bytes travel.
+vLLM ships `nccl` (GPU to GPU) and `ipc` (same GPU); this one is gloo over TCP, so a CPU server (CI, a laptop) and
+any trainer run the same four phases a GPU pair runs with `nccl`:
+- init: each worker joins the trainer's gloo group (`posttrain.distributed.weight_sync`) as rank_offset + its rank;
 - start: vLLM's layerwise reload begins (each layer is reprocessed, oneDNN repacking on a CPU, once all of its
   tensors have arrived, so no layer ever runs half new, half old);
-- update: the buckets the trainer broadcasts (a header, then one flat buffer each, `send_weights`) go into
-  `model.load_weights` as they arrive, the next one received while one is loaded;
+- update: the broadcast buckets go into `model.load_weights` as they arrive, the next received while one is loaded;
 - finish: the layerwise reload ends; a tied lm_head is reprocessed from the new embedding.
-An adapter-only sync (generation.lora_sync=adapter, `posttrain.rollout.adapter_sync`) names the adapter in its update
-info: its tensors are written to this machine's adapter directory instead of into the model (no layer is reloaded),
-and the LoRA resolver registered here serves them under that name (a LoRA-enabled server:
-VLLM_ALLOW_RUNTIME_LORA_UPDATING=1 --enable-lora --max-lora-rank R).
-With POSTTRAIN_SYNC_DIGESTS=1 in the server's environment each worker keeps a SHA-256 per received tensor
-(`digests`; tests compare them with final/).
+An adapter-only sync (generation.lora_sync=adapter) names the adapter in its update info: its tensors are written to
+this machine's adapter directory (`posttrain.rollout.adapter_sync`), where the LoRA resolver registered here finds
+them. With POSTTRAIN_SYNC_DIGESTS=1 each worker keeps a SHA-256 per received tensor (`digests`; tests).
 """
 
 from __future__ import annotations
@@ -38,7 +32,10 @@ from vllm.distributed.weight_transfer.base import (WeightTransferEngine, WeightT
 from vllm.lora.request import LoRARequest
 from vllm.lora.resolver import LoRAResolver
 
-BACKEND = "gloo-posttrain"
+from posttrain.distributed.weight_sync import local_address_towards, open_sync_group, receive_buckets
+from posttrain.rollout.adapter_sync import adapter_root, parse_name, write_adapter
+from posttrain.rollout.server_worker import prefetched, repack_tied_lm_head, tensor_digest
+from posttrain.rollout.weight_transfer import BACKEND
 
 
 def register() -> None:
@@ -51,10 +48,10 @@ def register() -> None:
     if RESOLVER not in LoRAResolverRegistry.get_supported_resolvers():
         LoRAResolverRegistry.register_resolver(RESOLVER, AdapterResolver())
 
-    for factory, cls in ((WeightTransferEngineFactory, "GlooWeightTransferEngine"),
-                         (WeightTransferTrainerFactory, "GlooTrainerEngine")):
+    trainer_module = "posttrain.rollout.weight_transfer"
+    for factory, module, cls in ((WeightTransferEngineFactory, __name__, "GlooWeightTransferEngine"),
+                                 (WeightTransferTrainerFactory, trainer_module, "GlooTrainerEngine")):
         if BACKEND not in factory._registry:
-            module = __name__ if factory is WeightTransferEngineFactory else "posttrain.rollout.weight_transfer"
             factory.register_engine(BACKEND, module, cls)
 
 
@@ -87,8 +84,6 @@ class AdapterResolver(LoRAResolver):
     """Finds a posttrain adapter by name in this machine's adapter directory (written by the workers at a sync)."""
 
     async def resolve_lora(self, base_model_name: str, lora_name: str) -> Optional[LoRARequest]:
-        from posttrain.rollout.adapter_sync import adapter_root, parse_name
-
         try:
             parse_name(lora_name)
         except ValueError:
@@ -116,8 +111,6 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
         self._reloading = False  # vLLM's layerwise reload began (the first bucket of a full-weight sync)
 
     def init_transfer_engine(self, init_info: GlooInitInfo) -> None:
-        from posttrain.distributed.weight_sync import local_address_towards, open_sync_group
-
         self.shutdown()
         parallel = self.parallel_config
         rank = init_info.rank_offset + parallel.data_parallel_index * parallel.world_size + parallel.rank
@@ -136,9 +129,6 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
             torch.cuda.synchronize()
 
     def receive_weights(self, update_info: GlooUpdateInfo) -> None:
-        from posttrain.distributed.weight_sync import receive_buckets
-        from posttrain.rollout.server_worker import prefetched, tensor_digest
-
         if self.group is None:
             raise RuntimeError("gloo-posttrain: /update_weights before /init_weight_transfer_engine")
         keep_digests = os.environ.get("POSTTRAIN_SYNC_DIGESTS") == "1"
@@ -162,14 +152,10 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
             else:
                 self.model.load_weights([(name, tensor.to(self.device)) for name, tensor in bucket])
         if update_info.adapter_name:
-            from posttrain.rollout.adapter_sync import adapter_root, write_adapter
-
             write_adapter(adapter_root(), update_info.adapter_name, adapter, update_info.adapter_config or {})
 
     def finish_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
-
-        from posttrain.rollout.server_worker import repack_tied_lm_head
 
         if self._reloading:  # an adapter-only sync left the model as it was
             finalize_layerwise_reload(self.model, self.model_config)
@@ -184,10 +170,9 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
 
 
 class WeightSyncExtension:
-    """Methods added to vLLM's worker, called through /collective_rpc (JSON in and out). The sync itself goes
-    through vLLM's weight-transfer API and the gloo-posttrain backend (posttrain.rollout.vllm_weight_transfer); what
-    stays here is what that API has no route for: the vocabulary the start-up checks compare, the digests of the last
-    sync (tests), its seconds and the raw broadcast (bench/weight_sync.py)."""
+    """Methods added to vLLM's worker, called through /collective_rpc (JSON in and out): what vLLM's weight-transfer
+    API has no route for (the vocabulary the start-up checks compare, the last sync's digests and seconds, the raw
+    broadcast of bench/weight_sync.py)."""
 
     def posttrain_describe(self) -> dict:
         """What the trainer checks before it starts: vocabulary size, and this worker's rank among the server's."""
@@ -220,8 +205,6 @@ class WeightSyncExtension:
     def posttrain_broadcast_only(self, sizes: str) -> None:
         """bench/weight_sync.py's baseline: take part in plain broadcasts of these byte counts in the transfer group
         and drop the bytes."""
-        import torch
-
         for size in json.loads(sizes):
             self.weight_transfer_engine.group.broadcast(torch.empty(size, dtype=torch.uint8))
 

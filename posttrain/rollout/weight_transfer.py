@@ -21,6 +21,7 @@ import threading
 from dataclasses import dataclass
 from typing import ClassVar, Iterable, Optional
 
+from posttrain.distributed.weight_sync import SyncStore, open_sync_group, send_weights
 from posttrain.errors import RunStopped
 from posttrain.rollout.http import ServerUnavailable, call
 
@@ -82,22 +83,12 @@ class ServersClient:
     def _all(self, path: str, body, phase: str, timeout: float) -> list:
         """`path` on every server at once (`body`: one for all, or a list with one per server); their answers."""
         bodies = body if isinstance(body, list) else [body] * len(self.servers)
-        answers: list = [None] * len(self.servers)
-        errors: list = [None] * len(self.servers)
-
-        def one(i):
+        calls = [Background(call, url, path, b, timeout, self.token) for url, b in zip(self.servers, bodies)]
+        answers = []
+        for url, running in zip(self.servers, calls):
             try:
-                answers[i] = call(self.servers[i], path, bodies[i], timeout=timeout, token=self.token)
-            except ServerUnavailable as e:
-                errors[i] = e
-
-        threads = [threading.Thread(target=one, args=(i,), daemon=True) for i in range(len(self.servers))]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
-        for url, error in zip(self.servers, errors):
-            if error is not None:
+                answers.append(running.join())
+            except ServerUnavailable as error:
                 raise RunStopped(f"{self.name(url)} failed during a weight sync ({phase} phase, {path}): {error}. "
                                  "Check that it is running and was started with the weight-transfer backend "
                                  f"{BACKEND} (posttrain serve does it); checkpoints already saved are complete: "
@@ -128,8 +119,6 @@ class GlooTrainerEngine:
     def trainer_init(cls, init_info: GlooTrainerInitInfo, *, client, source=None) -> "GlooTrainerEngine":
         """Open the group: host its store on init_info.addr, ask every server to join (all at once: the group forms
         only when every member is in), join as rank 0."""
-        from posttrain.distributed.weight_sync import SyncStore, open_sync_group
-
         if init_info.rank != 0:
             return cls(client=client, source=source, is_sender=False)
         store = SyncStore(init_info.addr, init_info.world_size, init_info.timeout_s)
@@ -151,8 +140,6 @@ class GlooTrainerEngine:
         """One sync, every phase on every server: start, update (the servers receive while this broadcasts), finish.
         `update_info`: the backend's (GlooUpdateInfo: an adapter's name and config). Returns the bytes sent (0 on
         the other ranks)."""
-        from posttrain.distributed.weight_sync import send_weights
-
         if not self.is_sender:
             for _ in self.source:
                 pass

@@ -4,13 +4,10 @@ itself on a seeded `algo.lmbda` fraction of the steps (GKD's on-policy mixture, 
     source = DistillSource(recipe, backend, models, algorithm, train_examples, lmbda=0.5)   # run.py builds it
     micro_batches = source.step_batches(step)
 
-Every step takes its rows exactly as the dataset source does (the seeded global order, split over ranks and
-micro-batches: train/sources.py). Whether a step is on-policy is a coin seeded by (seed, step), the same on every
-rank, so a resumed run flips the same coins. On an on-policy step each row keeps its prompt (its tokens before the
-first trained token) and gets a completion sampled by the run's engine (generation.*), each generate call seeded by
-the global position of its first row, as the GRPO rollout source does: resume reproduces it, and so does any
-accumulation split (any world size too with generation.batch_size=1). Engines holding their own copy of the weights
-(vllm, server) get the current student first, by the rollout source's weight sync.
+Every step takes its rows exactly as the dataset source does (train/sources.py). Whether a step is on-policy is a
+coin seeded by (seed, step), the same on every rank and on resume. On an on-policy step each row keeps its prompt
+(its tokens before the first trained token) and gets a completion sampled by the run's engine, seeded and synced as
+in the GRPO rollout source (train/rollout_source.py), so resume reproduces it.
 """
 
 from __future__ import annotations
@@ -42,11 +39,8 @@ class DistillSource(RolloutSource):
 
     def __init__(self, recipe, backend, models, algorithm, examples, lmbda: float, servers=None):
         super().__init__(recipe, backend, models, algorithm, examples, rewards=None, servers=servers)
-        t = recipe.train
         pad_id = models.tokenizer.pad_token_id
-        seed = t.dataloader_seed if t.dataloader_seed is not None else recipe.seed
-        self.data = DatasetSource(examples, lambda rows: collate_padded(rows, pad_id), t.per_device_train_batch_size,
-                                  t.gradient_accumulation_steps, backend.world_size, backend.rank, seed)
+        self.data = DatasetSource.from_recipe(recipe, backend, examples, lambda rows: collate_padded(rows, pad_id))
         self.lmbda = lmbda
 
     def micro_batches_per_epoch(self) -> int:

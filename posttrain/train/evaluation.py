@@ -16,10 +16,13 @@ from typing import Any, Optional
 
 import torch
 
+from posttrain.agents import score_trajectories
 from posttrain.algorithms import preference_logps as pl
+from posttrain.config.schema import DataConfig
+from posttrain.data import collate_preference, load_rows, tokenize_preference
 from posttrain.errors import UserError
 from posttrain.rewards import exact_match
-from posttrain.rollout import SamplingParams
+from posttrain.rollout import HFEngine, SamplingParams
 
 ANSWER_COLUMN = "answer"
 
@@ -57,8 +60,6 @@ def accuracy_counts(examples: list[dict], texts: list[str]) -> tuple[int, int]:
 def exact_match_accuracy(model, tokenizer, prompt_examples: list[dict], max_new_tokens: int,
                          batch_size: Optional[int] = 64) -> float:
     """Share of prompts whose greedy completion's final answer equals the `answer` column (one process)."""
-    from posttrain.rollout import HFEngine
-
     texts, _ = greedy_texts(HFEngine(model, tokenizer), tokenizer, prompt_examples, max_new_tokens, batch_size)
     correct, counted = accuracy_counts(prompt_examples, texts)
     return correct / counted if counted else 0.0
@@ -76,8 +77,6 @@ def evaluate_prompts(backend, engine, tokenizer, examples: list[dict], rewards, 
     score = rewards.score
     with backend.autocast():
         if agent is not None:
-            from posttrain.agents import score_trajectories
-
             trajectories = greedy_trajectories(agent, mine, generation.max_completion_length, generation.batch_size)
             texts, ids = [t.final_text for t in trajectories], [t.completion_ids for t in trajectories]
             score = score_trajectories(rewards, trajectories, agent.environment is not None)
@@ -109,17 +108,9 @@ def evaluate_online(backend, source, tokenizer, eval_examples, rewards, generati
     return evaluate_prompts(backend, source.engine, tokenizer, eval_examples, rewards, generation, source.agent)
 
 
-def preference_accuracy(
-    model_or_dir: Any,
-    tokenizer: Any = None,
-    examples: Any = (),
-    *,
-    reference: Any = None,
-    length_normalised: bool = False,
-    batch_size: int = 16,
-    max_length: int = 512,
-    device: Optional[str] = None,
-) -> float:
+def preference_accuracy(model_or_dir: Any, tokenizer: Any = None, examples: Any = (), *, reference: Any = None,
+                        length_normalised: bool = False, batch_size: int = 16, max_length: int = 512,
+                        device: Optional[str] = None) -> float:
     """Fraction of pairs whose chosen completion the model prefers: log p(chosen) > log p(rejected) under the policy,
     or, given a `reference` (model or directory), the implicit reward log-ratio (policy - reference) of chosen >
     rejected, as DPO's rewards/accuracies.
@@ -128,8 +119,6 @@ def preference_accuracy(
     directory. examples: preference rows (dicts with prompt/chosen/rejected, as in examples/data/pref_eval.jsonl),
     a path to such a file, or tokenised pairs (prompt_ids, chosen_ids, rejected_ids). Ties count as wrong.
     """
-    from posttrain.data import collate_preference
-
     model, tokenizer = _model_and_tokenizer(model_or_dir, tokenizer, device)
     ref = _model_and_tokenizer(reference, tokenizer, device)[0] if reference is not None else None
     pairs = _tokenised_pairs(examples, tokenizer, max_length)
@@ -174,9 +163,6 @@ def _model_and_tokenizer(model_or_dir: Any, tokenizer: Any, device: Optional[str
 
 
 def _tokenised_pairs(examples: Any, tokenizer, max_length: int) -> list[dict]:
-    from posttrain.config.schema import DataConfig
-    from posttrain.data import load_rows, tokenize_preference
-
     if isinstance(examples, (str, Path)):
         rows = load_rows(str(examples), "train", "preference_accuracy examples")
     else:

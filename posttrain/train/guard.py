@@ -1,8 +1,8 @@
 """Keeping a run's work: stop requests (SIGTERM, SIGINT) and steps whose loss or gradient norm is not finite.
 
     with Guard(recipe.train, backend) as guard:              # run.py: handlers installed for the loop only
-        ...                                                   # loop phase 5: backend.step(..., skip_nonfinite=guard.skip)
-        local = torch.cat([local, guard.local_flags(step_loss)])   # phase 6: two more numbers in the one all-reduce
+        ...                                                   # phase 4: backend.step(..., skip_nonfinite=guard.skip)
+        local = torch.cat([local, guard.local_flags(step_loss)])   # phase 5: two more numbers in the one all-reduce
         guard.check_step(state, reduced[-2:], grad_norm)      # non-finite: raises RunStopped, or counts a skipped step
         if guard.stop_signal (at a generation-batch end): save, then guard.stopped(step, path)  # RunStopped(143 / 130)
 
@@ -58,7 +58,7 @@ class Guard:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         self._previous.clear()
-        if kind is None and self.signal and not self.stop_signal:  # after the last step boundary: its checkpoint holds all
+        if kind is None and self.signal and not self.stop_signal:  # after the last step: its checkpoint holds all
             raise RunStopped(f"{signal.Signals(self.signal).name} after the last step, before exporting final/ (the "
                              "last checkpoint holds every step); run again with train.resume_from_checkpoint=auto "
                              "to export it",
@@ -84,7 +84,8 @@ class Guard:
         norm = float(grad_norm)
         if not loss_bad and math.isfinite(norm):
             return
-        what = f"step {state.step}: the loss is {'not finite' if loss_bad else 'finite'} and the gradient norm is {norm}"
+        loss = "not finite" if loss_bad else "finite"
+        what = f"step {state.step}: the loss is {loss} and the gradient norm is {norm}"
         if self.skip and not math.isfinite(norm):
             state.nonfinite_skips += 1
             if state.nonfinite_skips <= self.max_skips:

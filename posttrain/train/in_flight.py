@@ -7,19 +7,15 @@
     queue.save(checkpoint_dir, rank)                  # every rank: rollouts_in_flight_<rank>.json
     queue.load(checkpoint_dir, positions_of)          # on resume: the same batches, whatever the world size now
 
-Versions are optimiser steps: the trainer's policy after `step` steps is version `step`, and a batch records the
-version the trainer held when it was submitted (`submitted_at`) and the one its engine held while it sampled
-(`sampled_by`; older with generation.sync_every > 1). The policy lag of a sample is the version trained on minus
-`sampled_by`. A batch submitted k generation batches ahead of the one then training is trained k x
-steps_per_rollout steps later; `take` refuses a batch whose distance from submission exceeds that (a checkpoint
-written with a larger k, resumed with a smaller one): it is dropped and sampled again from the current policy.
+Versions are optimiser steps: a batch records the policy version the trainer held when it was submitted
+(`submitted_at`) and the one its engine sampled with (`sampled_by`; older with generation.sync_every > 1). A batch
+submitted k generation batches ahead is trained k x steps_per_rollout steps later; `take` refuses one that waited
+longer (a checkpoint written with a larger k, resumed with a smaller one): it is sampled again.
 
-Exact resume: what the engine returned for each batch in flight (prompt ids, completion ids, sampler log-probs,
-truncation flags, multi-turn trajectories), its data positions and versions go into the step-N checkpoint, one file
-per rank (each rank samples its own shard of the prompts), listed in the checkpoint's manifest like every other
-file. JSON keeps Python floats exactly (repr round-trips) and loads no pickle. A resumed run takes these batches
-instead of sampling them again, so it trains on the very tokens and log-probs the uninterrupted run trained on.
-Loading gathers rows by data position from every rank's file, so a checkpoint resumes under another world size too.
+Exact resume: what the engine returned for each batch in flight, its data positions and versions go into the step-N
+checkpoint, one JSON file per rank (floats round-trip exactly, no pickle), so a resumed run trains on the very tokens
+and log-probs the uninterrupted run trained on. Loading gathers rows by data position from every rank's file, so a
+checkpoint resumes under another world size too.
 """
 
 from __future__ import annotations
@@ -35,8 +31,8 @@ from posttrain.errors import UserError
 
 FILE = "rollouts_in_flight_{rank}.json"
 FORMAT = 1
-FIELDS = ("prompt_ids", "completion_ids", "logprobs", "truncated")
-"""The engine's answer for one batch, as RolloutSource._sample returns it (then `trajectories`, or None)."""
+FIELDS = ("prompt_ids", "completion_ids", "logprobs", "truncated", "trajectories")
+"""The engine's answer for one batch, as RolloutSource._sample returns it (trajectories: None but multi-turn)."""
 
 
 @dataclass
@@ -132,14 +128,10 @@ class InFlight:
     def save(self, directory: Path, rank: int) -> Path:
         """Write this rank's batches in flight (waiting for them) to `directory`/rollouts_in_flight_<rank>.json."""
         self.settle()
-        records = []
-        for b in self.batches:
-            prompt_ids, completion_ids, logprobs, truncated, trajectories = b.result
-            records.append({
-                "index": b.index, "positions": b.positions, "submitted_at": b.submitted_at,
-                "sampled_by": b.sampled_by, **dict(zip(FIELDS, (prompt_ids, completion_ids, logprobs, truncated))),
-                "trajectories": None if trajectories is None else [dataclasses.asdict(t) for t in trajectories],
-            })
+        records = [{"index": b.index, "positions": b.positions, "submitted_at": b.submitted_at,
+                    "sampled_by": b.sampled_by, **dict(zip(FIELDS, b.result)),
+                    "trajectories": None if b.result[-1] is None else [dataclasses.asdict(t) for t in b.result[-1]]}
+                   for b in self.batches]
         path = Path(directory) / FILE.format(rank=rank)
         path.write_text(json.dumps({"format": FORMAT, "rank": rank, "batches": records}))
         return path
@@ -164,8 +156,7 @@ class InFlight:
                 group = len(record["prompt_ids"]) // max(len(record["positions"]), 1)
                 for i, position in enumerate(record["positions"]):
                     rows = slice(i * group, (i + 1) * group)
-                    batch["rows"][position] = {k: (record[k][rows] if record[k] is not None else None)
-                                               for k in (*FIELDS, "trajectories")}
+                    batch["rows"][position] = {k: (record[k][rows] if record[k] is not None else None) for k in FIELDS}
         self.batches = []
         for index in sorted(saved):
             meta, rows = saved[index]["meta"], saved[index]["rows"]
@@ -175,9 +166,9 @@ class InFlight:
                 return [f"generation batch {index}: the rows of prompt positions {missing[:4]} are not in "
                         f"{directory}"]
             columns = {k: [v for p in positions for v in rows[p][k]] if rows[positions[0]][k] is not None else None
-                       for k in (*FIELDS, "trajectories")}
+                       for k in FIELDS}
             if columns["trajectories"] is not None:
                 columns["trajectories"] = [trajectory(**t) for t in columns["trajectories"]]
-            result = tuple(columns[k] for k in (*FIELDS, "trajectories"))
-            self.batches.append(Sampled(index, positions, meta["submitted_at"], meta["sampled_by"], result=result))
+            self.batches.append(Sampled(index, positions, meta["submitted_at"], meta["sampled_by"],
+                                        result=tuple(columns[k] for k in FIELDS)))
         return []

@@ -43,7 +43,6 @@ class LoopContext:
     checkpointer: Any
     state: TrainState = field(default_factory=TrainState)
     evaluate: Optional[Callable[[], dict[str, float]]] = None
-    on_log: Optional[Callable[[int, dict[str, float]], None]] = None
     memory_estimate_mb: Optional[float] = None
     """`posttrain plan`'s peak estimate, logged beside the measured peak_memory_mb."""
     guard: Optional[Guard] = None  # signals and non-finite steps (train/guard.py); run.py installs it
@@ -150,8 +149,6 @@ def train(ctx: LoopContext) -> TrainState:
             if len(peak_mb) > 1:  # CUDA peak on GPU, peak RSS on CPU, per rank: where the memory goes
                 record.update({f"peak_memory_mb/rank{r}": mb for r, mb in enumerate(peak_mb)})
             ctx.logger.log(state.step, record)
-            if ctx.on_log is not None:
-                ctx.on_log(state.step, record)
             window, window_steps, window_tokens, window_start = {}, 0, 0, time.perf_counter()
         else:
             ctx.logger.progress(state.step, step_metrics.get("loss", 0.0))
@@ -211,8 +208,8 @@ def evaluate(backend, algorithm: Algorithm, models: Models, batches: list[tuple[
             for key, value in metrics.items():
                 metric_sums[key] = metric_sums.get(key, 0.0) + value.detach().float() * weight
     keys = sorted(metric_sums)
-    local = torch.cat([total, torch.stack([metric_sums[k] for k in keys]) if keys else torch.zeros(0, device=backend.device)])
-    local = torch.cat([local, torch.tensor([float(sum(w for _, w in batches))], device=backend.device)])
+    stacked = torch.stack([metric_sums[k] for k in keys]) if keys else torch.zeros(0, device=backend.device)
+    local = torch.cat([total, stacked, torch.tensor([float(sum(w for _, w in batches))], device=backend.device)])
     reduced = backend.all_reduce_sum(local)
     out = {"eval/loss": float(reduced[0] / reduced[1].clamp(min=1))}
     out.update({f"eval/{k}": float(v / reduced[-1].clamp(min=1)) for k, v in zip(keys, reduced[2:-1])})

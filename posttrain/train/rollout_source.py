@@ -10,28 +10,22 @@ for algorithm.steps_per_rollout optimiser steps (see posttrain/algorithms/grpo.p
 made in phases:
   1. prompts: the next `prompts per step` positions of the seeded global prompt order (SampleOrder), the same for
      any world size; rank r takes the r-th contiguous slice, so each prompt's G completions stay on one rank;
-  2. generate: G completions per prompt with the engine, `generation.batch_size` prompts per call, each call seeded
-     by (seed, global position of its first prompt): resume reproduces it, and so does any accumulation split;
-     with generation.batch_size=1 so does any world size. With generation.max_staleness k > 0 the batch was
-     sampled in a thread during earlier batches' training, from the policy current when it was submitted (up to k
-     batches older; train/in_flight.py); once it is taken and nothing is sampling, the engine gets the current
-     weights and batches up to index + k start sampling, overlapping the phases below and the training. A
-     checkpoint carries the batches in flight (save_state / load_state), so a resume trains on the same samples;
+  2. generate: G completions per prompt, `generation.batch_size` prompts per engine call, each call seeded by (seed,
+     global position of its first prompt): resume reproduces it, and so does any accumulation split (any world size
+     too with generation.batch_size=1). With generation.max_staleness k > 0 the batch was sampled in a thread during
+     the training of up to k earlier batches (train/in_flight.py; a checkpoint carries the batches in flight);
   3. score: the RewardSet on this rank's completions; the step's total rewards are gathered from all ranks (one
-     small all_gather) so advantages and the metrics can be computed on the whole step, identically on every rank;
-  4. batches: prompt + completion rows, right padded, split into micro-batches, each completion's total reward in
-     rewards_B; old / reference log-probs and critic values are taken now (algorithm.prepare), once, so a batch
-     reused for several steps keeps them;
+     small all_gather) so advantages and the metrics are computed on the whole step, identically on every rank;
+  4. batches: prompt + completion rows, right padded, split into micro-batches; old / reference log-probs and critic
+     values are taken now (algorithm.prepare), once, so a batch reused for several steps keeps them;
   5. advantages: algorithm.advantages(Rollouts) over the step (group-relative, GAE, ...).
 
 last_metrics (whole step, all ranks): reward/mean|std, rewards/<name>/mean|std, rewards/skipped,
-frac_reward_zero_std, completion_length/mean|max|min, truncated_fraction, policy_lag and
-rollout/policy_lag_mean|max (optimiser steps from the sampling policy to the trained one, per completion); and this
-rank's seconds per phase: time/generate (with max_staleness: the wait for the batch sampled ahead), time/score
-(with the gather), time/ref (old and reference log-probs, critic values, advantages), time/train (from handing
-the micro-batches over to the loop reading the metrics: forward, backward, optimiser step); under launcher: ray,
-time/role/<role> for each role served by replicas apart from the policy (its calls, transfer included: part of
-time/score for a reward model, of time/ref for the others).
+frac_reward_zero_std, completion_length/mean|max|min, truncated_fraction, policy_lag and rollout/policy_lag_mean|max
+(optimiser steps from the sampling policy to the trained one); and this rank's seconds per phase: time/generate
+(with max_staleness: the wait for the batch sampled ahead), time/sync, time/score (with the gather), time/ref
+(log-probs, values, advantages), time/train (from handing the micro-batches over to the loop reading the metrics),
+and under launcher: ray time/role/<role> for each role served apart from the policy (its calls, transfer included).
 """
 
 from __future__ import annotations
@@ -51,7 +45,7 @@ from posttrain.agents import AgentRollout, Trajectory, agent_metrics, score_traj
 from posttrain.ops.advantages import zero_std_fraction
 from posttrain.ops.logprobs import sequence_mean
 from posttrain.rewards import reward_metrics
-from posttrain.rollout import SamplingParams, make_engine
+from posttrain.rollout import Completions, SamplingParams, make_engine
 from posttrain.rollout.adapter_sync import check_delivery
 from posttrain.batch import Batch
 from posttrain.train.in_flight import InFlight, Sampled, lag_metrics, policy_lag
@@ -83,11 +77,9 @@ class Rollouts:
 
     def per_batch(self, step_values_B: torch.Tensor) -> list[torch.Tensor]:
         """This rank's rows of a tensor over the whole step, split like its micro-batches (on their device)."""
-        out, start = [], self.offset
-        for b in self.batches:
-            out.append(step_values_B[start : start + b.num_sequences].to(b.input_ids_BT.device))
-            start += b.num_sequences
-        return out
+        sizes = [b.num_sequences for b in self.batches]
+        mine = step_values_B[self.offset : self.offset + sum(sizes)].split(sizes)
+        return [values.to(b.input_ids_BT.device) for values, b in zip(mine, self.batches)]
 
 
 @dataclass
@@ -132,13 +124,14 @@ class RolloutSource(Source):
         self._pool = (ThreadPoolExecutor(max_workers=1, thread_name_prefix="posttrain-async")
                       if recipe.generation.max_staleness else None)
 
-    def _sync_weights(self, step: int) -> None:
+    def _sync_weights(self, step: int, force: bool = False) -> None:
         """Before generating for `step`: an engine holding its own copy of the policy gets the trainer's weights
-        when the policy has stepped `generation.sync_every` times since the last sync (always before the first)."""
+        when the policy has stepped `generation.sync_every` times since the last sync (always before the first, and
+        with `force`)."""
         engine, gen = self.engine, self.recipe.generation
         if not engine.holds_copy or self._synced_at == step:
             return
-        if self._synced_at is not None and step - self._synced_at < gen.sync_every:
+        if not force and self._synced_at is not None and step - self._synced_at < gen.sync_every:
             return
         started = time.perf_counter()
         buckets = self.backend.weight_buckets(self.models.policy.model, gen.sync_bucket_mb, engine.adapter_only)
@@ -157,31 +150,25 @@ class RolloutSource(Source):
         batches are kept), then an engine holding its own copy of the weights gets the trainer's, whatever sync_every
         says."""
         self._ahead.settle()
-        if self.engine.holds_copy and self._synced_at != self._trained_through:
-            self._synced_at = None
-            self._sync_weights(self._trained_through)
+        self._sync_weights(self._trained_through, force=True)
 
     def close(self, step: int) -> None:
-        """After the run: servers, which outlive it, get the final policy (they then serve what final/ holds); the
-        engine lets go of what it holds (a server engine's sync group)."""
-        self._drop_pending()
-        if self.engine.outlives_run and self._synced_at != step:
-            self._synced_at = None  # whatever sync_every says
-            self._sync_weights(step)
-        self.engine.close()
-
-    def end(self) -> None:
-        """After the run's last collective: an engine with a runtime of its own in this process tears it down."""
-        self.engine.end()
-
-    def _drop_pending(self) -> None:
-        """Wait for the generations in flight (the run ends or stops: their batches are not needed), let them go."""
+        """After the run: the generations in flight are let go (their batches are not needed); servers, which outlive
+        the run, get the final policy (they then serve what final/ holds); the engine lets go of what it holds (a
+        server engine's sync group)."""
         try:
             self._ahead.drop("the run ends")
         except Exception as e:  # the run is ending anyway; what stopped it matters more
             logger.warning("a generation batch sampled ahead (generation.max_staleness) failed: %s", e)
         if self._pool is not None:
             self._pool.shutdown(wait=True)
+        if self.engine.outlives_run:
+            self._sync_weights(step, force=True)
+        self.engine.close()
+
+    def end(self) -> None:
+        """After the run's last collective: an engine with a runtime of its own in this process tears it down."""
+        self.engine.end()
 
     def save_state(self, directory: Path) -> None:
         """Into a checkpoint being written (every rank): this rank's generation batches in flight (in_flight.py)."""
@@ -242,12 +229,11 @@ class RolloutSource(Source):
         if refused:
             logger.warning("step %d: %s; it is sampled again from the current policy", step, refused)
         if ahead is not None:
-            sampled_by, (prompt_ids, completion_ids, sampler_logprobs, truncated, trajectories) = (ahead.sampled_by,
-                                                                                                ahead.wait())
+            sampled_by, sample = ahead.sampled_by, ahead.wait()
         else:
             self._sync_weights(step)
-            sampled_by = self._synced_at
-            prompt_ids, completion_ids, sampler_logprobs, truncated, trajectories = self._sample(prompts, positions)
+            sampled_by, sample = self._synced_at, self._sample(prompts, positions)
+        prompt_ids, completion_ids, sampler_logprobs, truncated, trajectories = sample
         self._ahead.settle()  # the batches ahead finish first: no sync ever lands under a generation in flight
         generated, synced_before = time.perf_counter(), self._sync_seconds
         if self._pool is not None:  # up to k batches ahead, each from the policy current now
@@ -314,22 +300,20 @@ class RolloutSource(Source):
         prompt_ids, completion_ids, logprobs, truncated = [], [], [], []
         trajectories = [] if self.agent is not None else None
         for start in range(0, len(prompts), per_call):
-            rows = [p["prompt_ids"] for p in prompts[start : start + per_call] for _ in range(self.group)]
+            chunk = [p for p in prompts[start : start + per_call] for _ in range(self.group)]
+            rows = [p["prompt_ids"] for p in chunk]
             params = SamplingParams.from_config(gen, seed=sampling_seed(self.recipe.seed, positions[start]))
-            if self.agent is not None:
-                chunk = [(p, self.order.index(q)) for p, q in zip(prompts[start : start + per_call],
-                                                                  positions[start : start + per_call])]
-                with self.backend.autocast():
-                    out = self.agent.run([p for p, _ in chunk for _ in range(self.group)],
-                                         [row for _, row in chunk for _ in range(self.group)], params)
-                trajectories += out
-                prompt_ids += [t.prompt_ids for t in out]
-                completion_ids += [t.completion_ids for t in out]
-                logprobs += [t.logprobs for t in out]
-                truncated += [t.truncated for t in out]
-                continue
             with self.backend.autocast():
-                out = self.engine.generate(rows, params)
+                if self.agent is None:
+                    out = self.engine.generate(rows, params)
+                else:  # multi-turn: the trajectories' own prompt and completion tokens
+                    dataset_rows = [self.order.index(q) for q in positions[start : start + per_call]
+                                    for _ in range(self.group)]
+                    turns = self.agent.run(chunk, dataset_rows, params)
+                    trajectories += turns
+                    rows = [t.prompt_ids for t in turns]
+                    out = Completions([t.completion_ids for t in turns], [t.logprobs for t in turns],
+                                      [t.truncated for t in turns])
             prompt_ids += rows
             completion_ids += out.completion_ids
             logprobs += out.logprobs
@@ -364,17 +348,11 @@ class RolloutSource(Source):
         due = [s + 1 for s in range(step, step + self.iterations) if (s + 1) % t.logging_steps == 0]
         if not due or not groups:
             return
-        records = []
-        for i in range(min(groups, len(prompts)) * self.group):
-            records.append({
-                "step": due[0],
-                "prompt": prompts[i // self.group]["prompt"],
-                "completion": texts[i],
-                "reward": float(total_B[i]),
-                "rewards": {k: (None if v[i].isnan() else float(v[i])) for k, v in per_function.items()},
-                "advantage": float(advantages_B[i]),
-                "truncated": bool(truncated[i]),
-            })
+        records = [{"step": due[0], "prompt": prompts[i // self.group]["prompt"], "completion": texts[i],
+                    "reward": float(total_B[i]),
+                    "rewards": {k: (None if v[i].isnan() else float(v[i])) for k, v in per_function.items()},
+                    "advantage": float(advantages_B[i]), "truncated": bool(truncated[i])}
+                   for i in range(min(groups, len(prompts)) * self.group)]
         with (Path(self.recipe.output_dir) / "samples.jsonl").open("a") as f:
             f.writelines(json.dumps(r) + "\n" for r in records)
 

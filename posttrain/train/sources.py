@@ -64,23 +64,19 @@ class SampleOrder:
 
 
 class DatasetSource(Source):
-    def __init__(
-        self,
-        examples: Sequence[dict],
-        collate: Callable[[list[dict]], Batch],
-        per_device_batch_size: int,
-        gradient_accumulation_steps: int,
-        world_size: int,
-        rank: int,
-        seed: int,
-    ):
-        self.examples = examples
-        self.collate = collate
-        self.micro = per_device_batch_size
-        self.accumulation = gradient_accumulation_steps
-        self.world_size = world_size
-        self.rank = rank
+    def __init__(self, examples: Sequence[dict], collate: Callable[[list[dict]], Batch], per_device_batch_size: int,
+                 gradient_accumulation_steps: int, world_size: int, rank: int, seed: int):
+        self.examples, self.collate, self.world_size, self.rank = examples, collate, world_size, rank
+        self.micro, self.accumulation = per_device_batch_size, gradient_accumulation_steps
         self.order = SampleOrder(len(examples), seed)
+
+    @classmethod
+    def from_recipe(cls, recipe, backend, examples: Sequence[dict], collate) -> "DatasetSource":
+        """This rank's source for a run: the train.* batch split, seeded by train.dataloader_seed (default: seed)."""
+        t = recipe.train
+        seed = t.dataloader_seed if t.dataloader_seed is not None else recipe.seed
+        return cls(examples, collate, t.per_device_train_batch_size, t.gradient_accumulation_steps, backend.world_size,
+                   backend.rank, seed)
 
     @property
     def global_batch(self) -> int:
