@@ -295,8 +295,7 @@ def check_same_everywhere(report: Report, rank: int, world_size: int, recipe_tex
                      ("recipe", "copy the same recipe to every node (or put it on a shared disk)")):
         values = {e[key] for e in everyone}
         if len(values) > 1:
-            detail = ", ".join(f"rank {r}: {e[key]}" for r, e in enumerate(everyone))
-            report.add("FAIL", f"same {key}", detail, fix)
+            report.add("FAIL", f"same {key}", ", ".join(f"rank {r}: {e[key]}" for r, e in enumerate(everyone)), fix)
         elif key != "recipe" or recipe_text is not None:
             report.add("PASS", f"same {key}", f"{values.pop()} on all {world_size} ranks")
     if token_name[0] is not None:

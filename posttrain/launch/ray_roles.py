@@ -19,7 +19,7 @@ import time
 from types import SimpleNamespace
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import torch
 
@@ -30,7 +30,7 @@ from posttrain.batch import Batch
 from posttrain.distributed.backend import Backend
 from posttrain.errors import RunStopped, UserError
 from posttrain.launch.ray_actors import Worker, last_line, rank_env
-from posttrain.launch.ray_placement import rank_slots
+from posttrain.launch.ray_placement import node_options, rank_slots
 from posttrain.models.critic import load_critic
 from posttrain.models.forward import policy_logprobs
 from posttrain.models.load import load_tokenizer
@@ -99,7 +99,7 @@ class TrainedRoleWorker(RoleWorker):
         """Join the group (env: its RANK, WORLD_SIZE, MASTER_ADDR, ...), load the trained role as run.py would, then
         the frozen ones. Returns each key's parameter count."""
         os.environ.update(env)
-        self.recipe, self.name = recipe, next(r for r in roles if r not in FROZEN_ROLES)
+        self.name = next(r for r in roles if r not in FROZEN_ROLES)
         if self.name != "critic":
             raise ValueError(f"no trained role {self.name!r} to run apart")
         self.algorithm = ALGORITHMS[command][1](recipe)
@@ -111,7 +111,7 @@ class TrainedRoleWorker(RoleWorker):
         count = sum(p.numel() for p in model.parameters())
         model, optimizer = self.backend.prepare(model, make_optimizer(model, t, self.algorithm.critic_learning_rate()))
         model.train()
-        self.role = LocalRole(model, self.backend, trains=True, optimizer=optimizer, train_config=recipe.train)
+        self.role = LocalRole(model, self.backend, trains=True, optimizer=optimizer, train_config=t)
         frozen = self._load_frozen(self.algorithm, recipe, tuple(r for r in roles if r in FROZEN_ROLES),
                                    self.backend.device)
         return {self.name: count, **frozen}
@@ -172,15 +172,16 @@ class RemoteRole:
 
     def as_role(self, key: Optional[str] = None) -> "RayRole":
         """The Role a rank holds for `key` (a reward model's 'reward_model:<i>'; default the role itself)."""
-        return RayRole(self, key or self.role, trains=self.trains, placement="ray")
+        return RayRole(self, key or self.role)
 
 
 class RayRole(Role):
     """A role served by its actor group, as a training rank holds it (see the module docstring)."""
 
-    def __init__(self, remote: RemoteRole, key: str, trains: bool, placement: str):
-        self.remote, self.key, self.trains, self.placement = remote, key, trains, placement
-        self.lr = float("nan")
+    placement = "ray"
+
+    def __init__(self, remote: RemoteRole, key: str):
+        self.remote, self.key, self.trains, self.lr = remote, key, remote.trains, float("nan")
 
     def _call(self, method: str, *args, timed: bool = True):
         """The replica's `method`(key, *args); timed: counted in time/role/<role> (the loop times updates itself)."""
@@ -204,9 +205,8 @@ class RayRole(Role):
 
     def logprobs(self, batch, temperature: float = 1.0):
         """Token log-probs of `batch` (only the fields a forward reads are sent), on the batch's device."""
-        sent = Batch(batch.input_ids_BT.cpu(), batch.completion_mask_BT.cpu(),
-                     attention_mask_BT=None if batch.attention_mask_BT is None else batch.attention_mask_BT.cpu(),
-                     position_ids_BT=None if batch.position_ids_BT is None else batch.position_ids_BT.cpu())
+        sent = Batch(batch.input_ids_BT, batch.completion_mask_BT, attention_mask_BT=batch.attention_mask_BT,
+                     position_ids_BT=batch.position_ids_BT).to("cpu")
         return self._call("logprobs", sent, temperature).to(batch.input_ids_BT.device)
 
     def seconds(self) -> float:
@@ -267,17 +267,16 @@ class RoleGroups:
                 for role, reps in self.replicas.items()}
 
 
-def start_role_groups(ray, plan, command: str, recipe, env: dict[str, str],
-                      options_for: Callable[[Any], dict]) -> RoleGroups:
-    """One worker per slot of each unit apart from the policy, on its node (`options_for(slot)`: its actor options),
-    loading in parallel. A replica that fails to load stops the start naming its role and node (a UserError: exit 2)."""
+def start_role_groups(ray, plan, command: str, recipe, env: dict[str, str]) -> RoleGroups:
+    """One worker per slot of each unit apart from the policy, on its node, loading in parallel (none when every role
+    is with the policy). A replica that fails to load stops the start naming its role and node (UserError: exit 2)."""
     groups = RoleGroups()
     loads = []
     for placed in plan.units[1:]:
         trained = any(r not in FROZEN_ROLES for r in placed.unit.roles)
         slots = rank_slots(placed)
-        actors = [ray.remote(TrainedRoleWorker if trained else RoleWorker).options(**options_for(slot)).remote()
-                  for slot in slots]
+        worker = ray.remote(TrainedRoleWorker if trained else RoleWorker)
+        actors = [worker.options(**node_options(slot.node, plan)).remote() for slot in slots]
         group_env = [{} for _ in slots]
         if trained:  # a torch.distributed group of its own, joined by every worker's load at once
             address, port = ray.get(actors[0].rendezvous.remote())
