@@ -95,9 +95,9 @@ def sync_buckets(units: list[SyncUnit], bucket_mb: float) -> Iterator[list[SyncU
 
 # --- to generation servers: a gloo group of trainer rank 0 (group rank 0) and every server's workers ------------------
 #
-#   group = open_sync_group(addr, port, rank, world_size, timeout_s)   # every member; the trainer's call hosts the store
-#   send_weights(group, buckets)                                        # trainer rank 0: header, then the bytes, per bucket
-#   for name, tensor in receive_weights(group): ...                     # each server worker, lazily (reload_weights)
+#   group = open_sync_group(addr, port, rank, world_size, timeout_s)  # every member; the trainer's hosts the store
+#   send_weights(group, buckets)                                       # trainer rank 0: header, then bytes, per bucket
+#   for name, tensor in receive_weights(group): ...                    # each server worker, lazily (reload_weights)
 #
 # A bucket travels as three broadcasts from rank 0: its header's length (int64; 0 ends the sync), the header (JSON:
 # name, dtype, shape, offset of each tensor) and one flat byte buffer. Gloo on CPU tensors everywhere, so any trainer

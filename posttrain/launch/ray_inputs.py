@@ -33,7 +33,8 @@ def _local_path(value: str, base: Path) -> str:
     'file.py:function' too); anything else (hub ids, words, absolute paths) unchanged."""
     if not value or os.path.isabs(value) or "\n" in value:
         return value
-    head, colon, tail = value.partition(":") if value.count(":") == 1 and not value.startswith("http") else (value, "", "")
+    reward_file = value.count(":") == 1 and not value.startswith("http")  # 'file.py:function'
+    head, colon, tail = value.partition(":") if reward_file else (value, "", "")
     if (base / head).exists():
         return str((base / head).resolve()) + colon + tail
     return value

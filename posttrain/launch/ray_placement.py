@@ -1,7 +1,7 @@
 """Where each role's workers go on a Ray cluster: pure functions over a recipe's `placement:` and a cluster description.
 
     placement = pick_gpu_resource(recipe.placement, ray.nodes())  # gpu_resource auto -> GPU or none
-    nodes = nodes_from_ray(ray.nodes(), placement.gpu_resource)  # or hand-made: [Node("a", "10.0.0.1", gpus=4, cpus=32)]
+    nodes = nodes_from_ray(ray.nodes(), placement.gpu_resource)  # or by hand: [Node("a", "10.0.0.1", 4, 32)]
     units = resolve(placement, ("policy", "reference"), nodes)
     plan = fit(units, nodes, placement)                          # UserError (exit 2) saying what is short
     print(placement_table(plan))                                 # role | node | GPUs | colocated with

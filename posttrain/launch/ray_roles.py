@@ -249,8 +249,8 @@ def check_apart(units) -> None:
         workers, ranks = unit.num_nodes * unit.workers_per_node, policy.num_nodes * policy.workers_per_node
         if trained and workers != ranks:
             raise UserError(f"placement: {unit.name} apart from the policy has {workers} worker(s) but the policy has "
-                            f"{ranks}: a trained role's group has one worker per training rank (each rank drives "
-                            f"its own); set placement.{trained[0]}.num_nodes / num_gpus_per_node to the policy's layout")
+                            f"{ranks}: a trained role's group has one worker per training rank (each rank drives its "
+                            f"own); set placement.{trained[0]}.num_nodes / num_gpus_per_node to the policy's layout")
 
 
 @dataclass
