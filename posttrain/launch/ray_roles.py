@@ -13,11 +13,12 @@ group's collectives are reached in order); its updates, checkpoints and final-<r
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import time
-from types import SimpleNamespace
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from pathlib import Path
 from typing import Any, Optional
 
@@ -160,28 +161,23 @@ class TrainedRoleWorker(RoleWorker):
         self.role.export(output_dir, name, self.tokenizer)
 
 
-@dataclass
-class RemoteRole:
-    """A training rank's handle on its replica of one role: the actor, where it runs, the seconds its calls took."""
+@dataclass(eq=False)
+class RayRole(Role):
+    """A role served by its actor group, as a training rank holds it (see the module docstring): its replica's actor,
+    where that runs, the seconds its calls took (one timer for every key of the role) and the model `key` it asks."""
 
-    role: str
-    actor: Any
-    where: str
+    role: str = ""
+    actor: Any = None
+    where: str = ""
     trains: bool = False
-    seconds: list[float] = field(default_factory=lambda: [0.0])
+    timer: list[float] = field(default_factory=lambda: [0.0])
+    key: str = ""
+    lr: float = float("nan")
+    placement: str = "ray"
 
     def as_role(self, key: Optional[str] = None) -> "RayRole":
         """The Role a rank holds for `key` (a reward model's 'reward_model:<i>'; default the role itself)."""
-        return RayRole(self, key or self.role)
-
-
-class RayRole(Role):
-    """A role served by its actor group, as a training rank holds it (see the module docstring)."""
-
-    placement = "ray"
-
-    def __init__(self, remote: RemoteRole, key: str):
-        self.remote, self.key, self.trains, self.lr = remote, key, remote.trains, float("nan")
+        return dataclasses.replace(self, key=key or self.role)
 
     def _call(self, method: str, *args, timed: bool = True):
         """The replica's `method`(key, *args); timed: counted in time/role/<role> (the loop times updates itself)."""
@@ -190,12 +186,12 @@ class RayRole(Role):
 
         started = time.perf_counter()
         try:
-            return ray.get(getattr(self.remote.actor, method).remote(self.key, *args))
+            return ray.get(getattr(self.actor, method).remote(self.key, *args))
         except RayActorError as e:
-            raise RoleWorkerDied(self.remote.where, last_line(str(e))) from None
+            raise RoleWorkerDied(self.where, last_line(str(e))) from None
         finally:
             if timed:
-                self.remote.seconds[0] += time.perf_counter() - started
+                self.timer[0] += time.perf_counter() - started
 
     def forward(self, use_cache: bool = False, **inputs):
         """An object whose .logits sit on the inputs' device (values of a critic, scores of a reward model)."""
@@ -211,7 +207,7 @@ class RayRole(Role):
 
     def seconds(self) -> float:
         """Seconds this role's calls took since last asked (all keys of the role)."""
-        seconds, self.remote.seconds[0] = self.remote.seconds[0], 0.0
+        seconds, self.timer[0] = self.timer[0], 0.0
         return seconds
 
     def start_schedule(self, total_steps: int) -> None:
@@ -261,9 +257,9 @@ class RoleGroups:
     replicas: dict[str, list[tuple[Any, str]]] = field(default_factory=dict)
     """role -> [(actor, where)] in replica order."""
 
-    def for_rank(self, rank: int) -> dict[str, RemoteRole]:
+    def for_rank(self, rank: int) -> dict[str, RayRole]:
         """Rank r's replica of each role: r % replicas (a trained role's group has one worker per rank)."""
-        return {role: RemoteRole(role, *reps[rank % len(reps)], trains=role not in FROZEN_ROLES)
+        return {role: RayRole(role, *reps[rank % len(reps)], trains=role not in FROZEN_ROLES)
                 for role, reps in self.replicas.items()}
 
 
