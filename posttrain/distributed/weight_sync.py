@@ -45,14 +45,8 @@ def sync_units(model) -> list[SyncUnit]:
     lora = hasattr(model, "peft_config") and hasattr(model, "get_base_model")
     base = model.get_base_model() if lora else model
     adapter = model.active_adapter if lora else None  # the name of the one adapter trained
-    units, seen = [], set()
-    for module_name, module in base.named_modules():
-        for leaf, param in module.named_parameters(prefix=module_name, recurse=False):
-            if id(param) in seen or ".lora_" in f".{leaf}":
-                continue
-            seen.add(id(param))
-            name = leaf.replace(".base_layer.", ".")
-            units.append(SyncUnit(name, [param], lambda ts: ts[0], _full_nbytes(param)))
+    units = [SyncUnit(name.replace(".base_layer.", "."), [param], lambda ts: ts[0], _full_nbytes(param))
+             for name, param in base.named_parameters() if ".lora_" not in f".{name}"]  # a tied weight once
     by_param = {id(u.params[0]): u for u in units}
     for module in base.modules() if lora else ():
         if hasattr(module, "lora_A") and adapter in getattr(module, "lora_A", {}):
