@@ -204,7 +204,7 @@ class Backend:
     def prepare_frozen(self, model, offload: bool = False):
         """A no-grad model (reference, reward model): partitioned like the trained ones under ZeRO-3. offload: its
         weights stay in CPU memory between forwards (ZeRO-3: DeepSpeed's parameter offload; else Offloaded)."""
-        zero3 = self.is_deepspeed and self.zero_stage == 3
+        zero3 = self.zero_stage == 3
         precision = self.recipe.train.mixed_precision
         if zero3 or (self.is_deepspeed and not offload):
             import deepspeed
@@ -293,7 +293,7 @@ class Backend:
     def gathered_parameters(self, model) -> Iterator[None]:
         """Full parameters on every rank for the duration (generation, export), gathered once: no forward inside
         makes a collective call, so ranks may run different numbers of forwards. A no-op where nothing is sharded."""
-        if self.is_deepspeed and self.zero_stage == 3:
+        if self.zero_stage == 3:
             import deepspeed
 
             with deepspeed.zero.GatheredParameters(list(model.parameters())):
@@ -317,8 +317,7 @@ class Backend:
 
     def full_state_dict(self, model) -> dict[str, torch.Tensor]:
         """The whole model's weights on rank 0, tied weights once; {} elsewhere. A collective: every rank calls it."""
-        zero3 = self.is_deepspeed and self.zero_stage == 3
-        state = self._gather_zero3(model) if zero3 else self.accelerator.get_state_dict(model)
+        state = self._gather_zero3(model) if self.zero_stage == 3 else self.accelerator.get_state_dict(model)
         return drop_tied_aliases(self.unwrap(model), state) if self.is_main else {}
 
     def weight_buckets(self, model, bucket_mb: float, adapter: bool = False
@@ -333,7 +332,7 @@ class Backend:
 
     def _materialise(self, units: list[SyncUnit]) -> Iterator[list[tuple[str, torch.Tensor]]]:
         params = [p for u in units for p in u.params]
-        zero3 = self.is_deepspeed and self.zero_stage == 3
+        zero3 = self.zero_stage == 3
         gathered = contextlib.nullcontext()
         if zero3:
             import deepspeed
