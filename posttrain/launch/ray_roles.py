@@ -18,15 +18,14 @@ import json
 import os
 import time
 from dataclasses import dataclass, field
-from types import SimpleNamespace
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, Optional
 
 import torch
 
 from posttrain.algorithms import ALGORITHMS
 from posttrain.algorithms.base import Role
-from posttrain.roles import LocalRole
 from posttrain.batch import Batch
 from posttrain.distributed.backend import Backend
 from posttrain.errors import RunStopped, UserError
@@ -36,8 +35,8 @@ from posttrain.models.critic import load_critic
 from posttrain.models.forward import policy_logprobs
 from posttrain.models.load import load_tokenizer
 from posttrain.models.reference import make_reference
+from posttrain.roles import trained_role
 from posttrain.run import seed_everything
-from posttrain.train.optim import make_optimizer
 
 FROZEN_ROLES = ("reference", "reward_model", "teacher")
 LOAD_TIMEOUT_S = 600.0
@@ -110,9 +109,8 @@ class TrainedRoleWorker(RoleWorker):
         t = recipe.train
         model = load_critic(self.algorithm.critic_source(), self.tokenizer.pad_token_id, t.gradient_checkpointing)
         count = sum(p.numel() for p in model.parameters())
-        model, optimizer = self.backend.prepare(model, make_optimizer(model, t, self.algorithm.critic_learning_rate()))
-        model.train()
-        self.role = LocalRole(model, self.backend, trains=True, optimizer=optimizer, train_config=t)
+        self.role = trained_role(self.backend, model, t, self.algorithm.critic_learning_rate())
+        self.role.train()
         frozen = self._load_frozen(self.algorithm, recipe, tuple(r for r in roles if r in FROZEN_ROLES),
                                    self.backend.device)
         return {self.name: count, **frozen}
