@@ -138,7 +138,7 @@ class TrainedRoleWorker(RoleWorker):
 
     def nonfinite(self, key: str) -> float:
         """NaN/inf parameter tensors over the whole group (agreed with one all-reduce, like guard.require_finite)."""
-        bad = torch.tensor(float(self.backend.nonfinite_parameters(self.role.model)), device=self.backend.device)
+        bad = torch.tensor(self.role.nonfinite(), device=self.backend.device)
         return float(self.backend.all_reduce_sum(bad))
 
     def save(self, key: str, path: str) -> None:
