@@ -128,8 +128,10 @@ class Backend:
         # torchrun gives every worker the number of nodes (agents) as GROUP_WORLD_SIZE
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", self.world_size))
         self.num_nodes = int(os.environ.get("GROUP_WORLD_SIZE", 0)) or max(1, self.world_size // max(1, local_world))
-        if self.is_deepspeed:
-            self._fill_deepspeed_config()
+        if self.is_deepspeed:  # every batch / accumulation / clipping / precision value comes from the recipe
+            plugin = self.accelerator.state.deepspeed_plugin
+            fill_deepspeed_config(plugin.deepspeed_config, t, self.world_size)
+            plugin.gradient_accumulation_steps = t.gradient_accumulation_steps
         if self.world_size > 1:  # who is where, so a rank whose peer dies can say which
             peers.record(self.all_gather_object(peers.me()))
 
@@ -148,8 +150,7 @@ class Backend:
 
     @property
     def can_skip_steps(self) -> bool:
-        """A step's update can still be dropped after backward (train.nonfinite=skip); DeepSpeed applies it inside
-        backward."""
+        """A step's update can still be dropped after backward (train.nonfinite=skip); DeepSpeed's is already done."""
         return not self.is_deepspeed
 
     @property
@@ -180,13 +181,7 @@ class Backend:
         return {"world_size": self.world_size, "nodes": self.num_nodes, "engine": engine, "offload": offload,
                 "precision": self.recipe.train.mixed_precision, "device": str(self.device)}
 
-    # --- DeepSpeed: the recipe is the one source of truth ----------------------------------------------------
-    def _fill_deepspeed_config(self) -> None:
-        """Every batch / accumulation / clipping / precision value comes from the recipe (launch_config)."""
-        plugin = self.accelerator.state.deepspeed_plugin
-        fill_deepspeed_config(plugin.deepspeed_config, self.recipe.train, self.world_size)
-        plugin.gradient_accumulation_steps = self.recipe.train.gradient_accumulation_steps
-
+    # --- DeepSpeed's universal checkpoint format -----------------------------------------------------------
     @staticmethod
     def convert_to_universal(engine_dir: Path, target_dir: Path) -> None:
         """One DeepSpeed engine checkpoint (the per-rank shards under engine_dir) rewritten in DeepSpeed's universal
@@ -209,7 +204,8 @@ class Backend:
     def prepare_frozen(self, model, offload: bool = False):
         """A no-grad model (reference, reward model): partitioned like the trained ones under ZeRO-3. offload: its
         weights stay in CPU memory between forwards (ZeRO-3: DeepSpeed's parameter offload; else Offloaded)."""
-        zero3 = self.is_deepspeed and self.zero_stage == 3
+        zero3 = self.zero_stage == 3
+        precision = self.recipe.train.mixed_precision
         if zero3 or (self.is_deepspeed and not offload):
             import deepspeed
 
@@ -217,7 +213,6 @@ class Backend:
             launcher = self.accelerator.state.deepspeed_plugin.deepspeed_config.get("zero_optimization", {})
             if zero3 and (offload or (launcher.get("offload_param") or {}).get("device") not in ("none", None)):
                 zero["offload_param"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
-            precision = self.recipe.train.mixed_precision
             config = {"train_micro_batch_size_per_gpu": self.recipe.train.per_device_train_batch_size,
                       "bf16": {"enabled": precision == "bf16"}, "fp16": {"enabled": precision == "fp16"},
                       "zero_optimization": zero}
@@ -226,7 +221,6 @@ class Backend:
             return engine
         model.eval()
         if offload:
-            precision = self.recipe.train.mixed_precision
             if self.is_deepspeed and precision in ("bf16", "fp16"):  # as DeepSpeed's engine would hold it
                 model.to(torch.bfloat16 if precision == "bf16" else torch.float16)
             return Offloaded(model, self.device)
@@ -260,10 +254,8 @@ class Backend:
         else:
             norm = self.accelerator.clip_grad_norm_(model.parameters(), max_norm if max_norm > 0 else float("inf"))
             norm = torch.as_tensor(norm).detach().float().cpu()
-        if skip_nonfinite and not torch.isfinite(norm):
-            optimizer.zero_grad(set_to_none=True)
-            return norm
-        optimizer.step()
+        if not skip_nonfinite or torch.isfinite(norm):
+            optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         return norm
 
@@ -301,7 +293,7 @@ class Backend:
     def gathered_parameters(self, model) -> Iterator[None]:
         """Full parameters on every rank for the duration (generation, export), gathered once: no forward inside
         makes a collective call, so ranks may run different numbers of forwards. A no-op where nothing is sharded."""
-        if self.is_deepspeed and self.zero_stage == 3:
+        if self.zero_stage == 3:
             import deepspeed
 
             with deepspeed.zero.GatheredParameters(list(model.parameters())):
@@ -325,8 +317,7 @@ class Backend:
 
     def full_state_dict(self, model) -> dict[str, torch.Tensor]:
         """The whole model's weights on rank 0, tied weights once; {} elsewhere. A collective: every rank calls it."""
-        zero3 = self.is_deepspeed and self.zero_stage == 3
-        state = self._gather_zero3(model) if zero3 else self.accelerator.get_state_dict(model)
+        state = self._gather_zero3(model) if self.zero_stage == 3 else self.accelerator.get_state_dict(model)
         return drop_tied_aliases(self.unwrap(model), state) if self.is_main else {}
 
     def weight_buckets(self, model, bucket_mb: float, adapter: bool = False
@@ -341,18 +332,16 @@ class Backend:
 
     def _materialise(self, units: list[SyncUnit]) -> Iterator[list[tuple[str, torch.Tensor]]]:
         params = [p for u in units for p in u.params]
-        if self.is_deepspeed and self.zero_stage == 3:
+        zero3 = self.zero_stage == 3
+        gathered = contextlib.nullcontext()
+        if zero3:
             import deepspeed
 
-            with deepspeed.zero.GatheredParameters(params), torch.no_grad():  # copies: the gathered ones are freed
-                yield [(u.name, u.compute([p.data for p in u.params]).clone()) for u in units]
-        elif self.is_fsdp:
-            with torch.no_grad():
-                full = {id(p): (p.full_tensor() if hasattr(p, "full_tensor") else p.data) for p in params}
-                yield [(u.name, u.compute([full[id(p)] for p in u.params])) for u in units]
-        else:
-            with torch.no_grad():
-                yield [(u.name, u.compute([p.data for p in u.params])) for u in units]
+            gathered = deepspeed.zero.GatheredParameters(params)
+        with gathered, torch.no_grad():  # an FSDP2 parameter is a DTensor shard: full_tensor() gathers it
+            full = {id(p): (p.full_tensor() if hasattr(p, "full_tensor") else p.data) for p in params}
+            tensors = (u.compute([full[id(p)] for p in u.params]) for u in units)
+            yield [(u.name, t.clone() if zero3 else t) for u, t in zip(units, tensors)]  # ZeRO-3 frees what it gathered
 
     def _gather_zero3(self, model) -> dict[str, torch.Tensor]:
         """ZeRO-3: one parameter at a time (no rank holds two full copies) into rank 0's CPU memory."""
@@ -414,12 +403,10 @@ def _gloo_workers_running() -> bool:
     except OSError:
         return False
     for tid in tids:
-        try:
+        with contextlib.suppress(OSError):
             if ((task / tid / "comm").read_text().startswith("pt_gloo_runloop")
-                    and (task / tid / "stat").read_text().rsplit(")", 1)[1].split()[0] == "R"):
+                    and peers.process_state(task / tid / "stat") == "R"):
                 return True
-        except OSError:
-            continue
     return False
 
 

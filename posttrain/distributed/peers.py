@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import socket
+from typing import Optional
 
 _PEERS: list[tuple[str, int]] = []  # (host, pid) of every rank of this process group, in rank order
 
@@ -18,16 +19,16 @@ def record(peers: list[tuple[str, int]]) -> None:
     _PEERS[:] = peers
 
 
+def process_state(stat_file) -> Optional[str]:
+    """The state letter (R running, Z zombie, ...) in a /proc/<pid>/stat file; None when it cannot be read."""
+    try:
+        with open(stat_file) as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return None
+
+
 def lost_ranks() -> list[int]:
     here = socket.gethostname()
-    lost = []
-    for rank, (host, pid) in enumerate(_PEERS):
-        if host != here or pid == os.getpid():
-            continue
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                gone = f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")  # dead, not yet reaped by the launcher
-        except OSError:
-            gone = True
-        lost += [rank] if gone else []
-    return lost
+    return [rank for rank, (host, pid) in enumerate(_PEERS)  # Z, X: dead, not yet reaped by the launcher
+            if host == here and pid != os.getpid() and process_state(f"/proc/{pid}/stat") in (None, "Z", "X")]

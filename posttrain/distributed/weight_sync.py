@@ -11,9 +11,16 @@ bucket at a time.
 from __future__ import annotations
 
 import dataclasses
+import json
+import math
+import secrets
+import socket
+from datetime import timedelta
 from typing import Callable, Iterator
 
 import torch
+from torch.distributed import PrefixStore, TCPStore
+from torch.distributed.distributed_c10d import ProcessGroupGloo
 
 
 @dataclasses.dataclass
@@ -27,10 +34,9 @@ class SyncUnit:
 
 
 def _full_nbytes(param) -> int:
-    numel = getattr(param, "ds_numel", None)  # ZeRO-3 keeps the full size here; the local tensor is a shard
-    if numel is None:
-        numel = param.numel()  # an FSDP2 DTensor reports its global size
-    return int(numel) * param.element_size()
+    """ZeRO-3 keeps the full size in ds_numel (the local tensor is a shard); an FSDP2 DTensor reports its global one."""
+    numel = getattr(param, "ds_numel", None)
+    return int(param.numel() if numel is None else numel) * param.element_size()
 
 
 def sync_units(model) -> list[SyncUnit]:
@@ -39,14 +45,8 @@ def sync_units(model) -> list[SyncUnit]:
     lora = hasattr(model, "peft_config") and hasattr(model, "get_base_model")
     base = model.get_base_model() if lora else model
     adapter = model.active_adapter if lora else None  # the name of the one adapter trained
-    units, seen = [], set()
-    for module_name, module in base.named_modules():
-        for leaf, param in module.named_parameters(prefix=module_name, recurse=False):
-            if id(param) in seen or ".lora_" in f".{leaf}":
-                continue
-            seen.add(id(param))
-            name = leaf.replace(".base_layer.", ".")
-            units.append(SyncUnit(name, [param], lambda ts: ts[0], _full_nbytes(param)))
+    units = [SyncUnit(name.replace(".base_layer.", "."), [param], lambda ts: ts[0], _full_nbytes(param))
+             for name, param in base.named_parameters() if ".lora_" not in f".{name}"]  # a tied weight once
     by_param = {id(u.params[0]): u for u in units}
     for module in base.modules() if lora else ():
         if hasattr(module, "lora_A") and adapter in getattr(module, "lora_A", {}):
@@ -87,13 +87,11 @@ def sync_buckets(units: list[SyncUnit], bucket_mb: float) -> Iterator[list[SyncU
         yield bucket
 
 
-
-
 # --- to generation servers: a gloo group of trainer rank 0 (group rank 0) and every server's workers ------------------
 #
-#   group = open_sync_group(addr, port, rank, world_size, timeout_s)   # every member; the trainer's call hosts the store
-#   send_weights(group, buckets)                                        # trainer rank 0: header, then the bytes, per bucket
-#   for name, tensor in receive_weights(group): ...                     # each server worker, lazily (reload_weights)
+#   group = open_sync_group(addr, port, rank, world_size, timeout_s)  # every member; the trainer's hosts the store
+#   send_weights(group, buckets)                                       # trainer rank 0: header, then bytes, per bucket
+#   for name, tensor in receive_weights(group): ...                    # each server worker, lazily (reload_weights)
 #
 # A bucket travels as three broadcasts from rank 0: its header's length (int64; 0 ends the sync), the header (JSON:
 # name, dtype, shape, offset of each tensor) and one flat byte buffer. Gloo on CPU tensors everywhere, so any trainer
@@ -107,8 +105,6 @@ _DTYPES = {str(d): d for d in (torch.float32, torch.bfloat16, torch.float16, tor
 
 def local_address_towards(host: str) -> str:
     """The address of this machine on the interface that reaches `host` (no packet is sent)."""
-    import socket
-
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
         probe.connect((host, 9))
         return probe.getsockname()[0]
@@ -120,12 +116,6 @@ class SyncStore:
     process that can reach the port but does not hold the run's token finds nothing there to read or overwrite."""
 
     def __init__(self, addr: str, world_size: int, timeout_s: float):
-        import secrets
-        import socket
-        from datetime import timedelta
-
-        from torch.distributed import TCPStore
-
         self.addr = addr
         self.key = secrets.token_hex(16)
         family = socket.AF_INET6 if ":" in addr else socket.AF_INET
@@ -142,11 +132,6 @@ def open_sync_group(addr: str, port: int, rank: int, world_size: int, timeout_s:
     """Join (rank > 0) or create (rank 0, passing its `SyncStore`) a gloo process group outside the default one;
     blocks until all `world_size` members have joined or `timeout_s` has passed (RuntimeError). `my_addr`: this
     member's address as the others reach it; `key`: the store's key (SyncStore.key), sent by the trainer."""
-    from datetime import timedelta
-
-    from torch.distributed import PrefixStore, TCPStore
-    from torch.distributed.distributed_c10d import ProcessGroupGloo
-
     timeout = timedelta(seconds=timeout_s)
     base = store.store if store is not None else TCPStore(addr, port, world_size, False, timeout=timeout)
     options = ProcessGroupGloo._Options()
@@ -180,8 +165,6 @@ class SyncGroup:
 def pack_bucket(bucket) -> tuple[torch.Tensor, torch.Tensor]:
     """[(name, tensor)] -> (header, payload): the JSON header (name, dtype, shape, offset of each tensor) and every
     tensor's bytes in one flat buffer (each at an offset aligned to ALIGN bytes), both uint8 on the CPU."""
-    import json
-
     entries, offset = [], 0
     for name, tensor in bucket:
         offset = -(-offset // ALIGN) * ALIGN  # the receiver views the bytes as the dtype: aligned for any of them
@@ -214,8 +197,6 @@ def send_weights(group: SyncGroup, buckets) -> int:
 def receive_buckets(group: SyncGroup):
     """Rank > 0 of `group`: yield each bucket `send_weights` sends as [(name, tensor)], until its end mark. The
     tensors are views of the bucket's own buffer."""
-    import json
-
     while True:
         length = int(group.broadcast(torch.zeros(1, dtype=torch.int64)))
         if length == 0:
@@ -234,7 +215,4 @@ def receive_weights(group: SyncGroup):
 
 
 def _nbytes(entry: dict) -> int:
-    numel = 1
-    for size in entry["shape"]:
-        numel *= size
-    return numel * _DTYPES[entry["dtype"]].itemsize
+    return math.prod(entry["shape"]) * _DTYPES[entry["dtype"]].itemsize

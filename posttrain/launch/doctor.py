@@ -138,7 +138,8 @@ def check_disk(report: Report, output_dir: Optional[str], need: int = MIN_FREE_D
 
 def check_deepspeed_ops(report: Report, build: bool) -> None:
     if _version("deepspeed") is None:
-        report.add("WARN", "deepspeed", "not installed: ZeRO configs will not start", "pip install posttrain[deepspeed]")
+        report.add("WARN", "deepspeed", "not installed: ZeRO configs will not start",
+                   "pip install posttrain[deepspeed]")
         return
     from deepspeed.ops.op_builder import CPUAdamBuilder
 
@@ -295,8 +296,7 @@ def check_same_everywhere(report: Report, rank: int, world_size: int, recipe_tex
                      ("recipe", "copy the same recipe to every node (or put it on a shared disk)")):
         values = {e[key] for e in everyone}
         if len(values) > 1:
-            detail = ", ".join(f"rank {r}: {e[key]}" for r, e in enumerate(everyone))
-            report.add("FAIL", f"same {key}", detail, fix)
+            report.add("FAIL", f"same {key}", ", ".join(f"rank {r}: {e[key]}" for r, e in enumerate(everyone)), fix)
         elif key != "recipe" or recipe_text is not None:
             report.add("PASS", f"same {key}", f"{values.pop()} on all {world_size} ranks")
     if token_name[0] is not None:
@@ -344,6 +344,6 @@ def run_doctor(config: Optional[str], overrides: list[str], timeout: float, buil
         report.add("PASS", "process group", "one process: launch with torchrun / accelerate launch to test the group")
     failures = report.statuses.count("FAIL")
     if rank == 0 or failures:
-        print(f"{report.prefix}doctor: {'FAILED, ' + str(failures) + ' failure(s)' if failures else 'all checks passed'}",
+        print(f"{report.prefix}doctor: {f'FAILED, {failures} failure(s)' if failures else 'all checks passed'}",
               flush=True)
     return 1 if failures else 0

@@ -4,6 +4,7 @@ time: the launcher's callers work without the ray extra until a Ray run is asked
 
 from __future__ import annotations
 
+import contextlib
 import re
 import socket
 
@@ -52,10 +53,8 @@ def rank_env(slot: RankSlot, world_size: int, num_nodes: int, master_addr: str, 
 def kill_all(ray, actors: list) -> None:
     """Kill every actor, best effort (one already gone is no error)."""
     for actor in actors:
-        try:
+        with contextlib.suppress(Exception):
             ray.kill(actor)
-        except Exception:
-            pass
 
 
 def last_line(message: str) -> str:

@@ -104,7 +104,8 @@ def start_engines(ray, plan: Plan, recipe: Recipe, env: dict[str, str]) -> Engin
     if not plan.engines:
         return Engines()
     logs = [Path(recipe.output_dir).resolve() / LOG_DIR / f"engine-{i}.log" for i in range(len(plan.engines))]
-    actors = [ray.remote(EngineWorker).options(**node_options(node, plan, plan.engine_gpus)).remote() for node in plan.engines]
+    worker = ray.remote(EngineWorker)
+    actors = [worker.options(**node_options(node, plan, plan.engine_gpus)).remote() for node in plan.engines]
     engines = Engines(actors, [""] * len(actors), list(plan.engines), logs, secrets.token_hex(16), ray)
     args = serve_args(recipe, recipe.placement.generation.tensor_parallel_size)
     env = {**env, **server_env(recipe, engines.token)}

@@ -17,7 +17,7 @@ import os
 from pathlib import Path
 from typing import Any, Mapping
 
-from posttrain.config.schema import Recipe
+from posttrain.config.schema import Recipe, trackers
 
 # the driver's environment the workers get (Ray starts them from the raylet's environment, not the driver's)
 FORWARDED_PREFIXES = ("HF_", "HUGGINGFACE_", "TOKENIZERS_", "OMP_", "MKL_", "TORCH_", "ACCELERATE_", "FSDP_",
@@ -33,7 +33,8 @@ def _local_path(value: str, base: Path) -> str:
     'file.py:function' too); anything else (hub ids, words, absolute paths) unchanged."""
     if not value or os.path.isabs(value) or "\n" in value:
         return value
-    head, colon, tail = value.partition(":") if value.count(":") == 1 and not value.startswith("http") else (value, "", "")
+    reward_file = value.count(":") == 1 and not value.startswith("http")  # 'file.py:function'
+    head, colon, tail = value.partition(":") if reward_file else (value, "", "")
     if (base / head).exists():
         return str((base / head).resolve()) + colon + tail
     return value
@@ -72,8 +73,6 @@ def worker_env(environ: Mapping[str, str], recipe: Recipe) -> dict[str, str]:
     """The variables the workers get: the launcher's, the engines', the caches' and the trackers' settings; a secret
     (a name with TOKEN, KEY, SECRET or PASSWORD in it) only where the run needs it: the hub token when the recipe
     names something on the hub, a tracker's key when the recipe reports to it (rank 0 logs)."""
-    from posttrain.config.schema import trackers
-
     needed = set()
     if recipe.generation.placement == "servers" or getattr(recipe.algo, "teacher_server", None):
         needed.add("POSTTRAIN_SERVER_TOKEN")  # the servers' token (engines the launcher starts bring their own)
@@ -81,11 +80,5 @@ def worker_env(environ: Mapping[str, str], recipe: Recipe) -> dict[str, str]:
         needed.update(HUB_TOKENS)
     for name in trackers(recipe.train):
         needed.update(TRACKER_SECRETS.get(name, ()))
-    out = {}
-    for key, value in environ.items():
-        if not key.startswith(FORWARDED_PREFIXES):
-            continue
-        if any(word in key for word in SECRET_WORDS) and key not in needed:
-            continue
-        out[key] = value
-    return out
+    return {key: value for key, value in environ.items() if key.startswith(FORWARDED_PREFIXES)
+            and (key in needed or not any(word in key for word in SECRET_WORDS))}

@@ -27,7 +27,7 @@ from posttrain.launch.ray_placement import (Plan, RankSlot, fit, node_options, n
                                                  pick_gpu_resource, placement_table, rank_slots, resolve,
                                                  roles_needed)
 from posttrain.launch.ray_actors import Worker, import_ray, kill_all, last_line, rank_env
-from posttrain.launch.ray_roles import RoleGroups, RoleWorkerDied, check_apart, start_role_groups
+from posttrain.launch.ray_roles import RoleWorkerDied, check_apart, start_role_groups
 from posttrain.errors import RunStopped, UserError
 from posttrain.run import Launched, run
 
@@ -85,10 +85,8 @@ def run_on_ray(command: str, recipe: Recipe) -> int:
               f"{placement_table(plan)}", flush=True)
         forwarded = worker_env(os.environ, recipe)
         engines = start_engines(ray, plan, recipe, forwarded)  # placement.generation.num_engines servers, if any
-        groups = RoleGroups()
-        if len(plan.units) > 1:  # roles apart from the policy: their groups load before the ranks start
-            groups = start_role_groups(ray, plan, command, recipe, forwarded, lambda s: node_options(s.node, plan))
-            actors += groups.actors
+        groups = start_role_groups(ray, plan, command, recipe, forwarded)  # load before the ranks start
+        actors += groups.actors
         slots = rank_slots(plan.units[0])
         ranks = [ray.remote(RankWorker).options(**node_options(slot.node, plan)).remote() for slot in slots]
         actors += ranks
@@ -157,9 +155,8 @@ def wait_for_ranks(ray, futures: dict, plan: Plan) -> int:
                 deadline = time.monotonic() + GRACE_S
     failed = {r: res for r, res in results.items() if res["code"] != 0}
     if not failed and not pending:
-        final = results[0].get("final_dir")
-        if final:
-            print(f"final model: {final}", flush=True)
+        if results[0].get("final_dir"):
+            print(f"final model: {results[0]['final_dir']}", flush=True)
         return 0
     rank, cause = pick_cause(failed)
     slot = next(s for s in futures.values() if s.rank == rank)
@@ -171,10 +168,9 @@ def wait_for_ranks(ray, futures: dict, plan: Plan) -> int:
     if cause.get("stopped"):
         print(f"posttrain: stopped ({where}): {cause['error']}", file=sys.stderr, flush=True)
         return cause["code"]
-    what = "its actor died" if cause.get("died") else "it failed"
-    if cause.get("died"):  # Ray's generic advice is cut whichever way the death was reported
-        cause = {**cause, "error": last_line(cause["error"])}
-    print(f"posttrain: error: {where}: {what}: {cause['error'].rstrip()}\nThe other ranks were stopped. Checkpoints "
+    # Ray's generic advice is cut whichever way the death was reported
+    what, error = ("its actor died", last_line(cause["error"])) if cause.get("died") else ("it failed", cause["error"])
+    print(f"posttrain: error: {where}: {what}: {error.rstrip()}\nThe other ranks were stopped. Checkpoints "
           "already saved are complete; continue with train.resume_from_checkpoint=auto", file=sys.stderr, flush=True)
     return cause["code"] or 1
 

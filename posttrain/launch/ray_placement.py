@@ -1,7 +1,7 @@
 """Where each role's workers go on a Ray cluster: pure functions over a recipe's `placement:` and a cluster description.
 
     placement = pick_gpu_resource(recipe.placement, ray.nodes())  # gpu_resource auto -> GPU or none
-    nodes = nodes_from_ray(ray.nodes(), placement.gpu_resource)  # or hand-made: [Node("a", "10.0.0.1", gpus=4, cpus=32)]
+    nodes = nodes_from_ray(ray.nodes(), placement.gpu_resource)  # or by hand: [Node("a", "10.0.0.1", 4, 32)]
     units = resolve(placement, ("policy", "reference"), nodes)
     plan = fit(units, nodes, placement)                          # UserError (exit 2) saying what is short
     print(placement_table(plan))                                 # role | node | GPUs | colocated with
@@ -83,17 +83,10 @@ def pick_gpu_resource(placement: PlacementConfig, ray_nodes: Iterable[dict[str, 
     return dataclasses.replace(placement, gpu_resource="GPU" if has_gpu else "none")
 
 
-def nodes_from_ray(ray_nodes: Iterable[dict[str, Any]], gpu_resource: str,
-                   available: Optional[dict[str, dict[str, float]]] = None) -> list[Node]:
-    """`ray.nodes()` (alive ones) -> Nodes. `available` (node id -> free resources) overrides the totals when given."""
-    out = []
-    for n in ray_nodes:
-        if not n.get("Alive", True):
-            continue
-        resources = (available or {}).get(n["NodeID"], n.get("Resources", {}))
-        out.append(Node(n["NodeID"], n.get("NodeManagerAddress", "?"), float(resources.get(gpu_resource, 0.0)),
-                        float(resources.get("CPU", 0.0))))
-    return out
+def nodes_from_ray(ray_nodes: Iterable[dict[str, Any]], gpu_resource: str) -> list[Node]:
+    """`ray.nodes()` (alive ones) -> Nodes."""
+    return [Node(n["NodeID"], n.get("NodeManagerAddress", "?"), float(n.get("Resources", {}).get(gpu_resource, 0.0)),
+                 float(n.get("Resources", {}).get("CPU", 0.0))) for n in ray_nodes if n.get("Alive", True)]
 
 
 def resolve(placement: PlacementConfig, roles: tuple[str, ...], nodes: list[Node]) -> list[Unit]:
@@ -173,9 +166,8 @@ def fit(units: list[Unit], nodes: list[Node], placement: PlacementConfig) -> Pla
 
 def short_message(what: str, num_nodes: int, per_node: int, need_gpus: float, need_cpus: float, found: int,
                   nodes: list[Node], free: dict[str, list[float]], placement: PlacementConfig) -> str:
-    resource = f"{placement.gpu_resource} " if need_gpus else ""
-    wants = f"{num_nodes} node(s) with {need_gpus:g} {resource}GPU(s) and {need_cpus:g} CPU(s) free each" if need_gpus \
-        else f"{num_nodes} node(s) with {need_cpus:g} CPU(s) free each"
+    gpus = f"{need_gpus:g} {placement.gpu_resource} GPU(s) and " if need_gpus else ""
+    wants = f"{num_nodes} node(s) with {gpus}{need_cpus:g} CPU(s) free each"
     left = "; ".join(f"{n.label}: {free[n.node_id][0]:g} GPU, {free[n.node_id][1]:g} CPU" for n in nodes) or "no nodes"
     hint = ""
     if need_gpus and not any(n.gpus for n in nodes):

@@ -13,30 +13,30 @@ group's collectives are reached in order); its updates, checkpoints and final-<r
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import time
-from types import SimpleNamespace
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Optional
+from types import SimpleNamespace
+from typing import Any, Optional
 
 import torch
 
 from posttrain.algorithms import ALGORITHMS
 from posttrain.algorithms.base import Role
-from posttrain.roles import LocalRole
 from posttrain.batch import Batch
 from posttrain.distributed.backend import Backend
 from posttrain.errors import RunStopped, UserError
 from posttrain.launch.ray_actors import Worker, last_line, rank_env
-from posttrain.launch.ray_placement import rank_slots
+from posttrain.launch.ray_placement import node_options, rank_slots
 from posttrain.models.critic import load_critic
 from posttrain.models.forward import policy_logprobs
 from posttrain.models.load import load_tokenizer
 from posttrain.models.reference import make_reference
+from posttrain.roles import trained_role
 from posttrain.run import seed_everything
-from posttrain.train.optim import make_optimizer
 
 FROZEN_ROLES = ("reference", "reward_model", "teacher")
 LOAD_TIMEOUT_S = 600.0
@@ -99,7 +99,7 @@ class TrainedRoleWorker(RoleWorker):
         """Join the group (env: its RANK, WORLD_SIZE, MASTER_ADDR, ...), load the trained role as run.py would, then
         the frozen ones. Returns each key's parameter count."""
         os.environ.update(env)
-        self.recipe, self.name = recipe, next(r for r in roles if r not in FROZEN_ROLES)
+        self.name = next(r for r in roles if r not in FROZEN_ROLES)
         if self.name != "critic":
             raise ValueError(f"no trained role {self.name!r} to run apart")
         self.algorithm = ALGORITHMS[command][1](recipe)
@@ -109,9 +109,8 @@ class TrainedRoleWorker(RoleWorker):
         t = recipe.train
         model = load_critic(self.algorithm.critic_source(), self.tokenizer.pad_token_id, t.gradient_checkpointing)
         count = sum(p.numel() for p in model.parameters())
-        model, optimizer = self.backend.prepare(model, make_optimizer(model, t, self.algorithm.critic_learning_rate()))
-        model.train()
-        self.role = LocalRole(model, self.backend, trains=True, optimizer=optimizer, train_config=recipe.train)
+        self.role = trained_role(self.backend, model, t, self.algorithm.critic_learning_rate())
+        self.role.train()
         frozen = self._load_frozen(self.algorithm, recipe, tuple(r for r in roles if r in FROZEN_ROLES),
                                    self.backend.device)
         return {self.name: count, **frozen}
@@ -139,7 +138,7 @@ class TrainedRoleWorker(RoleWorker):
 
     def nonfinite(self, key: str) -> float:
         """NaN/inf parameter tensors over the whole group (agreed with one all-reduce, like guard.require_finite)."""
-        bad = torch.tensor(float(self.backend.nonfinite_parameters(self.role.model)), device=self.backend.device)
+        bad = torch.tensor(self.role.nonfinite(), device=self.backend.device)
         return float(self.backend.all_reduce_sum(bad))
 
     def save(self, key: str, path: str) -> None:
@@ -160,27 +159,23 @@ class TrainedRoleWorker(RoleWorker):
         self.role.export(output_dir, name, self.tokenizer)
 
 
-@dataclass
-class RemoteRole:
-    """A training rank's handle on its replica of one role: the actor, where it runs, the seconds its calls took."""
+@dataclass(eq=False)
+class RayRole(Role):
+    """A role served by its actor group, as a training rank holds it (see the module docstring): its replica's actor,
+    where that runs, the seconds its calls took (one timer for every key of the role) and the model `key` it asks."""
 
-    role: str
-    actor: Any
-    where: str
+    role: str = ""
+    actor: Any = None
+    where: str = ""
     trains: bool = False
-    seconds: list[float] = field(default_factory=lambda: [0.0])
+    timer: list[float] = field(default_factory=lambda: [0.0])
+    key: str = ""
+    lr: float = float("nan")
+    placement: str = "ray"
 
     def as_role(self, key: Optional[str] = None) -> "RayRole":
         """The Role a rank holds for `key` (a reward model's 'reward_model:<i>'; default the role itself)."""
-        return RayRole(self, key or self.role, trains=self.trains, placement="ray")
-
-
-class RayRole(Role):
-    """A role served by its actor group, as a training rank holds it (see the module docstring)."""
-
-    def __init__(self, remote: RemoteRole, key: str, trains: bool, placement: str):
-        self.remote, self.key, self.trains, self.placement = remote, key, trains, placement
-        self.lr = float("nan")
+        return dataclasses.replace(self, key=key or self.role)
 
     def _call(self, method: str, *args, timed: bool = True):
         """The replica's `method`(key, *args); timed: counted in time/role/<role> (the loop times updates itself)."""
@@ -189,12 +184,12 @@ class RayRole(Role):
 
         started = time.perf_counter()
         try:
-            return ray.get(getattr(self.remote.actor, method).remote(self.key, *args))
+            return ray.get(getattr(self.actor, method).remote(self.key, *args))
         except RayActorError as e:
-            raise RoleWorkerDied(self.remote.where, last_line(str(e))) from None
+            raise RoleWorkerDied(self.where, last_line(str(e))) from None
         finally:
             if timed:
-                self.remote.seconds[0] += time.perf_counter() - started
+                self.timer[0] += time.perf_counter() - started
 
     def forward(self, use_cache: bool = False, **inputs):
         """An object whose .logits sit on the inputs' device (values of a critic, scores of a reward model)."""
@@ -204,14 +199,13 @@ class RayRole(Role):
 
     def logprobs(self, batch, temperature: float = 1.0):
         """Token log-probs of `batch` (only the fields a forward reads are sent), on the batch's device."""
-        sent = Batch(batch.input_ids_BT.cpu(), batch.completion_mask_BT.cpu(),
-                     attention_mask_BT=None if batch.attention_mask_BT is None else batch.attention_mask_BT.cpu(),
-                     position_ids_BT=None if batch.position_ids_BT is None else batch.position_ids_BT.cpu())
+        sent = Batch(batch.input_ids_BT, batch.completion_mask_BT, attention_mask_BT=batch.attention_mask_BT,
+                     position_ids_BT=batch.position_ids_BT).to("cpu")
         return self._call("logprobs", sent, temperature).to(batch.input_ids_BT.device)
 
     def seconds(self) -> float:
         """Seconds this role's calls took since last asked (all keys of the role)."""
-        seconds, self.remote.seconds[0] = self.remote.seconds[0], 0.0
+        seconds, self.timer[0] = self.timer[0], 0.0
         return seconds
 
     def start_schedule(self, total_steps: int) -> None:
@@ -249,8 +243,8 @@ def check_apart(units) -> None:
         workers, ranks = unit.num_nodes * unit.workers_per_node, policy.num_nodes * policy.workers_per_node
         if trained and workers != ranks:
             raise UserError(f"placement: {unit.name} apart from the policy has {workers} worker(s) but the policy has "
-                            f"{ranks}: a trained role's group has one worker per training rank (each rank drives "
-                            f"its own); set placement.{trained[0]}.num_nodes / num_gpus_per_node to the policy's layout")
+                            f"{ranks}: a trained role's group has one worker per training rank (each rank drives its "
+                            f"own); set placement.{trained[0]}.num_nodes / num_gpus_per_node to the policy's layout")
 
 
 @dataclass
@@ -261,23 +255,22 @@ class RoleGroups:
     replicas: dict[str, list[tuple[Any, str]]] = field(default_factory=dict)
     """role -> [(actor, where)] in replica order."""
 
-    def for_rank(self, rank: int) -> dict[str, RemoteRole]:
+    def for_rank(self, rank: int) -> dict[str, RayRole]:
         """Rank r's replica of each role: r % replicas (a trained role's group has one worker per rank)."""
-        return {role: RemoteRole(role, *reps[rank % len(reps)], trains=role not in FROZEN_ROLES)
+        return {role: RayRole(role, *reps[rank % len(reps)], trains=role not in FROZEN_ROLES)
                 for role, reps in self.replicas.items()}
 
 
-def start_role_groups(ray, plan, command: str, recipe, env: dict[str, str],
-                      options_for: Callable[[Any], dict]) -> RoleGroups:
-    """One worker per slot of each unit apart from the policy, on its node (`options_for(slot)`: its actor options),
-    loading in parallel. A replica that fails to load stops the start naming its role and node (a UserError: exit 2)."""
+def start_role_groups(ray, plan, command: str, recipe, env: dict[str, str]) -> RoleGroups:
+    """One worker per slot of each unit apart from the policy, on its node, loading in parallel (none when every role
+    is with the policy). A replica that fails to load stops the start naming its role and node (UserError: exit 2)."""
     groups = RoleGroups()
     loads = []
     for placed in plan.units[1:]:
         trained = any(r not in FROZEN_ROLES for r in placed.unit.roles)
         slots = rank_slots(placed)
-        actors = [ray.remote(TrainedRoleWorker if trained else RoleWorker).options(**options_for(slot)).remote()
-                  for slot in slots]
+        worker = ray.remote(TrainedRoleWorker if trained else RoleWorker)
+        actors = [worker.options(**node_options(slot.node, plan)).remote() for slot in slots]
         group_env = [{} for _ in slots]
         if trained:  # a torch.distributed group of its own, joined by every worker's load at once
             address, port = ray.get(actors[0].rendezvous.remote())

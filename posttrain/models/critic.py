@@ -29,11 +29,10 @@ def check_critic_source(source: ModelConfig, what: str, policy_vocab_size: int) 
     except (OSError, ValueError) as e:
         raise UserError(f"{what}: cannot read the model config of '{source.name_or_path}': {e}") from None
     if getattr(config, "vocab_size", policy_vocab_size) != policy_vocab_size:
-        raise UserError(
-            f"{what} '{source.name_or_path}' has a vocabulary of {config.vocab_size} tokens but the policy has "
-            f"{policy_vocab_size}: the critic reads the policy's token ids, so it must share its tokenizer. Point "
-            f"{what} at a model with the policy's tokenizer (or leave it unset to start from the policy)"
-        )
+        raise UserError(f"{what} '{source.name_or_path}' has a vocabulary of {config.vocab_size} tokens but the policy "
+                        f"has {policy_vocab_size}: the critic reads the policy's token ids, so it must share its "
+                        f"tokenizer. Point {what} at a model with the policy's tokenizer (or leave it unset to start "
+                        "from the policy)")
 
 
 def load_critic(source: ModelConfig, pad_token_id: int, gradient_checkpointing: bool = False):

@@ -43,9 +43,7 @@ def fusable_head(model) -> torch.nn.Linear | None:
     if getattr(config, "model_type", None) not in FUSED_HEAD_MODELS or not hasattr(inner, "get_output_embeddings"):
         return None
     head = inner.get_output_embeddings()
-    if plain_class(head) is not torch.nn.Linear:
-        return None
-    return head if head.bias is None else None
+    return head if plain_class(head) is torch.nn.Linear and head.bias is None else None
 
 
 @contextlib.contextmanager

@@ -27,7 +27,7 @@ from posttrain.config.schema import LoraConfig, ModelConfig
 from posttrain.distributed.wrappers import unwrap_module
 from posttrain.errors import UserError
 
-DTYPES = ("float32", "bfloat16", "float16", "auto")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "auto": "auto"}
 TASKS = ("causal_lm", "seq_cls")
 _HUB_ID = re.compile(r"^[\w.-]+(/[\w.-]+)?$")
 _MAKE_TINY = "make a local one with `posttrain make-tiny-model --out tiny/`"
@@ -135,10 +135,9 @@ def _read_chat_template(value: str) -> str:
 
 
 def _dtype(name: str):
-    table = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "auto": "auto"}
-    if name not in table:
+    if name not in DTYPES:
         raise UserError(f"model.dtype must be one of {', '.join(DTYPES)}, got '{name}'")
-    return table[name]
+    return DTYPES[name]
 
 
 def _from_pretrained(auto_cls, model_cfg: ModelConfig, gradient_checkpointing: bool, **extra):
@@ -251,10 +250,5 @@ def merge_lora_state(peft_model, state: dict, model_class: type):
 
 def count_parameters(model) -> tuple[int, int]:
     """(total, trainable) parameter counts; shared (tied) weights once; full sizes under ZeRO-3 partitioning."""
-    total = trainable = 0
-    for p in model.parameters():
-        n = getattr(p, "ds_numel", None) or p.numel()
-        total += n
-        if p.requires_grad:
-            trainable += n
-    return total, trainable
+    sizes = [(getattr(p, "ds_numel", None) or p.numel(), p.requires_grad) for p in model.parameters()]
+    return sum(n for n, _ in sizes), sum(n for n, trains in sizes if trains)

@@ -12,14 +12,9 @@ from posttrain.models.load import TASKS, load_causal_lm, load_sequence_classifie
 
 
 def make_reference(model_cfg: ModelConfig, task: str = "causal_lm"):
-    """A second, frozen copy of the model at `model_cfg` (causal_lm or seq_cls), in eval mode with requires_grad off.
-
-    For seq_cls from a causal-LM checkpoint the score head is freshly initialised, so it matches the policy's only
-    when both are loaded after the same seeding.
-    """
+    """A second, frozen copy (eval mode, requires_grad off) of the model at `model_cfg` as `task` (causal_lm or
+    seq_cls). A seq_cls head fresh from a causal-LM checkpoint matches the policy's only after the same seeding."""
     if task not in TASKS:
         raise ValueError(f"task must be one of {TASKS}, got {task!r}")
     load = load_causal_lm if task == "causal_lm" else load_sequence_classifier
-    model = load(model_cfg, gradient_checkpointing=False)
-    model.requires_grad_(False)
-    return model.eval()
+    return load(model_cfg, gradient_checkpointing=False).requires_grad_(False).eval()

@@ -97,44 +97,22 @@ def train_tokenizer(vocab_size: int = 768):
 
     tok = Tokenizer(models.BPE())
     tok.normalizer = normalizers.NFC()
-    tok.pre_tokenizer = pre_tokenizers.Sequence(
-        [
-            pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated", invert=False),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-        ]
-    )
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=list(SPECIAL_TOKENS),
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(SPECIAL_TOKENS),
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     tok.train_from_iterator(_corpus(), trainer=trainer)
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        eos_token=IM_END,
-        pad_token=PAD,
-        bos_token=None,
-        unk_token=None,
-        additional_special_tokens=[IM_START],
-        chat_template=CHATML_TEMPLATE,
-        padding_side="right",
-        clean_up_tokenization_spaces=False,
-    )
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=IM_END, pad_token=PAD, bos_token=None,
+                                   unk_token=None, additional_special_tokens=[IM_START], chat_template=CHATML_TEMPLATE,
+                                   padding_side="right", clean_up_tokenization_spaces=False)
 
 
-def make_tiny_model(
-    out_dir,
-    arch: str = "llama",
-    seed: int = 0,
-    hidden_size: int = 64,
-    num_layers: int = 2,
-    num_heads: int = 2,
-    num_kv_heads: int = 1,
-    intermediate_size: int = 128,
-    max_position_embeddings: int = 1024,
-) -> Path:
+def make_tiny_model(out_dir, arch: str = "llama", seed: int = 0, hidden_size: int = 64, num_layers: int = 2,
+                    num_heads: int = 2, num_kv_heads: int = 1, intermediate_size: int = 128,
+                    max_position_embeddings: int = 1024) -> Path:
     """Write a random-init `arch` (llama or qwen2) causal LM (float32, tied embeddings) and its tokenizer to out_dir.
 
     The default shape has head_dim 32 (hidden 64 / 2 heads): vLLM's CPU attention has no kernel below 32, and the
@@ -147,10 +125,8 @@ def make_tiny_model(
     if arch not in ARCHS:
         raise UserError(f"make_tiny_model: arch must be one of {', '.join(ARCHS)}, got '{arch}'")
     if hidden_size % num_heads or num_heads % num_kv_heads:
-        raise UserError(
-            f"make_tiny_model: hidden_size ({hidden_size}) must divide by num_heads ({num_heads}) "
-            f"and num_heads by num_kv_heads ({num_kv_heads})"
-        )
+        raise UserError(f"make_tiny_model: hidden_size ({hidden_size}) must divide by num_heads ({num_heads}) "
+                        f"and num_heads by num_kv_heads ({num_kv_heads})")
     out = Path(out_dir).expanduser()
     out.mkdir(parents=True, exist_ok=True)
 
@@ -159,19 +135,10 @@ def make_tiny_model(
     eos_id = tokenizer.convert_tokens_to_ids(IM_END)
     pad_id = tokenizer.convert_tokens_to_ids(PAD)
     config_cls = LlamaConfig if arch == "llama" else Qwen2Config
-    config = config_cls(
-        vocab_size=len(tokenizer),
-        hidden_size=hidden_size,
-        intermediate_size=intermediate_size,
-        num_hidden_layers=num_layers,
-        num_attention_heads=num_heads,
-        num_key_value_heads=num_kv_heads,
-        max_position_embeddings=max_position_embeddings,
-        tie_word_embeddings=True,
-        bos_token_id=None,
-        eos_token_id=eos_id,
-        pad_token_id=pad_id,
-    )
+    config = config_cls(vocab_size=len(tokenizer), hidden_size=hidden_size, intermediate_size=intermediate_size,
+                        num_hidden_layers=num_layers, num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
+                        max_position_embeddings=max_position_embeddings, tie_word_embeddings=True, bos_token_id=None,
+                        eos_token_id=eos_id, pad_token_id=pad_id)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.generation_config = GenerationConfig(bos_token_id=None, eos_token_id=eos_id, pad_token_id=pad_id)
