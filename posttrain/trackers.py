@@ -152,8 +152,7 @@ class TrackioTracker(Tracker):
         self.trackio.finish()
 
 
-TRACKERS = {"tensorboard": TensorBoardTracker, "wandb": WandbTracker, "mlflow": MLflowTracker,
-            "trackio": TrackioTracker}
+TRACKERS = {t.name: t for t in (TensorBoardTracker, WandbTracker, MLflowTracker, TrackioTracker)}
 START_HINTS = {"wandb": "log in with `wandb login` or WANDB_API_KEY, or set WANDB_MODE=offline to sync later",
                "mlflow": "check MLFLOW_TRACKING_URI (a server URL, or sqlite:///path/mlflow.db)",
                "trackio": "check TRACKIO_DIR / TRACKIO_SPACE_ID",

@@ -31,7 +31,7 @@ NON_NEGATIVE = ("train.weight_decay", "train.warmup_steps", "train.max_grad_norm
                 "train.max_nonfinite_skips", "generation.request_retries", "placement.generation.num_engines")
 PLACED_ROLES = ("policy", "reference", "critic", "reward_model", "teacher")  # algorithms.base.ROLE_NAMES; config stays torch-free
 # train.report_to: each is the module posttrain/trackers.py imports to write to it, and its pip package
-TRACKERS = ("tensorboard", "wandb", "mlflow", "trackio")
+TRACKERS = ("tensorboard", "wandb", "mlflow", "trackio")  # = trackers.TRACKERS (tests/unit/test_trackers.py)
 # MLflow's database stores (its default since 3.x is sqlite:///mlflow.db) need SQLAlchemy and Alembic, which full
 # mlflow brings and mlflow-skinny does not
 MLFLOW_DATABASE_SCHEMES = ("sqlite", "postgresql", "mysql", "mssql")

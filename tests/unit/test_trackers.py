@@ -228,3 +228,18 @@ print(json.dumps({{"logs": SQLiteStorage.get_logs("posttrain-test", "run-a"),
     assert series(logged) == LOGGED
     assert found["config"]["train"]["learning_rate"] == 1e-4
     assert (tmp_path / "trackio" / "posttrain-test.db").is_file()
+
+
+
+def test_the_recipe_checks_name_what_the_higher_layers_have():
+    """config/validate.py keeps its own copies of three lists from layers above it (config/ stays torch-free): the
+    trackers posttrain/trackers.py writes to, the dtypes models/load.py loads in and the roles of algorithms/base.py.
+    They must not drift apart."""
+    from posttrain import trackers
+    from posttrain.algorithms.base import ROLE_NAMES
+    from posttrain.config import validate
+    from posttrain.models.load import DTYPES
+
+    assert sorted(validate.TRACKERS) == sorted(trackers.TRACKERS)
+    assert sorted(validate.CHOICES["model.dtype"]) == sorted(DTYPES)
+    assert sorted(validate.PLACED_ROLES) == sorted(ROLE_NAMES)
