@@ -39,7 +39,7 @@ from posttrain.errors import UserError
 from posttrain.rollout.adapter_sync import ROOT_ENV
 from posttrain.rollout.cpu_memory import serve_kv_cache_option
 from posttrain.rollout.http import TOKEN_ENV, ServerUnavailable, call
-from posttrain.rollout.vllm_engine import _check_cpu_head_dim
+from posttrain.rollout.vllm_engine import check_cpu_head_dim
 from posttrain.rollout.weight_transfer import BACKEND
 
 EXTENSION = "posttrain.rollout.vllm_weight_transfer.WeightSyncExtension"
@@ -174,7 +174,7 @@ def run_serve(args) -> int:
     on_gpu = torch.cuda.is_available()
     memory = []
     if not on_gpu and (Path(args.model) / "config.json").is_file():
-        _check_cpu_head_dim(args.model)
+        check_cpu_head_dim(args.model)
         memory = serve_kv_cache_option(args.model, list(args.vllm_args), os.environ, args.kv_cache_gb,
                                        "--trust-remote-code" in args.vllm_args)
         if memory:

@@ -59,7 +59,7 @@ class VLLMEngine(GenerationEngine):
         if not self.on_gpu and cfg.kv_cache_gb is not None:
             os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(cfg.kv_cache_gb)
         if not self.on_gpu:
-            _check_cpu_head_dim(model_dir)
+            check_cpu_head_dim(model_dir)
         from vllm import LLM
 
         dtype = cfg.dtype if cfg.dtype != "auto" or self.on_gpu else "float32"
@@ -115,7 +115,7 @@ class VLLMEngine(GenerationEngine):
             self._asleep = False
 
 
-def _check_cpu_head_dim(model_dir) -> None:
+def check_cpu_head_dim(model_dir) -> None:
     """vLLM's CPU attention has kernels for a few head sizes only; say so before the engine fails deep inside."""
     from transformers import AutoConfig
     from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
