@@ -137,15 +137,9 @@ class Checkpointer:
             self.source.save_state(tmp)
         self.backend.barrier()  # every rank has written its files (shards, RNG state) before the rename
         if self.backend.is_main:
-            schedules = {name: role.schedule_state() for name, role in models.trained()}
-            schedules = {name: state for name, state in schedules.items() if state is not None}
-            payload = {
-                "state": dataclasses.asdict(state),
-                "scheduler": schedules.pop("policy"),
-                "role_schedulers": schedules,
-                "algorithm": algorithm.state_dict(),
-                "run": self.run_facts,
-            }
+            schedules = {name: s for name, role in models.trained() if (s := role.schedule_state()) is not None}
+            payload = {"state": dataclasses.asdict(state), "scheduler": schedules.pop("policy"),
+                       "role_schedulers": schedules, "algorithm": algorithm.state_dict(), "run": self.run_facts}
             (tmp / "trainer_state.json").write_text(json.dumps(payload, indent=2))
             files.write_manifest(tmp)  # sizes and checksums: `auto` tells a complete checkpoint from a damaged one
             files.replace_dir(tmp, final)  # durably; an older step-N of this run goes only once the new one is in place
@@ -180,14 +174,10 @@ class Checkpointer:
 
 def run_facts(backend, t) -> dict[str, Any]:
     """What a checkpoint records about the launch, and what resuming compares: world, engine, batch split."""
-    return {
-        "world_size": backend.world_size,
-        "nodes": backend.num_nodes,
-        "engine": backend.describe()["engine"],
-        "global_batch": global_batch_size(t, backend.world_size),
-        "per_device_train_batch_size": t.per_device_train_batch_size,
-        "gradient_accumulation_steps": t.gradient_accumulation_steps,
-    }
+    return {"world_size": backend.world_size, "nodes": backend.num_nodes, "engine": backend.describe()["engine"],
+            "global_batch": global_batch_size(t, backend.world_size),
+            "per_device_train_batch_size": t.per_device_train_batch_size,
+            "gradient_accumulation_steps": t.gradient_accumulation_steps}
 
 
 def check_compatible(path: Path, now: dict[str, Any]) -> bool:
@@ -199,14 +189,13 @@ def check_compatible(path: Path, now: dict[str, Any]) -> bool:
     """
     saved = read_trainer_state(path)["run"]
     if saved.get("global_batch") != now["global_batch"]:
-        raise UserError(
-            f"{path} was written with a global batch of {saved.get('global_batch')} "
-            f"({saved.get('world_size')} processes x per-device {saved.get('per_device_train_batch_size')} x "
-            f"accumulation {saved.get('gradient_accumulation_steps')}); this run has {now['global_batch']} "
-            f"({now['world_size']} processes x per-device {now['per_device_train_batch_size']} x accumulation "
-            f"{now['gradient_accumulation_steps']}). Change train.gradient_accumulation_steps (or the batch size) so "
-            "the global batch matches, or start a new output_dir"
-        )
+        raise UserError(f"{path} was written with a global batch of {saved.get('global_batch')} "
+                        f"({saved.get('world_size')} processes x per-device {saved.get('per_device_train_batch_size')} "
+                        f"x accumulation {saved.get('gradient_accumulation_steps')}); this run has "
+                        f"{now['global_batch']} ({now['world_size']} processes x per-device "
+                        f"{now['per_device_train_batch_size']} x accumulation {now['gradient_accumulation_steps']}). "
+                        "Change train.gradient_accumulation_steps (or the batch size) so the global batch matches, or "
+                        "start a new output_dir")
     return needs_conversion(path, saved, now)
 
 

@@ -148,9 +148,8 @@ def warn_low_disk(output_dir: Path, checkpoint_bytes: int) -> None:
     where = next(p for p in (output_dir, *output_dir.parents) if p.exists())
     free = shutil.disk_usage(where).free
     if free < checkpoint_bytes:
-        print(f"posttrain: warning: {where} has {free / 2**20:.1f} MiB free but a checkpoint of this run takes about "
-              f"{checkpoint_bytes / 2**20:.1f} MiB: saving will fail. Free space or choose another output_dir",
-              file=sys.stderr, flush=True)
+        warn(f"{where} has {free / 2**20:.1f} MiB free but a checkpoint of this run takes about "
+             f"{checkpoint_bytes / 2**20:.1f} MiB: saving will fail. Free space or choose another output_dir")
 
 
 def replace_dir(tmp: Path, final: Path) -> None:

@@ -101,25 +101,20 @@ def build_roles(recipe, algorithm, backend, tokenizer, policy, eval_examples=Non
     t = recipe.train
     remote = remote_roles or {}
     models = Models(policy=trained_role(backend, policy, t), tokenizer=tokenizer, eval_examples=eval_examples)
-    if algorithm.needs_reference and "reference" in remote:
-        models.reference = remote["reference"].as_role()
-    elif algorithm.needs_reference:
-        where = algorithm.placement("reference")
-        frozen = backend.prepare_frozen(make_reference(recipe.model, algorithm.model_kind), offload=where == "offload")
-        models.reference = LocalRole(frozen, backend, placement=where)
-    if algorithm.teacher_model() is not None and "teacher" in remote:
-        models.teacher = remote["teacher"].as_role()
-    elif algorithm.teacher_model() is not None:  # frozen like the reference: partitioned under ZeRO-3, offloadable
-        where = algorithm.placement("teacher")
-        models.teacher = LocalRole(backend.prepare_frozen(make_reference(algorithm.teacher_model()),
-                                                          offload=where == "offload"), backend, placement=where)
-    for i, scorer in enumerate(algorithm.reward_models()):  # frozen like the reference: partitioned, offloadable
-        if "reward_model" in remote:
-            role = remote["reward_model"].as_role(f"reward_model:{i}")
-        else:
-            where = algorithm.placement("reward_model")
-            role = LocalRole(backend.prepare_frozen(scorer.load_model(), offload=where == "offload"), backend,
-                             placement=where)
+
+    def frozen(role: str, model) -> LocalRole:  # partitioned under ZeRO-3, offloaded where the algorithm says
+        where = algorithm.placement(role)
+        return LocalRole(backend.prepare_frozen(model, offload=where == "offload"), backend, placement=where)
+
+    if algorithm.needs_reference:
+        models.reference = (remote["reference"].as_role() if "reference" in remote
+                            else frozen("reference", make_reference(recipe.model, algorithm.model_kind)))
+    if (teacher := algorithm.teacher_model()) is not None:
+        models.teacher = (remote["teacher"].as_role() if "teacher" in remote
+                          else frozen("teacher", make_reference(teacher)))
+    for i, scorer in enumerate(algorithm.reward_models()):
+        role = (remote["reward_model"].as_role(f"reward_model:{i}") if "reward_model" in remote
+                else frozen("reward_model", scorer.load_model()))
         scorer.place(role.forward, backend.device)
         models.reward_model = models.reward_model or role
     if algorithm.needs_critic and "critic" in remote:  # trained by its own actor group

@@ -121,9 +121,7 @@ def run(command: str, recipe: Recipe, launched: Optional[Launched] = None) -> Ru
         check_servers(recipe, tokenizer, servers)
     check_rollout(recipe, tokenizer, command)  # tools import, the template shows them, the environment loads
     train_examples, train_stats = load_examples(recipe, algorithm, tokenizer, "train")
-    eval_examples, eval_stats = (None, None)
-    if recipe.data.eval:
-        eval_examples, eval_stats = load_examples(recipe, algorithm, tokenizer, "eval")
+    eval_examples = load_examples(recipe, algorithm, tokenizer, "eval")[0] if recipe.data.eval else None
 
     # 2. processes and engines; then models
     backend = Backend(recipe)
@@ -156,20 +154,14 @@ def run(command: str, recipe: Recipe, launched: Optional[Launched] = None) -> Ru
         state = checkpointer.load(resume_from, models, algorithm)
     algorithm.setup(backend, models, train_examples, collate, out)
 
-    summary = dict(
-        command=command,
-        parameters=f"{total_params / 1e6:.2f}M ({trainable_params / 1e6:.2f}M trainable)",
-        rows=train_stats.get("rows"),
-        tokens=train_stats.get("tokens"),
-        truncated=train_stats.get("truncated", 0),
-        dropped={k: v for k, v in train_stats.items() if k.startswith("dropped") and v} or 0,
-        steps=steps,
-        per_device_batch=t.per_device_train_batch_size,
-        accumulation=t.gradient_accumulation_steps,
-        global_batch=facts["global_batch"],
-        **backend.describe(),
-        resumed_from=str(resume_from) if resume_from else None,
-    )
+    summary = dict(command=command,
+                   parameters=f"{total_params / 1e6:.2f}M ({trainable_params / 1e6:.2f}M trainable)",
+                   rows=train_stats.get("rows"), tokens=train_stats.get("tokens"),
+                   truncated=train_stats.get("truncated", 0),
+                   dropped={k: v for k, v in train_stats.items() if k.startswith("dropped") and v} or 0,
+                   steps=steps, per_device_batch=t.per_device_train_batch_size,
+                   accumulation=t.gradient_accumulation_steps, global_batch=facts["global_batch"],
+                   **backend.describe(), resumed_from=str(resume_from) if resume_from else None)
     # `posttrain plan`'s estimate, logged beside the measured peak_memory_mb so drift shows (docs/planning.md)
     summary["estimated_peak_memory_mb"] = estimated_peak_mb(command, recipe, backend.describe(),
                                                             (total_params, trainable_params))

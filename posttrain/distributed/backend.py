@@ -44,7 +44,7 @@ from posttrain.distributed.build_locks import announce_cpu_op_builds, clear_stal
 from posttrain.distributed.launch_config import (check_launcher_settings, env_flag, fill_deepspeed_config,
                                                  launcher_engine)
 from posttrain.distributed.offload import Offloaded
-from posttrain.distributed.weight_sync import SyncUnit, adapter_units, sync_buckets, sync_units
+from posttrain.distributed.weight_sync import adapter_units, sync_buckets, sync_units
 from posttrain.errors import UserError
 
 # DeepSpeed still calls the torch collectives that torch 2.x deprecates; one warning per call buries the log.
@@ -177,7 +177,9 @@ class Backend:
         elif self.is_fsdp:
             plugin = self.accelerator.state.fsdp_plugin
             engine = f"fsdp{getattr(plugin, 'fsdp_version', 1)}"
-            offload = "param,optimizer" if _fsdp_offloads(plugin) else "none"
+            policy = getattr(plugin, "cpu_offload", None)  # FSDP1's CPUOffload, FSDP2's OffloadPolicy
+            offloads = bool(getattr(policy, "offload_params", False)) or type(policy).__name__ == "CPUOffloadPolicy"
+            offload = "param,optimizer" if offloads else "none"
         return {"world_size": self.world_size, "nodes": self.num_nodes, "engine": engine, "offload": offload,
                 "precision": self.recipe.train.mixed_precision, "device": str(self.device)}
 
@@ -294,9 +296,7 @@ class Backend:
         """Full parameters on every rank for the duration (generation, export), gathered once: no forward inside
         makes a collective call, so ranks may run different numbers of forwards. A no-op where nothing is sharded."""
         if self.zero_stage == 3:
-            import deepspeed
-
-            with deepspeed.zero.GatheredParameters(list(model.parameters())):
+            with _zero3_gathered(list(model.parameters())):
                 yield
         elif self.is_fsdp:
             from torch.distributed.fsdp import FSDPModule
@@ -326,31 +326,21 @@ class Backend:
         them (LoRA folded in, a tied weight once); with `adapter`, a LoRA model's adapter tensors alone, named as peft
         saves them. Every rank iterates to the end (each bucket is a collective under ZeRO-3 / FSDP2); a bucket's
         tensors are valid until the next one is asked for."""
-        units = (adapter_units if adapter else sync_units)(self.unwrap(model))
-        for units in sync_buckets(units, bucket_mb):
-            yield from self._materialise(units)
-
-    def _materialise(self, units: list[SyncUnit]) -> Iterator[list[tuple[str, torch.Tensor]]]:
-        params = [p for u in units for p in u.params]
         zero3 = self.zero_stage == 3
-        gathered = contextlib.nullcontext()
-        if zero3:
-            import deepspeed
-
-            gathered = deepspeed.zero.GatheredParameters(params)
-        with gathered, torch.no_grad():  # an FSDP2 parameter is a DTensor shard: full_tensor() gathers it
-            full = {id(p): (p.full_tensor() if hasattr(p, "full_tensor") else p.data) for p in params}
-            tensors = (u.compute([full[id(p)] for p in u.params]) for u in units)
-            yield [(u.name, t.clone() if zero3 else t) for u, t in zip(units, tensors)]  # ZeRO-3 frees what it gathered
+        for units in sync_buckets((adapter_units if adapter else sync_units)(self.unwrap(model)), bucket_mb):
+            params = [p for u in units for p in u.params]
+            with _zero3_gathered(params) if zero3 else contextlib.nullcontext(), torch.no_grad():
+                # an FSDP2 parameter is a DTensor shard: full_tensor() gathers it
+                full = {id(p): (p.full_tensor() if hasattr(p, "full_tensor") else p.data) for p in params}
+                tensors = (u.compute([full[id(p)] for p in u.params]) for u in units)
+                yield [(u.name, t.clone() if zero3 else t) for u, t in zip(units, tensors)]  # ZeRO-3 frees its gather
 
     def _gather_zero3(self, model) -> dict[str, torch.Tensor]:
         """ZeRO-3: one parameter at a time (no rank holds two full copies) into rank 0's CPU memory."""
-        import deepspeed
-
         unwrapped = self.unwrap(model)
         state = unwrapped.state_dict() if self.is_main else {}  # buffers; parameter entries are replaced below
         for name, param in unwrapped.named_parameters():
-            with deepspeed.zero.GatheredParameters([param]):
+            with _zero3_gathered([param]):
                 if self.is_main:
                     state[name] = param.detach().to("cpu", copy=True)
         return state
@@ -427,10 +417,11 @@ def _reset_accelerate_state() -> None:
     GradientState._reset_state()
 
 
-def _fsdp_offloads(plugin) -> bool:
-    """FSDP1 keeps a CPUOffload(offload_params=...), FSDP2 an OffloadPolicy (CPUOffloadPolicy when on)."""
-    policy = getattr(plugin, "cpu_offload", None)
-    return bool(getattr(policy, "offload_params", False)) or type(policy).__name__ == "CPUOffloadPolicy"
+def _zero3_gathered(params) -> contextlib.AbstractContextManager:
+    """DeepSpeed's ZeRO-3 gathering: `params` whole on every rank inside the block (deepspeed imported when used)."""
+    import deepspeed
+
+    return deepspeed.zero.GatheredParameters(params)
 
 
 def drop_tied_aliases(model, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

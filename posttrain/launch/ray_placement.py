@@ -129,8 +129,6 @@ def whole_cluster(placement: PlacementConfig, nodes: list[Node]) -> tuple[int, i
 
 def shares(group: tuple[str, ...], fractions: list[Optional[float]]) -> tuple[float, ...]:
     """Each role's GPU share: the ones set, the rest split what is left evenly."""
-    if len(group) == 1:
-        return (fractions[0] if fractions[0] is not None else 1.0,)
     unset = [f for f in fractions if f is None]
     left = 1.0 - sum(f for f in fractions if f is not None)
     if unset and left <= EPS:

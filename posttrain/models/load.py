@@ -150,12 +150,7 @@ def _from_pretrained(auto_cls, model_cfg: ModelConfig, gradient_checkpointing: b
     except (OSError, ValueError, ImportError) as e:
         raise UserError(f"could not load model.name_or_path '{src}': {type(e).__name__}: {e}") from e
     if gradient_checkpointing:
-        # activation_checkpointing_enable is the name from transformers 5.x on; the old one warns there.
-        enable = getattr(model, "activation_checkpointing_enable", None)
-        if enable is not None:
-            enable(activation_checkpointing_kwargs={"use_reentrant": False})
-        else:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.config.use_cache = False
     return model
 
