@@ -156,9 +156,8 @@ class Checkpointer:
             shutil.rmtree(old, ignore_errors=True)
 
     def load(self, path: Path, models, algorithm) -> TrainState:
-        """Engine state of every trained model, their schedules, the algorithm's state and where the run was.
-        `check_compatible` has already passed (run.py calls it right after the backend starts, before any model is
-        loaded)."""
+        """Engine state of every trained model, their schedules, the algorithm's state and where the run was
+        (`check_compatible` passed already: run.py calls it right after the backend starts, before any model loads)."""
         payload = read_trainer_state(path)
         self.backend.load_state(str(path))
         schedules = {"policy": payload["scheduler"], **payload.get("role_schedulers", {})}
@@ -181,12 +180,9 @@ def run_facts(backend, t) -> dict[str, Any]:
 
 
 def check_compatible(path: Path, now: dict[str, Any]) -> bool:
-    """Stop before training unless the checkpoint at `path` can be continued exactly by this launch; True when its
-    engine state must first be converted (distributed/resume.py says when and how).
-
-    The data position is the step number over a stream cut into global batches (train/sources.py), so the global
-    batch must match; how it is split (processes x micro-batch x accumulation) may change.
-    """
+    """Stop before training unless this launch can continue the checkpoint at `path` exactly: the data position is the
+    step over a stream cut into global batches (train/sources.py), so the global batch must match (its split may
+    change). True when its engine state must first be converted (distributed/resume.py says when and how)."""
     saved = read_trainer_state(path)["run"]
     if saved.get("global_batch") != now["global_batch"]:
         raise UserError(f"{path} was written with a global batch of {saved.get('global_batch')} "
@@ -207,10 +203,9 @@ def resume_path(backend, path: Path, now: dict[str, Any], output_dir) -> Path:
 
 
 def export_final(backend, model, tokenizer, output_dir: str, name: str = "final") -> Optional[Path]:
-    """Write output_dir/<name> (final; final-critic for PPO's critic) as a Hugging Face directory that
-    from_pretrained (and vLLM, for the policy) can load, a LoRA adapter merged into its base weights.
-
-    Every rank calls it: the full weights are gathered from the shards (ZeRO-3, FSDP) and rank 0 writes them."""
+    """Write output_dir/<name> (final; final-critic for PPO's critic) as a Hugging Face directory that from_pretrained
+    (and vLLM, for the policy) can load, a LoRA adapter merged into its base weights. Every rank calls it: the full
+    weights are gathered from the shards (ZeRO-3, FSDP) and rank 0 writes them."""
     require_finite(backend, backend.nonfinite_parameters(model), "exporting final/")
     unwrapped = backend.unwrap(model)
     if hasattr(unwrapped, "merge_and_unload"):

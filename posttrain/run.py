@@ -79,9 +79,7 @@ def seed_everything(seed: int) -> None:
 
 def load_examples(recipe: Recipe, algorithm, tokenizer, which: str):
     """Rows -> tokenised examples for the algorithm's data kind; raises UserError naming the file/row."""
-    source = recipe.data.train if which == "train" else recipe.data.eval
-    split = recipe.data.train_split if which == "train" else recipe.data.eval_split
-    rows = data.load_rows(source, split, f"data.{which}")
+    rows = data.load_rows(getattr(recipe.data, which), getattr(recipe.data, f"{which}_split"), f"data.{which}")
     tokenize = {"sft": data.tokenize_sft, "preference": data.tokenize_preference, "prompt": data.tokenize_prompts}
     return tokenize[algorithm.data_kind](rows, tokenizer, recipe.data, f"data.{which}")
 

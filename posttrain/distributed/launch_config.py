@@ -56,13 +56,10 @@ def check_launcher_settings(t: TrainConfig) -> None:
     if launcher_mp != "no":
         _check_agrees(where, "mixed_precision", launcher_mp, "train.mixed_precision", t.mixed_precision,
                       f"remove mixed_precision from {where}")
-    for variable, key, recipe_key, recipe_value in (
-        ("ACCELERATE_GRADIENT_ACCUMULATION_STEPS", "gradient_accumulation_steps", "train.gradient_accumulation_steps",
-         t.gradient_accumulation_steps),
-        ("ACCELERATE_GRADIENT_CLIPPING", "gradient_clipping", "train.max_grad_norm", t.max_grad_norm),
-    ):
-        _check_agrees(f"{where} (deepspeed_config)", key, os.environ.get(variable), recipe_key, recipe_value,
-                      f"remove {key} from {where} (or set it to auto)")
+    for key in ("gradient_accumulation_steps", "gradient_clipping"):  # exported as ACCELERATE_<KEY>
+        recipe_key, recipe_value = deepspeed_values(t, 1)[key]
+        _check_agrees(f"{where} (deepspeed_config)", key, os.environ.get(f"ACCELERATE_{key.upper()}"), recipe_key,
+                      recipe_value, f"remove {key} from {where} (or set it to auto)")
 
 
 def deepspeed_values(t: TrainConfig, world_size: int) -> dict[str, tuple[str, Any]]:

@@ -147,8 +147,16 @@ def fit(units: list[Unit], nodes: list[Node], placement: PlacementConfig) -> Pla
         fitting = [n for n in nodes if free[n.node_id][0] + EPS >= need_gpus and free[n.node_id][1] + EPS >= need_cpus]
         fitting.sort(key=lambda n: (-free[n.node_id][0], -free[n.node_id][1]))  # stable: ties keep the nodes' order
         if len(fitting) < num_nodes:
-            raise UserError(short_message(what, num_nodes, per_node, need_gpus, need_cpus, len(fitting), nodes, free,
-                                          placement))
+            gpus = f"{need_gpus:g} {placement.gpu_resource} GPU(s) and " if need_gpus else ""
+            left = "; ".join(f"{n.label}: {free[n.node_id][0]:g} GPU, {free[n.node_id][1]:g} CPU" for n in nodes)
+            hint = "" if not need_gpus or any(n.gpus for n in nodes) else (
+                f" The cluster has no '{placement.gpu_resource}' resource at all: start nodes with GPUs, name the "
+                "resource standing in for them (placement.gpu_resource=...), or placement.gpu_resource=none for CPUs.")
+            raise UserError(f"the placement does not fit the Ray cluster: {what} needs {num_nodes} node(s) with {gpus}"
+                            f"{need_cpus:g} CPU(s) free each ({num_nodes * per_node} worker(s)), but only "
+                            f"{len(fitting)} node(s) have that left. Free after the roles placed before it: "
+                            f"{left or 'no nodes'}. Lower placement.<role>.num_nodes / num_gpus_per_node, colocate "
+                            f"roles (placement.colocate), or add nodes.{hint}")
         for n in fitting[:num_nodes]:
             free[n.node_id][0] -= need_gpus
             free[n.node_id][1] -= need_cpus
@@ -160,20 +168,6 @@ def fit(units: list[Unit], nodes: list[Node], placement: PlacementConfig) -> Pla
     engines = [take(f"generation engine {i + 1} of {count}", 1, 1, tp if gpu else 0, placement.cpus_per_worker)[0]
                for i in range(count)]
     return Plan(tuple(placed), tuple(engines), tp if gpu else 0, placement.gpu_resource, placement.cpus_per_worker)
-
-
-def short_message(what: str, num_nodes: int, per_node: int, need_gpus: float, need_cpus: float, found: int,
-                  nodes: list[Node], free: dict[str, list[float]], placement: PlacementConfig) -> str:
-    gpus = f"{need_gpus:g} {placement.gpu_resource} GPU(s) and " if need_gpus else ""
-    wants = f"{num_nodes} node(s) with {gpus}{need_cpus:g} CPU(s) free each"
-    left = "; ".join(f"{n.label}: {free[n.node_id][0]:g} GPU, {free[n.node_id][1]:g} CPU" for n in nodes) or "no nodes"
-    hint = ""
-    if need_gpus and not any(n.gpus for n in nodes):
-        hint = (f" The cluster has no '{placement.gpu_resource}' resource at all: start nodes with GPUs, name the "
-                "resource standing in for them (placement.gpu_resource=...), or placement.gpu_resource=none for CPUs.")
-    return (f"the placement does not fit the Ray cluster: {what} needs {wants} ({num_nodes * per_node} worker(s)), "
-            f"but only {found} node(s) have that left. Free after the roles placed before it: {left}. Lower "
-            f"placement.<role>.num_nodes / num_gpus_per_node, colocate roles (placement.colocate), or add nodes.{hint}")
 
 
 def placement_table(plan: Plan) -> str:
