@@ -72,11 +72,6 @@ def make_source(recipe: Recipe, backend, models, algorithm, examples, collate, s
     return DatasetSource.from_recipe(recipe, backend, examples, collate)
 
 
-def seed_everything(seed: int) -> None:
-    """Python's, numpy's and torch's generators."""
-    set_seed(seed)
-
-
 def load_examples(recipe: Recipe, algorithm, tokenizer, which: str):
     """Rows -> tokenised examples for the algorithm's data kind; raises UserError naming the file/row."""
     rows = data.load_rows(getattr(recipe.data, which), getattr(recipe.data, f"{which}_split"), f"data.{which}")
@@ -132,7 +127,7 @@ def run(command: str, recipe: Recipe, launched: Optional[Launched] = None) -> Ru
         (out / "config.yaml").write_text(dump_yaml(recipe))
         outputs.end_overwrite(replaced)
     backend.barrier()
-    seed_everything(recipe.seed)
+    set_seed(recipe.seed)  # Python's, numpy's and torch's generators
     model = load_policy(recipe, algorithm)
     total_params, trainable_params = count_parameters(model)
     if backend.is_main:  # weights + AdamW's two moments, in float32 (or the size of the checkpoint resumed from)

@@ -65,9 +65,8 @@ def _make_accelerator(t: TrainConfig, use_cpu: bool) -> Accelerator:
     timeout = timedelta(seconds=t.ddp_timeout)
     engine = launcher_engine()
     _check_not_a_lone_cpu_process()
-    launched = "LOCAL_RANK" in os.environ  # torchrun / accelerate launch set it, a plain `posttrain` does not
     if use_cpu and engine is not None:
-        if not launched:
+        if "LOCAL_RANK" not in os.environ:  # torchrun / accelerate launch set it, a plain `posttrain` does not
             raise UserError(f"ACCELERATE_USE_{engine.upper()}=true asks for {engine}, which needs a launcher: run "
                             "through `torchrun --nproc_per_node N -m posttrain ...` or `accelerate launch "
                             "--config_file ... -m posttrain ...`")

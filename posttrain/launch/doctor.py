@@ -195,8 +195,7 @@ def _watchdog(report: Report, what: str, timeout: float) -> threading.Event:
 def join_group(report: Report, rank: int, world_size: int, timeout: float):
     """The store (probed first) and every rank's arrival, each within the deadline; returns the store or None."""
     host, port = os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ.get("MASTER_PORT", "29500"))
-    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
-    hosts_store = rank == 0 and not agent_store
+    hosts_store = rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() != "true"
     deadline = time.monotonic() + timeout
     if not hosts_store:
         error = _probe(host, port, deadline)

@@ -35,9 +35,7 @@ def _local_path(value: str, base: Path) -> str:
         return value
     reward_file = value.count(":") == 1 and not value.startswith("http")  # 'file.py:function'
     head, colon, tail = value.partition(":") if reward_file else (value, "", "")
-    if (base / head).exists():
-        return str((base / head).resolve()) + colon + tail
-    return value
+    return str((base / head).resolve()) + colon + tail if (base / head).exists() else value
 
 
 def _walk(value: Any, base: Path) -> Any:

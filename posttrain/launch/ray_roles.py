@@ -23,6 +23,7 @@ from types import SimpleNamespace
 from typing import Any, Optional
 
 import torch
+from transformers import set_seed
 
 from posttrain.algorithms import ALGORITHMS
 from posttrain.algorithms.base import Role
@@ -36,7 +37,6 @@ from posttrain.models.forward import policy_logprobs
 from posttrain.models.load import load_tokenizer
 from posttrain.models.reference import make_reference
 from posttrain.roles import trained_role
-from posttrain.run import seed_everything
 
 FROZEN_ROLES = ("reference", "reward_model", "teacher")
 LOAD_TIMEOUT_S = 600.0
@@ -57,14 +57,13 @@ class RoleWorker(Worker):
         """Load every model of `roles` as a run would, under the keys 'reference', 'reward_model:<i>' (the i-th of
         algorithm.reward_models()) and 'teacher' (algorithm.teacher_model()). Returns each key's parameter count."""
         os.environ.update(env)
-        seed_everything(recipe.seed)  # a seq_cls reference's fresh head is the policy's only after the same seed
+        set_seed(recipe.seed)  # a seq_cls reference's fresh head is the policy's only after the same seed
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # Ray shows each actor its GPU
         return self._load_frozen(ALGORITHMS[command][1](recipe), recipe, roles, device)
 
     def _load_frozen(self, algorithm, recipe, roles: tuple[str, ...], device) -> dict[str, int]:
         self.device = device
-        precision = recipe.train.mixed_precision
-        self.autocast_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
+        self.autocast_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(recipe.train.mixed_precision)
         self.models: dict[str, Any] = {}
         if "reference" in roles:
             self.models["reference"] = make_reference(recipe.model, algorithm.model_kind).to(self.device)
@@ -105,7 +104,7 @@ class TrainedRoleWorker(RoleWorker):
         self.algorithm = ALGORITHMS[command][1](recipe)
         self.backend = Backend(recipe)
         self.tokenizer = load_tokenizer(recipe.model)
-        seed_everything(recipe.seed)
+        set_seed(recipe.seed)
         t = recipe.train
         model = load_critic(self.algorithm.critic_source(), self.tokenizer.pad_token_id, t.gradient_checkpointing)
         count = sum(p.numel() for p in model.parameters())

@@ -23,11 +23,12 @@ def base(tiny_model_dir, train, out, *extra):
 
 def adapted_model(tiny_model_dir, checkpoint, task="causal_lm", seed=3):
     """The peft model as training left it: the base with adapters, loaded from a checkpoint's model.safetensors."""
+    from transformers import set_seed
+
     from posttrain.config import LoraConfig, ModelConfig
     from posttrain.models.load import apply_lora, load_causal_lm, load_sequence_classifier
-    from posttrain.run import seed_everything
 
-    seed_everything(seed)
+    set_seed(seed)
     cfg = ModelConfig(name_or_path=str(tiny_model_dir))
     model = load_causal_lm(cfg) if task == "causal_lm" else load_sequence_classifier(cfg)
     model = apply_lora(model, LoraConfig(enabled=True, r=4, alpha=8), task=task)

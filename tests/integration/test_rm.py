@@ -22,11 +22,12 @@ def base(tiny_model_dir, data, out, *extra):
 
 def initial_classifier(tiny_model_dir, seed=3):
     """The model `posttrain rm` starts from: the recipe seed is set before the score head is initialised."""
+    from transformers import set_seed
+
     from posttrain.config import ModelConfig
     from posttrain.models.load import load_sequence_classifier
-    from posttrain.run import seed_everything
 
-    seed_everything(seed)
+    set_seed(seed)
     return load_sequence_classifier(ModelConfig(name_or_path=str(tiny_model_dir)))
 
 
