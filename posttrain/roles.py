@@ -93,16 +93,15 @@ def trained_role(backend, model, train_config, learning_rate: Optional[float] = 
 
 def build_roles(recipe, algorithm, backend, tokenizer, policy, eval_examples=None,
                 remote_roles: Optional[dict] = None) -> Models:
-    """Every role the algorithm asks for: the policy (already loaded, prepared here), the reference, the reward
-    models and the critic, each local (partitioned, offloaded as the algorithm says) unless the launch wing serves it
-    (`remote_roles`: role name -> a handle whose .as_role(key) is that role's Role). The Models record is the only
-    owner of the reference, so an algorithm's setup may free it; eval_examples lets it precompute for the eval set
-    too."""
+    """Every role the algorithm asks for: the policy (already loaded, prepared here), the reference, the teacher, the
+    reward models and the critic, each local (partitioned, offloaded as the algorithm says) unless the launch wing
+    serves it (`remote_roles`: role name -> a handle whose .as_role(key) is that role's Role). The Models record is the
+    only owner of the reference, so an algorithm's setup may free it, and precompute for eval_examples too."""
     t = recipe.train
     remote = remote_roles or {}
     models = Models(policy=trained_role(backend, policy, t), tokenizer=tokenizer, eval_examples=eval_examples)
 
-    def frozen(role: str, model) -> LocalRole:  # partitioned under ZeRO-3, offloaded where the algorithm says
+    def frozen(role: str, model) -> LocalRole:  # a frozen role on this process
         where = algorithm.placement(role)
         return LocalRole(backend.prepare_frozen(model, offload=where == "offload"), backend, placement=where)
 

@@ -137,8 +137,7 @@ def open_sync_group(addr: str, port: int, rank: int, world_size: int, timeout_s:
     options = ProcessGroupGloo._Options()
     options._devices = [ProcessGroupGloo.create_device(hostname=my_addr)]
     options._timeout = timeout
-    prefix = f"{SYNC_STORE_PREFIX}/{key}"
-    return SyncGroup(ProcessGroupGloo(PrefixStore(prefix, base), rank, world_size, options), base)
+    return SyncGroup(ProcessGroupGloo(PrefixStore(f"{SYNC_STORE_PREFIX}/{key}", base), rank, world_size, options), base)
 
 
 @dataclasses.dataclass
