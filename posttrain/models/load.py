@@ -134,17 +134,13 @@ def _read_chat_template(value: str) -> str:
     return path.read_text()
 
 
-def _dtype(name: str):
-    if name not in DTYPES:
-        raise UserError(f"model.dtype must be one of {', '.join(DTYPES)}, got '{name}'")
-    return DTYPES[name]
-
-
 def _from_pretrained(auto_cls, model_cfg: ModelConfig, gradient_checkpointing: bool, **extra):
     check_model_source(model_cfg)
     src = _resolve(model_cfg.name_or_path)
+    if model_cfg.dtype not in DTYPES:
+        raise UserError(f"model.dtype must be one of {', '.join(DTYPES)}, got '{model_cfg.dtype}'")
     try:
-        model = auto_cls.from_pretrained(src, dtype=_dtype(model_cfg.dtype), revision=model_cfg.revision,
+        model = auto_cls.from_pretrained(src, dtype=DTYPES[model_cfg.dtype], revision=model_cfg.revision,
                                          attn_implementation=model_cfg.attn_implementation,
                                          trust_remote_code=model_cfg.trust_remote_code, **extra)
     except (OSError, ValueError, ImportError) as e:
@@ -183,7 +179,8 @@ def apply_lora(model, lora_cfg: LoraConfig, task: str = "causal_lm"):
         raise UserError("model.lora.enabled needs peft: pip install posttrain[peft]") from None
     if task not in TASKS:
         raise ValueError(f"task must be one of {TASKS}, got {task!r}")
-    linear_names = sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules() if _is_linear(m)})
+    linear_names = sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules()
+                           if isinstance(m, torch.nn.Linear) or type(m).__name__ == "Conv1D"})  # GPT-2's Conv1D too
     if not set(lora_cfg.target_modules) & set(linear_names):
         raise UserError(f"model.lora.target_modules {list(lora_cfg.target_modules)} match no layer of this model; "
                         f"its linear layers are named: {', '.join(linear_names)}")
@@ -191,10 +188,6 @@ def apply_lora(model, lora_cfg: LoraConfig, task: str = "causal_lm"):
                              target_modules=list(lora_cfg.target_modules),
                              task_type=peft.TaskType.CAUSAL_LM if task == "causal_lm" else peft.TaskType.SEQ_CLS)
     return peft.get_peft_model(model, config)
-
-
-def _is_linear(module) -> bool:
-    return isinstance(module, torch.nn.Linear) or type(module).__name__ == "Conv1D"
 
 
 def is_peft_model(model) -> bool:
