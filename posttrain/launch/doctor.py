@@ -70,15 +70,11 @@ def check_versions(report: Report) -> None:
     for required in ("transformers", "accelerate"):
         if not found[required]:
             report.add("FAIL", "versions", f"{required} is not installed", f"pip install {required}")
-    vllm_torch = _vllm_torch_pin() if found["vllm"] else None
+    vllm_torch = next((line.split("==", 1)[1].strip() for line in requires("vllm") or []  # the torch it was built for
+                       if line.startswith("torch==") and ";" not in line), None) if found["vllm"] else None
     if vllm_torch and not found["torch"].startswith(vllm_torch):
         report.add("FAIL", "versions", f"vllm {found['vllm']} was built for torch {vllm_torch}, this is torch "
                    f"{found['torch']}", f"install the torch version vllm pins (pip install torch=={vllm_torch})")
-
-
-def _vllm_torch_pin() -> Optional[str]:
-    return next((line.split("==", 1)[1].strip() for line in requires("vllm") or []
-                 if line.startswith("torch==") and ";" not in line), None)
 
 
 def check_gpus(report: Report) -> None:
