@@ -23,9 +23,8 @@ from posttrain.algorithms import ALGORITHMS
 from posttrain.config.schema import Recipe
 from posttrain.launch.ray_inputs import absolute_paths, worker_env
 from posttrain.launch.ray_engines import Engines, check_engines, start_engines
-from posttrain.launch.ray_placement import (Plan, RankSlot, fit, node_options, nodes_from_ray,
-                                                 pick_gpu_resource, placement_table, rank_slots, resolve,
-                                                 roles_needed)
+from posttrain.launch.ray_placement import (Plan, RankSlot, fit, node_options, nodes_from_ray, pick_gpu_resource,
+                                            placement_table, rank_slots, resolve, roles_needed)
 from posttrain.launch.ray_actors import Worker, import_ray, kill_all, last_line, rank_env
 from posttrain.launch.ray_roles import RoleWorkerDied, check_apart, start_role_groups
 from posttrain.errors import RunStopped, UserError
