@@ -147,8 +147,7 @@ def run(command: str, recipe: Recipe, launched: Optional[Launched] = None) -> Ru
         state = checkpointer.load(resume_from, models, algorithm)
     algorithm.setup(backend, models, train_examples, collate, out)
 
-    summary = dict(command=command,
-                   parameters=f"{total_params / 1e6:.2f}M ({trainable_params / 1e6:.2f}M trainable)",
+    summary = dict(command=command, parameters=f"{total_params / 1e6:.2f}M ({trainable_params / 1e6:.2f}M trainable)",
                    rows=train_stats.get("rows"), tokens=train_stats.get("tokens"),
                    truncated=train_stats.get("truncated", 0),
                    dropped={k: v for k, v in train_stats.items() if k.startswith("dropped") and v} or 0,

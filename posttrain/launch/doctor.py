@@ -202,9 +202,8 @@ def join_group(report: Report, rank: int, world_size: int, timeout: float):
                        "port open in its firewall, and start rank 0 first")
             return None
     try:
-        store = dist.TCPStore(host, port, world_size, is_master=hosts_store,
-                              timeout=timedelta(seconds=max(1.0, deadline - time.monotonic())),
-                              wait_for_workers=False)
+        store = dist.TCPStore(host, port, world_size, is_master=hosts_store, wait_for_workers=False,
+                              timeout=timedelta(seconds=max(1.0, deadline - time.monotonic())))
     except (RuntimeError, OSError) as e:
         report.add("FAIL", "rendezvous", f"no store at {host}:{port}: {e}",
                    "check MASTER_ADDR / MASTER_PORT (a port already in use on rank 0?)")

@@ -91,13 +91,10 @@ def run_on_ray(command: str, recipe: Recipe) -> int:
         actors += ranks
         wait_started(ray, ranks, slots)
         master_addr, master_port = ray.get(ranks[0].rendezvous.remote())
-        cwd = os.getcwd()
-        futures = {ranks[s.rank].run.remote(command, recipe, cwd,
-                                            {**forwarded, **engines.env,
-                                             **rank_env(s, len(slots), len(plan.units[0].nodes), master_addr,
-                                                        master_port, plan)},
-                                            groups.for_rank(s.rank), engines.urls): s
-                   for s in slots}
+        env = {s.rank: {**forwarded, **engines.env, **rank_env(s, len(slots), len(plan.units[0].nodes), master_addr,
+                                                               master_port, plan)} for s in slots}
+        futures = {ranks[s.rank].run.remote(command, recipe, os.getcwd(), env[s.rank], groups.for_rank(s.rank),
+                                            engines.urls): s for s in slots}
         return wait_for_ranks(ray, futures, plan)
     finally:
         engines.stop()
