@@ -174,9 +174,8 @@ class AgentRollout:
             out = self.engine.generate([trajectories[i].prompt_ids + trajectories[i].completion_ids for i in active],
                                        turn_params)
             last = turn == self.max_turns - 1
-            replies = []
-            for k, i in enumerate(active):
-                replies.append(self._take_turn(trajectories[i], out.completion_ids[k], out.logprobs[k]))
+            replies = [self._take_turn(trajectories[i], out.completion_ids[k], out.logprobs[k])
+                       for k, i in enumerate(active)]
             self._run_tools([trajectories[i] for i in active], replies, skip=last)
             for k, i in enumerate(active):
                 t, message = trajectories[i], replies[k]

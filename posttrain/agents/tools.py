@@ -47,10 +47,9 @@ def load_tools(specs: tuple[str, ...]) -> dict[str, Tool]:
         try:
             schema = get_json_schema(fn)
         except Exception as e:  # noqa: BLE001 - transformers raises several types for a signature it cannot read
-            raise UserError(
-                f"rollout.tools entry '{spec}': no usable signature for a tool schema ({type(e).__name__}: {e}); "
-                "give every parameter a type hint and the docstring a description and an 'Args:' line per parameter"
-            ) from None
+            raise UserError(f"rollout.tools entry '{spec}': no usable signature for a tool schema ({type(e).__name__}: "
+                            f"{e}); give every parameter a type hint and the docstring a description and an 'Args:' "
+                            "line per parameter") from None
         name = schema["function"]["name"]
         if name in tools:
             raise UserError(f"rollout.tools entry '{spec}': a tool named '{name}' is already listed; rename one")
@@ -120,14 +119,8 @@ class ToolRunner:
                 send.close()
                 running.append((process, receive))
         deadline = started + self.timeout
-        results = []
-        for item in running:
-            if isinstance(item, str):
-                results.append(ToolResult(f"Error: {item}"[: self.limit], True, False, 0.0))
-                continue
-            process, receive = item
-            results.append(self._collect(process, receive, deadline, started))
-        return results
+        return [ToolResult(f"Error: {item}"[: self.limit], True, False, 0.0) if isinstance(item, str)
+                else self._collect(*item, deadline, started) for item in running]
 
     def _collect(self, process, receive, deadline: float, started: float) -> ToolResult:
         try:

@@ -95,13 +95,10 @@ def write_adapter(root: Path, name: str, tensors: dict[str, torch.Tensor], confi
     partial = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=root))
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(partial / "adapter_model.safetensors"))
     (partial / "adapter_config.json").write_text(json.dumps(config, indent=1))
-    if final.exists():  # another worker of the same server wrote the same bytes first
+    try:  # a directory cannot be renamed onto a full one
+        os.rename(partial, final)
+    except OSError:  # another worker of the same server wrote the same bytes first
         shutil.rmtree(partial, ignore_errors=True)
-    else:
-        try:
-            os.rename(partial, final)
-        except OSError:  # lost the race to a sibling worker
-            shutil.rmtree(partial, ignore_errors=True)
     for old in root.glob(f"{PREFIX}{run_key}-*"):
         try:
             if parse_name(old.name)[1] <= count - KEEP:

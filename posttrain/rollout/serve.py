@@ -194,13 +194,8 @@ def run_serve(args) -> int:
     url = f"http://{host}:{args.port}"
     process = subprocess.Popen(vllm_command(args, on_gpu, memory), env=env, start_new_session=True,
                                preexec_fn=die_with_parent())
-    stopping = []
-
-    def stop(signum, _frame):
-        stopping.append(signum)
-        raise KeyboardInterrupt
-
-    previous = {s: signal.signal(s, stop) for s in (signal.SIGINT, signal.SIGTERM)}
+    # SIGTERM too raises KeyboardInterrupt (Python's SIGINT handler): either stops the server in `finally`
+    previous = {s: signal.signal(s, signal.default_int_handler) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         if not wait_ready(process, url, args.ready_timeout, token):
             if process.poll() is None:

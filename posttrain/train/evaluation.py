@@ -88,12 +88,9 @@ def evaluate_prompts(backend, engine, tokenizer, examples: list[dict], rewards, 
     columns.setdefault("completion_ids", ids)
     total_B, _, _ = score([e["prompt"] for e in mine], texts, columns)
     weight_B = torch.tensor(weights, dtype=torch.float64)
-    local = torch.stack([
-        torch.tensor(float(correct), dtype=torch.float64), torch.tensor(float(counted), dtype=torch.float64),
-        (total_B.double() * weight_B).sum(),
-        (torch.tensor([len(c) for c in ids], dtype=torch.float64) * weight_B).sum(),
-        weight_B.sum(),
-    ])
+    length_B = torch.tensor([len(c) for c in ids], dtype=torch.float64)
+    local = torch.tensor([correct, counted, (total_B.double() * weight_B).sum(), (length_B * weight_B).sum(),
+                          weight_B.sum()], dtype=torch.float64)
     correct, counted, reward_sum, length_sum, n = backend.all_reduce_sum(local.to(backend.device)).tolist()
     out = {"eval/reward": reward_sum / max(n, 1.0), "eval/completion_length": length_sum / max(n, 1.0)}
     if counted:

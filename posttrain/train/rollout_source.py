@@ -369,15 +369,10 @@ def step_metrics(everyone: list[dict], total_B: torch.Tensor, group: int) -> dic
                     for name in everyone[0]["per_function"]}
     lengths = torch.tensor([n for part in everyone for n in part["lengths"]], dtype=torch.float32)
     truncated = torch.tensor([c for part in everyone for c in part["truncated"]], dtype=torch.float32)
-    metrics = {
-        "reward/mean": total_B.mean(),
-        "reward/std": total_B.std(unbiased=False),
-        "completion_length/mean": lengths.mean(),
-        "completion_length/max": lengths.max(),
-        "completion_length/min": lengths.min(),
-        "truncated_fraction": truncated.mean(),
-        **reward_metrics(per_function),
-    }
+    metrics = {"reward/mean": total_B.mean(), "reward/std": total_B.std(unbiased=False),
+               "completion_length/mean": lengths.mean(), "completion_length/max": lengths.max(),
+               "completion_length/min": lengths.min(), "truncated_fraction": truncated.mean(),
+               **reward_metrics(per_function)}
     if group > 1:  # samples of one prompt: how many groups carry no signal
         metrics["frac_reward_zero_std"] = zero_std_fraction(total_B, group)
     out = {k: float(v) for k, v in metrics.items()}
