@@ -145,10 +145,9 @@ class AgentRollout:
         before = self._encode(messages, add_generation_prompt=False)
         after = self._encode(messages + new, add_generation_prompt=True)
         if after[: len(before)] != before:
-            raise UserError(
-                "the chat template renders the earlier turns of a conversation differently once a "
-                f"{new[0]['role']} message is added, so the appended tokens cannot be found exactly; use a template "
-                "with the prefix property (model.chat_template)")
+            raise UserError("the chat template renders the earlier turns of a conversation differently once a "
+                            f"{new[0]['role']} message is added, so the appended tokens cannot be found exactly; use "
+                            "a template with the prefix property (model.chat_template)")
         # the engine stopped at the end-of-turn token; what the template puts after it ("\n") is appended here
         last_eos = max((i for i, t in enumerate(before) if t == self.eos_id), default=len(before) - 1)
         return before[last_eos + int(closed) :] + after[len(before):]

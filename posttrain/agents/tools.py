@@ -97,10 +97,8 @@ class ToolRunner:
 
     def run(self, calls: list[dict]) -> list[ToolResult]:
         """One result per call ({"name", "arguments"}), in order; at most `workers` processes at a time."""
-        results: list[ToolResult] = []
-        for start in range(0, len(calls), self.workers):
-            results += self._run_together(calls[start : start + self.workers])
-        return results
+        return [result for start in range(0, len(calls), self.workers)
+                for result in self._run_together(calls[start : start + self.workers])]
 
     def _run_together(self, calls: list[dict]) -> list[ToolResult]:
         started = time.perf_counter()
