@@ -72,8 +72,9 @@ def evaluate_prompts(backend, engine, tokenizer, examples: list[dict], rewards, 
     agent: multi-turn trajectories instead, their last model turn scored (and the environment's reward added)."""
     share = -(-len(examples) // backend.world_size)
     mine = examples[backend.rank :: backend.world_size]
-    weights = [1.0] * len(mine) + [0.0] * (share - len(mine))
-    mine = mine + [examples[0]] * (share - len(mine))
+    real = len(mine)  # then fillers
+    weights = [1.0] * real + [0.0] * (share - real)
+    mine = mine + [examples[0]] * (share - real)
     score = rewards.score
     with backend.autocast():
         if agent is not None:
@@ -82,8 +83,7 @@ def evaluate_prompts(backend, engine, tokenizer, examples: list[dict], rewards, 
             score = score_trajectories(rewards, trajectories, agent.environment is not None)
         else:
             texts, ids = greedy_texts(engine, tokenizer, mine, generation.max_completion_length, generation.batch_size)
-    real = [i for i, w in enumerate(weights) if w]
-    correct, counted = accuracy_counts([mine[i] for i in real], [texts[i] for i in real])
+    correct, counted = accuracy_counts(mine[:real], texts[:real])
     columns = {k: [e["columns"][k] for e in mine] for k in mine[0]["columns"]}
     columns.setdefault("completion_ids", ids)
     total_B, _, _ = score([e["prompt"] for e in mine], texts, columns)
