@@ -179,8 +179,8 @@ class AgentRollout:
             for k, i in enumerate(active):
                 t, message = trajectories[i], replies[k]
                 new = message.pop("_tool_messages", [])
+                t.messages.append({"role": "assistant", "content": message["content"]})
                 if t.finished:  # cut mid-turn, or its turn filled the budget
-                    t.messages.append({"role": "assistant", "content": message["content"]})
                     continue
                 closed = message.pop("closed")
                 done = not new
@@ -188,7 +188,6 @@ class AgentRollout:
                     env_messages, reward, done = sessions[i].step(dict(message))
                     t.env_reward += reward
                     new += env_messages
-                t.messages.append({"role": "assistant", "content": message["content"]})
                 if done or last or not new:
                     t.finished = True
                     continue
