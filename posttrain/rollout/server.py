@@ -7,10 +7,10 @@ backend (docs/generation.md).
     posttrain grpo --config recipes/grpo_server.yaml generation.servers='[http://gpu7:8000, http://gpu8:8000]'
 
 Each completion is one request to vLLM's token-in / token-out `/inference/v1/generate`, all in flight at once, a
-prompt's group of samples on one server (`assign`); one that still fails after its retries stops the run naming the
-server. A weight sync drives vLLM's weight-transfer API (`load_weights`) and stamps the policy version on every
-server; a completion stamped with another version (a server that restarted, a sync that did not land) stops the run.
-`check_servers` checks every server at start-up, before any model is loaded.
+prompt's group of samples on one server (`assign`); a request still failing after generation.request_retries stops
+the run naming the server. A weight sync drives vLLM's weight-transfer API (`load_weights`) and stamps the policy
+version on every server; a completion stamped with another version (a server that restarted, a sync that did not
+land) stops the run. `check_servers` checks every server at start-up, before any model is loaded.
 """
 
 from __future__ import annotations
