@@ -50,8 +50,8 @@ def load_environment(spec: str) -> type:
         fn = getattr(cls, method, None)
         if not callable(fn):
             raise UserError(f"rollout.environment '{spec}' has no method {method}(); see docs/agents.md")
-        params = [p for p in inspect.signature(fn).parameters.values()
-                  if p.name != "self" and p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        params = [p for p in inspect.signature(fn).parameters.values() if p.name != "self"
+                  and p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
         if len(params) != arity:
             raise UserError(f"rollout.environment '{spec}': {method} must take one argument besides self, "
                             f"it takes {[p.name for p in params]}")
@@ -60,9 +60,8 @@ def load_environment(spec: str) -> type:
 
 def check_messages(value: Any, where: str) -> list[dict]:
     """A list of {"role": str, "content": str} or a UserError saying `where` it came from."""
-    if not isinstance(value, list) or not all(
-        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in value
-    ):
+    if not isinstance(value, list) or not all(isinstance(m, dict) and isinstance(m.get("role"), str)
+                                              and isinstance(m.get("content"), str) for m in value):
         raise UserError(f"{where} returned {value!r:.200}; it must return a list of "
                         "{'role': str, 'content': str} messages")
     return value

@@ -23,16 +23,21 @@ Parsed = tuple[list[dict], list[str]]
 _HERMES = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
 
 
-def parse_hermes(text: str) -> Parsed:
-    """Hermes / Qwen 2.5-3: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, any number of them."""
+def _read_calls(bodies, arguments_key: str = "arguments") -> Parsed:
+    """Each JSON body as a call (its arguments under `arguments_key`, else "arguments"); an unreadable one: an error."""
     calls, errors = [], []
-    for body in _HERMES.findall(text):
+    for body in bodies:
         try:
             call = json.loads(body)
-            calls.append({"name": call["name"], "arguments": call.get("arguments", {})})
+            calls.append({"name": call["name"], "arguments": call.get(arguments_key, call.get("arguments", {}))})
         except (ValueError, KeyError, TypeError) as e:
             errors.append(f"could not read the tool call {body[:200]!r}: {type(e).__name__}: {e}")
     return calls, errors
+
+
+def parse_hermes(text: str) -> Parsed:
+    """Hermes / Qwen 2.5-3: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, any number of them."""
+    return _read_calls(_HERMES.findall(text))
 
 
 def parse_llama3(text: str) -> Parsed:
@@ -41,14 +46,7 @@ def parse_llama3(text: str) -> Parsed:
     body = text.replace("<|python_tag|>", "").strip()
     if not body.startswith("{"):
         return [], []
-    calls, errors = [], []
-    for part in (p.strip() for p in body.split(";") if p.strip()):
-        try:
-            call = json.loads(part)
-            calls.append({"name": call["name"], "arguments": call.get("parameters", call.get("arguments", {}))})
-        except (ValueError, KeyError, TypeError) as e:
-            errors.append(f"could not read the tool call {part[:200]!r}: {type(e).__name__}: {e}")
-    return calls, errors
+    return _read_calls((p.strip() for p in body.split(";") if p.strip()), "parameters")
 
 
 TOOL_PARSERS: dict[str, Callable[[str], Parsed]] = {"hermes": parse_hermes, "llama3": parse_llama3}

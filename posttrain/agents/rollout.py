@@ -145,10 +145,9 @@ class AgentRollout:
         before = self._encode(messages, add_generation_prompt=False)
         after = self._encode(messages + new, add_generation_prompt=True)
         if after[: len(before)] != before:
-            raise UserError(
-                "the chat template renders the earlier turns of a conversation differently once a "
-                f"{new[0]['role']} message is added, so the appended tokens cannot be found exactly; use a template "
-                "with the prefix property (model.chat_template)")
+            raise UserError("the chat template renders the earlier turns of a conversation differently once a "
+                            f"{new[0]['role']} message is added, so the appended tokens cannot be found exactly; use "
+                            "a template with the prefix property (model.chat_template)")
         # the engine stopped at the end-of-turn token; what the template puts after it ("\n") is appended here
         last_eos = max((i for i, t in enumerate(before) if t == self.eos_id), default=len(before) - 1)
         return before[last_eos + int(closed) :] + after[len(before):]
@@ -174,15 +173,14 @@ class AgentRollout:
             out = self.engine.generate([trajectories[i].prompt_ids + trajectories[i].completion_ids for i in active],
                                        turn_params)
             last = turn == self.max_turns - 1
-            replies = []
-            for k, i in enumerate(active):
-                replies.append(self._take_turn(trajectories[i], out.completion_ids[k], out.logprobs[k]))
+            replies = [self._take_turn(trajectories[i], out.completion_ids[k], out.logprobs[k])
+                       for k, i in enumerate(active)]
             self._run_tools([trajectories[i] for i in active], replies, skip=last)
             for k, i in enumerate(active):
                 t, message = trajectories[i], replies[k]
                 new = message.pop("_tool_messages", [])
+                t.messages.append({"role": "assistant", "content": message["content"]})
                 if t.finished:  # cut mid-turn, or its turn filled the budget
-                    t.messages.append({"role": "assistant", "content": message["content"]})
                     continue
                 closed = message.pop("closed")
                 done = not new
@@ -190,7 +188,6 @@ class AgentRollout:
                     env_messages, reward, done = sessions[i].step(dict(message))
                     t.env_reward += reward
                     new += env_messages
-                t.messages.append({"role": "assistant", "content": message["content"]})
                 if done or last or not new:
                     t.finished = True
                     continue

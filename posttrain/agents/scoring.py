@@ -8,6 +8,9 @@ from typing import Callable, Optional
 import torch
 
 ENVIRONMENT_REWARD = "environment"
+SUMMED = {"tools/calls": "tool_calls", "tools/errors": "tool_errors", "tools/timeouts": "tool_timeouts",
+          "tools/seconds": "tool_seconds", "truncated_trajectories": "truncated", "turns/cut": "cut_turns"}
+"""Figures summed over the step's trajectories: metric name -> its key in Trajectory.stats()."""
 
 
 def score_trajectories(rewards, trajectories, with_environment: bool) -> Callable:
@@ -30,15 +33,10 @@ def score_trajectories(rewards, trajectories, with_environment: bool) -> Callabl
 
 
 def agent_metrics(per_rank: list[Optional[list[dict]]]) -> dict[str, float]:
-    """Every rank's trajectory stats -> turns/mean|max, tools/calls|errors|timeouts|seconds and turns/cut (sums over the step),
-    truncated_trajectories; {} for a single-turn run."""
+    """Every rank's trajectory stats -> turns/mean|max and the SUMMED figures; {} for a single-turn run."""
     stats = [s for part in per_rank if part for s in part]
     if not stats:
         return {}
     turns = torch.tensor([s["turns"] for s in stats], dtype=torch.float32)
-    total = {key: float(sum(s[key] for s in stats)) for key in ("tool_calls", "tool_errors", "tool_timeouts",
-                                                                "tool_seconds", "truncated", "cut_turns")}
     return {"turns/mean": float(turns.mean()), "turns/max": float(turns.max()),
-            "tools/calls": total["tool_calls"], "tools/errors": total["tool_errors"],
-            "tools/timeouts": total["tool_timeouts"], "tools/seconds": total["tool_seconds"],
-            "truncated_trajectories": total["truncated"], "turns/cut": total["cut_turns"]}
+            **{name: float(sum(s[key] for s in stats)) for name, key in SUMMED.items()}}

@@ -47,10 +47,9 @@ def load_tools(specs: tuple[str, ...]) -> dict[str, Tool]:
         try:
             schema = get_json_schema(fn)
         except Exception as e:  # noqa: BLE001 - transformers raises several types for a signature it cannot read
-            raise UserError(
-                f"rollout.tools entry '{spec}': no usable signature for a tool schema ({type(e).__name__}: {e}); "
-                "give every parameter a type hint and the docstring a description and an 'Args:' line per parameter"
-            ) from None
+            raise UserError(f"rollout.tools entry '{spec}': no usable signature for a tool schema ({type(e).__name__}: "
+                            f"{e}); give every parameter a type hint and the docstring a description and an 'Args:' "
+                            "line per parameter") from None
         name = schema["function"]["name"]
         if name in tools:
             raise UserError(f"rollout.tools entry '{spec}': a tool named '{name}' is already listed; rename one")
@@ -98,10 +97,8 @@ class ToolRunner:
 
     def run(self, calls: list[dict]) -> list[ToolResult]:
         """One result per call ({"name", "arguments"}), in order; at most `workers` processes at a time."""
-        results: list[ToolResult] = []
-        for start in range(0, len(calls), self.workers):
-            results += self._run_together(calls[start : start + self.workers])
-        return results
+        return [result for start in range(0, len(calls), self.workers)
+                for result in self._run_together(calls[start : start + self.workers])]
 
     def _run_together(self, calls: list[dict]) -> list[ToolResult]:
         started = time.perf_counter()
@@ -120,14 +117,8 @@ class ToolRunner:
                 send.close()
                 running.append((process, receive))
         deadline = started + self.timeout
-        results = []
-        for item in running:
-            if isinstance(item, str):
-                results.append(ToolResult(f"Error: {item}"[: self.limit], True, False, 0.0))
-                continue
-            process, receive = item
-            results.append(self._collect(process, receive, deadline, started))
-        return results
+        return [ToolResult(f"Error: {item}"[: self.limit], True, False, 0.0) if isinstance(item, str)
+                else self._collect(*item, deadline, started) for item in running]
 
     def _collect(self, process, receive, deadline: float, started: float) -> ToolResult:
         try:

@@ -5,16 +5,11 @@
     write_adapter(adapter_root(), name, tensors, config)        # server worker: safetensors + adapter_config.json
     gap = probe_gap(server_logprobs_K, trainer_logprobs_K)      # after the sync: compare, stop when > the tolerance
 
-Why files: vLLM 0.32 loads a LoRA adapter only from a directory (`LoRARequest.lora_path`; its weight-transfer API
-loads into the base model's parameters, with no route for an adapter). So the adapter's tensors travel over the same
-four-phase weight transfer as a full sync (any node, no shared filesystem), and each server worker writes them into
-a directory of its own machine (`adapter_root`), which the server's LoRA resolver (registered by posttrain's vLLM
-plugin, `posttrain.rollout.vllm_weight_transfer`) finds by name the first time a request names it. A new name per
-sync: vLLM caches an adapter by name, so reusing one would serve the old tensors.
-
-Delivery is checked after every sync, never assumed (verl #7495: an adapter that never reached the engine passed
-for two months): each server samples a few tokens of a fixed prompt with the new adapter, and the trainer's own
-log-probs of the same tokens must agree within `generation.lora_check_atol`.
+Why files: vLLM 0.32 loads a LoRA adapter only from a directory (`LoRARequest.lora_path`), so the tensors travel
+over the same four-phase weight transfer as a full sync and each server worker writes them to its machine's
+`adapter_root`, where the server's LoRA resolver (posttrain.rollout.vllm_weight_transfer) finds them by name; a new
+name per sync, as vLLM caches adapters by name. Delivery is checked after every sync, never assumed
+(`check_delivery`; verl #7495). The whole story: docs/generation.md, "LoRA: `generation.lora_sync`".
 """
 
 from __future__ import annotations
@@ -95,13 +90,10 @@ def write_adapter(root: Path, name: str, tensors: dict[str, torch.Tensor], confi
     partial = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=root))
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(partial / "adapter_model.safetensors"))
     (partial / "adapter_config.json").write_text(json.dumps(config, indent=1))
-    if final.exists():  # another worker of the same server wrote the same bytes first
+    try:  # a directory cannot be renamed onto a full one
+        os.rename(partial, final)
+    except OSError:  # another worker of the same server wrote the same bytes first
         shutil.rmtree(partial, ignore_errors=True)
-    else:
-        try:
-            os.rename(partial, final)
-        except OSError:  # lost the race to a sibling worker
-            shutil.rmtree(partial, ignore_errors=True)
     for old in root.glob(f"{PREFIX}{run_key}-*"):
         try:
             if parse_name(old.name)[1] <= count - KEEP:

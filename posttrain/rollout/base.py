@@ -114,10 +114,8 @@ class Completions:
 
     def __post_init__(self):
         if not len(self.completion_ids) == len(self.logprobs) == len(self.truncated):
-            raise ValueError(
-                f"Completions: {len(self.completion_ids)} completions, {len(self.logprobs)} log-prob lists, "
-                f"{len(self.truncated)} truncated flags; they must match"
-            )
+            raise ValueError(f"Completions: {len(self.completion_ids)} completions, {len(self.logprobs)} log-prob "
+                             f"lists, {len(self.truncated)} truncated flags; they must match")
         for i, (ids, lps) in enumerate(zip(self.completion_ids, self.logprobs)):
             if len(ids) != len(lps):
                 raise ValueError(f"Completions: completion {i} has {len(ids)} tokens but {len(lps)} log-probs")

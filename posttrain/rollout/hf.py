@@ -141,6 +141,4 @@ class HFEngine(GenerationEngine):
 
 def _device_of(model) -> torch.device:
     device = getattr(model, "device", None)
-    if isinstance(device, torch.device):
-        return device
-    return next(model.parameters()).device
+    return device if isinstance(device, torch.device) else next(model.parameters()).device

@@ -78,8 +78,6 @@ def call(url: str, path: str, body: Optional[dict] = None, timeout: float = 60.0
             raise ServerUnavailable(f"HTTP {response.status} from {path}: {detail[-500:]}", response.status,
                                     retry=response.status >= 500)
         raw = _read(response, max_bytes, expired)
-    except ServerUnavailable:
-        raise
     except (OSError, HTTPException) as e:  # refused, reset, unreachable, cut by the deadline
         if expired.is_set() or time.monotonic() - started >= timeout:
             raise ServerUnavailable(f"{path}: no complete answer within {timeout:g} s") from None

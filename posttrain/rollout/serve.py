@@ -4,18 +4,10 @@
     POSTTRAIN_SERVER_TOKEN=s3cret CUDA_VISIBLE_DEVICES=4 posttrain serve --model Qwen/Qwen2.5-0.5B \
         --host 0.0.0.0 --port 8000 -- --tensor-parallel-size 1 --max-model-len 4096     # after --: vLLM's own options
 
-It runs vLLM's api_server in its own process group with VLLM_SERVER_DEV_MODE=1 (the RL routes a weight sync drives)
-and the options of `vllm_command`: posttrain's gloo weight-transfer backend and worker extension, token-in /
-token-out generation, log-probs after temperature (what the trainer computes). Every request but /health needs
-`Authorization: Bearer <token>`: --token-file, else POSTTRAIN_SERVER_TOKEN (which the trainer reads), else a random
-one, printed; --token works too, with a warning (a command line is visible to every user). With vLLM's --enable-lora
-(generation.lora_sync: adapter) it also turns on runtime LoRA loading and gives the server a directory of its own
-for the adapters the trainer syncs (POSTTRAIN_ADAPTER_DIR, removed when the server stops).
-
-It prints the URL once the server answers, and on SIGINT / SIGTERM stops the whole process group (vLLM's engine
-processes ignore SIGTERM, so what is left after a grace period is killed). On Linux vLLM also gets SIGTERM when this
-process ends without that chance (SIGKILL, as Ray deals to an actor's children when the actor ends), so no server is
-left behind.
+It runs vLLM's api_server in a process group of its own with VLLM_SERVER_DEV_MODE=1 (the RL routes a weight sync
+drives), the options of `vllm_command` and the token of `read_token` (every request but /health needs it), prints the
+URL once the server answers, and stops the whole group on SIGINT / SIGTERM, or when this process is killed (Linux).
+Each option and why: docs/generation.md, "`posttrain serve` and `generation.placement: servers`".
 """
 
 from __future__ import annotations
@@ -194,13 +186,8 @@ def run_serve(args) -> int:
     url = f"http://{host}:{args.port}"
     process = subprocess.Popen(vllm_command(args, on_gpu, memory), env=env, start_new_session=True,
                                preexec_fn=die_with_parent())
-    stopping = []
-
-    def stop(signum, _frame):
-        stopping.append(signum)
-        raise KeyboardInterrupt
-
-    previous = {s: signal.signal(s, stop) for s in (signal.SIGINT, signal.SIGTERM)}
+    # SIGTERM too raises KeyboardInterrupt (Python's SIGINT handler): either stops the server in `finally`
+    previous = {s: signal.signal(s, signal.default_int_handler) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         if not wait_ready(process, url, args.ready_timeout, token):
             if process.poll() is None:

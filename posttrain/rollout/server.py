@@ -6,17 +6,11 @@ backend (docs/generation.md).
     export POSTTRAIN_SERVER_TOKEN=...                              # the same token on both sides
     posttrain grpo --config recipes/grpo_server.yaml generation.servers='[http://gpu7:8000, http://gpu8:8000]'
 
-Generation: each completion is one request to vLLM's token-in / token-out endpoint (`/inference/v1/generate`), all
-in flight at once; a prompt's group of samples goes to one server, the groups are spread evenly over the servers. A
-request that fails is retried (`generation.request_retries`, each within `generation.request_timeout_s` seconds);
-one that still fails stops the run with a message naming the server, never a hang.
-
-Weight sync (trainer rank 0; the other ranks help gather the buckets and wait) drives vLLM's weight-transfer API
-over each server's RL routes (`posttrain.rollout.weight_transfer`), each phase within generation.sync_timeout_s.
-Then the policy version is set on every server (`/update_weight_version`): vLLM stamps it on every completion, and
-this engine refuses a completion stamped with another version (a server that restarted and lost its weights, a sync
-that did not land). With `generation.lora_sync: adapter` a sync carries the LoRA tensors alone (`send_adapters`).
-`check_servers` checks every server at start-up, before any model is loaded.
+Each completion is one request to vLLM's token-in / token-out `/inference/v1/generate`, all in flight at once, a
+prompt's group of samples on one server (`assign`); a request still failing after generation.request_retries stops
+the run naming the server. A weight sync drives vLLM's weight-transfer API (`load_weights`) and stamps the policy
+version on every server; a completion stamped with another version (a server that restarted, a sync that did not
+land) stops the run. `check_servers` checks every server at start-up, before any model is loaded.
 """
 
 from __future__ import annotations

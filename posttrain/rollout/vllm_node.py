@@ -2,16 +2,11 @@
 
     generation: {engine: vllm, placement: node, vllm: {tensor_parallel_size: 8}}   # one engine over a node's 8 GPUs
 
-The node's first rank (LOCAL_RANK 0) starts the engine as a child process (`posttrain serve` on 127.0.0.1, a free
-port, a token made for the run, the recipe's `generation.vllm.*`, output in `<output_dir>/engines/vllm-node<k>.log`).
-Every rank of the node then generates on it as the server engine does (rollout/server.py); the first rank pushes the
-weight syncs. With enable_sleep_mode (GPU) the first rank puts the engine to sleep once every rank has generated, and
-wakes it before the next sync or generation.
-
-Why a process of its own: vLLM built inside a training process adopts the trainers' torch.distributed world and runs
-start-up collectives over it, which the ranks without an engine would never join (`placement: rank` works because
-every rank builds one). The engine ends with the run (`end`), and with its rank if that is killed (posttrain serve
-and vLLM get SIGTERM when their parent dies).
+The node's first rank (LOCAL_RANK 0) starts the engine as a child process (`posttrain serve` on 127.0.0.1, output in
+`<output_dir>/engines/vllm-node<k>.log`); every rank of the node generates on it as the server engine does
+(rollout/server.py), and the first rank pushes the weight syncs. Why a process of its own: vLLM built inside a
+training process adopts the trainers' torch.distributed world and runs start-up collectives over it, which the ranks
+without an engine would never join (docs/generation.md, "One engine per node").
 """
 
 from __future__ import annotations

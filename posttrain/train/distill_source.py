@@ -48,17 +48,18 @@ class DistillSource(RolloutSource):
 
     def step_batches(self, step: int) -> list[Batch]:
         self._trained_through = step + 1
-        if not on_policy_step(self.recipe.seed, step, self.lmbda):
-            batches = self.data.step_batches(step)
-            lengths = torch.cat([b.completion_mask_BT.sum(-1) for b in batches]).float()
-            self._metrics = {"on_policy": 0.0, "completion_length/mean": float(lengths.mean()),
-                             "time/generate": 0.0, "time/sync": 0.0}
-            self._handed_out = time.perf_counter()
-            return batches
+        on_policy = on_policy_step(self.recipe.seed, step, self.lmbda)
+        started, self._sync_seconds = time.perf_counter(), 0.0
+        batches = self._sampled_batches(step) if on_policy else self.data.step_batches(step)
+        lengths = torch.cat([b.completion_mask_BT.sum(-1) for b in batches]).float()
+        self._metrics = {"on_policy": float(on_policy), "completion_length/mean": float(lengths.mean()),
+                         "time/generate": time.perf_counter() - started - self._sync_seconds if on_policy else 0.0,
+                         "time/sync": self._sync_seconds}
+        self._handed_out = time.perf_counter()
+        return batches
 
-        # the rows' prompts, sampled by the current student in one pass over this rank's rows of the step
-        started = time.perf_counter()
-        self._sync_seconds = 0.0
+    def _sampled_batches(self, step: int) -> list[Batch]:
+        """The rows' prompts, sampled by the current student in one pass over this rank's rows of the step."""
         self._sync_weights(step)
         positions = [p for micro in self.data.step_positions(step) for p in micro]
         indices = [self.data.order.index(p) for p in positions]
@@ -68,12 +69,6 @@ class DistillSource(RolloutSource):
         rows = [{"input_ids": p + c, "completion_mask": [0] * len(p) + [1] * len(c)}
                 for p, c in zip(prompt_rows, completion_ids)]
         pad_id = self.tokenizer.pad_token_id
-        batches = [dataclasses.replace(collate_padded(rows[i : i + self.micro], pad_id),
-                                       example_index_B=torch.tensor(indices[i : i + self.micro]))
-                   for i in range(0, len(rows), self.micro)]
-        lengths = torch.tensor([len(c) for c in completion_ids], dtype=torch.float32)
-        self._metrics = {"on_policy": 1.0, "completion_length/mean": float(lengths.mean()),
-                         "time/generate": time.perf_counter() - started - self._sync_seconds,
-                         "time/sync": self._sync_seconds}
-        self._handed_out = time.perf_counter()
-        return batches
+        return [dataclasses.replace(collate_padded(rows[i : i + self.micro], pad_id),
+                                    example_index_B=torch.tensor(indices[i : i + self.micro]))
+                for i in range(0, len(rows), self.micro)]

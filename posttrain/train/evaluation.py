@@ -72,8 +72,9 @@ def evaluate_prompts(backend, engine, tokenizer, examples: list[dict], rewards, 
     agent: multi-turn trajectories instead, their last model turn scored (and the environment's reward added)."""
     share = -(-len(examples) // backend.world_size)
     mine = examples[backend.rank :: backend.world_size]
-    weights = [1.0] * len(mine) + [0.0] * (share - len(mine))
-    mine = mine + [examples[0]] * (share - len(mine))
+    real = len(mine)  # then fillers
+    weights = [1.0] * real + [0.0] * (share - real)
+    mine = mine + [examples[0]] * (share - real)
     score = rewards.score
     with backend.autocast():
         if agent is not None:
@@ -82,18 +83,14 @@ def evaluate_prompts(backend, engine, tokenizer, examples: list[dict], rewards, 
             score = score_trajectories(rewards, trajectories, agent.environment is not None)
         else:
             texts, ids = greedy_texts(engine, tokenizer, mine, generation.max_completion_length, generation.batch_size)
-    real = [i for i, w in enumerate(weights) if w]
-    correct, counted = accuracy_counts([mine[i] for i in real], [texts[i] for i in real])
+    correct, counted = accuracy_counts(mine[:real], texts[:real])
     columns = {k: [e["columns"][k] for e in mine] for k in mine[0]["columns"]}
     columns.setdefault("completion_ids", ids)
     total_B, _, _ = score([e["prompt"] for e in mine], texts, columns)
     weight_B = torch.tensor(weights, dtype=torch.float64)
-    local = torch.stack([
-        torch.tensor(float(correct), dtype=torch.float64), torch.tensor(float(counted), dtype=torch.float64),
-        (total_B.double() * weight_B).sum(),
-        (torch.tensor([len(c) for c in ids], dtype=torch.float64) * weight_B).sum(),
-        weight_B.sum(),
-    ])
+    length_B = torch.tensor([len(c) for c in ids], dtype=torch.float64)
+    local = torch.tensor([correct, counted, (total_B.double() * weight_B).sum(), (length_B * weight_B).sum(),
+                          weight_B.sum()], dtype=torch.float64)
     correct, counted, reward_sum, length_sum, n = backend.all_reduce_sum(local.to(backend.device)).tolist()
     out = {"eval/reward": reward_sum / max(n, 1.0), "eval/completion_length": length_sum / max(n, 1.0)}
     if counted:

@@ -61,8 +61,7 @@ class Guard:
         if kind is None and self.signal and not self.stop_signal:  # after the last step: its checkpoint holds all
             raise RunStopped(f"{signal.Signals(self.signal).name} after the last step, before exporting final/ (the "
                              "last checkpoint holds every step); run again with train.resume_from_checkpoint=auto "
-                             "to export it",
-                             128 + self.signal)
+                             "to export it", 128 + self.signal)
 
     def stopped(self, step: int, checkpoint) -> None:
         name = signal.Signals(self.stop_signal).name

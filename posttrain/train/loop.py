@@ -62,10 +62,7 @@ def train(ctx: LoopContext) -> TrainState:
     for _, role in models.trained():
         role.train()
     guard = ctx.guard or Guard(t, backend)
-    window: dict[str, float] = {}
-    window_steps = 0
-    window_tokens = 0
-    window_start = time.perf_counter()
+    window, window_steps, window_tokens, window_start = {}, 0, 0, time.perf_counter()
     steps_this_run = 0
     if ctx.evaluate is not None and state.step == 0:
         ctx.logger.log(0, ctx.evaluate())  # the starting point, so the report shows how far eval moved
@@ -90,10 +87,7 @@ def train(ctx: LoopContext) -> TrainState:
         normalisers = backend.all_reduce_sum(local_counts).clamp(min=1.0)
 
         # 4. per role: forward + backward, gradients synced on the last micro-batch only; clip, step, schedule
-        losses: dict[str, torch.Tensor] = {}
-        grad_norms: dict[str, float] = {}
-        update_seconds: dict[str, float] = {}
-        metric_sums: dict[str, torch.Tensor] = {}
+        losses, grad_norms, update_seconds, metric_sums = {}, {}, {}, {}
         for (name, role), normaliser in zip(trained, normalisers):
             update_start = time.perf_counter()
             losses[name], grad_norms[name], metrics = role.update(state.step, objectives[name], micro_batches,
@@ -107,10 +101,8 @@ def train(ctx: LoopContext) -> TrainState:
         # 5. reduce once across ranks: [tokens, *losses, *metrics means, *guard flags]
         tokens = sum(count_tokens(b) for b in micro_batches)
         keys = sorted(metric_sums)
-        local = torch.stack(
-            [torch.tensor(float(tokens), device=backend.device)] + list(losses.values())
-            + [metric_sums[k].to(backend.device) / len(micro_batches) for k in keys]
-        )
+        local = torch.stack([torch.tensor(float(tokens), device=backend.device)] + list(losses.values())
+                            + [metric_sums[k].to(backend.device) / len(micro_batches) for k in keys])
         # + [a loss not finite, signal]: agreed in this reduce
         local = torch.cat([local, guard.local_flags(torch.stack(list(losses.values())).sum())])
         reduced = backend.all_reduce_sum(local)
@@ -137,13 +129,9 @@ def train(ctx: LoopContext) -> TrainState:
             peak_mb = [b / 2**20 for b in backend.all_gather_object(backend.peak_memory_bytes())]
             record.update({f"learning_rate/{name}": role.learning_rate()
                            for name, role in models.trained() if name != "policy"})
-            record.update(
-                step=state.step,
-                learning_rate=models.policy.learning_rate(),
-                tokens_per_second=window_tokens / max(elapsed, 1e-9),
-                num_tokens=state.tokens_seen,
-                peak_memory_mb=max(peak_mb),
-            )
+            record.update(step=state.step, learning_rate=models.policy.learning_rate(),
+                          tokens_per_second=window_tokens / max(elapsed, 1e-9), num_tokens=state.tokens_seen,
+                          peak_memory_mb=max(peak_mb))
             if ctx.memory_estimate_mb is not None:
                 record["estimated_peak_memory_mb"] = ctx.memory_estimate_mb
             if len(peak_mb) > 1:  # CUDA peak on GPU, peak RSS on CPU, per rank: where the memory goes

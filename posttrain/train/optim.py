@@ -32,9 +32,5 @@ def warmup_steps(t: TrainConfig, total_steps: int) -> int:
 
 
 def make_scheduler(optimizer: torch.optim.Optimizer, t: TrainConfig, total_steps: int):
-    return get_scheduler(
-        SCHEDULES[t.lr_scheduler_type],
-        optimizer=optimizer,
-        num_warmup_steps=warmup_steps(t, total_steps),
-        num_training_steps=total_steps,
-    )
+    return get_scheduler(SCHEDULES[t.lr_scheduler_type], optimizer=optimizer,
+                         num_warmup_steps=warmup_steps(t, total_steps), num_training_steps=total_steps)

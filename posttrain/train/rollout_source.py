@@ -97,8 +97,7 @@ class RolloutSource(Source):
     def __init__(self, recipe, backend, models, algorithm, examples, rewards, servers=None):
         t = recipe.train
         self.recipe, self.backend, self.models, self.algorithm = recipe, backend, models, algorithm
-        self.examples, self.rewards = examples, rewards
-        self.tokenizer = models.tokenizer
+        self.examples, self.rewards, self.tokenizer = examples, rewards, models.tokenizer
         self.group = algorithm.samples_per_prompt
         self.micro = t.per_device_train_batch_size
         self.iterations = algorithm.steps_per_rollout
@@ -177,8 +176,7 @@ class RolloutSource(Source):
 
     def load_state(self, directory: Path) -> None:
         """From the checkpoint resumed: the batches that were in flight, so none is sampled again."""
-        lost = self._ahead.load(directory, lambda index: self._prompts(index)[0], Trajectory)
-        for line in lost:
+        for line in self._ahead.load(directory, lambda index: self._prompts(index)[0], Trajectory):
             logger.warning("resuming from %s: %s; sampled again from the current policy", directory, line)
 
     def micro_batches_per_epoch(self) -> int:
@@ -369,17 +367,10 @@ def step_metrics(everyone: list[dict], total_B: torch.Tensor, group: int) -> dic
                     for name in everyone[0]["per_function"]}
     lengths = torch.tensor([n for part in everyone for n in part["lengths"]], dtype=torch.float32)
     truncated = torch.tensor([c for part in everyone for c in part["truncated"]], dtype=torch.float32)
-    metrics = {
-        "reward/mean": total_B.mean(),
-        "reward/std": total_B.std(unbiased=False),
-        "completion_length/mean": lengths.mean(),
-        "completion_length/max": lengths.max(),
-        "completion_length/min": lengths.min(),
-        "truncated_fraction": truncated.mean(),
-        **reward_metrics(per_function),
-    }
+    metrics = {"reward/mean": total_B.mean(), "reward/std": total_B.std(unbiased=False),
+               "completion_length/mean": lengths.mean(), "completion_length/max": lengths.max(),
+               "completion_length/min": lengths.min(), "truncated_fraction": truncated.mean(),
+               **reward_metrics(per_function)}
     if group > 1:  # samples of one prompt: how many groups carry no signal
         metrics["frac_reward_zero_std"] = zero_std_fraction(total_B, group)
-    out = {k: float(v) for k, v in metrics.items()}
-    out["rewards/skipped"] = float(sum(part["skipped"] for part in everyone))
-    return out
+    return {**{k: float(v) for k, v in metrics.items()}, "rewards/skipped": float(sum(p["skipped"] for p in everyone))}

@@ -97,8 +97,5 @@ class DatasetSource(Source):
         return [[self.order.index(p) for p in positions] for positions in self.step_positions(step)]
 
     def step_batches(self, step: int) -> list[Batch]:
-        batches = []
-        for indices in self.step_indices(step):
-            batch = self.collate([self.examples[i] for i in indices])
-            batches.append(dataclasses.replace(batch, example_index_B=torch.tensor(indices)))
-        return batches
+        return [dataclasses.replace(self.collate([self.examples[i] for i in indices]),
+                                    example_index_B=torch.tensor(indices)) for indices in self.step_indices(step)]
