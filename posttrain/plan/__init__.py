@@ -105,10 +105,9 @@ def run_plan(command: str, recipe, config: Optional[str], overrides: list[str], 
     t = recipe.train
     task = algorithm_facts(command, recipe)["task"]
     shape = model_shape(recipe.model, task)
-    lora_shape = None  # what LoRA would need (its frozen copies are counted as without it: an upper bound)
-    if not recipe.model.lora.enabled:
-        lora_shape = model_shape(dataclasses.replace(recipe.model, lora=dataclasses.replace(recipe.model.lora,
-                                                                                            enabled=True)), task)
+    with_lora = dataclasses.replace(recipe.model, lora=dataclasses.replace(recipe.model.lora, enabled=True))
+    # what LoRA would need (its frozen copies are counted as without it: an upper bound)
+    lora_shape = None if recipe.model.lora.enabled else model_shape(with_lora, task)
     workload_for = functools.partial(workload_from_recipe, command, recipe)  # (batch, length=None) -> Workload
     plan = make_plan(shape, workload_for, t.per_device_train_batch_size, t.gradient_accumulation_steps, gpus,
                      gpu_bytes, nodes, lora_shape, recipe.data.max_length)

@@ -203,10 +203,8 @@ def generation_bytes(shape: ModelShape, w: Workload, engine: Engine, world_size:
         return 0
     kv_cache = 2 * shape.num_layers * shape.kv_size * w.generation_length * w.generation_sequences * w.compute_bytes
     logits = w.generation_sequences * shape.vocab_size * 4 * 2  # float32 scores + the sampling distribution
-    gathered = 0
-    if engine.shards_parameters:  # every rank holds the whole model for the call, besides its own shard
-        gathered = shape.parameters * weight_bytes - _share(shape.parameters * weight_bytes, world_size)
-    return kv_cache + logits + gathered
+    whole = shape.parameters * weight_bytes  # ZeRO-3 / FSDP2: every rank holds it for the call, besides its own shard
+    return kv_cache + logits + (whole - _share(whole, world_size) if engine.shards_parameters else 0)
 
 
 def _share(total: int, world_size: int) -> int:
