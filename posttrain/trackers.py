@@ -7,9 +7,7 @@ it writes to metrics.jsonl.
       run_name: qwen-sft                # default: the output_dir's folder name
       project: my-project               # W&B project, MLflow experiment, trackio project
 
-Each gets the run name and resolved recipe once, every numeric metric at each logging step, and is closed finished,
-failed or killed; where each one writes is in docs/tracking.md. A tracker that fails to log a step is reported once
-and the run goes on: metrics.jsonl holds every row regardless.
+What each one gets, when, and where it writes: docs/tracking.md.
 """
 
 from __future__ import annotations

@@ -5,11 +5,8 @@
     breakdown = estimate(shape, workload, ENGINES["zero3"], world_size=8)
     breakdown.peak_bytes, breakdown.parts()                     # where the bytes go, per device
 
-Peak = persistent (parameters, optimizer state, frozen copies, gradient buffers that outlive a step, a colocated
-vLLM's share) + the largest of three phases that never overlap: training (activations, logits, gathered layers,
-and with accumulation > 1 the earlier micro-batches' .grad), the optimizer step (.grad and AdamW's foreach
-temporaries), generation (KV cache, last-position logits, the model gathered under ZeRO-3 / FSDP2). Offload moves
-optimizer state or parameters to CPU RAM (`cpu_bytes`). docs/planning.md has the table, part by part.
+Peak = persistent bytes + the largest of three phases that never overlap (training, the optimizer step, generation;
+`Breakdown` sums them); docs/planning.md has the table, part by part.
 """
 
 from __future__ import annotations
