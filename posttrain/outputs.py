@@ -136,9 +136,7 @@ def begin_run(out: Path, overwrite: bool, command: str = "") -> Optional[Path]:
     if not marker.exists():
         stamp = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
         marker.write_text(json.dumps({"created": stamp, "command": command, "by": "posttrain"}) + "\n")
-    if not overwrite:
-        return None
-    present = [name for name in RUN_ARTIFACTS if os.path.lexists(out / name)]
+    present = [name for name in RUN_ARTIFACTS if os.path.lexists(out / name)] if overwrite else []
     if not present:
         return None
     aside = Path(tempfile.mkdtemp(prefix=ASIDE_PREFIX, dir=out))
