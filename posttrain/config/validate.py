@@ -13,10 +13,10 @@ from posttrain.config.schema import Recipe, trackers
 from posttrain.errors import UserError
 
 CHOICES = {
-    "model.dtype": ("float32", "bfloat16", "float16", "auto"), "train.lr_scheduler_type": ("constant", "linear", "cosine"),
-    "train.mixed_precision": ("no", "bf16", "fp16"), "generation.engine": ("hf", "vllm"),
-    "generation.placement": ("colocated", "node", "servers", "ray"), "generation.lora_sync": ("merged", "adapter"),
-    "train.nonfinite": ("stop", "skip"),
+    "model.dtype": ("float32", "bfloat16", "float16", "auto"),
+    "train.lr_scheduler_type": ("constant", "linear", "cosine"), "train.mixed_precision": ("no", "bf16", "fp16"),
+    "generation.engine": ("hf", "vllm"), "generation.placement": ("colocated", "node", "servers", "ray"),
+    "generation.lora_sync": ("merged", "adapter"), "train.nonfinite": ("stop", "skip"),
     "generation.vllm.dtype": ("auto", "float32", "bfloat16", "float16"), "launcher": ("local", "ray"),
 }
 POSITIVE = (
