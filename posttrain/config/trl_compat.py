@@ -30,11 +30,6 @@ def _flag(value_if_true: str) -> Callable[[Any], Any]:
     return convert
 
 
-def _scale_rewards(value: Any) -> Any:
-    """TRL's scale_rewards: true/false (older TRL) or group/batch/none (newer)."""
-    return {True: "group", False: "none"}.get(value, value) if isinstance(value, bool) else value
-
-
 # TRL keys spelled as here, by recipe section (train: transformers' TrainingArguments)
 SAME_NAMES = {
     "model": "attn_implementation trust_remote_code",
@@ -75,9 +70,11 @@ TRL_RENAMES: dict[str, str] = {
     "cliprange": "algo.epsilon", "cliprange_value": "algo.value_clip", "num_ppo_epochs": "algo.ppo_epochs",
     "value_model_path": "algo.critic_model_name_or_path",
 }
-# TRL values spelled otherwise here (a lone report_to: wandb needs none: a recipe's list key takes one string)
+# TRL values spelled otherwise here (a lone report_to: wandb needs none: a recipe's list key takes one string);
+# scale_rewards is true/false in older TRL, group/batch/none in newer
 CONVERSIONS: dict[str, Callable[[Any], Any]] = {
-    "bf16": _flag("bf16"), "fp16": _flag("fp16"), "use_vllm": _flag("vllm"), "scale_rewards": _scale_rewards}
+    "bf16": _flag("bf16"), "fp16": _flag("fp16"), "use_vllm": _flag("vllm"),
+    "scale_rewards": lambda value: {True: "group", False: "none"}[value] if isinstance(value, bool) else value}
 TRL_KEYS: dict[str, tuple[str, Callable[[Any], Any] | None]] = {
     key: (path, CONVERSIONS.get(key)) for key, path in TRL_RENAMES.items()}  # key -> (recipe key, conversion)
 

@@ -6,9 +6,8 @@
     result.suggestions            # when nothing fits: more GPUs, LoRA, shorter sequences
     print(format_table(result))
 
-An option fits when its peak is at most USABLE_FRACTION of the device's memory (CUDA context, NCCL buffers and
-fragmentation take the rest). Engines are tried fastest first; within one, the largest micro-batch that keeps the
-global batch wins.
+An option fits when its peak is at most USABLE_FRACTION of the device's memory; engines are tried fastest first, each
+at the largest micro-batch that keeps the global batch (docs/planning.md says why).
 """
 
 from __future__ import annotations
