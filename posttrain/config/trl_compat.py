@@ -56,7 +56,7 @@ TRL_RENAMES: dict[str, str] = {
     # data
     "dataset_name": "data.train", "dataset_train_split": "data.train_split", "dataset_test_split": "data.eval_split",
     "dataset_num_proc": "data.num_proc", "max_seq_length": "data.max_length", "padding_free": "data.packing",
-    # run and optimiser
+    # run and optimiser (transformers' TrainingArguments)
     "bf16": "train.mixed_precision", "fp16": "train.mixed_precision", "data_seed": "train.dataloader_seed",
     # generation (GRPOConfig, PPOConfig)
     "response_length": "generation.max_completion_length", "generation_batch_size": "generation.batch_size",
