@@ -21,10 +21,6 @@ import re
 TIED = ("lm_head.weight", "embed_tokens.weight", "wte.weight", "embed_out.weight")
 
 
-def _cpu_accelerator(record: logging.LogRecord) -> bool:
-    return "Setting accelerator to CPU" in record.getMessage()
-
-
 def _tied_embeddings(record: logging.LogRecord) -> bool:
     match = re.search(r"Removed shared tensor \{([^}]*)\}", record.getMessage())
     names = [n.strip(" '\"") for n in match.group(1).split(",")] if match else []
@@ -43,7 +39,7 @@ def _fresh_score_head(record: logging.LogRecord) -> bool:
 
 # logger name -> the records of it to drop
 NOISE = {
-    "DeepSpeed": _cpu_accelerator,
+    "DeepSpeed": lambda record: "Setting accelerator to CPU" in record.getMessage(),
     "accelerate.utils.other": _tied_embeddings,
     "transformers.modeling_utils": _fresh_score_head,
 }

@@ -24,18 +24,13 @@ class MetricsLogger:
         self.bar = None
         if not enabled:
             return
-        self._truncate_after(start_step)
+        if self.path.exists():  # a resumed run rewrites history after its checkpoint: never two versions of a step
+            kept = [line for line in self.path.read_text().splitlines()
+                    if (row := parse_row(line)) is not None and row.get("step", 0) <= start_step]
+            self.path.write_text("".join(line + "\n" for line in kept))
         # disable=None: a live bar on a terminal; in a log file (CI, nohup) one plain line per logging step instead
         self.bar = tqdm(total=total_steps, initial=start_step, desc="train", dynamic_ncols=True, file=sys.stderr,
                         disable=None)
-
-    def _truncate_after(self, step: int) -> None:
-        """A resumed run rewrites history after its checkpoint, so the file never holds two versions of a step."""
-        if not self.path.exists():
-            return
-        lines = self.path.read_text().splitlines()
-        kept = [line for line in lines if (row := parse_row(line)) is not None and row.get("step", 0) <= step]
-        self.path.write_text("".join(line + "\n" for line in kept))
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
         if not self.enabled:
@@ -64,11 +59,9 @@ class MetricsLogger:
             self.bar.refresh()
 
     def info(self, message: str) -> None:
-        if not self.enabled:
-            return
-        if self.bar is not None and not self.bar.disable:
+        if self.bar is not None and not self.bar.disable:  # a bar exists only where enabled
             self.bar.write(message)
-        else:
+        elif self.enabled:
             print(message, flush=True)
 
     def close(self, status: str = "finished") -> None:

@@ -5,9 +5,7 @@
     (out / "config.yaml").write_text(...)
     end_overwrite(aside)                          # the old run's files go only once the new config is written
 
-The rules are in docs/reliability.md ("Output directories"): a run writes only into a directory that is absent,
-empty, or marked by a run (`.posttrain-run`); never into /, home or the working directory, nor through a link; and
-overwrite_output_dir deletes the old run's files only after the new config.yaml is written.
+The rules, each with its reason, are in docs/reliability.md ("Output directories: nothing of yours is lost").
 """
 
 from __future__ import annotations
@@ -138,9 +136,7 @@ def begin_run(out: Path, overwrite: bool, command: str = "") -> Optional[Path]:
     if not marker.exists():
         stamp = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
         marker.write_text(json.dumps({"created": stamp, "command": command, "by": "posttrain"}) + "\n")
-    if not overwrite:
-        return None
-    present = [name for name in RUN_ARTIFACTS if os.path.lexists(out / name)]
+    present = [name for name in RUN_ARTIFACTS if os.path.lexists(out / name)] if overwrite else []
     if not present:
         return None
     aside = Path(tempfile.mkdtemp(prefix=ASIDE_PREFIX, dir=out))

@@ -118,8 +118,8 @@ def plan_charts(commands: list[str], keys: set[str], constants: set[str]) -> tup
     claimed: set[str] = set()
 
     def take(title: str, patterns: tuple[str, ...]) -> Optional[Chart]:
-        train = [k for p in patterns for k in sorted(keys) if fnmatch.fnmatchcase(k, p) and k not in claimed]
-        train = list(dict.fromkeys(train))
+        train = list(dict.fromkeys(k for p in patterns for k in sorted(keys) if fnmatch.fnmatchcase(k, p)
+                                   and k not in claimed))
         members = tuple(train + [eval_key(k) for k in train if eval_key(k) in keys])
         claimed.update(members)
         return Chart(title, members) if any(k not in constants for k in members) else None
@@ -225,8 +225,7 @@ def describe(run: Run) -> str:
              + (f" (eval: {html.escape(str(data['eval']))})" if data.get("eval") else "")]
     planned = f" of {f['steps']}" if f.get("steps") and f["steps"] != run.last_step() else ""
     parts.append(f"{run.last_step()} steps{planned}")
-    if f.get("minutes") is not None:
-        parts.append(f"{float(f['minutes']):.1f} min")
+    parts += [f"{float(f['minutes']):.1f} min"] if f.get("minutes") is not None else []
     parts += [f"{f['parameters']} parameters"] if f.get("parameters") else []
     parts += [f"global batch {f['global_batch']}"] if f.get("global_batch") else []
     if f.get("world_size"):

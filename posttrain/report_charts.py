@@ -59,7 +59,6 @@ def draw(title: str, series: list[Series], max_step: int) -> str:
     crowded = len(series) > 4  # the legend goes under the axes instead of over the lines
     fig, ax = plt.subplots(figsize=(4.8, 2.9 + 0.16 * math.ceil(len(series) / 3) * crowded), dpi=110)
     varying = [s for s in series if not is_constant(list(s.values))]
-    labelled = len(series)  # every series has a legend entry
     for s in series:
         if s not in varying and varying:  # a constant beside curves: a reference level, not a flat curve of dots
             ax.axhline(s.values[0], color=s.color, linestyle="--", linewidth=1, alpha=0.8, label=s.label)
@@ -78,13 +77,12 @@ def draw(title: str, series: list[Series], max_step: int) -> str:
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.tick_params(labelsize=8)
     ax.grid(alpha=0.25)
-    for side in ("top", "right"):
-        ax.spines[side].set_visible(False)
-    if labelled > 1 and crowded:
+    ax.spines[["top", "right"]].set_visible(False)
+    if len(series) > 1 and crowded:  # every series has a legend entry
         fig.legend(fontsize=6.5, frameon=False, loc="lower center", ncol=3)
-        fig.tight_layout(rect=(0, 0.055 * math.ceil(labelled / 3) * 2.9 / fig.get_figheight(), 1, 1))
+        fig.tight_layout(rect=(0, 0.055 * math.ceil(len(series) / 3) * 2.9 / fig.get_figheight(), 1, 1))
     else:
-        if labelled > 1:
+        if len(series) > 1:
             ax.legend(fontsize=7, frameon=False, loc="best")
         fig.tight_layout()
     buffer = io.BytesIO()

@@ -7,9 +7,7 @@ it writes to metrics.jsonl.
       run_name: qwen-sft                # default: the output_dir's folder name
       project: my-project               # W&B project, MLflow experiment, trackio project
 
-Each gets the run name and resolved recipe once, every numeric metric at each logging step, and is closed finished,
-failed or killed; where each one writes is in docs/tracking.md. A tracker that fails to log a step is reported once
-and the run goes on: metrics.jsonl holds every row regardless.
+What each one gets, when, and where it writes: docs/tracking.md.
 """
 
 from __future__ import annotations
@@ -42,9 +40,10 @@ class Tracker:
 
     name = ""
     project_env = ""  # the tracker's own environment variable for the project, honoured when train.project is unset
+    warned = False  # set on the instance by its first failed log()
 
     def __init__(self, run: TrackedRun):
-        self.warned = False
+        """Open the tracker for `run` (each tracker's own)."""
 
     def project(self, run: TrackedRun) -> str:
         return run.project or os.environ.get(self.project_env) or "posttrain"
@@ -69,7 +68,6 @@ class TensorBoardTracker(Tracker):
     name = "tensorboard"
 
     def __init__(self, run: TrackedRun):
-        super().__init__(run)
         from torch.utils.tensorboard import SummaryWriter
 
         # purge_step: a resumed run overwrites the events logged after its checkpoint instead of drawing them twice
@@ -91,7 +89,6 @@ class WandbTracker(Tracker):
     project_env = "WANDB_PROJECT"
 
     def __init__(self, run: TrackedRun):
-        super().__init__(run)
         import wandb
 
         where = {} if os.environ.get("WANDB_DIR") else {"dir": str(run.output_dir)}
@@ -109,10 +106,8 @@ class MLflowTracker(Tracker):
 
     name = "mlflow"
     project_env = "MLFLOW_EXPERIMENT_NAME"
-    STATUS = {"finished": "FINISHED", "failed": "FAILED", "killed": "KILLED"}
 
     def __init__(self, run: TrackedRun):
-        super().__init__(run)
         from mlflow.entities import Param
         from mlflow.tracking import MlflowClient
 
@@ -131,7 +126,7 @@ class MLflowTracker(Tracker):
         self.client.log_batch(self.run_id, metrics=[Metric(k, v, now, step) for k, v in metrics.items()])
 
     def finish(self, status):
-        self.client.set_terminated(self.run_id, self.STATUS[status])
+        self.client.set_terminated(self.run_id, status.upper())  # MLflow's RunStatus: FINISHED, FAILED, KILLED
 
 
 class TrackioTracker(Tracker):
@@ -139,7 +134,6 @@ class TrackioTracker(Tracker):
     project_env = "TRACKIO_PROJECT"
 
     def __init__(self, run: TrackedRun):
-        super().__init__(run)
         import trackio
 
         self.trackio = trackio

@@ -62,24 +62,19 @@ def call_user(fn: Callable, what: str, *args, **kwargs) -> Any:
 def import_user(module_name: str, what: str):
     """Import 'package.module' (on sys.path or in the working directory) or 'path/to/file.py'; anything the module
     does on import that fails it (sys.exit included) is a UserError naming `what`."""
-    if module_name.endswith(".py"):
-        path = Path(module_name).expanduser()
-        if not path.is_file():
-            raise UserError(f"{what}: file {module_name} does not exist")
-
-        def load():
-            spec = importlib.util.spec_from_file_location(f"posttrain_user_{path.stem}", path)
-            module = importlib.util.module_from_spec(spec)
-            spec.loader.exec_module(module)
-            return module
-    else:
-        if os.getcwd() not in sys.path and "" not in sys.path:
-            sys.path.append(os.getcwd())  # `posttrain grpo` run next to my_rewards.py finds it, as `python -m` would
-
-        def load():
-            return importlib.import_module(module_name)
+    from_file = module_name.endswith(".py")
+    path = Path(module_name).expanduser()
+    if from_file and not path.is_file():
+        raise UserError(f"{what}: file {module_name} does not exist")
+    if not from_file and os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.append(os.getcwd())  # `posttrain grpo` run next to my_rewards.py finds it, as `python -m` would
     try:
-        return load()
+        if not from_file:
+            return importlib.import_module(module_name)
+        spec = importlib.util.spec_from_file_location(f"posttrain_user_{path.stem}", path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
     except (UserError, KeyboardInterrupt):
         raise
     except BaseException as e:  # noqa: BLE001 - SystemExit included: see the module docstring

@@ -12,6 +12,7 @@ import ast
 import dataclasses
 import functools
 import inspect
+import itertools
 import textwrap
 from dataclasses import dataclass
 from typing import Any
@@ -75,11 +76,8 @@ def recipe_keys(algo_cls: type, cls: type = Recipe, prefix: str = "") -> list[Re
 
 def format_keys(algo_cls: type) -> str:
     """The recipe's keys for --help: `key = default  doc`, one a line, grouped by section."""
-    lines, section = [], None
-    for key in recipe_keys(algo_cls):
-        head = key.path.split(".")[0] if "." in key.path else ""
-        if head != section:
-            section = head
-            lines.append(f"{head}:" if head else "top level:")
-        lines.append(f"  {key.path} = {key.default!r}" + (f"  # {key.doc}" if key.doc else ""))
+    lines = []
+    for head, keys in itertools.groupby(recipe_keys(algo_cls), lambda k: k.path.split(".")[0] if "." in k.path else ""):
+        lines.append(f"{head}:" if head else "top level:")
+        lines += [f"  {k.path} = {k.default!r}" + (f"  # {k.doc}" if k.doc else "") for k in keys]
     return "\n".join(lines)

@@ -75,7 +75,7 @@ def upgrade(raw: dict[str, Any], say: bool = True) -> list[str]:
     count = engines.get("num_engines") if isinstance(engines, dict) else None
     if isinstance(count, int) and not isinstance(count, bool) and count > 0 and raw.get("launcher") == "ray":
         generation = raw.setdefault("generation", {}) if isinstance(raw.get("generation", {}), dict) else {}
-        if generation.get("placement") in (None, "colocated") and "placement" not in generation:
+        if "placement" not in generation:
             generation["placement"] = "ray"
             if generation.get("engine", "hf") == "hf":
                 generation["engine"] = "vllm"

@@ -132,7 +132,10 @@ def build(cls: type, raw: Any, where: str, prefix: str, algo_cls: type | None = 
     fields = {recipe_key(f): f.name for f in dataclasses.fields(cls)}
     for key in raw:
         if key not in fields:
-            raise UserError(unknown_key_message(where, prefix + str(key), list(fields), prefix))
+            close = difflib.get_close_matches(str(key).rsplit(".", 1)[-1], list(fields), n=1, cutoff=0.5)
+            hint = (f"; did you mean '{prefix}{close[0]}'?" if close
+                    else f"; valid keys here: {', '.join(sorted(fields))}")
+            raise UserError(f"{where}: unknown key '{prefix}{key}'{hint}")
     kwargs = {fields[key]: build(algo_cls, value, where, "algo.") if cls is Recipe and fields[key] == "algo"
               else coerce(hints[fields[key]], value, where, prefix + key) for key, value in raw.items()}
     try:
@@ -141,22 +144,13 @@ def build(cls: type, raw: Any, where: str, prefix: str, algo_cls: type | None = 
         raise UserError(f"{where}: section '{prefix.rstrip('.')}': {e}") from None
 
 
-def unknown_key_message(where: str, key: str, valid: list[str], prefix: str) -> str:
-    leaf = key.rsplit(".", 1)[-1]
-    close = difflib.get_close_matches(leaf, valid, n=1, cutoff=0.5)
-    hint = f"; did you mean '{prefix}{close[0]}'?" if close else f"; valid keys here: {', '.join(sorted(valid))}"
-    return f"{where}: unknown key '{key}'{hint}"
-
-
 def coerce(hint: Any, value: Any, where: str, key: str) -> Any:
     """Check (and gently convert) one value against its annotation."""
-    origin = typing.get_origin(hint)
-    args = typing.get_args(hint)
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
     if origin in (typing.Union, types.UnionType):
         if value is None and type(None) in args:
             return None
-        inner = [a for a in args if a is not type(None)]
-        return coerce(inner[0], value, where, key)
+        return coerce(next(a for a in args if a is not type(None)), value, where, key)
     if dataclasses.is_dataclass(hint):
         return build(hint, value, where, key + ".")
     if origin is tuple:

@@ -16,7 +16,7 @@ from typing import Any, Callable
 
 import yaml
 
-from posttrain.config.keys import recipe_keys, set_dotted
+from posttrain.config.keys import recipe_key, recipe_keys, set_dotted
 from posttrain.config.schema import Recipe
 from posttrain.errors import UserError
 
@@ -30,75 +30,62 @@ def _flag(value_if_true: str) -> Callable[[Any], Any]:
     return convert
 
 
-def _scale_rewards(value: Any) -> Any:
-    """TRL's scale_rewards: true/false (older TRL) or group/batch/none (newer)."""
-    return {True: "group", False: "none"}.get(value, value) if isinstance(value, bool) else value
-
-
+# TRL keys spelled as here, by recipe section (train: transformers' TrainingArguments)
+SAME_NAMES = {
+    "model": "attn_implementation trust_remote_code",
+    "data": "max_length max_prompt_length packing completion_only_loss assistant_only_loss",
+    "train": "per_device_train_batch_size per_device_eval_batch_size gradient_accumulation_steps learning_rate "
+             "weight_decay adam_beta1 adam_beta2 adam_epsilon lr_scheduler_type warmup_steps warmup_ratio max_steps "
+             "num_train_epochs max_grad_norm gradient_checkpointing logging_steps eval_steps save_steps "
+             "save_total_limit resume_from_checkpoint overwrite_output_dir ddp_timeout report_to",
+    "generation": "max_completion_length temperature top_p top_k",
+    "algo": "beta loss_type label_smoothing rpo_alpha simpo_gamma center_rewards_coefficient num_generations epsilon "
+            "epsilon_high scale_rewards num_iterations importance_sampling_level mask_truncated_completions kl_coef "
+            "kl_estimator gamma lam missing_eos_penalty",
+}
 # TRL key -> recipe key. A key whose recipe key an algorithm lacks (num_generations for SFT) has no meaning for
 # that algorithm and is reported as such. max_seq_length is TRL < 0.20's max_length; response_length is PPOConfig's.
 TRL_RENAMES: dict[str, str] = {
+    **{key: f"{section}.{key}" for section, keys in SAME_NAMES.items() for key in keys.split()},
+    "output_dir": "output_dir", "seed": "seed",
     # model (TRL's ModelConfig and the trainers' model_init_kwargs)
     "model_name_or_path": "model.name_or_path", "model_revision": "model.revision", "torch_dtype": "model.dtype",
-    "dtype": "model.dtype", "attn_implementation": "model.attn_implementation",
-    "trust_remote_code": "model.trust_remote_code", "chat_template_path": "model.chat_template",
-    "use_peft": "model.lora.enabled", "lora_r": "model.lora.r", "lora_alpha": "model.lora.alpha",
-    "lora_dropout": "model.lora.dropout", "lora_target_modules": "model.lora.target_modules",
+    "dtype": "model.dtype", "chat_template_path": "model.chat_template", "use_peft": "model.lora.enabled",
+    "lora_r": "model.lora.r", "lora_alpha": "model.lora.alpha", "lora_dropout": "model.lora.dropout",
+    "lora_target_modules": "model.lora.target_modules", "sft_model_path": "model.name_or_path",
     # data
     "dataset_name": "data.train", "dataset_train_split": "data.train_split", "dataset_test_split": "data.eval_split",
-    "dataset_num_proc": "data.num_proc", "max_length": "data.max_length", "max_seq_length": "data.max_length",
-    "max_prompt_length": "data.max_prompt_length", "packing": "data.packing", "padding_free": "data.packing",
-    "completion_only_loss": "data.completion_only_loss", "assistant_only_loss": "data.assistant_only_loss",
+    "dataset_num_proc": "data.num_proc", "max_seq_length": "data.max_length", "padding_free": "data.packing",
     # run and optimiser (transformers' TrainingArguments)
-    "output_dir": "output_dir", "seed": "seed", "per_device_train_batch_size": "train.per_device_train_batch_size",
-    "per_device_eval_batch_size": "train.per_device_eval_batch_size",
-    "gradient_accumulation_steps": "train.gradient_accumulation_steps", "learning_rate": "train.learning_rate",
-    "weight_decay": "train.weight_decay", "adam_beta1": "train.adam_beta1", "adam_beta2": "train.adam_beta2",
-    "adam_epsilon": "train.adam_epsilon", "lr_scheduler_type": "train.lr_scheduler_type",
-    "warmup_steps": "train.warmup_steps", "warmup_ratio": "train.warmup_ratio", "max_steps": "train.max_steps",
-    "num_train_epochs": "train.num_train_epochs", "max_grad_norm": "train.max_grad_norm",
-    "bf16": "train.mixed_precision", "fp16": "train.mixed_precision",
-    "gradient_checkpointing": "train.gradient_checkpointing", "logging_steps": "train.logging_steps",
-    "eval_steps": "train.eval_steps", "save_steps": "train.save_steps", "save_total_limit": "train.save_total_limit",
-    "resume_from_checkpoint": "train.resume_from_checkpoint", "overwrite_output_dir": "train.overwrite_output_dir",
-    "data_seed": "train.dataloader_seed", "ddp_timeout": "train.ddp_timeout", "report_to": "train.report_to",
+    "bf16": "train.mixed_precision", "fp16": "train.mixed_precision", "data_seed": "train.dataloader_seed",
     # generation (GRPOConfig, PPOConfig)
-    "max_completion_length": "generation.max_completion_length",
-    "response_length": "generation.max_completion_length", "temperature": "generation.temperature",
-    "top_p": "generation.top_p", "top_k": "generation.top_k", "generation_batch_size": "generation.batch_size",
+    "response_length": "generation.max_completion_length", "generation_batch_size": "generation.batch_size",
     "use_vllm": "generation.engine", "vllm_gpu_memory_utilization": "generation.vllm.gpu_memory_utilization",
     "vllm_tensor_parallel_size": "generation.vllm.tensor_parallel_size",
     "vllm_enable_sleep_mode": "generation.vllm.enable_sleep_mode",
     "vllm_max_model_length": "generation.vllm.max_model_len",
-    "vllm_importance_sampling_correction": "algo.vllm_is_correction",
-    "vllm_importance_sampling_cap": "algo.vllm_is_cap",
     # the algorithm's own knobs (DPOConfig, GRPOConfig, RewardConfig, PPOConfig)
-    "beta": "algo.beta", "loss_type": "algo.loss_type", "label_smoothing": "algo.label_smoothing",
-    "rpo_alpha": "algo.rpo_alpha", "simpo_gamma": "algo.simpo_gamma",
-    "precompute_ref_log_probs": "algo.precompute_ref_logprobs",
-    "center_rewards_coefficient": "algo.center_rewards_coefficient", "num_generations": "algo.num_generations",
-    "epsilon": "algo.epsilon", "epsilon_high": "algo.epsilon_high", "scale_rewards": "algo.scale_rewards",
-    "num_iterations": "algo.num_iterations", "importance_sampling_level": "algo.importance_sampling_level",
-    "mask_truncated_completions": "algo.mask_truncated_completions", "kl_coef": "algo.kl_coef",
-    "kl_estimator": "algo.kl_estimator", "cliprange": "algo.epsilon", "cliprange_value": "algo.value_clip",
-    "gamma": "algo.gamma", "lam": "algo.lam", "num_ppo_epochs": "algo.ppo_epochs",
-    "missing_eos_penalty": "algo.missing_eos_penalty", "sft_model_path": "model.name_or_path",
+    "vllm_importance_sampling_correction": "algo.vllm_is_correction",
+    "vllm_importance_sampling_cap": "algo.vllm_is_cap", "precompute_ref_log_probs": "algo.precompute_ref_logprobs",
+    "cliprange": "algo.epsilon", "cliprange_value": "algo.value_clip", "num_ppo_epochs": "algo.ppo_epochs",
     "value_model_path": "algo.critic_model_name_or_path",
 }
-# TRL values spelled otherwise here (a lone report_to: wandb needs none: a recipe's list key takes one string)
+# TRL values spelled otherwise here (a lone report_to: wandb needs none: a recipe's list key takes one string);
+# scale_rewards is true/false in older TRL, group/batch/none in newer
 CONVERSIONS: dict[str, Callable[[Any], Any]] = {
-    "bf16": _flag("bf16"), "fp16": _flag("fp16"), "use_vllm": _flag("vllm"), "scale_rewards": _scale_rewards}
+    "bf16": _flag("bf16"), "fp16": _flag("fp16"), "use_vllm": _flag("vllm"),
+    "scale_rewards": lambda value: {True: "group", False: "none"}[value] if isinstance(value, bool) else value}
 TRL_KEYS: dict[str, tuple[str, Callable[[Any], Any] | None]] = {
     key: (path, CONVERSIONS.get(key)) for key, path in TRL_RENAMES.items()}  # key -> (recipe key, conversion)
 
-RECIPE_TOP_LEVEL = tuple(f.metadata.get("key", f.name) for f in dataclasses.fields(Recipe))  # the recipe's sections
+RECIPE_TOP_LEVEL = tuple(recipe_key(f) for f in dataclasses.fields(Recipe))  # the recipe's sections
 
 
 def translate(flat: dict[str, Any], where: str, algo_cls: type, shown: str = "") -> list[tuple[str, Any]]:
     """TRL keys and their values -> [(recipe key, value)]; every key without a meaning here is reported at once, as
     `shown` + key (shown='--' for command-line flags)."""
     valid_keys = {k.path for k in recipe_keys(algo_cls)}
-    command = command_of(algo_cls)
+    command = algo_cls.__name__.removesuffix("AlgoConfig").lower()  # GRPOAlgoConfig -> grpo
     out, problems = [], []
     for key, value in flat.items():
         if key not in TRL_KEYS:
@@ -133,27 +120,18 @@ def closest(key: str, valid_keys: set[str], shown: str = "") -> str:
     return f"did you mean '{candidates[match[0]]}'?" if match else ""
 
 
-def flat_keys(raw: dict) -> dict:
-    """The keys of a recipe file that are not recipe sections: TRL's flat keys (empty for a posttrain recipe)."""
-    return {k: v for k, v in raw.items() if k not in RECIPE_TOP_LEVEL or (k in ("model", "data", "train")
-                                                                           and not isinstance(v, dict))}
-
-
 def from_trl_file(raw: dict, where: str, algo_cls: type) -> dict:
-    """A recipe file's mapping with its flat TRL keys translated into sections (unchanged when there are none); a key
-    the file also sets in its own section takes the TRL key's value."""
-    flat = flat_keys(raw)
+    """A recipe file's mapping with its flat TRL keys (those that are not recipe sections; none in a posttrain recipe)
+    translated into sections (unchanged when there are none); a key the file also sets in its own section takes the
+    TRL key's value."""
+    flat = {k: v for k, v in raw.items()
+            if k not in RECIPE_TOP_LEVEL or (k in ("model", "data", "train") and not isinstance(v, dict))}
     if not flat:
         return raw
     out = {k: (dict(v) if isinstance(v, dict) else v) for k, v in raw.items() if k not in flat}
     for path, value in translate(flat, where, algo_cls):
         set_dotted(out, path, value, f"'{path}'")
     return out
-
-
-def command_of(algo_cls: type) -> str:
-    """GRPOAlgoConfig -> grpo (the command whose algo: section it is)."""
-    return algo_cls.__name__.removesuffix("AlgoConfig").lower()
 
 
 def split_trl_flags(argv: list[str]) -> tuple[list[str], dict[str, Any]]:

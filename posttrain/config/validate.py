@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import difflib
 import functools
 import importlib.util
@@ -13,10 +12,10 @@ from posttrain.config.schema import Recipe, trackers
 from posttrain.errors import UserError
 
 CHOICES = {
-    "model.dtype": ("float32", "bfloat16", "float16", "auto"), "train.lr_scheduler_type": ("constant", "linear", "cosine"),
-    "train.mixed_precision": ("no", "bf16", "fp16"), "generation.engine": ("hf", "vllm"),
-    "generation.placement": ("colocated", "node", "servers", "ray"), "generation.lora_sync": ("merged", "adapter"),
-    "train.nonfinite": ("stop", "skip"),
+    "model.dtype": ("float32", "bfloat16", "float16", "auto"),
+    "train.lr_scheduler_type": ("constant", "linear", "cosine"), "train.mixed_precision": ("no", "bf16", "fp16"),
+    "generation.engine": ("hf", "vllm"), "generation.placement": ("colocated", "node", "servers", "ray"),
+    "generation.lora_sync": ("merged", "adapter"), "train.nonfinite": ("stop", "skip"),
     "generation.vllm.dtype": ("auto", "float32", "bfloat16", "float16"), "launcher": ("local", "ray"),
 }
 POSITIVE = (
@@ -93,7 +92,7 @@ def validate(recipe: Recipe) -> None:
     check_algo = getattr(recipe.algo, "validate", None)
     if check_algo is not None:
         check_algo(recipe)
-    if dataclasses.is_dataclass(recipe.model.lora) and recipe.model.lora.enabled and recipe.model.lora.r <= 0:
+    if recipe.model.lora.enabled and recipe.model.lora.r <= 0:
         raise UserError(f"model.lora.r must be > 0, got {recipe.model.lora.r}")
 
 
@@ -106,7 +105,7 @@ def check_lora_sync(recipe: Recipe) -> None:
     g, lora = recipe.generation, recipe.model.lora
     if g.lora_sync != "adapter":
         return
-    if not (dataclasses.is_dataclass(lora) and lora.enabled):
+    if not lora.enabled:
         raise UserError("generation.lora_sync=adapter sends the LoRA adapters alone, but model.lora.enabled is false: "
                         "set model.lora.enabled=true, or generation.lora_sync=merged")
     if g.engine != "vllm" or g.placement == "colocated":

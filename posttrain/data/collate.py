@@ -84,8 +84,7 @@ def eval_batches(examples: Sequence[dict], collate: Callable[[list[dict]], Batch
     chunk = batch_size * world_size
     for start in range(0, len(examples), chunk):
         mine = list(range(start + rank * batch_size, min(start + (rank + 1) * batch_size, len(examples))))
-        weight = 1.0 if mine else 0.0
-        mine = mine or [start]
+        weight, mine = (1.0, mine) if mine else (0.0, [start])
         batch = collate([examples[i] for i in mine])
         out.append((dataclasses.replace(batch, example_index_B=torch.tensor(mine)), weight))
     return out

@@ -145,8 +145,7 @@ def tokenize_preference(dataset: datasets.Dataset, tokenizer, data_cfg: DataConf
             chosen_ids, rejected_ids = _ids(tokenizer, chosen_text, False), _ids(tokenizer, rejected_text, False)
         else:
             prompt_ids = _ids(tokenizer, prompt, True)
-            chosen_ids = _with_eos(tokenizer, _ids(tokenizer, chosen, False))
-            rejected_ids = _with_eos(tokenizer, _ids(tokenizer, rejected, False))
+            chosen_ids, rejected_ids = (_with_eos(tokenizer, _ids(tokenizer, c, False)) for c in (chosen, rejected))
         example, truncated = _fit_pair(prompt_ids, chosen_ids, rejected_ids, data_cfg.max_length)
         stats["truncated"] += truncated
         if has_margin:

@@ -105,17 +105,15 @@ def run_plan(command: str, recipe, config: Optional[str], overrides: list[str], 
     t = recipe.train
     task = algorithm_facts(command, recipe)["task"]
     shape = model_shape(recipe.model, task)
-    lora_shape = None  # what LoRA would need (its frozen copies are counted as without it: an upper bound)
-    if not recipe.model.lora.enabled:
-        lora_shape = model_shape(dataclasses.replace(recipe.model, lora=dataclasses.replace(recipe.model.lora,
-                                                                                            enabled=True)), task)
+    with_lora = dataclasses.replace(recipe.model, lora=dataclasses.replace(recipe.model.lora, enabled=True))
+    # what LoRA would need (its frozen copies are counted as without it: an upper bound)
+    lora_shape = None if recipe.model.lora.enabled else model_shape(with_lora, task)
     workload_for = functools.partial(workload_from_recipe, command, recipe)  # (batch, length=None) -> Workload
     plan = make_plan(shape, workload_for, t.per_device_train_batch_size, t.gradient_accumulation_steps, gpus,
                      gpu_bytes, nodes, lora_shape, recipe.data.max_length)
-    line = None
-    if plan.recommended is not None:
-        line = launch_command(plan.recommended, command, config, overrides, gpus, nodes,
-                              (t.per_device_train_batch_size, t.gradient_accumulation_steps))
+    line = (launch_command(plan.recommended, command, config, overrides, gpus, nodes,
+                           (t.per_device_train_batch_size, t.gradient_accumulation_steps))
+            if plan.recommended is not None else None)
     if as_json:
         return json.dumps({"command": command, "model": recipe.model.name_or_path, "parameters": shape.parameters,
                            "trainable": shape.trainable, **to_json(plan, line)}, indent=2)

@@ -5,11 +5,8 @@
     breakdown = estimate(shape, workload, ENGINES["zero3"], world_size=8)
     breakdown.peak_bytes, breakdown.parts()                     # where the bytes go, per device
 
-Peak = persistent (parameters, optimizer state, frozen copies, gradient buffers that outlive a step, a colocated
-vLLM's share) + the largest of three phases that never overlap: training (activations, logits, gathered layers,
-and with accumulation > 1 the earlier micro-batches' .grad), the optimizer step (.grad and AdamW's foreach
-temporaries), generation (KV cache, last-position logits, the model gathered under ZeRO-3 / FSDP2). Offload moves
-optimizer state or parameters to CPU RAM (`cpu_bytes`). docs/planning.md has the table, part by part.
+Peak = persistent bytes + the largest of three phases that never overlap (training, the optimizer step, generation;
+`Breakdown` sums them); docs/planning.md has the table, part by part.
 """
 
 from __future__ import annotations
@@ -203,10 +200,8 @@ def generation_bytes(shape: ModelShape, w: Workload, engine: Engine, world_size:
         return 0
     kv_cache = 2 * shape.num_layers * shape.kv_size * w.generation_length * w.generation_sequences * w.compute_bytes
     logits = w.generation_sequences * shape.vocab_size * 4 * 2  # float32 scores + the sampling distribution
-    gathered = 0
-    if engine.shards_parameters:  # every rank holds the whole model for the call, besides its own shard
-        gathered = shape.parameters * weight_bytes - _share(shape.parameters * weight_bytes, world_size)
-    return kv_cache + logits + gathered
+    whole = shape.parameters * weight_bytes  # ZeRO-3 / FSDP2: every rank holds it for the call, besides its own shard
+    return kv_cache + logits + (whole - _share(whole, world_size) if engine.shards_parameters else 0)
 
 
 def _share(total: int, world_size: int) -> int:

@@ -6,14 +6,13 @@
     result.suggestions            # when nothing fits: more GPUs, LoRA, shorter sequences
     print(format_table(result))
 
-An option fits when its peak is at most USABLE_FRACTION of the device's memory (CUDA context, NCCL buffers and
-fragmentation take the rest). Engines are tried fastest first; within one, the largest micro-batch that keeps the
-global batch wins.
+An option fits when its peak is at most USABLE_FRACTION of the device's memory; engines are tried fastest first, each
+at the largest micro-batch that keeps the global batch (docs/planning.md says why).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Optional
 
 from posttrain.plan.estimate import ENGINES, GIB, Breakdown, Engine, ModelShape, Workload, estimate
@@ -30,14 +29,14 @@ class Option:
     fits: bool
 
 
-@dataclass
+@dataclass(frozen=True)
 class Plan:
     gpus: int
     nodes: int
     gpu_bytes: int
     at_recipe_batch: list[Option]
     recommended: Optional[Option]
-    suggestions: list[str] = field(default_factory=list)
+    suggestions: list[str]
 
 
 WorkloadFor = Callable[..., Workload]  # (per_device_batch, max_length=None) -> Workload
@@ -72,10 +71,8 @@ def make_plan(shape: ModelShape, workload_for: WorkloadFor, per_device_batch: in
     options = (best_option(shape, workload_for, e, per_device_batch, accumulation, gpus, gpu_bytes)
                for e in ENGINES.values())
     recommended = next((o for o in options if o is not None), None)  # the fastest engine that fits
-    plan = Plan(gpus, nodes, gpu_bytes, table, recommended)
-    if recommended is None:
-        plan.suggestions = suggestions(shape, workload_for, gpus, gpu_bytes, lora_shape, max_length)
-    return plan
+    ways = [] if recommended is not None else suggestions(shape, workload_for, gpus, gpu_bytes, lora_shape, max_length)
+    return Plan(gpus, nodes, gpu_bytes, table, recommended, ways)
 
 
 def suggestions(shape: ModelShape, workload_for: WorkloadFor, gpus: int, gpu_bytes: int,

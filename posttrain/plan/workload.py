@@ -22,8 +22,7 @@ def algorithm_facts(command: str, recipe: Recipe) -> dict:
     lora = recipe.model.lora.enabled
     rm_copies = sum(1 for r in recipe.rewards if r.name == "reward_model")
     if command == "dpo":
-        ref = getattr(algo, "loss_type", "") != "simpo" and not lora and not getattr(algo, "precompute_ref_logprobs",
-                                                                                       False)
+        ref = not (lora or getattr(algo, "loss_type", "") == "simpo" or getattr(algo, "precompute_ref_logprobs", False))
         return dict(task="causal_lm", rows_per_unit=2, frozen=int(ref), generate=False)
     if command == "grpo":
         ref = getattr(algo, "beta", 0.0) > 0 and not lora
