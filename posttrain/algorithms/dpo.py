@@ -161,13 +161,10 @@ class DPO(Algorithm):
             metrics["nll_loss"] = nll_P.detach().mean()
         chosen_rewards_P, rejected_rewards_P = implicit_rewards(policy_chosen_P, policy_rejected_P, ref_chosen_P,
                                                                 ref_rejected_P, beta=c.beta)
-        metrics.update({
-            "rewards/chosen": chosen_rewards_P.mean(),
-            "rewards/rejected": rejected_rewards_P.mean(),
-            "rewards/margins": (chosen_rewards_P - rejected_rewards_P).mean(),
-            "rewards/accuracies": (chosen_rewards_P > rejected_rewards_P).float().mean(),
-            "logps/chosen": policy_chosen_P.detach().mean(),
-            "logps/rejected": policy_rejected_P.detach().mean(),
-            "logps/accuracies": (chosen_sums_P > rejected_sums_P).float().mean(),
-        })
+        metrics.update({"rewards/chosen": chosen_rewards_P.mean(), "rewards/rejected": rejected_rewards_P.mean(),
+                        "rewards/margins": (chosen_rewards_P - rejected_rewards_P).mean(),
+                        "rewards/accuracies": (chosen_rewards_P > rejected_rewards_P).float().mean(),
+                        "logps/chosen": policy_chosen_P.detach().mean(),
+                        "logps/rejected": policy_rejected_P.detach().mean(),
+                        "logps/accuracies": (chosen_sums_P > rejected_sums_P).float().mean()})
         return loss_P.sum() / normaliser, metrics
