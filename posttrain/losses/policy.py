@@ -73,12 +73,10 @@ def truncated_importance_weights(
     the weight is 1 (the sampler log-probs are 0 there). metrics: is_ratio (mean ratio before the cap) and
     is_capped_fraction (share of tokens the cap changed), over completion tokens.
 
-    Any policy lag: pi_old is the trainer's policy when the batch is first trained (the rollout source takes the
-    old log-probs then, not when the batch was sampled), and pi_sampler is whichever version sampled it, its
-    log-probs recorded by the engine at sampling time and carried with the batch (through a checkpoint too). So
-    the clipped surrogate's ratio pi / pi_old stays a trust region around the current policy, and this weight
-    alone carries the whole distance to the sampler, however many versions back (the decoupled objective of
-    Hilton et al. 2022 and AReaL, Fu et al. 2025); a larger lag only makes the weights spread wider, which the cap
+    Any policy lag: pi_old is the trainer's policy when the batch is first trained, pi_sampler whichever version
+    sampled it (its log-probs carried with the batch), so the ratio pi / pi_old stays a trust region around the
+    current policy and this weight alone carries the whole distance to the sampler (the decoupled objective of Hilton
+    et al. 2022 and AReaL, Fu et al. 2025; docs/generation.md); a larger lag spreads the weights wider, which the cap
     bounds at the price of bias.
     """
     with torch.no_grad():
