@@ -67,27 +67,21 @@ class Batch:
     """The token ids of those k log-probs (int64)."""
 
     def to(self, device: torch.device) -> "Batch":
-        moved = {
-            f.name: getattr(self, f.name).to(device)
-            for f in dataclasses.fields(self)
-            if isinstance(getattr(self, f.name), torch.Tensor)
-        }
-        return dataclasses.replace(self, **moved)
+        return dataclasses.replace(self, **{name: value.to(device) for name, value in self._tensors()})
 
     def model_inputs(self) -> dict:
         """Keyword arguments for a transformers forward pass."""
-        inputs = {"input_ids": self.input_ids_BT}
-        if self.attention_mask_BT is not None:
-            inputs["attention_mask"] = self.attention_mask_BT
-        if self.position_ids_BT is not None:
-            inputs["position_ids"] = self.position_ids_BT
-        return inputs
+        inputs = {"input_ids": self.input_ids_BT, "attention_mask": self.attention_mask_BT,
+                  "position_ids": self.position_ids_BT}
+        return {key: value for key, value in inputs.items() if value is not None}
 
     def rows(self, start: int, stop: int) -> "Batch":
         """Rows [start, stop) of a padded batch (for chunked forwards)."""
-        sliced = {}
-        for f in dataclasses.fields(self):
-            value = getattr(self, f.name)
-            if isinstance(value, torch.Tensor) and value.dim() >= 1 and value.shape[0] == self.input_ids_BT.shape[0]:
-                sliced[f.name] = value[start:stop]
+        size = self.input_ids_BT.shape[0]
+        sliced = {name: value[start:stop] for name, value in self._tensors() if value.dim() and value.shape[0] == size}
         return dataclasses.replace(self, num_sequences=stop - start, **sliced)
+
+    def _tensors(self) -> list[tuple[str, torch.Tensor]]:
+        """(field name, tensor) of every field that holds a tensor."""
+        values = ((f.name, getattr(self, f.name)) for f in dataclasses.fields(self))
+        return [(name, value) for name, value in values if isinstance(value, torch.Tensor)]

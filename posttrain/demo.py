@@ -149,10 +149,8 @@ def run_demo(out_dir: str = "runs/demo", quick: bool = False, seed: int = 0) -> 
     results["ppo_accuracy"] = held_out_accuracy(ppo.final_dir, data["prompts_eval"])
     print(f"[demo] held-out exact match: SFT start {results['sft_accuracy']:.1%} -> after PPO "
           f"{results['ppo_accuracy']:.1%}", flush=True)
-    results["minutes"] = (time.time() - started) / 60
-    results["held_out_prompts"] = size.n_eval
-    results["seed"] = seed
-    results["reports"] = {name: str(out / name / "report.html") for name in ("sft", "dpo", "grpo", "ppo")}
+    results.update(minutes=(time.time() - started) / 60, held_out_prompts=size.n_eval, seed=seed,
+                   reports={name: str(out / name / "report.html") for name in ("sft", "dpo", "grpo", "ppo")})
     (out / "demo_results.json").write_text(json.dumps(results, indent=2))
 
     print("\n[demo] results on", size.n_eval, "held-out problems")

@@ -4,10 +4,8 @@ completions from the data or sampled by the student itself (GKD, Agarwal et al. 
     posttrain distill --config recipes/distill.yaml
 
 - data: prompt + completion rows (the SFT formats: docs/distill.md); the loss covers the completion tokens.
-- `algo.lmbda`: the fraction of steps whose completions the student samples on-policy with the run's engine
-  (generation.*); the other steps train on the dataset's completions. 0 is supervised KD on the data only.
-- `algo.beta`: the divergence, TRL's convention: 0 forward KL(teacher || student), 1 reverse KL(student || teacher),
-  in between the generalised JSD (losses/distill.py). Both models at `algo.temperature`.
+- `algo.lmbda` and `algo.beta` (DistillAlgoConfig below): how many steps the student samples on-policy with the run's
+  engine (generation.*), and which divergence (losses/distill.py); both models at `algo.temperature`.
 - the teacher (`algo.teacher_model_name_or_path`) is a frozen role loaded like the reference: partitioned under
   ZeRO-3, in CPU memory between forwards with `algo.teacher_offload`, or (launcher: ray) replicas of its own placed
   apart (`placement.teacher`, `placement.colocate`), which return its logits. It must share the student's tokenizer and

@@ -24,6 +24,7 @@ either outside a run (the demo's before/after number).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -118,7 +119,9 @@ class DPO(Algorithm):
                 pl.save_tables(path, tables, identity)
             backend.barrier()
         self.tables = tables
-        pl.free_reference(models)
+        if models.reference is not None:  # the table replaces the frozen copy: give its memory back
+            models.reference.release()
+            models.reference = None
 
     # --- the loop's three calls -----------------------------------------------------------------------------------
     def prepare(self, batch: Batch, models: Models) -> Batch:
@@ -131,8 +134,8 @@ class DPO(Algorithm):
             split = "train" if unwrap_module(models.policy.model).training else "eval"
             if split not in self.tables:
                 raise RuntimeError(f"no precomputed reference log-probs for the {split} examples")
-            return pl.with_reference(batch, pl.lookup(self.tables[split], batch))
-        return pl.with_reference(batch, pl.reference_sums(models, batch, self.lora, self.autocast))
+            return dataclasses.replace(batch, ref_logprobs_B=pl.lookup(self.tables[split], batch))
+        return dataclasses.replace(batch, ref_logprobs_B=pl.reference_sums(models, batch, self.lora, self.autocast))
 
     def count(self, batch: Batch) -> torch.Tensor:
         return torch.tensor(float(batch.num_pairs), device=batch.input_ids_BT.device)
@@ -158,13 +161,10 @@ class DPO(Algorithm):
             metrics["nll_loss"] = nll_P.detach().mean()
         chosen_rewards_P, rejected_rewards_P = implicit_rewards(policy_chosen_P, policy_rejected_P, ref_chosen_P,
                                                                 ref_rejected_P, beta=c.beta)
-        metrics.update({
-            "rewards/chosen": chosen_rewards_P.mean(),
-            "rewards/rejected": rejected_rewards_P.mean(),
-            "rewards/margins": (chosen_rewards_P - rejected_rewards_P).mean(),
-            "rewards/accuracies": (chosen_rewards_P > rejected_rewards_P).float().mean(),
-            "logps/chosen": policy_chosen_P.detach().mean(),
-            "logps/rejected": policy_rejected_P.detach().mean(),
-            "logps/accuracies": (chosen_sums_P > rejected_sums_P).float().mean(),
-        })
+        metrics.update({"rewards/chosen": chosen_rewards_P.mean(), "rewards/rejected": rejected_rewards_P.mean(),
+                        "rewards/margins": (chosen_rewards_P - rejected_rewards_P).mean(),
+                        "rewards/accuracies": (chosen_rewards_P > rejected_rewards_P).float().mean(),
+                        "logps/chosen": policy_chosen_P.detach().mean(),
+                        "logps/rejected": policy_rejected_P.detach().mean(),
+                        "logps/accuracies": (chosen_sums_P > rejected_sums_P).float().mean()})
         return loss_P.sum() / normaliser, metrics

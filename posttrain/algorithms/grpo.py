@@ -32,6 +32,7 @@ import torch
 
 from posttrain.algorithms.base import Models
 from posttrain.models.forward import policy_logits
+from posttrain.models.load import disable_adapter
 from posttrain.algorithms.online import OnlineAlgorithm, check_is_correction
 from posttrain.config.schema import Recipe
 from posttrain.errors import UserError
@@ -158,8 +159,6 @@ class GRPO(OnlineAlgorithm):
     def _reference_logprobs(self, models: Models, batch: Batch) -> torch.Tensor:
         if models.reference is not None:
             return models.reference.logprobs(batch, self.temperature)
-        from posttrain.models.load import disable_adapter
-
         with disable_adapter(models.policy.model) if self.recipe.model.lora.enabled else contextlib.nullcontext():
             return models.policy.logprobs(batch, self.temperature)
 

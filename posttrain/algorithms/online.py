@@ -6,6 +6,8 @@ from __future__ import annotations
 from posttrain.algorithms.base import Algorithm
 from posttrain.config.schema import Recipe
 from posttrain.errors import UserError
+from posttrain.rewards import load_rewards
+from posttrain.rewards.reward_model import load_scorer
 
 
 def check_is_correction(config, recipe: Recipe) -> None:
@@ -23,15 +25,11 @@ class OnlineAlgorithm(Algorithm):
     data_kind = "prompt"
 
     def __init__(self, recipe: Recipe):
-        from posttrain.rewards import load_rewards
-
         self.recipe = recipe
         self.rewards = load_rewards(recipe.rewards)  # a bad reward fails here, before any model is loaded
 
     def reward_models(self) -> list:
         """The scorers of the recipe's `reward_model` entries (one per directory and settings; see load_scorer); one
         given its own `device` kwarg stays where it is."""
-        from posttrain.rewards.reward_model import load_scorer
-
         scorers = [load_scorer(**r.kwargs) for r in self.recipe.rewards if r.name == "reward_model"]
         return [s for s in dict.fromkeys(scorers) if not s.device_given]

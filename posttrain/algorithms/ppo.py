@@ -7,13 +7,10 @@ critic, reference and rewards (reward model and/or reward functions).
 Per generation batch (train/rollout_source.py): sample, score each completion at its end, then (prepare) the
 policy's log-probs, the reference's and the critic's values, once; then (advantages) per-token rewards
 -kl_coef * KL(k1 or k3) plus the score at the last completion token (minus missing_eos_penalty when the completion
-was cut off), and advantages by `algo.advantage_estimator` (ops/advantages.py ADVANTAGE_ESTIMATORS): gae (on the
-critic's values, gamma, lam) and reinforce++ (discounted returns) are whitened over the step by default, rloo / grpo
-(the score baselined by the prompt's other samples / standardised in its group, then discounted) are not;
-`algo.whiten_advantages` overrides either way. The batch is then used for `ppo_epochs` optimiser steps of both
-trained roles: the clipped surrogate for the policy (token mean over the step) and the clipped value loss for the
-critic (token mean over the step), each with its own optimiser; the policy waits `critic_warmup_steps` steps while
-the critic learns first. The math lives in ops/ and losses/.
+was cut off), and advantages by `algo.advantage_estimator` (docs/ppo.md: the estimators, and which are whitened).
+The batch is then used for `ppo_epochs` optimiser steps of both trained roles, each with its own optimiser: the
+clipped surrogate for the policy and the clipped value loss for the critic (token means over the step); the policy
+waits `critic_warmup_steps` steps while the critic learns first. The math lives in ops/ and losses/.
 """
 
 from __future__ import annotations
@@ -22,12 +19,15 @@ import dataclasses
 import difflib
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Optional
 
 import torch
 
 from posttrain.algorithms.base import Models, Objective
+from posttrain.models.critic import check_critic_source, critic_values
 from posttrain.models.forward import policy_logits
+from posttrain.models.load import check_model_source
 from posttrain.algorithms.online import OnlineAlgorithm, check_is_correction
 from posttrain.batch import Batch
 from posttrain.config.schema import ModelConfig, Recipe
@@ -124,9 +124,6 @@ class PPO(OnlineAlgorithm):
 
     def __init__(self, recipe: Recipe):
         super().__init__(recipe)  # loads the rewards: a reward model that is not a sequence classifier fails here
-        from posttrain.models.critic import check_critic_source
-        from posttrain.models.load import check_model_source
-
         self.config: PPOAlgoConfig = recipe.algo
         self.temperature = recipe.generation.temperature
         self.needs_reference = self.config.kl_coef > 0
@@ -164,8 +161,6 @@ class PPO(OnlineAlgorithm):
     # --- once per generation batch (the rollout source calls these) -------------------------------------------------
 
     def prepare(self, batch: Batch, models: Models) -> Batch:
-        from posttrain.models.critic import critic_values
-
         tasks = {"old_logprobs_BT": ("time/policy_logprobs", lambda: models.policy.logprobs(batch, self.temperature)),
                  "ref_logprobs_BT": ("time/reference", lambda: models.reference.logprobs(batch, self.temperature)),
                  "old_values_BT": ("time/values", lambda: critic_values(models.critic.forward, batch))}
@@ -236,8 +231,6 @@ class PPO(OnlineAlgorithm):
 
     def value_loss(self, model, batch: Batch, normaliser: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Clipped value loss against the rollout's returns, token mean over the step."""
-        from posttrain.models.critic import critic_values
-
         mask_BT = batch.completion_mask_BT
         values_BT = critic_values(model, batch)
         loss_BT, clip_fraction = clipped_value_loss(values_BT, batch.old_values_BT, batch.returns_BT, mask_BT,
@@ -248,8 +241,6 @@ class PPO(OnlineAlgorithm):
 
 
 def _vocab_size(name_or_path: str) -> int:
-    from pathlib import Path
-
     from transformers import AutoConfig
 
     path = Path(name_or_path).expanduser()

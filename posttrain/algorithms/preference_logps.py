@@ -10,14 +10,13 @@ backward), and are summed over each row's completion tokens:
 
 The reference's sums come from one of three places (`reference_sums`): a frozen copy (models.reference), the policy
 with its LoRA adapter switched off (no second copy), or a table computed once before training
-(`precompute_reference_table`, cached in the run directory as ref_logprobs.safetensors, keyed by example index).
+(`compute_reference_table`, cached in the run directory as ref_logprobs.safetensors, keyed by example index).
 Sums are stored, never means: a length-normalised loss divides by the same token counts the policy side uses.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import hashlib
 import json
 from pathlib import Path
@@ -26,6 +25,7 @@ from typing import Optional, Sequence
 import torch
 
 from posttrain.models.forward import policy_logprobs
+from posttrain.models.load import disable_adapter
 from posttrain.ops.logprobs import sequence_sum
 from posttrain.batch import Batch
 from posttrain.data.collate import eval_batches
@@ -53,8 +53,6 @@ def reduce_logps(sums_B: torch.Tensor, counts_B: torch.Tensor, length_normalised
 def reference_sums(models, batch: Batch, use_adapter_off: bool, autocast=None) -> torch.Tensor:
     """The reference's per-row log-prob sums for `batch` (no gradient): the policy with its LoRA adapter switched off
     when `use_adapter_off`, else the frozen copy `models.reference`."""
-    from posttrain.models.load import disable_adapter
-
     context = autocast() if autocast is not None else contextlib.nullcontext()
     with torch.no_grad(), context:
         if use_adapter_off:
@@ -104,22 +102,12 @@ def lookup(table_N2: torch.Tensor, batch: Batch) -> torch.Tensor:
     return torch.cat([rows_P2[:, 0], rows_P2[:, 1]])
 
 
-def with_reference(batch: Batch, sums_B: torch.Tensor) -> Batch:
-    return dataclasses.replace(batch, ref_logprobs_B=sums_B)
-
-
 def cache_identity(recipe, splits: dict[str, Sequence[dict]]) -> dict[str, str]:
     """What must match for a cached table to be reused (on resume): the model, its precision, the examples."""
     m = recipe.model
-    identity = {
-        "model": f"{m.name_or_path}@{m.revision}",
-        "dtype": m.dtype,
-        "attn_implementation": m.attn_implementation,
-        "mixed_precision": recipe.train.mixed_precision,
-        "lora": str(m.lora.enabled),
-    }
-    identity.update({f"examples/{name}": examples_fingerprint(ex) for name, ex in splits.items()})
-    return identity
+    return {"model": f"{m.name_or_path}@{m.revision}", "dtype": m.dtype, "attn_implementation": m.attn_implementation,
+            "mixed_precision": recipe.train.mixed_precision, "lora": str(m.lora.enabled),
+            **{f"examples/{name}": examples_fingerprint(ex) for name, ex in splits.items()}}
 
 
 def load_cached_tables(path: Path, identity: dict[str, str]) -> Optional[dict[str, torch.Tensor]]:
@@ -143,10 +131,3 @@ def save_tables(path: Path, tables: dict[str, torch.Tensor], identity: dict[str,
     tmp = path.with_name(path.name + ".tmp")
     save_file({k: v.contiguous() for k, v in tables.items()}, str(tmp), metadata=identity)
     tmp.replace(path)
-
-
-def free_reference(models) -> None:
-    """Drop the frozen reference copy and give its memory back."""
-    if models.reference is not None:
-        models.reference.release()
-        models.reference = None

@@ -68,10 +68,6 @@ class RM(Algorithm):
         if self.config.center_rewards_coefficient > 0:
             loss_P = loss_P + self.config.center_rewards_coefficient * (chosen_P + rejected_P) ** 2
         gap_P = (chosen_P - rejected_P).detach()
-        metrics = {
-            "accuracy": (gap_P > 0).float().mean(),
-            "margin": gap_P.mean(),
-            "rewards/chosen": chosen_P.detach().mean(),
-            "rewards/rejected": rejected_P.detach().mean(),
-        }
+        metrics = {"accuracy": (gap_P > 0).float().mean(), "margin": gap_P.mean(),
+                   "rewards/chosen": chosen_P.detach().mean(), "rewards/rejected": rejected_P.detach().mean()}
         return loss_P.sum() / normaliser, metrics

@@ -32,7 +32,7 @@ from typing import Callable, NamedTuple
 
 import torch
 
-from posttrain.ops.logprobs import LINEAR_CHUNK_ELEMENTS, _next_tokens, _shift_right, token_logprobs
+from posttrain.ops.logprobs import LINEAR_CHUNK_ELEMENTS, _compute_dtype, _next_tokens, _shift_right, token_logprobs
 
 
 def _kl(logp_a_nV: torch.Tensor, logp_b_nV: torch.Tensor) -> torch.Tensor:
@@ -114,7 +114,7 @@ METRICS = ("forward_kl", "reverse_kl", "top1_agreement", "teacher_logprob", "stu
 
 
 def _chunk_logprobs(logits_nV: torch.Tensor, temperature: float) -> torch.Tensor:
-    return torch.log_softmax(logits_nV.to(torch.promote_types(logits_nV.dtype, torch.float32)) / temperature, -1)
+    return torch.log_softmax(logits_nV.to(_compute_dtype(logits_nV)) / temperature, -1)
 
 
 class _ChunkedDivergence(torch.autograd.Function):
@@ -124,7 +124,7 @@ class _ChunkedDivergence(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, student_NV, teacher_nV, rows_n, targets_n, divergence, beta, temperature, chunk_size):
-        dtype = torch.promote_types(student_NV.dtype, torch.float32)
+        dtype = _compute_dtype(student_NV)
         value_n = torch.empty(rows_n.shape[0], dtype=dtype, device=student_NV.device)
         metrics_n5 = torch.empty(rows_n.shape[0], len(METRICS), dtype=dtype, device=student_NV.device)
         for start in range(0, rows_n.shape[0], chunk_size):
@@ -160,9 +160,7 @@ class _ChunkedDivergence(torch.autograd.Function):
 
 def _predicting_rows(completion_mask_BT: torch.Tensor) -> torch.Tensor:
     """Flat row indices (b * T + t - 1) of the logits that predict each completion token (b, t), in row order."""
-    predicts_BT = torch.cat([completion_mask_BT[:, 1:], completion_mask_BT.new_zeros(completion_mask_BT.shape[0], 1)],
-                            dim=1)
-    return predicts_BT.reshape(-1).bool().nonzero().squeeze(-1)
+    return _next_tokens(completion_mask_BT).reshape(-1).bool().nonzero().squeeze(-1)
 
 
 def _scatter_BT(values_n: torch.Tensor, rows_n: torch.Tensor, shape) -> torch.Tensor:
@@ -171,15 +169,9 @@ def _scatter_BT(values_n: torch.Tensor, rows_n: torch.Tensor, shape) -> torch.Te
     return _shift_right(flat.view(shape))
 
 
-def distill_loss(
-    student_logits_BTV: torch.Tensor,
-    teacher_logits_BTV: torch.Tensor,
-    input_ids_BT: torch.Tensor,
-    completion_mask_BT: torch.Tensor,
-    beta: float,
-    temperature: float = 1.0,
-    chunk_size: int | None = None,
-) -> DistillOutput:
+def distill_loss(student_logits_BTV: torch.Tensor, teacher_logits_BTV: torch.Tensor, input_ids_BT: torch.Tensor,
+                 completion_mask_BT: torch.Tensor, beta: float, temperature: float = 1.0,
+                 chunk_size: int | None = None) -> DistillOutput:
     """GKD's per-token divergence over the full vocabulary (Agarwal et al. 2024; variant by `beta`, see the module
     docstring) -> DistillOutput. The teacher's logits get no gradient. `chunk_size` completion positions at a time
     (default: about LINEAR_CHUNK_ELEMENTS logits per chunk)."""
@@ -194,27 +186,22 @@ def distill_loss(
     targets_n = _next_tokens(input_ids_BT).reshape(-1)[rows_n]
     # only the teacher's completion rows outlive this call (kept for the backward pass): not its whole (B, T, V)
     teacher_nV = teacher_logits_BTV.detach().reshape(batch * length, vocab)[rows_n]
-    value_n, metrics_n5 = _ChunkedDivergence.apply(student_logits_BTV.reshape(batch * length, vocab), teacher_nV, rows_n,
-                                                   targets_n, DIVERGENCES[divergence_name(beta)], float(beta),
-                                                   temperature, chunk_size)
+    divergence = DIVERGENCES[divergence_name(beta)]
+    value_n, metrics_n5 = _ChunkedDivergence.apply(student_logits_BTV.reshape(batch * length, vocab), teacher_nV,
+                                                   rows_n, targets_n, divergence, float(beta), temperature, chunk_size)
     metrics = {name: _scatter_BT(metrics_n5[:, i], rows_n, (batch, length)) for i, name in enumerate(METRICS)}
     return DistillOutput(_scatter_BT(value_n, rows_n, (batch, length)), metrics)
 
 
-def topk_distill_loss(
-    student_logits_BTV: torch.Tensor,
-    teacher_topk_logprobs_BTK: torch.Tensor,
-    teacher_topk_ids_BTK: torch.Tensor,
-    input_ids_BT: torch.Tensor,
-    completion_mask_BT: torch.Tensor,
-    beta: float,
-    temperature: float = 1.0,
-) -> DistillOutput:
+def topk_distill_loss(student_logits_BTV: torch.Tensor, teacher_topk_logprobs_BTK: torch.Tensor,
+                      teacher_topk_ids_BTK: torch.Tensor, input_ids_BT: torch.Tensor, completion_mask_BT: torch.Tensor,
+                      beta: float, temperature: float = 1.0) -> DistillOutput:
     """The divergence over the teacher's top-k tokens, both distributions renormalised there: an approximation (see
     the module docstring). `teacher_topk_*_BTK` are aligned with input_ids_BT (position t: the teacher's k most
     likely tokens for token t and their log-probs at temperature 1, as vLLM returns them; `temperature` is applied
-    here, exactly: over a fixed support the normaliser cancels). Autograd through (B, T, K) tensors only. Metrics: forward_kl, reverse_kl (over the support), top1_agreement (the student's
-    full-vocabulary argmax is the teacher's top token) and student_logprob (full vocabulary)."""
+    here, exactly: over a fixed support the normaliser cancels). Autograd through (B, T, K) tensors only. Metrics:
+    forward_kl, reverse_kl (over the support), top1_agreement (the student's full-vocabulary argmax is the teacher's
+    top token) and student_logprob (full vocabulary)."""
     if not temperature > 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
     mask_BT = completion_mask_BT.bool()
@@ -222,8 +209,7 @@ def topk_distill_loss(
     ids_BTK = teacher_topk_ids_BTK[:, 1:]
     gathered_BTK = student_logits_BTV[:, :-1].gather(-1, ids_BTK)
     gathered_BTK = torch.cat([gathered_BTK[:, :1], gathered_BTK], dim=1)  # position 0 predicts nothing (masked)
-    student_BTK = torch.log_softmax(gathered_BTK.to(torch.promote_types(gathered_BTK.dtype, torch.float32))
-                                    / temperature, -1)
+    student_BTK = _chunk_logprobs(gathered_BTK, temperature)
     teacher_BTK = torch.log_softmax(teacher_topk_logprobs_BTK.to(student_BTK.dtype) / temperature, -1)
     value = DIVERGENCES[divergence_name(beta)].value
     loss_BT = value(student_BTK.flatten(0, 1), teacher_BTK.flatten(0, 1), float(beta)).view(mask_BT.shape)

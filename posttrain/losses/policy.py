@@ -40,22 +40,16 @@ IMPORTANCE_LEVELS: dict[str, Callable[..., torch.Tensor]] = {"token": _token_log
 """level -> (logprobs_BT, old_logprobs_BT, completion_mask_BT) -> log importance ratio_BT."""
 
 
-def clipped_surrogate(
-    logprobs_BT: torch.Tensor,
-    old_logprobs_BT: torch.Tensor,
-    advantages_B: torch.Tensor,
-    completion_mask_BT: torch.Tensor,
-    epsilon_low: float,
-    epsilon_high: float,
-    level: str = "token",
-) -> tuple[torch.Tensor, torch.Tensor]:
+def clipped_surrogate(logprobs_BT: torch.Tensor, old_logprobs_BT: torch.Tensor, advantages_B: torch.Tensor,
+                      completion_mask_BT: torch.Tensor, epsilon_low: float, epsilon_high: float,
+                      level: str = "token") -> tuple[torch.Tensor, torch.Tensor]:
     """PPO clipped objective per token (Schulman et al. 2017) -> (loss_BT, clip_fraction).
 
     loss = -min(r * A, clip(r, 1 - epsilon_low, 1 + epsilon_high) * A). A larger epsilon_high than epsilon_low is
     DAPO's clip-higher (Yu et al. 2025); advantages_B may also be advantages_BT, one per token (PPO with GAE).
-    level "token": r per token (PPO, GRPO); "sequence": GSPO's length-normalised
-    sequence ratio (see IMPORTANCE_LEVELS). clip_fraction (detached): share of completion tokens whose clipped branch
-    is the smaller objective, i.e. that get no gradient from this term.
+    level "token": r per token (PPO, GRPO); "sequence": GSPO's length-normalised sequence ratio (see IMPORTANCE_LEVELS).
+    clip_fraction (detached): share of completion tokens whose clipped branch is the smaller objective, i.e. that get
+    no gradient from this term.
     """
     if level not in IMPORTANCE_LEVELS:
         raise ValueError(f"level must be one of {', '.join(IMPORTANCE_LEVELS)}, got {level!r}")
@@ -79,12 +73,10 @@ def truncated_importance_weights(
     the weight is 1 (the sampler log-probs are 0 there). metrics: is_ratio (mean ratio before the cap) and
     is_capped_fraction (share of tokens the cap changed), over completion tokens.
 
-    Any policy lag: pi_old is the trainer's policy when the batch is first trained (the rollout source takes the
-    old log-probs then, not when the batch was sampled), and pi_sampler is whichever version sampled it, its
-    log-probs recorded by the engine at sampling time and carried with the batch (through a checkpoint too). So
-    the clipped surrogate's ratio pi / pi_old stays a trust region around the current policy, and this weight
-    alone carries the whole distance to the sampler, however many versions back (the decoupled objective of
-    Hilton et al. 2022 and AReaL, Fu et al. 2025); a larger lag only makes the weights spread wider, which the cap
+    Any policy lag: pi_old is the trainer's policy when the batch is first trained, pi_sampler whichever version
+    sampled it (its log-probs carried with the batch), so the ratio pi / pi_old stays a trust region around the
+    current policy and this weight alone carries the whole distance to the sampler (the decoupled objective of Hilton
+    et al. 2022 and AReaL, Fu et al. 2025; docs/generation.md); a larger lag spreads the weights wider, which the cap
     bounds at the price of bias.
     """
     with torch.no_grad():
@@ -97,9 +89,8 @@ def truncated_importance_weights(
     return weights_BT.to(old_logprobs_BT.dtype), metrics
 
 
-def add_kl_penalty(
-    loss_BT: torch.Tensor, logprobs_BT: torch.Tensor, ref_logprobs_BT: torch.Tensor, beta: float
-) -> tuple[torch.Tensor, torch.Tensor]:
+def add_kl_penalty(loss_BT: torch.Tensor, logprobs_BT: torch.Tensor, ref_logprobs_BT: torch.Tensor,
+                   beta: float) -> tuple[torch.Tensor, torch.Tensor]:
     """loss + beta * KL_k3(policy || reference) per token, before aggregation -> (loss_BT, kl_BT).
 
     GRPO's KL term (Shao et al. 2024, eq. 3-4) uses the k3 estimator (posttrain.ops.kl) and is added to the loss
@@ -133,9 +124,8 @@ def _token_sum(loss_BT: torch.Tensor, completion_mask_BT: torch.Tensor, normalis
     return masked_sum(loss_BT, completion_mask_BT) / normaliser
 
 
-def _sequence_mean_sum(
-    loss_BT: torch.Tensor, completion_mask_BT: torch.Tensor, normaliser: torch.Tensor
-) -> torch.Tensor:
+def _sequence_mean_sum(loss_BT: torch.Tensor, completion_mask_BT: torch.Tensor,
+                       normaliser: torch.Tensor) -> torch.Tensor:
     return sequence_mean(loss_BT, completion_mask_BT).sum() / normaliser
 
 

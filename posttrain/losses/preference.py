@@ -29,12 +29,9 @@ def _relative(policy_logps_P: torch.Tensor, ref_logps_P: Optional[torch.Tensor])
     return policy_logps_P if ref_logps_P is None else policy_logps_P - ref_logps_P
 
 
-def preference_logits(
-    policy_chosen_logps_P: torch.Tensor,
-    policy_rejected_logps_P: torch.Tensor,
-    ref_chosen_logps_P: Optional[torch.Tensor] = None,
-    ref_rejected_logps_P: Optional[torch.Tensor] = None,
-) -> torch.Tensor:
+def preference_logits(policy_chosen_logps_P: torch.Tensor, policy_rejected_logps_P: torch.Tensor,
+                      ref_chosen_logps_P: Optional[torch.Tensor] = None,
+                      ref_rejected_logps_P: Optional[torch.Tensor] = None) -> torch.Tensor:
     """(pc - rc) - (pr - rr) -> logits_P; a missing reference counts as 0 (reference-free losses)."""
     chosen_P = _relative(policy_chosen_logps_P, ref_chosen_logps_P)
     return chosen_P - _relative(policy_rejected_logps_P, ref_rejected_logps_P)
@@ -99,14 +96,10 @@ PREFERENCE_LOSSES: dict[str, PreferenceLoss] = {
 }
 
 
-def implicit_rewards(
-    policy_chosen_logps_P: torch.Tensor,
-    policy_rejected_logps_P: torch.Tensor,
-    ref_chosen_logps_P: Optional[torch.Tensor] = None,
-    ref_rejected_logps_P: Optional[torch.Tensor] = None,
-    *,
-    beta: float,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def implicit_rewards(policy_chosen_logps_P: torch.Tensor, policy_rejected_logps_P: torch.Tensor,
+                     ref_chosen_logps_P: Optional[torch.Tensor] = None,
+                     ref_rejected_logps_P: Optional[torch.Tensor] = None, *,
+                     beta: float) -> tuple[torch.Tensor, torch.Tensor]:
     """DPO's implicit rewards beta * (policy - reference) -> detached (chosen_rewards_P, rejected_rewards_P), for
     metrics (accuracy = chosen > rejected, margin). A missing reference counts as 0 (SimPO: beta * policy)."""
     chosen_P = beta * _relative(policy_chosen_logps_P, ref_chosen_logps_P)

@@ -36,29 +36,20 @@ def _no_scale(rewards_GN: torch.Tensor) -> torch.Tensor:
     return rewards_GN.new_ones(rewards_GN.shape[0], 1)
 
 
-REWARD_SCALES: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
-    "group": _group_scale,
-    "batch": _batch_scale,
-    "none": _no_scale,
-}
+REWARD_SCALES: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {"group": _group_scale, "batch": _batch_scale,
+                                                                     "none": _no_scale}
 """scale_rewards -> divisor of each group's mean-centred rewards: rewards_GN (groups, group_size) -> (groups, 1)."""
 
 
 def _groups(rewards_B: torch.Tensor, group_size: int) -> torch.Tensor:
     if group_size < 2 or rewards_B.shape[0] % group_size:
-        raise ValueError(
-            f"need group_size (num_generations) >= 2 that splits the {rewards_B.shape[0]} rewards into whole groups, "
-            f"got {group_size}"
-        )
+        raise ValueError(f"need group_size (num_generations) >= 2 that splits the {rewards_B.shape[0]} rewards into "
+                         f"whole groups, got {group_size}")
     return rewards_B.view(-1, group_size)
 
 
 def group_advantages(rewards_B: torch.Tensor, group_size: int, scale_rewards: str = "group") -> torch.Tensor:
-    """(reward - mean of its group) / scale -> advantages_B.
-
-    scale_rewards: "group" (GRPO: group sample std + 1e-4), "batch" (sample std of all rewards passed in + 1e-4),
-    "none" (Dr. GRPO: 1, mean-centring only). See REWARD_SCALES.
-    """
+    """(reward - mean of its group) / scale -> advantages_B; the scale by `scale_rewards`, see REWARD_SCALES."""
     if scale_rewards not in REWARD_SCALES:
         raise ValueError(f"scale_rewards must be one of {', '.join(REWARD_SCALES)}, got {scale_rewards!r}")
     rewards_GN = _groups(rewards_B, group_size)

@@ -76,9 +76,8 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
         return grad_NV, None, None, None
 
 
-def token_logprobs(
-    logits_BTV: torch.Tensor, input_ids_BT: torch.Tensor, temperature: float = 1.0, chunk_size: int = 1024
-) -> torch.Tensor:
+def token_logprobs(logits_BTV: torch.Tensor, input_ids_BT: torch.Tensor, temperature: float = 1.0,
+                   chunk_size: int = 1024) -> torch.Tensor:
     """log p(token t | tokens < t) at each position t, position 0 = 0 -> logprobs_BT (float32; float64 stays so).
 
     Computed as target logit minus logsumexp, on logits divided by `temperature`, `chunk_size` rows of the
@@ -87,9 +86,8 @@ def token_logprobs(
     """
     _check(temperature, chunk_size)
     batch, length, vocab = logits_BTV.shape
-    logprobs_N = _ChunkedTokenLogprobs.apply(
-        logits_BTV.reshape(batch * length, vocab), _next_tokens(input_ids_BT).reshape(-1), temperature, chunk_size
-    )
+    logprobs_N = _ChunkedTokenLogprobs.apply(logits_BTV.reshape(batch * length, vocab),
+                                             _next_tokens(input_ids_BT).reshape(-1), temperature, chunk_size)
     return _shift_right(logprobs_N.view(batch, length))
 
 
@@ -100,9 +98,9 @@ class _LinearTokenLogprobs(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden_NH, weight_VH, targets_N, temperature, chunk_size):
-        autocast = _autocast_state(hidden_NH.device.type)
-        n = hidden_NH.shape[0]
-        dtype = _compute_dtype(hidden_NH)
+        device_type = hidden_NH.device.type
+        autocast = device_type, torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type)
+        n, dtype = hidden_NH.shape[0], _compute_dtype(hidden_NH)
         logprobs_N = torch.empty(n, dtype=dtype, device=hidden_NH.device)
         logsumexp_N = torch.empty(n, dtype=dtype, device=hidden_NH.device)
         for start in range(0, n, chunk_size):
@@ -149,18 +147,12 @@ def _scaled_logits(hidden_nH: torch.Tensor, weight_VH: torch.Tensor, dtype: torc
     return logits_nV.div_(temperature) if temperature != 1.0 else logits_nV
 
 
-def _autocast_state(device_type: str) -> tuple[str, bool, torch.dtype]:
-    return device_type, torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type)
-
-
 LINEAR_CHUNK_ELEMENTS = 2**25
 """Logits elements per chunk of `linear_token_logprobs` (128 MiB of float32): ~220 rows for a 150k vocabulary."""
 
 
-def linear_token_logprobs(
-    hidden_BTH: torch.Tensor, weight_VH: torch.Tensor, input_ids_BT: torch.Tensor, temperature: float = 1.0,
-    chunk_size: int | None = None,
-) -> torch.Tensor:
+def linear_token_logprobs(hidden_BTH: torch.Tensor, weight_VH: torch.Tensor, input_ids_BT: torch.Tensor,
+                          temperature: float = 1.0, chunk_size: int | None = None) -> torch.Tensor:
     """`token_logprobs(hidden_BTH @ weight_VH.T, input_ids_BT, temperature)` without ever making the logits.
 
     The output layer (lm_head, no bias) and the log-softmax are fused and chunked over the flattened B*T rows, forward
@@ -170,10 +162,8 @@ def linear_token_logprobs(
     batch, length, hidden = hidden_BTH.shape
     chunk_size = chunk_size or max(1, LINEAR_CHUNK_ELEMENTS // weight_VH.shape[0])
     _check(temperature, chunk_size)
-    logprobs_N = _LinearTokenLogprobs.apply(
-        hidden_BTH.reshape(batch * length, hidden), weight_VH, _next_tokens(input_ids_BT).reshape(-1), temperature,
-        chunk_size,
-    )
+    logprobs_N = _LinearTokenLogprobs.apply(hidden_BTH.reshape(batch * length, hidden), weight_VH,
+                                            _next_tokens(input_ids_BT).reshape(-1), temperature, chunk_size)
     return _shift_right(logprobs_N.view(batch, length))
 
 
@@ -216,9 +206,8 @@ def sequence_mean(x_BT: torch.Tensor, mask_BT: torch.Tensor) -> torch.Tensor:
     return sequence_sum(x_BT, mask_BT) / mask_BT.sum(-1).clamp(min=1)
 
 
-def segment_sum(
-    x_BT: torch.Tensor, mask_BT: torch.Tensor, sequence_index_BT: torch.Tensor, num_sequences: int
-) -> torch.Tensor:
+def segment_sum(x_BT: torch.Tensor, mask_BT: torch.Tensor, sequence_index_BT: torch.Tensor,
+                num_sequences: int) -> torch.Tensor:
     """Packed layout: sum of x over the masked tokens of each sequence -> x_S (S = num_sequences).
 
     `sequence_index_BT` numbers the packed sequences 0..S-1 (-1 for tokens of none); works for any B.
