@@ -231,7 +231,7 @@ def lost_peers() -> list[int]:
 def abort_process_group() -> None:
     """Tear the process group down so peers blocked in a collective fail fast instead of waiting for the timeout."""
     try:
-        from posttrain.distributed.backend import abort
+        from posttrain.distributed.process_exit import abort
 
         abort()
     except Exception:

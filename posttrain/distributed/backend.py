@@ -18,15 +18,10 @@ engine the launcher asked for is switched on over it; see `_make_accelerator`.
 from __future__ import annotations
 
 import argparse
-import atexit
 import contextlib
-import functools
-import gc
 import io
 import os
 import resource
-import sys
-import time
 import warnings
 from datetime import timedelta
 from pathlib import Path
@@ -44,6 +39,7 @@ from posttrain.distributed.build_locks import announce_cpu_op_builds, clear_stal
 from posttrain.distributed.launch_config import (check_launcher_settings, env_flag, fill_deepspeed_config,
                                                  launcher_engine)
 from posttrain.distributed.offload import Offloaded
+from posttrain.distributed.process_exit import settle_at_exit
 from posttrain.distributed.weight_sync import adapter_units, sync_buckets, sync_units
 from posttrain.errors import UserError
 
@@ -375,39 +371,8 @@ class Backend:
         self.accelerator.end_training()
         if dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()
-        _settle_at_exit()  # also when an in-process vLLM engine destroyed the group it adopted (its gloo threads)
+        settle_at_exit()  # also when an in-process vLLM engine destroyed the group it adopted (its gloo threads)
         _reset_accelerate_state()
-
-
-@functools.cache
-def _settle_at_exit() -> None:
-    atexit.register(_let_gloo_workers_finish)
-
-
-def _gloo_workers_running() -> bool:
-    """Whether a gloo worker thread of this process is running or runnable (Linux /proc; False elsewhere)."""
-    task = Path("/proc/self/task")
-    try:
-        tids = os.listdir(task)
-    except OSError:
-        return False
-    for tid in tids:
-        with contextlib.suppress(OSError):
-            if ((task / tid / "comm").read_text().startswith("pt_gloo_runloop")
-                    and peers.process_state(task / tid / "stat") == "R"):
-                return True
-    return False
-
-
-def _let_gloo_workers_finish(limit_s: float = 2.0) -> None:
-    """At exit, let gloo's worker threads finish releasing their last work: one that drops a tensor (taking the GIL)
-    while Python finalizes aborts a run that succeeded ("terminate called without an active exception")."""
-    gc.collect()
-    deadline = time.monotonic() + limit_s
-    idle_checks = 0
-    while idle_checks < 3 and time.monotonic() < deadline:
-        time.sleep(0.005)
-        idle_checks = 0 if _gloo_workers_running() else idle_checks + 1
 
 
 def _reset_accelerate_state() -> None:
@@ -433,12 +398,3 @@ def drop_tied_aliases(model, state: dict[str, torch.Tensor]) -> dict[str, torch.
         else:
             first.setdefault(id(param), name)
     return state
-
-
-def abort() -> None:
-    """After an unrecoverable error on this rank: exit now, so peers waiting in a collective see the connection
-    drop (and torchrun / accelerate launch stop the group) instead of hanging until the timeout."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        os._exit(1)
