@@ -264,8 +264,11 @@ def test_a_server_dying_mid_run_stops_the_run_naming_it(vllm_server, data, tmp_p
     try:
         assert proxy.stdout.readline().strip() == "listening"
         url = f"http://127.0.0.1:{proxy_port}"
+        # sync_timeout_s too: a kill that lands inside a weight sync leaves the trainer's gloo broadcast waiting for
+        # workers that never got /update_weights, until the sync's deadline (the recipe's is 600 s)
         run = start_grpo(overrides(url, vllm_server.model_dir, data, tmp_path / "run", "train.max_steps=500",
-                                   "generation.request_timeout_s=20", "generation.request_retries=1"))
+                                   "generation.request_timeout_s=20", "generation.request_retries=1",
+                                   "generation.sync_timeout_s=20"))
         deadline = time.monotonic() + 300
         while not (tmp_path / "run" / "metrics.jsonl").exists() or not metrics(tmp_path / "run"):
             assert run.poll() is None and time.monotonic() < deadline, run.communicate()[1][-3000:]
