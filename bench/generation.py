@@ -32,9 +32,9 @@ def main() -> None:
 
     from posttrain.config.schema import VLLMConfig
     from posttrain.models.tiny import make_tiny_model
-    from posttrain.rollout.base import SamplingParams
-    from posttrain.rollout.hf import HFEngine
-    from posttrain.rollout.vllm_engine import VLLMEngine
+    from posttrain.generation.base import SamplingParams
+    from posttrain.generation.hf import HFEngine
+    from posttrain.generation.vllm_engine import VLLMEngine
 
     model_dir = make_tiny_model(tempfile.mkdtemp(prefix="bench-gen-"), seed=0, **MODEL)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)

@@ -280,7 +280,7 @@ def run_row(row: Row, budget: float, env: dict, scratch: Path) -> dict:
         except subprocess.TimeoutExpired:
             status, reason = "failed", f"over its {budget:.0f} s budget: stopped"
         finally:  # SIGTERM to the whole group (what a launcher started too), SIGKILL after a grace period
-            from posttrain.rollout.serve import stop_group
+            from posttrain.generation.serve import stop_group
 
             stop_group(process)
     figures = json.loads(figures_file.read_text()) if figures_file.exists() else None

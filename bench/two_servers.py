@@ -59,8 +59,8 @@ def main() -> int:
     from safetensors.torch import load_file
 
     from posttrain.models.tiny import make_tiny_model
-    from posttrain.rollout.server import TOKEN_ENV, call
-    from posttrain.rollout.server_worker import tensor_digest
+    from posttrain.generation.server import TOKEN_ENV, call
+    from posttrain.generation.server_worker import tensor_digest
     from posttrain.tasks import write_example_data
     from tests.distributed.launch import launch
     from tests.integration.helpers import run_overrides

@@ -65,9 +65,9 @@ def main() -> None:
 
     from posttrain.config.schema import GenerationConfig
     from posttrain.models.tiny import make_tiny_model
-    from posttrain.rollout.adapter_sync import max_lora_rank
-    from posttrain.rollout.server import ServerEngine
-    from posttrain.rollout.weight_transfer import Background, wire_buckets
+    from posttrain.generation.adapter_sync import max_lora_rank
+    from posttrain.generation.server import ServerEngine
+    from posttrain.generation.weight_transfer import Background, wire_buckets
 
     work = Path(tempfile.mkdtemp(prefix="bench-sync-"))
     model_dir = make_tiny_model(work / "model", seed=0, **MODEL)
@@ -141,8 +141,8 @@ def lora_syncs(model_dir: Path, urls: list[str], args) -> dict:
     from posttrain.config.schema import GenerationConfig
     from posttrain.distributed.weight_sync import adapter_units, sync_units
     from posttrain.models.load import apply_lora
-    from posttrain.rollout.adapter_sync import adapter_config, check_delivery
-    from posttrain.rollout.server import ServerEngine
+    from posttrain.generation.adapter_sync import adapter_config, check_delivery
+    from posttrain.generation.server import ServerEngine
 
     policy = apply_lora(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32),
                         LoraConfig(enabled=True, r=args.lora, alpha=2 * args.lora)).eval()

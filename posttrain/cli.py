@@ -27,7 +27,7 @@ OTHER_COMMANDS = {  # command -> (its one-line help, its module, the functions t
              "posttrain.launch.commands", "add_plan_and_doctor", "run_plan_or_doctor"),
     "doctor": ("check GPUs, versions, the process group and disk before a launch",
                "posttrain.launch.commands", "add_plan_and_doctor", "run_plan_or_doctor"),
-    "serve": ("start a vLLM generation server for generation.placement=servers", "posttrain.rollout.serve",
+    "serve": ("start a vLLM generation server for generation.placement=servers", "posttrain.generation.serve",
               "add_serve", "run_serve"),
     "report": ("redraw a run's report.html, or compare several runs on one page", "posttrain.report", "add_report",
                "run_report"),

@@ -33,7 +33,7 @@ RECIPE_SECTIONS = ("output_dir", "model", "data", "train")  # what every config.
 
 def engine_logs() -> str:
     """The folder the Ray launcher's generation engines log to, created before the run itself starts."""
-    from posttrain.rollout.server_process import LOG_DIR
+    from posttrain.generation.server_process import LOG_DIR
 
     return LOG_DIR
 

@@ -33,7 +33,7 @@ from posttrain.models.limits import check_position_limit
 from posttrain.models.load import check_model_source, count_parameters, load_tokenizer
 from posttrain.plan import estimated_peak_mb
 from posttrain.roles import build_roles
-from posttrain.rollout.server import check_servers
+from posttrain.generation.server import check_servers
 from posttrain.train.evaluation import evaluate_online
 from posttrain.train.guard import Guard
 from posttrain.train.loop import LoopContext, evaluate, train

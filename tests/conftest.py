@@ -52,11 +52,11 @@ _RUNNING: list = []  # the test servers now running
 
 @contextlib.contextmanager
 def serve(model_dir, log, *vllm_args):
-    """A `posttrain serve` vLLM server (CPU, fp32) owned by `ServerProcess` (posttrain/rollout/server_process.py, as
+    """A `posttrain serve` vLLM server (CPU, fp32) owned by `ServerProcess` (posttrain/generation/server_process.py, as
     the node and Ray engines own theirs): a process group of its own, its output in `log`, stopped with everything
     it started at the end. Sets POSTTRAIN_SERVER_TOKEN while it runs. Skips without vLLM."""
-    from posttrain.rollout.server_process import ServerProcess
-    from posttrain.rollout.vllm_engine import vllm_available
+    from posttrain.generation.server_process import ServerProcess
+    from posttrain.generation.vllm_engine import vllm_available
 
     if not vllm_available():
         pytest.skip("vLLM is not installed (make setup EXTRAS=dev,vllm)")

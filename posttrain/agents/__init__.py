@@ -5,7 +5,7 @@
       environment: my_envs:Game               # optional
       max_turns: 4
 
-Layers: this package sits beside posttrain/rollout/ (it drives a GenerationEngine) and below train/ (the rollout
+Layers: this package sits beside posttrain/generation/ (it drives a GenerationEngine) and below train/ (the rollout
 source hands generation to it); it never imports train/ or run.py.
 """
 

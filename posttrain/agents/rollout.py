@@ -32,7 +32,7 @@ from posttrain.agents.environment import EnvironmentSession, load_environment
 from posttrain.agents.parsers import pick_parser
 from posttrain.agents.tools import ToolRunner, load_tools
 from posttrain.errors import UserError
-from posttrain.rollout.base import GenerationEngine, SamplingParams
+from posttrain.generation.base import GenerationEngine, SamplingParams
 
 logger = logging.getLogger(__name__)
 

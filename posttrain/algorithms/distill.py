@@ -10,7 +10,7 @@ completions from the data or sampled by the student itself (GKD, Agarwal et al. 
   ZeRO-3, in CPU memory between forwards with `algo.teacher_offload`, or (launcher: ray) replicas of its own placed
   apart (`placement.teacher`, `placement.colocate`), which return its logits. It must share the student's tokenizer and
   vocabulary; another is exit 2 naming both models, before any weights load. Or it is served by vLLM
-  (`algo.teacher_server`): its top-k log-probs per position, fetched in `prepare` (rollout/teacher_server.py).
+  (`algo.teacher_server`): its top-k log-probs per position, fetched in `prepare` (generation/teacher_server.py).
 
 The loss of a step is (sum of per-token divergences over all completion tokens of the step) / (their count): the
 loop passes that global count as `normaliser`, so accumulation and world size do not change the update. The
@@ -97,7 +97,7 @@ class Distill(Algorithm):
         self.teacher_config = self.server = None
         if self.config.teacher_server:  # top-k log-probs from a server: it answers and tokenizes like the student
             from posttrain.models.load import check_model_source, load_tokenizer
-            from posttrain.rollout.teacher_server import TeacherServer
+            from posttrain.generation.teacher_server import TeacherServer
 
             check_model_source(recipe.model)
             gen = recipe.generation

@@ -24,8 +24,8 @@ from posttrain.config.schema import Recipe
 from posttrain.launch.ray_actors import kill_all, last_line
 from posttrain.launch.ray_placement import Node, Plan, node_options
 from posttrain.errors import RunStopped, UserError
-from posttrain.rollout.server_process import LOG_DIR, READY_TIMEOUT_S, ServerProcess, serve_args, server_env
-from posttrain.rollout.server_worker import TOKEN_ENV
+from posttrain.generation.server_process import LOG_DIR, READY_TIMEOUT_S, ServerProcess, serve_args, server_env
+from posttrain.generation.server_worker import TOKEN_ENV
 
 SCHEDULE_TIMEOUT_S = 300.0  # Ray places the actor: longer means its resources are held by another job
 STOP_TIMEOUT_S = 30.0  # `posttrain serve` gives vLLM 10 s after SIGTERM, the actor gives serve as long again

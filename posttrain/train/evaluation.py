@@ -22,7 +22,7 @@ from posttrain.config.schema import DataConfig
 from posttrain.data import collate_preference, load_rows, tokenize_preference
 from posttrain.errors import UserError
 from posttrain.rewards import exact_match
-from posttrain.rollout import HFEngine, SamplingParams
+from posttrain.generation import HFEngine, SamplingParams
 
 ANSWER_COLUMN = "answer"
 

@@ -45,8 +45,8 @@ from posttrain.agents import AgentRollout, Trajectory, agent_metrics, score_traj
 from posttrain.ops.advantages import zero_std_fraction
 from posttrain.ops.logprobs import sequence_mean
 from posttrain.rewards import reward_metrics
-from posttrain.rollout import Completions, SamplingParams, make_engine
-from posttrain.rollout.adapter_sync import check_delivery
+from posttrain.generation import Completions, SamplingParams, make_engine
+from posttrain.generation.adapter_sync import check_delivery
 from posttrain.batch import Batch
 from posttrain.train.in_flight import InFlight, Sampled, lag_metrics, policy_lag
 from posttrain.train.sources import SampleOrder, Source

@@ -14,7 +14,7 @@ import re
 import psutil
 import pytest
 
-from posttrain.rollout.vllm_engine import vllm_available
+from posttrain.generation.vllm_engine import vllm_available
 from posttrain.tasks import write_example_data
 from tests.distributed.launch import launch
 from tests.integration.helpers import max_weight_diff, run_overrides

@@ -24,7 +24,7 @@ from tests.distributed.launch import ROOT, Result, launch, worker_env
 from tests.distributed.test_grpo_distributed import overrides as grpo_overrides
 from tests.distributed.test_ppo_distributed import REWARD, critic_weights, overrides as ppo_overrides
 from posttrain.tasks import write_example_data
-from posttrain.rollout.vllm_engine import vllm_available
+from posttrain.generation.vllm_engine import vllm_available
 from tests.integration.helpers import max_weight_diff
 
 ray = pytest.importorskip("ray", reason="the ray extra is not installed (pip install 'posttrain[ray]')")

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
-from posttrain.rollout.vllm_engine import vllm_available
+from posttrain.generation.vllm_engine import vllm_available
 from posttrain.tasks import write_example_data
 from tests.distributed.launch import launch
 from tests.integration.helpers import run_overrides
@@ -20,8 +20,8 @@ REWARD = "tests.integration.test_grpo:length_reward"
 
 
 def test_zero3_two_processes_sync_the_server_to_final(vllm_server, tmp_path):
-    from posttrain.rollout.server import call
-    from posttrain.rollout.server_worker import tensor_digest
+    from posttrain.generation.server import call
+    from posttrain.generation.server_worker import tensor_digest
 
     data = write_example_data(tmp_path / "data", n_train=32, n_eval=4)
     out = tmp_path / "run"

@@ -15,7 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from posttrain.rollout.vllm_engine import vllm_available
+from posttrain.generation.vllm_engine import vllm_available
 from posttrain.tasks import write_example_data
 from tests.integration.helpers import (
     assert_resume_is_exact,
@@ -127,7 +127,7 @@ def test_multi_turn_grpo_on_the_vllm_server_trains_the_servers_tokens(vllm_serve
     earlier ids and the appended tool / environment ids, never re-templated text), and what is trained is exactly
     the ids it returned, with its log-probs, masked in; tool and environment tokens are context only."""
     from posttrain.agents import AgentRollout
-    from posttrain.rollout.server import ServerEngine
+    from posttrain.generation.server import ServerEngine
     from posttrain.train.rollout_source import RolloutSource
 
     calls, runs, built = [], [], []

@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from posttrain.rollout.vllm_engine import vllm_available
+from posttrain.generation.vllm_engine import vllm_available
 from posttrain.tasks import write_example_data
 from tests.integration.helpers import final_weights, metrics, run_cli, run_overrides
 

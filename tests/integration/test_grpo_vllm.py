@@ -15,7 +15,7 @@ import sys
 import pytest
 import torch
 
-from posttrain.rollout.vllm_engine import vllm_available
+from posttrain.generation.vllm_engine import vllm_available
 from posttrain.tasks import write_example_data
 from tests.integration.helpers import final_weights, metrics, run_overrides
 

@@ -20,7 +20,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from posttrain.rollout.vllm_engine import vllm_available
+from posttrain.generation.vllm_engine import vllm_available
 from posttrain.tasks import write_example_data
 from tests.integration.helpers import metrics, run_cli, run_overrides
 
@@ -56,7 +56,7 @@ def free_port() -> int:
 
 
 def test_every_endpoint_but_health_needs_the_token(vllm_server):
-    from posttrain.rollout.server import ServerUnavailable, call
+    from posttrain.generation.server import ServerUnavailable, call
 
     assert call(vllm_server.url, "/health", token="") is None
     for token in ("", "wrong-token"):
@@ -69,10 +69,10 @@ def test_every_endpoint_but_health_needs_the_token(vllm_server):
 
 
 def test_grpo_leaves_the_server_holding_final(vllm_server, data, tmp_path):
-    from posttrain.rollout.base import SamplingParams
-    from posttrain.rollout.hf import HFEngine
-    from posttrain.rollout.server import call
-    from posttrain.rollout.server_worker import tensor_digest
+    from posttrain.generation.base import SamplingParams
+    from posttrain.generation.hf import HFEngine
+    from posttrain.generation.server import call
+    from posttrain.generation.server_worker import tensor_digest
 
     run = start_grpo(overrides(vllm_server.url, vllm_server.model_dir, data, tmp_path / "run"))
     _, stderr = run.communicate(timeout=600)
@@ -91,7 +91,7 @@ def test_grpo_leaves_the_server_holding_final(vllm_server, data, tmp_path):
 
     # the server samples from final/: its greedy completions are HF's on final/, token for token
     from posttrain.config.schema import GenerationConfig
-    from posttrain.rollout.server import ServerEngine
+    from posttrain.generation.server import ServerEngine
 
     tokenizer = AutoTokenizer.from_pretrained(tmp_path / "run" / "final")
     prompts = [tokenizer(text)["input_ids"] for text in ("What is 12 + 7?", "Hello there", "Count: 1 2 3")]
@@ -104,10 +104,10 @@ def test_grpo_leaves_the_server_holding_final(vllm_server, data, tmp_path):
 def test_lora_grpo_syncs_the_folded_adapters(vllm_server, data, tmp_path):
     """With LoRA the servers get W + scaling * B @ A (adapters never sent): the sampler's log-probs stay the
     trainer's at every step, and at the end the server samples what the merged final/ does."""
-    from posttrain.rollout.base import SamplingParams
-    from posttrain.rollout.hf import HFEngine
-    from posttrain.rollout.server import call
-    from posttrain.rollout.server_worker import tensor_digest
+    from posttrain.generation.base import SamplingParams
+    from posttrain.generation.hf import HFEngine
+    from posttrain.generation.server import call
+    from posttrain.generation.server_worker import tensor_digest
 
     out = tmp_path / "run"
     run = start_grpo(overrides(vllm_server.url, vllm_server.model_dir, data, out, "model.lora.enabled=true",
@@ -125,7 +125,7 @@ def test_lora_grpo_syncs_the_folded_adapters(vllm_server, data, tmp_path):
     prompts = [tokenizer(text)["input_ids"] for text in ("What is 12 + 7?", "Hello there", "Count: 1 2 3")]
     params = SamplingParams(max_new_tokens=12, temperature=0)
     from posttrain.config.schema import GenerationConfig
-    from posttrain.rollout.server import ServerEngine
+    from posttrain.generation.server import ServerEngine
 
     engine = ServerEngine(GenerationConfig(engine="vllm", placement="servers", servers=(vllm_server.url,)), tokenizer, False)
     hf = HFEngine(AutoModelForCausalLM.from_pretrained(out / "final", dtype=torch.float32), tokenizer)
@@ -140,7 +140,7 @@ def restore_starting_weights(vllm_server, tokenizer):
     """The session server's base weights back to the tiny model's (earlier tests synced trained ones into it): an
     adapter is served on top of the base the policy started from."""
     from posttrain.config.schema import GenerationConfig
-    from posttrain.rollout.server import ServerEngine
+    from posttrain.generation.server import ServerEngine
 
     engine = ServerEngine(GenerationConfig(engine="vllm", placement="servers", servers=(vllm_server.url,)), tokenizer,
                           sends_weights=True)
@@ -153,9 +153,9 @@ def test_lora_adapter_sync_serves_final_and_a_broken_delivery_stops_the_run(vllm
     """generation.lora_sync=adapter: only the adapter travels, and the server then samples what the merged final/
     does (greedy, token for token); an adapter corrupted on its way is caught by the probe after the sync: exit 1
     naming the server and the version."""
-    from posttrain.rollout.base import SamplingParams
-    from posttrain.rollout.hf import HFEngine
-    from posttrain.rollout.server import call
+    from posttrain.generation.base import SamplingParams
+    from posttrain.generation.hf import HFEngine
+    from posttrain.generation.server import call
 
     tokenizer = AutoTokenizer.from_pretrained(vllm_lora_server.model_dir)
     restore_starting_weights(vllm_lora_server, tokenizer)
@@ -183,7 +183,7 @@ def test_lora_adapter_sync_serves_final_and_a_broken_delivery_stops_the_run(vllm
     assert greedy == hf.generate(prompts, SamplingParams(max_new_tokens=12, temperature=0)).completion_ids
 
     # the same run with one adapter tensor corrupted on its way to the server (after the trainer sent its bytes)
-    import posttrain.rollout.weight_transfer as transfer
+    import posttrain.generation.weight_transfer as transfer
 
     sending = transfer.wire_buckets
 
@@ -216,9 +216,9 @@ def test_async_grpo_samples_one_step_behind_and_the_server_ends_on_final(vllm_se
     from posttrain.data.io import load_rows
     from posttrain.data.tokenize import tokenize_prompts
     from posttrain.rewards import load_rewards
-    from posttrain.rollout.hf import HFEngine
-    from posttrain.rollout.server import call
-    from posttrain.rollout.server_worker import tensor_digest
+    from posttrain.generation.hf import HFEngine
+    from posttrain.generation.server import call
+    from posttrain.generation.server_worker import tensor_digest
 
     out = tmp_path / "run"
     run = start_grpo(overrides(vllm_server.url, vllm_server.model_dir, data, out, "generation.max_staleness=1",
@@ -292,9 +292,9 @@ def test_an_update_a_dead_trainer_left_open_is_ended_by_the_next_trainer(vllm_se
     server inside the update, and vLLM refuses every later start: the next trainer ends it, then syncs whole."""
     from posttrain.config.schema import GenerationConfig
     from posttrain.distributed.weight_sync import sync_units
-    from posttrain.rollout.http import ServerUnavailable
-    from posttrain.rollout.server import ServerEngine, call
-    from posttrain.rollout.server_worker import tensor_digest
+    from posttrain.generation.http import ServerUnavailable
+    from posttrain.generation.server import ServerEngine, call
+    from posttrain.generation.server_worker import tensor_digest
 
     try:
         call(vllm_server.url, "/start_weight_update", {})  # what the dead trainer did last
@@ -345,7 +345,7 @@ def test_bad_servers_exit_2_before_any_model_is_loaded(case, vllm_server, data, 
 def stock_server(tiny_vllm_model_dir, tmp_path_factory):
     """A stock vLLM api_server (no posttrain serve, no worker extension, no middleware): only the weight-transfer
     backend that posttrain's plugin entry point registers in every vLLM process, and vLLM's own --api-key."""
-    from posttrain.rollout.http import ServerUnavailable, call
+    from posttrain.generation.http import ServerUnavailable, call
 
     port, token = free_port(), "stock-token"
     log = tmp_path_factory.mktemp("stock") / "api_server.log"
@@ -382,11 +382,11 @@ def test_a_stock_vllm_server_takes_syncs_and_serves_the_synced_policy(stock_serv
     sync into it: after a sync of perturbed weights its greedy completions are HF's on those weights, token for
     token, and it holds the version set."""
     from posttrain.config.schema import GenerationConfig, Recipe
-    from posttrain.rollout.server import check_servers
-    from posttrain.rollout.base import SamplingParams
-    from posttrain.rollout.hf import HFEngine
-    from posttrain.rollout.http import call
-    from posttrain.rollout.server import ServerEngine
+    from posttrain.generation.server import check_servers
+    from posttrain.generation.base import SamplingParams
+    from posttrain.generation.hf import HFEngine
+    from posttrain.generation.http import call
+    from posttrain.generation.server import ServerEngine
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_vllm_model_dir)
     monkeypatch.setenv("POSTTRAIN_SERVER_TOKEN", stock_server.token)

@@ -12,7 +12,7 @@ import torch
 from posttrain.algorithms import ALGORITHMS
 from posttrain.config import load_recipe
 from posttrain.errors import RunStopped, UserError
-from posttrain.rollout.adapter_sync import (KEEP, AdapterNames, DeliveryProbe, adapter_config, check_delivery,
+from posttrain.generation.adapter_sync import (KEEP, AdapterNames, DeliveryProbe, adapter_config, check_delivery,
                                             max_lora_rank, parse_name, probe_gap, write_adapter)
 
 
@@ -152,7 +152,7 @@ def test_lora_sync_adapter_where_it_cannot_work_exits_2(overrides, message):
 
 
 def test_lora_sync_adapter_on_servers_loads_and_asks_the_servers_for_lora():
-    from posttrain.rollout.server_process import serve_args
+    from posttrain.generation.server_process import serve_args
 
     recipe = load_recipe(None, GRPO + ["generation.lora_sync=adapter", "model.lora.enabled=true", "model.lora.r=4",
                                        "model.name_or_path=tiny/", "generation.engine=vllm",

@@ -12,7 +12,7 @@ from transformers import AutoTokenizer
 from posttrain.agents import AgentRollout, ToolRunner, load_tools
 from posttrain.agents.parsers import pick_parser
 from posttrain.errors import UserError
-from posttrain.rollout.base import Completions, GenerationEngine, SamplingParams
+from posttrain.generation.base import Completions, GenerationEngine, SamplingParams
 
 TOOL_FILE = '''
 def add(a: int, b: int) -> int:

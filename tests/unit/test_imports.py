@@ -2,7 +2,7 @@
 functions count too):
 
 - STYLE rule 5: only posttrain/distributed/ and posttrain/launch/ import distributed machinery (torch.distributed,
-  accelerate, deepspeed, ray), only posttrain/rollout/ imports vLLM;
+  accelerate, deepspeed, ray), only posttrain/generation/ imports vLLM;
 - the layers: a module imports only from its own layer or the ones below (LAYERS, top first), and no two posttrain
   modules import each other, directly or round a loop.
 """
@@ -16,7 +16,7 @@ PACKAGE = Path(__file__).resolve().parents[2] / "posttrain"
 PURE_PACKAGES = ("ops", "losses", "algorithms", "rewards", "config")
 FORBIDDEN = ("torch.distributed", "accelerate", "deepspeed", "ray", "vllm")
 MACHINERY = ("torch.distributed", "accelerate", "deepspeed", "ray")
-ALLOWED_IN = {"distributed": MACHINERY, "launch": MACHINERY, "rollout": ("vllm",)}
+ALLOWED_IN = {"distributed": MACHINERY, "launch": MACHINERY, "generation": ("vllm",)}
 LAYERS = [
     ("cli", "__main__", "console", "demo", "demo_tools"),           # the command line
     ("launch",),                                                    # what starts processes: Ray, serve children, doctor
@@ -24,7 +24,7 @@ LAYERS = [
      "logging", "trackers", "report", "report_charts", "report_html"),
     ("train",),                                                     # the loop, sources, rollout source, evaluation
     ("algorithms", "agents"),                                       # prepare + loss plug-ins; multi-turn rollouts
-    ("rollout", "rewards", "models", "data", "tasks"),              # engines, rewards, models, data
+    ("generation", "rollout", "rewards", "models", "data", "tasks"),   # engines (rollout: its old name), rewards, models, data
     ("distributed",),                                               # what runs inside a training process
     ("ops", "losses", "config", "batch", "errors", "checkpoint_files", "usercode", "__init__"),   # pure
 ]
@@ -71,7 +71,7 @@ def test_module_imports_distributed_machinery_or_vllm_only_in_its_layer(path):
     bad = forbidden_imports(path.read_text(encoding="utf-8"), ALLOWED_IN.get(layer, ()))
     assert not bad, (
         f"{path.relative_to(PACKAGE.parent)} imports {', '.join(bad)}; only posttrain/distributed/ and launch/ may "
-        "import torch.distributed, accelerate, deepspeed or ray, and only posttrain/rollout/ vllm (STYLE rule 5)"
+        "import torch.distributed, accelerate, deepspeed or ray, and only posttrain/generation/ vllm (STYLE rule 5)"
     )
 
 
@@ -161,7 +161,7 @@ def test_checker_allows(source):
 
 
 def test_each_layer_may_import_only_its_own_machinery():
-    distributed, rollout = ALLOWED_IN["distributed"], ALLOWED_IN["rollout"]
+    distributed, rollout = ALLOWED_IN["distributed"], ALLOWED_IN["generation"]
     assert not forbidden_imports("import ray", ALLOWED_IN["launch"])
     assert not forbidden_imports("import deepspeed\nfrom accelerate import Accelerator", distributed)
     assert forbidden_imports("from vllm import LLM", distributed)

@@ -169,7 +169,7 @@ def test_equals_trl_gkd_and_distillation_losses(trl_losses, beta, temperature):
 def test_vllm_prompt_logprobs_become_top_k_tensors():
     """The shape of vLLM's choices[0].prompt_logprobs (JSON keys are strings): the prompt's own token rides along with
     its rank and is dropped when it is not in the top k."""
-    from posttrain.rollout.teacher_server import parse_prompt_logprobs
+    from posttrain.generation.teacher_server import parse_prompt_logprobs
 
     answer = [None,
               {"7": {"logprob": -0.1, "rank": 1, "decoded_token": "a"}, "3": {"logprob": -2.5, "rank": 2},

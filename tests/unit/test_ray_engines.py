@@ -13,7 +13,7 @@ import pytest
 from posttrain.algorithms.grpo import GRPOAlgoConfig
 from posttrain.config.load import load_recipe
 from posttrain.launch.ray_engines import Engines, check_engines
-from posttrain.rollout.server_process import serve_args
+from posttrain.generation.server_process import serve_args
 from posttrain.launch.ray_placement import Node
 from posttrain.errors import UserError
 
@@ -72,7 +72,7 @@ def test_a_server_process_ends_with_the_process_that_started_it():
     serve`): the child asked for SIGTERM at its parent's death."""
     parent = subprocess.Popen([sys.executable, "-c",
                                "import subprocess, sys, time\n"
-                               "from posttrain.rollout.serve import die_with_parent\n"
+                               "from posttrain.generation.serve import die_with_parent\n"
                                "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'], "
                                "start_new_session=True, preexec_fn=die_with_parent())\n"
                                "print(child.pid, flush=True)\n"

@@ -14,9 +14,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from posttrain.rollout.base import Completions, GenerationEngine, SamplingParams
-from posttrain.rollout.hf import HFEngine
-from posttrain.rollout.vllm_engine import vllm_available
+from posttrain.generation.base import Completions, GenerationEngine, SamplingParams
+from posttrain.generation.hf import HFEngine
+from posttrain.generation.vllm_engine import vllm_available
 
 PROMPTS = [
     "What is 12 + 7?",
@@ -37,7 +37,7 @@ _VLLM: dict = {}
 def vllm_engine(model_dir, tokenizer=None, **kwargs) -> GenerationEngine:
     """One vLLM engine per test session (start-up and memory); a different tokenizer only changes the eos id."""
     from posttrain.config.schema import VLLMConfig
-    from posttrain.rollout.vllm_engine import VLLMEngine
+    from posttrain.generation.vllm_engine import VLLMEngine
 
     key = str(model_dir)
     if key not in _VLLM:
@@ -65,7 +65,7 @@ def server_engine(model_dir, tokenizer=None, server=None, **kwargs) -> Generatio
     """The session's server, given the weights of `model_dir` once (a weight sync, as a trainer does)."""
     from posttrain.config.schema import GenerationConfig
     from posttrain.distributed.weight_sync import sync_units
-    from posttrain.rollout.server import ServerEngine
+    from posttrain.generation.server import ServerEngine
 
     key = (str(model_dir), server.url)
     if key not in _SERVER:

@@ -9,9 +9,9 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from posttrain.config.schema import GenerationConfig
-from posttrain.rollout.base import Completions, SamplingParams
-from posttrain.rollout import make_engine
-from posttrain.rollout.hf import HFEngine
+from posttrain.generation.base import Completions, SamplingParams
+from posttrain.generation import make_engine
+from posttrain.generation.hf import HFEngine
 
 GREEDY = SamplingParams(max_new_tokens=6, temperature=0)
 
@@ -141,8 +141,8 @@ def test_make_engine_picks_by_placement_and_engine(model, tokenizer):
     import types
 
     from posttrain.config.schema import Recipe
-    from posttrain.rollout.engines import ENGINES
-    from posttrain.rollout.server import ServerEngine
+    from posttrain.generation.engines import ENGINES
+    from posttrain.generation.server import ServerEngine
 
     backend = types.SimpleNamespace(unwrap=lambda m: m, gathered_parameters=contextlib.nullcontext, is_main=False, rank=0)
     recipe = Recipe()
@@ -159,7 +159,7 @@ def test_make_engine_picks_by_placement_and_engine(model, tokenizer):
 
 
 def test_engines_declare_their_capabilities(model, tokenizer):
-    from posttrain.rollout.base import GenerationEngine
+    from posttrain.generation.base import GenerationEngine
 
     hf = HFEngine(model, tokenizer)
     assert isinstance(hf, GenerationEngine)

@@ -17,9 +17,9 @@ import pytest
 
 from posttrain.config.schema import GenerationConfig
 from posttrain.errors import RunStopped, UserError
-from posttrain.rollout.base import SamplingParams
-from posttrain.rollout.http import ServerUnavailable, call, read_completion
-from posttrain.rollout.server import ServerEngine
+from posttrain.generation.base import SamplingParams
+from posttrain.generation.http import ServerUnavailable, call, read_completion
+from posttrain.generation.server import ServerEngine
 
 VOCAB = 100
 TOKENIZER = types.SimpleNamespace(eos_token_id=2)
@@ -232,7 +232,7 @@ def test_call_errors_are_retryable_only_when_another_try_can_help(fake):
 
 def test_bad_answers_at_start_up_are_user_errors_naming_the_server(fake, tiny_model_dir, monkeypatch):
     from posttrain.config.schema import Recipe
-    from posttrain.rollout.server import check_servers
+    from posttrain.generation.server import check_servers
     from transformers import AutoTokenizer
 
     monkeypatch.setenv("POSTTRAIN_SERVER_TOKEN", "s3cret")

@@ -14,7 +14,7 @@ import torch
 from posttrain.config.schema import GenerationConfig, Recipe
 from posttrain.config.validate import validate
 from posttrain.errors import UserError
-from posttrain.rollout.server import ServerEngine, ServerUnavailable, call
+from posttrain.generation.server import ServerEngine, ServerUnavailable, call
 
 
 def recipe(**generation) -> Recipe:
@@ -56,7 +56,7 @@ def test_unreachable_server_is_named_in_the_error():
 
 
 def test_token_guard_lets_only_the_token_and_health_through(monkeypatch):
-    from posttrain.rollout.server_worker import TokenGuard
+    from posttrain.generation.server_worker import TokenGuard
 
     seen = []
 
@@ -93,7 +93,7 @@ def serve_args(*vllm_args, **kwargs):
 
 
 def test_serve_command_line():
-    from posttrain.rollout.serve import EXTENSION, MIDDLEWARE, vllm_command
+    from posttrain.generation.serve import EXTENSION, MIDDLEWARE, vllm_command
 
     cpu = vllm_command(serve_args("--max-model-len", "512"), on_gpu=False)
     assert cpu[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
@@ -112,7 +112,7 @@ def test_serve_command_line():
 def test_serve_bad_input_is_a_user_error(tmp_path):
     import socket
 
-    from posttrain.rollout.serve import check_serve_args
+    from posttrain.generation.serve import check_serve_args
 
     if __import__("importlib").util.find_spec("vllm") is None:
         pytest.skip("without vLLM the first check is that vLLM is missing")
@@ -161,7 +161,7 @@ def test_weights_travel_bit_for_bit_over_a_gloo_group():
     ({"LOCAL_RANK": "3", "LOCAL_WORLD_SIZE": "4"}, 7, 8, (1, 3)),  # no GROUP_RANK: contiguous ranks per node
 ])
 def test_a_rank_knows_its_node_and_place_in_it(monkeypatch, env, rank, world, expected):
-    from posttrain.rollout.vllm_node import node_position
+    from posttrain.generation.vllm_node import node_position
 
     for name in ("LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK"):
         monkeypatch.delenv(name, raising=False)
@@ -213,7 +213,7 @@ def test_a_node_engine_that_cannot_start_stops_every_rank_naming_node_and_log(tm
     a UserError naming the node, the exit code and the end of the engine's log, before any generation."""
     from posttrain.config.load import load_recipe
     from posttrain.algorithms.grpo import GRPOAlgoConfig
-    from posttrain.rollout.vllm_node import NodeEngine
+    from posttrain.generation.vllm_node import NodeEngine
 
     (tmp_path / "no-model").mkdir()
     r = load_recipe(None, ["data.train=x.jsonl", "rewards=[{name: exact_match}]", "generation.engine=vllm",
@@ -228,7 +228,7 @@ def test_a_node_engine_that_cannot_start_stops_every_rank_naming_node_and_log(tm
 
 
 def test_serve_reads_its_token_from_a_file_or_the_environment_not_the_command_line(tmp_path, monkeypatch, capsys):
-    from posttrain.rollout.serve import read_token
+    from posttrain.generation.serve import read_token
 
     monkeypatch.setenv("POSTTRAIN_SERVER_TOKEN", "from-env")
     (tmp_path / "token").write_text("from-file\n")

@@ -6,7 +6,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from posttrain.errors import UserError
-from posttrain.rollout.vllm_engine import VLLMEngine, vllm_available
+from posttrain.generation.vllm_engine import VLLMEngine, vllm_available
 
 pytestmark = [pytest.mark.vllm,
               pytest.mark.skipif(not vllm_available(), reason="vLLM is not installed (make setup EXTRAS=dev,vllm)")]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from transformers import LlamaConfig
 
-from posttrain.rollout.cpu_memory import cpu_kv_cache_bytes, kv_bytes_per_token, serve_kv_cache_option
+from posttrain.generation.cpu_memory import cpu_kv_cache_bytes, kv_bytes_per_token, serve_kv_cache_option
 
 MIB = 2**20
 # 2 layers, 4 query heads sharing 2 kv heads of 64 / 4 = 16: 2 (k and v) x 2 x 2 x 16 = 128 numbers a token
@@ -39,7 +39,7 @@ def test_serve_passes_an_explicit_kv_cache_unless_the_user_sized_it(tmp_path):
 
 def test_serve_command_carries_the_kv_cache_size_on_a_cpu_only():
     from tests.unit.test_rollout_server import serve_args
-    from posttrain.rollout.serve import vllm_command
+    from posttrain.generation.serve import vllm_command
 
     memory = ["--kv-cache-memory-bytes", str(8 * MIB)]
     cpu = vllm_command(serve_args("--max-model-len", "512"), on_gpu=False, memory=memory)
@@ -49,7 +49,7 @@ def test_serve_command_carries_the_kv_cache_size_on_a_cpu_only():
 
 def test_a_kv_cache_size_must_be_positive(tmp_path):
     from posttrain.errors import UserError
-    from posttrain.rollout.serve import check_serve_args
+    from posttrain.generation.serve import check_serve_args
     from tests.unit.test_rollout_server import serve_args
 
     if __import__("importlib").util.find_spec("vllm") is None:

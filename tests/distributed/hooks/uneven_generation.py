@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-import posttrain.rollout.hf as hf
+import posttrain.generation.hf as hf
 
 _RANK = int(os.environ["RANK"])
 _report = {"longest": 0, "gathers": [], "fsdp_modules": 0}

@@ -1,6 +1,6 @@
 """What `posttrain serve` adds to a vLLM server: a token on every request (`--middleware
-posttrain.rollout.server_worker.TokenGuard`), and vLLM-free helpers its workers use (the worker extension and the
-weight-transfer backend are in `posttrain.rollout.vllm_weight_transfer`).
+posttrain.generation.server_worker.TokenGuard`), and vLLM-free helpers its workers use (the worker extension and the
+weight-transfer backend are in `posttrain.generation.vllm_weight_transfer`).
 
 `TokenGuard` refuses every request but `/health` without `Authorization: Bearer <POSTTRAIN_SERVER_TOKEN>`. vLLM's
 own `--api-key` guards only /v1, /v2, /inference and /cohere, not the dev endpoints that take new weights.
@@ -17,7 +17,7 @@ import threading
 
 import torch
 
-from posttrain.rollout.http import TOKEN_ENV
+from posttrain.generation.http import TOKEN_ENV
 
 OPEN_PATHS = ("/health",)  # liveness probes (Kubernetes, SLURM scripts) need no token
 

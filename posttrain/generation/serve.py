@@ -28,14 +28,14 @@ from pathlib import Path
 import torch
 
 from posttrain.errors import UserError
-from posttrain.rollout.adapter_sync import ROOT_ENV
-from posttrain.rollout.cpu_memory import serve_kv_cache_option
-from posttrain.rollout.http import TOKEN_ENV, ServerUnavailable, call
-from posttrain.rollout.vllm_engine import check_cpu_head_dim
-from posttrain.rollout.weight_transfer import BACKEND
+from posttrain.generation.adapter_sync import ROOT_ENV
+from posttrain.generation.cpu_memory import serve_kv_cache_option
+from posttrain.generation.http import TOKEN_ENV, ServerUnavailable, call
+from posttrain.generation.vllm_engine import check_cpu_head_dim
+from posttrain.generation.weight_transfer import BACKEND
 
-EXTENSION = "posttrain.rollout.vllm_weight_transfer.WeightSyncExtension"
-MIDDLEWARE = "posttrain.rollout.server_worker.TokenGuard"
+EXTENSION = "posttrain.generation.vllm_weight_transfer.WeightSyncExtension"
+MIDDLEWARE = "posttrain.generation.server_worker.TokenGuard"
 GRACE_SECONDS = 10.0
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 

@@ -6,7 +6,7 @@
     server.stop()                        # SIGTERM to serve (it stops vLLM), SIGKILL to what is left
 
 Its owners: Ray engine actors (posttrain/launch/ray_engines.py), a node's first training rank (`generation.placement:
-node`, rollout/vllm_node.py) and the tests' session server (tests/conftest.py). The server does not outlive its
+node`, generation/vllm_node.py) and the tests' session server (tests/conftest.py). The server does not outlive its
 owner: `posttrain serve` gets SIGTERM when the owner's process ends, killed or not, and vLLM when serve's ends.
 """
 
@@ -22,10 +22,10 @@ from typing import Optional
 
 import psutil
 
-from posttrain.rollout.adapter_sync import max_lora_rank
-from posttrain.rollout.base import longest_sequence
-from posttrain.rollout.http import TOKEN_ENV
-from posttrain.rollout.serve import die_with_parent, stop_group, wait_ready
+from posttrain.generation.adapter_sync import max_lora_rank
+from posttrain.generation.base import longest_sequence
+from posttrain.generation.http import TOKEN_ENV
+from posttrain.generation.serve import die_with_parent, stop_group, wait_ready
 
 LOG_DIR = "engines"  # under output_dir: the servers' output (run.check_output_dir lets it be there)
 READY_TIMEOUT_S = 600.0  # model load + vLLM start-up (large models on GPUs take minutes)

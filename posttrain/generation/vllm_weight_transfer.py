@@ -1,7 +1,7 @@
 """posttrain's gloo transport as a vLLM weight-transfer backend, `gloo-posttrain` (the worker side; imports vLLM).
 
     pip install posttrain[vllm]      # declares the plugin, which every vLLM process loads (entry point group
-                                     # vllm.general_plugins: posttrain.rollout.vllm_weight_transfer:register)
+                                     # vllm.general_plugins: posttrain.generation.vllm_weight_transfer:register)
     VLLM_SERVER_DEV_MODE=1 python -m vllm.entrypoints.openai.api_server --model DIR \
         --weight-transfer-config '{"backend": "gloo-posttrain"}' --enable-scale-out --logprobs-mode processed_logprobs
 
@@ -14,7 +14,7 @@ any trainer run the same four phases a GPU pair runs with `nccl`:
 - update: the broadcast buckets go into `model.load_weights` as they arrive, the next received while one is loaded;
 - finish: the layerwise reload ends; a tied lm_head is reprocessed from the new embedding.
 An adapter-only sync (generation.lora_sync=adapter) names the adapter in its update info: its tensors are written to
-this machine's adapter directory (`posttrain.rollout.adapter_sync`), where the LoRA resolver registered here finds
+this machine's adapter directory (`posttrain.generation.adapter_sync`), where the LoRA resolver registered here finds
 them. With POSTTRAIN_SYNC_DIGESTS=1 each worker keeps a SHA-256 per received tensor (`digests`; tests).
 """
 
@@ -33,9 +33,9 @@ from vllm.lora.request import LoRARequest
 from vllm.lora.resolver import LoRAResolver
 
 from posttrain.distributed.weight_sync import local_address_towards, open_sync_group, receive_buckets
-from posttrain.rollout.adapter_sync import adapter_root, parse_name, write_adapter
-from posttrain.rollout.server_worker import prefetched, repack_tied_lm_head, tensor_digest
-from posttrain.rollout.weight_transfer import BACKEND
+from posttrain.generation.adapter_sync import adapter_root, parse_name, write_adapter
+from posttrain.generation.server_worker import prefetched, repack_tied_lm_head, tensor_digest
+from posttrain.generation.weight_transfer import BACKEND
 
 
 def register() -> None:
@@ -48,7 +48,7 @@ def register() -> None:
     if RESOLVER not in LoRAResolverRegistry.get_supported_resolvers():
         LoRAResolverRegistry.register_resolver(RESOLVER, AdapterResolver())
 
-    trainer_module = "posttrain.rollout.weight_transfer"
+    trainer_module = "posttrain.generation.weight_transfer"
     for factory, module, cls in ((WeightTransferEngineFactory, __name__, "GlooWeightTransferEngine"),
                                  (WeightTransferTrainerFactory, trainer_module, "GlooTrainerEngine")):
         if BACKEND not in factory._registry:

@@ -1,5 +1,5 @@
 """The trainer side of a weight sync through vLLM's weight-transfer API: a client over the servers' RL routes, and
-the `gloo-posttrain` trainer engine (its worker side is `posttrain.rollout.vllm_weight_transfer`).
+the `gloo-posttrain` trainer engine (its worker side is `posttrain.generation.vllm_weight_transfer`).
 
     client = ServersClient(servers, token, request_timeout_s=300, sync_timeout_s=600)
     engine = GlooTrainerEngine.trainer_init(GlooTrainerInitInfo(addr, client.world_size() + 1, 600), client=client)
@@ -10,7 +10,7 @@ The four phases are vLLM's (`VLLMWeightSyncClient`, `TrainerWeightTransferEngine
 `posttrain serve` server and a stock `vllm.entrypoints.openai.api_server` started with
 `--weight-transfer-config '{"backend": "gloo-posttrain"}'` (the plugin is loaded in every vLLM process of an
 environment where posttrain is installed). Torch-only and vLLM-free on this side: a trainer needs no vLLM to sync
-into a server. Every HTTP call has a deadline (rollout/http.py), and a miss stops the run naming the server and the
+into a server. Every HTTP call has a deadline (generation/http.py), and a miss stops the run naming the server and the
 phase; the gloo group has the sync deadline too, so a server that stops in the middle of a sync is never a hang.
 """
 
@@ -23,7 +23,7 @@ from typing import ClassVar, Iterable, Optional
 
 from posttrain.distributed.weight_sync import SyncStore, open_sync_group, send_weights
 from posttrain.errors import RunStopped
-from posttrain.rollout.http import ServerUnavailable, call
+from posttrain.generation.http import ServerUnavailable, call
 
 logger = logging.getLogger(__name__)
 

@@ -10,7 +10,7 @@ vLLM runs its engine core in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0): `l
 the model runner without serialising them. On a CPU chunked prefill is off, because per-request seeds crash vLLM's
 CPU engine under it, and new weights go through the worker's `reload_weights`, which redoes vLLM's oneDNN repacking.
 
-Log-probs follow the contract of `posttrain.rollout.base` (`logprobs_mode=processed_logprobs`), except that with
+Log-probs follow the contract of `posttrain.generation.base` (`logprobs_mode=processed_logprobs`), except that with
 top-k / top-p on vLLM reports those of the truncated, renormalised distribution it sampled from (known gap; GRPO
 recipes sample with neither).
 """
@@ -23,7 +23,7 @@ from typing import Iterable, Optional
 import torch
 
 from posttrain.errors import UserError
-from posttrain.rollout.base import (Completions, GenerationEngine, SamplingParams, check_prompts, eos_id,
+from posttrain.generation.base import (Completions, GenerationEngine, SamplingParams, check_prompts, eos_id,
                                     vllm_sampling, vllm_truncated)
 
 
@@ -134,7 +134,7 @@ def _load_into_worker(worker, weights):
     """Runs in vLLM's worker (in this process): new weights into the model. `reload_weights` re-runs the platform's
     post-load processing of every layer it reloads (the CPU's oneDNN repacking), which a bare `model.load_weights`
     would skip."""
-    from posttrain.rollout.server_worker import repack_tied_lm_head
+    from posttrain.generation.server_worker import repack_tied_lm_head
 
     worker.reload_weights(weights_iterator=weights)
     repack_tied_lm_head(worker.model_runner.get_model())

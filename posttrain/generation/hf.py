@@ -16,7 +16,7 @@ from typing import Callable, ContextManager, Iterable, Optional
 import torch
 from torch.nn.utils.rnn import pad_sequence
 
-from posttrain.rollout.base import Completions, GenerationEngine, SamplingParams, check_prompts, eos_id
+from posttrain.generation.base import Completions, GenerationEngine, SamplingParams, check_prompts, eos_id
 
 # Logits processors transformers would otherwise pick up from the model's generation_config.json.
 NEUTRAL_GENERATION = dict(num_beams=1, num_return_sequences=1, min_new_tokens=0, repetition_penalty=1.0,

@@ -4,7 +4,7 @@
 
 The node's first rank (LOCAL_RANK 0) starts the engine as a child process (`posttrain serve` on 127.0.0.1, output in
 `<output_dir>/engines/vllm-node<k>.log`); every rank of the node generates on it as the server engine does
-(rollout/server.py), and the first rank pushes the weight syncs. Why a process of its own: vLLM built inside a
+(generation/server.py), and the first rank pushes the weight syncs. Why a process of its own: vLLM built inside a
 training process adopts the trainers' torch.distributed world and runs start-up collectives over it, which the ranks
 without an engine would never join (docs/generation.md, "One engine per node").
 """
@@ -19,8 +19,8 @@ from pathlib import Path
 import torch
 
 from posttrain.errors import RunStopped, UserError
-from posttrain.rollout.server import ServerEngine
-from posttrain.rollout.server_process import LOG_DIR, ServerProcess, serve_args, server_env
+from posttrain.generation.server import ServerEngine
+from posttrain.generation.server_process import LOG_DIR, ServerProcess, serve_args, server_env
 
 
 def node_position(rank: int, world_size: int) -> tuple[int, int]:

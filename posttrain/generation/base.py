@@ -1,7 +1,7 @@
 """The generation-engine interface: prompt token ids in, completion token ids and their log-probs out.
 
 Online algorithms (GRPO, PPO) sample completions from the current policy, score them and train on them. The loop only
-ever talks to a `GenerationEngine`, so where the sampling happens is a launch-time choice (rollout/engines.py: hf on
+ever talks to a `GenerationEngine`, so where the sampling happens is a launch-time choice (generation/engines.py: hf on
 the policy itself, vLLM in-process, one vLLM engine per node, vLLM servers).
 
     engine = make_engine(recipe, backend, policy, tokenizer)
@@ -149,7 +149,7 @@ class GenerationEngine:
 
     def delivery_probes(self) -> list:
         """After an adapter-only sync, on a syncing rank: what each of its servers sampled with the new adapter
-        (posttrain.rollout.adapter_sync.DeliveryProbe), for every rank to check; [] elsewhere."""
+        (posttrain.generation.adapter_sync.DeliveryProbe), for every rank to check; [] elsewhere."""
         return []
 
     def sleep(self) -> None:

@@ -4,14 +4,14 @@
 
     placement   engine   what samples                                              the trainer syncs it
     colocated   hf       transformers generate on the policy itself, in each rank  no (it is the policy)
-    colocated   vllm     a vLLM engine inside each rank (rollout/vllm_engine.py)     yes, in-process
+    colocated   vllm     a vLLM engine inside each rank (generation/vllm_engine.py)     yes, in-process
     node        vllm     one `posttrain serve` per node, started by its first rank   yes, from that rank
     servers     vllm     the listed servers (posttrain serve or a stock vLLM server) yes, from rank 0
     ray         vllm     `posttrain serve` in Ray actors the launch wing started      yes, from rank 0
 
 With generation.lora_sync=adapter a server engine is told to sync the LoRA adapter alone (`send_adapters`).
 `servers` are the URLs of the last two rows: generation.servers, or the engines the launch wing started. Every engine
-answers the same interface (rollout/base.GenerationEngine), with its capabilities declared.
+answers the same interface (generation/base.GenerationEngine), with its capabilities declared.
 """
 
 from __future__ import annotations
@@ -19,12 +19,12 @@ from __future__ import annotations
 import secrets
 from typing import Callable, Optional, Sequence
 
-from posttrain.rollout.adapter_sync import adapter_config
-from posttrain.rollout.base import GenerationEngine, longest_sequence
-from posttrain.rollout.hf import HFEngine
-from posttrain.rollout.server import ServerEngine
-from posttrain.rollout.vllm_engine import VLLMEngine
-from posttrain.rollout.vllm_node import NodeEngine
+from posttrain.generation.adapter_sync import adapter_config
+from posttrain.generation.base import GenerationEngine, longest_sequence
+from posttrain.generation.hf import HFEngine
+from posttrain.generation.server import ServerEngine
+from posttrain.generation.vllm_engine import VLLMEngine
+from posttrain.generation.vllm_node import NodeEngine
 
 
 def _hf(recipe, backend, policy, tokenizer, servers) -> GenerationEngine:

@@ -23,13 +23,13 @@ from urllib.parse import urlsplit
 
 from posttrain.distributed.weight_sync import local_address_towards
 from posttrain.errors import RunStopped, UserError
-from posttrain.rollout import weight_transfer
-from posttrain.rollout.adapter_sync import PROBE_PROMPT, PROBE_TOKENS, AdapterNames, DeliveryProbe, max_lora_rank
-from posttrain.rollout.base import (Completions, GenerationEngine, SamplingParams, check_prompts, eos_id,
+from posttrain.generation import weight_transfer
+from posttrain.generation.adapter_sync import PROBE_PROMPT, PROBE_TOKENS, AdapterNames, DeliveryProbe, max_lora_rank
+from posttrain.generation.base import (Completions, GenerationEngine, SamplingParams, check_prompts, eos_id,
                                     longest_sequence, vllm_sampling, vllm_truncated)
-from posttrain.rollout.http import (TOKEN_ENV, BadAnswer, ServerUnavailable, call, call_with_retries,  # noqa: F401
+from posttrain.generation.http import (TOKEN_ENV, BadAnswer, ServerUnavailable, call, call_with_retries,  # noqa: F401
                                     completion_bytes, read_completion)
-from posttrain.rollout.weight_transfer import GlooTrainerEngine, GlooTrainerInitInfo, ServersClient
+from posttrain.generation.weight_transfer import GlooTrainerEngine, GlooTrainerInitInfo, ServersClient
 
 TOKENIZER_PROBE = "posttrain vocabulary probe: What is 12 + 7? Answer: 19."
 
@@ -39,7 +39,7 @@ class ServerEngine(GenerationEngine):
     generation: the recipe's `generation.*`; tokenizer: gives the eos id; sends_weights: this process is the trainer
     rank that pushes weight syncs (the others only take part in gathering them); servers, token: other servers than
     generation.servers, another token than the one in POSTTRAIN_SERVER_TOKEN (the engine of a node,
-    rollout/vllm_node.py); vocab_size: bounds the token ids a server may return (default: the policy's config)."""
+    generation/vllm_node.py); vocab_size: bounds the token ids a server may return (default: the policy's config)."""
 
     holds_copy = True  # the servers' weights are synced from the trainer
     shared = True  # every rank's requests go to the same servers: all ranks wait until a sync has landed
@@ -120,7 +120,7 @@ class ServerEngine(GenerationEngine):
                 self._rpc(url, "/update_weight_version", {"new_version": str(step)}, phase="version")
 
     def load_weights(self, named_tensors: Iterable) -> None:
-        """Rank 0: one sync through vLLM's weight-transfer API (posttrain.rollout.weight_transfer): start, update
+        """Rank 0: one sync through vLLM's weight-transfer API (posttrain.generation.weight_transfer): start, update
         (the tensors broadcast in buckets of generation.sync_bucket_mb while every server loads them), finish; the
         transfer group is opened at the first sync. Other ranks: iterate (a ZeRO-3 / FSDP2 gather is a collective)."""
         if self._names is not None:  # every rank: its requests name the adapter of this sync

@@ -7,7 +7,7 @@
 
 Why files: vLLM 0.32 loads a LoRA adapter only from a directory (`LoRARequest.lora_path`), so the tensors travel
 over the same four-phase weight transfer as a full sync and each server worker writes them to its machine's
-`adapter_root`, where the server's LoRA resolver (posttrain.rollout.vllm_weight_transfer) finds them by name; a new
+`adapter_root`, where the server's LoRA resolver (posttrain.generation.vllm_weight_transfer) finds them by name; a new
 name per sync, as vLLM caches adapters by name. Delivery is checked after every sync, never assumed
 (`check_delivery`; verl #7495). The whole story: docs/generation.md, "LoRA: `generation.lora_sync`".
 """

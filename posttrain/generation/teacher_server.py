@@ -19,7 +19,7 @@ from typing import Optional
 import torch
 
 from posttrain.errors import UserError
-from posttrain.rollout.server import TOKEN_ENV, TOKENIZER_PROBE, ServerUnavailable, call, call_with_retries
+from posttrain.generation.server import TOKEN_ENV, TOKENIZER_PROBE, ServerUnavailable, call, call_with_retries
 
 KEY = "algo.teacher_server"
 
