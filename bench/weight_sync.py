@@ -87,7 +87,7 @@ def main() -> None:
 
         def sync(version: int) -> None:
             engine.load_weights(iter(named))
-            engine.version = version
+            engine.set_version(version)
 
         def raw() -> None:
             receivers = [Background(engine._rpc, url, "/collective_rpc",
@@ -176,7 +176,7 @@ def lora_syncs(model_dir: Path, urls: list[str], args) -> dict:
         for version in range(args.repeats + 1):  # the first opens the group: not timed
             started = time.perf_counter()
             engine.load_weights(iter(named))
-            engine.version = version
+            engine.set_version(version)
             synced = time.perf_counter()
             check_delivery(engine.delivery_probes(), Role, "cpu", 1e-3, version)
             if version:

@@ -68,7 +68,7 @@ def make_source(recipe: Recipe, backend, models, algorithm, examples, collate, s
     if algorithm.source_kind == "rollout":
         return RolloutSource(recipe, backend, models, algorithm, examples, algorithm.rewards, servers)
     if algorithm.source_kind == "distill":
-        return DistillSource(recipe, backend, models, algorithm, examples, algorithm.config.lmbda, servers)
+        return DistillSource(recipe, backend, models, examples, algorithm.config.lmbda, servers)
     return DatasetSource.from_recipe(recipe, backend, examples, collate)
 
 
@@ -164,8 +164,7 @@ def run(command: str, recipe: Recipe, launched: Optional[Launched] = None) -> Ru
     logger.info("posttrain " + " | ".join(f"{k}={v}" for k, v in summary.items() if v is not None))
     eval_fn = None
     if eval_examples is not None and algorithm.source_kind == "rollout":  # by generating, wherever generation runs
-        eval_fn = partial(evaluate_online, backend, source, tokenizer, eval_examples, algorithm.rewards,
-                          recipe.generation)
+        eval_fn = partial(evaluate_online, backend, source, tokenizer, eval_examples, algorithm.rewards)
     elif eval_examples is not None:
         batches = eval_batches(eval_examples, collate, t.per_device_eval_batch_size, backend.world_size, backend.rank)
         eval_fn = partial(evaluate, backend, algorithm, models, batches)

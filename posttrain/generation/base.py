@@ -135,9 +135,13 @@ class GenerationEngine:
     outlives_run: bool = False
     """It goes on after the run (servers of one's own): it gets the final policy."""
     version: Optional[int] = None
-    """The policy version (optimiser step) its weights are from; None: its start-up weights."""
+    """The policy version (optimiser step) its weights are from; None: its start-up weights. Read freely; changed
+    only by `set_version`, which may call out (servers)."""
     adapter_only: bool = False
     """Its syncs carry the LoRA adapter alone (generation.lora_sync=adapter, servers), each checked by a probe."""
+    collective: bool = False
+    """Its generate is a collective over the training ranks (hf under ZeRO-3 / FSDP2 gathers the parameters): every
+    rank must make the same calls, even one with nothing left to generate."""
 
     def generate(self, prompt_ids: list[list[int]], params: SamplingParams) -> Completions:
         """Sample one completion per prompt (prompts are unpadded token-id lists, any lengths)."""
@@ -146,6 +150,17 @@ class GenerationEngine:
     def load_weights(self, named_tensors: Iterable[tuple[str, "torch.Tensor"]]) -> None:
         """Make the engine sample from these weights (names as in the policy's `named_parameters()`)."""
         raise NotImplementedError
+
+    def set_version(self, step: int) -> None:
+        """After a sync: the policy version (optimiser step) its weights now hold. Servers stamp it on every server
+        (one call each), so a completion sampled with other weights is caught."""
+        self.version = step
+
+    def send_adapters(self, config: dict, run_key: str) -> None:
+        """Sync the LoRA adapter alone from now on (generation.lora_sync=adapter): `config` is its
+        adapter_config.json, `run_key` the run's part of every adapter name (the same on every rank)."""
+        raise UserError(f"generation.lora_sync=adapter: the {type(self).__name__} cannot load an adapter alone; "
+                        "use generation.lora_sync=merged, or a vLLM server placement (node, servers, ray)")
 
     def delivery_probes(self) -> list:
         """After an adapter-only sync, on a syncing rank: what each of its servers sampled with the new adapter

@@ -28,8 +28,9 @@ from posttrain.generation.vllm_node import NodeEngine
 
 
 def _hf(recipe, backend, policy, tokenizer, servers) -> GenerationEngine:
+    """Generating on the policy itself is a collective with several ranks (ZeRO-3 / FSDP2 gather its parameters)."""
     return HFEngine(model=backend.unwrap(policy), tokenizer=tokenizer,
-                    gather=lambda: backend.gathered_parameters(policy))
+                    gather=lambda: backend.gathered_parameters(policy), collective=backend.world_size > 1)
 
 
 def _in_process(recipe, backend, policy, tokenizer, servers) -> GenerationEngine:

@@ -30,14 +30,16 @@ class HFEngine(GenerationEngine):
     model: a causal LM (the unwrapped policy, or a separate copy). tokenizer: gives eos and pad ids.
     gather: factory of a context manager entered around generation that gives the model its full parameters once for
     the whole call (ZeRO-3, FSDP2: `Backend.gathered_parameters`) instead of an all-gather per forward, or None.
-    batch_size: prompts per `model.generate` call (None: all at once).
+    batch_size: prompts per `model.generate` call (None: all at once). collective: the model is sharded over the
+    training ranks (the factory says so when there are several), so every rank must generate in step.
     """
 
     def __init__(self, model, tokenizer, gather: Optional[Callable[[], ContextManager]] = None,
-                 batch_size: Optional[int] = None):
+                 batch_size: Optional[int] = None, collective: bool = False):
         if batch_size is not None and batch_size < 1:
             raise ValueError(f"batch_size must be >= 1 or None, got {batch_size}")
         self.model, self.tokenizer, self.gather, self.batch_size = model, tokenizer, gather, batch_size
+        self.collective = collective
         self.eos_id = eos_id(tokenizer)
         self.pad_id = int(tokenizer.pad_token_id) if tokenizer.pad_token_id is not None else self.eos_id
 

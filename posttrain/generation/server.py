@@ -56,7 +56,7 @@ class ServerEngine(GenerationEngine):
         self.retries = int(generation.request_retries)
         self.bucket_bytes = int(generation.sync_bucket_mb * 2**20)
         self.sends_weights = sends_weights
-        self._version = None  # the policy version the servers hold; None: their start-up weights
+        self.version = None  # the policy version the servers hold; None: their start-up weights
         self._transfer = None  # the weight-transfer engine (rank 0 only), opened at the first sync
         self.tokenizer = tokenizer
         self._adapter_config: Optional[dict] = None  # lora_sync=adapter: the adapter's adapter_config.json
@@ -95,7 +95,7 @@ class ServerEngine(GenerationEngine):
         except BadAnswer as e:
             raise RunStopped(f"{self.name(url)} sent a wrong answer to /inference/v1/generate: {e}. Is it a vLLM "
                              "server serving the policy (posttrain serve ...)?", shared=False) from None
-        expected = str(self._version) if self._version is not None else None
+        expected = str(self.version) if self.version is not None else None
         if expected is not None and versions - {expected}:
             raise RunStopped(f"{self.name(url)} sampled with weights of version {sorted(versions)}, not the "
                              f"policy of step {expected} synced to it: did it restart? Restart the run "
@@ -107,14 +107,9 @@ class ServerEngine(GenerationEngine):
         """How errors name a server."""
         return f"generation server {url}"
 
-    @property
-    def version(self):
-        return self._version
-
-    @version.setter
-    def version(self, step) -> None:
+    def set_version(self, step: int) -> None:
         """The policy version the servers now hold; rank 0 stamps it on every server (vLLM tags each completion)."""
-        self._version = step
+        self.version = step
         if self.sends_weights:
             for url in self.servers:
                 self._rpc(url, "/update_weight_version", {"new_version": str(step)}, phase="version")
@@ -141,8 +136,6 @@ class ServerEngine(GenerationEngine):
     # --- lora_sync=adapter ---
 
     def send_adapters(self, config: dict, run_key: str) -> None:
-        """Sync the LoRA adapter alone from now on (generation.lora_sync=adapter): `config` is its
-        adapter_config.json, `run_key` the run's part of every adapter name (the same on every rank)."""
         self.adapter_only = True
         self._adapter_config = config
         self._names = AdapterNames(run_key)
@@ -159,7 +152,7 @@ class ServerEngine(GenerationEngine):
             try:
                 tokens, logprobs, _ = self._generate_one(url, ids, params, 0)
             except RunStopped as e:
-                raise RunStopped(f"adapter {self._names.current} (policy version {self._version}) was not delivered "
+                raise RunStopped(f"adapter {self._names.current} (policy version {self.version}) was not delivered "
                                  f"to {self.name(url)}: a request naming it failed ({e}). Is the server LoRA-enabled "
                                  "(posttrain serve ... -- --enable-lora --max-lora-rank R)?", shared=False) from None
             probes.append(DeliveryProbe(url, self._names.current, list(ids), tokens, logprobs))

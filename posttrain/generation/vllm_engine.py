@@ -4,7 +4,7 @@
     out = engine.generate(prompt_ids, SamplingParams(max_new_tokens=32, temperature=1.0, seed=3))
     for bucket in backend.weight_buckets(policy, bucket_mb=256):
         engine.load_weights(bucket)                # the policy's new weights, full tensors, plain-model names
-    engine.version = step                          # the policy version the engine now samples from
+    engine.set_version(step)                       # the policy version the engine now samples from
 
 vLLM runs its engine core in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0): `load_weights` then hands tensors to
 the model runner without serialising them. On a CPU chunked prefill is off, because per-request seeds crash vLLM's

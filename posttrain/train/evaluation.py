@@ -16,13 +16,13 @@ from typing import Any, Optional
 
 import torch
 
-from posttrain.agents import score_trajectories
 from posttrain.algorithms import preference_logps as pl
 from posttrain.config.schema import DataConfig
 from posttrain.data import collate_preference, load_rows, tokenize_preference
 from posttrain.errors import UserError
 from posttrain.rewards import exact_match
 from posttrain.generation import HFEngine, SamplingParams
+from posttrain.train.scoring import score
 
 ANSWER_COLUMN = "answer"
 
@@ -35,18 +35,6 @@ def greedy_texts(engine, tokenizer, examples: list[dict], max_new_tokens: int, p
     for start in range(0, len(examples), per_call):
         ids += engine.generate([e["prompt_ids"] for e in examples[start : start + per_call]], params).completion_ids
     return tokenizer.batch_decode(ids, skip_special_tokens=True), ids
-
-
-def greedy_trajectories(agent, examples: list[dict], max_new_tokens: int, per_call: Optional[int] = None):
-    """A multi-turn run's held-out trajectories (posttrain.agents.AgentRollout), greedy, `per_call` prompts per
-    batch of turns."""
-    params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0)
-    per_call = per_call or len(examples)
-    out = []
-    for start in range(0, len(examples), per_call):
-        chunk = examples[start : start + per_call]
-        out += agent.run(chunk, list(range(start, start + len(chunk))), params)
-    return out
 
 
 def accuracy_counts(examples: list[dict], texts: list[str]) -> tuple[int, int]:
@@ -65,31 +53,22 @@ def exact_match_accuracy(model, tokenizer, prompt_examples: list[dict], max_new_
     return correct / counted if counted else 0.0
 
 
-def evaluate_prompts(backend, engine, tokenizer, examples: list[dict], rewards, generation,
-                     agent=None) -> dict[str, float]:
+def evaluate_prompts(backend, link, tokenizer, examples: list[dict], rewards) -> dict[str, float]:
     """eval/accuracy, eval/reward and eval/completion_length over the whole eval set, every rank taking a strided
-    share. Shares are padded to equal size (fillers are not counted) so every rank makes the same engine calls.
-    agent: multi-turn trajectories instead, their last model turn scored (and the environment's reward added)."""
+    share, greedy, through the run's engine link (train/engine_link.py; a multi-turn run's trajectories have their
+    last model turn scored and the environment's reward added). Shares are padded to equal size (fillers are not
+    counted) so every rank makes the same engine calls."""
     share = -(-len(examples) // backend.world_size)
     mine = examples[backend.rank :: backend.world_size]
     real = len(mine)  # then fillers
     weights = [1.0] * real + [0.0] * (share - real)
     mine = mine + [examples[0]] * (share - real)
-    score = rewards.score
-    with backend.autocast():
-        if agent is not None:
-            trajectories = greedy_trajectories(agent, mine, generation.max_completion_length, generation.batch_size)
-            texts, ids = [t.final_text for t in trajectories], [t.completion_ids for t in trajectories]
-            score = score_trajectories(rewards, trajectories, agent.environment is not None)
-        else:
-            texts, ids = greedy_texts(engine, tokenizer, mine, generation.max_completion_length, generation.batch_size)
-    correct, counted = accuracy_counts(mine[:real], texts[:real])
-    columns = {k: [e["columns"][k] for e in mine] for k in mine[0]["columns"]}
-    columns.setdefault("completion_ids", ids)
-    total_B, _, _ = score([e["prompt"] for e in mine], texts, columns)
+    sample = link.sample(mine, list(range(len(mine))), greedy=True)
+    scored = score(rewards, mine, sample, tokenizer, link.with_environment)
+    correct, counted = accuracy_counts(mine[:real], scored.texts[:real])
     weight_B = torch.tensor(weights, dtype=torch.float64)
-    length_B = torch.tensor([len(c) for c in ids], dtype=torch.float64)
-    local = torch.tensor([correct, counted, (total_B.double() * weight_B).sum(), (length_B * weight_B).sum(),
+    length_B = torch.tensor([len(c) for c in sample.completion_ids], dtype=torch.float64)
+    local = torch.tensor([correct, counted, (scored.total_B.double() * weight_B).sum(), (length_B * weight_B).sum(),
                           weight_B.sum()], dtype=torch.float64)
     correct, counted, reward_sum, length_sum, n = backend.all_reduce_sum(local.to(backend.device)).tolist()
     out = {"eval/reward": reward_sum / max(n, 1.0), "eval/completion_length": length_sum / max(n, 1.0)}
@@ -98,11 +77,12 @@ def evaluate_prompts(backend, engine, tokenizer, examples: list[dict], rewards, 
     return out
 
 
-def evaluate_online(backend, source, tokenizer, eval_examples, rewards, generation) -> dict[str, float]:
-    """An online algorithm's held-out figures (`evaluate_prompts`) with the rollout source's engine, so evaluation runs
-    wherever generation does, on the current policy's weights (an engine holding a copy is synced first)."""
+def evaluate_online(backend, source, tokenizer, eval_examples, rewards) -> dict[str, float]:
+    """An online algorithm's held-out figures (`evaluate_prompts`) through the rollout source's engine link, so
+    evaluation runs wherever generation does, on the current policy's weights (an engine holding a copy is synced
+    first)."""
     source.before_evaluation()
-    return evaluate_prompts(backend, source.engine, tokenizer, eval_examples, rewards, generation, source.agent)
+    return evaluate_prompts(backend, source.link, tokenizer, eval_examples, rewards)
 
 
 def preference_accuracy(model_or_dir: Any, tokenizer: Any = None, examples: Any = (), *, reference: Any = None,

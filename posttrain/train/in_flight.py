@@ -3,12 +3,12 @@
     queue = InFlight(max_staleness=2, steps_per_rollout=1)
     taken, refused = queue.take(index, step)         # batch `index`, if it was sampled ahead and its lag fits
     for j in queue.wanted(index):                     # what to submit so batches index+1 .. index+k are in flight
-        queue.push(Sampled(j, positions, submitted_at=step, sampled_by=engine_version, future=...))
+        queue.push(Sampled(j, positions, submitted_at=step, future=pool.submit(link.sample, ...)))
     queue.save(checkpoint_dir, rank)                  # every rank: rollouts_in_flight_<rank>.json
     queue.load(checkpoint_dir, positions_of)          # on resume: the same batches, whatever the world size now
 
 Versions are optimiser steps: a batch records the policy version the trainer held when it was submitted
-(`submitted_at`) and the one its engine sampled with (`sampled_by`; older with generation.sync_every > 1). A batch
+(`submitted_at`); its Sample, the one its engine sampled with (`sampled_by`; older with generation.sync_every > 1). A batch
 submitted k generation batches ahead is trained k x steps_per_rollout steps later; `take` refuses one that waited
 longer (a checkpoint written with a larger k, resumed with a smaller one): it is sampled again.
 
@@ -28,11 +28,12 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from posttrain.errors import UserError
+from posttrain.train.engine_link import Sample
 
 FILE = "rollouts_in_flight_{rank}.json"
 FORMAT = 1
 FIELDS = ("prompt_ids", "completion_ids", "logprobs", "truncated", "trajectories")
-"""The engine's answer for one batch, as RolloutSource._sample returns it (trajectories: None but multi-turn)."""
+"""The per-row fields of a Sample kept in the file (trajectories: None but multi-turn)."""
 
 
 @dataclass
@@ -45,14 +46,12 @@ class Sampled:
     """This rank's prompts: positions in the seeded global prompt order."""
     submitted_at: int
     """The trainer's policy version (optimiser steps) when the batch was submitted."""
-    sampled_by: Optional[int]
-    """The version of the weights the engine sampled with (None: the engine is the policy itself)."""
     future: Optional[Future] = None
-    """The sampling in progress; None once `result` is set."""
-    result: Optional[tuple] = None
-    """(prompt_ids, completion_ids, logprobs, truncated, trajectories or None), G rows per position."""
+    """The sampling in progress (EngineLink.sample); None once `result` is set."""
+    result: Optional[Sample] = None
+    """The engine's answer, G rows per position."""
 
-    def wait(self) -> tuple:
+    def wait(self) -> Sample:
         """The engine's answer (waiting for it when it is still being sampled)."""
         if self.result is None:
             self.result, self.future = self.future.result(), None
@@ -129,8 +128,9 @@ class InFlight:
         """Write this rank's batches in flight (waiting for them) to `directory`/rollouts_in_flight_<rank>.json."""
         self.settle()
         records = [{"index": b.index, "positions": b.positions, "submitted_at": b.submitted_at,
-                    "sampled_by": b.sampled_by, **dict(zip(FIELDS, b.result)),
-                    "trajectories": None if b.result[-1] is None else [dataclasses.asdict(t) for t in b.result[-1]]}
+                    "sampled_by": b.result.sampled_by, **{k: getattr(b.result, k) for k in FIELDS},
+                    "trajectories": None if b.result.trajectories is None
+                    else [dataclasses.asdict(t) for t in b.result.trajectories]}
                    for b in self.batches]
         path = Path(directory) / FILE.format(rank=rank)
         path.write_text(json.dumps({"format": FORMAT, "rank": rank, "batches": records}))
@@ -169,6 +169,6 @@ class InFlight:
                        for k in FIELDS}
             if columns["trajectories"] is not None:
                 columns["trajectories"] = [trajectory(**t) for t in columns["trajectories"]]
-            self.batches.append(Sampled(index, positions, meta["submitted_at"], meta["sampled_by"],
-                                        result=tuple(columns[k] for k in FIELDS)))
+            self.batches.append(Sampled(index, positions, meta["submitted_at"],
+                                        result=Sample(**columns, sampled_by=meta["sampled_by"])))
         return []

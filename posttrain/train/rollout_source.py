@@ -41,22 +41,17 @@ from typing import Callable
 import torch
 
 from posttrain.data.collate import collate_padded
-from posttrain.agents import AgentRollout, Trajectory, agent_metrics, score_trajectories
+from posttrain.agents import Trajectory, agent_metrics
 from posttrain.ops.advantages import zero_std_fraction
 from posttrain.ops.logprobs import sequence_mean
 from posttrain.rewards import reward_metrics
-from posttrain.generation import Completions, SamplingParams, make_engine
-from posttrain.generation.adapter_sync import check_delivery
 from posttrain.batch import Batch
+from posttrain.train.engine_link import EngineLink, Sample
 from posttrain.train.in_flight import InFlight, Sampled, lag_metrics, policy_lag
+from posttrain.train.scoring import Scored, score
 from posttrain.train.sources import SampleOrder, Source
 
 logger = logging.getLogger(__name__)
-
-
-def sampling_seed(seed: int, position: int) -> int:
-    """The seed of a generate call whose first prompt sits at `position` of the global prompt order."""
-    return (seed * 1_000_003 + position) % (2**62)
 
 
 @dataclass
@@ -104,16 +99,7 @@ class RolloutSource(Source):
         self.prompts_per_rank = self.micro * t.gradient_accumulation_steps // self.group  # validated: whole
         self.prompts_per_step = self.prompts_per_rank * backend.world_size
         self.order = SampleOrder(len(examples), t.dataloader_seed if t.dataloader_seed is not None else recipe.seed)
-        self.engine = make_engine(recipe, backend, models.policy.model, self.tokenizer, servers)
-        # rollout.tools / rollout.environment: multi-turn trajectories over the same engine (posttrain/agents/)
-        self.agent = None
-        if recipe.rollout.enabled:  # the hf engine's generate is a collective under ZeRO-3 / FSDP2: ranks keep in step
-            in_step = None
-            if recipe.generation.engine == "hf" and backend.world_size > 1:
-                in_step = lambda n: int(backend.all_reduce_sum(torch.tensor(float(n))).item())  # noqa: E731
-            self.agent = AgentRollout.from_recipe(recipe, self.tokenizer, self.engine, in_step)
-        self._synced_at: int | None = None  # the step whose policy the engine last received
-        self._sync_seconds = 0.0
+        self.link = EngineLink(recipe, backend, models.policy, self.tokenizer, servers)
         self._generation: Generation | None = None
         self._handed_out = time.perf_counter()
         self._metrics: dict[str, float] = {}
@@ -123,33 +109,12 @@ class RolloutSource(Source):
         self._pool = (ThreadPoolExecutor(max_workers=1, thread_name_prefix="posttrain-async")
                       if recipe.generation.max_staleness else None)
 
-    def _sync_weights(self, step: int, force: bool = False) -> None:
-        """Before generating for `step`: an engine holding its own copy of the policy gets the trainer's weights
-        when the policy has stepped `generation.sync_every` times since the last sync (always before the first, and
-        with `force`)."""
-        engine, gen = self.engine, self.recipe.generation
-        if not engine.holds_copy or self._synced_at == step:
-            return
-        if not force and self._synced_at is not None and step - self._synced_at < gen.sync_every:
-            return
-        started = time.perf_counter()
-        buckets = self.backend.weight_buckets(self.models.policy.model, gen.sync_bucket_mb, engine.adapter_only)
-        engine.load_weights(pair for bucket in buckets for pair in bucket)  # one load, streamed bucket by bucket
-        engine.version = step
-        if engine.adapter_only:  # generation.lora_sync=adapter: the syncing ranks probe their servers, all ranks check
-            probes = [p for part in self.backend.all_gather_object(engine.delivery_probes()) for p in part]
-            check_delivery(probes, self.models.policy, self.backend.device, gen.lora_check_atol, step)
-        if engine.shared:  # servers: no rank generates before rank 0's sync has landed
-            self.backend.barrier()
-        self._synced_at = step
-        self._sync_seconds += time.perf_counter() - started
-
     def before_evaluation(self) -> None:
         """Held-out evaluation measures the current policy: the generations in flight finish first (their
         batches are kept), then an engine holding its own copy of the weights gets the trainer's, whatever sync_every
         says."""
         self._ahead.settle()
-        self._sync_weights(self._trained_through, force=True)
+        self.link.sync(self._trained_through, force=True)
 
     def close(self, step: int) -> None:
         """After the run: the generations in flight are let go (their batches are not needed); servers, which outlive
@@ -161,13 +126,11 @@ class RolloutSource(Source):
             logger.warning("a generation batch sampled ahead (generation.max_staleness) failed: %s", e)
         if self._pool is not None:
             self._pool.shutdown(wait=True)
-        if self.engine.outlives_run:
-            self._sync_weights(step, force=True)
-        self.engine.close()
+        self.link.close(step)
 
     def end(self) -> None:
         """After the run's last collective: an engine with a runtime of its own in this process tears it down."""
-        self.engine.end()
+        self.link.end()
 
     def save_state(self, directory: Path) -> None:
         """Into a checkpoint being written (every rank): this rank's generation batches in flight (in_flight.py)."""
@@ -221,51 +184,42 @@ class RolloutSource(Source):
 
         # 2. generate (an engine with its own copy of the weights gets the current policy first); with
         # generation.max_staleness the batch was sampled during earlier steps, and the next ones start now
-        self._sync_seconds = 0.0
+        link = self.link
+        link.sync_seconds = 0.0
         started = time.perf_counter()
         ahead, refused = self._ahead.take(index, step)
         if refused:
             logger.warning("step %d: %s; it is sampled again from the current policy", step, refused)
         if ahead is not None:
-            sampled_by, sample = ahead.sampled_by, ahead.wait()
+            sample = ahead.wait()
         else:
-            self._sync_weights(step)
-            sampled_by, sample = self._synced_at, self._sample(prompts, positions)
-        prompt_ids, completion_ids, sampler_logprobs, truncated, trajectories = sample
+            link.sync(step)
+            sample = link.sample(prompts, positions, dataset_index, group)
         self._ahead.settle()  # the batches ahead finish first: no sync ever lands under a generation in flight
-        generated, synced_before = time.perf_counter(), self._sync_seconds
+        generated, synced_before = time.perf_counter(), link.sync_seconds
         if self._pool is not None:  # up to k batches ahead, each from the policy current now
-            self._sync_weights(step)
+            link.sync(step)
             for ahead_index in self._ahead.wanted(index):
-                ahead_positions, _, ahead_prompts = self._prompts(ahead_index)
-                future = self._pool.submit(self._sample, ahead_prompts, ahead_positions)
-                self._ahead.push(Sampled(ahead_index, ahead_positions, step, self._synced_at, future))
+                ahead_positions, ahead_rows, ahead_prompts = self._prompts(ahead_index)
+                future = self._pool.submit(link.sample, ahead_prompts, ahead_positions, ahead_rows, group)
+                self._ahead.push(Sampled(ahead_index, ahead_positions, step, future))
         else:
-            self.engine.sleep()  # training gets the engine's accelerator memory back (vllm sleep mode on a GPU)
+            link.sleep()
         score_started = time.perf_counter()
 
         # 3. score this rank's completions; gather the step's rewards from every rank
-        columns = {key: [p["columns"][key] for p in prompts for _ in range(group)] for key in prompts[0]["columns"]}
-        columns.setdefault("completion_ids", completion_ids)
-        if trajectories is not None:  # rewards score the model's last turn; the whole conversation is a column
-            texts = [t.final_text for t in trajectories]
-            score = score_trajectories(self.rewards, trajectories, self.agent.environment is not None)
-        else:
-            texts, score = self.tokenizer.batch_decode(completion_ids, skip_special_tokens=True), self.rewards.score
-        total_B, per_function, skipped = score([p["prompt"] for p in prompts for _ in range(group)], texts, columns)
-        lengths = [len(ids) for ids in completion_ids]
+        scored = score(self.rewards, prompts, sample, self.tokenizer, link.with_environment)
+        total_B, per_function, trajectories = scored.total_B, scored.per_function, sample.trajectories
         mine = dict(total=total_B.tolist(), per_function={k: v.tolist() for k, v in per_function.items()},
-                    skipped=skipped, lengths=lengths, truncated=truncated,
-                    lag=[policy_lag(step, sampled_by)] * len(completion_ids),
+                    skipped=scored.skipped, lengths=[len(ids) for ids in sample.completion_ids],
+                    truncated=sample.truncated, lag=[policy_lag(step, sample.sampled_by)] * len(sample.truncated),
                     agent=[t.stats() for t in trajectories] if trajectories is not None else None)
         everyone = backend.all_gather_object(mine)
         global_total_B = torch.tensor([r for part in everyone for r in part["total"]])
-        scored = time.perf_counter()
+        scored_at = time.perf_counter()
 
         # 4. micro-batches, with old / reference log-probs and values taken once
-        masks = [t.completion_mask for t in trajectories] if trajectories is not None else None
-        batches = self._micro_batches(prompt_ids, completion_ids, sampler_logprobs, truncated, total_B,
-                                      [i for i in dataset_index for _ in range(group)], masks)
+        batches = self._micro_batches(sample, total_B, [i for i in dataset_index for _ in range(group)])
         with torch.no_grad(), backend.autocast():
             batches = [self.algorithm.prepare(b.to(backend.device), self.models) for b in batches]
 
@@ -278,8 +232,8 @@ class RolloutSource(Source):
 
         metrics = step_metrics(everyone, global_total_B, group)
         metrics.update(agent_metrics([part["agent"] for part in everyone]))
-        metrics.update({"time/generate": generated - started - synced_before, "time/score": scored - score_started,
-                        "time/ref": prepared - scored, "time/sync": self._sync_seconds,
+        metrics.update({"time/generate": generated - started - synced_before, "time/score": scored_at - score_started,
+                        "time/ref": prepared - scored_at, "time/sync": link.sync_seconds,
                         **lag_metrics([lag for part in everyone for lag in part["lag"]]), **advantage_metrics})
         for name in ("reference", "reward_model", "critic"):  # roles served apart: their calls' seconds
             role = getattr(self.models, name)
@@ -287,46 +241,13 @@ class RolloutSource(Source):
             if seconds is not None:
                 metrics[f"time/role/{name}"] = seconds
         if backend.is_main:
-            self._write_samples(step, prompts, texts, total_B, per_function, sequence_advantages(batches), truncated)
-        return Generation(index, batches, metrics, sampled_by)
+            self._write_samples(step, prompts, scored, sequence_advantages(batches), sample.truncated)
+        return Generation(index, batches, metrics, sample.sampled_by)
 
-    def _sample(self, prompts: list[dict], positions: list[int]):
-        """G completions per prompt, `generation.batch_size` prompts per engine call. Every rank makes the same number
-        of calls (equal prompts per rank), as ZeRO-3's parameter gathering needs."""
-        gen = self.recipe.generation
-        per_call = gen.batch_size or len(prompts)
-        prompt_ids, completion_ids, logprobs, truncated = [], [], [], []
-        trajectories = [] if self.agent is not None else None
-        for start in range(0, len(prompts), per_call):
-            chunk = [p for p in prompts[start : start + per_call] for _ in range(self.group)]
-            rows = [p["prompt_ids"] for p in chunk]
-            params = SamplingParams.from_config(gen, seed=sampling_seed(self.recipe.seed, positions[start]))
-            with self.backend.autocast():
-                if self.agent is None:
-                    out = self.engine.generate(rows, params)
-                else:  # multi-turn: the trajectories' own prompt and completion tokens
-                    dataset_rows = [self.order.index(q) for q in positions[start : start + per_call]
-                                    for _ in range(self.group)]
-                    turns = self.agent.run(chunk, dataset_rows, params)
-                    trajectories += turns
-                    rows = [t.prompt_ids for t in turns]
-                    out = Completions([t.completion_ids for t in turns], [t.logprobs for t in turns],
-                                      [t.truncated for t in turns])
-            prompt_ids += rows
-            completion_ids += out.completion_ids
-            logprobs += out.logprobs
-            truncated += out.truncated
-        return prompt_ids, completion_ids, logprobs, truncated, trajectories
-
-    def _micro_batches(self, prompt_ids, completion_ids, sampler_logprobs, truncated, rewards_B,
-                       dataset_index, masks=None) -> list[Batch]:
-        """masks: multi-turn, 1 at the model's tokens of each completion (None: every completion token)."""
-        masked = self.recipe.algo.mask_truncated_completions
-        masks = masks or [[1] * len(c) for c in completion_ids]
-        rows = [
-            {"input_ids": p + c, "completion_mask": [0] * len(p) + [m * int(not (masked and cut)) for m in mask]}
-            for p, c, cut, mask in zip(prompt_ids, completion_ids, truncated, masks)
-        ]
+    def _micro_batches(self, sample: Sample, rewards_B: torch.Tensor, dataset_index: list[int]) -> list[Batch]:
+        """The sample's rows (multi-turn: the model's tokens alone in the loss), right padded, in micro-batches."""
+        rows = sample.rows(mask_truncated=self.recipe.algo.mask_truncated_completions)
+        prompt_ids, sampler_logprobs, truncated = sample.prompt_ids, sample.logprobs, sample.truncated
         pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
         batches = []
         for start in range(0, len(rows), self.micro):
@@ -340,15 +261,15 @@ class RolloutSource(Source):
                                    example_index_B=torch.tensor(dataset_index[start:stop])))
         return batches
 
-    def _write_samples(self, step: int, prompts, texts, total_B, per_function, advantages_B, truncated) -> None:
+    def _write_samples(self, step: int, prompts, scored: Scored, advantages_B, truncated) -> None:
         """Every logging step: a few prompt groups of rank 0, appended to output_dir/samples.jsonl."""
         t, groups = self.recipe.train, self.recipe.algo.log_samples
         due = [s + 1 for s in range(step, step + self.iterations) if (s + 1) % t.logging_steps == 0]
         if not due or not groups:
             return
-        records = [{"step": due[0], "prompt": prompts[i // self.group]["prompt"], "completion": texts[i],
-                    "reward": float(total_B[i]),
-                    "rewards": {k: (None if v[i].isnan() else float(v[i])) for k, v in per_function.items()},
+        records = [{"step": due[0], "prompt": prompts[i // self.group]["prompt"], "completion": scored.texts[i],
+                    "reward": float(scored.total_B[i]),
+                    "rewards": {k: (None if v[i].isnan() else float(v[i])) for k, v in scored.per_function.items()},
                     "advantage": float(advantages_B[i]), "truncated": bool(truncated[i])}
                    for i in range(min(groups, len(prompts)) * self.group)]
         with (Path(self.recipe.output_dir) / "samples.jsonl").open("a") as f:

@@ -413,7 +413,7 @@ def test_a_stock_vllm_server_takes_syncs_and_serves_the_synced_policy(stock_serv
     params = SamplingParams(max_new_tokens=12, temperature=0)
     before = engine.generate(prompts, params).completion_ids
     engine.load_weights((name, param.detach()) for name, param in model.named_parameters())
-    engine.version = 7
+    engine.set_version(7)
     after = engine.generate(prompts, params).completion_ids
     engine.close()
     expected = HFEngine(model, tokenizer).generate(prompts, params).completion_ids

@@ -11,14 +11,16 @@ import pytest
 
 from posttrain.agents import Trajectory
 from posttrain.errors import UserError
+from posttrain.train.engine_link import Sample
 from posttrain.train.in_flight import FILE, InFlight, Sampled, lag_metrics, policy_lag
 
 
-def answer(index: int, positions: list[int], group: int = 2) -> tuple:
-    """What an engine returns for a batch: G rows per prompt, values that say which batch and prompt they are."""
+def answer(index: int, positions: list[int], group: int = 2, sampled_by: int = 2) -> Sample:
+    """What the engine link returns for a batch: G rows per prompt, values that say which batch and prompt they are."""
     rows = [(index, p, g) for p in positions for g in range(group)]
-    return ([[p] for _, p, _ in rows], [[index, p, g] for index, p, g in rows],
-            [[-0.1 * (index + 1), math.nextafter(-1 / 3, 0)] for _ in rows], [g == 1 for _, _, g in rows], None)
+    return Sample([[p] for _, p, _ in rows], [[index, p, g] for index, p, g in rows],
+                  [[-0.1 * (index + 1), math.nextafter(-1 / 3, 0)] for _ in rows], [g == 1 for _, _, g in rows],
+                  sampled_by=sampled_by)
 
 
 def drive(queue: InFlight, batches: int, iterations: int = 1) -> list[tuple[int, int, str]]:
@@ -31,12 +33,12 @@ def drive(queue: InFlight, batches: int, iterations: int = 1) -> list[tuple[int,
             step = index * iterations
             taken, refused = queue.take(index, step)
             assert refused is None
-            sampled_by, result = (taken.sampled_by, taken.wait()) if taken else (step, answer(index, [index]))
+            result = taken.wait() if taken else answer(index, [index], sampled_by=step)
             queue.settle()
             for j in queue.wanted(index):
-                queue.push(Sampled(j, [j], step, step, pool.submit(answer, j, [j])))
+                queue.push(Sampled(j, [j], step, pool.submit(answer, j, [j], sampled_by=step)))
             for s in range(step, step + iterations):
-                trained.append((s, policy_lag(s, sampled_by), result[1][0][0]))
+                trained.append((s, policy_lag(s, result.sampled_by), result.completion_ids[0][0]))
     return trained
 
 
@@ -59,7 +61,7 @@ def test_lag_counts_optimiser_steps_and_grows_while_a_batch_is_reused():
 def test_a_batch_staler_than_k_is_refused_and_those_after_it_dropped(tmp_path):
     queue = InFlight(2, 1)
     for j in (3, 4):  # submitted at step 2 with k = 2, then checkpointed
-        queue.push(Sampled(j, [j], 2, 2, result=answer(j, [j])))
+        queue.push(Sampled(j, [j], 2, result=answer(j, [j])))
     queue.save(tmp_path, rank=0)
 
     same = InFlight(2, 1)
@@ -80,9 +82,9 @@ def test_a_batch_staler_than_k_is_refused_and_those_after_it_dropped(tmp_path):
     assert taken is None and "generation.max_staleness=0" in why and len(synchronous) == 0
 
     assert queue.take(4, 4) == (None, "the batch in flight is generation batch 3, not 4") and len(queue) == 0
-    queue.push(Sampled(5, [5], 0, 0))
+    queue.push(Sampled(5, [5], 0))
     with pytest.raises(ValueError, match="generation batch 7 submitted after 5"):
-        queue.push(Sampled(7, [7], 0, 0))
+        queue.push(Sampled(7, [7], 0))
 
 
 def test_checkpoint_files_restore_every_value_exactly_under_any_world_size(tmp_path):
@@ -91,16 +93,19 @@ def test_checkpoint_files_restore_every_value_exactly_under_any_world_size(tmp_p
     for rank, positions in enumerate(([8, 9], [10, 11])):  # two ranks, two prompts each, two batches in flight
         queue = InFlight(2, 1)
         for index in (4, 5):
-            ids, completions, logprobs, truncated, _ = answer(index, [p + 10 * (index - 4) for p in positions])
-            queue.push(Sampled(index, [p + 10 * (index - 4) for p in positions], 3, 2,
-                               result=(ids, completions, logprobs, truncated, [trajectory] * len(ids))))
+            sample = answer(index, [p + 10 * (index - 4) for p in positions])
+            sample.trajectories = [trajectory] * len(sample.prompt_ids)
+            queue.push(Sampled(index, [p + 10 * (index - 4) for p in positions], 3, result=sample))
         assert queue.save(tmp_path, rank) == tmp_path / FILE.format(rank=rank)
     assert json.loads((tmp_path / "rollouts_in_flight_1.json").read_text())["batches"][0]["positions"] == [10, 11]
 
     one = InFlight(2, 1)  # resumed on one process: it takes all four prompts of each batch, rows gathered by position
     assert one.load(tmp_path, lambda index: [p + 10 * (index - 4) for p in (8, 9, 10, 11)], Trajectory) == []
-    assert [(b.index, b.submitted_at, b.sampled_by) for b in one.batches] == [(4, 3, 2), (5, 3, 2)]
-    ids, completions, logprobs, truncated, trajectories = one.batches[1].wait()
+    assert [(b.index, b.submitted_at, b.result.sampled_by) for b in one.batches] == [(4, 3, 2), (5, 3, 2)]
+    restored = one.batches[1].wait()
+    ids, completions, logprobs, truncated, trajectories = (restored.prompt_ids, restored.completion_ids,
+                                                           restored.logprobs, restored.truncated,
+                                                           restored.trajectories)
     assert ids == [[p] for p in (18, 18, 19, 19, 20, 20, 21, 21)]
     assert completions[4] == [5, 20, 0] and truncated == [False, True] * 4
     assert logprobs[0] == [-0.1 * 6, math.nextafter(-1 / 3, 0)]  # bit for bit, not to the printed digits
@@ -108,7 +113,7 @@ def test_checkpoint_files_restore_every_value_exactly_under_any_world_size(tmp_p
 
     four = InFlight(2, 1)  # four processes: one prompt each; rank 3 of four takes position 11 (+10 in batch 5)
     assert four.load(tmp_path, lambda index: [11 + 10 * (index - 4)], Trajectory) == []
-    assert four.batches[0].wait()[0] == [[11], [11]]
+    assert four.batches[0].wait().prompt_ids == [[11], [11]]
     lost = InFlight(2, 1)
     assert lost.load(tmp_path, lambda index: [12], Trajectory) == [
         f"generation batch 4: the rows of prompt positions [12] are not in {tmp_path}"]

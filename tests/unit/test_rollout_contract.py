@@ -77,7 +77,7 @@ def server_engine(model_dir, tokenizer=None, server=None, **kwargs) -> Generatio
         except Exception as e:  # what the server said is the diagnosis
             raise RuntimeError(f"the sync to the session's server failed; its log ends:\n"
                                f"{server.log.read_text()[-4000:]}") from e
-        engine.version = 0
+        engine.set_version(0)
         _SERVER[key] = engine
     engine = copy.copy(_SERVER[key])
     if tokenizer is not None:

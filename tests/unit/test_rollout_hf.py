@@ -9,6 +9,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from posttrain.config.schema import GenerationConfig
+from posttrain.errors import UserError
 from posttrain.generation.base import Completions, SamplingParams
 from posttrain.generation import make_engine
 from posttrain.generation.hf import HFEngine
@@ -144,9 +145,15 @@ def test_make_engine_picks_by_placement_and_engine(model, tokenizer):
     from posttrain.generation.engines import ENGINES
     from posttrain.generation.server import ServerEngine
 
-    backend = types.SimpleNamespace(unwrap=lambda m: m, gathered_parameters=contextlib.nullcontext, is_main=False, rank=0)
+    backend = types.SimpleNamespace(unwrap=lambda m: m, gathered_parameters=contextlib.nullcontext, is_main=False, rank=0,
+                                    world_size=1)
     recipe = Recipe()
-    assert isinstance(make_engine(recipe, backend, model, tokenizer), HFEngine)
+    hf = make_engine(recipe, backend, model, tokenizer)
+    assert isinstance(hf, HFEngine) and not hf.collective
+    # on several ranks the policy is sharded: generating on it is a collective, every rank keeps in step
+    assert make_engine(recipe, types.SimpleNamespace(**{**vars(backend), "world_size": 2}), model, tokenizer).collective
+    with pytest.raises(UserError, match="cannot load an adapter alone"):
+        hf.send_adapters({}, "run")
     listed = dataclasses.replace(recipe, generation=GenerationConfig(engine="vllm", placement="servers",
                                                                       servers=("http://127.0.0.1:9",)))
     engine = make_engine(listed, backend, model, tokenizer)  # built without contacting the server

@@ -1,0 +1,165 @@
+"""The one link between the trainer and its generation engine: weight sync, policy versions, seeded sampling, adapter
+checks, and the `Sample` every online path trains or scores on (GRPO, PPO, distillation, agents, batches sampled
+ahead, held-out evaluation).
+
+    link = EngineLink(recipe, backend, models.policy, tokenizer, servers)   # a source builds it
+    link.sync(step)                                   # the engine gets the policy of `step` when generation.sync_every says
+    sample = link.sample(prompts, positions, rows, group=G)   # G completions per prompt, seeded by position
+    sample.completion_ids, sample.logprobs, sample.truncated, sample.sampled_by, sample.trajectories
+    link.sleep(); link.close(final_step); link.end()
+
+Sync policy: an engine holding its own copy of the weights (vllm, servers) gets the trainer's when the policy has
+stepped `generation.sync_every` times since the last sync (always before the first, and when forced: evaluation, the
+run's end). A sync streams the backend's buckets to the engine, stamps the version (`engine.set_version`), checks an
+adapter-only sync by probing (generation.lora_sync=adapter), and makes every rank wait for a shared engine's sync.
+
+Seeded sampling: each engine call (`generation.batch_size` prompts) is seeded by (seed, global position of its first
+prompt), so resume and any accumulation split reproduce it; greedy calls (evaluation) take no seed.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+from posttrain.agents import AgentRollout
+from posttrain.generation import SamplingParams, make_engine
+from posttrain.generation.adapter_sync import check_delivery
+
+
+def sampling_seed(seed: int, position: int) -> int:
+    """The seed of a generate call whose first prompt sits at `position` of the global prompt order."""
+    return (seed * 1_000_003 + position) % (2**62)
+
+
+@dataclass
+class Sample:
+    """What the engine answered for a list of prompts, G rows per prompt in prompt order."""
+
+    prompt_ids: list[list[int]] = field(default_factory=list)
+    """Each row's prompt tokens (multi-turn: the trajectory's opening, templated with the tools)."""
+    completion_ids: list[list[int]] = field(default_factory=list)
+    """Each row's tokens after the prompt (multi-turn: the model's and the appended messages' tokens)."""
+    logprobs: list[list[float]] = field(default_factory=list)
+    """The sampler's log-prob of each completion token (0.0 at appended tokens)."""
+    truncated: list[bool] = field(default_factory=list)
+    """The row hit generation.max_completion_length without an end of sequence."""
+    trajectories: Optional[list] = None
+    """Multi-turn runs: each row's agents.Trajectory (messages, tool figures); None for single-turn sampling."""
+    sampled_by: Optional[int] = None
+    """The policy version (optimiser step) the engine's weights were from; None: the policy itself (hf)."""
+
+    def completion_masks(self) -> list[list[int]]:
+        """1 at the tokens the model produced (trained), 0 at tokens appended by tools or an environment."""
+        if self.trajectories is not None:
+            return [t.completion_mask for t in self.trajectories]
+        return [[1] * len(ids) for ids in self.completion_ids]
+
+    def texts(self, tokenizer) -> list[str]:
+        """What rewards score as each row's completion: the model's last turn, or the decoded completion."""
+        if self.trajectories is not None:
+            return [t.final_text for t in self.trajectories]
+        return tokenizer.batch_decode(self.completion_ids, skip_special_tokens=True)
+
+    def rows(self, mask_truncated: bool = False) -> list[dict]:
+        """Prompt + completion rows for collation: input_ids and a completion_mask over the model's tokens (none of a
+        truncated row's with `mask_truncated`)."""
+        return [{"input_ids": p + c, "completion_mask": [0] * len(p) + [m * int(not (mask_truncated and cut))
+                                                                          for m in mask]}
+                for p, c, cut, mask in zip(self.prompt_ids, self.completion_ids, self.truncated,
+                                           self.completion_masks())]
+
+
+class EngineLink:
+    """The trainer's side of its generation engine (see the module docstring)."""
+
+    def __init__(self, recipe, backend, policy, tokenizer, servers=None):
+        self.backend, self.policy, self.generation, self.seed = backend, policy, recipe.generation, recipe.seed
+        self.engine = make_engine(recipe, backend, policy.model, tokenizer, servers)
+        self.agent: Optional[AgentRollout] = None  # rollout.tools / rollout.environment: multi-turn trajectories
+        if recipe.rollout.enabled:
+            in_step = None
+            if self.engine.collective:  # ranks whose trajectories all ended keep joining the others' calls
+                in_step = lambda n: int(backend.all_reduce_sum(torch.tensor(float(n))).item())  # noqa: E731
+            self.agent = AgentRollout.from_recipe(recipe, tokenizer, self.engine, in_step)
+        self.synced_at: Optional[int] = None
+        """The step whose policy the engine last received (None: never synced, or it is the policy itself)."""
+        self.sync_seconds = 0.0
+        """Seconds spent syncing since the caller last set it to 0."""
+
+    @property
+    def with_environment(self) -> bool:
+        """A multi-turn run whose environment adds its own reward."""
+        return self.agent is not None and self.agent.environment is not None
+
+    def sync(self, step: int, force: bool = False) -> None:
+        """Before generating for `step`: the engine gets the trainer's weights if it holds its own copy and the
+        policy has stepped generation.sync_every times since the last sync (always the first time, and with
+        `force`)."""
+        engine, gen = self.engine, self.generation
+        if not engine.holds_copy or self.synced_at == step:
+            return
+        if not force and self.synced_at is not None and step - self.synced_at < gen.sync_every:
+            return
+        started = time.perf_counter()
+        buckets = self.backend.weight_buckets(self.policy.model, gen.sync_bucket_mb, engine.adapter_only)
+        engine.load_weights(pair for bucket in buckets for pair in bucket)  # one load, streamed bucket by bucket
+        engine.set_version(step)
+        if engine.adapter_only:  # generation.lora_sync=adapter: the syncing ranks probe their servers, all ranks check
+            probes = [p for part in self.backend.all_gather_object(engine.delivery_probes()) for p in part]
+            check_delivery(probes, self.policy, self.backend.device, gen.lora_check_atol, step)
+        if engine.shared:  # servers: no rank generates before rank 0's sync has landed
+            self.backend.barrier()
+        self.synced_at = step
+        self.sync_seconds += time.perf_counter() - started
+
+    def sample(self, prompts: list[dict], positions: list[int], rows: Optional[list[int]] = None, group: int = 1,
+               greedy: bool = False) -> Sample:
+        """`group` completions per prompt ({"prompt_ids", "prompt", "columns"}), `generation.batch_size` prompts
+        per engine call, each call seeded by the global position of its first prompt (`positions`), or greedy.
+        `rows`: each prompt's dataset row, for an environment (default: positions). Every rank makes the same
+        number of calls (equal prompts per rank), as ZeRO-3's parameter gathering needs."""
+        gen, rows = self.generation, rows if rows is not None else positions
+        per_call = gen.batch_size or len(prompts)
+        out = Sample(trajectories=[] if self.agent is not None else None, sampled_by=self.synced_at)
+        for start in range(0, len(prompts), per_call):
+            chunk = [p for p in prompts[start : start + per_call] for _ in range(group)]
+            if greedy:
+                params = SamplingParams(max_new_tokens=gen.max_completion_length, temperature=0.0)
+            else:
+                params = SamplingParams.from_config(gen, seed=sampling_seed(self.seed, positions[start]))
+            with self.backend.autocast():
+                if self.agent is None:
+                    prompt_ids = [p["prompt_ids"] for p in chunk]
+                    completions = self.engine.generate(prompt_ids, params)
+                    completion_ids, logprobs, truncated = (completions.completion_ids, completions.logprobs,
+                                                           completions.truncated)
+                else:  # multi-turn: the trajectories' own prompt and completion tokens
+                    turns = self.agent.run(chunk, [r for r in rows[start : start + per_call] for _ in range(group)],
+                                           params)
+                    out.trajectories += turns
+                    prompt_ids, completion_ids = [t.prompt_ids for t in turns], [t.completion_ids for t in turns]
+                    logprobs, truncated = [t.logprobs for t in turns], [t.truncated for t in turns]
+            out.prompt_ids += prompt_ids
+            out.completion_ids += completion_ids
+            out.logprobs += logprobs
+            out.truncated += truncated
+        return out
+
+    def sleep(self) -> None:
+        """Training gets the engine's accelerator memory back (vLLM sleep mode on a GPU)."""
+        self.engine.sleep()
+
+    def close(self, step: int) -> None:
+        """After the run: an engine that outlives it (servers) gets the final policy, then lets go of what it holds
+        for syncing."""
+        if self.engine.outlives_run:
+            self.sync(step, force=True)
+        self.engine.close()
+
+    def end(self) -> None:
+        """After the run's last collective: an engine with a runtime of its own in this process tears it down."""
+        self.engine.end()
