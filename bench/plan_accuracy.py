@@ -52,7 +52,7 @@ def write_data(algorithm: str, path: Path, rows: int = 64, words: int = 200) -> 
     with path.open("w") as f:
         for _ in range(rows):
             prompt = [{"role": "user", "content": long_text(rng, words)}]
-            if algorithm == "sft":
+            if algorithm in ("sft", "distill"):
                 row = {"prompt": [{"role": "user", "content": long_text(rng, 20)}],
                        "completion": [{"role": "assistant", "content": long_text(rng, words)}]}
             elif algorithm in ("dpo", "rm"):
@@ -124,8 +124,10 @@ def bench_recipe(algorithm: str, model: str, data: Path, output_dir: Path, steps
              "train.save_final_model=false", "train.save_steps=0", f"train.logging_steps={steps}", "data.packing=false"]
     if algorithm == "dpo":
         fixed.append("algo.precompute_ref_logprobs=false")  # keep the frozen reference copy: it is estimated
-    if algorithm == "grpo":
+    if algorithm in ("grpo", "ppo"):
         fixed.append("data.max_prompt_length=64")
+    if algorithm == "distill":  # the student's own weights as the teacher: a second model of the same size
+        fixed.append(f"algo.teacher_model_name_or_path={model}")
     return load_recipe(str(ROOT / "recipes" / f"{algorithm}.yaml"), fixed + list(overrides), ALGORITHMS[algorithm][0])
 
 
@@ -158,7 +160,7 @@ def measure(algorithm: str, model: str = "tiny", steps: int = 3, overrides: tupl
     engine, offload = launched_engine()
     breakdown = estimate_for_run(algorithm, recipe, engine, offload, world)
     rows = recipe.train.per_device_train_batch_size * (2 if algorithm in ("dpo", "rm") else 1)
-    length = recipe.data.max_length if algorithm != "grpo" else (
+    length = recipe.data.max_length if algorithm not in ("grpo", "ppo") else (
         recipe.data.max_prompt_length + recipe.generation.max_completion_length)
     shutil.rmtree(work, ignore_errors=True)
     return {"estimate": breakdown.peak_bytes, "measured": measured, "breakdown": breakdown.parts(), "engine": engine,
@@ -169,7 +171,7 @@ def measure(algorithm: str, model: str = "tiny", steps: int = 3, overrides: tupl
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--algorithm", default="sft", choices=["sft", "dpo", "grpo", "rm"])
+    parser.add_argument("--algorithm", default="sft", choices=["sft", "dpo", "grpo", "rm", "ppo", "distill"])
     parser.add_argument("--model", default="tiny", help="tiny, 20m (made here) or a model directory / hub id")
     parser.add_argument("--json", help="also write the figures to this file")
     parser.add_argument("--steps", type=int, default=3)

@@ -104,6 +104,7 @@ def run(command: str, recipe: Recipe, launched: Optional[Launched] = None) -> Ru
     t = recipe.train
 
     # 1. the user's input, before anything heavy
+    algorithm.preflight()  # its rewards, teacher, critic
     check_model_source(recipe.model)
     check_position_limit(recipe, algorithm.data_kind)
     resume_from = outputs.check_output_dir(recipe)
@@ -131,7 +132,7 @@ def run(command: str, recipe: Recipe, launched: Optional[Launched] = None) -> Ru
     model = load_policy(recipe, algorithm)
     total_params, trainable_params = count_parameters(model)
     if backend.is_main:  # weights + AdamW's two moments, in float32 (or the size of the checkpoint resumed from)
-        roles = 2 if algorithm.needs_critic else 1  # a critic is about the policy's size
+        roles = algorithm.models_needed().trained  # a critic is about the policy's size
         warn_low_disk(out, tree_bytes(resume_from) or roles * (4 * total_params + 8 * trainable_params))
     models = build_roles(recipe, algorithm, backend, tokenizer, model, eval_examples, launched.roles)
 

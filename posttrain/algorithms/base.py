@@ -110,6 +110,45 @@ class Models:
         return [(name, role) for name, role in roles if role is not None and role.trains]
 
 
+@dataclass(frozen=True)
+class ModelsNeeded:
+    """What a run of an algorithm holds while it trains, as `posttrain plan` and the logged estimate count it
+    (plan/workload.py asks `Algorithm.models_needed`, never re-derives it)."""
+
+    task: str = "causal_lm"
+    """The policy's head: causal_lm or seq_cls."""
+    rows_per_unit: int = 1
+    """Rows through the policy per loss unit (2 for a preference pair)."""
+    reference: bool = False
+    """A frozen copy of the policy, resident while training."""
+    critic: bool = False
+    """A value model trained beside the policy (about the policy's size)."""
+    reward_models: int = 0
+    """Reward models loaded as frozen roles."""
+    teacher: bool = False
+    """A frozen teacher (counted at the policy's size)."""
+    generation: bool = False
+    """It samples completions with the run's engine."""
+    samples_per_prompt: int = 1
+    """Completions per prompt when it samples."""
+    logprobs_only: bool = False
+    """Its loss needs log-probs only (a fusable head then never makes the logits)."""
+
+    @property
+    def frozen(self) -> int:
+        """Frozen full models kept besides the trained ones."""
+        return int(self.reference) + self.reward_models + int(self.teacher)
+
+    @property
+    def trained(self) -> int:
+        """Models with gradients and optimiser state: the policy, and a critic."""
+        return 1 + int(self.critic)
+
+    @property
+    def loaded(self) -> int:
+        return self.trained + self.frozen
+
+
 class Objective(NamedTuple):
     """How one trained role learns: its loss units and its loss (see the module docstring)."""
 
@@ -119,8 +158,9 @@ class Objective(NamedTuple):
 
 class Algorithm:
     """The base every algorithm subclasses. Class attributes describe it; methods are the hooks run.py and the loop
-    call, in this order: __init__(recipe) (checks that need no model), setup, then per step prepare -> count/loss
-    of each objective."""
+    call, in this order: __init__(recipe) (no I/O: the planner builds algorithms too), preflight (input checks that
+    read files or import user code, before any model loads), setup, then per step prepare -> count/loss of each
+    objective."""
 
     name: str = ""
     """The CLI command (sft, rm, dpo, grpo, ppo)."""
@@ -140,6 +180,8 @@ class Algorithm:
     """Online algorithms: completions sampled per prompt (GRPO's group); a prompt's samples stay on one rank."""
     steps_per_rollout: int = 1
     """Online algorithms: optimiser steps each generation batch is used for (GRPO num_iterations, PPO ppo_epochs)."""
+    logprobs_only: bool = False
+    """Its loss needs the policy's log-probs only, not the logits (SFT, DPO): what the planner assumes of memory."""
 
     def placement(self, role: str) -> str:
         """Where run.py puts a frozen role (reference, reward_model): 'local' (on the device, partitioned under
@@ -156,6 +198,22 @@ class Algorithm:
         reward_model role once the backend exists."""
         return []
 
+    def reward_model_count(self) -> int:
+        """How many reward models `reward_models` will load, read from the recipe alone (no I/O)."""
+        return 0
+
+    def models_needed(self) -> ModelsNeeded:
+        """What a run holds while it trains (the planner's question), from what the algorithm declares."""
+        return ModelsNeeded(task=self.model_kind, rows_per_unit=2 if self.data_kind == "preference" else 1,
+                            reference=self.needs_reference, critic=self.needs_critic,
+                            reward_models=self.reward_model_count(), teacher=self.teacher_model() is not None,
+                            generation=self.source_kind in ("rollout", "distill"),
+                            samples_per_prompt=self.samples_per_prompt, logprobs_only=self.logprobs_only)
+
+    def preflight(self) -> None:
+        """Input checks that read files, reach servers or import user code (rewards, a teacher's tokenizer, a critic's
+        config); run once by run.py and the Ray launcher before any model loads. A bad input is a UserError."""
+
     def setup(self, backend, models: Models, train_examples, collate, out) -> None:
         """After models are prepared and a checkpoint restored (e.g. to precompute reference log-probs)."""
 
@@ -164,8 +222,9 @@ class Algorithm:
         micro-batches with advantages attached, and figures to log."""
         raise NotImplementedError(f"{self.name} does not generate rollouts")
 
-    def prepare(self, batch: Batch, models: Models) -> Batch:
-        """Add what needs no gradient (reference log-probs, advantages). Runs under torch.no_grad()."""
+    def prepare(self, batch: Batch, models: Models, training: bool = True) -> Batch:
+        """Add what needs no gradient (reference log-probs, advantages). Runs under torch.no_grad() and the backend's
+        autocast; `training` False for a batch of the eval set (the loop's held-out loss)."""
         return batch
 
     def count(self, batch: Batch) -> torch.Tensor:
@@ -176,9 +235,11 @@ class Algorithm:
         """The policy's forward + objective. Returns (loss to backpropagate, detached per-micro-batch metrics)."""
         raise NotImplementedError
 
-    def objectives(self, step: int) -> dict[str, Objective]:
+    def objectives(self, step: int, models: Optional[Models]) -> dict[str, Objective]:
         """Role name -> how it learns at optimiser step `step` (0-based); a trained role left out of the dict is not
-        stepped (PPO's critic warm-up). Most algorithms train the policy only."""
+        stepped (PPO's critic warm-up). Most algorithms train the policy only. `models`: the run's roles, for a loss
+        that needs a frozen one (distillation's teacher); None inside a Ray actor group training a role apart (its
+        objective needs no other role)."""
         return {"policy": Objective(self.count, self.loss)}
 
     def state_dict(self) -> dict[str, Any]:

@@ -20,12 +20,13 @@ teacher's logits are computed inside the loss, one micro-batch at a time, and ne
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
-from posttrain.algorithms.base import Algorithm, Models
+from posttrain.algorithms.base import Algorithm, Models, Objective, Role
 from posttrain.models.forward import policy_logits
 from posttrain.batch import Batch
 from posttrain.config.schema import Recipe
@@ -93,23 +94,31 @@ class Distill(Algorithm):
         self.recipe = recipe
         self.config: DistillAlgoConfig = recipe.algo
         self.temperature = self.config.loss_temperature(recipe)
-        self.teacher = None  # the teacher's Role (local or served apart), from setup
         self.teacher_config = self.server = None
-        if self.config.teacher_server:  # top-k log-probs from a server: it answers and tokenizes like the student
-            from posttrain.models.load import check_model_source, load_tokenizer
+        if self.config.teacher_server:  # top-k log-probs from a server (checked in preflight)
             from posttrain.generation.teacher_server import TeacherServer
 
-            check_model_source(recipe.model)
             gen = recipe.generation
             self.server = TeacherServer(self.config.teacher_server, self.config.teacher_top_k, gen.request_timeout_s,
                                         gen.request_retries)
-            self.server.check(load_tokenizer(recipe.model), recipe.model.name_or_path)
         else:
-            from posttrain.models.teacher import check_same_vocabulary, teacher_model_config
+            from posttrain.models.teacher import teacher_model_config
 
             self.teacher_config = teacher_model_config(recipe.model, self.config.teacher_model_name_or_path,
                                                        self.config.teacher_model_revision)
-            check_same_vocabulary(recipe.model, self.teacher_config)  # config and tokenizer files: before any weights
+
+    def preflight(self) -> None:
+        """The teacher shares the student's vocabulary: a server answers and tokenizes like the student; a local
+        teacher's config and tokenizer files match (before any weights load)."""
+        if self.server is not None:
+            from posttrain.models.load import check_model_source, load_tokenizer
+
+            check_model_source(self.recipe.model)
+            self.server.check(load_tokenizer(self.recipe.model), self.recipe.model.name_or_path)
+        else:
+            from posttrain.models.teacher import check_same_vocabulary
+
+            check_same_vocabulary(self.recipe.model, self.teacher_config)
 
     def teacher_model(self):
         return self.teacher_config
@@ -122,10 +131,7 @@ class Distill(Algorithm):
         """lmbda 0: supervised KD on the dataset's completions; else the student completes a seeded share of them."""
         return "distill" if self.config.lmbda > 0 else "dataset"
 
-    def setup(self, backend, models: Models, train_examples, collate, out) -> None:
-        self.teacher = models.teacher
-
-    def prepare(self, batch: Batch, models: Models) -> Batch:
+    def prepare(self, batch: Batch, models: Models, training: bool = True) -> Batch:
         """A server teacher's top-k log-probs for every real token of the batch (padded layout), fetched once."""
         if self.server is None or batch.teacher_topk_ids_BTK is not None:
             return batch
@@ -143,7 +149,14 @@ class Distill(Algorithm):
     def count(self, batch: Batch) -> torch.Tensor:
         return batch.completion_mask_BT.sum()
 
-    def loss(self, model, batch: Batch, normaliser: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    def objectives(self, step: int, models: Optional[Models]) -> dict[str, Objective]:
+        """The policy learns against the run's teacher role (local or served apart)."""
+        return {"policy": Objective(self.count, functools.partial(self.loss, teacher=models.teacher))}
+
+    def loss(self, model, batch: Batch, normaliser: torch.Tensor,
+             teacher: Optional[Role] = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The divergence to the teacher's distributions over the completion tokens: a server teacher's top-k
+        (fetched in prepare), or the `teacher` role's logits, computed here one micro-batch at a time."""
         mask_BT = batch.completion_mask_BT
         student_logits_BTV = policy_logits(model, batch)
         if batch.teacher_topk_ids_BTK is not None:
@@ -151,7 +164,7 @@ class Distill(Algorithm):
                                     batch.input_ids_BT, mask_BT, self.config.beta, self.temperature)
         else:
             with torch.no_grad():
-                teacher_logits_BTV = self.teacher.forward(**batch.model_inputs(), use_cache=False).logits
+                teacher_logits_BTV = teacher.forward(**batch.model_inputs(), use_cache=False).logits
             out = distill_loss(student_logits_BTV, teacher_logits_BTV, batch.input_ids_BT, mask_BT, self.config.beta,
                                self.temperature)
         metrics = {name: masked_mean(value_BT, mask_BT) for name, value_BT in out.metrics_BT.items()}

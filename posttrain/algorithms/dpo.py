@@ -36,7 +36,6 @@ from posttrain.algorithms.base import Algorithm, Models
 from posttrain.config.schema import Recipe
 from posttrain.errors import UserError
 from posttrain.losses.preference import PREFERENCE_LOSSES, implicit_rewards, preference_logits
-from posttrain.distributed.wrappers import unwrap_module
 from posttrain.batch import Batch
 
 USES_LABEL_SMOOTHING = ("sigmoid", "robust", "simpo")
@@ -79,6 +78,7 @@ class DPOAlgoConfig:
 class DPO(Algorithm):
     name = "dpo"
     data_kind = "preference"
+    logprobs_only = True
 
     def __init__(self, recipe: Recipe):
         self.recipe = recipe
@@ -86,7 +86,11 @@ class DPO(Algorithm):
         self.spec = PREFERENCE_LOSSES[self.config.loss_type]
         self.lora = recipe.model.lora.enabled
         self.tables: Optional[dict[str, torch.Tensor]] = None
-        self.autocast = None
+
+    def models_needed(self):
+        """With precompute_ref_logprobs the reference is freed before training (its table replaces it)."""
+        needed = super().models_needed()
+        return dataclasses.replace(needed, reference=needed.reference and not self.config.precompute_ref_logprobs)
 
     @property
     def uses_reference(self) -> bool:
@@ -99,9 +103,8 @@ class DPO(Algorithm):
 
     # --- before training ------------------------------------------------------------------------------------------
     def setup(self, backend, models: Models, train_examples, collate, out) -> None:
-        """Remember the autocast context (the reference runs under the policy's precision); with
-        precompute_ref_logprobs, fill the reference table (or reuse the run directory's cache) and free the copy."""
-        self.autocast = backend.autocast
+        """With precompute_ref_logprobs, fill the reference table (or reuse the run directory's cache) and free the
+        copy."""
         if not (self.uses_reference and self.config.precompute_ref_logprobs):
             return
         splits = {"train": train_examples}
@@ -124,18 +127,17 @@ class DPO(Algorithm):
             models.reference = None
 
     # --- the loop's three calls -----------------------------------------------------------------------------------
-    def prepare(self, batch: Batch, models: Models) -> Batch:
+    def prepare(self, batch: Batch, models: Models, training: bool = True) -> Batch:
+        """The reference's log-prob sums of every row: from the precomputed table of the batch's split (train or
+        eval batches index their own examples), or a forward of the reference (under the loop's autocast)."""
         if not self.uses_reference or batch.ref_logprobs_B is not None:
             return batch
         if self.tables is not None:
-            # the loop trains with the policy in train mode and evaluates it in eval mode; eval batches index the
-            # eval examples. The mode is read on the model inside the engine: DeepSpeed's engine.eval() switches its
-            # module but leaves the engine's own flag set.
-            split = "train" if unwrap_module(models.policy.model).training else "eval"
+            split = "train" if training else "eval"
             if split not in self.tables:
                 raise RuntimeError(f"no precomputed reference log-probs for the {split} examples")
             return dataclasses.replace(batch, ref_logprobs_B=pl.lookup(self.tables[split], batch))
-        return dataclasses.replace(batch, ref_logprobs_B=pl.reference_sums(models, batch, self.lora, self.autocast))
+        return dataclasses.replace(batch, ref_logprobs_B=pl.reference_sums(models, batch, self.lora))
 
     def count(self, batch: Batch) -> torch.Tensor:
         return torch.tensor(float(batch.num_pairs), device=batch.input_ids_BT.device)

@@ -31,15 +31,13 @@ from typing import Optional
 import torch
 
 from posttrain.algorithms.base import Models
-from posttrain.models.forward import policy_logits
 from posttrain.models.load import disable_adapter
-from posttrain.algorithms.online import OnlineAlgorithm, check_is_correction
+from posttrain.algorithms.online import OnlineAlgorithm, check_online
 from posttrain.config.schema import Recipe
 from posttrain.errors import UserError
-from posttrain.losses.policy import (IMPORTANCE_LEVELS, LOSS_AGGREGATIONS, add_kl_penalty, clipped_surrogate,
-                                     truncated_importance_weights)
+from posttrain.losses.policy import IMPORTANCE_LEVELS, LOSS_AGGREGATIONS, add_kl_penalty
 from posttrain.ops.advantages import REWARD_SCALES, group_advantages
-from posttrain.ops.logprobs import entropy_BT, masked_mean, token_logprobs
+from posttrain.ops.logprobs import masked_mean
 from posttrain.batch import Batch
 
 
@@ -85,7 +83,6 @@ class GRPOAlgoConfig:
         if self.beta < 0 or self.epsilon <= 0 or (self.epsilon_high is not None and self.epsilon_high < 0):
             raise UserError(f"need algo.beta >= 0, algo.epsilon > 0 and algo.epsilon_high >= 0; got {self.beta}, "
                             f"{self.epsilon}, {self.epsilon_high}")
-        check_is_correction(self, recipe)
         if self.num_iterations < 1 or self.log_samples < 0:
             raise UserError(f"need algo.num_iterations >= 1 and algo.log_samples >= 0; got {self.num_iterations}, "
                             f"{self.log_samples}")
@@ -95,26 +92,7 @@ class GRPOAlgoConfig:
         if recipe.generation.temperature == 0:
             raise UserError("generation.temperature=0 samples greedily: every completion of a prompt is the same and "
                             "GRPO learns nothing; set generation.temperature > 0 (1.0 is usual)")
-        t = recipe.train
-        per_device = t.per_device_train_batch_size * t.gradient_accumulation_steps
-        if per_device % self.num_generations:
-            g = self.num_generations
-            raise UserError(f"train.per_device_train_batch_size ({t.per_device_train_batch_size}) x "
-                            f"train.gradient_accumulation_steps ({t.gradient_accumulation_steps}) = {per_device} "
-                            f"completions per device per step, which is not a multiple of algo.num_generations ({g}): "
-                            f"each prompt's {g} completions must be sampled on one device. Make the product a multiple "
-                            f"of {g} (e.g. per_device_train_batch_size={g} or gradient_accumulation_steps={g}), or "
-                            f"pick a num_generations that divides {per_device}")
-        if recipe.data.packing:
-            raise UserError("data.packing does not apply to grpo (rollout batches are built padded); set "
-                            "data.packing=false")
-        if recipe.generation.batch_size is not None and recipe.generation.batch_size < 1:
-            raise UserError(f"generation.batch_size must be >= 1 or null, got {recipe.generation.batch_size}")
-        n = self.num_iterations
-        for key, value in (("train.save_steps", t.save_steps), ("train.max_steps_per_run", t.max_steps_per_run)):
-            if n > 1 and value and value % n:
-                raise UserError(f"{key}={value} is not a multiple of algo.num_iterations={n}: a checkpoint in the "
-                                f"middle of a generation batch could not resume exactly; use a multiple of {n}")
+        check_online(self, recipe, "grpo", "num_iterations")
 
 
 class GRPO(OnlineAlgorithm):
@@ -123,7 +101,6 @@ class GRPO(OnlineAlgorithm):
     def __init__(self, recipe: Recipe):
         super().__init__(recipe)
         self.config: GRPOAlgoConfig = recipe.algo
-        self.temperature = recipe.generation.temperature
         self.aggregation = LOSS_AGGREGATIONS[self.config.loss_type]
         # with LoRA the reference is the policy with its adapters off: no second copy
         self.needs_reference = self.config.beta > 0 and not recipe.model.lora.enabled
@@ -141,7 +118,7 @@ class GRPO(OnlineAlgorithm):
 
     # --- what the loop calls -------------------------------------------------------------------------------------
 
-    def prepare(self, batch: Batch, models: Models) -> Batch:
+    def prepare(self, batch: Batch, models: Models, training: bool = True) -> Batch:
         """Old log-probs (num_iterations > 1) and reference log-probs (beta > 0), unless the batch has them.
 
         The rollout source calls this once per generation batch, when the batch is taken for training (right after
@@ -166,28 +143,15 @@ class GRPO(OnlineAlgorithm):
         return self.aggregation.count(batch.completion_mask_BT, self.recipe.generation.max_completion_length)
 
     def loss(self, model, batch: Batch, normaliser: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        cfg = self.config
-        mask_BT = batch.completion_mask_BT
-        logits_BTV = policy_logits(model, batch)
-        logprobs_BT = token_logprobs(logits_BTV, batch.input_ids_BT, temperature=self.temperature)
-        # num_iterations == 1: the sampling policy is the current one, so the ratio is 1 with the right gradient
-        old_BT = batch.old_logprobs_BT if batch.old_logprobs_BT is not None else logprobs_BT.detach()
+        """The shared clipped surrogate (OnlineAlgorithm.surrogate) + beta x k3 KL, aggregated by loss_type."""
+        cfg, mask_BT = self.config, batch.completion_mask_BT
         epsilon_high = cfg.epsilon if cfg.epsilon_high is None else cfg.epsilon_high
-        loss_BT, clip_fraction = clipped_surrogate(logprobs_BT, old_BT, batch.advantages_B, mask_BT, cfg.epsilon,
-                                                   epsilon_high, level=cfg.importance_sampling_level)
-        metrics = {"clip_fraction": clip_fraction}
-        if cfg.vllm_is_correction:
-            weights_BT, is_metrics = truncated_importance_weights(old_BT, batch.sampler_logprobs_BT, mask_BT,
-                                                                  cfg.vllm_is_cap)
-            loss_BT = loss_BT * weights_BT
-            metrics.update(is_metrics)
+        loss_BT, logprobs_BT, _, metrics = self.surrogate(model, batch, batch.advantages_B, cfg.epsilon, epsilon_high,
+                                                          level=cfg.importance_sampling_level)
         if batch.sampler_logprobs_BT is not None:  # how far the engine's sampling policy is from the trainer's
             metrics["sampler_logprob_gap"] = masked_mean((logprobs_BT.detach() - batch.sampler_logprobs_BT).abs(),
                                                          mask_BT)
         if cfg.beta > 0:
             loss_BT, kl_BT = add_kl_penalty(loss_BT, logprobs_BT, batch.ref_logprobs_BT, cfg.beta)
             metrics["kl"] = masked_mean(kl_BT.detach(), mask_BT)
-        loss = self.aggregation.aggregate(loss_BT, mask_BT, normaliser)
-        with torch.no_grad():
-            metrics["entropy"] = masked_mean(entropy_BT(logits_BTV.detach(), temperature=self.temperature), mask_BT)
-        return loss, metrics
+        return self.aggregation.aggregate(loss_BT, mask_BT, normaliser), metrics

@@ -1,13 +1,23 @@
-"""What every online algorithm (GRPO family, PPO) shares: its rewards and reward models. run.py gives it the generic
-rollout source (train/rollout_source.py) and held-out evaluation by generating (train/evaluation.py)."""
+"""What every online algorithm (GRPO family, PPO) shares: the recipe checks of training on its own samples, its
+rewards and reward models, and the core of its policy loss (the clipped surrogate, with the engine's importance
+correction). run.py gives it the generic rollout source (train/rollout_source.py) and held-out evaluation by
+generating (train/evaluation.py)."""
 
 from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
 
 from posttrain.algorithms.base import Algorithm
 from posttrain.config.schema import Recipe
 from posttrain.errors import UserError
+from posttrain.losses.policy import clipped_surrogate, truncated_importance_weights
+from posttrain.models.forward import policy_logits
+from posttrain.ops.logprobs import entropy_BT, masked_mean, token_logprobs
 from posttrain.rewards import load_rewards
 from posttrain.rewards.reward_model import load_scorer
+from posttrain.batch import Batch
 
 
 def check_is_correction(config, recipe: Recipe) -> None:
@@ -20,16 +30,96 @@ def check_is_correction(config, recipe: Recipe) -> None:
                         "or set algo.vllm_is_correction=false")
 
 
+def check_online(config, recipe: Recipe, name: str, iterations_key: str) -> None:
+    """The checks of every online algorithm's config (its `validate` calls them): the importance correction, whole
+    groups of samples per device, padded batches, generation.batch_size, and checkpoints on whole generation
+    batches (`algo.<iterations_key>` optimiser steps each)."""
+    check_is_correction(config, recipe)
+    t, g = recipe.train, config.num_generations
+    per_device = t.per_device_train_batch_size * t.gradient_accumulation_steps
+    if per_device % g:
+        raise UserError(f"train.per_device_train_batch_size ({t.per_device_train_batch_size}) x "
+                        f"train.gradient_accumulation_steps ({t.gradient_accumulation_steps}) = {per_device} "
+                        f"completions per device per step, which is not a multiple of algo.num_generations ({g}): "
+                        f"each prompt's {g} completions must be sampled on one device. Make the product a multiple "
+                        f"of {g} (e.g. per_device_train_batch_size={g} or gradient_accumulation_steps={g}), or "
+                        f"pick a num_generations that divides {per_device}")
+    if recipe.data.packing:
+        raise UserError(f"data.packing does not apply to {name} (rollout batches are built padded); set "
+                        "data.packing=false")
+    if recipe.generation.batch_size is not None and recipe.generation.batch_size < 1:
+        raise UserError(f"generation.batch_size must be >= 1 or null, got {recipe.generation.batch_size}")
+    n = getattr(config, iterations_key)
+    for key, value in (("train.save_steps", t.save_steps), ("train.max_steps_per_run", t.max_steps_per_run)):
+        if n > 1 and value and value % n:
+            raise UserError(f"{key}={value} is not a multiple of algo.{iterations_key}={n}: a checkpoint in the "
+                            f"middle of a generation batch could not resume exactly; use a multiple of {n}")
+
+
+class Surrogate(NamedTuple):
+    """The policy-loss core of a micro-batch (OnlineAlgorithm.surrogate)."""
+
+    loss_BT: torch.Tensor
+    """Clipped surrogate per token, times the importance weight with algo.vllm_is_correction."""
+    logprobs_BT: torch.Tensor
+    """The policy's log-probs of the batch's tokens (with their gradient)."""
+    old_BT: torch.Tensor
+    """pi_old: the batch's old log-probs, or the current ones detached (one step per generation batch)."""
+    metrics: dict[str, torch.Tensor]
+    """clip_fraction, entropy, and the importance weights' figures."""
+
+
 class OnlineAlgorithm(Algorithm):
     source_kind = "rollout"
     data_kind = "prompt"
 
     def __init__(self, recipe: Recipe):
         self.recipe = recipe
-        self.rewards = load_rewards(recipe.rewards)  # a bad reward fails here, before any model is loaded
+        self.temperature = recipe.generation.temperature
+        self._rewards = None
+
+    def preflight(self) -> None:
+        """The rewards import and load here (a bad reward fails before any model is loaded)."""
+        self._rewards = load_rewards(self.recipe.rewards)
+
+    @property
+    def rewards(self):
+        """The recipe's RewardSet (loaded by preflight, or on first use)."""
+        if self._rewards is None:
+            self.preflight()
+        return self._rewards
 
     def reward_models(self) -> list:
         """The scorers of the recipe's `reward_model` entries (one per directory and settings; see load_scorer); one
         given its own `device` kwarg stays where it is."""
         scorers = [load_scorer(**r.kwargs) for r in self.recipe.rewards if r.name == "reward_model"]
         return [s for s in dict.fromkeys(scorers) if not s.device_given]
+
+    def reward_model_count(self) -> int:
+        """Distinct `reward_model` entries that load a model beside the policy (as reward_models dedupes them; one
+        given its own `device` stays out)."""
+        entries = {tuple(sorted((k, str(v)) for k, v in r.kwargs.items())) for r in self.recipe.rewards
+                   if r.name == "reward_model" and r.kwargs.get("device") is None}
+        return len(entries)
+
+    def surrogate(self, model, batch: Batch, advantages, epsilon_low: float, epsilon_high: float,
+                  level: str = "token") -> Surrogate:
+        """The forward and clipped surrogate GRPO and PPO share (Schulman et al. 2017), at the sampling temperature;
+        with algo.vllm_is_correction each token is weighted by min(pi_old / pi_sampler, algo.vllm_is_cap)."""
+        cfg, mask_BT = self.config, batch.completion_mask_BT
+        logits_BTV = policy_logits(model, batch)
+        logprobs_BT = token_logprobs(logits_BTV, batch.input_ids_BT, temperature=self.temperature)
+        # one step per generation batch: the sampling policy is the current one, so the ratio is 1 with the right
+        # gradient
+        old_BT = batch.old_logprobs_BT if batch.old_logprobs_BT is not None else logprobs_BT.detach()
+        loss_BT, clip_fraction = clipped_surrogate(logprobs_BT, old_BT, advantages, mask_BT, epsilon_low,
+                                                   epsilon_high, level=level)
+        metrics = {"clip_fraction": clip_fraction}
+        if cfg.vllm_is_correction:
+            weights_BT, is_metrics = truncated_importance_weights(old_BT, batch.sampler_logprobs_BT, mask_BT,
+                                                                  cfg.vllm_is_cap)
+            loss_BT = loss_BT * weights_BT
+            metrics.update(is_metrics)
+        with torch.no_grad():
+            metrics["entropy"] = masked_mean(entropy_BT(logits_BTV.detach(), temperature=self.temperature), mask_BT)
+        return Surrogate(loss_BT, logprobs_BT, old_BT, metrics)

@@ -26,17 +26,15 @@ import torch
 
 from posttrain.algorithms.base import Models, Objective
 from posttrain.models.critic import check_critic_source, critic_values
-from posttrain.models.forward import policy_logits
 from posttrain.models.load import check_model_source
-from posttrain.algorithms.online import OnlineAlgorithm, check_is_correction
+from posttrain.algorithms.online import OnlineAlgorithm, check_online
 from posttrain.batch import Batch
 from posttrain.config.schema import ModelConfig, Recipe
 from posttrain.errors import UserError
-from posttrain.losses.policy import clipped_surrogate, truncated_importance_weights
 from posttrain.losses.value import clipped_value_loss
 from posttrain.ops.advantages import ADVANTAGE_ESTIMATORS, masked_moments, token_rewards, whiten
 from posttrain.ops.kl import KL_ESTIMATORS, KLController, kl_k3
-from posttrain.ops.logprobs import entropy_BT, masked_mean, masked_sum, token_logprobs
+from posttrain.ops.logprobs import masked_mean, masked_sum
 
 
 @dataclass(frozen=True)
@@ -90,7 +88,6 @@ class PPOAlgoConfig:
     """The cap of that weight (>= 1)."""
 
     def validate(self, recipe: Recipe) -> None:
-        check_is_correction(self, recipe)
         for key, value, table in (("advantage_estimator", self.advantage_estimator, ADVANTAGE_ESTIMATORS),
                                   ("kl_estimator", self.kl_estimator, ("k1", "k3"))):
             if value not in table:
@@ -107,15 +104,7 @@ class PPOAlgoConfig:
         if not recipe.rewards:
             raise UserError("ppo needs a reward: add `rewards: [{name: exact_match}]` or "
                             "`rewards: [{name: reward_model, kwargs: {path: runs/rm/final}}]` to the recipe")
-        t = recipe.train
-        if (t.per_device_train_batch_size * t.gradient_accumulation_steps) % self.num_generations:
-            raise UserError(f"train.per_device_train_batch_size x train.gradient_accumulation_steps must be a multiple "
-                            f"of algo.num_generations ({self.num_generations})")
-        if recipe.data.packing:
-            raise UserError("data.packing does not apply to ppo (rollout batches are padded); set data.packing=false")
-        for key, value in (("train.save_steps", t.save_steps), ("train.max_steps_per_run", t.max_steps_per_run)):
-            if self.ppo_epochs > 1 and value and value % self.ppo_epochs:
-                raise UserError(f"{key}={value} is not a multiple of algo.ppo_epochs={self.ppo_epochs}")
+        check_online(self, recipe, "ppo", "ppo_epochs")
 
 
 class PPO(OnlineAlgorithm):
@@ -123,17 +112,21 @@ class PPO(OnlineAlgorithm):
     needs_critic = True
 
     def __init__(self, recipe: Recipe):
-        super().__init__(recipe)  # loads the rewards: a reward model that is not a sequence classifier fails here
+        super().__init__(recipe)
         self.config: PPOAlgoConfig = recipe.algo
-        self.temperature = recipe.generation.temperature
         self.needs_reference = self.config.kl_coef > 0
         self.samples_per_prompt = self.config.num_generations
         self.steps_per_rollout = self.config.ppo_epochs
         self.kl = KLController(self.config.kl_coef, self.config.kl_target, self.config.kl_horizon)
         self.seconds = {"time/policy_logprobs": 0.0, "time/reference": 0.0, "time/values": 0.0}
-        check_model_source(recipe.model)
+
+    def preflight(self) -> None:
+        """The rewards load (a reward model that is not a sequence classifier fails here); the policy and the critic
+        exist and share a vocabulary."""
+        super().preflight()
+        check_model_source(self.recipe.model)
         what = "algo.critic_model_name_or_path"
-        check_critic_source(self.critic_source(), what, _vocab_size(recipe.model.name_or_path))
+        check_critic_source(self.critic_source(), what, _vocab_size(self.recipe.model.name_or_path))
 
     def critic_source(self) -> ModelConfig:
         path = self.config.critic_model_name_or_path
@@ -160,7 +153,7 @@ class PPO(OnlineAlgorithm):
 
     # --- once per generation batch (the rollout source calls these) -------------------------------------------------
 
-    def prepare(self, batch: Batch, models: Models) -> Batch:
+    def prepare(self, batch: Batch, models: Models, training: bool = True) -> Batch:
         tasks = {"old_logprobs_BT": ("time/policy_logprobs", lambda: models.policy.logprobs(batch, self.temperature)),
                  "ref_logprobs_BT": ("time/reference", lambda: models.reference.logprobs(batch, self.temperature)),
                  "old_values_BT": ("time/values", lambda: critic_values(models.critic.forward, batch))}
@@ -204,7 +197,7 @@ class PPO(OnlineAlgorithm):
 
     # --- what the loop calls ------------------------------------------------------------------------------------------
 
-    def objectives(self, step: int) -> dict[str, Objective]:
+    def objectives(self, step: int, models: Optional[Models]) -> dict[str, Objective]:
         critic = {"critic": Objective(self.count, self.value_loss)}
         return critic if step < self.config.critic_warmup_steps else {"policy": Objective(self.count, self.loss), **critic}
 
@@ -212,21 +205,13 @@ class PPO(OnlineAlgorithm):
         return batch.completion_mask_BT.sum()
 
     def loss(self, model, batch: Batch, normaliser: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """Clipped surrogate, token mean over the step."""
+        """The shared clipped surrogate (OnlineAlgorithm.surrogate) on per-token advantages, token mean over the
+        step."""
         mask_BT = batch.completion_mask_BT
-        logits_BTV = policy_logits(model, batch)
-        logprobs_BT = token_logprobs(logits_BTV, batch.input_ids_BT, temperature=self.temperature)
-        loss_BT, clip_fraction = clipped_surrogate(logprobs_BT, batch.old_logprobs_BT, batch.advantages_BT, mask_BT,
-                                                   self.config.epsilon, self.config.epsilon)
-        is_metrics = {}
-        if self.config.vllm_is_correction:
-            weights_BT, is_metrics = truncated_importance_weights(batch.old_logprobs_BT, batch.sampler_logprobs_BT,
-                                                                  mask_BT, self.config.vllm_is_cap)
-            loss_BT = loss_BT * weights_BT
+        loss_BT, logprobs_BT, old_BT, metrics = self.surrogate(model, batch, batch.advantages_BT, self.config.epsilon,
+                                                               self.config.epsilon)
         with torch.no_grad():
-            metrics = {"clip_fraction": clip_fraction, **is_metrics,
-                       "approx_kl": masked_mean(kl_k3(logprobs_BT, batch.old_logprobs_BT), mask_BT),
-                       "entropy": masked_mean(entropy_BT(logits_BTV, temperature=self.temperature), mask_BT)}
+            metrics["approx_kl"] = masked_mean(kl_k3(logprobs_BT, old_BT), mask_BT)
         return masked_sum(loss_BT, mask_BT) / normaliser, metrics
 
     def value_loss(self, model, batch: Batch, normaliser: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:

@@ -19,6 +19,7 @@ from posttrain.batch import Batch
 
 class SFT(Algorithm):
     name = "sft"
+    logprobs_only = True
 
     def __init__(self, recipe: Recipe):
         self.config: SFTAlgoConfig = recipe.algo

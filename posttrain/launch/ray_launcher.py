@@ -66,7 +66,8 @@ def run_on_ray(command: str, recipe: Recipe) -> int:
                         "accelerate launch")
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")  # rank 0's and rank 1's lines are not duplicates to fold
     ray = import_ray()
-    algorithm = ALGORITHMS[command][1](recipe)  # the algorithm's own checks, before a cluster is touched
+    algorithm = ALGORITHMS[command][1](recipe)
+    algorithm.preflight()  # the algorithm's own checks, before a cluster is touched
     roles = roles_needed(algorithm, recipe)
     recipe = absolute_paths(recipe)  # a relative path means the same in every actor, on every node
     address = recipe.placement.address or os.environ.get("RAY_ADDRESS") or None

@@ -130,7 +130,7 @@ class TrainedRoleWorker(RoleWorker):
     def update(self, key: str, step: int, micro_batches: list, normaliser, skip_nonfinite: bool):
         """The local role's update on this worker's share of the step -> (loss, grad norm, metric sums, LR), on CPU."""
         device = self.backend.device
-        loss, grad_norm, metrics = self.role.update(step, self.algorithm.objectives(step)[self.name],
+        loss, grad_norm, metrics = self.role.update(step, self.algorithm.objectives(step, None)[self.name],
                                                     [b.to(device) for b in micro_batches], normaliser.to(device),
                                                     skip_nonfinite)
         return (loss.cpu(), grad_norm, {k: v.cpu() for k, v in metrics.items()}, self.role.learning_rate())

@@ -22,7 +22,7 @@ from posttrain.errors import UserError
 from posttrain.plan.estimate import ENGINES, GIB, Breakdown, estimate
 from posttrain.plan.recommend import format_table, launch_command, make_plan, to_json
 from posttrain.plan.shape import model_shape, read_config, shape_from_config
-from posttrain.plan.workload import algorithm_facts, workload_from_recipe
+from posttrain.plan.workload import models_needed, workload_from_recipe
 
 _UNITS = {"": GIB, "b": 1, "kb": 1000, "mb": 1000**2, "gb": 1000**3, "tb": 1000**4, "kib": 2**10, "mib": 2**20,
           "gib": GIB, "tib": 2**40}
@@ -72,7 +72,7 @@ def estimate_for_run(command: str, recipe, engine: str, offload: str, world_size
     """The estimate of this recipe as it is being launched (logged at start beside the measured peak). `counts`:
     the loaded model's (total, trainable) parameters, which spare building the model on the meta device."""
     shape = (shape_from_config(read_config(recipe.model), *counts) if counts is not None
-             else model_shape(recipe.model, algorithm_facts(command, recipe)["task"]))
+             else model_shape(recipe.model, models_needed(command, recipe).task))
     gpu_bytes = detect_gpu_memory()
     return estimate(shape, workload_from_recipe(command, recipe, on_gpu=gpu_bytes is not None),
                     ENGINES[engine_for(engine, offload)], world_size, gpu_bytes or 0)
@@ -103,7 +103,7 @@ def run_plan(command: str, recipe, config: Optional[str], overrides: list[str], 
     if gpu_bytes is None:
         raise UserError("no GPU here to read the memory of: pass --gpu-memory (e.g. --gpu-memory 80GiB)")
     t = recipe.train
-    task = algorithm_facts(command, recipe)["task"]
+    task = models_needed(command, recipe).task
     shape = model_shape(recipe.model, task)
     with_lora = dataclasses.replace(recipe.model, lora=dataclasses.replace(recipe.model.lora, enabled=True))
     # what LoRA would need (its frozen copies are counted as without it: an upper bound)

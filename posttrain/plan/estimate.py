@@ -73,11 +73,16 @@ class Workload:
     at a time; the fused step makes no temporaries)."""
     gradient_checkpointing: bool = False
     frozen_copies: int = 0
-    """Frozen full models kept besides the policy (DPO / GRPO reference, reward model)."""
+    """Frozen full models kept besides the policy (DPO / GRPO / PPO reference, reward models, a teacher), each
+    counted at the policy's size."""
+    trained_models: int = 1
+    """Models with gradients and optimiser state: 2 with PPO's critic (counted at the policy's size)."""
     lm_head: bool = True
     """False for a sequence classifier (RM): no B x T x V logits."""
     logprobs_only: bool = False
     """The loss needs log-probs only (SFT, DPO): a fusable head then never makes the logits."""
+    teacher_logits: bool = False
+    """Distillation with a local teacher: its B x T x V logits live beside the student's during the loss."""
     eager_attention: bool = False
     """attn_implementation=eager materialises B x heads x T x T scores; sdpa / flash do not."""
     generation_sequences: int = 0
@@ -191,7 +196,10 @@ def logits_bytes(shape: ModelShape, w: Workload) -> int:
     tokens = w.sequences * w.sequence_length
     if w.logprobs_only and shape.fused_head:  # ops.linear_token_logprobs: float32 chunks of LINEAR_CHUNK rows
         return 2 * min(tokens, max(1, LINEAR_CHUNK // shape.vocab_size)) * shape.vocab_size * 4
-    return 2 * tokens * shape.vocab_size * w.compute_bytes + 2 * min(tokens, LOGPROB_CHUNK) * shape.vocab_size * 4
+    # a teacher's logits, and their rows at the completion positions (losses/distill.py gathers them), no gradient
+    teacher = 2 * tokens * shape.vocab_size * w.compute_bytes if w.teacher_logits else 0
+    return (2 * tokens * shape.vocab_size * w.compute_bytes + 2 * min(tokens, LOGPROB_CHUNK) * shape.vocab_size * 4
+            + teacher)
 
 
 def generation_bytes(shape: ModelShape, w: Workload, engine: Engine, world_size: int, weight_bytes: int) -> int:
@@ -238,6 +246,10 @@ def estimate(shape: ModelShape, w: Workload, engine: Engine, world_size: int = 1
     if engine.offload_param:
         cpu += parameters
         parameters = 0
+    # a critic trains beside the policy: its weights, gradient buffers and optimiser state too (its activations
+    # and logits come in a phase of their own, no larger than the policy's)
+    k = w.trained_models
+    parameters, gradients, buffers, optimizer, cpu = k * parameters, k * gradients, k * buffers, k * optimizer, k * cpu
     frozen = w.frozen_copies * p * weight_bytes
     if engine.zero_stage == 3:  # prepare_frozen shards the reference under ZeRO-3 only
         frozen = w.frozen_copies * _share(p * weight_bytes, n)

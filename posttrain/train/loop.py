@@ -75,12 +75,12 @@ def train(ctx: LoopContext) -> TrainState:
         micro_batches = [b.to(backend.device) for b in ctx.source.step_batches(state.step)]
 
         # 2. what needs no gradient
-        with torch.no_grad():
+        with torch.no_grad(), backend.autocast():
             micro_batches = [algorithm.prepare(b, models) for b in micro_batches]
 
         # 3. one global normaliser per trained role for the whole step (tokens, sequences or pairs over
         #    micro-batches and ranks)
-        objectives = algorithm.objectives(state.step)
+        objectives = algorithm.objectives(state.step, models)
         trained = [(name, role) for name, role in models.trained() if name in objectives]
         local_counts = torch.stack([torch.stack([objectives[name].count(b).float().to(backend.device)
                                                  for b in micro_batches]).sum() for name, _ in trained])
@@ -182,16 +182,16 @@ def update_role(backend, role, objective, micro_batches: list[Batch], normaliser
 
 def evaluate(backend, algorithm: Algorithm, models: Models, batches: list[tuple[Batch, float]]) -> dict[str, float]:
     """Mean loss per unit over the whole eval set (all ranks) and the algorithm's metrics averaged over batches."""
-    model = models.policy.model
+    model, objective = models.policy.model, algorithm.objectives(0, models)["policy"]  # offline: one objective
     models.policy.train(False)
     total = torch.zeros(2, device=backend.device)
     metric_sums: dict[str, torch.Tensor] = {}
     with torch.no_grad():
         for batch, weight in batches:
-            batch = algorithm.prepare(batch.to(backend.device), models)
             with backend.autocast():
-                loss_sum, metrics = algorithm.loss(model, batch, torch.ones((), device=backend.device))
-            count = algorithm.count(batch).float()
+                batch = algorithm.prepare(batch.to(backend.device), models, training=False)
+                loss_sum, metrics = objective.loss(model, batch, torch.ones((), device=backend.device))
+            count = objective.count(batch).float()
             total += torch.stack([loss_sum.detach().float() * weight, count.to(backend.device) * weight])
             for key, value in metrics.items():
                 metric_sums[key] = metric_sums.get(key, 0.0) + value.detach().float() * weight
