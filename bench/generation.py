@@ -57,7 +57,7 @@ def main() -> None:
     results["speedup"] = round(results["vllm_tokens_per_s"] / results["hf_tokens_per_s"], 2)
     named = list(hf_model.named_parameters())
     started = time.perf_counter()
-    vllm.load_weights(iter(named))
+    vllm.load_weights([named])
     results["vllm_sync_s"] = round(time.perf_counter() - started, 3)
     results["sync_mb"] = round(sum(p.numel() * p.element_size() for _, p in named) / 2**20, 1)
     print(json.dumps(results))

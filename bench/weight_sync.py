@@ -5,7 +5,8 @@ gloo group (the floor any sync over that group pays). Target: sync <= 1.2x raw.
     .venv/bin/python bench/weight_sync.py --servers 2 --repeats 5
     .venv/bin/python bench/weight_sync.py --lora 16                # a LoRA policy: merged vs adapter-only syncs
 
-A sync is what the trainer's rank 0 does after an optimiser step (`ServerEngine.load_weights` + the version stamp),
+A sync is what the trainer's rank 0 does after an optimiser step (`Backend.weight_buckets` -> `ServerEngine.load_weights`
++ the version stamp: the backend's buckets travel as they come),
 through vLLM's weight-transfer API with the gloo-posttrain backend: /start_weight_update (vLLM's layerwise reload
 begins), /update_weights while each `--bucket-mb` bucket is packed and broadcast (header, then bytes) and loaded,
 /finish_weight_update (oneDNN repacking on a CPU), the prefix-cache reset and the version stamp. The raw baseline broadcasts byte buffers of the same bucket sizes
@@ -67,7 +68,9 @@ def main() -> None:
     from posttrain.models.tiny import make_tiny_model
     from posttrain.generation.adapter_sync import max_lora_rank
     from posttrain.generation.server import ServerEngine
-    from posttrain.generation.weight_transfer import Background, wire_buckets
+    from posttrain.config.schema import Recipe
+    from posttrain.distributed.backend import Backend
+    from posttrain.generation.weight_transfer import Background
 
     work = Path(tempfile.mkdtemp(prefix="bench-sync-"))
     model_dir = make_tiny_model(work / "model", seed=0, **MODEL)
@@ -82,11 +85,12 @@ def main() -> None:
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
         engine = ServerEngine(GenerationConfig(engine="vllm", placement="servers", servers=tuple(urls), sync_bucket_mb=args.bucket_mb),
                               AutoTokenizer.from_pretrained(model_dir), sends_weights=True)
-        named = list(model.named_parameters())
-        sizes = [sum(t.numel() * t.element_size() for _, t in bucket) for bucket in wire_buckets(iter(named), engine.bucket_bytes)]
+        backend = Backend(Recipe(output_dir=str(work / "run")))
+        sizes = [sum(t.numel() * t.element_size() for _, t in bucket)
+                 for bucket in backend.weight_buckets(model, args.bucket_mb)]
 
         def sync(version: int) -> None:
-            engine.load_weights(iter(named))
+            engine.load_weights(backend.weight_buckets(model, args.bucket_mb))
             engine.set_version(version)
 
         def raw() -> None:
@@ -175,7 +179,7 @@ def lora_syncs(model_dir: Path, urls: list[str], args) -> dict:
         sync_s, probe_s = [], []
         for version in range(args.repeats + 1):  # the first opens the group: not timed
             started = time.perf_counter()
-            engine.load_weights(iter(named))
+            engine.load_weights([named])
             engine.set_version(version)
             synced = time.perf_counter()
             check_delivery(engine.delivery_probes(), Role, "cpu", 1e-3, version)

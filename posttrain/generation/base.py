@@ -147,8 +147,9 @@ class GenerationEngine:
         """Sample one completion per prompt (prompts are unpadded token-id lists, any lengths)."""
         raise NotImplementedError
 
-    def load_weights(self, named_tensors: Iterable[tuple[str, "torch.Tensor"]]) -> None:
-        """Make the engine sample from these weights (names as in the policy's `named_parameters()`)."""
+    def load_weights(self, buckets: Iterable[list[tuple[str, "torch.Tensor"]]]) -> None:
+        """Make the engine sample from these weights: the backend's buckets (`Backend.weight_buckets`: lists of
+        (name, full tensor), names as the plain transformers model has them), taken as they come, one sync."""
         raise NotImplementedError
 
     def set_version(self, step: int) -> None:

@@ -56,12 +56,12 @@ class HFEngine(GenerationEngine):
         return Completions([r for c in chunks for r in c.completion_ids], [r for c in chunks for r in c.logprobs],
                            [r for c in chunks for r in c.truncated])
 
-    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy tensors into the model's parameters and buffers by name (nothing to copy when the engine wraps the
-        policy itself, the usual case: the tensors are its parameters)."""
+    def load_weights(self, buckets: Iterable[list[tuple[str, torch.Tensor]]]) -> None:
+        """Copy each bucket's tensors into the model's parameters and buffers by name (nothing to copy when the engine
+        wraps the policy itself, the usual case: the tensors are its parameters)."""
         targets = self.model.state_dict(keep_vars=True)
         with torch.no_grad():
-            for name, tensor in named_tensors:
+            for name, tensor in (pair for bucket in buckets for pair in bucket):
                 target = targets.get(name)
                 if target is None:
                     raise KeyError(f"load_weights: the engine model has no parameter or buffer named '{name}'")

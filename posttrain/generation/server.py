@@ -21,9 +21,8 @@ from itertools import accumulate
 from typing import Iterable, Optional
 from urllib.parse import urlsplit
 
-from posttrain.distributed.weight_sync import local_address_towards
+from posttrain.distributed.sync_group import local_address_towards
 from posttrain.errors import RunStopped, UserError
-from posttrain.generation import weight_transfer
 from posttrain.generation.adapter_sync import PROBE_PROMPT, PROBE_TOKENS, AdapterNames, DeliveryProbe, max_lora_rank
 from posttrain.generation.base import (Completions, GenerationEngine, SamplingParams, check_prompts, eos_id,
                                     longest_sequence, vllm_sampling, vllm_truncated)
@@ -54,7 +53,6 @@ class ServerEngine(GenerationEngine):
         self.timeout = float(generation.request_timeout_s)
         self.sync_timeout = float(generation.sync_timeout_s)
         self.retries = int(generation.request_retries)
-        self.bucket_bytes = int(generation.sync_bucket_mb * 2**20)
         self.sends_weights = sends_weights
         self.version = None  # the policy version the servers hold; None: their start-up weights
         self._transfer = None  # the weight-transfer engine (rank 0 only), opened at the first sync
@@ -114,19 +112,19 @@ class ServerEngine(GenerationEngine):
             for url in self.servers:
                 self._rpc(url, "/update_weight_version", {"new_version": str(step)}, phase="version")
 
-    def load_weights(self, named_tensors: Iterable) -> None:
+    def load_weights(self, buckets: Iterable) -> None:
         """Rank 0: one sync through vLLM's weight-transfer API (posttrain.generation.weight_transfer): start, update
-        (the tensors broadcast in buckets of generation.sync_bucket_mb while every server loads them), finish; the
-        transfer group is opened at the first sync. Other ranks: iterate (a ZeRO-3 / FSDP2 gather is a collective)."""
+        (the backend's buckets broadcast as they come while every server loads them), finish; the transfer group is
+        opened at the first sync. Other ranks: iterate (a ZeRO-3 / FSDP2 gather is a collective)."""
         if self._names is not None:  # every rank: its requests name the adapter of this sync
             self._names.next()
         if not self.sends_weights:
-            for _ in named_tensors:
+            for _ in buckets:
                 pass
             return
         if self._transfer is None:
             self._transfer = self._open_transfer()
-        self._transfer.source = weight_transfer.wire_buckets(named_tensors, self.bucket_bytes)
+        self._transfer.source = buckets
         adapter = {} if self._names is None else {"adapter_name": self._names.current,
                                                    "adapter_config": self._adapter_config}
         self._transfer.send_weights(adapter)

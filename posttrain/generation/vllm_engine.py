@@ -89,12 +89,12 @@ class VLLMEngine(GenerationEngine):
         truncated = [vllm_truncated(s.finish_reason, tokens, self.eos_id) for s, tokens in zip(samples, ids)]
         return Completions(ids, logprobs, truncated)
 
-    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Load full tensors named as in the plain transformers model. Pass the whole sync as one iterable (a
-        generator over `Backend.weight_buckets`): vLLM reloads a layer once all of its tensors have arrived, so a layer
-        split across two calls would be reloaded from half new, half old weights."""
+    def load_weights(self, buckets: Iterable[list[tuple[str, torch.Tensor]]]) -> None:
+        """Load the whole sync (`Backend.weight_buckets`: full tensors named as in the plain transformers model) in
+        one reload: vLLM reloads a layer once all of its tensors have arrived, so a layer split across two calls would
+        be reloaded from half new, half old weights. The buckets stream into the worker as they come."""
         self.wake()
-        self.llm.collective_rpc(_load_into_worker, args=(((n, t.detach()) for n, t in named_tensors),))
+        self.llm.collective_rpc(_load_into_worker, args=(((n, t.detach()) for bucket in buckets for n, t in bucket),))
         self.llm.reset_prefix_cache()
 
     def end(self) -> None:

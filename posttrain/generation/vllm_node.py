@@ -86,9 +86,9 @@ class NodeEngine(ServerEngine):
         self.wake()
         return super().generate(prompt_ids, params)
 
-    def load_weights(self, named_tensors) -> None:
+    def load_weights(self, buckets) -> None:
         self.wake()
-        super().load_weights(named_tensors)
+        super().load_weights(buckets)
 
     def sleep(self) -> None:
         """Every rank calls it after generating (a collective): the first rank frees the engine's GPU memory once

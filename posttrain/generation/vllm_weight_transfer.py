@@ -32,7 +32,7 @@ from vllm.distributed.weight_transfer.base import (WeightTransferEngine, WeightT
 from vllm.lora.request import LoRARequest
 from vllm.lora.resolver import LoRAResolver
 
-from posttrain.distributed.weight_sync import local_address_towards, open_sync_group, receive_buckets
+from posttrain.distributed.sync_group import local_address_towards, open_sync_group, receive_buckets
 from posttrain.generation.adapter_sync import adapter_root, parse_name, write_adapter
 from posttrain.generation.server_worker import prefetched, repack_tied_lm_head, tensor_digest
 from posttrain.generation.weight_transfer import BACKEND

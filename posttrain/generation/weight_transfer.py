@@ -19,9 +19,9 @@ from __future__ import annotations
 import logging
 import threading
 from dataclasses import dataclass
-from typing import ClassVar, Iterable, Optional
+from typing import ClassVar, Optional
 
-from posttrain.distributed.weight_sync import SyncStore, open_sync_group, send_weights
+from posttrain.distributed.sync_group import SyncStore, open_sync_group, send_weights
 from posttrain.errors import RunStopped
 from posttrain.generation.http import ServerUnavailable, call
 
@@ -162,21 +162,6 @@ class GlooTrainerEngine:
         if self.group is not None:
             self.group.close()
             self.group = None
-
-
-def wire_buckets(named_tensors: Iterable, bucket_bytes: int):
-    """(name, tensor) pairs -> lists of about `bucket_bytes` on the host, as the gloo wire sends them (a tensor
-    larger than that is a bucket alone)."""
-    bucket, size = [], 0
-    for name, tensor in named_tensors:
-        nbytes = tensor.numel() * tensor.element_size()
-        if bucket and size + nbytes > bucket_bytes:
-            yield bucket
-            bucket, size = [], 0
-        bucket.append((name, tensor.detach().cpu()))
-        size += nbytes
-    if bucket:
-        yield bucket
 
 
 class Background(threading.Thread):

@@ -106,7 +106,7 @@ class EngineLink:
             return
         started = time.perf_counter()
         buckets = self.backend.weight_buckets(self.policy.model, gen.sync_bucket_mb, engine.adapter_only)
-        engine.load_weights(pair for bucket in buckets for pair in bucket)  # one load, streamed bucket by bucket
+        engine.load_weights(buckets)  # one load, streamed bucket by bucket as the backend gathers them
         engine.set_version(step)
         if engine.adapter_only:  # generation.lora_sync=adapter: the syncing ranks probe their servers, all ranks check
             probes = [p for part in self.backend.all_gather_object(engine.delivery_probes()) for p in part]

@@ -144,7 +144,7 @@ def restore_starting_weights(vllm_server, tokenizer):
 
     engine = ServerEngine(GenerationConfig(engine="vllm", placement="servers", servers=(vllm_server.url,)), tokenizer,
                           sends_weights=True)
-    engine.load_weights(load_file(str(Path(vllm_server.model_dir) / "model.safetensors")).items())
+    engine.load_weights([list(load_file(str(Path(vllm_server.model_dir) / "model.safetensors")).items())])
     engine.close()
 
 
@@ -185,19 +185,22 @@ def test_lora_adapter_sync_serves_final_and_a_broken_delivery_stops_the_run(vllm
     # the same run with one adapter tensor corrupted on its way to the server (after the trainer sent its bytes)
     import posttrain.generation.weight_transfer as transfer
 
-    sending = transfer.wire_buckets
+    sending = transfer.send_weights
 
-    def corrupted(named_tensors, bucket_bytes):  # the first v_proj's B gets 1.0 added: one tensor wrong
-        first = True
-        for bucket in sending(named_tensors, bucket_bytes):
-            out = []
-            for name, tensor in bucket:
-                if first and "v_proj.lora_B." in name:
-                    tensor, first = tensor + 1.0, False
-                out.append((name, tensor))
-            yield out
+    def corrupted(group, buckets):  # the first v_proj's B gets 1.0 added: one tensor wrong
+        def altered():
+            first = True
+            for bucket in buckets:
+                out = []
+                for name, tensor in bucket:
+                    if first and "v_proj.lora_B." in name:
+                        tensor, first = tensor + 1.0, False
+                    out.append((name, tensor))
+                yield out
 
-    monkeypatch.setattr(transfer, "wire_buckets", corrupted)
+        return sending(group, altered())
+
+    monkeypatch.setattr(transfer, "send_weights", corrupted)
     capsys.readouterr()
     code = run_cli("grpo", *overrides(vllm_lora_server.url, vllm_lora_server.model_dir, data, tmp_path / "broken",
                                       *LORA_ADAPTER), config=RECIPE)
@@ -307,7 +310,7 @@ def test_an_update_a_dead_trainer_left_open_is_ended_by_the_next_trainer(vllm_se
                                            sync_timeout_s=120), AutoTokenizer.from_pretrained(vllm_server.model_dir),
                           sends_weights=True)
     pairs = [(u.name, u.compute([p.data for p in u.params])) for u in sync_units(model)]
-    engine.load_weights(iter(pairs))
+    engine.load_weights([pairs])
     held = call(vllm_server.url, "/collective_rpc", {"method": "posttrain_digests"})["results"][0]
     assert held == {name: tensor_digest(t) for name, t in pairs}
 
@@ -412,7 +415,7 @@ def test_a_stock_vllm_server_takes_syncs_and_serves_the_synced_policy(stock_serv
     prompts = [tokenizer(text)["input_ids"] for text in ("What is 12 + 7?", "Hello there", "Count: 1 2 3")]
     params = SamplingParams(max_new_tokens=12, temperature=0)
     before = engine.generate(prompts, params).completion_ids
-    engine.load_weights((name, param.detach()) for name, param in model.named_parameters())
+    engine.load_weights([[(name, param.detach()) for name, param in model.named_parameters()]])
     engine.set_version(7)
     after = engine.generate(prompts, params).completion_ids
     engine.close()

@@ -73,7 +73,7 @@ def server_engine(model_dir, tokenizer=None, server=None, **kwargs) -> Generatio
         engine = ServerEngine(generation, AutoTokenizer.from_pretrained(model_dir), sends_weights=True)
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
         try:
-            engine.load_weights((u.name, u.compute([p.data for p in u.params])) for u in sync_units(model))
+            engine.load_weights([[(u.name, u.compute([p.data for p in u.params])) for u in sync_units(model)]])
         except Exception as e:  # what the server said is the diagnosis
             raise RuntimeError(f"the sync to the session's server failed; its log ends:\n"
                                f"{server.log.read_text()[-4000:]}") from e
@@ -229,7 +229,7 @@ def test_greedy_equals_hf_before_and_after_a_weight_sync(make, reference, tokeni
     before = engine.generate(prompt_ids, params).completion_ids
     new = [(u.name, u.compute([p.data for p in u.params])) for u in sync_units(hf.model)]
     try:
-        engine.load_weights(new)
+        engine.load_weights([new[: len(new) // 2], new[len(new) // 2 :]])  # two buckets, one sync
         after = engine.generate(prompt_ids, params)
         expected = hf.generate(prompt_ids, params)
         assert after.completion_ids == expected.completion_ids != before
@@ -237,5 +237,5 @@ def test_greedy_equals_hf_before_and_after_a_weight_sync(make, reference, tokeni
             torch.testing.assert_close(torch.tensor(logprobs), teacher_forced_logprobs(hf.model, prompt, ids, 1.0),
                                        atol=1e-4, rtol=0)
     finally:  # the engine is shared by the module's tests
-        engine.load_weights(reference.named_parameters())
+        engine.load_weights([list(reference.named_parameters())])
     assert engine.generate(prompt_ids, params).completion_ids == before

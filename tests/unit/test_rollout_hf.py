@@ -100,7 +100,7 @@ def test_load_weights_into_a_separate_model(tiny_model_dir, model, tokenizer, pr
         for p in policy.parameters():
             p.add_(torch.randn_like(p) * 0.3)
     engine = HFEngine(model, tokenizer)
-    engine.load_weights(policy.named_parameters())
+    engine.load_weights([list(policy.named_parameters())])
     assert engine.generate(prompts, GREEDY) == HFEngine(policy, tokenizer).generate(prompts, GREEDY)
     for (name, a), b in zip(policy.state_dict().items(), model.state_dict().values()):
         assert torch.equal(a, b), name
@@ -108,17 +108,17 @@ def test_load_weights_into_a_separate_model(tiny_model_dir, model, tokenizer, pr
 
 def test_load_weights_from_the_same_model_is_a_no_op(model, tokenizer):
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    HFEngine(model, tokenizer).load_weights(model.named_parameters())
+    HFEngine(model, tokenizer).load_weights([list(model.named_parameters())])
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
 
 
 def test_load_weights_rejects_unknown_names_and_shapes(model, tokenizer):
     engine = HFEngine(model, tokenizer)
     with pytest.raises(KeyError, match="no_such.weight"):
-        engine.load_weights([("no_such.weight", torch.zeros(1))])
+        engine.load_weights([[("no_such.weight", torch.zeros(1))]])
     name, param = next(iter(model.named_parameters()))
     with pytest.raises(ValueError, match=name):
-        engine.load_weights([(name, torch.zeros(param.shape[0] + 1))])
+        engine.load_weights([[(name, torch.zeros(param.shape[0] + 1))]])
 
 
 def test_sleep_and_wake_are_harmless(model, tokenizer, prompts):

@@ -210,7 +210,7 @@ def test_a_sync_whose_server_never_joins_stops_within_sync_timeout(fake):
     sync = engine(server.url, timeout=2.0)
     started = time.monotonic()
     with pytest.raises(RunStopped, match=f"generation server {server.url} failed during a weight sync \\(init phase"):
-        sync.load_weights([("w", torch.zeros(3))])
+        sync.load_weights([[("w", torch.zeros(3))]])
     assert time.monotonic() - started < 6.0
     sync.close()
 
@@ -248,7 +248,7 @@ def test_bad_answers_at_start_up_are_user_errors_naming_the_server(fake, tiny_mo
 
 
 def test_the_sync_store_listens_on_the_given_address_only():
-    from posttrain.distributed.weight_sync import SyncStore
+    from posttrain.distributed.sync_group import SyncStore
 
     store = SyncStore("127.0.0.2", 2, 5)
     with socket.create_connection(("127.0.0.2", store.port), timeout=2):
@@ -265,9 +265,9 @@ def test_a_sync_runs_vllms_four_phases_and_the_bytes_arrive_bit_for_bit(fake):
     order; every tensor arrives with its name, dtype, shape and bytes."""
     import torch
 
-    from posttrain.distributed.weight_sync import open_sync_group, receive_weights
+    from posttrain.distributed.sync_group import open_sync_group, receive_buckets
 
-    phases, received, worker = [], {}, {}
+    phases, received, worker = [], [], {}
 
     def respond(handler):
         route = handler.path.split("?")[0]
@@ -281,7 +281,7 @@ def test_a_sync_runs_vllms_four_phases_and_the_bytes_arrive_bit_for_bit(fake):
                                               info["timeout_s"], "127.0.0.1", key=info["key"])
             answer = {}
         elif route == "/update_weights":
-            received.update({name: t.clone() for name, t in receive_weights(worker["group"])})
+            received.extend([[(name, t.clone()) for name, t in bucket] for bucket in receive_buckets(worker["group"])])
             answer = {}
         else:
             answer = {}
@@ -293,10 +293,12 @@ def test_a_sync_runs_vllms_four_phases_and_the_bytes_arrive_bit_for_bit(fake):
     tensors = [("a", torch.randn(300, 1024, generator=g)), ("b", torch.randn(7, generator=g).to(torch.bfloat16)),
                ("c", torch.arange(6).view(2, 3)), ("d", torch.randn(4, 4, generator=g).t())]
     for round_ in range(2):
-        sync.load_weights(iter(tensors))
-        assert received.keys() == {name for name, _ in tensors}
+        buckets = [tensors[:1], tensors[1:]]  # as the backend gathers them: they travel as they come
+        sync.load_weights(iter(buckets))
+        assert [[name for name, _ in b] for b in received] == [[name for name, _ in b] for b in buckets]
+        arrived = dict(pair for bucket in received for pair in bucket)
         for name, tensor in tensors:
-            assert received[name].dtype == tensor.dtype and torch.equal(received[name], tensor), name
+            assert arrived[name].dtype == tensor.dtype and torch.equal(arrived[name], tensor), name
         received.clear()
     sync.close()
     worker["group"].close()

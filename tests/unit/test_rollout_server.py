@@ -127,19 +127,19 @@ def test_serve_bad_input_is_a_user_error(tmp_path):
 
 
 def test_weights_travel_bit_for_bit_over_a_gloo_group():
-    """send_weights on rank 0, receive_weights on rank 1 (a thread standing in for a server worker): names, dtypes,
-    shapes and bytes arrive as sent, bucket by bucket, ended by the end mark."""
-    from posttrain.distributed.weight_sync import SyncStore, open_sync_group, receive_weights, send_weights
+    """send_weights on rank 0, receive_buckets on rank 1 (a thread standing in for a server worker): the buckets, and
+    their names, dtypes, shapes and bytes, arrive as sent, ended by the end mark."""
+    from posttrain.distributed.sync_group import SyncStore, open_sync_group, receive_buckets, send_weights
 
     g = torch.Generator().manual_seed(0)
     buckets = [[("a", torch.randn(3, 4, generator=g)), ("b", torch.randn(5, generator=g).to(torch.bfloat16))],
                [("c", torch.arange(6, dtype=torch.int64).view(2, 3))], [("d", torch.randn(2, 2, generator=g).t())]]
     store = SyncStore("127.0.0.1", 2, 30)
-    received = {}
+    arrived = []
 
     def worker():
         group = open_sync_group("127.0.0.1", store.port, 1, 2, 30, "127.0.0.1")
-        received.update({name: t.clone() for name, t in receive_weights(group)})
+        arrived.extend([[(name, t.clone()) for name, t in bucket] for bucket in receive_buckets(group)])
         group.close()
 
     thread = threading.Thread(target=worker)
@@ -148,8 +148,8 @@ def test_weights_travel_bit_for_bit_over_a_gloo_group():
     sent = send_weights(group, buckets)
     thread.join(timeout=30)
     assert sent == sum(t.numel() * t.element_size() for b in buckets for _, t in b)
-    expected = dict(pair for bucket in buckets for pair in bucket)
-    assert received.keys() == expected.keys()
+    assert [[name for name, _ in b] for b in arrived] == [[name for name, _ in b] for b in buckets]
+    expected, received = (dict(pair for bucket in bs for pair in bucket) for bs in (buckets, arrived))
     for name, tensor in expected.items():
         assert received[name].dtype == tensor.dtype and torch.equal(received[name], tensor), name
 
