@@ -148,13 +148,21 @@ def run(command: str, recipe: Recipe, launched: Optional[Launched] = None) -> Ru
         state = checkpointer.load(resume_from, models, algorithm)
     algorithm.setup(backend, models, train_examples, collate, out)
 
-    summary = dict(command=command, parameters=f"{total_params / 1e6:.2f}M ({trainable_params / 1e6:.2f}M trainable)",
-                   rows=train_stats.get("rows"), tokens=train_stats.get("tokens"),
-                   truncated=train_stats.get("truncated", 0),
-                   dropped={k: v for k, v in train_stats.items() if k.startswith("dropped") and v} or 0,
-                   steps=steps, per_device_batch=t.per_device_train_batch_size,
-                   accumulation=t.gradient_accumulation_steps, global_batch=facts["global_batch"],
-                   **backend.describe(), resumed_from=str(resume_from) if resume_from else None)
+    dropped = {key: count for key, count in train_stats.items() if key.startswith("dropped") and count}
+    summary = {
+        "command": command,
+        "parameters": f"{total_params / 1e6:.2f}M ({trainable_params / 1e6:.2f}M trainable)",
+        "rows": train_stats.get("rows"),
+        "tokens": train_stats.get("tokens"),
+        "truncated": train_stats.get("truncated", 0),
+        "dropped": dropped or 0,
+        "steps": steps,
+        "per_device_batch": t.per_device_train_batch_size,
+        "accumulation": t.gradient_accumulation_steps,
+        "global_batch": facts["global_batch"],
+        **backend.describe(),
+        "resumed_from": str(resume_from) if resume_from else None,
+    }
     # `posttrain plan`'s estimate, logged beside the measured peak_memory_mb so drift shows (docs/planning.md)
     summary["estimated_peak_memory_mb"] = estimated_peak_mb(command, recipe, backend.describe(),
                                                             (total_params, trainable_params))

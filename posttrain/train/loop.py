@@ -78,13 +78,15 @@ def train(ctx: LoopContext) -> TrainState:
         with torch.no_grad(), backend.autocast():
             micro_batches = [algorithm.prepare(b, models) for b in micro_batches]
 
-        # 3. one global normaliser per trained role for the whole step (tokens, sequences or pairs over
-        #    micro-batches and ranks)
+        # 3. one global normaliser per trained role for the whole step: its loss units (tokens, sequences or pairs)
+        #    counted over this rank's micro-batches, then summed over ranks in one all-reduce
         objectives = algorithm.objectives(state.step, models)
         trained = [(name, role) for name, role in models.trained() if name in objectives]
-        local_counts = torch.stack([torch.stack([objectives[name].count(b).float().to(backend.device)
-                                                 for b in micro_batches]).sum() for name, _ in trained])
-        normalisers = backend.all_reduce_sum(local_counts).clamp(min=1.0)
+        local_counts = []
+        for name, _ in trained:
+            units = sum(objectives[name].count(b).float().to(backend.device) for b in micro_batches)
+            local_counts.append(units)
+        normalisers = backend.all_reduce_sum(torch.stack(local_counts)).clamp(min=1.0)
 
         # 4. per role: forward + backward, gradients synced on the last micro-batch only; clip, step, schedule
         losses, grad_norms, update_seconds, metric_sums = {}, {}, {}, {}
