@@ -25,6 +25,7 @@ import re
 from typing import Any, Callable, Optional
 
 from posttrain.errors import UserError
+from posttrain.rewards.overlong import Overlong
 from posttrain.rewards.reward_model import load_scorer, reward_model
 
 _BOXED = re.compile(r"\\(?:boxed|fbox)\s*\{")
@@ -155,7 +156,9 @@ def length_penalty(prompts: list, completions: list[str], max_length: int, targe
 
 
 BUILTIN_REWARDS: dict[str, Callable[..., list]] = {"exact_match": exact_match, "format": format_reward,
-                                                   "length_penalty": length_penalty, "reward_model": reward_model}
+                                                   "length_penalty": length_penalty, "reward_model": reward_model,
+                                                   "overlong": Overlong}
+"""A function gets the recipe's kwargs bound; a class is built once with them (its __init__ checks them)."""
 
 
 def _check_format(kwargs: dict) -> None:
@@ -183,7 +186,8 @@ CHECKS: dict[str, Callable[[dict], None]] = {  # reward_model loads now: a bad p
 
 def check_builtin_kwargs(name: str, kwargs: dict) -> None:
     """Fail at start-up on unknown or missing kwargs of a built-in reward, and on bad values."""
-    params = list(inspect.signature(BUILTIN_REWARDS[name]).parameters.values())[2:]
+    target = BUILTIN_REWARDS[name]
+    params = list(inspect.signature(target).parameters.values())[0 if isinstance(target, type) else 2:]
     named = {p.name: p for p in params if p.kind is not inspect.Parameter.VAR_KEYWORD}
     for key in kwargs:
         if key not in named:

@@ -33,8 +33,9 @@ def load_reward(cfg: RewardConfig) -> Reward:
     kwargs = dict(cfg.kwargs)
     if cfg.name in BUILTIN_REWARDS:
         check_builtin_kwargs(cfg.name, kwargs)
-        return Reward(cfg.name, functools.partial(BUILTIN_REWARDS[cfg.name], **kwargs), cfg.weight, cfg.timeout,
-                      cfg.on_error)
+        target = BUILTIN_REWARDS[cfg.name]
+        fn = target(**kwargs) if isinstance(target, type) else functools.partial(target, **kwargs)
+        return Reward(cfg.name, fn, cfg.weight, cfg.timeout, cfg.on_error)
     if ":" not in cfg.name:
         close = difflib.get_close_matches(cfg.name, list(BUILTIN_REWARDS), n=1, cutoff=0.5)
         hint = f"did you mean '{close[0]}'? " if close else ""
