@@ -164,8 +164,7 @@ def run(command: str, recipe: Recipe, launched: Optional[Launched] = None) -> Ru
     logger.info("posttrain " + " | ".join(f"{k}={v}" for k, v in summary.items() if v is not None))
     eval_fn = None
     if eval_examples is not None and algorithm.source_kind == "rollout":  # by generating, wherever generation runs
-        eval_fn = partial(evaluate_online, backend, source, tokenizer, eval_examples, algorithm.rewards,
-                          recipe.generation)
+        eval_fn = partial(evaluate_online, backend, source, tokenizer, eval_examples, algorithm.rewards, recipe)
     elif eval_examples is not None:
         batches = eval_batches(eval_examples, collate, t.per_device_eval_batch_size, backend.world_size, backend.rank)
         eval_fn = partial(evaluate, backend, algorithm, models, batches)

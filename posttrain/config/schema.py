@@ -110,6 +110,10 @@ class TrainConfig:
     """Log metrics every this many optimiser steps."""
     eval_steps: int = 0
     """Evaluate every this many steps when an eval set is given (0: only at the end)."""
+    eval_pass_k: tuple[int, ...] = ()
+    """Online runs: log the unbiased pass@k (eval/pass_at_<k>) of each k, from sampled completions per eval prompt."""
+    eval_pass_k_samples: int = 0
+    """Completions sampled per eval prompt for eval_pass_k, >= max(eval_pass_k) (0: max(eval_pass_k))."""
     save_steps: int = 0
     """Checkpoint every this many steps (0: only at the end)."""
     save_total_limit: Optional[int] = 2
