@@ -172,8 +172,9 @@ def direction(key: str) -> int:
     name = key[len("eval/"):] if key.startswith("eval/") else key
     if "loss" in name or name in ("kl", "approx_kl"):
         return -1
-    if (name.endswith(("accuracy", "accuracies", "margin", "margins")) or name.startswith("pass_at_") or name in ("reward", "reward/mean",
-            "mean_token_logprob") or (name.startswith("rewards/") and name.endswith("/mean"))):
+    if (name.endswith(("accuracy", "accuracies", "margin", "margins")) or name.startswith("pass_at_")
+            or name in ("reward", "reward/mean", "mean_token_logprob")
+            or (name.startswith("rewards/") and name.endswith("/mean"))):
         return 1
     return 0
 

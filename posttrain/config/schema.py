@@ -221,7 +221,8 @@ class GenerationConfig:
 @dataclass(frozen=True)
 class RewardConfig:
     name: str = ""
-    """Built-in reward (exact_match, format, length_penalty, overlong, reward_model) or an import path 'module:function'."""
+    """Built-in reward (exact_match, format, length_penalty, overlong, judge, reward_model) or an import path
+    'module:function'."""
     weight: float = 1.0
     """Weight of this reward in the total."""
     kwargs: dict = field(default_factory=dict)

@@ -25,6 +25,7 @@ import re
 from typing import Any, Callable, Optional
 
 from posttrain.errors import UserError
+from posttrain.rewards.judge import Judge
 from posttrain.rewards.overlong import Overlong
 from posttrain.rewards.reward_model import load_scorer, reward_model
 
@@ -157,7 +158,7 @@ def length_penalty(prompts: list, completions: list[str], max_length: int, targe
 
 BUILTIN_REWARDS: dict[str, Callable[..., list]] = {"exact_match": exact_match, "format": format_reward,
                                                    "length_penalty": length_penalty, "reward_model": reward_model,
-                                                   "overlong": Overlong}
+                                                   "overlong": Overlong, "judge": Judge}
 """A function gets the recipe's kwargs bound; a class is built once with them (its __init__ checks them)."""
 
 
