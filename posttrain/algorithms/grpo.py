@@ -116,7 +116,8 @@ class GRPOAlgoConfig:
                             f"{self.log_samples}")
         if not recipe.rewards and recipe.rollout.environment is None:  # an environment may score alone
             raise UserError("grpo needs at least one reward: add `rewards: [{name: exact_match}]` to the recipe "
-                            "(built-ins: exact_match, format, length_penalty, reward_model; or 'module:function')")
+                            "(built-ins: exact_match, format, length_penalty, overlong, judge, reward_model; or "
+                            "'module:function')")
         if recipe.generation.temperature == 0:
             raise UserError("generation.temperature=0 samples greedily: every completion of a prompt is the same and "
                             "GRPO learns nothing; set generation.temperature > 0 (1.0 is usual)")

@@ -13,6 +13,13 @@ completion, where `columns` are the dataset's other columns, each a list aligned
         kwargs: {target_length: 200, max_length: 400}
       - name: reward_model
         kwargs: {path: runs/rm/final}
+      - name: overlong                     # DAPO's soft overlong punishment (rewards/overlong.py)
+        kwargs: {max_length: 512, buffer: 128}
+      - name: judge                        # an LLM judge on an OpenAI-compatible endpoint (rewards/judge.py)
+        kwargs: {url: 'http://127.0.0.1:8000/v1', prompt_template: judge.jinja}
+
+overlong and judge are classes on TRL's keyword contract (prompts=, completions=, completion_ids=, **columns), built
+once from their kwargs.
 """
 
 from __future__ import annotations
