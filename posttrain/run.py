@@ -34,7 +34,7 @@ from posttrain.models.load import check_model_source, count_parameters, load_tok
 from posttrain.plan import estimated_peak_mb
 from posttrain.roles import build_roles
 from posttrain.generation.server import check_servers
-from posttrain.train.evaluation import evaluate_online
+from posttrain.train.evaluation import check_answer_columns, evaluate_online
 from posttrain.train.guard import Guard
 from posttrain.train.loop import LoopContext, evaluate, train
 from posttrain.train.rollout_source import RolloutSource
@@ -115,6 +115,7 @@ def run(command: str, recipe: Recipe, launched: Optional[Launched] = None) -> Ru
     check_rollout(recipe, tokenizer, command)  # tools import, the template shows them, the environment loads
     train_examples, train_stats = load_examples(recipe, algorithm, tokenizer, "train")
     eval_examples = load_examples(recipe, algorithm, tokenizer, "eval")[0] if recipe.data.eval else None
+    check_answer_columns(recipe, algorithm, train_examples, eval_examples)  # dynamic sampling's accuracy, pass@k
 
     # 2. processes and engines; then models
     backend = Backend(recipe)

@@ -150,11 +150,3 @@ class DynamicSampler:
         except (OSError, ValueError, KeyError, TypeError) as e:
             raise UserError(f"{path} cannot be read ({e}): resume from an earlier checkpoint") from e
 
-
-def check_answer_column(config: DynamicSamplingConfig, examples: list[dict], column: str = "answer") -> None:
-    """metric: accuracy needs a reference answer per prompt; say so before any sampling."""
-    if config.metric == "accuracy" and examples and column not in examples[0]["columns"]:
-        raise UserError(f"algo.dynamic_sampling.metric=accuracy compares completions with the data's '{column}' "
-                        f"column, which data.train does not have (columns: "
-                        f"{', '.join(sorted(examples[0]['columns'])) or 'none'}); add it, or set "
-                        "algo.dynamic_sampling.metric=reward")

@@ -105,6 +105,26 @@ def evaluate_prompts(backend, engine, tokenizer, examples: list[dict], rewards, 
     return out
 
 
+def check_answer_columns(recipe, algorithm, train_examples: list[dict], eval_examples: Optional[list[dict]]) -> None:
+    """What compares completions with the `answer` column finds it, before any model loads: dynamic sampling on
+    accuracy (data.train) and train.eval_pass_k (data.eval)."""
+    needs = []
+    dynamic = algorithm.dynamic_sampling
+    if dynamic is not None and dynamic.metric == "accuracy":
+        needs.append(("data.train", train_examples, "algo.dynamic_sampling.metric=accuracy",
+                      "or set algo.dynamic_sampling.metric=reward"))
+    if recipe.train.eval_pass_k:
+        if eval_examples is None:
+            raise UserError("train.eval_pass_k is set but there is no data.eval to sample from; give data.eval or "
+                            "drop train.eval_pass_k")
+        needs.append(("data.eval", eval_examples, "train.eval_pass_k", "or drop train.eval_pass_k"))
+    for where, examples, what, otherwise in needs:
+        if examples and ANSWER_COLUMN not in examples[0]["columns"]:
+            columns = ", ".join(sorted(examples[0]["columns"])) or "none"
+            raise UserError(f"{what} compares completions with the '{ANSWER_COLUMN}' column, which {where} does not "
+                            f"have (columns: {columns}); add it, {otherwise}")
+
+
 def sampled_pass_at_k(backend, engine, tokenizer, examples: list[dict], real: int, generation, agent,
                       ks: tuple[int, ...], n: int, seed: int) -> dict[str, float]:
     """eval/pass_at_<k>: the unbiased estimator (posttrain.ops.pass_at_k) over the prompts with a reference, from n

@@ -50,7 +50,7 @@ from posttrain.generation import Completions, SamplingParams, make_engine
 from posttrain.generation.adapter_sync import check_delivery
 from posttrain.batch import Batch
 from posttrain.train.drawn import Drawn
-from posttrain.train.dynamic_sampling import DynamicSampler, check_answer_column
+from posttrain.train.dynamic_sampling import DynamicSampler
 from posttrain.train.in_flight import InFlight, Sampled, lag_metrics, policy_lag
 from posttrain.train.sources import SampleOrder, Source
 
@@ -130,7 +130,6 @@ class RolloutSource(Source):
         if algorithm.dynamic_sampling is not None:
             self.dynamic_sampling = DynamicSampler(algorithm.dynamic_sampling, self.prompts_per_rank, self.group,
                                                    self._draw, backend.all_reduce_sum)
-            check_answer_column(algorithm.dynamic_sampling, examples)
 
     def _sync_weights(self, step: int, force: bool = False) -> None:
         """Before generating for `step`: an engine holding its own copy of the policy gets the trainer's weights
