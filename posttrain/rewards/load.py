@@ -7,8 +7,8 @@
 - a built-in (see posttrain.rewards.builtin.BUILTIN_REWARDS);
 - 'package.module.function' (TRL's dotted import path) or 'package.module:function' (the module is looked up on
   sys.path and in the current directory), or 'path/to/file.py:function';
-- a reward model: a local model directory (`posttrain rm`'s final/) or a hub id 'org/name', the same as
-  {name: reward_model, kwargs: {path: ...}}.
+- reward_model with kwargs.path: a sequence-classification model (`--reward_funcs runs/rm/final`, TRL's way of
+  naming a reward model, becomes this entry: posttrain/config/trl_rewards.py).
 A function gets the kwargs bound with functools.partial. A class is instantiated once with the kwargs and its
 instances are called (for rewards that load something, like a verifier or a model).
 """
@@ -18,10 +18,10 @@ from __future__ import annotations
 import difflib
 import functools
 import inspect
-from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from posttrain.config.schema import RewardConfig
+from posttrain.config.trl_rewards import TRL_BUILTINS, is_model_path
 from posttrain.errors import UserError
 from posttrain.rewards.builtin import BUILTIN_REWARDS, check_builtin_kwargs
 from posttrain.rewards.combine import ON_ERROR, Reward, RewardSet
@@ -41,9 +41,7 @@ def load_reward(cfg: RewardConfig) -> Reward:
                       cfg.on_error)
     if ":" in cfg.name:
         target = load_callable(cfg.name, "reward")
-    elif _is_model(cfg.name):
-        return _reward_model(cfg, kwargs)
-    elif "." in cfg.name and not cfg.name.endswith(".py"):  # TRL's 'package.module.function'
+    elif "." in cfg.name and not cfg.name.endswith(".py") and not is_model_path(cfg.name):  # TRL's 'module.function'
         module, _, function = cfg.name.rpartition(".")
         target = load_callable(f"{module}:{function}", "reward", shown=cfg.name)
     else:
@@ -52,40 +50,21 @@ def load_reward(cfg: RewardConfig) -> Reward:
     return Reward(name, _bind(cfg.name, target, kwargs), cfg.weight, cfg.timeout, cfg.on_error)
 
 
-TRL_BUILTINS = ("accuracy_reward", "reasoning_accuracy_reward", "think_format_reward", "get_soft_overlong_punishment")
-"""Names TRL's `trl grpo` script knows as built-ins."""
-
-
-def _is_model(name: str) -> bool:
-    """A local directory, or what only a model can be: a path ('runs/rm/final', './rm') or a hub id 'org/name'."""
-    return Path(name).expanduser().is_dir() or ("/" in name and not name.endswith(".py"))
-
-
-def _reward_model(cfg: RewardConfig, kwargs: dict) -> Reward:
-    """A model path in `name`: TRL loads it as a sequence-classification reward model; here the built-in
-    reward_model with that path (named by its last path part, as TRL names it)."""
-    kwargs = {"path": cfg.name, **kwargs}
-    try:
-        check_builtin_kwargs("reward_model", kwargs)
-    except UserError as e:
-        raise UserError(f"reward '{cfg.name}' (a reward model path): {e}") from None
-    name = Path(cfg.name.rstrip("/")).name or "reward_model"
-    return Reward(name, functools.partial(BUILTIN_REWARDS["reward_model"], **kwargs), cfg.weight, cfg.timeout,
-                  cfg.on_error)
-
-
 def _unknown(name: str) -> str:
     if name.endswith(".py"):
         return f"reward '{name}' names a file; say which function in it: '{name}:my_reward'"
+    if is_model_path(name):
+        return (f"reward '{name}' looks like a model; in a recipe a reward model is {{name: reward_model, kwargs: "
+                f"{{path: {name}}}}} (on the command line, --reward_funcs {name} says the same)")
     if name in TRL_BUILTINS:
         return (f"reward '{name}' is a TRL built-in; with trl installed pass it as 'trl.rewards.{name}' (TRL's "
                 f"{name} may need more packages, e.g. math_verify), or use posttrain's built-ins "
                 f"({', '.join(BUILTIN_REWARDS)})")
     close = difflib.get_close_matches(name, list(BUILTIN_REWARDS), n=1, cutoff=0.5)
     hint = f"did you mean '{close[0]}'? " if close else ""
-    return (f"reward '{name}' is neither a built-in reward ({', '.join(BUILTIN_REWARDS)}), an import path "
-            f"('module.function', 'module:function' or 'file.py:function') nor a reward model directory; {hint}"
-            "docs/rewards.md shows how to write one")
+    return (f"reward '{name}' is neither a built-in reward ({', '.join(BUILTIN_REWARDS)}) nor an import path "
+            f"('module.function', 'module:function' or 'file.py:function'); {hint}docs/rewards.md shows how to "
+            "write one")
 
 
 def load_rewards(cfgs: Sequence[RewardConfig]) -> RewardSet:

@@ -103,7 +103,7 @@ def test_file_path(tmp_path):
         (
             "exact_mach",
             {},
-            "neither a built-in reward .*, an import path .* nor a reward model directory; did you mean 'exact_match'",
+            "neither a built-in reward .* nor an import path .*; did you mean 'exact_match'",
         ),
         ("format", {"patern": "x"}, "unknown kwarg 'patern'; did you mean 'pattern'"),
     ],
