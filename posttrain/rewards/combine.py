@@ -28,7 +28,8 @@ from typing import Any, Callable, NamedTuple, Optional, Sequence
 import torch
 
 from posttrain.errors import UserError
-from posttrain.rewards.contract import NOT_COLUMNS, UserLog, call_blocking, calling, event_loop, is_async
+from posttrain.rewards.contract import (NOT_COLUMNS, UserLog, call_blocking, calling, event_loop, is_async,
+                                        tell_message_lists)
 from posttrain.usercode import UserCodeError, what_it_did
 
 logger = logging.getLogger(__name__)
@@ -114,6 +115,7 @@ class RewardSet:
             if not r.timeout > 0:
                 raise ValueError(f"reward '{r.name}': timeout must be > 0 seconds, got {r.timeout}")
         self._calling = [calling(r.fn, r.name) for r in self.rewards]  # read once: how each function is called
+        self._told: set[str] = set()
 
     @property
     def names(self) -> list[str]:
@@ -129,6 +131,11 @@ class RewardSet:
         for key, values in {**columns, "completion_ids": completion_ids or [None] * size}.items():
             if len(values) != size:
                 raise ValueError(f"column '{key}' has {len(values)} values for {size} completions")
+        if completions and not isinstance(completions[0], str):
+            for r, how in zip(self.rewards, self._calling):
+                if how.old_contract and r.name not in self._told:
+                    self._told.add(r.name)
+                    tell_message_lists(r.name)
         logs = [UserLog(r.name, size) for r in self.rewards]
         batch = dict(columns, prompts=prompts, completions=completions, completion_ids=completion_ids,
                      trainer_state=trainer_state)

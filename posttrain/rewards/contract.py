@@ -102,6 +102,9 @@ class Calling:
     """posttrain's earlier contract: prompts and completions by position (its parameters are named otherwise)."""
     takes: Optional[frozenset]
     """Keyword names it accepts (None: any, it takes **kwargs)."""
+    old_contract: bool = False
+    """Written for posttrain's earlier contract (by position, or `**columns` as its docs spelled it): told once that
+    conversational completions are message lists now."""
 
     def arguments(self, kwargs: dict) -> tuple[tuple, dict]:
         """(args, kwargs) of one call from every keyword argument of the contract."""
@@ -125,10 +128,19 @@ def calling(fn: Callable, name: str) -> Calling:
         logger.info("reward '%s' takes (%s, %s) by position: posttrain's earlier contract, still served. TRL calls "
                     "reward functions by keyword (prompts=, completions=, ...); rename its parameters to run it "
                     "unchanged under TRL too", name, positional[0].name, positional[1].name)
+    old = legacy or any(p.kind is p.VAR_KEYWORD and p.name == "columns" for p in params)
     if any(p.kind is p.VAR_KEYWORD for p in params):
-        return Calling(legacy, None)
+        return Calling(legacy, None, old)
     kept = positional[2:] if legacy else params
-    return Calling(legacy, frozenset(p.name for p in kept if p.kind is not p.VAR_POSITIONAL))
+    return Calling(legacy, frozenset(p.name for p in kept if p.kind is not p.VAR_POSITIONAL), old)
+
+
+def tell_message_lists(name: str) -> None:
+    """Said once per function of the earlier contract, on its first conversational batch: what changed."""
+    logger.warning("reward '%s' is written for posttrain's earlier contract (completions as strings, **columns); "
+                   "for conversational data each completion is now a list of messages, as TRL passes it: "
+                   "[{'role': 'assistant', 'content': ...}]. Read completion[0]['content'] (docs/rewards.md); name "
+                   "its catch-all **kwargs, as TRL does, once it reads messages, and this is not said again", name)
 
 
 class UserLog:

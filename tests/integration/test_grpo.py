@@ -17,12 +17,13 @@ from tests.integration.helpers import (ONE_PROCESS_SPLITS, assert_resume_is_exac
 HERE = "tests.integration.test_grpo"
 
 
-def length_reward(prompts, completions, **columns):
-    """Varies within a group even for a random model: longer text, more reward."""
-    return [len(c) / 40.0 for c in completions]
+def length_reward(completions, **kwargs):
+    """Varies within a group even for a random model: longer text, more reward (the data is conversational: each
+    completion is [{"role": "assistant", "content": ...}], as TRL passes it)."""
+    return [len(c[0]["content"]) / 40.0 for c in completions]
 
 
-def raising_reward(prompts, completions, **columns):
+def raising_reward(prompts, completions, **kwargs):
     raise ValueError("this reward always fails")
 
 
