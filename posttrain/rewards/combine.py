@@ -28,7 +28,7 @@ from typing import Any, Callable, NamedTuple, Optional, Sequence
 import torch
 
 from posttrain.errors import UserError
-from posttrain.rewards.contract import (NOT_COLUMNS, UserLog, call_blocking, calling, event_loop, is_async,
+from posttrain.rewards.contract import (NOT_COLUMNS, Calling, UserLog, call_blocking, calling, event_loop, is_async,
                                         tell_message_lists)
 from posttrain.usercode import UserCodeError, what_it_did
 
@@ -114,7 +114,7 @@ class RewardSet:
                 raise ValueError(f"reward '{r.name}': on_error must be raise or skip, got {r.on_error!r}")
             if not r.timeout > 0:
                 raise ValueError(f"reward '{r.name}': timeout must be > 0 seconds, got {r.timeout}")
-        self._calling = [calling(r.fn, r.name) for r in self.rewards]  # read once: how each function is called
+        self._calling: list[Calling] = []  # how each function is called: read once, on the first batch
         self._told: set[str] = set()
 
     @property
@@ -131,6 +131,8 @@ class RewardSet:
         for key, values in {**columns, "completion_ids": completion_ids or [None] * size}.items():
             if len(values) != size:
                 raise ValueError(f"column '{key}' has {len(values)} values for {size} completions")
+        if not self._calling:
+            self._calling = [calling(r.fn, r.name, list(columns)) for r in self.rewards]
         if completions and not isinstance(completions[0], str):
             for r, how in zip(self.rewards, self._calling):
                 if how.old_contract and r.name not in self._told:

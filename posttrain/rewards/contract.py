@@ -19,8 +19,8 @@ None: "not applicable to this sample") per completion; an `async def` one is awa
 batch together on one event loop, as TRL does.
 
 posttrain's earlier contract passed prompts and completions by position and completions as plain strings. A function
-whose first two parameters are not named prompts / completions (`def f(p, c, **kw)`) is still called with them by
-position (said once); for conversational data its completions are message lists now.
+whose first two parameters are neither arguments above nor columns (`def f(p, c, **kw)`) is still called with them
+by position (said once); for conversational data its completions are message lists now (said once too).
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ import math
 import numbers
 import threading
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 from posttrain.errors import UserError
 
@@ -114,16 +114,17 @@ class Calling:
         return (), kwargs
 
 
-def calling(fn: Callable, name: str) -> Calling:
-    """Read fn's signature once: keyword (TRL's contract) unless it names no `completions` and takes two parameters
-    by position (posttrain's earlier `fn(p, c, **columns)`)."""
+def calling(fn: Callable, name: str, columns: Sequence[str]) -> Calling:
+    """Read fn's signature once (on the first batch, whose `columns` are the data's): keyword (TRL's contract) unless
+    its first two parameters are neither arguments of the contract nor columns (posttrain's earlier
+    `fn(p, c, **columns)`)."""
     try:
         params = list(inspect.signature(fn).parameters.values())
     except (TypeError, ValueError):  # no signature to read (some C callables): TRL's keyword call
         return Calling(False, None)
-    names = {p.name for p in params}
     positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    legacy = "completions" not in names and len(positional) >= 2 and not {"prompts", "completion_ids"} & names
+    known = set(CONTRACT_ARGS) | set(columns)
+    legacy = len(positional) >= 2 and not {p.name for p in positional[:2]} & known
     if legacy:
         logger.info("reward '%s' takes (%s, %s) by position: posttrain's earlier contract, still served. TRL calls "
                     "reward functions by keyword (prompts=, completions=, ...); rename its parameters to run it "
@@ -139,8 +140,9 @@ def tell_message_lists(name: str) -> None:
     """Said once per function of the earlier contract, on its first conversational batch: what changed."""
     logger.warning("reward '%s' is written for posttrain's earlier contract (completions as strings, **columns); "
                    "for conversational data each completion is now a list of messages, as TRL passes it: "
-                   "[{'role': 'assistant', 'content': ...}]. Read completion[0]['content'] (docs/rewards.md); name "
-                   "its catch-all **kwargs, as TRL does, once it reads messages, and this is not said again", name)
+                   "[{'role': 'assistant', 'content': ...}]. Read completion[0]['content'] (docs/rewards.md); once "
+                   "it does, name its parameters as TRL does (prompts, completions, **kwargs) and this is not said",
+                   name)
 
 
 class UserLog:

@@ -66,6 +66,14 @@ def test_trl_length_example_reads_completion_ids():
     assert RewardSet([Reward("len", reward_len)]).score(STANDARD, TEXTS, None, IDS).total_B.tolist() == [3.0, 1.0]
 
 
+def test_columns_first_is_still_a_keyword_call():
+    def by_columns(answer, task, **kwargs):  # two positional parameters, both columns: TRL's keyword call
+        return [float(t == "math" and a == "4") for a, t in zip(answer, task)]
+
+    scores = RewardSet([Reward("c", by_columns)]).score(STANDARD, TEXTS, {"answer": ["4", "4"], "task": ["math", "x"]})
+    assert scores.total_B.tolist() == [1.0, 0.0]
+
+
 def test_earlier_positional_contract_is_served_and_told_once(caplog):
     with caplog.at_level(logging.INFO, logger="posttrain.rewards.contract"):
         rewards = RewardSet([Reward("old", lambda p, c, **columns: [float(len(p[i]) + len(c[i])) for i in range(2)])])
