@@ -31,10 +31,13 @@ def accuracy_reward(completions, answer, **kwargs):
     return rewards
 
 
-def brevity_reward(completions, trainer_state, log_metric=None, **kwargs):
-    """Shorter answers score higher, more so as training goes on (trainer_state.epoch); logs the mean length."""
+def brevity_reward(completions, trainer_state, log_metric=None, log_extra=None, **kwargs):
+    """Shorter answers score higher, more so as training goes on (trainer_state.epoch); logs the mean length (a
+    metric) and each completion's length (a column beside it in samples.jsonl)."""
     lengths = [len(completion[0]["content"]) for completion in completions]
     if log_metric is not None:
         log_metric("brevity/mean_chars", sum(lengths) / len(lengths))
+    if log_extra is not None:
+        log_extra("chars", lengths)
     strength = min(1.0, 0.5 + trainer_state.epoch)
     return [-strength * n / 100 for n in lengths]

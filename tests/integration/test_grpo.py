@@ -186,6 +186,8 @@ def test_trl_reward_file_through_reward_funcs(tiny_model_dir, data, tmp_path):
             assert 0 <= r[f"rewards/{name}/std"] and f"rewards/{name}/mean" in r, (name, r)
         assert r["brevity/mean_chars"] > 0 and r["reward/std"] > 0
         assert r["rewards/brevity_reward/mean"] < 0  # the function's own numbers, weighted 1.0
+    samples = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
+    assert all(s["extra"]["chars"] == len(s["completion"]) for s in samples)  # log_extra's column, per completion
     initial = load_file(str(next(tiny_model_dir.glob("*.safetensors"))))
     trained = final_weights(out)
     assert any(not torch.equal(initial[k], trained[k]) for k in initial)

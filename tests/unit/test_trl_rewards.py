@@ -97,3 +97,13 @@ def test_bad_rewards_exit_2_with_one_message_before_any_model_loads(reward_modul
     err = capsys.readouterr().err
     assert code == 2 and message in err and err.count("posttrain: error:") == 1, err
     assert "missing-model" not in err and "Traceback" not in err
+
+
+def test_trls_own_reward_function_runs_unchanged_by_its_dotted_path():
+    pytest.importorskip("trl")
+    rewards = load_rewards(recipe_from(["--reward_funcs", "trl.rewards.think_format_reward"]).rewards)
+    chat = [[{"role": "user", "content": "2 + 2?"}]] * 2
+    completions = [[{"role": "assistant", "content": "<think>\nadd\n</think>\n4"}],
+                   [{"role": "assistant", "content": "4"}]]
+    assert rewards.names == ["think_format_reward"]
+    assert rewards.score(chat, completions, {}, [[1], [2]]).total_B.tolist() == [1.0, 0.0]
