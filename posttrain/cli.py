@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
+import shlex
 import sys
 import traceback
 
@@ -93,6 +94,7 @@ def run_command(argv: list[str] | None = None) -> int:
     quiet_healthy_run_warnings()
     argv = list(sys.argv[1:] if argv is None else argv)
     command = next((a for a in argv if not a.startswith("-")), None)
+    argv_given = list(argv)
     trl_flags: dict = {}
     if command in ALGORITHM_COMMANDS:
         from posttrain.config.trl_compat import split_trl_flags
@@ -134,6 +136,8 @@ def run_command(argv: list[str] | None = None) -> int:
         print(f"posttrain: error: {e}", file=sys.stderr)
         return 2
     except RunStopped as e:  # on purpose, work saved: one line (from rank 0 when every rank stops alike)
+        if e.resumable and args.command in ALGORITHM_COMMANDS:
+            e.continue_with = f"`{continue_command(argv_given, recipe.train.overwrite_output_dir)}`"
         if not e.shared or os.environ.get("RANK", "0") == "0":
             rank = os.environ.get("RANK")
             where = f" (rank {rank})" if rank is not None and not e.shared else ""
@@ -164,6 +168,24 @@ def run_command(argv: list[str] | None = None) -> int:
             print(f"posttrain: failed{where}:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
         abort_process_group()
         return 1
+
+
+def continue_command(argv: list[str], overwrite: bool) -> str:
+    """The command that continues a stopped run: the one given, without what set overwrite_output_dir or
+    resume_from_checkpoint, plus train.resume_from_checkpoint=auto (and overwrite_output_dir=false where the recipe
+    file sets it true: the two conflict). Under a launcher (torchrun, accelerate launch) its arguments, to relaunch."""
+    from posttrain.config.trl_compat import split_trl_flags, yaml_text
+
+    replaced = ("overwrite_output_dir", "resume_from_checkpoint")
+    rest, flags = split_trl_flags(argv)
+    kept = [a for a in rest if not a.startswith(tuple(f"train.{key}=" for key in replaced))]
+    overwrite_given = "overwrite_output_dir" in flags or "train.overwrite_output_dir=" in " ".join(rest)
+    kept += [f"--{key}={yaml_text(value)}" for key, value in flags.items() if key not in replaced]
+    kept.append("train.resume_from_checkpoint=auto")
+    if overwrite and not overwrite_given:
+        kept.append("train.overwrite_output_dir=false")
+    launched = int(os.environ.get("WORLD_SIZE", "1")) > 1
+    return ("<the same launcher> -m posttrain " if launched else "posttrain ") + shlex.join(kept)
 
 
 def one_thread_unless_asked() -> None:

@@ -98,7 +98,18 @@ def load_policy(recipe: Recipe, algorithm):
 
 def run(command: str, recipe: Recipe, launched: Optional[Launched] = None) -> RunResult:
     """One run of `command`. `launched`: what the launch wing started for it (launcher: ray): roles served apart
-    (those are not loaded here) and generation engines."""
+    (those are not loaded here) and generation engines. How it ended goes into output_dir's marker, so that a run
+    that failed before its first checkpoint can be rerun in place (posttrain/outputs.py)."""
+    try:
+        result = run_attempt(command, recipe, launched)
+    except BaseException as error:
+        outputs.end_attempt(Path(recipe.output_dir), error)
+        raise
+    outputs.end_attempt(Path(recipe.output_dir))
+    return result
+
+
+def run_attempt(command: str, recipe: Recipe, launched: Optional[Launched] = None) -> RunResult:
     started = time.time()
     algorithm = ALGORITHMS[command][1](recipe)
     t = recipe.train

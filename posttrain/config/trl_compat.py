@@ -182,4 +182,9 @@ def parse_value(text: str) -> Any:
 
 def as_override(path: str, value: Any) -> str:
     """(train.learning_rate, 1e-4) -> 'train.learning_rate=0.0001', read back as the same value."""
-    return f"{path}={yaml.safe_dump(value, default_flow_style=True, width=10**9).strip().removesuffix('...').strip()}"
+    return f"{path}={yaml_text(value)}"
+
+
+def yaml_text(value: Any) -> str:
+    """A value as one line of YAML that reads back as the same value (1e-06, true, [a, b])."""
+    return yaml.safe_dump(value, default_flow_style=True, width=10**9).strip().removesuffix("...").strip()
