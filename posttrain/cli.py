@@ -99,7 +99,11 @@ def run_command(argv: list[str] | None = None) -> int:
     if command in ALGORITHM_COMMANDS:
         from posttrain.config.trl_compat import split_trl_flags
 
-        argv, trl_flags = split_trl_flags(argv)
+        try:
+            argv, trl_flags = split_trl_flags(argv)
+        except UserError as e:
+            print(f"posttrain: error: {e}", file=sys.stderr)
+            return 2
     args = build_parser(command, help_wanted=bool({"-h", "--help"} & set(argv))).parse_args(argv)
     if args.command in ALGORITHM_COMMANDS or args.command == "demo":
         one_thread_unless_asked()
@@ -205,11 +209,14 @@ def command_line_overrides(overrides: list[str], trl_flags: dict, algo_cls: type
     a string key stays that word (train.mixed_precision=no is 'no', not YAML's false)."""
     from posttrain.config.trl_compat import as_override, translate
 
-    translate(trl_flags, "command line", algo_cls, "--")  # every flag with no meaning here, reported at once
-    checked = []
-    for key, value in trl_flags.items():
-        for path, converted in translate({key: value}, "command line", algo_cls, "--"):
-            checked.append(checked_override(as_override(path, converted), f"--{key} {value}", algo_cls))
+    checked, by_path = [], {}
+    for key, path, value in translate(trl_flags, "command line", algo_cls, "--"):  # every bad flag at once
+        checked.append(checked_override(as_override(path, value), f"--{key} {trl_flags[key]}", algo_cls))
+        by_path[path] = f"--{key} {trl_flags[key]}"
+    for item in overrides:
+        path = item.partition("=")[0].strip()
+        if path in by_path:
+            raise UserError(f"command line: {by_path[path]} and {item} both set {path}; keep one")
     return checked + [checked_override(item, item, algo_cls) for item in overrides]
 
 

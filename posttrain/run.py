@@ -75,6 +75,7 @@ def make_source(recipe: Recipe, backend, models, algorithm, examples, collate, s
 def load_examples(recipe: Recipe, algorithm, tokenizer, which: str):
     """Rows -> tokenised examples for the algorithm's data kind; raises UserError naming the file/row."""
     rows = data.load_rows(getattr(recipe.data, which), getattr(recipe.data, f"{which}_split"), f"data.{which}")
+    rows = data.rename_text_field(rows, recipe.data.text_field, f"data.{which}")
     tokenize = {"sft": data.tokenize_sft, "preference": data.tokenize_preference, "prompt": data.tokenize_prompts}
     return tokenize[algorithm.data_kind](rows, tokenizer, recipe.data, f"data.{which}")
 
