@@ -203,3 +203,22 @@ def test_a_run_whose_process_died_is_taken_over_only_before_step_1(tmp_path):
     (out / "metrics.jsonl").write_text("")
     with pytest.raises(UserError, match=f"in use by a run still going \\(pid {os.getpid()}"):
         outputs.check_output_dir(recipe(out))
+
+
+def test_the_continue_command_drops_overwrite_and_runs_as_printed(tmp_path):
+    import shlex
+
+    from posttrain.cli import continue_command
+    from posttrain.config.trl_compat import split_trl_flags
+
+    given = ["sft", "--config", "r.yaml", "--overwrite_output_dir", "--learning_rate", "1e-4", "train.max_steps=3",
+             "train.resume_from_checkpoint=null"]
+    assert continue_command(given, overwrite=True) == ("posttrain sft --config r.yaml train.max_steps=3 "
+                                                       "--learning_rate=0.0001 train.resume_from_checkpoint=auto")
+    config = tmp_path / "r.yaml"  # overwrite set by the recipe file (the demo's saved config.yaml does that)
+    config.write_text(f"output_dir: {tmp_path / 'run'}\ndata:\n  train: x.jsonl\ntrain:\n  overwrite_output_dir: true\n")
+    printed = continue_command(["sft", "--config", str(config)], overwrite=True)
+    assert printed.endswith("train.resume_from_checkpoint=auto train.overwrite_output_dir=false")
+    rest, flags = split_trl_flags(shlex.split(printed)[1:])
+    resumed = load_recipe(str(config), rest[3:], SFTAlgoConfig)  # no conflict: it loads
+    assert resumed.train.resume_from_checkpoint == "auto" and not resumed.train.overwrite_output_dir
