@@ -18,6 +18,7 @@ import torch
 from posttrain.rewards import exact_match
 
 PER_PROMPT = ("positions", "prompts", "dataset_index")
+PER_NAME = ("per_function", "extra")  # name -> one value per completion
 
 
 @dataclass
@@ -45,6 +46,8 @@ class Drawn:
     """The policy version that sampled each completion (None: the policy itself)."""
     trajectories: Optional[list] = None
     """Multi-turn trajectories (posttrain.agents), else None."""
+    extra: dict[str, list] = field(default_factory=dict)
+    """What the reward functions logged through log_extra: column -> one value per completion."""
     filler: list[bool] = field(default_factory=list)
     """Completions standing in for missing groups (dynamic sampling out of draws): masked out of the loss."""
 
@@ -72,7 +75,7 @@ class Drawn:
             value = getattr(self, f.name)
             if f.name in PER_PROMPT:
                 values[f.name] = value[prompt : prompt + 1]
-            elif f.name == "per_function":
+            elif f.name in PER_NAME:
                 values[f.name] = {k: v[rows] for k, v in value.items()}
             else:
                 values[f.name] = None if value is None else value[rows]
@@ -83,8 +86,10 @@ class Drawn:
         """The parts, in order, as one; the last `fillers` parts are marked as fillers."""
         values = {}
         for f in fields(cls):
-            if f.name == "per_function":
-                values[f.name] = {k: [v for p in parts for v in p.per_function[k]] for k in parts[0].per_function}
+            if f.name in PER_NAME:  # a name one part lacks (a log_extra column logged sometimes) is None there
+                names = dict.fromkeys(k for p in parts for k in getattr(p, f.name))
+                values[f.name] = {k: [v for p in parts for v in getattr(p, f.name).get(k, [None] * len(p.texts))]
+                                  for k in names}
             elif f.name == "trajectories":
                 values[f.name] = None if parts[0].trajectories is None else [t for p in parts for t in p.trajectories]
             else:
@@ -100,5 +105,5 @@ class Drawn:
             return torch.tensor(self.total, dtype=torch.float64)
         g = self.group
         references = [p["columns"].get(answer_column) for p in self.prompts for _ in range(g)]
-        scores = exact_match([p["prompt"] for p in self.prompts for _ in range(g)], self.texts, answer=references)
+        scores = exact_match(completions=self.texts, answer=references)
         return torch.tensor([math.nan if s is None else s for s in scores], dtype=torch.float64)

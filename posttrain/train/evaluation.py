@@ -23,7 +23,7 @@ from posttrain.config.schema import DataConfig
 from posttrain.data import collate_preference, load_rows, tokenize_preference
 from posttrain.errors import UserError
 from posttrain.ops.pass_at_k import pass_at_k
-from posttrain.rewards import exact_match
+from posttrain.rewards import as_completions, exact_match
 from posttrain.generation import HFEngine, SamplingParams
 
 ANSWER_COLUMN = "answer"
@@ -54,7 +54,7 @@ def greedy_trajectories(agent, examples: list[dict], max_new_tokens: int, per_ca
 def accuracy_counts(examples: list[dict], texts: list[str]) -> tuple[int, int]:
     """(correct, with a reference) by exact match against the `answer` column; (0, 0) when the data has none."""
     references = [e["columns"].get(ANSWER_COLUMN) for e in examples]
-    scores = exact_match([e["prompt"] for e in examples], texts, answer=references)
+    scores = exact_match(completions=texts, answer=references)
     counted = [s for s in scores if s is not None]
     return int(sum(counted)), len(counted)
 
@@ -68,12 +68,14 @@ def exact_match_accuracy(model, tokenizer, prompt_examples: list[dict], max_new_
 
 
 def evaluate_prompts(backend, engine, tokenizer, examples: list[dict], rewards, generation, agent=None,
-                     pass_k: tuple[int, ...] = (), pass_k_samples: int = 0, seed: int = 0) -> dict[str, float]:
+                     trainer_state=None, pass_k: tuple[int, ...] = (), pass_k_samples: int = 0,
+                     seed: int = 0) -> dict[str, float]:
     """eval/accuracy, eval/reward and eval/completion_length over the whole eval set, every rank taking a strided
     share. Shares are padded to equal size (fillers are not counted) so every rank makes the same engine calls.
-    agent: multi-turn trajectories instead, their last model turn scored (and the environment's reward added).
-    pass_k: also eval/pass_at_<k> for each k (`sampled_pass_at_k`), from pass_k_samples (0: max k) completions per
-    prompt sampled with the recipe's generation settings, seeded by `seed`."""
+    agent: multi-turn trajectories instead, scored whole (and the environment's reward added). trainer_state: what
+    the reward functions get as trainer_state (TRL passes the trainer's during evaluation too). pass_k: also
+    eval/pass_at_<k> for each k (`sampled_pass_at_k`), from pass_k_samples (0: max k) completions per prompt sampled
+    with the recipe's generation settings, seeded by `seed`."""
     share = -(-len(examples) // backend.world_size)
     mine = examples[backend.rank :: backend.world_size]
     real = len(mine)  # then fillers
@@ -89,8 +91,8 @@ def evaluate_prompts(backend, engine, tokenizer, examples: list[dict], rewards, 
             texts, ids = greedy_texts(engine, tokenizer, mine, generation.max_completion_length, generation.batch_size)
     correct, counted = accuracy_counts(mine[:real], texts[:real])
     columns = {k: [e["columns"][k] for e in mine] for k in mine[0]["columns"]}
-    columns.setdefault("completion_ids", ids)
-    total_B, _, _ = score([e["prompt"] for e in mine], texts, columns)
+    prompts = [e["prompt"] for e in mine]
+    total_B = score(prompts, as_completions(prompts, texts), columns, ids, trainer_state).total_B
     weight_B = torch.tensor(weights, dtype=torch.float64)
     length_B = torch.tensor([len(c) for c in ids], dtype=torch.float64)
     local = torch.tensor([correct, counted, (total_B.double() * weight_B).sum(), (length_B * weight_B).sum(),
@@ -143,7 +145,7 @@ def sampled_pass_at_k(backend, engine, tokenizer, examples: list[dict], real: in
                 ids = engine.generate([e["prompt_ids"] for e in chunk], params).completion_ids
                 texts = tokenizer.batch_decode(ids, skip_special_tokens=True)
         references = [e["columns"].get(ANSWER_COLUMN) for e in chunk]
-        scores = exact_match([e["prompt"] for e in chunk], texts, answer=references)
+        scores = exact_match(completions=texts, answer=references)
         correct += [-1 if scores[i] is None else int(sum(scores[i : i + n])) for i in range(0, len(chunk), n)]
     scored_P = torch.tensor(correct[:real], dtype=torch.long)
     scored_P = scored_P[scored_P >= 0]  # prompts without a reference are not counted
@@ -160,7 +162,7 @@ def evaluate_online(backend, source, tokenizer, eval_examples, rewards, recipe) 
     source.before_evaluation()
     t = recipe.train
     return evaluate_prompts(backend, source.engine, tokenizer, eval_examples, rewards, recipe.generation, source.agent,
-                            t.eval_pass_k, t.eval_pass_k_samples, recipe.seed)
+                            source.trainer_state(), t.eval_pass_k, t.eval_pass_k_samples, recipe.seed)
 
 
 def preference_accuracy(model_or_dir: Any, tokenizer: Any = None, examples: Any = (), *, reference: Any = None,

@@ -45,7 +45,8 @@ from posttrain.data.collate import collate_padded
 from posttrain.agents import AgentRollout, Trajectory, agent_metrics, score_trajectories
 from posttrain.ops.advantages import zero_std_fraction
 from posttrain.ops.logprobs import sequence_mean
-from posttrain.rewards import reward_metrics
+from posttrain.rewards import as_completions, reward_metrics, trainer_state
+from posttrain.config.schema import total_steps
 from posttrain.generation import Completions, SamplingParams, make_engine
 from posttrain.generation.adapter_sync import check_delivery
 from posttrain.batch import Batch
@@ -192,6 +193,14 @@ class RolloutSource(Source):
         for line in self._ahead.load(directory, lambda index: self._prompts(index)[0], Trajectory):
             logger.warning("resuming from %s: %s; sampled again from the current policy", directory, line)
 
+    def trainer_state(self, step: int | None = None):
+        """What reward functions get as trainer_state while the completions for step `step` + 1 are scored (None:
+        the steps trained so far, for evaluation)."""
+        step = self._trained_through if step is None else step
+        per_epoch = self.micro_batches_per_epoch()
+        return trainer_state(self.recipe, step, total_steps(self.recipe.train, per_epoch),
+                             per_epoch / self.recipe.train.gradient_accumulation_steps, self.backend.is_main)
+
     def micro_batches_per_epoch(self) -> int:
         """Per-rank micro-batches for one pass over the prompts (each reused num_iterations times)."""
         completions = len(self.examples) * self.group
@@ -229,13 +238,13 @@ class RolloutSource(Source):
 
     def _generate(self, index: int, step: int) -> Generation:
         backend, group = self.backend, self.group
-        self._sync_seconds, self._seconds = 0.0, {"generate": 0.0, "score": 0.0}
+        self._sync_seconds, self._seconds, self._logged = 0.0, {"generate": 0.0, "score": 0.0}, {}
         # 1-3. this rank's prompt groups, generated and scored; dynamic sampling draws until enough of them vary
         if self.dynamic_sampling is None:
             drawn, dynamic_metrics = self._draw(index, step), {}
         else:
             drawn, dynamic_metrics = self.dynamic_sampling.fill(index, step)
-        mine = dict(total=drawn.total, per_function=drawn.per_function, skipped=drawn.skipped,
+        mine = dict(total=drawn.total, per_function=drawn.per_function, skipped=drawn.skipped, logged=self._logged,
                     lengths=[len(ids) for ids in drawn.completion_ids], truncated=drawn.truncated, lag=drawn.lags,
                     agent=[t.stats() for t in drawn.trajectories] if drawn.trajectories is not None else None)
         gather_started = time.perf_counter()
@@ -274,7 +283,7 @@ class RolloutSource(Source):
                 metrics[f"time/role/{name}"] = seconds
         if backend.is_main:
             self._write_samples(step, drawn.prompts, drawn.texts, total_B, drawn.per_function,
-                                sequence_advantages(batches), drawn.truncated)
+                                sequence_advantages(batches), drawn.truncated, drawn.extra)
         versions = [v for v in drawn.sampled_by if v is not None]
         return Generation(index, batches, metrics, min(versions) if versions else None)
 
@@ -309,19 +318,22 @@ class RolloutSource(Source):
 
         # score this rank's completions
         columns = {key: [p["columns"][key] for p in prompts for _ in range(group)] for key in prompts[0]["columns"]}
-        columns.setdefault("completion_ids", completion_ids)
-        if trajectories is not None:  # rewards score the model's last turn; the whole conversation is a column
+        repeated = [p["prompt"] for p in prompts for _ in range(group)]
+        if trajectories is not None:  # rewards get every message after the prompt, as TRL's multi-turn GRPO
             texts = [t.final_text for t in trajectories]
             score = score_trajectories(self.rewards, trajectories, self.agent.environment is not None)
         else:
             texts, score = self.tokenizer.batch_decode(completion_ids, skip_special_tokens=True), self.rewards.score
-        total_B, per_function, _ = score([p["prompt"] for p in prompts for _ in range(group)], texts, columns)
+        total_B, per_function, _, logged = score(repeated, as_completions(repeated, texts), columns, completion_ids,
+                                                 self.trainer_state(step))
+        for name, values in logged.metrics.items():  # log_metric: averaged over the step, every draw's
+            self._logged.setdefault(name, []).extend(values)
         self._seconds["generate"] += generated - started - synced
         self._seconds["score"] += time.perf_counter() - score_started
         rows = len(completion_ids)
         return Drawn(positions, prompts, dataset_index, prompt_ids, completion_ids, sampler_logprobs, truncated, texts,
                      total_B.tolist(), {k: v.tolist() for k, v in per_function.items()},
-                     [policy_lag(step, sampled_by)] * rows, [sampled_by] * rows, trajectories)
+                     [policy_lag(step, sampled_by)] * rows, [sampled_by] * rows, trajectories, dict(logged.extra))
 
     def _sample(self, prompts: list[dict], positions: list[int]):
         """G completions per prompt, `generation.batch_size` prompts per engine call. Every rank makes the same number
@@ -373,8 +385,10 @@ class RolloutSource(Source):
                                    example_index_B=torch.tensor(dataset_index[start:stop])))
         return batches
 
-    def _write_samples(self, step: int, prompts, texts, total_B, per_function, advantages_B, truncated) -> None:
-        """Every logging step: a few prompt groups of rank 0, appended to output_dir/samples.jsonl."""
+    def _write_samples(self, step: int, prompts, texts, total_B, per_function, advantages_B, truncated,
+                       extra: dict) -> None:
+        """Every logging step: a few prompt groups of rank 0, appended to output_dir/samples.jsonl (with what the
+        reward functions logged through log_extra)."""
         t, groups = self.recipe.train, self.recipe.algo.log_samples
         due = [s + 1 for s in range(step, step + self.iterations) if (s + 1) % t.logging_steps == 0]
         if not due or not groups:
@@ -382,10 +396,11 @@ class RolloutSource(Source):
         records = [{"step": due[0], "prompt": prompts[i // self.group]["prompt"], "completion": texts[i],
                     "reward": float(total_B[i]),
                     "rewards": {k: (None if math.isnan(v[i]) else float(v[i])) for k, v in per_function.items()},
-                    "advantage": float(advantages_B[i]), "truncated": bool(truncated[i])}
+                    "advantage": float(advantages_B[i]), "truncated": bool(truncated[i]),
+                    **({"extra": {k: v[i] for k, v in extra.items()}} if extra else {})}
                    for i in range(min(groups, len(prompts)) * self.group)]
         with (Path(self.recipe.output_dir) / "samples.jsonl").open("a") as f:
-            f.writelines(json.dumps(r) + "\n" for r in records)
+            f.writelines(json.dumps(r, default=str) + "\n" for r in records)
 
 
 def sequence_advantages(batches: list[Batch]) -> torch.Tensor:
@@ -406,4 +421,9 @@ def step_metrics(everyone: list[dict], total_B: torch.Tensor, group: int) -> dic
                **reward_metrics(per_function)}
     if group > 1:  # samples of one prompt: how many groups carry no signal
         metrics["frac_reward_zero_std"] = zero_std_fraction(total_B, group)
-    return {**{k: float(v) for k, v in metrics.items()}, "rewards/skipped": float(sum(p["skipped"] for p in everyone))}
+    logged: dict[str, list[float]] = {}  # the reward functions' log_metric values, averaged over the step
+    for part in everyone:
+        for name, values in part["logged"].items():
+            logged.setdefault(name, []).extend(values)
+    return {**{k: float(v) for k, v in metrics.items()}, **{k: sum(v) / len(v) for k, v in logged.items()},
+            "rewards/skipped": float(sum(p["skipped"] for p in everyone))}
