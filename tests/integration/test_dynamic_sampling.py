@@ -13,10 +13,10 @@ from tests.integration.helpers import assert_resume_is_exact, metrics, run_cli, 
 HERE = "tests.integration.test_dynamic_sampling"
 
 
-def first_letter_reward(prompts, completions, **columns):
-    """1 when a completion starts with one of a-f: for the random tiny model, a
-    group of 4 is sometimes all 0 or all 1 (dropped) and often mixed (kept)."""
-    return [float(c.strip()[:1].lower() in "abcdef") for c in completions]
+def first_letter_reward(completions, **kwargs):
+    """1 when a completion (TRL's message list for these chat prompts) starts with one of a-f: for the random tiny
+    model, a group of 4 is sometimes all 0 or all 1 (dropped) and often mixed (kept)."""
+    return [float(c[0]["content"].strip()[:1].lower() in "abcdef") for c in completions]
 
 
 @pytest.fixture(scope="module")
