@@ -115,10 +115,7 @@ def check_answer_columns(recipe, algorithm, train_examples: list[dict], eval_exa
     if dynamic is not None and dynamic.metric == "accuracy":
         needs.append(("data.train", train_examples, "algo.dynamic_sampling.metric=accuracy",
                       "or set algo.dynamic_sampling.metric=reward"))
-    if recipe.train.eval_pass_k:
-        if eval_examples is None:
-            raise UserError("train.eval_pass_k is set but there is no data.eval to sample from; give data.eval or "
-                            "drop train.eval_pass_k")
+    if recipe.train.eval_pass_k and eval_examples is not None:  # without data.eval nothing is evaluated at all
         needs.append(("data.eval", eval_examples, "train.eval_pass_k", "or drop train.eval_pass_k"))
     for where, examples, what, otherwise in needs:
         if examples and ANSWER_COLUMN not in examples[0]["columns"]:

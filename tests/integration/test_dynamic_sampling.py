@@ -62,12 +62,13 @@ def test_out_of_draws_trains_on_what_there_is(tiny_model_dir, data, tmp_path, ca
 @pytest.mark.parametrize("extra, message", [
     (["algo.dynamic_sampling.metric=accuracy"], "algo.dynamic_sampling.metric=accuracy compares completions with the "
                                                 "'answer' column, which data.train does not have"),
-    (["algo.dynamic_sampling.enabled=false", "train.eval_pass_k=[1,2]"], "train.eval_pass_k is set but there is no "
-                                                                          "data.eval"),
+    (["algo.dynamic_sampling.enabled=false", "train.eval_pass_k=[1,2]", "data.eval={rows}"],
+     "train.eval_pass_k compares completions with the 'answer' column, which data.eval does not have"),
 ])
 def test_a_missing_answer_column_stops_before_any_model_loads(tiny_model_dir, tmp_path, capsys, extra, message):
     rows = tmp_path / "no_answer.jsonl"
     rows.write_text("".join(f'{{"prompt": "What is {i} + 1?"}}\n' for i in range(8)))
+    extra = [e.format(rows=rows) for e in extra]
     assert run_cli("grpo", *base(tiny_model_dir, {"prompts_train": rows}, tmp_path / "run", *extra)) == 2
     assert message in capsys.readouterr().err
     assert not (tmp_path / "run" / "config.yaml").exists()  # stopped before the run began
