@@ -27,6 +27,7 @@ from posttrain.config.load import dump_yaml
 from posttrain.config.schema import Recipe, total_steps, trackers as tracker_names
 from posttrain.data import eval_batches
 from posttrain.distributed.backend import Backend
+from posttrain.distributed.precision import export_dtype, trained_model_config, upcast_trainable
 from posttrain.logging import MetricsLogger, read_metrics
 from posttrain.models import load
 from posttrain.models.limits import check_position_limit
@@ -90,9 +91,10 @@ def make_collate(recipe: Recipe, algorithm, tokenizer):
 
 def load_policy(recipe: Recipe, algorithm):
     load_model = load.load_sequence_classifier if algorithm.model_kind == "seq_cls" else load.load_causal_lm
-    model = load_model(recipe.model, recipe.train.gradient_checkpointing)
+    model = load_model(trained_model_config(recipe.model, recipe.train), recipe.train.gradient_checkpointing)
     if recipe.model.lora.enabled:
-        model = load.apply_lora(model, recipe.model.lora, task=algorithm.model_kind)
+        model = upcast_trainable(load.apply_lora(model, recipe.model.lora, task=algorithm.model_kind), recipe.model,
+                                 recipe.train)
     return model
 
 
@@ -184,7 +186,8 @@ def run(command: str, recipe: Recipe, launched: Optional[Launched] = None) -> Ru
     logger.close()
     final_dir = None
     if state.step >= steps and t.save_final_model:
-        final_dir = export_final(backend, models.policy.model, tokenizer, str(out))
+        final_dir = export_final(backend, models.policy.model, tokenizer, str(out),
+                                 dtype=export_dtype(t, backend.precision))
         for name, role in models.trained():
             if name != "policy":
                 role.export(str(out), f"final-{name}", tokenizer)

@@ -13,6 +13,7 @@ from posttrain.errors import UserError
 
 CHOICES = {
     "model.dtype": ("float32", "bfloat16", "float16", "auto"),
+    "train.export_dtype": ("auto", "float32", "bfloat16", "float16"),
     "train.lr_scheduler_type": ("constant", "linear", "cosine"), "train.mixed_precision": ("no", "bf16", "fp16"),
     "generation.engine": ("hf", "vllm"), "generation.placement": ("colocated", "node", "servers", "ray"),
     "generation.lora_sync": ("merged", "adapter"), "train.nonfinite": ("stop", "skip"),
