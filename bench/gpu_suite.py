@@ -122,9 +122,12 @@ SCALES = {
 }
 
 
-def plan_rows(size: str, work: Path, tools: str) -> list[Row]:
-    """Every row of the suite at this size, in the order they run."""
+def plan_rows(size: str, work: Path, tools: str, model_dir: str | None = None) -> list[Row]:
+    """Every row of the suite at this size, in the order they run. model_dir: a real model directory that every
+    compare row (and a distillation row, the model teaching itself) and plan row trains instead of the generated
+    shapes (bench/compare_trl.py --model)."""
     scale, py = SCALES[size], "python"
+    real = ("--model", model_dir) if model_dir else ()
     rows, parts, longest = [], {PLAN_MODEL: {PLAN_PART}}, {}
     for part, algo, model, bs, length, gc, budget in COMPARE:
         parts.setdefault(model, set()).add(part)
@@ -136,22 +139,24 @@ def plan_rows(size: str, work: Path, tools: str) -> list[Row]:
                         (py, "bench/compare_trl.py", "--prepare-only", "--size", size_arg, "--seq",
                          str(longest.get(model, 1024)), "--work", str(work / size_arg)), PREPARE_BUDGET[size_arg],
                         tuple(sorted(model_parts)), scale.needs))
-    for part, algo, model, bs, length, gc, budget in COMPARE:
-        name = f"{algo} {model} bs{bs}x{length}" + (" gc" if gc else "")
-        t_bs, t_len, steps, warmup, t_budget = scale.compare[algo]
+    distill = ((1, "distill", "0.5b", 8, 1024, False, 150),) if model_dir else ()
+    for part, algo, model, bs, length, gc, budget in COMPARE + distill:
+        name = f"{algo} {model_dir or model} bs{bs}x{length}" + (" gc" if gc else "")
+        t_bs, t_len, steps, warmup, t_budget = scale.compare["sft" if algo == "distill" else algo]
         bs, length, budget = t_bs or bs, t_len or length, t_budget or budget
         shape_args = (("--bs", str(bs), "--gens", str(max(2, bs // 4)), "--completion", str(length))
                       if algo == "grpo" else ("--bs", str(bs), "--seq", str(length)))
         command = (py, "bench/compare_trl.py", "--algo", algo, "--size", scale.model[model], *shape_args,
                    "--steps", str(steps), "--warmup", str(warmup), "--precision", "bf16", *(("--gc",) if gc else ()),
-                   "--tools", tools, "--work", str(work / scale.model[model]))
+                   "--tools", tools, "--work", str(work / scale.model[model]), *real)
         rows.append(Row(name, "compare", f"{scale.model[model]} {bs}x{length}{' gc' if gc else ''}", command,
                         budget, (part,), scale.needs, (f"prepare {model}",)))
     for algo in ("sft", "dpo", "grpo"):
         for engine, (launcher, factor) in PLAN_ENGINES.items():
             budget = scale.plan_budget * factor * (1.5 if algo == "grpo" else 1)  # GRPO generates first
             command = (py, *launcher, "bench/plan_accuracy.py", "--algorithm", algo, "--model",
-                       str(work / scale.model[PLAN_MODEL] / "model"), "--steps", "2" if algo == "grpo" else "3",
+                       model_dir or str(work / scale.model[PLAN_MODEL] / "model"),
+                       "--steps", "2" if algo == "grpo" else "3",
                        *scale.plan_overrides[algo])
             needs = scale.needs + (("deepspeed",) if engine != "ddp1" else ())
             rows.append(Row(f"plan {algo} {PLAN_MODEL} {engine}", "plan", scale.model[PLAN_MODEL], command,
@@ -373,6 +378,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="run only this part (repeatable): 1 the 0.5B comparisons, 2 the plan rows, 3 the 1.5B ones")
     p.add_argument("--rows", help="comma-separated: row names, or words a name holds (their prepare rows run too)")
     p.add_argument("--tools", default="posttrain,trl", choices=("posttrain,trl", "posttrain", "trl"))
+    p.add_argument("--model", help="a real model directory (or smollm2: bench/real_model.py) for every row")
     p.add_argument("--minutes", type=float, default=25.0, help="start no row after this many minutes")
     p.add_argument("--budget", action="append", default=[], metavar="ROW=SECONDS", help="another budget for a row")
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "gpu-suite"), help="results.json/.md land here")
@@ -385,7 +391,11 @@ def main(argv: list[str] | None = None) -> int:
         print("PROBE " + json.dumps(probe(a.probe)), flush=True)
         return 0
     work = Path(a.work).resolve()
-    rows = plan_rows(a.size, work, a.tools)
+    if a.model == "smollm2":
+        from real_model import smollm2_dir
+
+        a.model = str(smollm2_dir())
+    rows = plan_rows(a.size, work, a.tools, a.model)
     names = {r.name for r in rows}
     budgets = {}
     for item in a.budget:

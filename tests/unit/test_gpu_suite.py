@@ -45,6 +45,16 @@ def test_gpu_plan_holds_every_row_within_the_lent_time(tmp_path):
     assert "recipes/accelerate/zero3.yaml" in zero3 and "train.mixed_precision=bf16" in zero3
 
 
+def test_a_real_model_directory_is_trained_by_every_row_and_distils_too(tmp_path):
+    suite = load_suite()
+    rows = suite.plan_rows("gpu", tmp_path, "posttrain,trl", model_dir="/models/smollm2")
+    compare = [r for r in rows if r.kind == "compare"]
+    assert {r.command[r.command.index("--algo") + 1] for r in compare} == {"sft", "dpo", "grpo", "distill"}
+    assert all(r.command[r.command.index("--model") + 1] == "/models/smollm2" for r in compare)
+    assert all(r.command[r.command.index("--model") + 1] == "/models/smollm2" for r in rows if r.kind == "plan")
+    assert len({r.name for r in rows}) == len(rows)
+
+
 def test_tiny_rows_are_the_same_rows_without_a_gpu(tmp_path):
     suite = load_suite()
     gpu, tiny = suite.plan_rows("gpu", tmp_path, "posttrain"), suite.plan_rows("tiny", tmp_path, "posttrain")
