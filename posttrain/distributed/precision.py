@@ -145,10 +145,10 @@ def precision_notes(precision: Precision, on_cpu: bool, native_bf16: Optional[bo
     emulates it."""
     notes = []
     if precision.pure:
-        notes.append(f"train.master_weights=false: the trained weights, gradients and AdamW state are {precision.trained} "
-                     "(pure 16-bit training, 8 bytes per weight instead of 16). An update smaller than ~1/256 of a "
-                     "weight rounds away, so small learning rates train little or nothing; drop "
-                     "train.master_weights=false for float32 master weights")
+        notes.append("train.master_weights=false: the trained weights, gradients and AdamW state are "
+                     f"{precision.trained} (pure 16-bit training, 8 bytes per weight instead of 16). An update "
+                     "smaller than ~1/256 of a weight rounds away, so small learning rates train little or nothing; "
+                     "drop train.master_weights=false for float32 master weights")
     if on_cpu and precision.uses_bf16 and native_bf16 is False:
         notes.append("this CPU has no native bf16 (no avx512_bf16 / amx_bf16 flag): bf16 compute is emulated and a "
                      "step can take 10-20x longer than in float32 (126 s against 7 s on SmolLM2-135M, AVX2). "
