@@ -97,6 +97,9 @@ class Workload:
     """Frozen parameters of models of another size than the policy (a distillation teacher)."""
     trained_copies: int = 1
     """Models trained at the policy's size: 2 with PPO's critic (its weights, gradients and AdamW state)."""
+    teacher_logits: bool = False
+    """A local distillation teacher: its (B, T, V) logits and the copy of their completion rows the loss keeps for
+    backward (losses/distill.py) live beside the student's."""
 
 
 @dataclass(frozen=True)
@@ -200,9 +203,11 @@ def logits_bytes(shape: ModelShape, w: Workload) -> int:
     if not w.lm_head:
         return 0
     tokens = w.sequences * w.sequence_length
+    teacher = 2 * tokens * shape.vocab_size * w.compute_bytes if w.teacher_logits else 0
     if w.logprobs_only and shape.fused_head:  # ops.linear_token_logprobs: float32 chunks of LINEAR_CHUNK rows
         return 2 * min(tokens, max(1, LINEAR_CHUNK // shape.vocab_size)) * shape.vocab_size * 4
-    return 2 * tokens * shape.vocab_size * w.compute_bytes + 2 * min(tokens, LOGPROB_CHUNK) * shape.vocab_size * 4
+    return (2 * tokens * shape.vocab_size * w.compute_bytes + 2 * min(tokens, LOGPROB_CHUNK) * shape.vocab_size * 4
+            + teacher)
 
 
 def generation_bytes(shape: ModelShape, w: Workload, engine: Engine, world_size: int, weight_bytes: int) -> int:

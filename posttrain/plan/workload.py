@@ -79,6 +79,7 @@ def workload_from_recipe(command: str, recipe: Recipe, per_device_batch: Optiona
                         weight_bytes=weight_bytes, compute_bytes=2 if mixed else weight_bytes, mixed_precision=mixed,
                         frozen_weight_bytes=BYTES[precision.loaded], trained_copies=facts.get("trained", 1),
                         frozen_parameters=teacher_parameters(recipe, facts.get("teacher")),
+                        teacher_logits=bool(facts.get("teacher")),
                         foreach_optimizer=on_gpu and not t.fused_optimizer,  # the fused step makes no temporaries
                         accumulation=t.per_device_train_batch_size * t.gradient_accumulation_steps // batch,
                         gradient_checkpointing=t.gradient_checkpointing, frozen_copies=facts["frozen"],

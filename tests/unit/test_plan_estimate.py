@@ -116,8 +116,10 @@ def test_every_model_and_engine_the_run_holds_is_counted():
     assert estimate(SHAPE, cpu_vllm, ENGINES["ddp"], gpu_bytes=8000).vllm == 4500  # no GPU share asked for
     reference = Workload(algorithm="dpo", sequences=2, sequence_length=4, frozen_copies=1, frozen_weight_bytes=2)
     assert estimate(SHAPE, reference, ENGINES["ddp"]).frozen_copies == 2000  # bf16 beside float32 master weights
-    teacher = Workload(algorithm="distill", sequences=2, sequence_length=4, frozen_parameters=3000)
+    teacher = Workload(algorithm="distill", sequences=2, sequence_length=4, frozen_parameters=3000,
+                       teacher_logits=True)
     assert estimate(SHAPE, teacher, ENGINES["ddp"]).frozen_copies == 12000
+    assert estimate(SHAPE, teacher, ENGINES["ddp"]).logits == LOGITS + 2 * 8 * 10 * 4  # its logits + kept rows
     critic = estimate(SHAPE, Workload(algorithm="ppo", sequences=2, sequence_length=4, trained_copies=2),
                       ENGINES["ddp"])
     assert (critic.parameters, critic.gradients, critic.optimizer) == (8000, 8000, 16000)
