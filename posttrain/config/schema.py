@@ -55,6 +55,8 @@ class DataConfig:
     """Split to read from a hub dataset or DatasetDict directory."""
     eval_split: str = "test"
     """Split to read for eval from a hub dataset or DatasetDict directory."""
+    text_field: str = "text"
+    """The column that holds language-modeling text (TRL's dataset_text_field), read as `text`."""
     max_length: int = 512
     """Longest tokenized sequence (prompt + completion); longer rows are truncated and counted."""
     max_prompt_length: Optional[int] = None
@@ -228,7 +230,8 @@ class GenerationConfig:
 @dataclass(frozen=True)
 class RewardConfig:
     name: str = ""
-    """Built-in reward (exact_match, format, length_penalty, reward_model) or an import path 'module:function'."""
+    """Built-in reward (exact_match, format, length_penalty, reward_model), an import path ('module.function',
+    'module:function', 'file.py:function') or a reward model directory / hub id (docs/rewards.md)."""
     weight: float = 1.0
     """Weight of this reward in the total."""
     kwargs: dict = field(default_factory=dict)
