@@ -42,7 +42,7 @@ def check_output_dir(recipe) -> Optional[Path]:
     """Refuse any output_dir a run could lose the user's files in. Returns the checkpoint to resume from, if any."""
     from posttrain.checkpoint import resolve_resume
 
-    out = Path(recipe.output_dir)  # as run.py writes it (no ~ expansion there either)
+    out = Path(recipe.output_dir)  # as run.py writes it (load_recipe expanded a leading ~)
     t = recipe.train
     refuse_special(out)
     if out.exists() and not out.is_dir():
