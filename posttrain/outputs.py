@@ -38,8 +38,9 @@ def engine_logs() -> str:
     return LOG_DIR
 
 
-def check_output_dir(recipe) -> Optional[Path]:
-    """Refuse any output_dir a run could lose the user's files in. Returns the checkpoint to resume from, if any."""
+def check_output_dir(recipe, command: str = "") -> Optional[Path]:
+    """Refuse any output_dir a run could lose the user's files in. Returns the checkpoint to resume from, if any.
+    command: this run's (sft, dpo, ...); a run of another command is never continued (see check_same_command)."""
     from posttrain.checkpoint import resolve_resume
 
     out = Path(recipe.output_dir)  # as run.py writes it (load_recipe expanded a leading ~)
@@ -57,6 +58,10 @@ def check_output_dir(recipe) -> Optional[Path]:
     for left in sorted(out.glob(ASIDE_PREFIX + "*")) if out.is_dir() else ():
         warn(f"{left} holds the files of a run that overwrite_output_dir was replacing when it stopped; nothing "
              "removes it: move back what you need, then delete it")
+    if kind == "run" and not t.overwrite_output_dir:
+        check_same_command(out, command, "output_dir")
+    if t.resume_from_checkpoint not in (None, "auto") and not t.overwrite_output_dir:
+        check_same_command(Path(t.resume_from_checkpoint).parent.parent, command, "train.resume_from_checkpoint")
     resume = resolve_resume(str(out), t.resume_from_checkpoint, strict=t.resume_strict)
     if resume is not None or t.overwrite_output_dir or t.resume_from_checkpoint == "auto":
         return resume  # auto and no checkpoint yet (a run stopped before its first save): the run starts
@@ -65,6 +70,19 @@ def check_output_dir(recipe) -> Optional[Path]:
         raise UserError(f"output_dir {out} already holds a run (config.yaml); pass train.resume_from_checkpoint=auto "
                         "to continue it, train.overwrite_output_dir=true to replace it, or choose another output_dir")
     return None
+
+
+def check_same_command(run: Path, command: str, key: str) -> None:
+    """A run of another algorithm is not continued: its checkpoint holds another model head and optimiser, its
+    metrics.jsonl other columns, and final/ would be replaced by this command's. The marker records the command."""
+    try:
+        recorded = json.loads((run / MARKER).read_text()).get("command") if (run / MARKER).is_file() else ""
+    except (OSError, ValueError, AttributeError):
+        recorded = ""  # an unreadable marker still marks a run; it just cannot tell the command
+    if command and recorded and recorded != command:
+        raise UserError(f"{key}: {run} holds a `posttrain {recorded}` run, and this is `posttrain {command}`; a run "
+                        f"continues only with its own command. Start the {command} run in another output_dir (with "
+                        f"model.name_or_path={run / 'final'} to train on from that run's model)")
 
 
 def refuse_special(out: Path) -> None:
@@ -133,7 +151,7 @@ def begin_run(out: Path, overwrite: bool, command: str = "") -> Optional[Path]:
     run's own files into a folder inside output_dir (returned; pass it to end_overwrite once config.yaml is new)."""
     out.mkdir(parents=True, exist_ok=True)
     marker = out / MARKER
-    if not marker.exists():
+    if overwrite or not marker.exists():  # a replaced run's marker named the command that wrote it
         stamp = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
         marker.write_text(json.dumps({"created": stamp, "command": command, "by": "posttrain"}) + "\n")
     present = [name for name in RUN_ARTIFACTS if os.path.lexists(out / name)] if overwrite else []
