@@ -229,7 +229,7 @@ def check_trackers(train) -> None:
             raise UserError(f"train.report_to names {name}, but {name} is not installed; install it with `pip "
                             f"install {name}` (or `pip install 'posttrain[trackers]'` for all four), or drop {name} "
                             "from train.report_to")
-        uri = os.environ.get("MLFLOW_TRACKING_URI", "sqlite:")  # unset: MLflow's default, sqlite:///mlflow.db
+        uri = os.environ.get("MLFLOW_TRACKING_URI", "sqlite:")  # unset: sqlite:///<output_dir>/mlflow.db (trackers.py)
         database = uri.split(":", 1)[0].split("+", 1)[0] in MLFLOW_DATABASE_SCHEMES
         missing = [m for m in ("sqlalchemy", "alembic") if importlib.util.find_spec(m) is None]
         if name == "mlflow" and database and missing:
