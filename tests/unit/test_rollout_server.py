@@ -264,3 +264,13 @@ def test_serve_refuses_vllm_options_that_contradict_its_own(option):
     with pytest.raises(UserError, match=f"{option.split('=')[0]} after -- would override what posttrain serve passes"):
         check_vllm_args(serve_args(option, "18721"))
     check_vllm_args(serve_args("--max-model-len", "512", "--port-range", "3"))  # others pass through
+
+
+def test_a_server_just_started_is_not_read_as_left_inside_a_weight_update():
+    """vLLM's /collective_rpc sends False as "False" (any non-dict, non-list result as its str()): every server, even
+    one just started, was warned about as left mid-update by an earlier trainer."""
+    from posttrain.generation.weight_transfer import any_true
+
+    assert not any_true({"results": ["False", "False"]}) and not any_true({"results": [False]})
+    assert any_true({"results": ["False", "True"]}) and any_true({"results": [True]})
+    assert not any_true(None) and not any_true({"results": "True"}) and not any_true([True])
