@@ -16,13 +16,15 @@ import concurrent.futures
 import importlib
 import importlib.util
 import os
+import signal
 import sys
 import threading
+import time
 import traceback
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from posttrain.errors import UserError
+from posttrain.errors import RunStopped, UserError
 
 
 class UserCodeError(Exception):
@@ -45,6 +47,13 @@ class ProcessExitCalled(BaseException):
 
 
 _inside_user = set()  # the threads running user code now (threading.get_ident())
+_stop_signal = [0]  # the stop signal (SIGTERM / SIGINT) the run received, 0 for none
+
+
+def request_stop(signum: int) -> None:
+    """The run received `signum` (train/guard.py; 0: a run starts, none yet): a wait on user code
+    (call_with_deadline) ends now instead of at its deadline, since the step it is in cannot finish anyway."""
+    _stop_signal[0] = signum
 _exit_guard: dict = {}  # the process that installed the guard -> the real os._exit
 
 
@@ -113,11 +122,20 @@ def call_with_deadline(fn: Callable, what: str, seconds: float, *args, **kwargs)
             future.set_exception(e)
 
     threading.Thread(target=run, name=f"user-code: {what}"[:60], daemon=True).start()
-    try:
-        return future.result(timeout=seconds)
-    except concurrent.futures.TimeoutError:
-        raise UserCodeError(f"{what} did not return within {seconds:g}s (rollout.user_code_timeout); it is stopped "
-                            "here instead of hanging the run") from None
+    started = time.monotonic()
+    while True:
+        left = started + seconds - time.monotonic()
+        try:
+            return future.result(timeout=max(0.0, min(0.2, left)))
+        except concurrent.futures.TimeoutError:
+            if _stop_signal[0]:
+                name = signal.Signals(_stop_signal[0]).name
+                raise RunStopped(f"{name} while {what} was running ({time.monotonic() - started:.0f}s without "
+                                 "returning): stopped without saving, the last checkpoint is intact; continue with "
+                                 "train.resume_from_checkpoint=auto", 128 + _stop_signal[0], shared=False) from None
+            if left <= 0:
+                raise UserCodeError(f"{what} did not return within {seconds:g}s (rollout.user_code_timeout); it is "
+                                    "stopped here instead of hanging the run") from None
 
 
 def import_user(module_name: str, what: str):

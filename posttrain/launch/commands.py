@@ -20,7 +20,9 @@ def add_plan_and_doctor(sub) -> None:
     plan.add_argument("overrides", nargs="*", help="key.sub=value overrides, e.g. data.max_length=2048")
     doctor = sub.add_parser("doctor", help="check GPUs, versions, the process group and disk before a launch")
     doctor.add_argument("--config", "-c", help="recipe YAML: checks its output_dir's disk and that every rank has it")
-    doctor.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for every rank (default 60)")
+    doctor.add_argument("--timeout", type=float, default=30.0, help="seconds each step of the group check may take "
+                        "(the rendezvous, every rank's arrival, each collective) before it fails naming what is "
+                        "missing (default 30)")
     doctor.add_argument("--build-ops", action="store_true", help="also compile DeepSpeed's CPU Adam (tens of s)")
     doctor.add_argument("overrides", nargs="*", help="key.sub=value overrides of the recipe")
 

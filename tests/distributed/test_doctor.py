@@ -40,3 +40,26 @@ def test_wrong_master_addr_and_a_rank_that_never_joins_fail_within_the_timeout()
     out = outputs[1]
     assert lonely.returncode == 1, out[-3000:]
     assert "1 of 2 ranks joined within 3 s; missing ranks [1]" in out
+
+
+def test_a_collective_that_never_completes_is_named_within_the_timeout():
+    """Rank 1 joins, then stops (SIGSTOP: a hung GPU, a stuck NIC): rank 0's next step (the process group or the
+    all-reduce) fails at its deadline naming that step, instead of waiting on rank 1 for ever."""
+    import os
+    import signal
+
+    port = free_port()
+    stuck, waiting = _doctor_alone(rank=1, port=port, timeout=5), _doctor_alone(rank=0, port=port, timeout=5)
+    try:
+        for line in stuck.stdout:  # rank 1 says it joined: stop it before it takes part in anything else
+            if "PASS  rendezvous" in line:
+                os.kill(stuck.pid, signal.SIGSTOP)
+                break
+        started = time.perf_counter()
+        out = waiting.communicate(timeout=120)[0]
+        assert time.perf_counter() - started < 30, out[-3000:]
+    finally:
+        os.kill(stuck.pid, signal.SIGKILL)
+        stuck.wait()
+    assert waiting.returncode == 1, out[-3000:]
+    assert "did not complete within 5 s: a rank is stuck or gone" in out, out[-3000:]

@@ -226,3 +226,28 @@ def test_a_template_that_raises_on_a_role_mid_run_names_the_roles(tiny_model_dir
     with pytest.raises(UserCodeError, match="cannot render a conversation with the roles user, assistant, tool "
                                             r"\(TemplateError: no tool role\); set model.chat_template"):
         agent.run([{"prompt": "a", "columns": {}}], [0], SamplingParams())
+
+
+def test_sigterm_ends_a_wait_on_user_code_that_hangs_at_once():
+    """SIGTERM during an environment step that never returns: the run stops in a second with 143, not at the
+    deadline (nor, as before, only at SIGKILL)."""
+    import threading
+
+    from posttrain.errors import RunStopped
+    from posttrain.train.guard import Guard
+
+    class T:
+        nonfinite, max_nonfinite_skips = "stop", 0
+
+    class B:
+        can_skip_steps = False
+
+    session = EnvironmentSession(Hostile, "my:Env", 3, timeout=60)
+    session.reset({"prompt": "p", "do": "step hangs"})
+    threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGTERM)).start()
+    started = time.monotonic()
+    with pytest.raises(RunStopped) as e:
+        with Guard(T, B):
+            session.step({"role": "assistant", "content": "x"})
+    assert time.monotonic() - started < 5 and e.value.exit_code == 143
+    assert "SIGTERM while rollout.environment 'my:Env' (sample: dataset row 3).step was running" in str(e.value)
