@@ -65,8 +65,9 @@ def check_output_dir(recipe, command: str = "") -> Optional[Path]:
     resume = resolve_resume(str(out), t.resume_from_checkpoint, strict=t.resume_strict)
     if resume is not None or t.overwrite_output_dir or t.resume_from_checkpoint == "auto":
         return resume  # auto and no checkpoint yet (a run stopped before its first save): the run starts
-    # config.yaml alone: that run never trained; the engines' logs: the Ray launcher started them first
-    if kind == "run" and any(p.name not in ("config.yaml", MARKER, engine_logs()) for p in out.iterdir()):
+    # config.yaml alone (or with an empty log): that run never trained; the engines' logs: the Ray launcher started
+    # them first
+    if kind == "run" and not never_trained(out):
         raise UserError(f"output_dir {out} already holds a run (config.yaml); pass train.resume_from_checkpoint=auto "
                         "to continue it, train.overwrite_output_dir=true to replace it, or choose another output_dir")
     return None
@@ -83,6 +84,31 @@ def check_same_command(run: Path, command: str, key: str) -> None:
         raise UserError(f"{key}: {run} holds a `posttrain {recorded}` run, and this is `posttrain {command}`; a run "
                         f"continues only with its own command. Start the {command} run in another output_dir (with "
                         f"model.name_or_path={run / 'final'} to train on from that run's model)")
+
+
+def never_trained(out: Path) -> bool:
+    """What a run leaves that stopped before its first step (its model did not load, an input error found once it
+    had started): config.yaml, the marker, the engines' logs, and at most an empty metrics.jsonl and tensorboard/."""
+    for p in out.iterdir():
+        if p.name in ("config.yaml", MARKER, engine_logs(), "tensorboard"):
+            continue
+        if p.name == "metrics.jsonl" and p.is_file() and not p.is_symlink() and p.stat().st_size == 0:
+            continue
+        return False
+    return True
+
+
+_started: list[Path] = []  # begin_run's output_dir in this process: from then on the run has written
+
+
+def run_started() -> Optional[Path]:
+    """The output_dir a run of this process has written into (exit 2 promises nothing was written), or None."""
+    return _started[-1] if _started else None
+
+
+def forget_started() -> None:
+    """A new command starts (the CLI's main, called many times in one test process)."""
+    _started.clear()
 
 
 def refuse_special(out: Path) -> None:
@@ -150,6 +176,7 @@ def begin_run(out: Path, overwrite: bool, command: str = "") -> Optional[Path]:
     """Rank 0, once the checks passed: create output_dir, write the marker, and with overwrite move the previous
     run's own files into a folder inside output_dir (returned; pass it to end_overwrite once config.yaml is new)."""
     out.mkdir(parents=True, exist_ok=True)
+    _started.append(out)
     marker = out / MARKER
     if overwrite or not marker.exists():  # a replaced run's marker named the command that wrote it
         stamp = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")

@@ -145,9 +145,10 @@ def _from_records(records: list[tuple[str, dict]], path: Path, what: str) -> dat
                     raise UserError(f"{what}: {path} {where}: column {column!r} holds {shape} where earlier rows "
                                     f"hold {first}; every row must use the same type per column") from None
         where = _first_misfit(records)  # the shapes agree at the top: the difference is deeper (a message's content)
-        raise UserError(f"{what}: {path}{f' {where}' if where else ''}: its values are not shaped like the earlier "
-                        f"rows' (for example a message content that is a list where earlier ones are strings; "
-                        f"{str(e).splitlines()[0][:200]}); every row must use the same structure") from None
+        raise UserError(f"{what}: {path}{f' {where}' if where else ''}: a field holds values of different shapes "
+                        "(within the row, or against the earlier rows: for example a message content that is a list "
+                        f"where others are strings; {str(e).splitlines()[0][:200]}); give every message's content "
+                        "as a string") from None
 
 
 def _first_misfit(records: list[tuple[str, dict]]) -> str:

@@ -65,6 +65,15 @@ def mixed_content(tmp, tiny_model_dir, data):
     return "sft", common(tiny_model_dir, chat, tmp / "out")
 
 
+def images(tmp, tiny_model_dir, data):
+    parts = [{"type": "image", "image": "cat.png"}, {"type": "text", "text": "what is it?"}]
+    row = {"messages": [{"role": "user", "content": parts},
+                        {"role": "assistant", "content": [{"type": "text", "text": "a cat"}]}]}
+    chat = tmp / "vision.jsonl"
+    chat.write_text(json.dumps(row) + "\n")
+    return "sft", common(tiny_model_dir, chat, tmp / "out")
+
+
 def overrides(command, *extra):
     def case(tmp, tiny_model_dir, data):
         train = data["prompts_train" if command == "grpo" else "sft_train"]
@@ -83,7 +92,9 @@ CASES = {
     "a data dir with no data file": (a_data_dir_without_data, "is a directory with no data file"),
     "config.json a list": (a_model_config_that_is_a_list, "config.json is damaged: it holds a JSON list"),
     "config.json vocab text": (a_model_vocab_that_is_text, "vocab_size is 'lots'; it must be a whole number > 0"),
-    "mixed content names the row": (mixed_content, "chat.jsonl line 4: its values are not shaped like"),
+    "mixed content names the row": (mixed_content, "chat.jsonl line 4: a field holds values of different shapes"),
+    "an image in SFT messages": (images, "data.train row 0: column 'messages' message 0 holds a 'image' part; "
+                                 "posttrain trains text-only models"),
 }
 
 
@@ -103,3 +114,26 @@ def test_output_dir_with_a_tilde_is_under_home(monkeypatch, tmp_path):
     monkeypatch.setenv("HOME", str(tmp_path))
     recipe = load_recipe(None, ["output_dir=~/runs/x", "data.train=d.jsonl"], ALGORITHMS["sft"][0])
     assert recipe.output_dir == str(Path(tmp_path) / "runs" / "x")
+
+
+def test_an_input_error_found_once_the_run_has_written_is_exit_1_and_does_not_block_a_rerun(
+        tiny_model_dir, data, tmp_path, capsys, monkeypatch):
+    """Exit 2 promises nothing was written: an input error found after config.yaml (here: as the model loads) says
+    where the run wrote and exits 1, and that directory takes a plain rerun."""
+    import posttrain.run
+    from posttrain.algorithms import ALGORITHMS
+    from posttrain.config.load import load_recipe
+    from posttrain.errors import UserError
+    from posttrain.outputs import check_output_dir
+
+    def refuses(recipe, algorithm):
+        raise UserError("model.name_or_path: found wrong as it loaded")
+
+    monkeypatch.setattr(posttrain.run, "load_policy", refuses)
+    out = tmp_path / "out"
+    argv = common(tiny_model_dir, data["sft_train"], out)
+    assert run_cli("sft", *argv) == 1
+    err = capsys.readouterr().err
+    assert "found wrong as it loaded" in err and f"found once the run had started writing in {out}: exit 1" in err
+    assert (out / "config.yaml").is_file()
+    assert check_output_dir(load_recipe(None, argv, ALGORITHMS["sft"][0]), "sft") is None  # a plain rerun passes
