@@ -13,6 +13,7 @@ a UserError raised on purpose (a missing column, say) stays the input error it i
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import importlib
 import importlib.util
 import os
@@ -91,21 +92,30 @@ def user_frames(error: BaseException) -> str:
     return "".join(lines).rstrip()
 
 
-def call_user(fn: Callable, what: str, *args, **kwargs) -> Any:
-    """fn(*args, **kwargs); anything it raises but a UserError or Ctrl-C becomes a UserCodeError naming `what`."""
+@contextlib.contextmanager
+def user_code():
+    """Marks this thread as running user code while inside: os._exit there raises ProcessExitCalled (which
+    what_it_did names) instead of ending the process with no word."""
     install_exit_guard()
     me = threading.get_ident()
     nested = me in _inside_user
     _inside_user.add(me)
     try:
-        return fn(*args, **kwargs)
+        yield
+    finally:
+        if not nested:
+            _inside_user.discard(me)
+
+
+def call_user(fn: Callable, what: str, *args, **kwargs) -> Any:
+    """fn(*args, **kwargs); anything it raises but a UserError or Ctrl-C becomes a UserCodeError naming `what`."""
+    try:
+        with user_code():
+            return fn(*args, **kwargs)
     except (UserError, KeyboardInterrupt):
         raise
     except BaseException as e:  # noqa: BLE001 - SystemExit included: see the module docstring
         raise UserCodeError(f"{what} {what_it_did(e)}", e) from e
-    finally:
-        if not nested:
-            _inside_user.discard(me)
 
 
 def call_with_deadline(fn: Callable, what: str, seconds: float, *args, **kwargs) -> Any:

@@ -26,7 +26,7 @@ from typing import Any, Callable, NamedTuple, Optional, Sequence
 import torch
 
 from posttrain.errors import UserError
-from posttrain.usercode import UserCodeError, what_it_did
+from posttrain.usercode import UserCodeError, user_code, what_it_did
 
 logger = logging.getLogger(__name__)
 
@@ -66,7 +66,8 @@ def _in_thread(fn: Callable, *args, **kwargs) -> concurrent.futures.Future:
         if not future.set_running_or_notify_cancel():
             return
         try:
-            result = fn(*args, **kwargs)
+            with user_code():  # os._exit in the function is named, not the end of the process
+                result = fn(*args, **kwargs)
         except BaseException as e:  # noqa: BLE001 - handed to the caller, who decides
             future.set_exception(e)
         else:
