@@ -135,7 +135,7 @@ def run_command(argv: list[str] | None = None) -> int:
     except UserError as e:
         from posttrain.outputs import run_started
 
-        started = run_started()
+        started = run_started() if args.command in ALGORITHM_COMMANDS else None  # demo: its own runs' directories
         if started is not None:  # exit 2 says nothing was written: this one was found once the run had begun
             print(f"posttrain: error: {e}\n(found once the run had started writing in {started}: exit 1; a plain "
                   "rerun there is allowed while it holds no trained step)", file=sys.stderr)

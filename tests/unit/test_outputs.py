@@ -142,3 +142,17 @@ def test_replace_dir_swaps_a_complete_directory_in(tmp_path):
     (tmp / "a").write_text("new")
     checkpoint_files.replace_dir(tmp, final)
     assert (final / "a").read_text() == "new" and not tmp.exists() and not (tmp_path / ".old-final").exists()
+
+
+def test_a_checkpoint_of_another_commands_run_is_not_continued_and_overwrite_renames_the_command(tmp_path):
+    sft_run = tmp_path / "sft"
+    (sft_run / "checkpoints" / "step-2").mkdir(parents=True)
+    outputs.begin_run(sft_run, overwrite=False, command="sft")
+    step = sft_run / "checkpoints" / "step-2"
+    with pytest.raises(UserError, match=r"train.resume_from_checkpoint: .*sft holds a `posttrain sft` run, and this "
+                                        r"is `posttrain dpo`"):
+        outputs.check_output_dir(recipe(tmp_path / "dpo", f"train.resume_from_checkpoint={step}"), "dpo")
+    with pytest.raises(UserError, match="output_dir: .* holds a `posttrain sft` run"):
+        outputs.check_output_dir(recipe(sft_run, "train.resume_from_checkpoint=auto"), "dpo")
+    outputs.end_overwrite(outputs.begin_run(sft_run, overwrite=True, command="dpo"))  # replaced: now a dpo run
+    assert '"command": "dpo"' in (sft_run / outputs.MARKER).read_text()
