@@ -2,11 +2,13 @@
 
     posttrain plan --config recipes/dpo.yaml --gpus 8 --gpu-memory 80GiB
     torchrun --nproc_per_node 8 -m posttrain doctor --config recipes/dpo.yaml
+    posttrain doctor --nnodes 2 --node-rank 1 --nproc-per-node 8 --master-addr node0    # the doctor's own ranks
 """
 
 from __future__ import annotations
 
 from posttrain.errors import UserError
+from posttrain.launch.doctor_ranks import add_launch_flags, run_ranks
 
 
 def add_plan_and_doctor(sub) -> None:
@@ -24,6 +26,7 @@ def add_plan_and_doctor(sub) -> None:
                         "(the rendezvous, every rank's arrival, each collective) before it fails naming what is "
                         "missing (default 30)")
     doctor.add_argument("--build-ops", action="store_true", help="also compile DeepSpeed's CPU Adam (tens of s)")
+    add_launch_flags(doctor)
     doctor.add_argument("overrides", nargs="*", help="key.sub=value overrides of the recipe")
 
 
@@ -34,6 +37,8 @@ def run_plan_or_doctor(args) -> int:
     if args.command == "doctor":
         from posttrain.launch.doctor import run_doctor
 
+        if args.nproc_per_node is not None:
+            return run_ranks(args)
         return run_doctor(args.config, args.overrides, args.timeout, args.build_ops)
     from posttrain.plan import infer_algorithm, run_plan
 
