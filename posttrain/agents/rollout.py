@@ -44,6 +44,8 @@ class Trajectory:
     """The opening messages, templated with the tools and a generation prompt."""
     messages: list[dict]
     """The conversation as text (for rewards and the samples file; never tokenised again)."""
+    opening: int = 0
+    """How many of `messages` opened it (the prompt); the rest is what rewards get as the completion."""
     completion_ids: list[int] = field(default_factory=list)
     """Everything after the prompt: the engine's ids and the appended messages' ids, in order."""
     logprobs: list[float] = field(default_factory=list)
@@ -75,6 +77,12 @@ class Trajectory:
         self.completion_mask += [int(logprobs is not None)] * len(kept)
         self.finished = self.finished or len(self.completion_ids) >= budget
         return len(kept) == len(ids)
+
+    @property
+    def completion_messages(self) -> list[dict]:
+        """Every message after the opening ones: the model's turns and the tool / environment turns between them, as
+        TRL's multi-turn GRPO passes a completion to reward functions."""
+        return self.messages[self.opening:]
 
     @property
     def final_text(self) -> str:
@@ -212,7 +220,7 @@ class AgentRollout:
             messages = [{"role": "user", "content": example["prompt"]}]
         else:
             messages = [dict(m) for m in example["prompt"]]
-        return Trajectory(self.prompt_ids(messages), list(messages))
+        return Trajectory(self.prompt_ids(messages), list(messages), opening=len(messages))
 
     def _take_turn(self, t: Trajectory, ids: list[int], logprobs: list[float]) -> dict:
         """Keep the engine's ids; the turn as a message (text decoded only to be read)."""
