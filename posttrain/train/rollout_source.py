@@ -179,6 +179,14 @@ class RolloutSource(Source):
         for line in self._ahead.load(directory, lambda index: self._prompts(index)[0], Trajectory):
             logger.warning("resuming from %s: %s; sampled again from the current policy", directory, line)
 
+    def nothing_trained_hint(self) -> str:
+        cut, algo = self._metrics.get("truncated_fraction", 0.0), self.recipe.algo
+        if not (algo.mask_truncated_completions and cut > 0):
+            return ""
+        return (f"{cut:.0%} of the completions reached generation.max_completion_length="
+                f"{self.recipe.generation.max_completion_length} and algo.mask_truncated_completions=true leaves those "
+                "out of the loss; raise max_completion_length (multi-turn: prompts, tool output and turns share it)")
+
     def micro_batches_per_epoch(self) -> int:
         """Per-rank micro-batches for one pass over the prompts (each reused num_iterations times)."""
         completions = len(self.examples) * self.group
@@ -287,7 +295,8 @@ class RolloutSource(Source):
             if seconds is not None:
                 metrics[f"time/role/{name}"] = seconds
         if backend.is_main:
-            self._write_samples(step, prompts, texts, total_B, per_function, sequence_advantages(batches), truncated)
+            self._write_samples(step, prompts, texts, total_B, per_function, sequence_advantages(batches), truncated,
+                                trajectories)
         return Generation(index, batches, metrics, sampled_by)
 
     def _sample(self, prompts: list[dict], positions: list[int]):
@@ -340,8 +349,11 @@ class RolloutSource(Source):
                                    example_index_B=torch.tensor(dataset_index[start:stop])))
         return batches
 
-    def _write_samples(self, step: int, prompts, texts, total_B, per_function, advantages_B, truncated) -> None:
-        """Every logging step: a few prompt groups of rank 0, appended to output_dir/samples.jsonl."""
+    def _write_samples(self, step: int, prompts, texts, total_B, per_function, advantages_B, truncated,
+                       trajectories=None) -> None:
+        """Every logging step: a few prompt groups of rank 0, appended to output_dir/samples.jsonl. Multi-turn: each
+        record's `trajectory` holds every turn from the model's first (its text with the tool calls as written, each
+        tool's output or error, the environment's messages) and `stats` its counts."""
         t, groups = self.recipe.train, self.recipe.algo.log_samples
         due = [s + 1 for s in range(step, step + self.iterations) if (s + 1) % t.logging_steps == 0]
         if not due or not groups:
@@ -349,10 +361,17 @@ class RolloutSource(Source):
         records = [{"step": due[0], "prompt": prompts[i // self.group]["prompt"], "completion": texts[i],
                     "reward": float(total_B[i]),
                     "rewards": {k: (None if v[i].isnan() else float(v[i])) for k, v in per_function.items()},
-                    "advantage": float(advantages_B[i]), "truncated": bool(truncated[i])}
+                    "advantage": float(advantages_B[i]), "truncated": bool(truncated[i]),
+                   **(trajectory_record(trajectories[i]) if trajectories is not None else {})}
                    for i in range(min(groups, len(prompts)) * self.group)]
         with (Path(self.recipe.output_dir) / "samples.jsonl").open("a") as f:
             f.writelines(json.dumps(r) + "\n" for r in records)
+
+
+def trajectory_record(t: Trajectory) -> dict:
+    """A trajectory for samples.jsonl: its messages from the model's first turn on, and its counts."""
+    first = next((k for k, m in enumerate(t.messages) if m["role"] == "assistant"), len(t.messages))
+    return {"trajectory": t.messages[first:], "stats": t.stats()}
 
 
 def sequence_advantages(batches: list[Batch]) -> torch.Tensor:
