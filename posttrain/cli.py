@@ -33,7 +33,9 @@ OTHER_COMMANDS = {  # command -> (its one-line help, its module, the functions t
                "run_report"),
 }
 ALGORITHM_EPILOG = """TRL-style flags work too: --learning_rate 1e-4, --num_generations=4, --bf16 (docs/trl.md has
-the table), and --config takes a flat TRL config file (model_name_or_path: ..., learning_rate: ...).
+the table), and --config takes a flat TRL config file (model_name_or_path: ..., learning_rate: ...). Online
+algorithms take TRL's reward functions: --reward_funcs my_rewards.py:accuracy pkg.module.fn runs/rm/final
+--reward_weights 1 0.5 0.2 (docs/rewards.md).
 
 Recipe keys (key = default  # what it does); set any with key.sub=value:
 """
@@ -182,12 +184,16 @@ def command_line_overrides(overrides: list[str], trl_flags: dict, algo_cls: type
     names the command line and echoes what was typed (not the recipe file the value would land in). A bare word for
     a string key stays that word (train.mixed_precision=no is 'no', not YAML's false)."""
     from posttrain.config.trl_compat import as_override, translate
+    from posttrain.config.trl_rewards import REWARD_KEYS
 
     translate(trl_flags, "command line", algo_cls, "--")  # every flag with no meaning here, reported at once
     checked = []
-    for key, value in trl_flags.items():
-        for path, converted in translate({key: value}, "command line", algo_cls, "--"):
-            checked.append(checked_override(as_override(path, converted), f"--{key} {value}", algo_cls))
+    rewards = {key: value for key, value in trl_flags.items() if key in REWARD_KEYS}  # one list, made together
+    groups = [{key: value} for key, value in trl_flags.items() if key not in REWARD_KEYS] + ([rewards] if rewards else [])
+    for group in groups:
+        typed = " ".join(f"--{key} {value}" for key, value in group.items())
+        for path, converted in translate(group, "command line", algo_cls, "--"):
+            checked.append(checked_override(as_override(path, converted), typed, algo_cls))
     return checked + [checked_override(item, item, algo_cls) for item in overrides]
 
 

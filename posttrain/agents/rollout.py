@@ -43,6 +43,8 @@ class Trajectory:
     """The opening messages, templated with the tools and a generation prompt."""
     messages: list[dict]
     """The conversation as text (for rewards and the samples file; never tokenised again)."""
+    opening: int = 0
+    """How many of `messages` opened it (the prompt); the rest is what rewards get as the completion."""
     completion_ids: list[int] = field(default_factory=list)
     """Everything after the prompt: the engine's ids and the appended messages' ids, in order."""
     logprobs: list[float] = field(default_factory=list)
@@ -78,6 +80,12 @@ class Trajectory:
         self.completion_mask += [int(logprobs is not None)] * len(kept)
         self.finished = self.finished or len(self.completion_ids) >= budget
         return len(kept) == len(ids)
+
+    @property
+    def completion_messages(self) -> list[dict]:
+        """Every message after the opening ones: the model's turns and the tool / environment turns between them, as
+        TRL's multi-turn GRPO passes a completion to reward functions."""
+        return self.messages[self.opening:]
 
     @property
     def final_text(self) -> str:
@@ -209,7 +217,8 @@ class AgentRollout:
         there); an environment's reset, or an example without them, is templated here."""
         tools = example.get("tools") or self.schemas
         if session is None and "messages" in example:
-            return Trajectory(list(example["prompt_ids"]), [dict(m) for m in example["messages"]], tools=tools)
+            return Trajectory(list(example["prompt_ids"]), [dict(m) for m in example["messages"]],
+                              opening=len(example["messages"]), tools=tools)
         if session is not None:
             messages = session.reset({"prompt": example["prompt"], **example.get("columns", {})})
         elif isinstance(example["prompt"], str):
@@ -217,7 +226,7 @@ class AgentRollout:
         else:
             messages = [dict(m) for m in example["prompt"]]
         ids, cut = self.prompt_ids(messages, tools)
-        return Trajectory(ids, list(messages), tools=tools, prompt_truncated=cut)
+        return Trajectory(ids, list(messages), opening=len(messages), tools=tools, prompt_truncated=cut)
 
     def _take_turn(self, t: Trajectory, ids: list[int], logprobs: list[float]) -> dict:
         """Keep the engine's ids; the turn as a message (text decoded only to be read)."""

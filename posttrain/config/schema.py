@@ -217,7 +217,8 @@ class GenerationConfig:
 @dataclass(frozen=True)
 class RewardConfig:
     name: str = ""
-    """Built-in reward (exact_match, format, length_penalty, reward_model) or an import path 'module:function'."""
+    """Built-in reward (exact_match, format, length_penalty, reward_model), an import path ('module.function',
+    'module:function', 'file.py:function') or a reward model directory / hub id (docs/rewards.md)."""
     weight: float = 1.0
     """Weight of this reward in the total."""
     kwargs: dict = field(default_factory=dict)

@@ -18,6 +18,7 @@ import yaml
 
 from posttrain.config.keys import recipe_key, recipe_keys, set_dotted
 from posttrain.config.schema import Recipe
+from posttrain.config.trl_rewards import LIST_KEYS, rewards_from_trl
 from posttrain.errors import UserError
 
 
@@ -86,7 +87,11 @@ def translate(flat: dict[str, Any], where: str, algo_cls: type, shown: str = "")
     `shown` + key (shown='--' for command-line flags)."""
     valid_keys = {k.path for k in recipe_keys(algo_cls)}
     command = algo_cls.__name__.removesuffix("AlgoConfig").lower()  # GRPOAlgoConfig -> grpo
-    out, problems = [], []
+    flat = dict(flat)
+    rewards, problems = rewards_from_trl(flat, shown)  # reward_funcs, reward_weights, ... make one list together
+    if problems:
+        raise UserError(f"{where}: " + "\n  ".join(problems))
+    out = [("rewards", rewards)] if rewards is not None else []
     for key, value in flat.items():
         if key not in TRL_KEYS:
             unknown = "neither a TRL key posttrain knows nor a recipe key"
@@ -135,8 +140,8 @@ def from_trl_file(raw: dict, where: str, algo_cls: type) -> dict:
 
 
 def split_trl_flags(argv: list[str]) -> tuple[list[str], dict[str, Any]]:
-    """TRL-style `--key value`, `--key=value` and bare `--flag` (true) out of a command's arguments; the rest back.
-    Values are read as YAML (1e-4, true, [a, b]), as in `key=value` overrides."""
+    """TRL-style `--key value`, `--key=value`, `--key v1 v2 ...` (a list) and bare `--flag` (true) out of a command's
+    arguments; the rest back. Values are read as YAML (1e-4, true, [a, b]), as in `key=value` overrides."""
     rest, flags, i = [], {}, 0
     while i < len(argv):
         arg = argv[i]
@@ -148,16 +153,22 @@ def split_trl_flags(argv: list[str]) -> tuple[list[str], dict[str, Any]]:
                 i += 1
             i += 1
             continue
-        if "=" in arg:
-            text = arg.split("=", 1)[1]
-        elif i + 1 < len(argv) and not argv[i + 1].startswith("--") and not looks_like_override(argv[i + 1]):
-            text = argv[i + 1]
+        texts = [arg.split("=", 1)[1]] if "=" in arg else []
+        while "=" not in arg and i + 1 < len(argv) and not argv[i + 1].startswith("--") \
+                and not looks_like_override(argv[i + 1]):  # every value up to the next flag (TRL's nargs='+')
+            texts.append(argv[i + 1])
             i += 1
-        else:
-            text = "true"
-        flags[name] = parse_value(text)
+        values = [parse_value(text) for text in texts or ["true"]]
+        value = values[0] if len(values) == 1 else values
+        if name in LIST_KEYS and name in flags:  # --reward_funcs a --reward_funcs b: both
+            value = _as_list(flags[name]) + _as_list(value)
+        flags[name] = value
         i += 1
     return rest, flags
+
+
+def _as_list(value: Any) -> list:
+    return list(value) if isinstance(value, list) else [value]
 
 
 def looks_like_override(arg: str) -> bool:
