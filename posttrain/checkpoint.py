@@ -27,7 +27,7 @@ from posttrain.distributed.rng_files import rng_problem
 from posttrain.distributed.resume import drop_converted, engine_resume_path, needs_conversion
 from posttrain.distributed.wrappers import plain_class
 from posttrain.errors import RunStopped, UserError
-from posttrain.models.load import merge_lora, merge_lora_state
+from posttrain.models.load import lora_adapter, merge_lora, merge_lora_state, save_lora_adapter
 from posttrain.train.guard import require_finite
 from posttrain.train.state import TrainState
 
@@ -204,20 +204,24 @@ def resume_path(backend, path: Path, now: dict[str, Any], output_dir) -> Path:
 
 def export_final(backend, model, tokenizer, output_dir: str, name: str = "final") -> Optional[Path]:
     """Write output_dir/<name> (final; final-critic for PPO's critic) as a Hugging Face directory that from_pretrained
-    (and vLLM, for the policy) can load, a LoRA adapter merged into its base weights. Every rank calls it: the full
+    (and vLLM, for the policy) can load, a LoRA adapter merged into its base weights and also saved alone in
+    <name>/adapter/ (PeftModel.from_pretrained(base, that folder)). Every rank calls it: the full
     weights are gathered from the shards (ZeRO-3, FSDP) and rank 0 writes them."""
     require_finite(backend, backend.nonfinite_parameters(model), "exporting final/")
     unwrapped = backend.unwrap(model)
+    adapter = None  # a LoRA model's adapter, saved beside the merged weights in <name>/adapter/ (as TRL saves it)
     if hasattr(unwrapped, "merge_and_unload"):
         if not backend.full_weights_in_place:
             # sharded parameters (FSDP2's DTensors): gather the LoRA model's state to rank 0 and merge a CPU copy there
             state_dict = backend.full_state_dict(model)
             if backend.is_main:
+                adapter = lora_adapter(unwrapped, state_dict)
                 unwrapped = merge_lora_state(unwrapped, state_dict, plain_class(unwrapped.get_base_model()))
                 state_dict = dict(unwrapped.state_dict())
         else:
             # merging needs the whole base weights: under ZeRO-3 every rank gathers them and merges the same way
             with backend.gathered_parameters(model):
+                adapter = lora_adapter(unwrapped) if backend.is_main else None
                 unwrapped = merge_lora(unwrapped)
                 state_dict = ({k: v.detach().to("cpu", copy=True) for k, v in unwrapped.state_dict().items()}
                               if backend.is_main else {})
@@ -232,6 +236,8 @@ def export_final(backend, model, tokenizer, output_dir: str, name: str = "final"
         tokenizer.save_pretrained(tmp)
         if getattr(unwrapped, "generation_config", None) is not None:
             unwrapped.generation_config.save_pretrained(tmp)
+        if adapter is not None:
+            save_lora_adapter(tmp / "adapter", *adapter)
         files.replace_dir(tmp, final)
     backend.barrier()
     return final if backend.is_main else None

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
+import shlex
 import sys
 import traceback
 
@@ -95,11 +96,16 @@ def run_command(argv: list[str] | None = None) -> int:
     quiet_healthy_run_warnings()
     argv = list(sys.argv[1:] if argv is None else argv)
     command = next((a for a in argv if not a.startswith("-")), None)
+    argv_given = list(argv)
     trl_flags: dict = {}
     if command in ALGORITHM_COMMANDS:
         from posttrain.config.trl_compat import split_trl_flags
 
-        argv, trl_flags = split_trl_flags(argv)
+        try:
+            argv, trl_flags = split_trl_flags(argv)
+        except UserError as e:
+            print(f"posttrain: error: {e}", file=sys.stderr)
+            return 2
     args = build_parser(command, help_wanted=bool({"-h", "--help"} & set(argv))).parse_args(argv)
     if args.command in ALGORITHM_COMMANDS or args.command == "demo":
         one_thread_unless_asked()
@@ -136,6 +142,8 @@ def run_command(argv: list[str] | None = None) -> int:
         print(f"posttrain: error: {e}", file=sys.stderr)
         return 2
     except RunStopped as e:  # on purpose, work saved: one line (from rank 0 when every rank stops alike)
+        if e.resumable and args.command in ALGORITHM_COMMANDS:
+            e.continue_with = f"`{continue_command(argv_given, recipe.train.overwrite_output_dir)}`"
         if not e.shared or os.environ.get("RANK", "0") == "0":
             rank = os.environ.get("RANK")
             where = f" (rank {rank})" if rank is not None and not e.shared else ""
@@ -168,6 +176,24 @@ def run_command(argv: list[str] | None = None) -> int:
         return 1
 
 
+def continue_command(argv: list[str], overwrite: bool) -> str:
+    """The command that continues a stopped run: the one given, without what set overwrite_output_dir or
+    resume_from_checkpoint, plus train.resume_from_checkpoint=auto (and overwrite_output_dir=false where the recipe
+    file sets it true: the two conflict). Under a launcher (torchrun, accelerate launch) its arguments, to relaunch."""
+    from posttrain.config.trl_compat import split_trl_flags, yaml_text
+
+    replaced = ("overwrite_output_dir", "resume_from_checkpoint")
+    rest, flags = split_trl_flags(argv)
+    kept = [a for a in rest if not a.startswith(tuple(f"train.{key}=" for key in replaced))]
+    overwrite_given = "overwrite_output_dir" in flags or "train.overwrite_output_dir=" in " ".join(rest)
+    kept += [f"--{key}={yaml_text(value)}" for key, value in flags.items() if key not in replaced]
+    kept.append("train.resume_from_checkpoint=auto")
+    if overwrite and not overwrite_given:
+        kept.append("train.overwrite_output_dir=false")
+    launched = int(os.environ.get("WORLD_SIZE", "1")) > 1
+    return ("<the same launcher> -m posttrain " if launched else "posttrain ") + shlex.join(kept)
+
+
 def one_thread_unless_asked() -> None:
     """One torch thread per process unless the user set a count (OMP_NUM_THREADS): torchrun and accelerate launch
     already do this for their workers. A lone process with torch's default (every core) ran a tiny model's step 25x
@@ -186,14 +212,18 @@ def command_line_overrides(overrides: list[str], trl_flags: dict, algo_cls: type
     from posttrain.config.trl_compat import as_override, translate
     from posttrain.config.trl_rewards import REWARD_KEYS
 
-    translate(trl_flags, "command line", algo_cls, "--")  # every flag with no meaning here, reported at once
-    checked = []
-    rewards = {key: value for key, value in trl_flags.items() if key in REWARD_KEYS}  # one list, made together
-    groups = [{key: value} for key, value in trl_flags.items() if key not in REWARD_KEYS] + ([rewards] if rewards else [])
-    for group in groups:
-        typed = " ".join(f"--{key} {value}" for key, value in group.items())
-        for path, converted in translate(group, "command line", algo_cls, "--"):
-            checked.append(checked_override(as_override(path, converted), typed, algo_cls))
+    checked, by_path = [], {}
+    for key, path, value in translate(trl_flags, "command line", algo_cls, "--"):  # every bad flag at once
+        if path == "rewards":  # one list, made together from every reward flag given
+            typed = " ".join(f"--{k} {v}" for k, v in trl_flags.items() if k in REWARD_KEYS)
+        else:
+            typed = f"--{key} {trl_flags[key]}"
+        checked.append(checked_override(as_override(path, value), typed, algo_cls))
+        by_path[path] = typed
+    for item in overrides:
+        path = item.partition("=")[0].strip()
+        if path in by_path:
+            raise UserError(f"command line: {by_path[path]} and {item} both set {path}; keep one")
     return checked + [checked_override(item, item, algo_cls) for item in overrides]
 
 

@@ -4,6 +4,11 @@
     aside = begin_run(out, overwrite)             # rank 0: the marker; overwrite moves the old run's files aside
     (out / "config.yaml").write_text(...)
     end_overwrite(aside)                          # the old run's files go only once the new config is written
+    ...
+    end_attempt(out, error)                       # rank 0: how this attempt ended, in the marker
+
+A run that failed before its first checkpoint (or died before step 1) is taken over by the next run without a flag:
+nothing of it could be resumed, and its files are kept under failed-attempts/ (docs/reliability.md).
 
 The rules, each with its reason, are in docs/reliability.md ("Output directories: nothing of yours is lost").
 """
@@ -14,6 +19,7 @@ import datetime
 import json
 import os
 import shutil
+import socket
 import tempfile
 from pathlib import Path
 from typing import Optional
@@ -29,6 +35,7 @@ RUN_ARTIFACTS = ("config.yaml", "metrics.jsonl", "tensorboard", "checkpoints", "
                  "curves.png", "summary.json", "samples.jsonl", "ref_logprobs.safetensors", UNIVERSAL_DIR)
 ASIDE_PREFIX = ".posttrain-replaced-"  # overwrite_output_dir: the old run's files until the new run is set up
 RECIPE_SECTIONS = ("output_dir", "model", "data", "train")  # what every config.yaml a run wrote holds
+FAILED_DIR = "failed-attempts"  # a failed attempt's files, moved here when the next run takes its place
 
 
 def engine_logs() -> str:
@@ -61,9 +68,57 @@ def check_output_dir(recipe) -> Optional[Path]:
     if resume is not None or t.overwrite_output_dir or t.resume_from_checkpoint == "auto":
         return resume  # auto and no checkpoint yet (a run stopped before its first save): the run starts
     # config.yaml alone: that run never trained; the engines' logs: the Ray launcher started them first
-    if kind == "run" and any(p.name not in ("config.yaml", MARKER, engine_logs()) for p in out.iterdir()):
+    kept = ("config.yaml", MARKER, engine_logs(), FAILED_DIR)
+    if kind == "run" and any(p.name not in kept for p in out.iterdir()) and takeover_reason(out) is None:
+        live = live_attempt(out)
+        if live:
+            raise UserError(f"output_dir {out} is in use by a run still going ({live}); wait for it, stop it, or "
+                            "choose another output_dir")
         raise UserError(f"output_dir {out} already holds a run (config.yaml); pass train.resume_from_checkpoint=auto "
                         "to continue it, train.overwrite_output_dir=true to replace it, or choose another output_dir")
+    return None
+
+
+def read_marker(out: Path) -> dict:
+    """The marker's record ({} for a marker from before records, or one that cannot be read)."""
+    try:
+        record = json.loads((out / MARKER).read_text())
+    except (OSError, ValueError):
+        return {}
+    return record if isinstance(record, dict) else {}
+
+
+def live_attempt(out: Path) -> str:
+    """'pid N on HOST' when the marker's attempt is running in a process alive on this host, else ''."""
+    attempt = read_marker(out).get("attempt") or {}
+    pid = attempt.get("pid")
+    if attempt.get("status") != "running" or attempt.get("host") != socket.gethostname() or not isinstance(pid, int):
+        return ""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return ""
+    except OSError:  # alive, owned by someone else
+        pass
+    return f"pid {pid} on {attempt['host']}"
+
+
+def takeover_reason(out: Path) -> Optional[str]:
+    """Why the run in `out` may be replaced without a flag, or None. Only a run with nothing to resume or keep (no
+    checkpoint, no final/) whose attempt ended in an error, or whose process died before step 1 (a crash, kill -9,
+    out of memory): rerunning the same command after fixing the cause is then all a user wants."""
+    if any((out / name).exists() for name in ("final", "checkpoints")):
+        return None
+    attempt = read_marker(out).get("attempt") or {}
+    status = attempt.get("status")
+    if status in ("failed", "stopped"):
+        error = f" ({attempt['error']})" if attempt.get("error") else ""
+        return ("ended in an error" if status == "failed" else "was stopped") + error
+    if status == "running" and attempt.get("host") == socket.gethostname() and not live_attempt(out):
+        from posttrain.logging import read_metrics
+
+        if not any(row.get("step", 0) >= 1 for row in read_metrics(out)):
+            return f"ended before step 1 (its process, pid {attempt.get('pid')}, is gone)"
     return None
 
 
@@ -129,13 +184,19 @@ def refuse_links(out: Path) -> None:
 
 
 def begin_run(out: Path, overwrite: bool, command: str = "") -> Optional[Path]:
-    """Rank 0, once the checks passed: create output_dir, write the marker, and with overwrite move the previous
-    run's own files into a folder inside output_dir (returned; pass it to end_overwrite once config.yaml is new)."""
+    """Rank 0, once the checks passed: create output_dir, write the marker with this attempt, and with overwrite
+    move the previous run's own files into a folder inside output_dir (returned; pass it to end_overwrite once
+    config.yaml is new). A failed attempt taken over (takeover_reason) has its files moved to failed-attempts/."""
     out.mkdir(parents=True, exist_ok=True)
-    marker = out / MARKER
-    if not marker.exists():
-        stamp = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
-        marker.write_text(json.dumps({"created": stamp, "command": command, "by": "posttrain"}) + "\n")
+    now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    reason = None if overwrite or not (out / MARKER).exists() else takeover_reason(out)
+    if reason is not None:
+        kept = keep_failed_attempt(out, now)
+        warn(f"output_dir {out}: the previous run there {reason}, before any checkpoint; this run takes its place"
+             + (f" (its files are in {kept})" if kept else ""))
+    record = {"created": now, "command": command, "by": "posttrain", **read_marker(out)}
+    record["attempt"] = {"pid": os.getpid(), "host": socket.gethostname(), "started": now, "status": "running"}
+    write_marker(out, record)
     present = [name for name in RUN_ARTIFACTS if os.path.lexists(out / name)] if overwrite else []
     if not present:
         return None
@@ -151,6 +212,50 @@ def begin_run(out: Path, overwrite: bool, command: str = "") -> Optional[Path]:
         aside.rmdir()
         raise
     return aside
+
+
+def keep_failed_attempt(out: Path, stamp: str) -> Optional[Path]:
+    """Move a failed attempt's own files to failed-attempts/<when it was replaced>/ (None when it left none)."""
+    present = [name for name in RUN_ARTIFACTS if os.path.lexists(out / name)]
+    if not present:
+        return None
+    kept = out / FAILED_DIR / stamp.replace(":", "")
+    suffix = 0
+    while kept.exists():  # two takeovers within a second
+        suffix += 1
+        kept = out / FAILED_DIR / f"{stamp.replace(':', '')}-{suffix}"
+    kept.mkdir(parents=True)
+    for name in present:
+        os.rename(out / name, kept / name)  # a link is moved as a link, never followed
+    return kept
+
+
+def write_marker(out: Path, record: dict) -> None:
+    """Replace the marker whole (a temporary file renamed), so a reader never sees half of it."""
+    fd, tmp = tempfile.mkstemp(prefix=MARKER + ".", dir=out)
+    with os.fdopen(fd, "w") as f:
+        f.write(json.dumps(record) + "\n")
+    os.replace(tmp, out / MARKER)
+
+
+def end_attempt(out: Path, error: Optional[BaseException] = None) -> None:
+    """Record how this process's attempt ended: finished, stopped (a signal, Ctrl-C) or failed (with the error's
+    first line). Only the process that began it writes (rank 0; never a run that refused to start)."""
+    record = read_marker(out)
+    attempt = record.get("attempt") or {}
+    if attempt.get("pid") != os.getpid() or attempt.get("status") != "running":
+        return
+    from posttrain.errors import RunStopped
+
+    stopped = isinstance(error, (KeyboardInterrupt, RunStopped))
+    attempt["status"] = "finished" if error is None else "stopped" if stopped else "failed"
+    if error is not None:
+        attempt["error"] = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"[:300]
+    attempt["ended"] = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    try:
+        write_marker(out, record)
+    except OSError:  # a full or vanished disk: the run's own error is the news
+        pass
 
 
 def end_overwrite(aside: Optional[Path]) -> None:

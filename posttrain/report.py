@@ -42,6 +42,9 @@ KEY_CURVES: dict[str, tuple[tuple[str, tuple[str, ...]], ...]] = {
 THROUGHPUT = (("tokens per second", ("tokens_per_second",)),
               ("peak memory (MB)", ("peak_memory_mb", "peak_memory_mb/rank*", "estimated_peak_memory_mb")),
               ("seconds per step, by phase", ("time/*",)))
+# On a CPU the measured peak is the process's resident memory (interpreter and libraries included, ~0.6 GB) while the
+# planner estimates what torch allocates: not comparable, so the estimate is left to the values table there
+CPU_MEMORY = ("peak resident memory of the process (MB)", ("peak_memory_mb", "peak_memory_mb/rank*"))
 EVAL_OF = {"reward/mean": "eval/reward", "completion_length/mean": "eval/completion_length"}  # else eval/<key>
 COMMAND_MARKERS = (("ppo", "loss/critic"), ("grpo", "reward/mean"), ("dpo", "rewards/margins"), ("rm", "margin"))
 
@@ -111,10 +114,12 @@ def eval_key(key: str) -> str:
     return EVAL_OF.get(key, f"eval/{key}")
 
 
-def plan_charts(commands: list[str], keys: set[str], constants: set[str]) -> tuple[list[Chart], ...]:
+def plan_charts(commands: list[str], keys: set[str], constants: set[str],
+                on_cpu: bool = False) -> tuple[list[Chart], ...]:
     """(the key curves, throughput and memory, the rest): every metric in one chart at most, each train metric with
     its eval counterpart, and no chart whose every line is constant. commands: one per run; with several runs the
-    phase timings get a chart each (among the rest), as runs x phases would be too many lines for one."""
+    phase timings get a chart each (among the rest), as runs x phases would be too many lines for one. on_cpu: a
+    run measured on a CPU (see CPU_MEMORY)."""
     claimed: set[str] = set()
 
     def take(title: str, patterns: tuple[str, ...]) -> Optional[Chart]:
@@ -131,8 +136,8 @@ def plan_charts(commands: list[str], keys: set[str], constants: set[str]) -> tup
     held_out = [take("held-out " + k[len("eval/"):], (k,)) for k in sorted(keys) if k.startswith("eval/")
                 and k not in joined]
     key = key[:1] + held_out + key[1:]
-    throughput = [take(title, patterns) for title, patterns in THROUGHPUT
-                  if len(commands) == 1 or "time/*" not in patterns]
+    throughput = [take(*(CPU_MEMORY if on_cpu and "peak_memory_mb" in patterns else (title, patterns)))
+                  for title, patterns in THROUGHPUT if len(commands) == 1 or "time/*" not in patterns]
     rest = [take(k, (k,)) for k in sorted(keys) if k not in claimed and not k.startswith("eval/")]
     rest += [take(k, (k,)) for k in sorted(keys) if k not in claimed]
     return tuple([c for c in charts if c is not None] for charts in (key, throughput, rest))
@@ -248,7 +253,7 @@ def render(runs: list[Run]) -> str:
     """The page for one run, or the comparison page for several (overlaid curves, one headline row per run)."""
     constants = constant_keys(runs)
     key_charts, throughput, rest = plan_charts([r.command for r in runs], set().union(*(r.keys() for r in runs)),
-                                               constants)
+                                               constants, any(r.facts.get("device") == "cpu" for r in runs))
     max_step = max(run.last_step() for run in runs)
 
     def grid(charts: list[Chart]) -> str:

@@ -75,6 +75,7 @@ def make_source(recipe: Recipe, backend, models, algorithm, examples, collate, s
 def load_examples(recipe: Recipe, algorithm, tokenizer, which: str):
     """Rows -> tokenised examples for the algorithm's data kind; raises UserError naming the file/row."""
     rows = data.load_rows(getattr(recipe.data, which), getattr(recipe.data, f"{which}_split"), f"data.{which}")
+    rows = data.rename_text_field(rows, recipe.data.text_field, f"data.{which}")
     if algorithm.data_kind == "prompt":  # a multi-turn rollout's prompts show its tools: cut and counted here
         return data.tokenize_prompts(rows, tokenizer, recipe.data, f"data.{which}", opening_tools(recipe.rollout))
     tokenize = {"sft": data.tokenize_sft, "preference": data.tokenize_preference}
@@ -100,7 +101,18 @@ def load_policy(recipe: Recipe, algorithm):
 
 def run(command: str, recipe: Recipe, launched: Optional[Launched] = None) -> RunResult:
     """One run of `command`. `launched`: what the launch wing started for it (launcher: ray): roles served apart
-    (those are not loaded here) and generation engines."""
+    (those are not loaded here) and generation engines. How it ended goes into output_dir's marker, so that a run
+    that failed before its first checkpoint can be rerun in place (posttrain/outputs.py)."""
+    try:
+        result = run_attempt(command, recipe, launched)
+    except BaseException as error:
+        outputs.end_attempt(Path(recipe.output_dir), error)
+        raise
+    outputs.end_attempt(Path(recipe.output_dir))
+    return result
+
+
+def run_attempt(command: str, recipe: Recipe, launched: Optional[Launched] = None) -> RunResult:
     started = time.time()
     algorithm = ALGORITHMS[command][1](recipe)
     t = recipe.train

@@ -55,6 +55,8 @@ class DataConfig:
     """Split to read from a hub dataset or DatasetDict directory."""
     eval_split: str = "test"
     """Split to read for eval from a hub dataset or DatasetDict directory."""
+    text_field: str = "text"
+    """The column that holds language-modeling text (TRL's dataset_text_field), read as `text`."""
     max_length: int = 512
     """Longest tokenized sequence (prompt + completion); longer rows are truncated and counted."""
     max_prompt_length: Optional[int] = None

@@ -47,7 +47,7 @@ def rewards_from_trl(flat: dict[str, Any], shown: str = "") -> tuple[list[dict] 
     """Pop REWARD_KEYS from `flat` -> (the rewards list, or None when none is given; problems, one line each, each
     naming `shown` + key)."""
     given = {key: flat.pop(key) for key in REWARD_KEYS if key in flat}
-    if not given:
+    if all(value is None for value in given.values()):  # TRL's default (None): the recipe's rewards stay
         return None, []
     problems: list[str] = []
     names = _names(given["reward_model_name_or_path"]) if given.get("reward_model_name_or_path") else []

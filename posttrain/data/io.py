@@ -180,3 +180,16 @@ def _read_hub(name: str, split: str, what: str) -> datasets.Dataset:
     if not isinstance(rows, datasets.Dataset):
         raise UserError(f"{what}: {name!r} split {split!r} did not load as one table of rows")
     return rows
+
+
+def rename_text_field(rows: datasets.Dataset, column: str, what: str) -> datasets.Dataset:
+    """Rows whose text is in `column` (data.text_field, TRL's dataset_text_field) with that column named `text`,
+    the name the dataset formats read."""
+    if column == "text":
+        return rows
+    if column not in rows.column_names:
+        raise UserError(f"{what}: data.text_field={column!r} names no column (columns: {sorted(rows.column_names)})")
+    if "text" in rows.column_names:
+        raise UserError(f"{what}: data.text_field={column!r}, but the rows also hold a 'text' column; drop or rename "
+                        "one of the two")
+    return rows.rename_column(column, "text")

@@ -17,6 +17,10 @@ def add_plan_and_doctor(sub) -> None:
     plan.add_argument("--nodes", type=int, default=1, help="nodes the GPUs are on (default 1)")
     plan.add_argument("--gpu-memory", help="memory of one GPU, e.g. 80GiB (default: this machine's GPU)")
     plan.add_argument("--json", action="store_true", help="print JSON")
+    plan.add_argument("--bf16", action="store_true", help="plan bf16 autocast (train.mixed_precision=bf16), as "
+                      "--bf16 on a training command")
+    plan.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), help="plan weights stored in this "
+                      "dtype (model.dtype; the shipped recipes load float32)")
     plan.add_argument("overrides", nargs="*", help="key.sub=value overrides, e.g. data.max_length=2048")
     doctor = sub.add_parser("doctor", help="check GPUs, versions, the process group and disk before a launch")
     doctor.add_argument("--config", "-c", help="recipe YAML: checks its output_dir's disk and that every rank has it")
@@ -38,6 +42,8 @@ def run_plan_or_doctor(args) -> int:
     algorithm = args.algorithm or infer_algorithm(args.config, args.overrides)
     if algorithm not in ALGORITHMS:
         raise UserError(f"--algorithm {algorithm!r} is not one of {', '.join(ALGORITHMS)}")
-    recipe = load_recipe(args.config, args.overrides, ALGORITHMS[algorithm][0])
-    print(run_plan(algorithm, recipe, args.config, args.overrides, args.gpus, args.nodes, args.gpu_memory, args.json))
+    overrides = list(args.overrides) + (["train.mixed_precision=bf16"] if args.bf16 else []) + (
+        [f"model.dtype={args.dtype}"] if args.dtype else [])
+    recipe = load_recipe(args.config, overrides, ALGORITHMS[algorithm][0])
+    print(run_plan(algorithm, recipe, args.config, overrides, args.gpus, args.nodes, args.gpu_memory, args.json))
     return 0

@@ -60,13 +60,13 @@ class Guard:
         self._previous.clear()
         if kind is None and self.signal and not self.stop_signal:  # after the last step: its checkpoint holds all
             raise RunStopped(f"{signal.Signals(self.signal).name} after the last step, before exporting final/ (the "
-                             "last checkpoint holds every step); run again with train.resume_from_checkpoint=auto "
-                             "to export it", 128 + self.signal)
+                             "last checkpoint holds every step, and continuing exports it)", 128 + self.signal,
+                             resumable=True)
 
     def stopped(self, step: int, checkpoint) -> None:
         name = signal.Signals(self.stop_signal).name
-        raise RunStopped(f"{name} at step {step}: checkpoint saved to {checkpoint}; continue with "
-                         "train.resume_from_checkpoint=auto", 128 + (self.signal or self.stop_signal))
+        raise RunStopped(f"{name} at step {step}: checkpoint saved to {checkpoint}",
+                         128 + (self.signal or self.stop_signal), resumable=True)
 
     # --- the step's flags ------------------------------------------------------------------------------------
     def local_flags(self, step_loss: torch.Tensor) -> torch.Tensor:

@@ -13,6 +13,8 @@ from posttrain.plan import parse_memory, run_plan
 from posttrain.plan.estimate import ENGINES, ModelShape, Workload, estimate
 from posttrain.plan.recommend import make_plan, splits
 
+ROOT = Path(__file__).resolve().parents[2]
+
 # 1000 parameters, 2 layers, h=8, 2 heads (head_dim 4), 1 kv head (kv=4), I=16, V=10
 SHAPE = ModelShape(parameters=1000, trainable=1000, vocab_size=10, hidden_size=8, num_layers=2, num_heads=2,
                    num_kv_heads=1, intermediate_size=16)
@@ -168,7 +170,8 @@ def test_7b_on_8x40gb_ddp_does_not_fit_zero3_does(config_7b):
     assert plan.recommended is not None and plan.recommended.fits
     assert plan.recommended.per_device_batch * plan.recommended.accumulation == 16  # the global batch is kept
     text = run_plan("sft", recipe, "r.yaml", [], 8, 1, "40GB", as_json=False)
-    assert "accelerate launch --config_file recipes/accelerate/" in text and "--num_processes 8" in text
+    assert f"accelerate launch --config_file {ROOT}/recipes/accelerate/" in text and "--num_processes 8" in text
+    assert f"--config {Path('r.yaml').resolve()}" in text  # absolute: the command runs from any directory
 
 
 def test_nothing_fits_says_what_would(config_7b):
