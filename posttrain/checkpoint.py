@@ -28,6 +28,7 @@ from posttrain.distributed.resume import drop_converted, engine_resume_path, nee
 from posttrain.distributed.wrappers import plain_class
 from posttrain.errors import RunStopped, UserError
 from posttrain.models.load import lora_adapter, merge_lora, merge_lora_state, save_lora_adapter
+from posttrain.train import in_flight
 from posttrain.train.guard import require_finite
 from posttrain.train.state import TrainState
 
@@ -83,6 +84,9 @@ def resumable_problem(root: Path, strict: bool = True) -> Optional[str]:
         world_size = int(json.loads((root / "trainer_state.json").read_text())["run"]["world_size"])
     except (OSError, ValueError, KeyError, TypeError) as e:
         return f"trainer_state.json is unreadable ({type(e).__name__}: {e})"
+    state = state_problem(root) or in_flight.files_problem(root)
+    if state is not None:
+        return state
     rng = rng_problem(root, world_size)
     if rng is not None and strict:
         return (f"the random number generators' state cannot be restored ({rng}), so the resumed run would not "
@@ -90,6 +94,24 @@ def resumable_problem(root: Path, strict: bool = True) -> Optional[str]:
     if rng is not None:
         files.warn(f"checkpoint {root}: {rng}; resuming without the random number generators' state "
              "(train.resume_strict=false): the run is not an exact continuation")
+    return None
+
+
+def state_problem(root: Path) -> Optional[str]:
+    """What is wrong with trainer_state.json's record of where the run was (a step of -5 would drop every metrics
+    row on resume), or None."""
+    try:
+        state = json.loads((root / "trainer_state.json").read_text())["state"]
+        TrainState(**state)
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        return f"trainer_state.json has no readable state ({type(e).__name__}: {e})"
+    counts = {k: state.get(k, 0) for k in ("step", "tokens_seen", "samples_seen", "nonfinite_skips")}
+    bad = [f"{k}={v!r:.40}" for k, v in counts.items() if not isinstance(v, int) or isinstance(v, bool) or v < 0]
+    if bad:
+        return f"trainer_state.json records {', '.join(bad)}; each must be a whole number >= 0"
+    named = STEP_DIR.match(root.name)
+    if named and int(named.group(1)) != state["step"]:
+        return f"trainer_state.json records step {state['step']}, but the checkpoint is {root.name}"
     return None
 
 

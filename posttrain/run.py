@@ -120,7 +120,7 @@ def run_attempt(command: str, recipe: Recipe, launched: Optional[Launched] = Non
     # 1. the user's input, before anything heavy
     check_model_source(recipe.model)
     check_position_limit(recipe, algorithm.data_kind)
-    resume_from = outputs.check_output_dir(recipe)
+    resume_from = outputs.check_output_dir(recipe, command)
     tokenizer = load_tokenizer(recipe.model)
     launched = launched or Launched()
     servers = launched.servers or recipe.generation.servers

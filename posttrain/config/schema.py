@@ -255,6 +255,9 @@ class RolloutConfig:
     """Longest tool output the model reads; longer output is cut."""
     tool_workers: int = 4
     """Tool calls run at once (one process each)."""
+    user_code_timeout: float = 60.0
+    """Seconds the environment's constructor, reset or step, or a custom tool_parser, may take on one sample before
+    the run stops naming it (exit 1) instead of hanging."""
 
     @property
     def enabled(self) -> bool:
