@@ -138,21 +138,15 @@ class AgentRollout:
 
     # --- tokens ------------------------------------------------------------------------------------------------------
 
-<<<<<<< HEAD
     def _encode(self, messages: list[dict], add_generation_prompt: bool, tools: Optional[list] = None) -> list[int]:
         """tools: the trajectory's schemas (None: rollout.tools')."""
-        text = self.tokenizer.apply_chat_template(messages, tools=tools or self.schemas, tokenize=False,
-                                                  add_generation_prompt=add_generation_prompt)
-=======
-    def _encode(self, messages: list[dict], add_generation_prompt: bool) -> list[int]:
         try:
-            text = self.tokenizer.apply_chat_template(messages, tools=self.schemas, tokenize=False,
+            text = self.tokenizer.apply_chat_template(messages, tools=tools or self.schemas, tokenize=False,
                                                       add_generation_prompt=add_generation_prompt)
         except Exception as e:  # noqa: BLE001 - jinja raises its own types (raise_exception in the template)
             roles = ", ".join(dict.fromkeys(str(m.get("role")) for m in messages))
             raise UserCodeError(f"the chat template cannot render a conversation with the roles {roles} "
                                 f"({type(e).__name__}: {e}); set model.chat_template to one that renders them") from e
->>>>>>> main
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
     def prompt_ids(self, messages: list[dict], tools: Optional[list] = None) -> tuple[list[int], bool]:
