@@ -19,7 +19,7 @@ from typing import Any, Optional
 from transformers import set_seed
 
 from posttrain import data, outputs
-from posttrain.agents import check_rollout
+from posttrain.agents import check_rollout, opening_tools
 from posttrain.algorithms import ALGORITHMS
 from posttrain.checkpoint import Checkpointer, export_final, resume_path, run_facts
 from posttrain.checkpoint_files import tree_bytes, warn_low_disk
@@ -77,7 +77,9 @@ def load_examples(recipe: Recipe, algorithm, tokenizer, which: str):
     """Rows -> tokenised examples for the algorithm's data kind; raises UserError naming the file/row."""
     rows = data.load_rows(getattr(recipe.data, which), getattr(recipe.data, f"{which}_split"), f"data.{which}")
     rows = data.rename_text_field(rows, recipe.data.text_field, f"data.{which}")
-    tokenize = {"sft": data.tokenize_sft, "preference": data.tokenize_preference, "prompt": data.tokenize_prompts}
+    if algorithm.data_kind == "prompt":  # a multi-turn rollout's prompts show its tools: cut and counted here
+        return data.tokenize_prompts(rows, tokenizer, recipe.data, f"data.{which}", opening_tools(recipe.rollout))
+    tokenize = {"sft": data.tokenize_sft, "preference": data.tokenize_preference}
     return tokenize[algorithm.data_kind](rows, tokenizer, recipe.data, f"data.{which}")
 
 
