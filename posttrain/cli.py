@@ -125,8 +125,10 @@ def run_command(argv: list[str] | None = None) -> int:
             return getattr(importlib.import_module(module), function)(args)
         from posttrain.algorithms import ALGORITHMS
         from posttrain.config.load import load_recipe
+        from posttrain.outputs import forget_started
         from posttrain.run import run
 
+        forget_started()
         algo_cls = ALGORITHMS[args.command][0]
         overrides = command_line_overrides(args.overrides, trl_flags, algo_cls) + (["launcher=ray"] if args.ray else [])
         recipe = load_recipe(args.config, overrides, algo_cls)
@@ -139,6 +141,13 @@ def run_command(argv: list[str] | None = None) -> int:
             print(f"final model: {result.final_dir}")
         return 0
     except UserError as e:
+        from posttrain.outputs import run_started
+
+        started = run_started() if args.command in ALGORITHM_COMMANDS else None  # demo: its own runs' directories
+        if started is not None:  # exit 2 says nothing was written: this one was found once the run had begun
+            print(f"posttrain: error: {e}\n(found once the run had started writing in {started}: exit 1; a plain "
+                  "rerun there is allowed while it holds no trained step)", file=sys.stderr)
+            return 1
         print(f"posttrain: error: {e}", file=sys.stderr)
         return 2
     except RunStopped as e:  # on purpose, work saved: one line (from rank 0 when every rank stops alike)

@@ -32,7 +32,7 @@ from posttrain.errors import UserError
 
 MARKER = ".posttrain-run"
 RUN_ARTIFACTS = ("config.yaml", "metrics.jsonl", "tensorboard", "checkpoints", "final", "final-critic", "report.html",
-                 "curves.png", "summary.json", "samples.jsonl", "ref_logprobs.safetensors", UNIVERSAL_DIR)
+                 "curves.png", "summary.json", "samples.jsonl", "ref_logprobs.safetensors", "mlflow.db", UNIVERSAL_DIR)
 ASIDE_PREFIX = ".posttrain-replaced-"  # overwrite_output_dir: the old run's files until the new run is set up
 RECIPE_SECTIONS = ("output_dir", "model", "data", "train")  # what every config.yaml a run wrote holds
 FAILED_DIR = "failed-attempts"  # a failed attempt's files, moved here when the next run takes its place
@@ -45,11 +45,12 @@ def engine_logs() -> str:
     return LOG_DIR
 
 
-def check_output_dir(recipe) -> Optional[Path]:
-    """Refuse any output_dir a run could lose the user's files in. Returns the checkpoint to resume from, if any."""
+def check_output_dir(recipe, command: str = "") -> Optional[Path]:
+    """Refuse any output_dir a run could lose the user's files in. Returns the checkpoint to resume from, if any.
+    command: this run's (sft, dpo, ...); a run of another command is never continued (see check_same_command)."""
     from posttrain.checkpoint import resolve_resume
 
-    out = Path(recipe.output_dir)  # as run.py writes it (no ~ expansion there either)
+    out = Path(recipe.output_dir)  # as run.py writes it (load_recipe expanded a leading ~)
     t = recipe.train
     refuse_special(out)
     if out.exists() and not out.is_dir():
@@ -64,12 +65,16 @@ def check_output_dir(recipe) -> Optional[Path]:
     for left in sorted(out.glob(ASIDE_PREFIX + "*")) if out.is_dir() else ():
         warn(f"{left} holds the files of a run that overwrite_output_dir was replacing when it stopped; nothing "
              "removes it: move back what you need, then delete it")
+    if kind == "run" and not t.overwrite_output_dir:
+        check_same_command(out, command, "output_dir")
+    if t.resume_from_checkpoint not in (None, "auto") and not t.overwrite_output_dir:
+        check_same_command(Path(t.resume_from_checkpoint).parent.parent, command, "train.resume_from_checkpoint")
     resume = resolve_resume(str(out), t.resume_from_checkpoint, strict=t.resume_strict)
     if resume is not None or t.overwrite_output_dir or t.resume_from_checkpoint == "auto":
         return resume  # auto and no checkpoint yet (a run stopped before its first save): the run starts
-    # config.yaml alone: that run never trained; the engines' logs: the Ray launcher started them first
-    kept = ("config.yaml", MARKER, engine_logs(), FAILED_DIR)
-    if kind == "run" and any(p.name not in kept for p in out.iterdir()) and takeover_reason(out) is None:
+    # config.yaml alone (or with an empty log): that run never trained; the engines' logs: the Ray launcher started
+    # them first; a failed attempt (takeover_reason) is replaced by the next run
+    if kind == "run" and not never_trained(out) and takeover_reason(out) is None:
         live = live_attempt(out)
         if live:
             raise UserError(f"output_dir {out} is in use by a run still going ({live}); wait for it, stop it, or "
@@ -120,6 +125,41 @@ def takeover_reason(out: Path) -> Optional[str]:
         if not any(row.get("step", 0) >= 1 for row in read_metrics(out)):
             return f"ended before step 1 (its process, pid {attempt.get('pid')}, is gone)"
     return None
+
+
+def check_same_command(run: Path, command: str, key: str) -> None:
+    """A run of another algorithm is not continued: its checkpoint holds another model head and optimiser, its
+    metrics.jsonl other columns, and final/ would be replaced by this command's. The marker records the command."""
+    recorded = read_marker(run).get("command")  # an unreadable marker still marks a run; it cannot tell the command
+    if command and recorded and recorded != command:
+        raise UserError(f"{key}: {run} holds a `posttrain {recorded}` run, and this is `posttrain {command}`; a run "
+                        f"continues only with its own command. Start the {command} run in another output_dir (with "
+                        f"model.name_or_path={run / 'final'} to train on from that run's model)")
+
+
+def never_trained(out: Path) -> bool:
+    """What a run leaves that stopped before its first step (its model did not load, an input error found once it
+    had started): config.yaml, the marker, the engines' logs, and at most an empty metrics.jsonl and tensorboard/."""
+    for p in out.iterdir():
+        if p.name in ("config.yaml", MARKER, engine_logs(), "tensorboard", FAILED_DIR):
+            continue
+        if p.name == "metrics.jsonl" and p.is_file() and not p.is_symlink() and p.stat().st_size == 0:
+            continue
+        return False
+    return True
+
+
+_started: list[Path] = []  # begin_run's output_dir in this process: from then on the run has written
+
+
+def run_started() -> Optional[Path]:
+    """The output_dir a run of this process has written into (exit 2 promises nothing was written), or None."""
+    return _started[-1] if _started else None
+
+
+def forget_started() -> None:
+    """A new command starts (the CLI's main, called many times in one test process)."""
+    _started.clear()
 
 
 def refuse_special(out: Path) -> None:
@@ -188,13 +228,15 @@ def begin_run(out: Path, overwrite: bool, command: str = "") -> Optional[Path]:
     move the previous run's own files into a folder inside output_dir (returned; pass it to end_overwrite once
     config.yaml is new). A failed attempt taken over (takeover_reason) has its files moved to failed-attempts/."""
     out.mkdir(parents=True, exist_ok=True)
+    _started.append(out)
     now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     reason = None if overwrite or not (out / MARKER).exists() else takeover_reason(out)
     if reason is not None:
         kept = keep_failed_attempt(out, now)
         warn(f"output_dir {out}: the previous run there {reason}, before any checkpoint; this run takes its place"
              + (f" (its files are in {kept})" if kept else ""))
-    record = {"created": now, "command": command, "by": "posttrain", **read_marker(out)}
+    previous = {} if overwrite else read_marker(out)  # a replaced run's marker named the command that wrote it
+    record = {"created": now, **previous, "command": command or previous.get("command", ""), "by": "posttrain"}
     record["attempt"] = {"pid": os.getpid(), "host": socket.gethostname(), "started": now, "status": "running"}
     write_marker(out, record)
     present = [name for name in RUN_ARTIFACTS if os.path.lexists(out / name)] if overwrite else []

@@ -16,12 +16,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-import yaml
-
 from posttrain.errors import UserError
-from posttrain.logging import finite, parse_row, read_metrics
+from posttrain.logging import finite
 from posttrain.report_charts import COLORS, LINESTYLES, Series, draw, is_constant
-from posttrain.report_html import (config_section, constants_table, facts_section, fmt, headline_single,
+from posttrain.report_files import read_mapping, read_rows, report_path
+from posttrain.report_html import (config_section, constants_table, esc, facts_section, fmt, headline_single,
                                    headline_table, page, samples_section)
 
 # train.eval_pass_k: the held-out greedy accuracy and the unbiased pass@k of each k on one chart
@@ -86,15 +85,15 @@ def load_run(path: str | Path) -> Run:
     if not (path / "metrics.jsonl").is_file():
         raise UserError(f"{path} is not a run directory (no metrics.jsonl there); pass the output_dir of a "
                         "posttrain run")
-    facts = json.loads((path / "summary.json").read_text()) if (path / "summary.json").is_file() else {}
-    config = yaml.safe_load((path / "config.yaml").read_text()) if (path / "config.yaml").is_file() else {}
-    rows = read_metrics(path)
-    samples_file = path / "samples.jsonl"
-    samples = [r for r in map(parse_row, samples_file.read_text().splitlines()) if r] if samples_file.is_file() else []
+    facts = read_mapping(path / "summary.json", "JSON")
+    config = read_mapping(path / "config.yaml", "YAML")
+    rows = read_rows(path / "metrics.jsonl", needs_step=True)
+    samples = read_rows(path / "samples.jsonl", needs_step=False)
     keys = {k for r in rows for k in r}
-    command = facts.get("command") or next((c for c, marker in COMMAND_MARKERS if marker in keys), "sft")
-    name = ((config or {}).get("train") or {}).get("run_name") or path.resolve().name
-    return Run(path, name, command, facts, config or {}, rows, samples)
+    command = str(facts.get("command") or next((c for c, marker in COMMAND_MARKERS if marker in keys), "sft"))
+    train = config.get("train") if isinstance(config.get("train"), dict) else {}
+    name = str(train.get("run_name") or path.resolve().name)
+    return Run(path, name, command, facts, config, rows, samples)
 
 
 def load_runs(paths: list[str | Path]) -> list[Run]:
@@ -229,19 +228,20 @@ def eval_figures(run: Run) -> list[Figure]:
 
 
 def describe(run: Run) -> str:
-    """What was trained, on what, for how long, in one line."""
-    model, data = run.config.get("model") or {}, run.config.get("data") or {}
+    """What was trained, on what, for how long, in one line (HTML: every value from the run's files escaped)."""
+    model, data = (run.config.get(k) if isinstance(run.config.get(k), dict) else {} for k in ("model", "data"))
     f = run.facts
-    parts = [f"<b>{html.escape(str(model.get('name_or_path', '?')))}</b> on {html.escape(str(data.get('train', '?')))}"
-             + (f" (eval: {html.escape(str(data['eval']))})" if data.get("eval") else "")]
-    planned = f" of {f['steps']}" if f.get("steps") and f["steps"] != run.last_step() else ""
+    parts = [f"<b>{esc(model.get('name_or_path', '?'))}</b> on {esc(data.get('train', '?'))}"
+             + (f" (eval: {esc(data['eval'])})" if data.get("eval") else "")]
+    planned = f" of {esc(f['steps'])}" if f.get("steps") and f["steps"] != run.last_step() else ""
     parts.append(f"{run.last_step()} steps{planned}")
-    parts += [f"{float(f['minutes']):.1f} min"] if f.get("minutes") is not None else []
-    parts += [f"{f['parameters']} parameters"] if f.get("parameters") else []
-    parts += [f"global batch {f['global_batch']}"] if f.get("global_batch") else []
+    parts += [f"{float(f['minutes']):.1f} min"] if finite(f.get("minutes")) else []
+    parts += [f"{esc(f['parameters'])} parameters"] if f.get("parameters") else []
+    parts += [f"global batch {esc(f['global_batch'])}"] if f.get("global_batch") else []
     if f.get("world_size"):
-        parts.append(f"{f['world_size']} process{'es' if f['world_size'] > 1 else ''} ({f.get('engine', '?')}, "
-                     f"{f.get('device', '?')})")
+        several = not finite(f["world_size"]) or f["world_size"] > 1
+        parts.append(f"{esc(f['world_size'])} process{'es' if several else ''} ({esc(f.get('engine', '?'))}, "
+                     f"{esc(f.get('device', '?'))})")
     return " · ".join(parts)
 
 
@@ -292,9 +292,7 @@ def add_report(sub) -> None:
 
 def run_report(args) -> int:
     runs = load_runs(args.runs)
-    out = Path(args.out) if args.out else (runs[0].path / "report.html" if len(runs) == 1 else Path("compare.html"))
-    if out.is_dir():
-        raise UserError(f"--out {out} is a directory; give a file name such as {out / 'compare.html'}")
+    out = report_path([run.path for run in runs], args.out)
     out.write_text(render(runs))
     print(f"report: {out}")
     return 0

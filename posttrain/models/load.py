@@ -60,6 +60,11 @@ def _check_source(source: str, what: str, marker_files: tuple[str, ...]) -> None
         raise UserError(f"{what}: '{source}' is not a Hugging Face model directory (it has no "
                         f"{' or '.join(marker_files)}). Point it at the directory written by save_pretrained (for a "
                         "finished run: <output_dir>/final)")
+    from posttrain.models.limits import config_problem
+
+    problem = config_problem(path / "config.json") if (path / "config.json").is_file() else None
+    if problem:
+        raise UserError(f"{what}: {path / 'config.json'} is damaged: {problem}; download or export the model again")
     for weights in sorted(path.glob("*.safetensors")):
         problem = safetensors_problem(weights)
         if problem:

@@ -30,7 +30,7 @@ import torch
 from posttrain.errors import UserError
 from posttrain.rewards.contract import (NOT_COLUMNS, Calling, UserLog, call_blocking, calling, event_loop, is_async,
                                         tell_message_lists)
-from posttrain.usercode import UserCodeError, what_it_did
+from posttrain.usercode import UserCodeError, user_code, what_it_did
 
 logger = logging.getLogger(__name__)
 
@@ -70,7 +70,8 @@ def _in_thread(fn: Callable, *args, **kwargs) -> concurrent.futures.Future:
         if not future.set_running_or_notify_cancel():
             return
         try:
-            result = fn(*args, **kwargs)
+            with user_code():  # os._exit in the function is named, not the end of the process
+                result = fn(*args, **kwargs)
         except BaseException as e:  # noqa: BLE001 - handed to the caller, who decides
             future.set_exception(e)
         else:

@@ -30,6 +30,7 @@ import threading
 import torch
 
 from posttrain.errors import RunStopped
+from posttrain.usercode import request_stop
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
@@ -45,6 +46,7 @@ class Guard:
 
     # --- signals ---------------------------------------------------------------------------------------------
     def __enter__(self) -> "Guard":
+        request_stop(0)
         if threading.current_thread() is threading.main_thread():  # Python delivers signals to the main thread only
             for sig in STOP_SIGNALS:
                 self._previous[sig] = signal.signal(sig, self._on_signal)
@@ -52,12 +54,14 @@ class Guard:
 
     def _on_signal(self, signum, frame) -> None:
         self.signal = signum
+        request_stop(signum)  # a wait on user code that hangs ends now (usercode.call_with_deadline)
         signal.signal(signum, self._previous.get(signum, signal.SIG_DFL))  # a second one acts at once
 
     def __exit__(self, kind, error, tb) -> None:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         self._previous.clear()
+        request_stop(0)
         if kind is None and self.signal and not self.stop_signal:  # after the last step: its checkpoint holds all
             raise RunStopped(f"{signal.Signals(self.signal).name} after the last step, before exporting final/ (the "
                              "last checkpoint holds every step, and continuing exports it)", 128 + self.signal,

@@ -193,6 +193,14 @@ class RolloutSource(Source):
         for line in self._ahead.load(directory, lambda index: self._prompts(index)[0], Trajectory):
             logger.warning("resuming from %s: %s; sampled again from the current policy", directory, line)
 
+    def nothing_trained_hint(self) -> str:
+        cut, algo = self._metrics.get("truncated_fraction", 0.0), self.recipe.algo
+        if not (algo.mask_truncated_completions and cut > 0):
+            return ""
+        return (f"{cut:.0%} of the completions reached generation.max_completion_length="
+                f"{self.recipe.generation.max_completion_length} and algo.mask_truncated_completions=true leaves those "
+                "out of the loss; raise max_completion_length (multi-turn: prompts, tool output and turns share it)")
+
     def trainer_state(self, step: int | None = None):
         """What reward functions get as trainer_state while the completions for step `step` + 1 are scored (None:
         the steps trained so far, for evaluation)."""
@@ -283,7 +291,7 @@ class RolloutSource(Source):
                 metrics[f"time/role/{name}"] = seconds
         if backend.is_main:
             self._write_samples(step, drawn.prompts, drawn.texts, total_B, drawn.per_function,
-                                sequence_advantages(batches), drawn.truncated, drawn.extra)
+                                sequence_advantages(batches), drawn.truncated, drawn.extra, drawn.trajectories)
         versions = [v for v in drawn.sampled_by if v is not None]
         return Generation(index, batches, metrics, min(versions) if versions else None)
 
@@ -386,9 +394,11 @@ class RolloutSource(Source):
         return batches
 
     def _write_samples(self, step: int, prompts, texts, total_B, per_function, advantages_B, truncated,
-                       extra: dict) -> None:
+                       extra: dict, trajectories=None) -> None:
         """Every logging step: a few prompt groups of rank 0, appended to output_dir/samples.jsonl (with what the
-        reward functions logged through log_extra)."""
+        reward functions logged through log_extra). Multi-turn: each record's `trajectory` holds every message after
+        the opening ones (the model's text with its tool calls as written, each tool's output or error, the
+        environment's messages) and `stats` its counts."""
         t, groups = self.recipe.train, self.recipe.algo.log_samples
         due = [s + 1 for s in range(step, step + self.iterations) if (s + 1) % t.logging_steps == 0]
         if not due or not groups:
@@ -397,10 +407,16 @@ class RolloutSource(Source):
                     "reward": float(total_B[i]),
                     "rewards": {k: (None if math.isnan(v[i]) else float(v[i])) for k, v in per_function.items()},
                     "advantage": float(advantages_B[i]), "truncated": bool(truncated[i]),
-                    **({"extra": {k: v[i] for k, v in extra.items()}} if extra else {})}
+                    **({"extra": {k: v[i] for k, v in extra.items()}} if extra else {}),
+                    **(trajectory_record(trajectories[i]) if trajectories is not None else {})}
                    for i in range(min(groups, len(prompts)) * self.group)]
         with (Path(self.recipe.output_dir) / "samples.jsonl").open("a") as f:
             f.writelines(json.dumps(r, default=str) + "\n" for r in records)
+
+
+def trajectory_record(t: Trajectory) -> dict:
+    """A trajectory for samples.jsonl: its messages after the opening ones, and its counts."""
+    return {"trajectory": t.completion_messages, "stats": t.stats()}
 
 
 def sequence_advantages(batches: list[Batch]) -> torch.Tensor:

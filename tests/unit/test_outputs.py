@@ -222,3 +222,17 @@ def test_the_continue_command_drops_overwrite_and_runs_as_printed(tmp_path):
     rest, flags = split_trl_flags(shlex.split(printed)[1:])
     resumed = load_recipe(str(config), rest[3:], SFTAlgoConfig)  # no conflict: it loads
     assert resumed.train.resume_from_checkpoint == "auto" and not resumed.train.overwrite_output_dir
+
+
+def test_a_checkpoint_of_another_commands_run_is_not_continued_and_overwrite_renames_the_command(tmp_path):
+    sft_run = tmp_path / "sft"
+    (sft_run / "checkpoints" / "step-2").mkdir(parents=True)
+    outputs.begin_run(sft_run, overwrite=False, command="sft")
+    step = sft_run / "checkpoints" / "step-2"
+    with pytest.raises(UserError, match=r"train.resume_from_checkpoint: .*sft holds a `posttrain sft` run, and this "
+                                        r"is `posttrain dpo`"):
+        outputs.check_output_dir(recipe(tmp_path / "dpo", f"train.resume_from_checkpoint={step}"), "dpo")
+    with pytest.raises(UserError, match="output_dir: .* holds a `posttrain sft` run"):
+        outputs.check_output_dir(recipe(sft_run, "train.resume_from_checkpoint=auto"), "dpo")
+    outputs.end_overwrite(outputs.begin_run(sft_run, overwrite=True, command="dpo"))  # replaced: now a dpo run
+    assert '"command": "dpo"' in (sft_run / outputs.MARKER).read_text()
