@@ -127,10 +127,10 @@ def bench_recipe(algorithm: str, model: str, data: Path, output_dir: Path, steps
              "train.save_final_model=false", "train.save_steps=0", f"train.logging_steps={steps}", "data.packing=false"]
     if algorithm == "dpo":
         fixed.append("algo.precompute_ref_logprobs=false")  # keep the frozen reference copy: it is estimated
-    if algorithm in ("grpo", "ppo"):
+    if algorithm == "grpo":
         fixed.append("data.max_prompt_length=64")
-    if algorithm == "distill":  # the student's own weights as the teacher: a second model of the same size
-        fixed.append(f"algo.teacher_model_name_or_path={model}")
+    if algorithm == "distill":  # the model teaches itself: a second full copy, on the data only (no generation)
+        fixed += [f"algo.teacher_model_name_or_path={model}", "algo.lmbda=0.0"]
     return load_recipe(str(ROOT / "recipes" / f"{algorithm}.yaml"), fixed + list(overrides), ALGORITHMS[algorithm][0])
 
 
@@ -163,7 +163,7 @@ def measure(algorithm: str, model: str = "tiny", steps: int = 3, overrides: tupl
     engine, offload = launched_engine()
     breakdown = estimate_for_run(algorithm, recipe, engine, offload, world)
     rows = recipe.train.per_device_train_batch_size * (2 if algorithm in ("dpo", "rm") else 1)
-    length = recipe.data.max_length if algorithm not in ("grpo", "ppo") else (
+    length = recipe.data.max_length if algorithm != "grpo" else (
         recipe.data.max_prompt_length + recipe.generation.max_completion_length)
     shutil.rmtree(work, ignore_errors=True)
     return {"estimate": breakdown.peak_bytes, "measured": measured, "breakdown": breakdown.parts(), "engine": engine,
@@ -195,7 +195,7 @@ def from_run(run_dir: Path) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--algorithm", default="sft", choices=["sft", "dpo", "grpo", "rm", "ppo", "distill"])
+    parser.add_argument("--algorithm", default="sft", choices=["sft", "dpo", "grpo", "rm", "distill"])
     parser.add_argument("--model", default="tiny", help="tiny, 20m (made here) or a model directory / hub id")
     parser.add_argument("--json", help="also write the figures to this file")
     parser.add_argument("--steps", type=int, default=3)

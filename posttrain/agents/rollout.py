@@ -33,6 +33,7 @@ from posttrain.agents.parsers import pick_parser
 from posttrain.agents.tools import ToolRunner, load_tools
 from posttrain.errors import UserError
 from posttrain.generation.base import GenerationEngine, SamplingParams
+from posttrain.usercode import UserCodeError
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +44,8 @@ class Trajectory:
     """The opening messages, templated with the tools and a generation prompt."""
     messages: list[dict]
     """The conversation as text (for rewards and the samples file; never tokenised again)."""
+    opening: int = 0
+    """How many of `messages` opened it (the prompt); the rest is what rewards get as the completion."""
     completion_ids: list[int] = field(default_factory=list)
     """Everything after the prompt: the engine's ids and the appended messages' ids, in order."""
     logprobs: list[float] = field(default_factory=list)
@@ -63,6 +66,10 @@ class Trajectory:
     tool_seconds: float = 0.0
     cut_turns: int = 0
     """Turns that reached rollout.max_turn_tokens and were closed by the template's end-of-turn token."""
+    tools: Optional[list] = None
+    """The tool schemas its prompt shows (the row's `tools` and rollout.tools'); every turn is rendered with them."""
+    prompt_truncated: bool = False
+    """Its templated prompt was over the prompt limit and lost its first tokens."""
 
     def append(self, ids: list[int], logprobs: Optional[list[float]], budget: int) -> bool:
         """Add ids (the engine's when logprobs is given), cut at the budget; finished once the budget is full.
@@ -76,6 +83,12 @@ class Trajectory:
         return len(kept) == len(ids)
 
     @property
+    def completion_messages(self) -> list[dict]:
+        """Every message after the opening ones: the model's turns and the tool / environment turns between them, as
+        TRL's multi-turn GRPO passes a completion to reward functions."""
+        return self.messages[self.opening:]
+
+    @property
     def final_text(self) -> str:
         """The model's last turn (what rewards score as the completion)."""
         return next((m["content"] for m in reversed(self.messages) if m["role"] == "assistant"), "")
@@ -83,7 +96,7 @@ class Trajectory:
     def stats(self) -> dict:
         return dict(turns=self.turns, tool_calls=self.tool_calls, tool_errors=self.tool_errors,
                     tool_timeouts=self.tool_timeouts, tool_seconds=self.tool_seconds, truncated=self.truncated,
-                    cut_turns=self.cut_turns)
+                    cut_turns=self.cut_turns, prompt_truncated=self.prompt_truncated)
 
 
 class AgentRollout:
@@ -92,7 +105,7 @@ class AgentRollout:
     def __init__(self, tokenizer, engine: GenerationEngine, budget: int, max_turns: int, tools=None, parser=None,
                  runner: Optional[ToolRunner] = None, environment: Optional[type] = None, environment_name: str = "",
                  max_prompt_length: Optional[int] = None, max_turn_tokens: Optional[int] = None,
-                 active_anywhere: Optional[Callable[[int], int]] = None):
+                 active_anywhere: Optional[Callable[[int], int]] = None, user_code_timeout: float = 60.0):
         """active_anywhere: sums this rank's count of active trajectories over the ranks, for an engine whose
         generate is a collective (hf under ZeRO-3 / FSDP2 gathers parameters): a rank whose trajectories have all
         finished keeps joining the calls (one token from a one-token prompt) while another rank's go on."""
@@ -104,6 +117,7 @@ class AgentRollout:
         self.environment, self.environment_name = environment, environment_name
         self.max_prompt_length, self.max_turn_tokens = max_prompt_length, max_turn_tokens
         self.active_anywhere = active_anywhere
+        self.user_code_timeout = user_code_timeout
         self.eos_id = tokenizer.eos_token_id
 
     @classmethod
@@ -112,40 +126,51 @@ class AgentRollout:
         r = recipe.rollout
         tools = load_tools(r.tools)
         return cls(tokenizer, engine, budget=recipe.generation.max_completion_length, max_turns=r.max_turns,
-                   tools=tools, parser=pick_parser(r.tool_parser, tokenizer.chat_template) if tools else None,
+                   tools=tools, parser=pick_parser(r.tool_parser, tokenizer.chat_template, r.user_code_timeout)
+                   if tools else None,
                    runner=ToolRunner(tools, r.tool_timeout, r.tool_max_output_chars, r.tool_workers),
                    environment=load_environment(r.environment) if r.environment else None,
                    environment_name=r.environment or "",
                    # the bound the engines are sized for (a vLLM engine's max_model_len: rollout.base.longest_sequence)
                    max_prompt_length=recipe.data.max_prompt_length or recipe.data.max_length,
-                   max_turn_tokens=r.max_turn_tokens, active_anywhere=active_anywhere)
+                   max_turn_tokens=r.max_turn_tokens, active_anywhere=active_anywhere,
+                   user_code_timeout=r.user_code_timeout)
 
     # --- tokens ------------------------------------------------------------------------------------------------------
 
-    def _encode(self, messages: list[dict], add_generation_prompt: bool) -> list[int]:
-        text = self.tokenizer.apply_chat_template(messages, tools=self.schemas, tokenize=False,
-                                                  add_generation_prompt=add_generation_prompt)
+    def _encode(self, messages: list[dict], add_generation_prompt: bool, tools: Optional[list] = None) -> list[int]:
+        """tools: the trajectory's schemas (None: rollout.tools')."""
+        try:
+            text = self.tokenizer.apply_chat_template(messages, tools=tools or self.schemas, tokenize=False,
+                                                      add_generation_prompt=add_generation_prompt)
+        except Exception as e:  # noqa: BLE001 - jinja raises its own types (raise_exception in the template)
+            roles = ", ".join(dict.fromkeys(str(m.get("role")) for m in messages))
+            raise UserCodeError(f"the chat template cannot render a conversation with the roles {roles} "
+                                f"({type(e).__name__}: {e}); set model.chat_template to one that renders them") from e
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
-    def prompt_ids(self, messages: list[dict]) -> list[int]:
-        ids = self._encode(messages, add_generation_prompt=True)
+    def prompt_ids(self, messages: list[dict], tools: Optional[list] = None) -> tuple[list[int], bool]:
+        """The opening messages templated with a generation prompt, and whether they were cut to the prompt limit
+        (their first tokens dropped; counted per step as truncated_prompts)."""
+        ids = self._encode(messages, add_generation_prompt=True, tools=tools)
         limit = self.max_prompt_length
         if limit is None or len(ids) <= limit:
-            return ids
+            return ids, False
         if not getattr(self, "_warned_cut", False):  # the tools turn (JSON schemas) can be most of a prompt
             logger.warning("a templated prompt (tools turn included) has %d tokens, over data.max_prompt_length (or "
                            "data.max_length) = %d: its first tokens are cut; raise that limit to keep them",
                            len(ids), limit)
             self._warned_cut = True
-        return ids[len(ids) - limit:]
+        return ids[len(ids) - limit:], True
 
-    def delta_ids(self, messages: list[dict], new: list[dict], closed: bool = True) -> list[int]:
+    def delta_ids(self, messages: list[dict], new: list[dict], closed: bool = True,
+                  tools: Optional[list] = None) -> list[int]:
         """The ids `new` adds after `messages` (which end with the model's turn), up to the next generation prompt;
         closed: the engine's turn ended with the end-of-turn token (else it is part of the delta)."""
-        before = self._encode(messages, add_generation_prompt=False)
-        after = self._encode(messages + new, add_generation_prompt=True)
+        before = self._encode(messages, add_generation_prompt=False, tools=tools)
+        after = self._encode(messages + new, add_generation_prompt=True, tools=tools)
         if after[: len(before)] != before:
-            raise UserError("the chat template renders the earlier turns of a conversation differently once a "
+            raise UserCodeError("the chat template renders the earlier turns of a conversation differently once a "
                             f"{new[0]['role']} message is added, so the appended tokens cannot be found exactly; use "
                             "a template with the prefix property (model.chat_template)")
         # the engine stopped at the end-of-turn token; what the template puts after it ("\n") is appended here
@@ -156,8 +181,8 @@ class AgentRollout:
 
     def run(self, examples: list[dict], rows: list[int], params: SamplingParams) -> list[Trajectory]:
         """One trajectory per example (a prompt's G samples are G entries); rows: their dataset rows (for errors)."""
-        sessions = [EnvironmentSession(self.environment, self.environment_name, row) if self.environment else None
-                    for row in rows]
+        sessions = [EnvironmentSession(self.environment, self.environment_name, row, self.user_code_timeout)
+                    if self.environment else None for row in rows]
         trajectories = [self._open(e, s) for e, s in zip(examples, sessions)]
         for turn in range(self.max_turns):
             active = [i for i, t in enumerate(trajectories) if not t.finished]
@@ -191,19 +216,26 @@ class AgentRollout:
                 if done or last or not new:
                     t.finished = True
                     continue
-                fits = t.append(self.delta_ids(t.messages, new, closed=closed), None, self.budget)
+                fits = t.append(self.delta_ids(t.messages, new, closed=closed, tools=t.tools), None, self.budget)
                 t.truncated = not fits or len(t.completion_ids) >= self.budget  # no room left for the model
                 t.messages += new
         return trajectories
 
     def _open(self, example: dict, session: Optional[EnvironmentSession]) -> Trajectory:
+        """An example from tokenize_prompts(rollout_tools=...) holds its opening chat and ids (cut and counted
+        there); an environment's reset, or an example without them, is templated here."""
+        tools = example.get("tools") or self.schemas
+        if session is None and "messages" in example:
+            return Trajectory(list(example["prompt_ids"]), [dict(m) for m in example["messages"]],
+                              opening=len(example["messages"]), tools=tools)
         if session is not None:
             messages = session.reset({"prompt": example["prompt"], **example.get("columns", {})})
         elif isinstance(example["prompt"], str):
             messages = [{"role": "user", "content": example["prompt"]}]
         else:
             messages = [dict(m) for m in example["prompt"]]
-        return Trajectory(self.prompt_ids(messages), list(messages))
+        ids, cut = self.prompt_ids(messages, tools)
+        return Trajectory(ids, list(messages), opening=len(messages), tools=tools, prompt_truncated=cut)
 
     def _take_turn(self, t: Trajectory, ids: list[int], logprobs: list[float]) -> dict:
         """Keep the engine's ids; the turn as a message (text decoded only to be read)."""
@@ -238,4 +270,5 @@ class AgentRollout:
             t.tool_errors += result.error
             t.tool_timeouts += result.timed_out
             t.tool_seconds += result.seconds
-            replies[k]["_tool_messages"].append({"role": "tool", "name": call["name"], "content": result.content})
+            replies[k]["_tool_messages"].append({"role": "tool", "name": str(call.get("name")),
+                                                 "content": result.content})

@@ -182,6 +182,9 @@ class Algorithm:
     """Online algorithms: optimiser steps each generation batch is used for (GRPO num_iterations, PPO ppo_epochs)."""
     logprobs_only: bool = False
     """Its loss needs the policy's log-probs only, not the logits (SFT, DPO): what the planner assumes of memory."""
+    dynamic_sampling = None
+    """Online algorithms: a grpo.DynamicSamplingConfig when the rollout source drops prompt groups whose metric does
+    not vary and draws more (DAPO); None: every drawn group is trained on."""
 
     def placement(self, role: str) -> str:
         """Where run.py puts a frozen role (reference, reward_model): 'local' (on the device, partitioned under

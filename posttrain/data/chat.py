@@ -36,12 +36,29 @@ def known_roles(tokenizer) -> set[str]:
     return set(STANDARD_ROLES) | set(re.findall(r"""['"]([A-Za-z_][\w-]*)['"]""", text))
 
 
+def content_problem(content) -> str:
+    """Why a message's content cannot be trained on by a text model, or '': a string, None (a turn of tool calls) or a
+    list of text parts only (the template joins them). An image part used to end in the template's TypeError."""
+    if content is None or isinstance(content, str):
+        return ""
+    if not isinstance(content, list):
+        return f"has content of type {type(content).__name__}; give a string"
+    kinds = [part.get("type") if isinstance(part, dict) else type(part).__name__ for part in content]
+    other = [kind for kind in kinds if kind != "text"]
+    return (f"holds a {other[0]!r} part; posttrain trains text-only models: remove the non-text parts, or give the "
+            "content as a string") if other else ""
+
+
 def check_roles(rows, columns, tokenizer, what: str) -> None:
-    """Every message's role must be one the chat template knows; a UserError names the row, column and message."""
+    """Every message's role must be one the chat template knows, and its content text; a UserError names the row,
+    column and message."""
     known = known_roles(tokenizer)
     for i, row in enumerate(rows):
         for column in columns:
             for j, message in enumerate(row[column] or []):
+                problem = content_problem(message.get("content"))
+                if problem:
+                    raise UserError(f"{what} row {i}: column {column!r} message {j} {problem}")
                 if message["role"] not in known:
                     raise UserError(f"{what} row {i}: column {column!r} message {j} has role {message['role']!r}, "
                                     "which the chat template does not know (roles: "
@@ -49,8 +66,11 @@ def check_roles(rows, columns, tokenizer, what: str) -> None:
                                     "to a template that handles it")
 
 
-def render(tokenizer, messages: list[dict], add_generation_prompt: bool = False) -> str:
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+def render(tokenizer, messages: list[dict], add_generation_prompt: bool = False, tools: list[dict] | None = None) -> str:
+    """tools: JSON schemas the template shows the model (None or [] renders none: Llama's template writes its tools
+    boilerplate for an empty list)."""
+    return tokenizer.apply_chat_template(messages, tools=tools or None, tokenize=False,
+                                         add_generation_prompt=add_generation_prompt)
 
 
 def _no_prefix_property(where: str, option: str | None) -> UserError:
@@ -61,24 +81,25 @@ def _no_prefix_property(where: str, option: str | None) -> UserError:
 
 
 def split_rendered(tokenizer, prompt: list[dict], completion: list[dict], where: str,
-                   option: str | None = None) -> tuple[str, str]:
+                   option: str | None = None, tools: list[dict] | None = None) -> tuple[str, str]:
     """(prompt text with generation prompt, completion text) such that their concatenation is the rendered whole."""
-    prompt_text = render(tokenizer, prompt, add_generation_prompt=True)
-    full = render(tokenizer, prompt + completion)
+    prompt_text = render(tokenizer, prompt, add_generation_prompt=True, tools=tools)
+    full = render(tokenizer, prompt + completion, tools=tools)
     if not full.startswith(prompt_text):
         raise _no_prefix_property(where, option)
     return prompt_text, full[len(prompt_text):].rstrip()
 
 
-def assistant_spans(tokenizer, messages: list[dict], full: str, first: int, where: str, option: str) -> list[Span]:
+def assistant_spans(tokenizer, messages: list[dict], full: str, first: int, where: str, option: str,
+                    tools: list[dict] | None = None) -> list[Span]:
     """Character spans in `full` (the rendered conversation) of the assistant turns messages[first:]; one that opens
     the conversation is not trained (it answers nothing, and the empty conversation before it cannot be rendered)."""
     spans = []
     for i in range(max(first, 1), len(messages)):
         if messages[i]["role"] != "assistant":
             continue
-        before = render(tokenizer, messages[:i], add_generation_prompt=True)
-        through = render(tokenizer, messages[: i + 1])
+        before = render(tokenizer, messages[:i], add_generation_prompt=True, tools=tools)
+        through = render(tokenizer, messages[: i + 1], tools=tools)
         if not (through.startswith(before) and full.startswith(through)):
             raise _no_prefix_property(where, option)
         spans.append((len(before), max(len(before), len(through.rstrip()))))

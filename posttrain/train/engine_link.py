@@ -90,6 +90,15 @@ class EngineLink:
         self.sync_seconds = 0.0
         """Seconds spent syncing since the caller last set it to 0."""
 
+    @classmethod
+    def over(cls, engine, backend, generation, seed: int = 0, agent: Optional[AgentRollout] = None) -> "EngineLink":
+        """A link over an engine built elsewhere (one-process evaluation, tests): it samples and scores alike, and
+        syncs nothing (no policy to take weights from)."""
+        link = cls.__new__(cls)
+        link.backend, link.policy, link.generation, link.seed = backend, None, generation, seed
+        link.engine, link.agent, link.synced_at, link.sync_seconds = engine, agent, None, 0.0
+        return link
+
     @property
     def with_environment(self) -> bool:
         """A multi-turn run whose environment adds its own reward."""

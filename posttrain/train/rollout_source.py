@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
@@ -44,11 +45,14 @@ from posttrain.data.collate import collate_padded
 from posttrain.agents import Trajectory, agent_metrics
 from posttrain.ops.advantages import zero_std_fraction
 from posttrain.ops.logprobs import sequence_mean
-from posttrain.rewards import reward_metrics
+from posttrain.rewards import reward_metrics, trainer_state
+from posttrain.config.schema import total_steps
 from posttrain.batch import Batch
-from posttrain.train.engine_link import EngineLink, Sample
+from posttrain.train.drawn import Drawn
+from posttrain.train.dynamic_sampling import DynamicSampler
+from posttrain.train.engine_link import EngineLink
 from posttrain.train.in_flight import InFlight, Sampled, lag_metrics, policy_lag
-from posttrain.train.scoring import Scored, score
+from posttrain.train.scoring import score
 from posttrain.train.sources import SampleOrder, Source
 
 logger = logging.getLogger(__name__)
@@ -108,6 +112,11 @@ class RolloutSource(Source):
         self._ahead = InFlight(recipe.generation.max_staleness, self.iterations)
         self._pool = (ThreadPoolExecutor(max_workers=1, thread_name_prefix="posttrain-async")
                       if recipe.generation.max_staleness else None)
+        # algo.dynamic_sampling: prompts drawn until enough groups vary (train/dynamic_sampling.py)
+        self.dynamic_sampling = None
+        if algorithm.dynamic_sampling is not None:
+            self.dynamic_sampling = DynamicSampler(algorithm.dynamic_sampling, self.prompts_per_rank, self.group,
+                                                   self._draw, backend.all_reduce_sum)
 
     def before_evaluation(self) -> None:
         """Held-out evaluation measures the current policy: the generations in flight finish first (their
@@ -133,14 +142,35 @@ class RolloutSource(Source):
         self.link.end()
 
     def save_state(self, directory: Path) -> None:
-        """Into a checkpoint being written (every rank): this rank's generation batches in flight (in_flight.py)."""
+        """Into a checkpoint being written (every rank): this rank's generation batches in flight (in_flight.py), and
+        with dynamic sampling where the prompt order stands."""
         if self._pool is not None or len(self._ahead):
             self._ahead.save(directory, self.backend.rank)
+        if self.dynamic_sampling is not None:
+            self.dynamic_sampling.save(directory, self.backend.is_main)
 
     def load_state(self, directory: Path) -> None:
         """From the checkpoint resumed: the batches that were in flight, so none is sampled again."""
+        if self.dynamic_sampling is not None:
+            self.dynamic_sampling.load(directory)
         for line in self._ahead.load(directory, lambda index: self._prompts(index)[0], Trajectory):
             logger.warning("resuming from %s: %s; sampled again from the current policy", directory, line)
+
+    def nothing_trained_hint(self) -> str:
+        cut, algo = self._metrics.get("truncated_fraction", 0.0), self.recipe.algo
+        if not (algo.mask_truncated_completions and cut > 0):
+            return ""
+        return (f"{cut:.0%} of the completions reached generation.max_completion_length="
+                f"{self.recipe.generation.max_completion_length} and algo.mask_truncated_completions=true leaves those "
+                "out of the loss; raise max_completion_length (multi-turn: prompts, tool output and turns share it)")
+
+    def trainer_state(self, step: int | None = None):
+        """What reward functions get as trainer_state while the completions for step `step` + 1 are scored (None:
+        the steps trained so far, for evaluation)."""
+        step = self._trained_through if step is None else step
+        per_epoch = self.micro_batches_per_epoch()
+        return trainer_state(self.recipe, step, total_steps(self.recipe.train, per_epoch),
+                             per_epoch / self.recipe.train.gradient_accumulation_steps, self.backend.is_main)
 
     def micro_batches_per_epoch(self) -> int:
         """Per-rank micro-batches for one pass over the prompts (each reused num_iterations times)."""
@@ -178,48 +208,29 @@ class RolloutSource(Source):
         return positions, dataset_index, [self.examples[i] for i in dataset_index]
 
     def _generate(self, index: int, step: int) -> Generation:
-        # 1. this rank's slice of the step's prompts
         backend, group = self.backend, self.group
-        positions, dataset_index, prompts = self._prompts(index)
-
-        # 2. generate (an engine with its own copy of the weights gets the current policy first); with
-        # generation.max_staleness the batch was sampled during earlier steps, and the next ones start now
-        link = self.link
-        link.sync_seconds = 0.0
-        started = time.perf_counter()
-        ahead, refused = self._ahead.take(index, step)
-        if refused:
-            logger.warning("step %d: %s; it is sampled again from the current policy", step, refused)
-        if ahead is not None:
-            sample = ahead.wait()
+        self.link.sync_seconds, self._seconds, self._logged = 0.0, {"generate": 0.0, "score": 0.0}, {}
+        # 1-3. this rank's prompt groups, generated and scored; dynamic sampling draws until enough of them vary
+        if self.dynamic_sampling is None:
+            drawn, dynamic_metrics = self._draw(index, step), {}
         else:
-            link.sync(step)
-            sample = link.sample(prompts, positions, dataset_index, group)
-        self._ahead.settle()  # the batches ahead finish first: no sync ever lands under a generation in flight
-        generated, synced_before = time.perf_counter(), link.sync_seconds
-        if self._pool is not None:  # up to k batches ahead, each from the policy current now
-            link.sync(step)
-            for ahead_index in self._ahead.wanted(index):
-                ahead_positions, ahead_rows, ahead_prompts = self._prompts(ahead_index)
-                future = self._pool.submit(link.sample, ahead_prompts, ahead_positions, ahead_rows, group)
-                self._ahead.push(Sampled(ahead_index, ahead_positions, step, future))
-        else:
-            link.sleep()
-        score_started = time.perf_counter()
-
-        # 3. score this rank's completions; gather the step's rewards from every rank
-        scored = score(self.rewards, prompts, sample, self.tokenizer, link.with_environment)
-        total_B, per_function, trajectories = scored.total_B, scored.per_function, sample.trajectories
-        mine = dict(total=total_B.tolist(), per_function={k: v.tolist() for k, v in per_function.items()},
-                    skipped=scored.skipped, lengths=[len(ids) for ids in sample.completion_ids],
-                    truncated=sample.truncated, lag=[policy_lag(step, sample.sampled_by)] * len(sample.truncated),
-                    agent=[t.stats() for t in trajectories] if trajectories is not None else None)
+            drawn, dynamic_metrics = self.dynamic_sampling.fill(index, step)
+        mine = dict(total=drawn.total, per_function=drawn.per_function, skipped=drawn.skipped, logged=self._logged,
+                    lengths=[len(ids) for ids in drawn.completion_ids], truncated=drawn.truncated, lag=drawn.lags,
+                    agent=[t.stats() for t in drawn.trajectories] if drawn.trajectories is not None else None)
+        gather_started = time.perf_counter()
         everyone = backend.all_gather_object(mine)
         global_total_B = torch.tensor([r for part in everyone for r in part["total"]])
-        scored_at = time.perf_counter()
+        scored = time.perf_counter()
+        self._seconds["score"] += scored - gather_started
 
         # 4. micro-batches, with old / reference log-probs and values taken once
-        batches = self._micro_batches(sample, total_B, [i for i in dataset_index for _ in range(group)])
+        total_B = torch.tensor(drawn.total, dtype=torch.float32)
+        masks = ([t.completion_mask for t in drawn.trajectories] if drawn.trajectories is not None
+                 else [[1] * len(c) for c in drawn.completion_ids])
+        masks = [[0] * len(m) if filler else m for m, filler in zip(masks, drawn.filler)]
+        batches = self._micro_batches(drawn.prompt_ids, drawn.completion_ids, drawn.logprobs, drawn.truncated,
+                                      total_B, [i for i in drawn.dataset_index for _ in range(group)], masks)
         with torch.no_grad(), backend.autocast():
             batches = [self.algorithm.prepare(b.to(backend.device), self.models) for b in batches]
 
@@ -232,22 +243,71 @@ class RolloutSource(Source):
 
         metrics = step_metrics(everyone, global_total_B, group)
         metrics.update(agent_metrics([part["agent"] for part in everyone]))
-        metrics.update({"time/generate": generated - started - synced_before, "time/score": scored_at - score_started,
-                        "time/ref": prepared - scored_at, "time/sync": link.sync_seconds,
-                        **lag_metrics([lag for part in everyone for lag in part["lag"]]), **advantage_metrics})
+        metrics.update({"time/generate": self._seconds["generate"], "time/score": self._seconds["score"],
+                        "time/ref": prepared - scored, "time/sync": self.link.sync_seconds,
+                        **lag_metrics([lag for part in everyone for lag in part["lag"]]), **advantage_metrics,
+                        **dynamic_metrics})
         for name in ("reference", "reward_model", "critic"):  # roles served apart: their calls' seconds
             role = getattr(self.models, name)
             seconds = role.seconds() if role is not None else None
             if seconds is not None:
                 metrics[f"time/role/{name}"] = seconds
         if backend.is_main:
-            self._write_samples(step, prompts, scored, sequence_advantages(batches), sample.truncated)
-        return Generation(index, batches, metrics, sample.sampled_by)
+            self._write_samples(step, drawn.prompts, drawn.texts, total_B, drawn.per_function,
+                                sequence_advantages(batches), drawn.truncated, drawn.extra, drawn.trajectories)
+        versions = [v for v in drawn.sampled_by if v is not None]
+        return Generation(index, batches, metrics, min(versions) if versions else None)
 
-    def _micro_batches(self, sample: Sample, rewards_B: torch.Tensor, dataset_index: list[int]) -> list[Batch]:
-        """The sample's rows (multi-turn: the model's tokens alone in the loss), right padded, in micro-batches."""
-        rows = sample.rows(mask_truncated=self.recipe.algo.mask_truncated_completions)
-        prompt_ids, sampler_logprobs, truncated = sample.prompt_ids, sample.logprobs, sample.truncated
+    def _draw(self, draw: int, step: int) -> Drawn:
+        """Generation batch `draw` of the prompt order (this rank's slice), sampled and scored for `step`."""
+        group = self.group
+        positions, dataset_index, prompts = self._prompts(draw)
+
+        # generate (an engine with its own copy of the weights gets the current policy first); with
+        # generation.max_staleness the batch was sampled during earlier steps, and the next ones start now
+        link = self.link
+        started, synced_before = time.perf_counter(), link.sync_seconds
+        ahead, refused = self._ahead.take(draw, step)
+        if refused:
+            logger.warning("step %d: %s; it is sampled again from the current policy", step, refused)
+        if ahead is not None:
+            sample = ahead.wait()
+        else:
+            link.sync(step)
+            sample = link.sample(prompts, positions, dataset_index, group)
+        self._ahead.settle()  # the batches ahead finish first: no sync ever lands under a generation in flight
+        generated, synced = time.perf_counter(), link.sync_seconds - synced_before
+        if self._pool is not None:  # up to k batches ahead, each from the policy current now
+            link.sync(step)
+            for ahead_index in self._ahead.wanted(draw):
+                ahead_positions, ahead_rows, ahead_prompts = self._prompts(ahead_index)
+                future = self._pool.submit(link.sample, ahead_prompts, ahead_positions, ahead_rows, group)
+                self._ahead.push(Sampled(ahead_index, ahead_positions, step, future))
+        else:
+            link.sleep()
+        score_started = time.perf_counter()
+
+        # score this rank's completions (multi-turn: every message after the prompt, as TRL's multi-turn GRPO)
+        scored = score(self.rewards, prompts, sample, self.tokenizer, link.with_environment, self.trainer_state(step))
+        for name, values in scored.logged.metrics.items():  # log_metric: averaged over the step, every draw's
+            self._logged.setdefault(name, []).extend(values)
+        self._seconds["generate"] += generated - started - synced
+        self._seconds["score"] += time.perf_counter() - score_started
+        rows, sampled_by = len(sample.completion_ids), sample.sampled_by
+        return Drawn(positions, prompts, dataset_index, sample.prompt_ids, sample.completion_ids, sample.logprobs,
+                     sample.truncated, scored.texts, scored.total_B.tolist(),
+                     {k: v.tolist() for k, v in scored.per_function.items()}, [policy_lag(step, sampled_by)] * rows,
+                     [sampled_by] * rows, sample.trajectories, dict(scored.logged.extra))
+
+    def _micro_batches(self, prompt_ids, completion_ids, sampler_logprobs, truncated, rewards_B,
+                       dataset_index, masks=None) -> list[Batch]:
+        """masks: multi-turn, 1 at the model's tokens of each completion (None: every completion token)."""
+        masked = self.recipe.algo.mask_truncated_completions
+        masks = masks or [[1] * len(c) for c in completion_ids]
+        rows = [
+            {"input_ids": p + c, "completion_mask": [0] * len(p) + [m * int(not (masked and cut)) for m in mask]}
+            for p, c, cut, mask in zip(prompt_ids, completion_ids, truncated, masks)
+        ]
         pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
         batches = []
         for start in range(0, len(rows), self.micro):
@@ -261,19 +321,30 @@ class RolloutSource(Source):
                                    example_index_B=torch.tensor(dataset_index[start:stop])))
         return batches
 
-    def _write_samples(self, step: int, prompts, scored: Scored, advantages_B, truncated) -> None:
-        """Every logging step: a few prompt groups of rank 0, appended to output_dir/samples.jsonl."""
+    def _write_samples(self, step: int, prompts, texts, total_B, per_function, advantages_B, truncated,
+                       extra: dict, trajectories=None) -> None:
+        """Every logging step: a few prompt groups of rank 0, appended to output_dir/samples.jsonl (with what the
+        reward functions logged through log_extra). Multi-turn: each record's `trajectory` holds every message after
+        the opening ones (the model's text with its tool calls as written, each tool's output or error, the
+        environment's messages) and `stats` its counts."""
         t, groups = self.recipe.train, self.recipe.algo.log_samples
         due = [s + 1 for s in range(step, step + self.iterations) if (s + 1) % t.logging_steps == 0]
         if not due or not groups:
             return
-        records = [{"step": due[0], "prompt": prompts[i // self.group]["prompt"], "completion": scored.texts[i],
-                    "reward": float(scored.total_B[i]),
-                    "rewards": {k: (None if v[i].isnan() else float(v[i])) for k, v in scored.per_function.items()},
-                    "advantage": float(advantages_B[i]), "truncated": bool(truncated[i])}
+        records = [{"step": due[0], "prompt": prompts[i // self.group]["prompt"], "completion": texts[i],
+                    "reward": float(total_B[i]),
+                    "rewards": {k: (None if math.isnan(v[i]) else float(v[i])) for k, v in per_function.items()},
+                    "advantage": float(advantages_B[i]), "truncated": bool(truncated[i]),
+                    **({"extra": {k: v[i] for k, v in extra.items()}} if extra else {}),
+                    **(trajectory_record(trajectories[i]) if trajectories is not None else {})}
                    for i in range(min(groups, len(prompts)) * self.group)]
         with (Path(self.recipe.output_dir) / "samples.jsonl").open("a") as f:
-            f.writelines(json.dumps(r) + "\n" for r in records)
+            f.writelines(json.dumps(r, default=str) + "\n" for r in records)
+
+
+def trajectory_record(t: Trajectory) -> dict:
+    """A trajectory for samples.jsonl: its messages after the opening ones, and its counts."""
+    return {"trajectory": t.completion_messages, "stats": t.stats()}
 
 
 def sequence_advantages(batches: list[Batch]) -> torch.Tensor:
@@ -294,4 +365,9 @@ def step_metrics(everyone: list[dict], total_B: torch.Tensor, group: int) -> dic
                **reward_metrics(per_function)}
     if group > 1:  # samples of one prompt: how many groups carry no signal
         metrics["frac_reward_zero_std"] = zero_std_fraction(total_B, group)
-    return {**{k: float(v) for k, v in metrics.items()}, "rewards/skipped": float(sum(p["skipped"] for p in everyone))}
+    logged: dict[str, list[float]] = {}  # the reward functions' log_metric values, averaged over the step
+    for part in everyone:
+        for name, values in part["logged"].items():
+            logged.setdefault(name, []).extend(values)
+    return {**{k: float(v) for k, v in metrics.items()}, **{k: sum(v) / len(v) for k, v in logged.items()},
+            "rewards/skipped": float(sum(p["skipped"] for p in everyone))}

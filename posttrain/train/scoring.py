@@ -1,11 +1,12 @@
 """Rewards of a `Sample` (train/engine_link.py): the one scoring step of training rollouts and held-out evaluation.
 
-    scored = score(rewards, prompts, sample, tokenizer, with_environment=link.with_environment)
-    scored.total_B, scored.per_function, scored.skipped, scored.texts
+    scored = score(rewards, prompts, sample, tokenizer, link.with_environment, trainer_state)
+    scored.total_B, scored.per_function, scored.skipped, scored.logged, scored.texts
 
-Each reward function gets one prompt per completion (a prompt's G samples repeat it), the completion text (a
-multi-turn run's last model turn, with the whole conversation in the `trajectory` column), every dataset column and
-`completion_ids`; an environment's own reward is added (agents/scoring.py).
+Each reward function is called on TRL's contract (rewards/combine.py): one prompt per completion (a prompt's G
+samples repeat it), the completions in the dataset's shape (a multi-turn run: every message after the prompt, with
+the whole conversation in the `trajectory` column), `completion_ids`, `trainer_state` and every dataset column; an
+environment's own reward is added (agents/scoring.py).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from posttrain.agents import score_trajectories
+from posttrain.rewards import as_completions
 
 
 @dataclass
@@ -27,17 +29,21 @@ class Scored:
     """Reward name -> its value per completion, NaN where it did not apply."""
     skipped: int
     """(function, completion) pairs that gave no value."""
+    logged: object
+    """What the functions logged (rewards.combine.Logged: log_metric figures, log_extra columns)."""
 
 
-def score(rewards, prompts: list[dict], sample, tokenizer, with_environment: bool = False) -> Scored:
-    """Score `sample`, whose rows are len(sample.completion_ids) / len(prompts) completions per prompt, in order."""
+def score(rewards, prompts: list[dict], sample, tokenizer, with_environment: bool = False,
+          trainer_state=None) -> Scored:
+    """Score `sample`, whose rows are len(sample.completion_ids) / len(prompts) completions per prompt, in order;
+    `trainer_state` is what the functions get as trainer_state."""
     group = len(sample.completion_ids) // max(len(prompts), 1)
     columns = {key: [p["columns"][key] for p in prompts for _ in range(group)] for key in prompts[0]["columns"]}
-    columns.setdefault("completion_ids", sample.completion_ids)
+    repeated = [p["prompt"] for p in prompts for _ in range(group)]
     texts = sample.texts(tokenizer)
     if sample.trajectories is not None:
         scorer = score_trajectories(rewards, sample.trajectories, with_environment)
     else:
         scorer = rewards.score
-    total_B, per_function, skipped = scorer([p["prompt"] for p in prompts for _ in range(group)], texts, columns)
-    return Scored(texts, total_B, per_function, skipped)
+    scores = scorer(repeated, as_completions(repeated, texts), columns, sample.completion_ids, trainer_state)
+    return Scored(texts, scores.total_B, scores.per_function, scores.skipped, scores.logged)

@@ -58,7 +58,8 @@ def test_planner_counts_the_models_the_run_holds(case, tiny_model_dir, tmp_path)
     assert needed.loaded == resident_models(models) + len(algorithm.reward_models()), case
     assert needed.trained == len(models.trained())
     workload = workload_from_recipe(command, recipe)
-    assert (workload.frozen_copies, workload.trained_models) == (needed.frozen, needed.trained)
+    assert (workload.frozen_copies + bool(workload.frozen_parameters), workload.trained_copies) == (needed.frozen,
+                                                                                                  needed.trained)
     assert bool(workload.generation_sequences) == (algorithm.source_kind != "dataset")
 
 
@@ -70,7 +71,7 @@ def test_a_critic_and_a_teachers_logits_are_counted_by_hand():
     shape = ModelShape(parameters=1000, trainable=1000, vocab_size=50, hidden_size=8, num_layers=2, num_heads=2,
                        num_kv_heads=2, intermediate_size=16)
     plain = Workload(algorithm="x", sequences=2, sequence_length=10)
-    one, critic = (estimate(shape, w, ENGINES["ddp"]) for w in (plain, Workload(**{**vars(plain), "trained_models": 2})))
+    one, critic = (estimate(shape, w, ENGINES["ddp"]) for w in (plain, Workload(**{**vars(plain), "trained_copies": 2})))
     assert (critic.parameters, critic.gradients, critic.optimizer) == (8000, 8000, 16000)  # fp32: 4 + 4 + 2 x 4 each
     assert (one.parameters, one.gradients, one.optimizer) == (4000, 4000, 8000)
     teacher = estimate(shape, Workload(**{**vars(plain), "teacher_logits": True}), ENGINES["ddp"])
