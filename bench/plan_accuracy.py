@@ -17,6 +17,9 @@ must have them. Packing is off (a packed micro-batch's token count depends on th
   allocation events (each carries the running total). This is the CPU counterpart of max_memory_allocated. The
   loaded weights are copied once into allocator memory (`weights_in_allocator`): transformers memory-maps them. Peak RSS (the run's logged peak_memory_mb on CPU) is not comparable: it includes the
   interpreter, the libraries (~0.5 GB) and freed-but-kept pages, which dwarf a tiny model.
+`--from-run DIR` runs nothing: it reads the estimate a finished run logged beside its measured peak (the last
+metrics.jsonl row of DIR; bench/gpu_suite.py reads its SFT row's run so). On a GPU that peak is max_memory_allocated,
+the figure above; on a CPU it is the peak RSS, which is not comparable.
 Prints one markdown table row: model | algorithm | engine | device | batch x length | estimate | measured | error;
 `--json FILE` also writes the figures as JSON (bench/gpu_suite.py reads it). The engine of the estimate is the one
 the process was launched under (accelerate launch's DeepSpeed / FSDP settings), as the run itself reports it.
@@ -167,15 +170,42 @@ def measure(algorithm: str, model: str = "tiny", steps: int = 3, overrides: tupl
             "logged_estimate_mb": (result.metrics[-1] if result.metrics else {}).get("estimated_peak_memory_mb")}
 
 
+def from_run(run_dir: Path) -> dict:
+    """The estimate a finished run logged and its measured peak (metrics.jsonl), as measure() reports them."""
+    from posttrain.logging import read_metrics
+
+    logged = [r for r in read_metrics(run_dir) if r.get("peak_memory_mb") is not None]
+    if not logged:
+        raise SystemExit(f"--from-run {run_dir}: no metrics.jsonl row with peak_memory_mb there (did the run log a "
+                         "step?)")
+    estimate = logged[-1].get("estimated_peak_memory_mb")
+    if estimate is None:
+        raise SystemExit(f"--from-run {run_dir}: the run logged no estimated_peak_memory_mb (the planner could not "
+                         "read its model's config as a decoder)")
+    ranks = sum(1 for key in logged[-1] if key.startswith("peak_memory_mb/rank"))
+    mib = 2**20
+    return {"estimate": estimate * mib, "measured": max(r["peak_memory_mb"] for r in logged) * mib,
+            "breakdown": {}, "engine": f"{ranks} ranks" if ranks else "single",
+            "device": "cuda" if torch.cuda.is_available() else "cpu (peak RSS)", "rows": None, "length": None,
+            "steps": logged[-1]["step"], "logged_peak_memory_mb": logged[-1]["peak_memory_mb"],
+            "logged_estimate_mb": estimate}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--algorithm", default="sft", choices=["sft", "dpo", "grpo", "rm"])
     parser.add_argument("--model", default="tiny", help="tiny, 20m (made here) or a model directory / hub id")
     parser.add_argument("--json", help="also write the figures to this file")
     parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--from-run", help="run nothing: read the estimate and peak a finished run logged (its "
+                        "output_dir)")
     parser.add_argument("overrides", nargs="*", help="recipe overrides, e.g. train.per_device_train_batch_size=4")
     args = parser.parse_args()
-    m = measure(args.algorithm, args.model, args.steps, tuple(args.overrides))
+    if args.from_run:
+        m, label = from_run(Path(args.from_run)), f"{args.from_run} | logged"
+    else:
+        m = measure(args.algorithm, args.model, args.steps, tuple(args.overrides))
+        label = f"{args.model} | {args.algorithm}"
     if int(os.environ.get("RANK", "0")) != 0:
         return
     mib = 2**20
@@ -184,7 +214,7 @@ def main() -> None:
         Path(args.json).write_text(json.dumps({**m, "error_percent": error}, indent=1))
     print(json.dumps({"estimate_parts_mib": {k: round(v / mib, 2) for k, v in m["breakdown"].items()},
                       "logged_peak_memory_mb": m["logged_peak_memory_mb"]}))
-    print(f"| {args.model} | {args.algorithm} | {m['engine']} | {m['device']} | {m['rows']} x {m['length']} | "
+    print(f"| {label} | {m['engine']} | {m['device']} | {m['rows']} x {m['length']} | "
           f"{m['estimate'] / mib:.1f} MiB | {m['measured'] / mib:.1f} MiB | {error:+.1f}% |")
 
 

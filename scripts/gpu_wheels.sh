@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
-# The Python packages bench/gpu_suite.py needs that a lent GPU machine lacks, as wheels for its Python 3.12 (that
-# machine has no network): trl, datasets, deepspeed and what they need beyond the machine's image (torch,
-# transformers, accelerate, pyarrow, pandas, ... are there: /work/.library/device/KINDS.md lists them).
-#   bash scripts/gpu_wheels.sh [DIR]     # default .whl (git-ignored through .git/info/exclude); about 5 MB
-# then every device call carries it (carry: [".whl"]) and runs `bash bench/gpu_suite.sh ...`, which installs it.
+# The Python packages bench/gpu_suite.py needs that a lent GPU machine lacks (scripts/gpu_wheels.txt), as wheels for
+# its Python 3.12 (that machine has no network): trl, datasets, deepspeed and what they need beyond the machine's
+# image (torch, transformers, accelerate, pyarrow, pandas, ... are there: /work/.library/device/KINDS.md lists them).
+#   bash scripts/gpu_wheels.sh [DIR]     # default .whl (git-ignored through .git/info/exclude); about 7 MB
+# then the device call carries it (carry: [".whl"]) and runs `bash bench/gpu_suite.sh`, which checks and installs it.
 # deepspeed is published as a source archive only: it is built here into a pure-Python wheel (DS_BUILD_OPS=0, no
 # compiled op; DeepSpeed detects CUDA at run time, and under ZeRO posttrain steps torch's own AdamW, so no op is built
-# there either). The versions are the ones the suite was tested with on CPU. PYARROW=1 adds pyarrow (about 45 MB)
-# for an image whose pyarrow is older than datasets needs (the suite's preflight says so).
+# there either). PYARROW=1 adds pyarrow (about 45 MB) for an image whose pyarrow is older than datasets needs (the
+# suite's preflight says so). Last, scripts/carry_size.sh prints what a device call then sends, and this script fails
+# when that is over the 64 MiB a call may send.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 DIR=${1:-.whl}
@@ -17,10 +18,12 @@ for candidate in .venv/bin/python python3; do
   "$candidate" -c "import torch, setuptools" 2>/dev/null && PY=$candidate
 done
 [ -n "$PY" ] || { echo "gpu_wheels.sh: no Python with torch to build deepspeed's wheel (make setup, or PYTHON=...)" >&2; exit 2; }
-WHEELS=(trl==1.16.0 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19 hjson==3.1.0 pydantic==2.14.3
-        pydantic-core==2.50.4 annotated-types==0.8.0 typing-inspection==0.4.5 typing-extensions==4.16.0)
+mapfile -t PINS < <(grep -v '^#' scripts/gpu_wheels.txt | grep .)
+WHEELS=() DEEPSPEED=
+for pin in "${PINS[@]}"; do
+  case "$pin" in deepspeed==*) DEEPSPEED=$pin ;; *) WHEELS+=("$pin") ;; esac
+done
 [ "${PYARROW:-0}" = 1 ] && WHEELS+=(pyarrow==26.0.1)
-DEEPSPEED=deepspeed==0.19.8
 # What the image has (KINDS.md, 2026-11-17) under the names wheels require them by (lower case, '-' for '_').
 IMAGE="accelerate aiohttp attrs certifi charset-normalizer click cloudpickle einops filelock fsspec hf-xet httpx
 huggingface-hub idna jinja2 markupsafe msgpack ninja numpy packaging pandas pillow psutil py-cpuinfo pyarrow pyyaml
@@ -52,4 +55,5 @@ case "$(cd "$DIR" && pwd)" in
               [ -z "$exclude" ] || grep -qxF "$rel" "$exclude" 2>/dev/null || echo "$rel" >> "$exclude" ;;
 esac
 echo "gpu_wheels.sh: $(ls "$DIR"/*.whl | wc -l) wheels, $(du -sh "$DIR" | cut -f1) in $DIR"
+bash scripts/carry_size.sh "$DIR" || missing=1
 exit $missing
