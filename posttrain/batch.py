@@ -7,6 +7,10 @@ Layouts:
 - packed (padding-free): B == 1, sequences concatenated, `attention_mask_BT` is None, `position_ids_BT` restarts at 0
   for every sequence (transformers keeps attention inside each sequence), `sequence_index_BT` numbers them.
 - preference: the first `num_pairs` rows are the chosen sequences, the next `num_pairs` their rejected partners.
+- padding-free forward (`padding_free`, data.packing for every algorithm but SFT's own packing): the batch keeps the
+  padded layout for the losses, but `model_inputs()` packs its real tokens into one row (position ids restarting per
+  row, so transformers keeps attention inside each) and `unpack` scatters the model's outputs back to [B, T]: no
+  compute or activation memory is spent on padding, and no loss needs to know.
 """
 
 from __future__ import annotations
@@ -65,15 +69,35 @@ class Batch:
     """The teacher's k largest log-probs (temperature 1) of the distribution predicting token t, at position t."""
     teacher_topk_ids_BTK: Optional[torch.Tensor] = None
     """The token ids of those k log-probs (int64)."""
+    # --- how the micro-batch runs ---
+    padding_free: bool = False
+    """Padded layout whose forwards drop the padding (see the module docstring)."""
+    filler: bool = False
+    """A stand-in micro-batch that keeps collective-bound ranks (ZeRO-3, FSDP) in step when this rank has fewer
+    token-budget micro-batches than another: its forward and backward run, its loss and counts weigh 0."""
 
     def to(self, device: torch.device) -> "Batch":
         return dataclasses.replace(self, **{name: value.to(device) for name, value in self._tensors()})
 
     def model_inputs(self) -> dict:
-        """Keyword arguments for a transformers forward pass."""
+        """Keyword arguments for a transformers forward pass (padding-free: the real tokens as one packed row; the
+        outputs go through `unpack`)."""
+        if self.padding_free:
+            keep_BT = self.attention_mask_BT.bool()
+            positions_BT = keep_BT.long().cumsum(-1) - 1
+            return {"input_ids": self.input_ids_BT[keep_BT][None], "position_ids": positions_BT[keep_BT][None]}
         inputs = {"input_ids": self.input_ids_BT, "attention_mask": self.attention_mask_BT,
                   "position_ids": self.position_ids_BT}
         return {key: value for key, value in inputs.items() if value is not None}
+
+    def unpack(self, x_1N: torch.Tensor) -> torch.Tensor:
+        """A forward output over `model_inputs()` ([1, N, ...]) in this batch's [B, T, ...] layout, 0 at padding;
+        as it is when the batch is not padding-free."""
+        if not self.padding_free:
+            return x_1N
+        keep_BT = self.attention_mask_BT.bool()
+        out = x_1N.new_zeros(*keep_BT.shape, *x_1N.shape[2:])
+        return out.index_put((keep_BT,), x_1N[0])
 
     def rows(self, start: int, stop: int) -> "Batch":
         """Rows [start, stop) of a padded batch (for chunked forwards)."""
