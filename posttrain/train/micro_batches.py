@@ -51,10 +51,12 @@ def check_token_budget(recipe, algorithm) -> None:
     if algorithm.data_kind == "prompt" or algorithm.source_kind == "distill":
         from posttrain.generation.base import longest_sequence
 
-        longest = max(longest_sequence(recipe), recipe.data.max_length)
+        longest = longest_sequence(recipe)
         what = "the longest prompt + generation.max_completion_length"
+        if algorithm.source_kind == "distill" and recipe.data.max_length > longest:  # the dataset's own rows too
+            longest, what = recipe.data.max_length, "data.max_length"
     elif algorithm.data_kind == "preference":
-        longest, what = 2 * recipe.data.max_length, "a preference pair: 2 x data.max_length"
+        longest, what = 2 * recipe.data.max_length, f"a preference pair: 2 x data.max_length ({recipe.data.max_length})"
     else:
         longest, what = recipe.data.max_length, "data.max_length"
     if budget < longest:

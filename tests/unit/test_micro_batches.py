@@ -134,7 +134,7 @@ def test_a_budget_below_the_longest_unit_is_refused():
     sft = SimpleNamespace(name="sft", data_kind="sft", source_kind="dataset")
     dpo = SimpleNamespace(name="dpo", data_kind="preference", source_kind="dataset")
     check_token_budget(recipe(budget=16), sft)
-    with pytest.raises(UserError, match="2 x data.max_length = 32"):
+    with pytest.raises(UserError, match=r"2 x data.max_length \(16\) = 32"):
         check_token_budget(recipe(budget=16), dpo)
     with pytest.raises(UserError, match="max_tokens_per_microbatch=8 is below data.max_length = 16"):
         check_token_budget(recipe(budget=8), sft)
@@ -146,6 +146,6 @@ def test_balanced_shares_cover_the_global_batch_once():
               for rank in range(2)]
     assert all(len(s) == 1 for s in shares)
     assert sorted(shares[0][0] + shares[1][0]) == sorted(
-        i for micro in DatasetSource(examples, lambda e: e, 2, 2, 1, 0, seed=1).step_indices(0) for i in micro)
+        i for micro in DatasetSource(examples, lambda e: e, 2, 4, 1, 0, seed=1).step_indices(0) for i in micro)
     sums = [sum(len(examples[i]["input_ids"]) for i in s[0]) for s in shares]
     assert abs(sums[0] - sums[1]) <= 10, sums
