@@ -50,7 +50,7 @@ def workload_from_recipe(command: str, recipe: Recipe, per_device_batch: Optiona
                         lm_head=facts["task"] == "causal_lm", logprobs_only=command in ("sft", "dpo"),
                         eager_attention=recipe.model.attn_implementation == "eager")
     if not facts["generate"]:
-        return workload
+        return within_budget(workload, t, per_device_batch, max_length)
     prompt_length = d.max_prompt_length or max(1, length - g.max_completion_length)
     if max_length is not None:
         prompt_length = max(1, min(prompt_length, max_length - g.max_completion_length))
@@ -58,7 +58,20 @@ def workload_from_recipe(command: str, recipe: Recipe, per_device_batch: Optiona
     prompts = t.per_device_train_batch_size * t.gradient_accumulation_steps // generations  # kept by any split
     per_call = min(g.batch_size or prompts, prompts) or 1
     vllm = g.engine == "vllm" and g.placement in ("colocated", "node")  # its KV cache lives in its reserved share
-    return dataclasses.replace(workload, sequence_length=prompt_length + g.max_completion_length,
-                               generation_sequences=0 if vllm else per_call * generations,
-                               generation_length=prompt_length + g.max_completion_length,
-                               vllm_fraction=VLLM_DEFAULT_FRACTION if vllm else 0.0)
+    workload = dataclasses.replace(workload, sequence_length=prompt_length + g.max_completion_length,
+                                   generation_sequences=0 if vllm else per_call * generations,
+                                   generation_length=prompt_length + g.max_completion_length,
+                                   vllm_fraction=VLLM_DEFAULT_FRACTION if vllm else 0.0)
+    return within_budget(workload, t, per_device_batch, max_length)
+
+
+def within_budget(workload: Workload, t, per_device_batch: Optional[int], max_length: Optional[int]) -> Workload:
+    """train.max_tokens_per_microbatch: a micro-batch is at most that many tokens, packed into one row (the worst
+    case: one full micro-batch), and the step's rows at full length take ceil(tokens / budget) of them. Not applied
+    when the caller asks about another micro-batch shape (the recommender's alternatives)."""
+    budget = t.max_tokens_per_microbatch
+    if budget is None or per_device_batch is not None or max_length is not None:
+        return workload
+    step_tokens = workload.sequences * workload.sequence_length * workload.accumulation
+    return dataclasses.replace(workload, sequences=1, sequence_length=min(budget, step_tokens),
+                               accumulation=max(1, -(-step_tokens // budget)))
