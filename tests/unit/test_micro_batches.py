@@ -60,7 +60,11 @@ def test_padding_free_logprobs_and_gradients_equal_padded(attn_implementation):
     padded = collate_padded(ROWS, PAD)
     free = dataclasses.replace(padded, padding_free=True)
     mask_BT = padded.completion_mask_BT
-    assert free.model_inputs()["input_ids"].shape == (1, sum(len(r["input_ids"]) for r in ROWS))
+    inputs = free.model_inputs()  # rows of 9, 3, 6, 12, 4 tokens in rows of 12: [12], [9, 3], [6, 4] + 2 filler
+    assert inputs["input_ids"].shape == (3, 12)
+    assert inputs["position_ids"].tolist() == [list(range(12)), [*range(9), *range(3)], [*range(6), *range(4), 0, 1]]
+    real = inputs["input_ids"][inputs["input_ids"] > 0]
+    assert sorted(real.tolist()) == sorted(t for r in ROWS for t in r["input_ids"])
     # the fused output layer (llama is in FUSED_HEAD_MODELS) and the logits path
     fused = [policy_logprobs(model, b) for b in (padded, free)]
     plain = [token_logprobs(policy_logits(model, b), b.input_ids_BT) for b in (padded, free)]
