@@ -32,8 +32,9 @@ SIZES = {
 PHASES = ("time/sync", "time/generate", "time/score", "time/ref", "time/train")
 
 
-def length_reward(prompts, completions, **columns):
-    return [len(c) / 40.0 for c in completions]
+def length_reward(completions, **kwargs):
+    """Longer text, more reward (TRL's contract: a conversational completion is [{"role": "assistant", ...}])."""
+    return [len(c if isinstance(c, str) else c[0]["content"]) / 40.0 for c in completions]
 
 
 def main(argv=None) -> int:

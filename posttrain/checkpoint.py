@@ -20,6 +20,8 @@ import shutil
 from pathlib import Path
 from typing import Any, Optional
 
+import torch
+
 from posttrain import checkpoint_files as files
 from posttrain.config.schema import global_batch_size
 from posttrain.distributed.backend import drop_tied_aliases
@@ -27,7 +29,8 @@ from posttrain.distributed.rng_files import rng_problem
 from posttrain.distributed.resume import drop_converted, engine_resume_path, needs_conversion
 from posttrain.distributed.wrappers import plain_class
 from posttrain.errors import RunStopped, UserError
-from posttrain.models.load import merge_lora, merge_lora_state
+from posttrain.models.load import lora_adapter, merge_lora, merge_lora_state, save_lora_adapter
+from posttrain.train import in_flight
 from posttrain.train.guard import require_finite
 from posttrain.train.state import TrainState
 
@@ -83,6 +86,9 @@ def resumable_problem(root: Path, strict: bool = True) -> Optional[str]:
         world_size = int(json.loads((root / "trainer_state.json").read_text())["run"]["world_size"])
     except (OSError, ValueError, KeyError, TypeError) as e:
         return f"trainer_state.json is unreadable ({type(e).__name__}: {e})"
+    state = state_problem(root) or in_flight.files_problem(root)
+    if state is not None:
+        return state
     rng = rng_problem(root, world_size)
     if rng is not None and strict:
         return (f"the random number generators' state cannot be restored ({rng}), so the resumed run would not "
@@ -90,6 +96,24 @@ def resumable_problem(root: Path, strict: bool = True) -> Optional[str]:
     if rng is not None:
         files.warn(f"checkpoint {root}: {rng}; resuming without the random number generators' state "
              "(train.resume_strict=false): the run is not an exact continuation")
+    return None
+
+
+def state_problem(root: Path) -> Optional[str]:
+    """What is wrong with trainer_state.json's record of where the run was (a step of -5 would drop every metrics
+    row on resume), or None."""
+    try:
+        state = json.loads((root / "trainer_state.json").read_text())["state"]
+        TrainState(**state)
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        return f"trainer_state.json has no readable state ({type(e).__name__}: {e})"
+    counts = {k: state.get(k, 0) for k in ("step", "tokens_seen", "samples_seen", "nonfinite_skips")}
+    bad = [f"{k}={v!r:.40}" for k, v in counts.items() if not isinstance(v, int) or isinstance(v, bool) or v < 0]
+    if bad:
+        return f"trainer_state.json records {', '.join(bad)}; each must be a whole number >= 0"
+    named = STEP_DIR.match(root.name)
+    if named and int(named.group(1)) != state["step"]:
+        return f"trainer_state.json records step {state['step']}, but the checkpoint is {root.name}"
     return None
 
 
@@ -202,22 +226,28 @@ def resume_path(backend, path: Path, now: dict[str, Any], output_dir) -> Path:
     return engine_resume_path(backend, path, read_trainer_state(path)["run"], now, output_dir)
 
 
-def export_final(backend, model, tokenizer, output_dir: str, name: str = "final") -> Optional[Path]:
+def export_final(backend, model, tokenizer, output_dir: str, name: str = "final",
+                 dtype: Optional[str] = None) -> Optional[Path]:
     """Write output_dir/<name> (final; final-critic for PPO's critic) as a Hugging Face directory that from_pretrained
-    (and vLLM, for the policy) can load, a LoRA adapter merged into its base weights. Every rank calls it: the full
-    weights are gathered from the shards (ZeRO-3, FSDP) and rank 0 writes them."""
+    (and vLLM, for the policy) can load, a LoRA adapter merged into its base weights and also saved alone in
+    <name>/adapter/ (PeftModel.from_pretrained(base, that folder)). Every rank calls it: the full
+    weights are gathered from the shards (ZeRO-3, FSDP) and rank 0 writes them. dtype: the merged weights' dtype on
+    disk (train.export_dtype; None: as trained), which config.json then names."""
     require_finite(backend, backend.nonfinite_parameters(model), "exporting final/")
     unwrapped = backend.unwrap(model)
+    adapter = None  # a LoRA model's adapter, saved beside the merged weights in <name>/adapter/ (as TRL saves it)
     if hasattr(unwrapped, "merge_and_unload"):
         if not backend.full_weights_in_place:
             # sharded parameters (FSDP2's DTensors): gather the LoRA model's state to rank 0 and merge a CPU copy there
             state_dict = backend.full_state_dict(model)
             if backend.is_main:
+                adapter = lora_adapter(unwrapped, state_dict)
                 unwrapped = merge_lora_state(unwrapped, state_dict, plain_class(unwrapped.get_base_model()))
                 state_dict = dict(unwrapped.state_dict())
         else:
             # merging needs the whole base weights: under ZeRO-3 every rank gathers them and merges the same way
             with backend.gathered_parameters(model):
+                adapter = lora_adapter(unwrapped) if backend.is_main else None
                 unwrapped = merge_lora(unwrapped)
                 state_dict = ({k: v.detach().to("cpu", copy=True) for k, v in unwrapped.state_dict().items()}
                               if backend.is_main else {})
@@ -228,10 +258,26 @@ def export_final(backend, model, tokenizer, output_dir: str, name: str = "final"
     tmp = Path(output_dir) / f".tmp-{name}"
     if backend.is_main:
         shutil.rmtree(tmp, ignore_errors=True)
+        if dtype is not None:
+            state_dict = {k: v.to(getattr(torch, dtype)) if v.is_floating_point() else v for k, v in state_dict.items()}
         unwrapped.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
+        if dtype is not None:  # save_pretrained names the live model's dtype
+            set_config_dtype(tmp / "config.json", dtype)
         tokenizer.save_pretrained(tmp)
         if getattr(unwrapped, "generation_config", None) is not None:
             unwrapped.generation_config.save_pretrained(tmp)
+        if adapter is not None:
+            save_lora_adapter(tmp / "adapter", *adapter)
         files.replace_dir(tmp, final)
     backend.barrier()
     return final if backend.is_main else None
+
+
+def set_config_dtype(config_file: Path, dtype: str) -> None:
+    """config.json names `dtype` as the weights' dtype (transformers 5's key, and torch_dtype where present), so that
+    `dtype=auto` loads (from_pretrained, vLLM) read the weights as written."""
+    config = json.loads(config_file.read_text())
+    config["dtype"] = dtype
+    if "torch_dtype" in config:
+        config["torch_dtype"] = dtype
+    config_file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
+import shlex
 import sys
 import traceback
 
@@ -33,7 +34,9 @@ OTHER_COMMANDS = {  # command -> (its one-line help, its module, the functions t
                "run_report"),
 }
 ALGORITHM_EPILOG = """TRL-style flags work too: --learning_rate 1e-4, --num_generations=4, --bf16 (docs/trl.md has
-the table), and --config takes a flat TRL config file (model_name_or_path: ..., learning_rate: ...).
+the table), and --config takes a flat TRL config file (model_name_or_path: ..., learning_rate: ...). Online
+algorithms take TRL's reward functions: --reward_funcs my_rewards.py:accuracy pkg.module.fn runs/rm/final
+--reward_weights 1 0.5 0.2 (docs/rewards.md).
 
 Recipe keys (key = default  # what it does); set any with key.sub=value:
 """
@@ -93,11 +96,16 @@ def run_command(argv: list[str] | None = None) -> int:
     quiet_healthy_run_warnings()
     argv = list(sys.argv[1:] if argv is None else argv)
     command = next((a for a in argv if not a.startswith("-")), None)
+    argv_given = list(argv)
     trl_flags: dict = {}
     if command in ALGORITHM_COMMANDS:
         from posttrain.config.trl_compat import split_trl_flags
 
-        argv, trl_flags = split_trl_flags(argv)
+        try:
+            argv, trl_flags = split_trl_flags(argv)
+        except UserError as e:
+            print(f"posttrain: error: {e}", file=sys.stderr)
+            return 2
     args = build_parser(command, help_wanted=bool({"-h", "--help"} & set(argv))).parse_args(argv)
     if args.command in ALGORITHM_COMMANDS or args.command == "demo":
         one_thread_unless_asked()
@@ -117,8 +125,10 @@ def run_command(argv: list[str] | None = None) -> int:
             return getattr(importlib.import_module(module), function)(args)
         from posttrain.algorithms import ALGORITHMS
         from posttrain.config.load import load_recipe
+        from posttrain.outputs import forget_started
         from posttrain.run import run
 
+        forget_started()
         algo_cls = ALGORITHMS[args.command][0]
         overrides = command_line_overrides(args.overrides, trl_flags, algo_cls) + (["launcher=ray"] if args.ray else [])
         recipe = load_recipe(args.config, overrides, algo_cls)
@@ -131,9 +141,18 @@ def run_command(argv: list[str] | None = None) -> int:
             print(f"final model: {result.final_dir}")
         return 0
     except UserError as e:
+        from posttrain.outputs import run_started
+
+        started = run_started() if args.command in ALGORITHM_COMMANDS else None  # demo: its own runs' directories
+        if started is not None:  # exit 2 says nothing was written: this one was found once the run had begun
+            print(f"posttrain: error: {e}\n(found once the run had started writing in {started}: exit 1; a plain "
+                  "rerun there is allowed while it holds no trained step)", file=sys.stderr)
+            return 1
         print(f"posttrain: error: {e}", file=sys.stderr)
         return 2
     except RunStopped as e:  # on purpose, work saved: one line (from rank 0 when every rank stops alike)
+        if e.resumable and args.command in ALGORITHM_COMMANDS:
+            e.continue_with = f"`{continue_command(argv_given, recipe.train.overwrite_output_dir)}`"
         if not e.shared or os.environ.get("RANK", "0") == "0":
             rank = os.environ.get("RANK")
             where = f" (rank {rank})" if rank is not None and not e.shared else ""
@@ -166,6 +185,24 @@ def run_command(argv: list[str] | None = None) -> int:
         return 1
 
 
+def continue_command(argv: list[str], overwrite: bool) -> str:
+    """The command that continues a stopped run: the one given, without what set overwrite_output_dir or
+    resume_from_checkpoint, plus train.resume_from_checkpoint=auto (and overwrite_output_dir=false where the recipe
+    file sets it true: the two conflict). Under a launcher (torchrun, accelerate launch) its arguments, to relaunch."""
+    from posttrain.config.trl_compat import split_trl_flags, yaml_text
+
+    replaced = ("overwrite_output_dir", "resume_from_checkpoint")
+    rest, flags = split_trl_flags(argv)
+    kept = [a for a in rest if not a.startswith(tuple(f"train.{key}=" for key in replaced))]
+    overwrite_given = "overwrite_output_dir" in flags or "train.overwrite_output_dir=" in " ".join(rest)
+    kept += [f"--{key}={yaml_text(value)}" for key, value in flags.items() if key not in replaced]
+    kept.append("train.resume_from_checkpoint=auto")
+    if overwrite and not overwrite_given:
+        kept.append("train.overwrite_output_dir=false")
+    launched = int(os.environ.get("WORLD_SIZE", "1")) > 1
+    return ("<the same launcher> -m posttrain " if launched else "posttrain ") + shlex.join(kept)
+
+
 def one_thread_unless_asked() -> None:
     """One torch thread per process unless the user set a count (OMP_NUM_THREADS): torchrun and accelerate launch
     already do this for their workers. A lone process with torch's default (every core) ran a tiny model's step 25x
@@ -182,12 +219,20 @@ def command_line_overrides(overrides: list[str], trl_flags: dict, algo_cls: type
     names the command line and echoes what was typed (not the recipe file the value would land in). A bare word for
     a string key stays that word (train.mixed_precision=no is 'no', not YAML's false)."""
     from posttrain.config.trl_compat import as_override, translate
+    from posttrain.config.trl_rewards import REWARD_KEYS
 
-    translate(trl_flags, "command line", algo_cls, "--")  # every flag with no meaning here, reported at once
-    checked = []
-    for key, value in trl_flags.items():
-        for path, converted in translate({key: value}, "command line", algo_cls, "--"):
-            checked.append(checked_override(as_override(path, converted), f"--{key} {value}", algo_cls))
+    checked, by_path = [], {}
+    for key, path, value in translate(trl_flags, "command line", algo_cls, "--"):  # every bad flag at once
+        if path == "rewards":  # one list, made together from every reward flag given
+            typed = " ".join(f"--{k} {v}" for k, v in trl_flags.items() if k in REWARD_KEYS)
+        else:
+            typed = f"--{key} {trl_flags[key]}"
+        checked.append(checked_override(as_override(path, value), typed, algo_cls))
+        by_path[path] = typed
+    for item in overrides:
+        path = item.partition("=")[0].strip()
+        if path in by_path:
+            raise UserError(f"command line: {by_path[path]} and {item} both set {path}; keep one")
     return checked + [checked_override(item, item, algo_cls) for item in overrides]
 
 

@@ -21,6 +21,7 @@ for GRPO and PPO start at the SFT model's value at step 0) under the demo direct
 from __future__ import annotations
 
 import json
+import shlex
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -53,14 +54,17 @@ QUICK = DemoSize(hidden_size=64, num_layers=2, n_train=400, n_rl=200, n_eval=40,
                  grpo_steps=4, ppo_steps=2)
 
 
-def stage(command: str, out: Path, overrides: list[str], seed: int = 0):
-    """One ordinary posttrain run, in-process, with the demo's run directory."""
+def stage(command: str, out: Path, overrides: list[str], seed: int = 0, resume: bool = False):
+    """One ordinary posttrain run, in-process, with the demo's run directory. resume: the same demo was stopped
+    before it finished; a stage with a checkpoint continues from it (a finished one only exports again)."""
     from posttrain.algorithms import ALGORITHMS
+    from posttrain.checkpoint import list_checkpoints
     from posttrain.config.load import load_recipe
     from posttrain.run import run
 
-    common = [f"output_dir={out / command}", "train.overwrite_output_dir=true", "train.save_steps=0",
-              "train.save_total_limit=1", f"seed={seed}"]
+    again = resume and list_checkpoints(str(out / command))
+    start = "train.resume_from_checkpoint=auto" if again else "train.overwrite_output_dir=true"
+    common = [f"output_dir={out / command}", start, "train.save_steps=0", "train.save_total_limit=1", f"seed={seed}"]
     recipe = load_recipe(None, common + overrides, ALGORITHMS[command][0])
     return run(command, recipe)
 
@@ -89,12 +93,37 @@ def online_overrides(policy_dir: Path, data: dict, steps: int) -> list[str]:
 
 
 def run_demo(out_dir: str = "runs/demo", quick: bool = False, seed: int = 0) -> dict:
-    """seed: the tiny model's initialisation, the problems drawn and every run's seed."""
+    """seed: the tiny model's initialisation, the problems drawn and every run's seed. The same command after a stop
+    (Ctrl-C) continues where the demo stopped: demo_state.json says which settings the unfinished demo had."""
+    from posttrain.errors import RunStopped
+
+    out = Path(out_dir)
+    settings = {"quick": quick, "seed": seed, "finished": False}
+    state_file = out / "demo_state.json"
+    try:
+        resume = json.loads(state_file.read_text()) == settings
+    except (OSError, ValueError):
+        resume = False
+    out.mkdir(parents=True, exist_ok=True)
+    state_file.write_text(json.dumps(settings) + "\n")
+    try:
+        results = run_stages(out, QUICK if quick else FULL, seed, resume)
+    except RunStopped as stopped:
+        if stopped.resumable:
+            command = ["posttrain", "demo", "--out", str(out)] + ["--quick"] * quick + ["--seed", str(seed)]
+            stopped.continue_with = (f"`{shlex.join(command)}`: the stages already done export again from their "
+                                     "last checkpoint and the stopped one continues from its own")
+        raise
+    state_file.write_text(json.dumps({**settings, "finished": True}) + "\n")
+    return results
+
+
+def run_stages(out: Path, size: DemoSize, seed: int, resume: bool) -> dict:
+    """The demo's four stages under `out`; resume: continue each from its checkpoint (see `stage`)."""
     from posttrain.models.tiny import make_tiny_model
     from posttrain.train.evaluation import preference_accuracy
 
-    size = QUICK if quick else FULL
-    out = Path(out_dir)
+    quick = size == QUICK
     started = time.time()
     if quick:
         print(f"[demo] --quick: a smoke run of every stage ({size.sft_steps} SFT steps on a smaller model) that checks "
@@ -114,7 +143,7 @@ def run_demo(out_dir: str = "runs/demo", quick: bool = False, seed: int = 0) -> 
         "train.learning_rate=3e-3", "train.lr_scheduler_type=cosine", "train.warmup_ratio=0.05",
         "train.weight_decay=0.01", f"train.max_steps={size.sft_steps}", "train.logging_steps=10",
         f"train.eval_steps={max(1, size.sft_steps // 4)}",
-    ], seed)
+    ], seed, resume)
     results["sft_accuracy"] = held_out_accuracy(sft.final_dir, data["prompts_eval"])
     print(f"[demo] SFT held-out exact-match accuracy: {results['sft_accuracy']:.1%}", flush=True)
 
@@ -126,7 +155,7 @@ def run_demo(out_dir: str = "runs/demo", quick: bool = False, seed: int = 0) -> 
         "data.max_length=64", "train.per_device_train_batch_size=16", "train.learning_rate=5e-5",
         "train.lr_scheduler_type=constant", f"train.max_steps={size.dpo_steps}", "train.logging_steps=5",
         f"train.eval_steps={max(1, size.dpo_steps // 4)}", "algo.beta=0.1", "algo.rpo_alpha=1.0",
-    ], seed)
+    ], seed, resume)
     results["dpo_pref_accuracy_after"] = preference_accuracy(str(dpo.final_dir), examples=str(data["pref_eval"]))
     # DPO's own held-out metric: how often the implicit reward beta * log(pi / pi_ref) ranks the right sum first
     # (50% is chance: before training pi == pi_ref and every pair is a tie)
@@ -139,13 +168,13 @@ def run_demo(out_dir: str = "runs/demo", quick: bool = False, seed: int = 0) -> 
     print(f"\n[demo 3/4] GRPO from the SFT model on {size.n_rl} new prompts with the exact-match reward "
           f"({size.grpo_steps} steps)", flush=True)
     grpo = stage("grpo", out, online_overrides(sft.final_dir, data, size.grpo_steps)
-                 + ["algo.num_generations=8", "algo.beta=0.0"], seed)
+                 + ["algo.num_generations=8", "algo.beta=0.0"], seed, resume)
     results["grpo_accuracy"] = held_out_accuracy(grpo.final_dir, data["prompts_eval"])
 
     print(f"\n[demo 4/4] PPO from the SFT model on the same prompts: a critic from the SFT model, GAE "
           f"({size.ppo_steps} steps)", flush=True)
     ppo = stage("ppo", out, online_overrides(sft.final_dir, data, size.ppo_steps)
-                + ["algo.critic_learning_rate=1e-3", "algo.kl_coef=0.0"], seed)
+                + ["algo.critic_learning_rate=1e-3", "algo.kl_coef=0.0"], seed, resume)
     results["ppo_accuracy"] = held_out_accuracy(ppo.final_dir, data["prompts_eval"])
     print(f"[demo] held-out exact match: SFT start {results['sft_accuracy']:.1%} -> after PPO "
           f"{results['ppo_accuracy']:.1%}", flush=True)

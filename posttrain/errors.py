@@ -9,7 +9,14 @@ class RunStopped(Exception):
     """The run stopped on purpose, with its work saved where possible: a signal (exit 128 + signal number), a
     non-finite loss or gradient norm, a full disk (exit 1). The CLI prints the message as one line, no traceback."""
 
-    def __init__(self, message: str, exit_code: int = 1, shared: bool = True):
+    def __init__(self, message: str, exit_code: int = 1, shared: bool = True, resumable: bool = False):
         super().__init__(message)
+        self.reason = message
         self.exit_code = exit_code
         self.shared = shared  # every rank stops for the same reason: only rank 0 prints it
+        self.resumable = resumable  # a checkpoint holds every step so far: the message says how to continue
+        # how to continue, as the message says it: the CLI puts the whole command here, the demo its own
+        self.continue_with = "train.resume_from_checkpoint=auto"
+
+    def __str__(self) -> str:
+        return self.reason + (f"; continue with {self.continue_with}" if self.resumable else "")

@@ -4,6 +4,11 @@
     aside = begin_run(out, overwrite)             # rank 0: the marker; overwrite moves the old run's files aside
     (out / "config.yaml").write_text(...)
     end_overwrite(aside)                          # the old run's files go only once the new config is written
+    ...
+    end_attempt(out, error)                       # rank 0: how this attempt ended, in the marker
+
+A run that failed before its first checkpoint (or died before step 1) is taken over by the next run without a flag:
+nothing of it could be resumed, and its files are kept under failed-attempts/ (docs/reliability.md).
 
 The rules, each with its reason, are in docs/reliability.md ("Output directories: nothing of yours is lost").
 """
@@ -14,6 +19,7 @@ import datetime
 import json
 import os
 import shutil
+import socket
 import tempfile
 from pathlib import Path
 from typing import Optional
@@ -26,9 +32,10 @@ from posttrain.errors import UserError
 
 MARKER = ".posttrain-run"
 RUN_ARTIFACTS = ("config.yaml", "metrics.jsonl", "tensorboard", "checkpoints", "final", "final-critic", "report.html",
-                 "curves.png", "summary.json", "samples.jsonl", "ref_logprobs.safetensors", UNIVERSAL_DIR)
+                 "curves.png", "summary.json", "samples.jsonl", "ref_logprobs.safetensors", "mlflow.db", UNIVERSAL_DIR)
 ASIDE_PREFIX = ".posttrain-replaced-"  # overwrite_output_dir: the old run's files until the new run is set up
 RECIPE_SECTIONS = ("output_dir", "model", "data", "train")  # what every config.yaml a run wrote holds
+FAILED_DIR = "failed-attempts"  # a failed attempt's files, moved here when the next run takes its place
 
 
 def engine_logs() -> str:
@@ -38,11 +45,12 @@ def engine_logs() -> str:
     return LOG_DIR
 
 
-def check_output_dir(recipe) -> Optional[Path]:
-    """Refuse any output_dir a run could lose the user's files in. Returns the checkpoint to resume from, if any."""
+def check_output_dir(recipe, command: str = "") -> Optional[Path]:
+    """Refuse any output_dir a run could lose the user's files in. Returns the checkpoint to resume from, if any.
+    command: this run's (sft, dpo, ...); a run of another command is never continued (see check_same_command)."""
     from posttrain.checkpoint import resolve_resume
 
-    out = Path(recipe.output_dir)  # as run.py writes it (no ~ expansion there either)
+    out = Path(recipe.output_dir)  # as run.py writes it (load_recipe expanded a leading ~)
     t = recipe.train
     refuse_special(out)
     if out.exists() and not out.is_dir():
@@ -57,14 +65,101 @@ def check_output_dir(recipe) -> Optional[Path]:
     for left in sorted(out.glob(ASIDE_PREFIX + "*")) if out.is_dir() else ():
         warn(f"{left} holds the files of a run that overwrite_output_dir was replacing when it stopped; nothing "
              "removes it: move back what you need, then delete it")
+    if kind == "run" and not t.overwrite_output_dir:
+        check_same_command(out, command, "output_dir")
+    if t.resume_from_checkpoint not in (None, "auto") and not t.overwrite_output_dir:
+        check_same_command(Path(t.resume_from_checkpoint).parent.parent, command, "train.resume_from_checkpoint")
     resume = resolve_resume(str(out), t.resume_from_checkpoint, strict=t.resume_strict)
     if resume is not None or t.overwrite_output_dir or t.resume_from_checkpoint == "auto":
         return resume  # auto and no checkpoint yet (a run stopped before its first save): the run starts
-    # config.yaml alone: that run never trained; the engines' logs: the Ray launcher started them first
-    if kind == "run" and any(p.name not in ("config.yaml", MARKER, engine_logs()) for p in out.iterdir()):
+    # config.yaml alone (or with an empty log): that run never trained; the engines' logs: the Ray launcher started
+    # them first; a failed attempt (takeover_reason) is replaced by the next run
+    if kind == "run" and not never_trained(out) and takeover_reason(out) is None:
+        live = live_attempt(out)
+        if live:
+            raise UserError(f"output_dir {out} is in use by a run still going ({live}); wait for it, stop it, or "
+                            "choose another output_dir")
         raise UserError(f"output_dir {out} already holds a run (config.yaml); pass train.resume_from_checkpoint=auto "
                         "to continue it, train.overwrite_output_dir=true to replace it, or choose another output_dir")
     return None
+
+
+def read_marker(out: Path) -> dict:
+    """The marker's record ({} for a marker from before records, or one that cannot be read)."""
+    try:
+        record = json.loads((out / MARKER).read_text())
+    except (OSError, ValueError):
+        return {}
+    return record if isinstance(record, dict) else {}
+
+
+def live_attempt(out: Path) -> str:
+    """'pid N on HOST' when the marker's attempt is running in a process alive on this host, else ''."""
+    attempt = read_marker(out).get("attempt") or {}
+    pid = attempt.get("pid")
+    if attempt.get("status") != "running" or attempt.get("host") != socket.gethostname() or not isinstance(pid, int):
+        return ""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return ""
+    except OSError:  # alive, owned by someone else
+        pass
+    return f"pid {pid} on {attempt['host']}"
+
+
+def takeover_reason(out: Path) -> Optional[str]:
+    """Why the run in `out` may be replaced without a flag, or None. Only a run with nothing to resume or keep (no
+    checkpoint, no final/) whose attempt ended in an error, or whose process died before step 1 (a crash, kill -9,
+    out of memory): rerunning the same command after fixing the cause is then all a user wants."""
+    if any((out / name).exists() for name in ("final", "checkpoints")):
+        return None
+    attempt = read_marker(out).get("attempt") or {}
+    status = attempt.get("status")
+    if status in ("failed", "stopped"):
+        error = f" ({attempt['error']})" if attempt.get("error") else ""
+        return ("ended in an error" if status == "failed" else "was stopped") + error
+    if status == "running" and attempt.get("host") == socket.gethostname() and not live_attempt(out):
+        from posttrain.logging import read_metrics
+
+        if not any(row.get("step", 0) >= 1 for row in read_metrics(out)):
+            return f"ended before step 1 (its process, pid {attempt.get('pid')}, is gone)"
+    return None
+
+
+def check_same_command(run: Path, command: str, key: str) -> None:
+    """A run of another algorithm is not continued: its checkpoint holds another model head and optimiser, its
+    metrics.jsonl other columns, and final/ would be replaced by this command's. The marker records the command."""
+    recorded = read_marker(run).get("command")  # an unreadable marker still marks a run; it cannot tell the command
+    if command and recorded and recorded != command:
+        raise UserError(f"{key}: {run} holds a `posttrain {recorded}` run, and this is `posttrain {command}`; a run "
+                        f"continues only with its own command. Start the {command} run in another output_dir (with "
+                        f"model.name_or_path={run / 'final'} to train on from that run's model)")
+
+
+def never_trained(out: Path) -> bool:
+    """What a run leaves that stopped before its first step (its model did not load, an input error found once it
+    had started): config.yaml, the marker, the engines' logs, and at most an empty metrics.jsonl and tensorboard/."""
+    for p in out.iterdir():
+        if p.name in ("config.yaml", MARKER, engine_logs(), "tensorboard", FAILED_DIR):
+            continue
+        if p.name == "metrics.jsonl" and p.is_file() and not p.is_symlink() and p.stat().st_size == 0:
+            continue
+        return False
+    return True
+
+
+_started: list[Path] = []  # begin_run's output_dir in this process: from then on the run has written
+
+
+def run_started() -> Optional[Path]:
+    """The output_dir a run of this process has written into (exit 2 promises nothing was written), or None."""
+    return _started[-1] if _started else None
+
+
+def forget_started() -> None:
+    """A new command starts (the CLI's main, called many times in one test process)."""
+    _started.clear()
 
 
 def refuse_special(out: Path) -> None:
@@ -129,13 +224,21 @@ def refuse_links(out: Path) -> None:
 
 
 def begin_run(out: Path, overwrite: bool, command: str = "") -> Optional[Path]:
-    """Rank 0, once the checks passed: create output_dir, write the marker, and with overwrite move the previous
-    run's own files into a folder inside output_dir (returned; pass it to end_overwrite once config.yaml is new)."""
+    """Rank 0, once the checks passed: create output_dir, write the marker with this attempt, and with overwrite
+    move the previous run's own files into a folder inside output_dir (returned; pass it to end_overwrite once
+    config.yaml is new). A failed attempt taken over (takeover_reason) has its files moved to failed-attempts/."""
     out.mkdir(parents=True, exist_ok=True)
-    marker = out / MARKER
-    if not marker.exists():
-        stamp = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
-        marker.write_text(json.dumps({"created": stamp, "command": command, "by": "posttrain"}) + "\n")
+    _started.append(out)
+    now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    reason = None if overwrite or not (out / MARKER).exists() else takeover_reason(out)
+    if reason is not None:
+        kept = keep_failed_attempt(out, now)
+        warn(f"output_dir {out}: the previous run there {reason}, before any checkpoint; this run takes its place"
+             + (f" (its files are in {kept})" if kept else ""))
+    previous = {} if overwrite else read_marker(out)  # a replaced run's marker named the command that wrote it
+    record = {"created": now, **previous, "command": command or previous.get("command", ""), "by": "posttrain"}
+    record["attempt"] = {"pid": os.getpid(), "host": socket.gethostname(), "started": now, "status": "running"}
+    write_marker(out, record)
     present = [name for name in RUN_ARTIFACTS if os.path.lexists(out / name)] if overwrite else []
     if not present:
         return None
@@ -151,6 +254,50 @@ def begin_run(out: Path, overwrite: bool, command: str = "") -> Optional[Path]:
         aside.rmdir()
         raise
     return aside
+
+
+def keep_failed_attempt(out: Path, stamp: str) -> Optional[Path]:
+    """Move a failed attempt's own files to failed-attempts/<when it was replaced>/ (None when it left none)."""
+    present = [name for name in RUN_ARTIFACTS if os.path.lexists(out / name)]
+    if not present:
+        return None
+    kept = out / FAILED_DIR / stamp.replace(":", "")
+    suffix = 0
+    while kept.exists():  # two takeovers within a second
+        suffix += 1
+        kept = out / FAILED_DIR / f"{stamp.replace(':', '')}-{suffix}"
+    kept.mkdir(parents=True)
+    for name in present:
+        os.rename(out / name, kept / name)  # a link is moved as a link, never followed
+    return kept
+
+
+def write_marker(out: Path, record: dict) -> None:
+    """Replace the marker whole (a temporary file renamed), so a reader never sees half of it."""
+    fd, tmp = tempfile.mkstemp(prefix=MARKER + ".", dir=out)
+    with os.fdopen(fd, "w") as f:
+        f.write(json.dumps(record) + "\n")
+    os.replace(tmp, out / MARKER)
+
+
+def end_attempt(out: Path, error: Optional[BaseException] = None) -> None:
+    """Record how this process's attempt ended: finished, stopped (a signal, Ctrl-C) or failed (with the error's
+    first line). Only the process that began it writes (rank 0; never a run that refused to start)."""
+    record = read_marker(out)
+    attempt = record.get("attempt") or {}
+    if attempt.get("pid") != os.getpid() or attempt.get("status") != "running":
+        return
+    from posttrain.errors import RunStopped
+
+    stopped = isinstance(error, (KeyboardInterrupt, RunStopped))
+    attempt["status"] = "finished" if error is None else "stopped" if stopped else "failed"
+    if error is not None:
+        attempt["error"] = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"[:300]
+    attempt["ended"] = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    try:
+        write_marker(out, record)
+    except OSError:  # a full or vanished disk: the run's own error is the news
+        pass
 
 
 def end_overwrite(aside: Optional[Path]) -> None:

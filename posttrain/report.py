@@ -16,12 +16,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-import yaml
-
 from posttrain.errors import UserError
-from posttrain.logging import finite, parse_row, read_metrics
+from posttrain.logging import finite
 from posttrain.report_charts import COLORS, LINESTYLES, Series, draw, is_constant
-from posttrain.report_html import (config_section, constants_table, facts_section, fmt, headline_single,
+from posttrain.report_files import read_mapping, read_rows, report_path
+from posttrain.report_html import (config_section, constants_table, esc, facts_section, fmt, headline_single,
                                    headline_table, page, samples_section)
 
 # The curves a person reads first, per command: (title, metric patterns); eval/<metric> joins its train metric
@@ -42,6 +41,9 @@ KEY_CURVES: dict[str, tuple[tuple[str, tuple[str, ...]], ...]] = {
 THROUGHPUT = (("tokens per second", ("tokens_per_second",)),
               ("peak memory (MB)", ("peak_memory_mb", "peak_memory_mb/rank*", "estimated_peak_memory_mb")),
               ("seconds per step, by phase", ("time/*",)))
+# On a CPU the measured peak is the process's resident memory (interpreter and libraries included, ~0.6 GB) while the
+# planner estimates what torch allocates: not comparable, so the estimate is left to the values table there
+CPU_MEMORY = ("peak resident memory of the process (MB)", ("peak_memory_mb", "peak_memory_mb/rank*"))
 EVAL_OF = {"reward/mean": "eval/reward", "completion_length/mean": "eval/completion_length"}  # else eval/<key>
 COMMAND_MARKERS = (("ppo", "loss/critic"), ("grpo", "reward/mean"), ("dpo", "rewards/margins"), ("rm", "margin"))
 
@@ -80,15 +82,15 @@ def load_run(path: str | Path) -> Run:
     if not (path / "metrics.jsonl").is_file():
         raise UserError(f"{path} is not a run directory (no metrics.jsonl there); pass the output_dir of a "
                         "posttrain run")
-    facts = json.loads((path / "summary.json").read_text()) if (path / "summary.json").is_file() else {}
-    config = yaml.safe_load((path / "config.yaml").read_text()) if (path / "config.yaml").is_file() else {}
-    rows = read_metrics(path)
-    samples_file = path / "samples.jsonl"
-    samples = [r for r in map(parse_row, samples_file.read_text().splitlines()) if r] if samples_file.is_file() else []
+    facts = read_mapping(path / "summary.json", "JSON")
+    config = read_mapping(path / "config.yaml", "YAML")
+    rows = read_rows(path / "metrics.jsonl", needs_step=True)
+    samples = read_rows(path / "samples.jsonl", needs_step=False)
     keys = {k for r in rows for k in r}
-    command = facts.get("command") or next((c for c, marker in COMMAND_MARKERS if marker in keys), "sft")
-    name = ((config or {}).get("train") or {}).get("run_name") or path.resolve().name
-    return Run(path, name, command, facts, config or {}, rows, samples)
+    command = str(facts.get("command") or next((c for c, marker in COMMAND_MARKERS if marker in keys), "sft"))
+    train = config.get("train") if isinstance(config.get("train"), dict) else {}
+    name = str(train.get("run_name") or path.resolve().name)
+    return Run(path, name, command, facts, config, rows, samples)
 
 
 def load_runs(paths: list[str | Path]) -> list[Run]:
@@ -111,10 +113,12 @@ def eval_key(key: str) -> str:
     return EVAL_OF.get(key, f"eval/{key}")
 
 
-def plan_charts(commands: list[str], keys: set[str], constants: set[str]) -> tuple[list[Chart], ...]:
+def plan_charts(commands: list[str], keys: set[str], constants: set[str],
+                on_cpu: bool = False) -> tuple[list[Chart], ...]:
     """(the key curves, throughput and memory, the rest): every metric in one chart at most, each train metric with
     its eval counterpart, and no chart whose every line is constant. commands: one per run; with several runs the
-    phase timings get a chart each (among the rest), as runs x phases would be too many lines for one."""
+    phase timings get a chart each (among the rest), as runs x phases would be too many lines for one. on_cpu: a
+    run measured on a CPU (see CPU_MEMORY)."""
     claimed: set[str] = set()
 
     def take(title: str, patterns: tuple[str, ...]) -> Optional[Chart]:
@@ -131,8 +135,8 @@ def plan_charts(commands: list[str], keys: set[str], constants: set[str]) -> tup
     held_out = [take("held-out " + k[len("eval/"):], (k,)) for k in sorted(keys) if k.startswith("eval/")
                 and k not in joined]
     key = key[:1] + held_out + key[1:]
-    throughput = [take(title, patterns) for title, patterns in THROUGHPUT
-                  if len(commands) == 1 or "time/*" not in patterns]
+    throughput = [take(*(CPU_MEMORY if on_cpu and "peak_memory_mb" in patterns else (title, patterns)))
+                  for title, patterns in THROUGHPUT if len(commands) == 1 or "time/*" not in patterns]
     rest = [take(k, (k,)) for k in sorted(keys) if k not in claimed and not k.startswith("eval/")]
     rest += [take(k, (k,)) for k in sorted(keys) if k not in claimed]
     return tuple([c for c in charts if c is not None] for charts in (key, throughput, rest))
@@ -218,19 +222,20 @@ def eval_figures(run: Run) -> list[Figure]:
 
 
 def describe(run: Run) -> str:
-    """What was trained, on what, for how long, in one line."""
-    model, data = run.config.get("model") or {}, run.config.get("data") or {}
+    """What was trained, on what, for how long, in one line (HTML: every value from the run's files escaped)."""
+    model, data = (run.config.get(k) if isinstance(run.config.get(k), dict) else {} for k in ("model", "data"))
     f = run.facts
-    parts = [f"<b>{html.escape(str(model.get('name_or_path', '?')))}</b> on {html.escape(str(data.get('train', '?')))}"
-             + (f" (eval: {html.escape(str(data['eval']))})" if data.get("eval") else "")]
-    planned = f" of {f['steps']}" if f.get("steps") and f["steps"] != run.last_step() else ""
+    parts = [f"<b>{esc(model.get('name_or_path', '?'))}</b> on {esc(data.get('train', '?'))}"
+             + (f" (eval: {esc(data['eval'])})" if data.get("eval") else "")]
+    planned = f" of {esc(f['steps'])}" if f.get("steps") and f["steps"] != run.last_step() else ""
     parts.append(f"{run.last_step()} steps{planned}")
-    parts += [f"{float(f['minutes']):.1f} min"] if f.get("minutes") is not None else []
-    parts += [f"{f['parameters']} parameters"] if f.get("parameters") else []
-    parts += [f"global batch {f['global_batch']}"] if f.get("global_batch") else []
+    parts += [f"{float(f['minutes']):.1f} min"] if finite(f.get("minutes")) else []
+    parts += [f"{esc(f['parameters'])} parameters"] if f.get("parameters") else []
+    parts += [f"global batch {esc(f['global_batch'])}"] if f.get("global_batch") else []
     if f.get("world_size"):
-        parts.append(f"{f['world_size']} process{'es' if f['world_size'] > 1 else ''} ({f.get('engine', '?')}, "
-                     f"{f.get('device', '?')})")
+        several = not finite(f["world_size"]) or f["world_size"] > 1
+        parts.append(f"{esc(f['world_size'])} process{'es' if several else ''} ({esc(f.get('engine', '?'))}, "
+                     f"{esc(f.get('device', '?'))})")
     return " · ".join(parts)
 
 
@@ -248,7 +253,7 @@ def render(runs: list[Run]) -> str:
     """The page for one run, or the comparison page for several (overlaid curves, one headline row per run)."""
     constants = constant_keys(runs)
     key_charts, throughput, rest = plan_charts([r.command for r in runs], set().union(*(r.keys() for r in runs)),
-                                               constants)
+                                               constants, any(r.facts.get("device") == "cpu" for r in runs))
     max_step = max(run.last_step() for run in runs)
 
     def grid(charts: list[Chart]) -> str:
@@ -281,9 +286,7 @@ def add_report(sub) -> None:
 
 def run_report(args) -> int:
     runs = load_runs(args.runs)
-    out = Path(args.out) if args.out else (runs[0].path / "report.html" if len(runs) == 1 else Path("compare.html"))
-    if out.is_dir():
-        raise UserError(f"--out {out} is a directory; give a file name such as {out / 'compare.html'}")
+    out = report_path([run.path for run in runs], args.out)
     out.write_text(render(runs))
     print(f"report: {out}")
     return 0

@@ -9,6 +9,7 @@ import json
 
 from posttrain.logging import finite
 from posttrain.report_charts import COLORS
+from posttrain.report_files import GENERATOR
 from posttrain.trackers import flatten
 
 CSS = """
@@ -34,7 +35,8 @@ details { margin: 18px 0; } summary { cursor: pointer; font-weight: 600; font-si
 table.samples { width: 100%; } table.samples pre { min-width: 16em; }
 .good { color: #15803d; } .bad { color: #b91c1c; }
 """
-PAGE = ("<!doctype html><html><head><meta charset='utf-8'><meta name='viewport' content='width=device-width'>"
+PAGE = ("<!doctype html><html><head><meta charset='utf-8'>" + GENERATOR
+        + "<meta name='viewport' content='width=device-width'>"
         "<title>{title}</title><style>{css}</style></head><body><main>{body}</main></body></html>")
 SAMPLE_STEPS = 4  # steps of samples.jsonl shown: the first, the last and evenly between
 SAMPLE_GROUPS = 2  # prompts shown per step
@@ -129,7 +131,7 @@ def samples_section(run) -> str:
     completions by reward."""
     if not run.samples:
         return ""
-    functions = list(dict.fromkeys(k for s in run.samples for k in (s.get("rewards") or {})))
+    functions = list(dict.fromkeys(k for s in run.samples for k in _rewards(s)))
     per_function = functions if len(functions) > 1 else []
     head = ("<tr><th>step</th><th>prompt</th><th>completion</th><th>reward</th>"
             + "".join(f"<th>{esc(f)}</th>" for f in per_function) + "<th>advantage</th></tr>")
@@ -146,12 +148,12 @@ def samples_section(run) -> str:
         step_rows = sum(len(group) for _, group in shown)
         for g, (prompt, group) in enumerate(shown):
             for i, sample in enumerate(group):
-                cells = [f"<td rowspan='{step_rows}'><b>{step}</b></td>" if g == 0 and i == 0 else "",
+                cells = [f"<td rowspan='{step_rows}'><b>{esc(step)}</b></td>" if g == 0 and i == 0 else "",
                          f"<td rowspan='{len(group)}'><pre>{esc(prompt)}</pre></td>" if i == 0 else "",
                          f"<td><pre>{esc(sample.get('completion', ''))}</pre>"
                          + ("<span class='note'>cut at max length</span>" if sample.get("truncated") else "") + "</td>",
                          _number_cell(sample.get("reward"), reward=True)]
-                cells += [_number_cell((sample.get("rewards") or {}).get(f)) for f in per_function]
+                cells += [_number_cell(_rewards(sample).get(f)) for f in per_function]
                 cells.append(_number_cell(sample.get("advantage")))
                 rows.append("<tr>" + "".join(cells) + "</tr>")
     return (f"<h2>Sampled completions</h2><p class='note'>samples.jsonl holds {len(run.samples)} completions from "
@@ -159,6 +161,12 @@ def samples_section(run) -> str:
             f"{SAMPLE_GROUPS} prompts each (those whose rewards differ first), each prompt's best, worst and middle "
             "completions by reward</p>"
             f"<table class='samples'>{head}{''.join(rows)}</table>")
+
+
+def _rewards(sample) -> dict:
+    """A sample's reward per function (samples.jsonl may have been edited: anything else reads as none)."""
+    rewards = sample.get("rewards")
+    return rewards if isinstance(rewards, dict) else {}
 
 
 def _reward(sample) -> float:

@@ -27,6 +27,7 @@ from posttrain.config.load import dump_yaml
 from posttrain.config.schema import Recipe, total_steps, trackers as tracker_names
 from posttrain.data import eval_batches
 from posttrain.distributed.backend import Backend
+from posttrain.distributed.precision import export_dtype, trained_model_config, upcast_trainable
 from posttrain.logging import MetricsLogger, read_metrics
 from posttrain.models import load
 from posttrain.models.limits import check_position_limit
@@ -76,6 +77,7 @@ def make_source(recipe: Recipe, backend, models, algorithm, examples, collate, s
 def load_examples(recipe: Recipe, algorithm, tokenizer, which: str):
     """Rows -> tokenised examples for the algorithm's data kind; raises UserError naming the file/row."""
     rows = data.load_rows(getattr(recipe.data, which), getattr(recipe.data, f"{which}_split"), f"data.{which}")
+    rows = data.rename_text_field(rows, recipe.data.text_field, f"data.{which}")
     tokenize = {"sft": data.tokenize_sft, "preference": data.tokenize_preference, "prompt": data.tokenize_prompts}
     return tokenize[algorithm.data_kind](rows, tokenizer, recipe.data, f"data.{which}")
 
@@ -91,15 +93,27 @@ def make_collate(recipe: Recipe, algorithm, tokenizer):
 
 def load_policy(recipe: Recipe, algorithm):
     load_model = load.load_sequence_classifier if algorithm.model_kind == "seq_cls" else load.load_causal_lm
-    model = load_model(recipe.model, recipe.train.gradient_checkpointing)
+    model = load_model(trained_model_config(recipe.model, recipe.train), recipe.train.gradient_checkpointing)
     if recipe.model.lora.enabled:
-        model = load.apply_lora(model, recipe.model.lora, task=algorithm.model_kind)
+        model = upcast_trainable(load.apply_lora(model, recipe.model.lora, task=algorithm.model_kind), recipe.model,
+                                 recipe.train)
     return model
 
 
 def run(command: str, recipe: Recipe, launched: Optional[Launched] = None) -> RunResult:
     """One run of `command`. `launched`: what the launch wing started for it (launcher: ray): roles served apart
-    (those are not loaded here) and generation engines."""
+    (those are not loaded here) and generation engines. How it ended goes into output_dir's marker, so that a run
+    that failed before its first checkpoint can be rerun in place (posttrain/outputs.py)."""
+    try:
+        result = run_attempt(command, recipe, launched)
+    except BaseException as error:
+        outputs.end_attempt(Path(recipe.output_dir), error)
+        raise
+    outputs.end_attempt(Path(recipe.output_dir))
+    return result
+
+
+def run_attempt(command: str, recipe: Recipe, launched: Optional[Launched] = None) -> RunResult:
     started = time.time()
     algorithm = ALGORITHMS[command][1](recipe)
     t = recipe.train
@@ -108,7 +122,7 @@ def run(command: str, recipe: Recipe, launched: Optional[Launched] = None) -> Ru
     check_model_source(recipe.model)
     check_position_limit(recipe, algorithm.data_kind)
     check_token_budget(recipe, algorithm)
-    resume_from = outputs.check_output_dir(recipe)
+    resume_from = outputs.check_output_dir(recipe, command)
     tokenizer = load_tokenizer(recipe.model)
     launched = launched or Launched()
     servers = launched.servers or recipe.generation.servers
@@ -186,7 +200,8 @@ def run(command: str, recipe: Recipe, launched: Optional[Launched] = None) -> Ru
     logger.close()
     final_dir = None
     if state.step >= steps and t.save_final_model:
-        final_dir = export_final(backend, models.policy.model, tokenizer, str(out))
+        final_dir = export_final(backend, models.policy.model, tokenizer, str(out),
+                                 dtype=export_dtype(t, backend.precision))
         for name, role in models.trained():
             if name != "policy":
                 role.export(str(out), f"final-{name}", tokenizer)

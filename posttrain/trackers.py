@@ -101,6 +101,12 @@ class WandbTracker(Tracker):
         self.run.finish(exit_code=0 if status == "finished" else 1)
 
 
+def tracking_uri(output_dir: Path) -> str:
+    """MLFLOW_TRACKING_URI, else a store inside the run directory: MLflow's own default (sqlite:///mlflow.db) is
+    relative to the working directory, so every run started there would write one shared file outside its run."""
+    return os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{Path(output_dir).resolve() / 'mlflow.db'}"
+
+
 class MLflowTracker(Tracker):
     """Through MlflowClient rather than mlflow's fluent API: no process-global active run to collide with."""
 
@@ -111,7 +117,7 @@ class MLflowTracker(Tracker):
         from mlflow.entities import Param
         from mlflow.tracking import MlflowClient
 
-        self.client = MlflowClient()  # MLFLOW_TRACKING_URI, else MLflow's default store
+        self.client = MlflowClient(tracking_uri(run.output_dir))
         experiment = self.client.get_experiment_by_name(self.project(run))
         experiment_id = experiment.experiment_id if experiment else self.client.create_experiment(self.project(run))
         self.run_id = self.client.create_run(experiment_id, run_name=run.name).info.run_id

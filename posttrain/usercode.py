@@ -12,15 +12,20 @@ a UserError raised on purpose (a missing column, say) stays the input error it i
 
 from __future__ import annotations
 
+import concurrent.futures
+import contextlib
 import importlib
 import importlib.util
 import os
+import signal
 import sys
+import threading
+import time
 import traceback
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from posttrain.errors import UserError
+from posttrain.errors import RunStopped, UserError
 
 
 class UserCodeError(Exception):
@@ -33,8 +38,46 @@ class UserCodeError(Exception):
         self.user_traceback = user_frames(cause) if cause is not None else ""
 
 
+class ProcessExitCalled(BaseException):
+    """os._exit(code) called by user code inside call_user: it would end the process at once, with no word and no
+    cleanup, so inside user code it raises this instead (install_exit_guard)."""
+
+    def __init__(self, code):
+        super().__init__(code)
+        self.code = code
+
+
+_inside_user = set()  # the threads running user code now (threading.get_ident())
+_stop_signal = [0]  # the stop signal (SIGTERM / SIGINT) the run received, 0 for none
+
+
+def request_stop(signum: int) -> None:
+    """The run received `signum` (train/guard.py; 0: a run starts, none yet): a wait on user code
+    (call_with_deadline) ends now instead of at its deadline, since the step it is in cannot finish anyway."""
+    _stop_signal[0] = signum
+_exit_guard: dict = {}  # the process that installed the guard -> the real os._exit
+
+
+def install_exit_guard() -> None:
+    """Make os._exit raise ProcessExitCalled in a thread that is running user code (in this process only: a forked
+    child, a tool's process say, gets the real one)."""
+    if _exit_guard:
+        return
+    real, owner = os._exit, os.getpid()
+    _exit_guard[owner] = real
+
+    def guarded_exit(code):
+        if os.getpid() == owner and threading.get_ident() in _inside_user:
+            raise ProcessExitCalled(code)
+        real(code)
+
+    os._exit = guarded_exit
+
+
 def what_it_did(error: BaseException) -> str:
     """'raised ValueError: bad input' / 'called sys.exit(0)': what the user's code did, in words."""
+    if isinstance(error, ProcessExitCalled):
+        return f"called os._exit({error.code!r})"
     if isinstance(error, SystemExit):
         return f"called sys.exit({error.code!r})" if error.code is not None else "called sys.exit()"
     return f"raised {type(error).__name__}: {error}"
@@ -49,14 +92,60 @@ def user_frames(error: BaseException) -> str:
     return "".join(lines).rstrip()
 
 
+@contextlib.contextmanager
+def user_code():
+    """Marks this thread as running user code while inside: os._exit there raises ProcessExitCalled (which
+    what_it_did names) instead of ending the process with no word."""
+    install_exit_guard()
+    me = threading.get_ident()
+    nested = me in _inside_user
+    _inside_user.add(me)
+    try:
+        yield
+    finally:
+        if not nested:
+            _inside_user.discard(me)
+
+
 def call_user(fn: Callable, what: str, *args, **kwargs) -> Any:
     """fn(*args, **kwargs); anything it raises but a UserError or Ctrl-C becomes a UserCodeError naming `what`."""
     try:
-        return fn(*args, **kwargs)
+        with user_code():
+            return fn(*args, **kwargs)
     except (UserError, KeyboardInterrupt):
         raise
     except BaseException as e:  # noqa: BLE001 - SystemExit included: see the module docstring
         raise UserCodeError(f"{what} {what_it_did(e)}", e) from e
+
+
+def call_with_deadline(fn: Callable, what: str, seconds: float, *args, **kwargs) -> Any:
+    """call_user in a daemon thread, waited on for `seconds`: user code that never returns stops the run with a
+    UserCodeError naming `what` and the deadline instead of hanging it (the thread runs on, but never keeps the
+    process from exiting)."""
+    future: concurrent.futures.Future = concurrent.futures.Future()
+
+    def run():
+        future.set_running_or_notify_cancel()
+        try:
+            future.set_result(call_user(fn, what, *args, **kwargs))
+        except BaseException as e:  # noqa: BLE001 - handed to the caller
+            future.set_exception(e)
+
+    threading.Thread(target=run, name=f"user-code: {what}"[:60], daemon=True).start()
+    started = time.monotonic()
+    while True:
+        left = started + seconds - time.monotonic()
+        try:
+            return future.result(timeout=max(0.0, min(0.2, left)))
+        except concurrent.futures.TimeoutError:
+            if _stop_signal[0]:
+                name = signal.Signals(_stop_signal[0]).name
+                raise RunStopped(f"{name} while {what} was running ({time.monotonic() - started:.0f}s without "
+                                 "returning): stopped without saving, the last checkpoint is intact; continue with "
+                                 "train.resume_from_checkpoint=auto", 128 + _stop_signal[0], shared=False) from None
+            if left <= 0:
+                raise UserCodeError(f"{what} did not return within {seconds:g}s (rollout.user_code_timeout); it is "
+                                    "stopped here instead of hanging the run") from None
 
 
 def import_user(module_name: str, what: str):

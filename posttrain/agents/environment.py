@@ -18,15 +18,21 @@
 the model's turn as {"role": "assistant", "content": text, "tool_calls": [...parsed calls]} and returns the messages
 to append (user or tool turns), a reward for the step and whether the episode is over. The trajectory's reward from
 the environment is the sum of its steps' rewards, added to the `rewards:` functions' total.
+
+The constructor, reset and step run with a deadline (rollout.user_code_timeout). One that raises, calls sys.exit /
+os._exit, never returns, or returns something malformed (a NaN or infinite reward included) stops the run with
+exit 1 naming the environment, the method and the sample (usercode.UserCodeError).
 """
 
 from __future__ import annotations
 
 import inspect
+import math
 from typing import Any, Protocol, runtime_checkable
 
 from posttrain.errors import UserError
 from posttrain.rewards.load import load_callable
+from posttrain.usercode import UserCodeError, call_with_deadline
 
 
 @runtime_checkable
@@ -59,37 +65,38 @@ def load_environment(spec: str) -> type:
 
 
 def check_messages(value: Any, where: str) -> list[dict]:
-    """A list of {"role": str, "content": str} or a UserError saying `where` it came from."""
+    """A list of {"role": str, "content": str} or a UserCodeError saying `where` it came from."""
     if not isinstance(value, list) or not all(isinstance(m, dict) and isinstance(m.get("role"), str)
                                               and isinstance(m.get("content"), str) for m in value):
-        raise UserError(f"{where} returned {value!r:.200}; it must return a list of "
-                        "{'role': str, 'content': str} messages")
+        raise UserCodeError(f"{where} returned {value!r:.200}; it must return a list of "
+                            "{'role': str, 'content': str} messages")
     return value
 
 
 class EnvironmentSession:
-    """One instance of the user's environment for one sample, with every return value checked."""
+    """One instance of the user's environment for one sample, with a deadline on each call and every return value
+    checked."""
 
-    def __init__(self, cls: type, spec: str, sample: int):
+    def __init__(self, cls: type, spec: str, sample: int, timeout: float = 60.0):
         self.where = f"rollout.environment '{spec}' (sample: dataset row {sample})"
-        try:
-            self.env = cls()
-        except Exception as e:  # noqa: BLE001
-            raise UserError(f"{self.where}: {cls.__name__}() failed: {type(e).__name__}: {e}") from e
+        self.timeout = timeout
+        self.env = call_with_deadline(cls, f"{self.where}: {cls.__name__}()", timeout)
 
     def reset(self, row: dict) -> list[dict]:
-        messages = check_messages(self.env.reset(row), f"{self.where}.reset")
+        where = f"{self.where}.reset"
+        messages = check_messages(call_with_deadline(self.env.reset, where, self.timeout, row), where)
         if not messages:
-            raise UserError(f"{self.where}.reset returned no messages; the conversation needs an opening turn")
+            raise UserCodeError(f"{where} returned no messages; the conversation needs an opening turn")
         return messages
 
     def step(self, assistant_message: dict) -> tuple[list[dict], float, bool]:
-        out = self.env.step(assistant_message)
+        where = f"{self.where}.step"
+        out = call_with_deadline(self.env.step, where, self.timeout, assistant_message)
         if not (isinstance(out, tuple) and len(out) == 3):
-            raise UserError(f"{self.where}.step returned {out!r:.200}; it must return (messages, reward, done)")
+            raise UserCodeError(f"{where} returned {out!r:.200}; it must return (messages, reward, done)")
         messages, reward, done = out
-        if isinstance(reward, bool) or not isinstance(reward, (int, float)):
-            raise UserError(f"{self.where}.step returned reward {reward!r}; it must be a float")
+        if isinstance(reward, bool) or not isinstance(reward, (int, float)) or not math.isfinite(reward):
+            raise UserCodeError(f"{where} returned reward {reward!r:.100}; it must be a finite float")
         if not isinstance(done, bool):
-            raise UserError(f"{self.where}.step returned done={done!r}; it must be a bool")
-        return check_messages(messages, f"{self.where}.step"), float(reward), done
+            raise UserCodeError(f"{where} returned done={done!r:.100}; it must be a bool")
+        return check_messages(messages, where), float(reward), done

@@ -33,6 +33,7 @@ from posttrain.agents.parsers import pick_parser
 from posttrain.agents.tools import ToolRunner, load_tools
 from posttrain.errors import UserError
 from posttrain.generation.base import GenerationEngine, SamplingParams
+from posttrain.usercode import UserCodeError
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +44,8 @@ class Trajectory:
     """The opening messages, templated with the tools and a generation prompt."""
     messages: list[dict]
     """The conversation as text (for rewards and the samples file; never tokenised again)."""
+    opening: int = 0
+    """How many of `messages` opened it (the prompt); the rest is what rewards get as the completion."""
     completion_ids: list[int] = field(default_factory=list)
     """Everything after the prompt: the engine's ids and the appended messages' ids, in order."""
     logprobs: list[float] = field(default_factory=list)
@@ -76,6 +79,12 @@ class Trajectory:
         return len(kept) == len(ids)
 
     @property
+    def completion_messages(self) -> list[dict]:
+        """Every message after the opening ones: the model's turns and the tool / environment turns between them, as
+        TRL's multi-turn GRPO passes a completion to reward functions."""
+        return self.messages[self.opening:]
+
+    @property
     def final_text(self) -> str:
         """The model's last turn (what rewards score as the completion)."""
         return next((m["content"] for m in reversed(self.messages) if m["role"] == "assistant"), "")
@@ -92,7 +101,7 @@ class AgentRollout:
     def __init__(self, tokenizer, engine: GenerationEngine, budget: int, max_turns: int, tools=None, parser=None,
                  runner: Optional[ToolRunner] = None, environment: Optional[type] = None, environment_name: str = "",
                  max_prompt_length: Optional[int] = None, max_turn_tokens: Optional[int] = None,
-                 active_anywhere: Optional[Callable[[int], int]] = None):
+                 active_anywhere: Optional[Callable[[int], int]] = None, user_code_timeout: float = 60.0):
         """active_anywhere: sums this rank's count of active trajectories over the ranks, for an engine whose
         generate is a collective (hf under ZeRO-3 / FSDP2 gathers parameters): a rank whose trajectories have all
         finished keeps joining the calls (one token from a one-token prompt) while another rank's go on."""
@@ -104,6 +113,7 @@ class AgentRollout:
         self.environment, self.environment_name = environment, environment_name
         self.max_prompt_length, self.max_turn_tokens = max_prompt_length, max_turn_tokens
         self.active_anywhere = active_anywhere
+        self.user_code_timeout = user_code_timeout
         self.eos_id = tokenizer.eos_token_id
 
     @classmethod
@@ -112,19 +122,26 @@ class AgentRollout:
         r = recipe.rollout
         tools = load_tools(r.tools)
         return cls(tokenizer, engine, budget=recipe.generation.max_completion_length, max_turns=r.max_turns,
-                   tools=tools, parser=pick_parser(r.tool_parser, tokenizer.chat_template) if tools else None,
+                   tools=tools, parser=pick_parser(r.tool_parser, tokenizer.chat_template, r.user_code_timeout)
+                   if tools else None,
                    runner=ToolRunner(tools, r.tool_timeout, r.tool_max_output_chars, r.tool_workers),
                    environment=load_environment(r.environment) if r.environment else None,
                    environment_name=r.environment or "",
                    # the bound the engines are sized for (a vLLM engine's max_model_len: rollout.base.longest_sequence)
                    max_prompt_length=recipe.data.max_prompt_length or recipe.data.max_length,
-                   max_turn_tokens=r.max_turn_tokens, active_anywhere=active_anywhere)
+                   max_turn_tokens=r.max_turn_tokens, active_anywhere=active_anywhere,
+                   user_code_timeout=r.user_code_timeout)
 
     # --- tokens ------------------------------------------------------------------------------------------------------
 
     def _encode(self, messages: list[dict], add_generation_prompt: bool) -> list[int]:
-        text = self.tokenizer.apply_chat_template(messages, tools=self.schemas, tokenize=False,
-                                                  add_generation_prompt=add_generation_prompt)
+        try:
+            text = self.tokenizer.apply_chat_template(messages, tools=self.schemas, tokenize=False,
+                                                      add_generation_prompt=add_generation_prompt)
+        except Exception as e:  # noqa: BLE001 - jinja raises its own types (raise_exception in the template)
+            roles = ", ".join(dict.fromkeys(str(m.get("role")) for m in messages))
+            raise UserCodeError(f"the chat template cannot render a conversation with the roles {roles} "
+                                f"({type(e).__name__}: {e}); set model.chat_template to one that renders them") from e
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
     def prompt_ids(self, messages: list[dict]) -> list[int]:
@@ -145,7 +162,7 @@ class AgentRollout:
         before = self._encode(messages, add_generation_prompt=False)
         after = self._encode(messages + new, add_generation_prompt=True)
         if after[: len(before)] != before:
-            raise UserError("the chat template renders the earlier turns of a conversation differently once a "
+            raise UserCodeError("the chat template renders the earlier turns of a conversation differently once a "
                             f"{new[0]['role']} message is added, so the appended tokens cannot be found exactly; use "
                             "a template with the prefix property (model.chat_template)")
         # the engine stopped at the end-of-turn token; what the template puts after it ("\n") is appended here
@@ -156,8 +173,8 @@ class AgentRollout:
 
     def run(self, examples: list[dict], rows: list[int], params: SamplingParams) -> list[Trajectory]:
         """One trajectory per example (a prompt's G samples are G entries); rows: their dataset rows (for errors)."""
-        sessions = [EnvironmentSession(self.environment, self.environment_name, row) if self.environment else None
-                    for row in rows]
+        sessions = [EnvironmentSession(self.environment, self.environment_name, row, self.user_code_timeout)
+                    if self.environment else None for row in rows]
         trajectories = [self._open(e, s) for e, s in zip(examples, sessions)]
         for turn in range(self.max_turns):
             active = [i for i, t in enumerate(trajectories) if not t.finished]
@@ -203,7 +220,7 @@ class AgentRollout:
             messages = [{"role": "user", "content": example["prompt"]}]
         else:
             messages = [dict(m) for m in example["prompt"]]
-        return Trajectory(self.prompt_ids(messages), list(messages))
+        return Trajectory(self.prompt_ids(messages), list(messages), opening=len(messages))
 
     def _take_turn(self, t: Trajectory, ids: list[int], logprobs: list[float]) -> dict:
         """Keep the engine's ids; the turn as a message (text decoded only to be read)."""
@@ -238,4 +255,5 @@ class AgentRollout:
             t.tool_errors += result.error
             t.tool_timeouts += result.timed_out
             t.tool_seconds += result.seconds
-            replies[k]["_tool_messages"].append({"role": "tool", "name": call["name"], "content": result.content})
+            replies[k]["_tool_messages"].append({"role": "tool", "name": str(call.get("name")),
+                                                 "content": result.content})

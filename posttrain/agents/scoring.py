@@ -7,6 +7,8 @@ from typing import Callable, Optional
 
 import torch
 
+from posttrain.rewards.combine import Logged, Scores
+
 ENVIRONMENT_REWARD = "environment"
 SUMMED = {"tools/calls": "tool_calls", "tools/errors": "tool_errors", "tools/timeouts": "tool_timeouts",
           "tools/seconds": "tool_seconds", "truncated_trajectories": "truncated", "turns/cut": "cut_turns"}
@@ -14,20 +16,22 @@ SUMMED = {"tools/calls": "tool_calls", "tools/errors": "tool_errors", "tools/tim
 
 
 def score_trajectories(rewards, trajectories, with_environment: bool) -> Callable:
-    """A `RewardSet.score` over trajectories: the functions get the model's last turn as the completion and the whole
-    conversation in the `trajectory` column (a function that names `trajectory` receives it); the environment's
-    reward is added to the total with weight 1 and reported as rewards/environment."""
+    """A `RewardSet.score` over trajectories: as in TRL's multi-turn GRPO, each completion is every message after the
+    prompt (model turns, tool and environment turns); the whole conversation is also in the `trajectory` column. The
+    environment's reward is added to the total with weight 1 and reported as rewards/environment."""
 
-    def score(prompts, completions, columns):
+    def score(prompts, completions, columns, completion_ids=None, trainer_state=None) -> Scores:
+        completions = [t.completion_messages for t in trajectories]
         columns = {**columns, "trajectory": [t.messages for t in trajectories]}
         if rewards.rewards:
-            total_B, per_function, skipped = rewards.score(prompts, completions, columns)
+            scores = rewards.score(prompts, completions, columns, completion_ids, trainer_state)
         else:  # the environment alone scores
-            total_B, per_function, skipped = torch.zeros(len(completions)), {}, 0
+            scores = Scores(torch.zeros(len(completions)), {}, 0, Logged({}, {}))
         if with_environment:
             env_B = torch.tensor([t.env_reward for t in trajectories], dtype=torch.float32)
-            total_B, per_function = total_B + env_B, {**per_function, ENVIRONMENT_REWARD: env_B}
-        return total_B, per_function, skipped
+            scores = scores._replace(total_B=scores.total_B + env_B,
+                                     per_function={**scores.per_function, ENVIRONMENT_REWARD: env_B})
+        return scores
 
     return score
 

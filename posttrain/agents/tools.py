@@ -12,12 +12,22 @@ runs as `calculator(expression="2+3")`; what it returns comes back to the model 
 Each call runs in a forked child process with a deadline (`rollout.tool_timeout`): a tool that hangs is killed, one
 that raises or crashes its process gives the model an error message, and neither stops the batch. The counts go to
 the step's metrics (tools/errors, tools/timeouts).
+
+No process a tool starts outlives its call: the child leads a process group of its own, killed whole once the call
+is over (a `subprocess.Popen(["sleep", "300"])` left running included), and every process it starts carries
+POSTTRAIN_TOOL_OF=<this process's id> in its environment, so those that left the group (a new session) are found
+and killed after each batch of calls and at exit. The child takes the default SIGTERM / SIGINT handlers: it must
+not inherit the run's graceful-stop handler, which would keep it alive through the kill on timeout.
 """
 
 from __future__ import annotations
 
+import atexit
 import json
+import math
 import multiprocessing
+import os
+import signal
 import time
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -78,8 +88,15 @@ def _render(result: Any) -> str:
         return str(result)
 
 
+OWNER_VARIABLE = "POSTTRAIN_TOOL_OF"
+
+
 def _child(fn: Callable, arguments: dict, limit: int, conn) -> None:
     """In the forked process: call, render, cut, send back (ok, text). Only the capped text crosses the pipe."""
+    os.setpgid(0, 0)  # a group of its own: killed whole when the call is over
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, signal.SIG_DFL)
+    os.environ[OWNER_VARIABLE] = str(os.getppid())
     try:
         text, ok = _render(fn(**arguments)), True
     except BaseException as e:  # noqa: BLE001 - whatever the tool raises is the model's to read
@@ -88,26 +105,63 @@ def _child(fn: Callable, arguments: dict, limit: int, conn) -> None:
     conn.close()
 
 
+def kill_strays(owner: int) -> int:
+    """Kill every process whose environment says a tool of process `owner` started it (those that left the tool's
+    process group); returns how many. Linux only (/proc); elsewhere the group kill is all there is."""
+    killed = 0
+    mark = f"{OWNER_VARIABLE}={owner}".encode()
+    for entry in os.listdir("/proc") if os.path.isdir("/proc") else ():
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                if mark not in f.read().split(b"\0"):
+                    continue
+            os.kill(int(entry), signal.SIGKILL)
+            killed += 1
+        except OSError:  # gone meanwhile, or another user's
+            continue
+    return killed
+
+
+def _kill_group(pid: int) -> None:
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except OSError:  # the group is empty: the tool and everything it started are gone
+        pass
+
+
 class ToolRunner:
     """Runs tool calls, several at once, each in a forked process with a deadline and an output cap."""
 
     def __init__(self, tools: dict[str, Tool], timeout: float, max_output_chars: int, workers: int):
+        if not (math.isfinite(timeout) and timeout > 0):
+            raise UserError(f"rollout.tool_timeout must be a finite number of seconds > 0, got {timeout!r}")
         self.tools, self.timeout, self.limit, self.workers = tools, timeout, max_output_chars, workers
         self._context = multiprocessing.get_context("fork")  # the child inherits the tools: no pickling, no import
+        if tools:
+            atexit.register(kill_strays, os.getpid())
 
     def run(self, calls: list[dict]) -> list[ToolResult]:
         """One result per call ({"name", "arguments"}), in order; at most `workers` processes at a time."""
-        return [result for start in range(0, len(calls), self.workers)
-                for result in self._run_together(calls[start : start + self.workers])]
+        try:
+            return [result for start in range(0, len(calls), self.workers)
+                    for result in self._run_together(calls[start : start + self.workers])]
+        finally:
+            if calls:
+                kill_strays(os.getpid())
 
     def _run_together(self, calls: list[dict]) -> list[ToolResult]:
         started = time.perf_counter()
         running: list[Any] = []
         for call in calls:
-            tool = self.tools.get(call.get("name"))
-            arguments = call.get("arguments")
-            if tool is None:
-                running.append(f"unknown tool {call.get('name')!r}; the tools are: {', '.join(self.tools)}")
+            name = call.get("name") if isinstance(call, dict) else None
+            tool = self.tools.get(name) if isinstance(name, str) else None
+            arguments = call.get("arguments") if isinstance(call, dict) else None
+            if not isinstance(name, str):  # the model's own output: data, never a crash (a list is unhashable)
+                running.append(f"a tool call's name must be a string, got {type(name).__name__} {name!r:.100}")
+            elif tool is None:
+                running.append(f"unknown tool {name!r:.100}; the tools are: {', '.join(self.tools)}")
             elif not isinstance(arguments, dict):
                 running.append(f"the arguments of {tool.name} must be a JSON object, got {type(arguments).__name__}")
             else:
@@ -136,7 +190,8 @@ class ToolRunner:
             return ToolResult(f"Error: the tool's process died (exit code {process.exitcode})", True, False,
                               time.perf_counter() - started)
         finally:
+            _kill_group(process.pid)  # the tool's process and whatever it started in its group
             if process.is_alive():
                 process.kill()
-                process.join()
+            process.join()
             receive.close()

@@ -45,6 +45,8 @@ def load_recipe(path: str | None, overrides: list[str], algo_cls: type) -> Recip
     upgrade(raw)  # earlier releases' spellings (config/legacy.py)
     raw.setdefault("algo", {})  # the command's own algo config, with its defaults, even without an algo: section
     recipe = build(Recipe, raw, where, "", algo_cls)
+    if recipe.output_dir.startswith("~"):  # `output_dir=~/x` reaches us unexpanded (no shell does it after '=')
+        recipe = dataclasses.replace(recipe, output_dir=str(Path(recipe.output_dir).expanduser()))
     validate(recipe)
     return recipe
 

@@ -4,21 +4,32 @@ or as `--key value` flags, translated to the recipe keys that mean the same thin
     posttrain sft --config trl_sft.yaml                 # model_name_or_path: ..., learning_rate: 2e-5, bf16: true
     posttrain grpo --config recipes/grpo.yaml --learning_rate 1e-6 --num_generations=4 --use_vllm
 
-A key with no meaning here is never dropped: every such key is reported at once, each with the closest name, and the
-run stops (exit 2) before anything loads.
+Every field of TRL's configs is translated here (TRL_KEYS), or accepted with a line saying why it has no effect, or
+refused with what to do instead (config/trl_table.py). A key that is none of these (a typo) is never dropped: every
+such key is reported at once, each with the closest name, and the run stops (exit 2) before anything loads. Two keys
+for one recipe key (max_length beside max_seq_length, a flag beside its key=value override, a flag given twice) are
+refused naming both.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
+import os
+import sys
 from typing import Any, Callable
 
 import yaml
 
 from posttrain.config.keys import recipe_key, recipe_keys, set_dotted
 from posttrain.config.schema import Recipe
+from posttrain.config.trl_rewards import LIST_KEYS, rewards_from_trl
+from posttrain.config.trl_table import IGNORED, REFUSED, changes_nothing
 from posttrain.errors import UserError
+
+
+class NoEffect(Exception):
+    """A conversion's answer: the value is accepted and has no effect here, for the reason in the message."""
 
 
 def _flag(value_if_true: str) -> Callable[[Any], Any]:
@@ -28,6 +39,37 @@ def _flag(value_if_true: str) -> Callable[[Any], Any]:
             raise ValueError(f"must be true or false, got {value!r}")
         return value_if_true if value else None
     return convert
+
+
+def _strategy(what: str, no: str) -> Callable[[Any], Any]:
+    """TRL's eval/save/logging_strategy: `steps` is how posttrain works (every *_steps), `no` has no effect (`no`
+    says why), `epoch` and `best` do not exist here."""
+    def convert(value: Any) -> Any:
+        if value == "steps":
+            return None
+        if value == "no":
+            raise NoEffect(no)
+        raise ValueError(f"{value!r} is not available: {what} every {what}_steps steps here (set it to the steps of "
+                         "an epoch)")
+    return convert
+
+
+def _optim(value: Any) -> Any:
+    """TRL's optim -> train.fused_optimizer: AdamW is the one optimiser here, fused or not."""
+    choices = {"adamw_torch_fused": True, "adamw_torch": False}
+    if value not in choices:
+        raise ValueError(f"{value!r} is not available: the optimiser is AdamW (adamw_torch_fused, the default, or "
+                         "adamw_torch; train.fused_optimizer)")
+    return choices[value]
+
+
+def _one_loss(value: Any) -> Any:
+    """DPOConfig's loss_type is a list in TRL 1.x (several losses mixed by loss_weights); one at a time here."""
+    if isinstance(value, (list, tuple)):
+        if len(value) != 1:
+            raise ValueError(f"{list(value)}: one loss at a time here (algo.loss_type; TRL's loss_weights mix several)")
+        return value[0]
+    return value
 
 
 # TRL keys spelled as here, by recipe section (train: transformers' TrainingArguments)
@@ -56,8 +98,11 @@ TRL_RENAMES: dict[str, str] = {
     # data
     "dataset_name": "data.train", "dataset_train_split": "data.train_split", "dataset_test_split": "data.eval_split",
     "dataset_num_proc": "data.num_proc", "max_seq_length": "data.max_length", "padding_free": "data.packing",
+    "dataset_text_field": "data.text_field",
     # run and optimiser (transformers' TrainingArguments)
     "bf16": "train.mixed_precision", "fp16": "train.mixed_precision", "data_seed": "train.dataloader_seed",
+    "run_name": "train.run_name", "project": "train.project", "optim": "train.fused_optimizer",
+    "eval_strategy": "train.eval_steps", "save_strategy": "train.save_steps", "logging_strategy": "train.logging_steps",
     # generation (GRPOConfig, PPOConfig)
     "response_length": "generation.max_completion_length", "generation_batch_size": "generation.batch_size",
     "use_vllm": "generation.engine", "vllm_gpu_memory_utilization": "generation.vllm.gpu_memory_utilization",
@@ -67,47 +112,86 @@ TRL_RENAMES: dict[str, str] = {
     # the algorithm's own knobs (DPOConfig, GRPOConfig, RewardConfig, PPOConfig)
     "vllm_importance_sampling_correction": "algo.vllm_is_correction",
     "vllm_importance_sampling_cap": "algo.vllm_is_cap", "precompute_ref_log_probs": "algo.precompute_ref_logprobs",
+    "vllm_importance_sampling_clip_max": "algo.vllm_is_cap", "max_tool_calling_iterations": "rollout.max_turns",
     "cliprange": "algo.epsilon", "cliprange_value": "algo.value_clip", "num_ppo_epochs": "algo.ppo_epochs",
     "value_model_path": "algo.critic_model_name_or_path",
 }
 # TRL values spelled otherwise here (a lone report_to: wandb needs none: a recipe's list key takes one string);
 # scale_rewards is true/false in older TRL, group/batch/none in newer
 CONVERSIONS: dict[str, Callable[[Any], Any]] = {
-    "bf16": _flag("bf16"), "fp16": _flag("fp16"), "use_vllm": _flag("vllm"),
-    "scale_rewards": lambda value: {True: "group", False: "none"}[value] if isinstance(value, bool) else value}
+    "bf16": _flag("bf16"), "fp16": _flag("fp16"), "use_vllm": _flag("vllm"), "padding_free": _flag(True),
+    "scale_rewards": lambda value: {True: "group", False: "none"}[value] if isinstance(value, bool) else value,
+    "eval_strategy": _strategy("evaluate", "evaluation runs exactly when data.eval is given: leave it out for none"),
+    "save_strategy": _strategy("save", "with save_steps=0 (the default) no checkpoint is saved, only final/ (and "
+                               "one when a run is stopped, so it can be continued)"),
+    "logging_strategy": _strategy("log", "metrics.jsonl gets a row every logging_steps steps"),
+    "optim": _optim, "loss_type": _one_loss,
+    "max_tool_calling_iterations": lambda value: value + 1 if isinstance(value, int) else value}  # + the answer turn
+# Where a command has no such recipe key, these values mean what it does anyway (SFTConfig's loss_type: nll)
+SAME_AS_HERE: dict[str, tuple[Any, ...]] = {"loss_type": ("nll",)}
+NONE_IS_A_VALUE = ("train.save_total_limit",)  # elsewhere TRL's None means "unset": the recipe's default stays
 TRL_KEYS: dict[str, tuple[str, Callable[[Any], Any] | None]] = {
     key: (path, CONVERSIONS.get(key)) for key, path in TRL_RENAMES.items()}  # key -> (recipe key, conversion)
 
 RECIPE_TOP_LEVEL = tuple(recipe_key(f) for f in dataclasses.fields(Recipe))  # the recipe's sections
 
 
-def translate(flat: dict[str, Any], where: str, algo_cls: type, shown: str = "") -> list[tuple[str, Any]]:
-    """TRL keys and their values -> [(recipe key, value)]; every key without a meaning here is reported at once, as
-    `shown` + key (shown='--' for command-line flags)."""
+def translate(flat: dict[str, Any], where: str, algo_cls: type, shown: str = "") -> list[tuple[str, str, Any]]:
+    """TRL keys and their values -> [(TRL key, recipe key, value)]. Keys with no effect here get one note line each;
+    every key refused, unknown, or landing on a recipe key another key also sets is reported at once, as `shown` +
+    key (shown='--' for command-line flags)."""
     valid_keys = {k.path for k in recipe_keys(algo_cls)}
     command = algo_cls.__name__.removesuffix("AlgoConfig").lower()  # GRPOAlgoConfig -> grpo
-    out, problems = [], []
+    flat = dict(flat)
+    rewards, problems = rewards_from_trl(flat, shown)  # reward_funcs, reward_weights, ... make one list together
+    out, notes = ([("reward_funcs", "rewards", rewards)] if rewards is not None else []), []
     for key, value in flat.items():
+        if key in IGNORED or key in REFUSED:
+            harmless, text = IGNORED.get(key) or REFUSED[key]
+            if not changes_nothing(value, harmless):
+                if key in IGNORED:
+                    notes.append(f"{shown}{key} has no effect here: {text}")
+                else:
+                    problems.append(f"{shown}{key}: {text}")
+            continue
         if key not in TRL_KEYS:
             unknown = "neither a TRL key posttrain knows nor a recipe key"
             problems.append(f"{shown}{key}: {closest(key, valid_keys, shown) or unknown}")
             continue
         path, convert = TRL_KEYS[key]
+        if key.startswith("vllm_") and flat.get("use_vllm") is False:
+            continue  # TRL reads its vllm_* keys only with use_vllm (a whole TRL config holds them all)
         if path not in valid_keys:
-            problems.append(f"{shown}{key}: posttrain's {path}, which `posttrain {command}` does not take")
+            if not changes_nothing(value, SAME_AS_HERE.get(key, ())):
+                problems.append(f"{shown}{key}: posttrain's {path}, which `posttrain {command}` does not take")
             continue
         try:
-            value = convert(value) if convert else value
+            value = convert(value) if convert and value is not None else value
+        except NoEffect as e:
+            notes.append(f"{shown}{key} {value} has no effect here: {e}")
+            continue
         except ValueError as e:
             problems.append(f"{shown}{key}: {e}")
             continue
-        if value is not None:
-            out.append((path, value))
+        if value is not None or path in NONE_IS_A_VALUE:
+            out.append((key, path, value))
+    for i, (key, path, value) in enumerate(out):  # two TRL keys for one recipe key
+        other = next(((k, v) for k, p, v in out[:i] if p == path and v != value), None)
+        if other:
+            problems.append(f"{shown}{other[0]} ({other[1]!r}) and {shown}{key} ({value!r}) both set {path}; keep one")
     if problems:
         raise UserError(f"{where}: {len(problems)} key{'s' if len(problems) > 1 else ''} with no meaning here:\n  "
                         + "\n  ".join(problems) + f"\n`posttrain {command} --help` lists every key; docs/trl.md "
                         "maps TRL's keys to posttrain's")
-    return out
+    for note in notes:
+        say(f"{where}: {note}")
+    return [item for i, item in enumerate(out) if all(p != item[1] for _, p, _ in out[:i])]
+
+
+def say(message: str) -> None:
+    """One note line on stderr, from rank 0 only (every rank reads the same config)."""
+    if os.environ.get("RANK", "0") == "0":
+        print(f"posttrain: note: {message}", file=sys.stderr, flush=True)
 
 
 def closest(key: str, valid_keys: set[str], shown: str = "") -> str:
@@ -129,15 +213,20 @@ def from_trl_file(raw: dict, where: str, algo_cls: type) -> dict:
     if not flat:
         return raw
     out = {k: (dict(v) if isinstance(v, dict) else v) for k, v in raw.items() if k not in flat}
-    for path, value in translate(flat, where, algo_cls):
+    for key, path, value in translate(flat, where, algo_cls):
+        section, _, leaf = path.rpartition(".")
+        given = out.get(section, {}) if section else out
+        if isinstance(given, dict) and leaf in given and given[leaf] != value:
+            raise UserError(f"{where}: {key} ({value!r}) and {path} ({given[leaf]!r}) both set {path}; keep one")
         set_dotted(out, path, value, f"'{path}'")
     return out
 
 
 def split_trl_flags(argv: list[str]) -> tuple[list[str], dict[str, Any]]:
-    """TRL-style `--key value`, `--key=value` and bare `--flag` (true) out of a command's arguments; the rest back.
-    Values are read as YAML (1e-4, true, [a, b]), as in `key=value` overrides."""
-    rest, flags, i = [], {}, 0
+    """TRL-style `--key value`, `--key=value`, `--key v1 v2 ...` (a list) and bare `--flag` (true) out of a command's
+    arguments; the rest back. Values are read as YAML (1e-4, true, [a, b]), as in `key=value` overrides. A flag given
+    twice is refused naming both values, except the reward lists, where a repeated flag adds to the list."""
+    rest, flags, typed, i = [], {}, {}, 0
     while i < len(argv):
         arg = argv[i]
         name = arg[2:].split("=", 1)[0].replace("-", "_")
@@ -148,16 +237,26 @@ def split_trl_flags(argv: list[str]) -> tuple[list[str], dict[str, Any]]:
                 i += 1
             i += 1
             continue
-        if "=" in arg:
-            text = arg.split("=", 1)[1]
-        elif i + 1 < len(argv) and not argv[i + 1].startswith("--") and not looks_like_override(argv[i + 1]):
-            text = argv[i + 1]
+        texts = [arg.split("=", 1)[1]] if "=" in arg else []
+        while "=" not in arg and i + 1 < len(argv) and not argv[i + 1].startswith("--") \
+                and not looks_like_override(argv[i + 1]):  # every value up to the next flag (TRL's nargs='+')
+            texts.append(argv[i + 1])
             i += 1
-        else:
-            text = "true"
-        flags[name] = parse_value(text)
+        values = [parse_value(text) for text in texts or ["true"]]
+        value = values[0] if len(values) == 1 else values
+        text = " ".join(texts) or "true"
+        if name in LIST_KEYS and name in flags:  # --reward_funcs a --reward_funcs b: both
+            value = _as_list(flags[name]) + _as_list(value)
+        elif name in typed:
+            raise UserError(f"command line: --{name} is given twice ({typed[name]} and {text}); keep one")
+        typed[name] = text
+        flags[name] = value
         i += 1
     return rest, flags
+
+
+def _as_list(value: Any) -> list:
+    return list(value) if isinstance(value, list) else [value]
 
 
 def looks_like_override(arg: str) -> bool:
@@ -182,4 +281,9 @@ def parse_value(text: str) -> Any:
 
 def as_override(path: str, value: Any) -> str:
     """(train.learning_rate, 1e-4) -> 'train.learning_rate=0.0001', read back as the same value."""
-    return f"{path}={yaml.safe_dump(value, default_flow_style=True, width=10**9).strip().removesuffix('...').strip()}"
+    return f"{path}={yaml_text(value)}"
+
+
+def yaml_text(value: Any) -> str:
+    """A value as one line of YAML that reads back as the same value (1e-06, true, [a, b])."""
+    return yaml.safe_dump(value, default_flow_style=True, width=10**9).strip().removesuffix("...").strip()

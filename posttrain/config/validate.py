@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import functools
 import importlib.util
+import math
 import os
 from urllib.parse import urlsplit
 
@@ -13,6 +15,7 @@ from posttrain.errors import UserError
 
 CHOICES = {
     "model.dtype": ("float32", "bfloat16", "float16", "auto"),
+    "train.export_dtype": ("auto", "float32", "bfloat16", "float16"),
     "train.lr_scheduler_type": ("constant", "linear", "cosine"), "train.mixed_precision": ("no", "bf16", "fp16"),
     "generation.engine": ("hf", "vllm"), "generation.placement": ("colocated", "node", "servers", "ray"),
     "generation.lora_sync": ("merged", "adapter"), "train.nonfinite": ("stop", "skip"),
@@ -24,7 +27,7 @@ POSITIVE = (
     "generation.max_completion_length", "train.ddp_timeout", "generation.sync_every", "generation.sync_bucket_mb",
     "generation.vllm.tensor_parallel_size", "generation.request_timeout_s", "generation.sync_timeout_s",
     "placement.cpus_per_worker", "placement.generation.tensor_parallel_size", "rollout.max_turns",
-    "rollout.tool_timeout", "rollout.tool_max_output_chars", "rollout.tool_workers",
+    "rollout.tool_timeout", "rollout.tool_max_output_chars", "rollout.tool_workers", "rollout.user_code_timeout",
 )
 NON_NEGATIVE = ("train.weight_decay", "train.warmup_steps", "train.max_grad_norm", "train.save_steps", "train.eval_steps",
                 "train.max_nonfinite_skips", "generation.request_retries", "placement.generation.num_engines")
@@ -40,7 +43,21 @@ def get(recipe: Recipe, dotted: str):
     return functools.reduce(getattr, dotted.split("."), recipe)
 
 
+def check_finite(node, where: str = "") -> None:
+    """Every float of the recipe, at any depth (algo and rewards included), is a number: NaN compares false with
+    every bound (`max_grad_norm: .nan` silently turned clipping off) and inf overflows deadlines and schedules."""
+    if dataclasses.is_dataclass(node):
+        for f in dataclasses.fields(node):
+            check_finite(getattr(node, f.name), f"{where}.{f.name}" if where else f.name)
+    elif isinstance(node, (list, tuple)):
+        for i, item in enumerate(node):
+            check_finite(item, f"{where}[{i}]")
+    elif isinstance(node, float) and not math.isfinite(node):
+        raise UserError(f"{where} is {node}; give a finite number")
+
+
 def validate(recipe: Recipe) -> None:
+    check_finite(recipe)
     for key, choices in CHOICES.items():
         if get(recipe, key) not in choices:
             raise UserError(f"{key} is {get(recipe, key)!r}; choose one of {', '.join(choices)}")
@@ -213,7 +230,7 @@ def check_trackers(train) -> None:
             raise UserError(f"train.report_to names {name}, but {name} is not installed; install it with `pip "
                             f"install {name}` (or `pip install 'posttrain[trackers]'` for all four), or drop {name} "
                             "from train.report_to")
-        uri = os.environ.get("MLFLOW_TRACKING_URI", "sqlite:")  # unset: MLflow's default, sqlite:///mlflow.db
+        uri = os.environ.get("MLFLOW_TRACKING_URI", "sqlite:")  # unset: sqlite:///<output_dir>/mlflow.db (trackers.py)
         database = uri.split(":", 1)[0].split("+", 1)[0] in MLFLOW_DATABASE_SCHEMES
         missing = [m for m in ("sqlalchemy", "alembic") if importlib.util.find_spec(m) is None]
         if name == "mlflow" and database and missing:

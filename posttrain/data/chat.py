@@ -36,12 +36,29 @@ def known_roles(tokenizer) -> set[str]:
     return set(STANDARD_ROLES) | set(re.findall(r"""['"]([A-Za-z_][\w-]*)['"]""", text))
 
 
+def content_problem(content) -> str:
+    """Why a message's content cannot be trained on by a text model, or '': a string, None (a turn of tool calls) or a
+    list of text parts only (the template joins them). An image part used to end in the template's TypeError."""
+    if content is None or isinstance(content, str):
+        return ""
+    if not isinstance(content, list):
+        return f"has content of type {type(content).__name__}; give a string"
+    kinds = [part.get("type") if isinstance(part, dict) else type(part).__name__ for part in content]
+    other = [kind for kind in kinds if kind != "text"]
+    return (f"holds a {other[0]!r} part; posttrain trains text-only models: remove the non-text parts, or give the "
+            "content as a string") if other else ""
+
+
 def check_roles(rows, columns, tokenizer, what: str) -> None:
-    """Every message's role must be one the chat template knows; a UserError names the row, column and message."""
+    """Every message's role must be one the chat template knows, and its content text; a UserError names the row,
+    column and message."""
     known = known_roles(tokenizer)
     for i, row in enumerate(rows):
         for column in columns:
             for j, message in enumerate(row[column] or []):
+                problem = content_problem(message.get("content"))
+                if problem:
+                    raise UserError(f"{what} row {i}: column {column!r} message {j} {problem}")
                 if message["role"] not in known:
                     raise UserError(f"{what} row {i}: column {column!r} message {j} has role {message['role']!r}, "
                                     "which the chat template does not know (roles: "

@@ -144,7 +144,30 @@ def _from_records(records: list[tuple[str, dict]], path: Path, what: str) -> dat
                 elif shape != first:
                     raise UserError(f"{what}: {path} {where}: column {column!r} holds {shape} where earlier rows "
                                     f"hold {first}; every row must use the same type per column") from None
-        raise UserError(f"{what}: could not build a dataset from {path}: {e}") from None
+        where = _first_misfit(records)  # the shapes agree at the top: the difference is deeper (a message's content)
+        raise UserError(f"{what}: {path}{f' {where}' if where else ''}: a field holds values of different shapes "
+                        "(within the row, or against the earlier rows: for example a message content that is a list "
+                        f"where others are strings; {str(e).splitlines()[0][:200]}); give every message's content "
+                        "as a string") from None
+
+
+def _first_misfit(records: list[tuple[str, dict]]) -> str:
+    """Where (line / row) the first row is that a table of the rows before it cannot take: the shortest prefix of
+    rows that Arrow refuses, found by bisection (log2(rows) tries); '' when every prefix but the whole builds."""
+    def builds(n: int) -> bool:
+        rows = [row for _, row in records[:n]]
+        columns = list(dict.fromkeys(k for row in rows for k in row))
+        try:
+            datasets.Dataset.from_dict({c: [row.get(c) for row in rows] for c in columns})
+            return True
+        except Exception:  # noqa: BLE001 - Arrow raises several types for rows that disagree
+            return False
+
+    good, bad = 0, len(records)  # rows[:good] builds, rows[:bad] does not
+    while bad - good > 1:
+        middle = (good + bad) // 2
+        good, bad = (middle, bad) if builds(middle) else (good, middle)
+    return records[bad - 1][0] if bad >= 1 else ""
 
 
 def _shape(value) -> str:
@@ -162,7 +185,15 @@ def _shape(value) -> str:
 
 def _read_dir(path: Path, split: str, what: str) -> datasets.Dataset:
     if not ((path / "dataset_dict.json").is_file() or (path / "state.json").is_file()):
-        return _read_hub(str(path), split, what)  # a folder of data files: datasets picks the builder
+        # a folder of data files: datasets picks the builder, and with none of ours would read any text file as rows
+        data_files = [p for p in path.rglob("*") if p.is_file() and not any(part.startswith(".") for part in
+                      p.relative_to(path).parts) and p.name.lower().removesuffix(".gz").endswith(SUFFIXES)]
+        if not data_files:
+            shown = ", ".join(sorted(p.name for p in path.iterdir())[:5]) or "nothing"
+            raise UserError(f"{what}: {path} is a directory with no data file ({'/'.join(SUFFIXES)}) and is not a "
+                            f"save_to_disk dataset; it holds {shown}. Give the data file itself, or the folder "
+                            "save_to_disk wrote")
+        return _read_hub(str(path), split, what)
     loaded = datasets.load_from_disk(str(path))
     if isinstance(loaded, datasets.DatasetDict):
         if split not in loaded:
@@ -180,3 +211,16 @@ def _read_hub(name: str, split: str, what: str) -> datasets.Dataset:
     if not isinstance(rows, datasets.Dataset):
         raise UserError(f"{what}: {name!r} split {split!r} did not load as one table of rows")
     return rows
+
+
+def rename_text_field(rows: datasets.Dataset, column: str, what: str) -> datasets.Dataset:
+    """Rows whose text is in `column` (data.text_field, TRL's dataset_text_field) with that column named `text`,
+    the name the dataset formats read."""
+    if column == "text":
+        return rows
+    if column not in rows.column_names:
+        raise UserError(f"{what}: data.text_field={column!r} names no column (columns: {sorted(rows.column_names)})")
+    if "text" in rows.column_names:
+        raise UserError(f"{what}: data.text_field={column!r}, but the rows also hold a 'text' column; drop or rename "
+                        "one of the two")
+    return rows.rename_column(column, "text")

@@ -33,6 +33,7 @@ from posttrain.generation.cpu_memory import serve_kv_cache_option
 from posttrain.generation.http import TOKEN_ENV, ServerUnavailable, call
 from posttrain.generation.vllm_engine import check_cpu_head_dim
 from posttrain.generation.weight_transfer import BACKEND
+from posttrain.models.limits import config_problem
 
 EXTENSION = "posttrain.generation.vllm_weight_transfer.WeightSyncExtension"
 MIDDLEWARE = "posttrain.generation.server_worker.TokenGuard"
@@ -78,6 +79,22 @@ def vllm_command(args, on_gpu: bool, memory: list[str] = ()) -> list[str]:
     return command + user
 
 
+# posttrain serve's own options that vLLM also reads: given again after --, vLLM would take the second and serve
+# elsewhere than what posttrain waits on (e.g. --port 18720 -- --port 18721: polled for 900 s)
+OWN_OPTIONS = {"--model": "--model", "--host": "--host", "--port": "--port", "--worker-extension-cls": None,
+               "--middleware": None, "--logprobs-mode": None}
+
+
+def check_vllm_args(args) -> None:
+    """Refuse vLLM options after -- that contradict posttrain serve's own."""
+    for arg in args.vllm_args:
+        option = arg.split("=", 1)[0]
+        if option in OWN_OPTIONS:
+            ours = OWN_OPTIONS[option]
+            fix = f"give it once, as posttrain serve's {ours}" if ours else "posttrain serve sets it itself"
+            raise UserError(f"{option} after -- would override what posttrain serve passes to vLLM; {fix}")
+
+
 def check_serve_args(args) -> None:
     if importlib.util.find_spec("vllm") is None:
         raise UserError("posttrain serve needs vLLM: `make setup EXTRAS=vllm` (or pip install posttrain[vllm]; on a "
@@ -87,6 +104,10 @@ def check_serve_args(args) -> None:
     if looks_local and not (model.expanduser() / "config.json").is_file():
         raise UserError(f"--model {args.model}: no config.json there; give a Hugging Face model directory "
                         "(e.g. a run's final/) or a hub id")
+    problem = config_problem(model.expanduser() / "config.json") if looks_local else None
+    if problem:
+        raise UserError(f"--model {args.model}: config.json is damaged: {problem}; export the model again")
+    check_vllm_args(args)
     if getattr(args, "kv_cache_gb", None) is not None and not args.kv_cache_gb > 0:
         raise UserError(f"--kv-cache-gb must be > 0, got {args.kv_cache_gb}")
     if not 0 < args.port < 65536:

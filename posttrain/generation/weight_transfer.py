@@ -30,6 +30,14 @@ logger = logging.getLogger(__name__)
 BACKEND = "gloo-posttrain"
 
 
+def any_true(answer) -> bool:
+    """Whether any worker answered True to a /collective_rpc call. vLLM sends a result that is not a dict or list as
+    its str(): False arrives as "False", which is truthy (every server, even one just started, read as left inside a
+    weight update)."""
+    results = answer.get("results") if isinstance(answer, dict) else None
+    return isinstance(results, list) and any(r is True or r == "True" for r in results)
+
+
 class ServersClient:
     """vLLM's `VLLMWeightSyncClient` over every server at once: each call goes to all of them in parallel and
     returns when all have answered; a failure stops the run naming the server and the phase."""
@@ -62,7 +70,7 @@ class ServersClient:
                              timeout=self.sync_timeout, token=self.token)
             except ServerUnavailable:
                 continue
-            if isinstance(ended, dict) and any(ended.get("results") or ()):
+            if any_true(ended):
                 logger.warning("%s was still inside a weight update that an earlier trainer never finished; ended it "
                                "(this trainer's first sync replaces the weights)", self.name(url))
 

@@ -2,11 +2,13 @@
 
     posttrain plan --config recipes/dpo.yaml --gpus 8 --gpu-memory 80GiB
     torchrun --nproc_per_node 8 -m posttrain doctor --config recipes/dpo.yaml
+    posttrain doctor --nnodes 2 --node-rank 1 --nproc-per-node 8 --master-addr node0    # the doctor's own ranks
 """
 
 from __future__ import annotations
 
 from posttrain.errors import UserError
+from posttrain.launch.doctor_ranks import add_launch_flags, run_ranks
 
 
 def add_plan_and_doctor(sub) -> None:
@@ -17,11 +19,18 @@ def add_plan_and_doctor(sub) -> None:
     plan.add_argument("--nodes", type=int, default=1, help="nodes the GPUs are on (default 1)")
     plan.add_argument("--gpu-memory", help="memory of one GPU, e.g. 80GiB (default: this machine's GPU)")
     plan.add_argument("--json", action="store_true", help="print JSON")
+    plan.add_argument("--bf16", action="store_true", help="plan bf16 autocast (train.mixed_precision=bf16), as "
+                      "--bf16 on a training command")
+    plan.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), help="plan weights stored in this "
+                      "dtype (model.dtype; the shipped recipes load float32)")
     plan.add_argument("overrides", nargs="*", help="key.sub=value overrides, e.g. data.max_length=2048")
     doctor = sub.add_parser("doctor", help="check GPUs, versions, the process group and disk before a launch")
     doctor.add_argument("--config", "-c", help="recipe YAML: checks its output_dir's disk and that every rank has it")
-    doctor.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for every rank (default 60)")
+    doctor.add_argument("--timeout", type=float, default=30.0, help="seconds each step of the group check may take "
+                        "(the rendezvous, every rank's arrival, each collective) before it fails naming what is "
+                        "missing (default 30)")
     doctor.add_argument("--build-ops", action="store_true", help="also compile DeepSpeed's CPU Adam (tens of s)")
+    add_launch_flags(doctor)
     doctor.add_argument("overrides", nargs="*", help="key.sub=value overrides of the recipe")
 
 
@@ -32,12 +41,16 @@ def run_plan_or_doctor(args) -> int:
     if args.command == "doctor":
         from posttrain.launch.doctor import run_doctor
 
+        if args.nproc_per_node is not None:
+            return run_ranks(args)
         return run_doctor(args.config, args.overrides, args.timeout, args.build_ops)
     from posttrain.plan import infer_algorithm, run_plan
 
     algorithm = args.algorithm or infer_algorithm(args.config, args.overrides)
     if algorithm not in ALGORITHMS:
         raise UserError(f"--algorithm {algorithm!r} is not one of {', '.join(ALGORITHMS)}")
-    recipe = load_recipe(args.config, args.overrides, ALGORITHMS[algorithm][0])
-    print(run_plan(algorithm, recipe, args.config, args.overrides, args.gpus, args.nodes, args.gpu_memory, args.json))
+    overrides = list(args.overrides) + (["train.mixed_precision=bf16"] if args.bf16 else []) + (
+        [f"model.dtype={args.dtype}"] if args.dtype else [])
+    recipe = load_recipe(args.config, overrides, ALGORITHMS[algorithm][0])
+    print(run_plan(algorithm, recipe, args.config, overrides, args.gpus, args.nodes, args.gpu_memory, args.json))
     return 0

@@ -174,12 +174,35 @@ def check_deepspeed_ops(report: Report, build: bool) -> None:
 
 # --- the group -----------------------------------------------------------------------------------------------------
 
+def _resolve(host: str, port: int, deadline: float):
+    """getaddrinfo bounded by the deadline (it takes no timeout: a name a slow or unreachable DNS server has to answer
+    blocks for as long as the resolver retries); the first TCP address, or the error as text."""
+    answer: list = []
+
+    def look_up() -> None:
+        try:
+            answer.append(socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][4])
+        except OSError as e:
+            answer.append(f"{type(e).__name__}: {e}")
+
+    worker = threading.Thread(target=look_up, daemon=True)
+    worker.start()
+    worker.join(max(0.0, deadline - time.monotonic()))
+    return answer[0] if answer else f"the name {host} did not resolve in time (DNS)"
+
+
 def _probe(host: str, port: int, deadline: float) -> Optional[str]:
-    """None when host:port accepts a connection before the deadline, else the last error."""
+    """None when host:port accepts a connection before the deadline, else the last error; never past the deadline
+    (name resolution included)."""
     error = "no attempt"
     while time.monotonic() < deadline:
+        address = _resolve(host, port, deadline)
+        if isinstance(address, str):
+            error = address
+            time.sleep(min(0.2, max(0.0, deadline - time.monotonic())))
+            continue
         try:
-            with socket.create_connection((host, port), timeout=max(0.1, min(2.0, deadline - time.monotonic()))):
+            with socket.create_connection(address[:2], timeout=max(0.1, min(2.0, deadline - time.monotonic()))):
                 return None
         except OSError as e:
             error = f"{type(e).__name__}: {e}"

@@ -33,12 +33,36 @@ def model_config_file(name_or_path: str, revision: Optional[str] = None) -> Opti
     return Path(cached) if isinstance(cached, str) else None
 
 
+SIZE_KEYS = ("vocab_size", "hidden_size", "num_attention_heads", "num_hidden_layers", "head_dim", *POSITION_KEYS)
+
+
+def config_problem(config_file: Path) -> Optional[str]:
+    """What makes a model's config.json unusable before anything reads it (not UTF-8 JSON, not an object, a size
+    that is not a whole number > 0, at the top or in text_config), or None. transformers and vLLM fail on these
+    deep inside, as did our own checks."""
+    try:
+        config = json.loads(config_file.read_text())
+    except (OSError, ValueError, RecursionError) as e:
+        return f"it is not readable JSON ({type(e).__name__}: {e})"
+    if not isinstance(config, dict):
+        return f"it holds a JSON {type(config).__name__}, not an object"
+    text = config.get("text_config")
+    for where, section in (("", config), ("text_config.", text if isinstance(text, dict) else {})):
+        for key in SIZE_KEYS:
+            value = section.get(key)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
+                return f"{where}{key} is {value!r:.60}; it must be a whole number > 0"
+    return None
+
+
 def position_limit(config_file: Path) -> Optional[tuple[int, str]]:
     """(positions, the key that says so) from a model's config.json (or its text_config); None if it names none."""
     try:
         config = json.loads(config_file.read_text())
     except (OSError, ValueError):
         return None  # unreadable: check_model_source and from_pretrained report it
+    if not isinstance(config, dict):
+        return None  # check_model_source reports it
     for section in (config, config.get("text_config") or {}):
         for key in POSITION_KEYS:
             value = section.get(key) if isinstance(section, dict) else None

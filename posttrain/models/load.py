@@ -19,7 +19,7 @@ import copy
 import json
 import re
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 
@@ -60,6 +60,11 @@ def _check_source(source: str, what: str, marker_files: tuple[str, ...]) -> None
         raise UserError(f"{what}: '{source}' is not a Hugging Face model directory (it has no "
                         f"{' or '.join(marker_files)}). Point it at the directory written by save_pretrained (for a "
                         "finished run: <output_dir>/final)")
+    from posttrain.models.limits import config_problem
+
+    problem = config_problem(path / "config.json") if (path / "config.json").is_file() else None
+    if problem:
+        raise UserError(f"{what}: {path / 'config.json'} is damaged: {problem}; download or export the model again")
     for weights in sorted(path.glob("*.safetensors")):
         problem = safetensors_problem(weights)
         if problem:
@@ -208,6 +213,27 @@ def merge_lora(model):
     """The plain transformers model with the adapters folded in (in place: do not train the LoRA model after)."""
     inner = unwrap_module(model)
     return inner.merge_and_unload(safe_merge=True) if hasattr(inner, "merge_and_unload") else inner
+
+
+def lora_adapter(peft_model, state: Optional[dict] = None) -> tuple[Any, dict]:
+    """(peft config, adapter tensors on CPU) of a LoRA model, named as peft saves them, taken before a merge folds
+    them in. `state`: the LoRA model's full state dict when it was gathered from shards (else read from the model)."""
+    from peft import get_peft_model_state_dict
+
+    name = peft_model.active_adapter
+    tensors = get_peft_model_state_dict(peft_model, state_dict=state, adapter_name=name)
+    return (copy.deepcopy(peft_model.peft_config[name]),
+            {key: t.detach().to("cpu", copy=True).contiguous() for key, t in tensors.items()})
+
+
+def save_lora_adapter(directory: Path, config, tensors: dict) -> None:
+    """adapter_config.json + adapter_model.safetensors, as PeftModel.save_pretrained writes them (PeftModel.
+    from_pretrained(base, directory) and vLLM's LoRA loading read them)."""
+    from safetensors.torch import save_file
+
+    directory.mkdir(parents=True, exist_ok=True)
+    config.save_pretrained(str(directory))
+    save_file(tensors, str(directory / "adapter_model.safetensors"), metadata={"format": "pt"})
 
 
 def merge_lora_state(peft_model, state: dict, model_class: type):

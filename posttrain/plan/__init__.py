@@ -21,7 +21,7 @@ import yaml
 from posttrain.errors import UserError
 from posttrain.plan.estimate import ENGINES, GIB, Breakdown, estimate
 from posttrain.plan.recommend import format_table, launch_command, make_plan, to_json
-from posttrain.plan.shape import model_shape, read_config, shape_from_config
+from posttrain.plan.shape import config_and_source, model_shape, read_config, shape_from_config
 from posttrain.plan.workload import algorithm_facts, workload_from_recipe
 
 _UNITS = {"": GIB, "b": 1, "kb": 1000, "mb": 1000**2, "gb": 1000**3, "tb": 1000**4, "kib": 2**10, "mib": 2**20,
@@ -90,6 +90,15 @@ def estimated_peak_mb(command: str, recipe, described: dict, counts: tuple[int, 
     return round(breakdown.peak_bytes / 2**20, 1)
 
 
+def precision(recipe, shape) -> str:
+    """The dtypes the estimate assumes, and how to change them where float32 weights make a big model look huge."""
+    autocast = recipe.train.mixed_precision if recipe.train.mixed_precision in ("bf16", "fp16") else "none"
+    said = f"weights in {recipe.model.dtype} (model.dtype), autocast {autocast} (train.mixed_precision)"
+    if recipe.model.dtype == "float32" and shape.parameters >= 1e9:
+        said += " [--dtype bfloat16 plans bf16 weights" + (", --bf16 bf16 autocast]" if autocast == "none" else "]")
+    return said
+
+
 def _count(n: int) -> str:
     return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M"
 
@@ -117,8 +126,9 @@ def run_plan(command: str, recipe, config: Optional[str], overrides: list[str], 
     if as_json:
         return json.dumps({"command": command, "model": recipe.model.name_or_path, "parameters": shape.parameters,
                            "trainable": shape.trainable, **to_json(plan, line)}, indent=2)
-    lines = [f"posttrain plan: {command}, {recipe.model.name_or_path}: {_count(shape.parameters)} parameters "
-             f"({_count(shape.trainable)} trainable), {gpus} GPU(s) of {gpu_bytes / GIB:.1f} GiB on {nodes} node(s)",
+    lines = [f"posttrain plan: {command}, {recipe.model.name_or_path} ({config_and_source(recipe.model)[1]}): "
+             f"{_count(shape.parameters)} parameters ({_count(shape.trainable)} trainable), {precision(recipe, shape)}; "
+             f"{gpus} GPU(s) of {gpu_bytes / GIB:.1f} GiB on {nodes} node(s)",
              f"per device at the recipe's batch (per_device_train_batch_size={t.per_device_train_batch_size}, "
              f"gradient_accumulation_steps={t.gradient_accumulation_steps}), GiB; fits = peak <= 90% of the GPU:",
              format_table(plan)]

@@ -12,6 +12,9 @@ at the largest micro-batch that keeps the global batch (docs/planning.md says wh
 
 from __future__ import annotations
 
+import shlex
+from pathlib import Path
+
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -112,10 +115,10 @@ def launch_command(option: Option, command: str, config: Optional[str], override
     if (option.per_device_batch, option.accumulation) != recipe_batch:
         changes = [f"train.per_device_train_batch_size={option.per_device_batch}",
                    f"train.gradient_accumulation_steps={option.accumulation}"]
-    keep = [o for o in overrides if not o.startswith(("train.per_device_train_batch_size=",
-                                                       "train.gradient_accumulation_steps="))]
-    program = f"-m posttrain {command}" + (f" --config {config}" if config else "")
-    tail = " ".join([program] + keep + changes)
+    keep = [absolute(o) for o in overrides if not o.startswith(("train.per_device_train_batch_size=",
+                                                                 "train.gradient_accumulation_steps="))]
+    program = f"-m posttrain {command}" + (f" --config {shlex.quote(str(Path(config).resolve()))}" if config else "")
+    tail = " ".join([program] + [shlex.quote(o) for o in keep] + changes)
     engine = option.engine
     if engine.accelerate_config is None:
         if gpus == 1:
@@ -125,8 +128,24 @@ def launch_command(option: Option, command: str, config: Optional[str], override
         return f"torchrun --nproc_per_node {gpus // nodes}{multi} {tail}"
     multi = f" --num_machines {nodes} --machine_rank $NODE_RANK --main_process_ip $MASTER_ADDR " \
             f"--main_process_port 29500" if nodes > 1 else ""
-    return (f"accelerate launch --config_file recipes/accelerate/{engine.accelerate_config}.yaml "
+    return (f"accelerate launch --config_file {shlex.quote(accelerate_config(engine.accelerate_config))} "
             f"--num_processes {gpus}{multi} {tail}")
+
+
+def accelerate_config(name: str) -> str:
+    """recipes/accelerate/<name>.yaml as an absolute path (a launch may start elsewhere); relative where posttrain
+    was installed without its recipes/ (then it is the file of that name in a posttrain checkout)."""
+    path = Path(__file__).resolve().parents[2] / "recipes" / "accelerate" / f"{name}.yaml"
+    return str(path) if path.is_file() else f"recipes/accelerate/{name}.yaml"
+
+
+def absolute(override: str) -> str:
+    """key=value with a relative path that exists here made absolute (data.train=data/x.jsonl), so the printed
+    command runs from any directory; other values as given."""
+    key, _, value = override.partition("=")
+    if value and not value.startswith(("/", "~")) and ("/" in value or "." in value) and Path(value).exists():
+        return f"{key}={Path(value).resolve()}"
+    return override
 
 
 COLUMNS = ("parameters", "gradients", "gradient_buffers", "optimizer", "frozen_copies", "activations", "logits", "gathered",

@@ -17,11 +17,18 @@ from posttrain.models.forward import FUSED_HEAD_MODELS
 from posttrain.config.schema import ModelConfig
 from posttrain.errors import UserError
 from posttrain.plan.estimate import ModelShape
+from posttrain.plan.known_models import known_config, known_name
 
 
 def read_config(model_cfg: ModelConfig):
-    """transformers' AutoConfig for model.name_or_path: a local directory, a hub id in the cache, or else fetched
-    from the hub once it answers (no retries against a hub that cannot be reached)."""
+    """transformers' AutoConfig for model.name_or_path: a local directory, a hub id in the cache, a model whose
+    shape posttrain knows (plan/known_models.py), or else fetched from the hub once it answers (no retries against
+    a hub that cannot be reached)."""
+    return config_and_source(model_cfg)[0]
+
+
+def config_and_source(model_cfg: ModelConfig) -> tuple:
+    """(config, where it came from: 'config.json' or 'built-in shape'); see read_config."""
     from transformers import AutoConfig
 
     from posttrain.models.load import _resolve, check_model_source
@@ -30,13 +37,16 @@ def read_config(model_cfg: ModelConfig):
     src = _resolve(model_cfg.name_or_path)
     kwargs = {"revision": model_cfg.revision, "trust_remote_code": model_cfg.trust_remote_code}
     try:
-        try:
-            return AutoConfig.from_pretrained(src, local_files_only=True, **kwargs)  # a directory, or the cache
+        try:  # a directory, or the cache
+            return AutoConfig.from_pretrained(src, local_files_only=True, **kwargs), "config.json"
         except OSError:
+            known = known_config(src)
+            if known is not None:
+                return known, f"built-in shape of {known_name(src)}, no download"
             if not hub_reachable_for(src):
                 raise UserError(f"model.name_or_path '{src}' is neither a local directory nor in the Hugging Face "
                                 f"cache. {offline_advice()}") from None
-            return AutoConfig.from_pretrained(src, **kwargs)
+            return AutoConfig.from_pretrained(src, **kwargs), "config.json"
     except (OSError, ValueError, KeyError) as e:
         raise UserError(f"could not read config.json of model.name_or_path '{src}': {type(e).__name__}: {e}. "
                         f"{offline_advice()}") from e

@@ -1,8 +1,9 @@
 """Built-in reward functions, picked by name in the recipe.
 
-Every reward function has one signature: `fn(prompts, completions, **columns) -> list[float | None]`, one value per
-completion, where `columns` are the dataset's other columns, each a list aligned with `completions`. A recipe's
-`kwargs` are bound with functools.partial. None means "no reward for this sample" (counted, and 0 in the total).
+They follow TRL's contract (posttrain/rewards/contract.py): called by keyword with `completions` (strings, or message
+lists for conversational data: the rules read the last assistant message), the dataset's columns and the rest of
+the contract in **kwargs; one value per completion. A recipe's `kwargs` are bound with functools.partial. None means
+"no reward for this sample" (counted, and left out of the total).
 
     rewards:
       - name: exact_match                  # 1.0 when the final answer equals the `answer` column
@@ -25,6 +26,7 @@ import re
 from typing import Any, Callable, Optional
 
 from posttrain.errors import UserError
+from posttrain.rewards.contract import CONTRACT_ARGS, completion_text
 from posttrain.rewards.reward_model import load_scorer, reward_model
 
 _BOXED = re.compile(r"\\(?:boxed|fbox)\s*\{")
@@ -96,8 +98,7 @@ def answers_match(completion: str, reference: Any) -> bool:
     return candidate_number is not None and math.isclose(candidate_number, target_number, rel_tol=1e-9, abs_tol=1e-9)
 
 
-def exact_match(prompts: list, completions: list[str], answer_column: str = "answer",
-                **columns) -> list[Optional[float]]:
+def exact_match(completions: list, answer_column: str = "answer", **kwargs) -> list[Optional[float]]:
     """1.0 when the completion's final answer equals the reference in `answer_column`, else 0.0 (None: no reference).
 
     The completion's final answer is the last \\boxed{...}, else the text after the last '####', else after the last
@@ -105,20 +106,20 @@ def exact_match(prompts: list, completions: list[str], answer_column: str = "ans
     is reduced to its marked answer. Numbers compare by value ('1,000' == '1000.0'); text ignores case, spaces,
     surrounding '$' and a final '.'.
     """
-    if answer_column not in columns:
+    if answer_column not in kwargs:
+        columns = sorted(k for k in kwargs if k not in CONTRACT_ARGS)
         raise UserError(f"reward exact_match reads the dataset column '{answer_column}', which the data does not have "
-                        f"(columns: {', '.join(sorted(columns)) or 'none'}); set kwargs.answer_column")
-    return [None if reference is None else float(answers_match(completion, reference))
-            for completion, reference in zip(completions, columns[answer_column])]
+                        f"(columns: {', '.join(columns) or 'none'}); set kwargs.answer_column")
+    return [None if reference is None else float(answers_match(completion_text(completion), reference))
+            for completion, reference in zip(completions, kwargs[answer_column])]
 
 
-def format_reward(prompts: list, completions: list[str], pattern: str, fullmatch: bool = True,
-                  **columns) -> list[float]:
+def format_reward(completions: list, pattern: str, fullmatch: bool = True, **kwargs) -> list[float]:
     """1.0 when the completion matches the regex `pattern` (re.DOTALL), else 0.0; the whole of it (fullmatch=True) or
     anywhere in it (re.search)."""
     regex = re.compile(pattern, re.DOTALL)
     match = regex.fullmatch if fullmatch else regex.search
-    return [float(match(completion) is not None) for completion in completions]
+    return [float(match(completion_text(completion)) is not None) for completion in completions]
 
 
 @functools.lru_cache(maxsize=4)
@@ -128,8 +129,8 @@ def _tokenizer(name_or_path: str):
     return AutoTokenizer.from_pretrained(name_or_path)
 
 
-def length_penalty(prompts: list, completions: list[str], max_length: int, target_length: int = 0,
-                   unit: str = "chars", tokenizer: Optional[str] = None, **columns) -> list[float]:
+def length_penalty(completions: list, max_length: int, target_length: int = 0, unit: str = "chars",
+                   tokenizer: Optional[str] = None, completion_ids: Optional[list] = None, **kwargs) -> list[float]:
     """A penalty in [-1, 0] for completions longer than `target_length`, reaching -1 at `max_length` (DAPO's soft
     overlong punishment, Yu et al. 2025):
 
@@ -137,19 +138,20 @@ def length_penalty(prompts: list, completions: list[str], max_length: int, targe
                    = -(L - target_length) / (max_length - target_length)   if target_length < L < max_length
                    = -1                                        if L >= max_length
 
-    L counts characters (unit=chars) or tokens (unit=tokens): the `completion_ids` column when the data has one,
-    else the completion re-encoded with `tokenizer` (a tokenizer directory or hub id).
+    L counts characters of the completion's text (unit=chars) or tokens (unit=tokens): the generated
+    `completion_ids`, else the text re-encoded with `tokenizer` (a tokenizer directory or hub id).
     """
+    texts = [completion_text(c) for c in completions]
     if unit == "tokens":
-        if "completion_ids" in columns:
-            lengths = [len(ids) for ids in columns["completion_ids"]]
+        if completion_ids is not None:
+            lengths = [len(ids) for ids in completion_ids]
         elif tokenizer is not None:
             encode = _tokenizer(tokenizer)
-            lengths = [len(encode(c, add_special_tokens=False)["input_ids"]) for c in completions]
+            lengths = [len(encode(t, add_special_tokens=False)["input_ids"]) for t in texts]
         else:
             raise UserError("reward length_penalty with unit=tokens needs kwargs.tokenizer (a tokenizer path or hub id)")
     else:
-        lengths = [len(c) for c in completions]
+        lengths = [len(t) for t in texts]
     span = max_length - target_length
     return [-min(1.0, max(0, length - target_length) / span) for length in lengths]
 
@@ -183,8 +185,8 @@ CHECKS: dict[str, Callable[[dict], None]] = {  # reward_model loads now: a bad p
 
 def check_builtin_kwargs(name: str, kwargs: dict) -> None:
     """Fail at start-up on unknown or missing kwargs of a built-in reward, and on bad values."""
-    params = list(inspect.signature(BUILTIN_REWARDS[name]).parameters.values())[2:]
-    named = {p.name: p for p in params if p.kind is not inspect.Parameter.VAR_KEYWORD}
+    params = inspect.signature(BUILTIN_REWARDS[name]).parameters.values()
+    named = {p.name: p for p in params if p.kind is not p.VAR_KEYWORD and p.name not in CONTRACT_ARGS}
     for key in kwargs:
         if key not in named:
             close = difflib.get_close_matches(key, list(named), n=1, cutoff=0.5)

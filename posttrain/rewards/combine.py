@@ -1,21 +1,23 @@
 """Several reward functions -> one weighted reward per completion, with timeouts and error policy.
 
     rewards = RewardSet([Reward("exact_match", exact_match), Reward("format", fmt, 0.2, timeout=5, on_error="skip")])
-    total_B, per_function, skipped = rewards.score(prompts, completions, {"answer": answers})
-    metrics = reward_metrics(per_function)          # rewards/<name>/mean, rewards/<name>/std
+    scores = rewards.score(prompts, completions, {"answer": answers}, completion_ids, trainer_state)
+    scores.total_B, scores.per_function, scores.skipped, scores.logged
+    metrics = reward_metrics(scores.per_function)          # rewards/<name>/mean, rewards/<name>/std
 
-Each function runs in its own daemon thread (all at once, so slow verifiers overlap) with `timeout` seconds; a stuck
-one runs on in the background but never keeps the process from exiting. On an exception or a timeout, on_error
-"raise" stops with a RewardError naming the function and the failing sample, "skip" makes its batch NaN. NaN (skipped,
-or None for a sample) counts as 0 in the total and in `skipped`, and is left out of the metrics. A UserError from a
-function (a missing column) always propagates; wrong-length or non-numeric output, NaN and inf are RewardErrors.
+Functions are called as TRL calls them (posttrain/rewards/contract.py). Each runs in its own daemon thread (all at
+once, so slow verifiers overlap), an `async def` one on the shared event loop, with `timeout` seconds; a stuck one
+runs on in the background but never keeps the process from exiting. On an exception or a timeout, on_error "raise"
+stops with a RewardError naming the function and the failing sample, "skip" makes its batch NaN. NaN (skipped, or
+None for a sample) is left out of the weighted sum (TRL's nansum: it counts as 0), counted in `skipped` and left out
+of the metrics; a completion no function scores is warned about, as TRL does. A UserError from a function (a missing
+column) always propagates; wrong-length or non-numeric output, NaN and inf are RewardErrors.
 """
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
-import functools
-import inspect
 import logging
 import math
 import numbers
@@ -26,7 +28,9 @@ from typing import Any, Callable, NamedTuple, Optional, Sequence
 import torch
 
 from posttrain.errors import UserError
-from posttrain.usercode import UserCodeError, what_it_did
+from posttrain.rewards.contract import (NOT_COLUMNS, Calling, UserLog, call_blocking, calling, event_loop, is_async,
+                                        tell_message_lists)
+from posttrain.usercode import UserCodeError, user_code, what_it_did
 
 logger = logging.getLogger(__name__)
 
@@ -41,7 +45,7 @@ class Reward(NamedTuple):
     name: str
     """Key in metrics (rewards/<name>/mean) and in `per_function`."""
     fn: Callable[..., Sequence]
-    """fn(prompts, completions, **columns) -> one float or None per completion."""
+    """fn(prompts=, completions=, completion_ids=, trainer_state=, **columns) -> one float or None per completion."""
     weight: float = 1.0
     """Weight in the total."""
     timeout: float = 60.0
@@ -66,7 +70,8 @@ def _in_thread(fn: Callable, *args, **kwargs) -> concurrent.futures.Future:
         if not future.set_running_or_notify_cancel():
             return
         try:
-            result = fn(*args, **kwargs)
+            with user_code():  # os._exit in the function is named, not the end of the process
+                result = fn(*args, **kwargs)
         except BaseException as e:  # noqa: BLE001 - handed to the caller, who decides
             future.set_exception(e)
         else:
@@ -77,23 +82,27 @@ def _in_thread(fn: Callable, *args, **kwargs) -> concurrent.futures.Future:
     return future
 
 
-def _column_filter(fn: Callable) -> Callable[[dict], dict]:
-    """Which columns to pass: all when fn takes **kwargs, else those it names; never ones its kwargs already bind."""
-    bound = set(fn.keywords) if isinstance(fn, functools.partial) else set()
-    bound |= {"prompts", "completions"}
-    try:
-        params = list(inspect.signature(fn).parameters.values())
-    except (TypeError, ValueError):  # some builtins and C callables have no signature
-        params = None
-    if params is None or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
-        accepted = None
-    else:
-        accepted = {p.name for p in params[2:] if p.kind is not inspect.Parameter.VAR_POSITIONAL}
-    return lambda columns: {k: v for k, v in columns.items() if k not in bound and (accepted is None or k in accepted)}
+class Logged(NamedTuple):
+    """What the functions logged through log_metric / log_extra during one batch."""
+
+    metrics: dict[str, list[float]]
+    """name -> every value logged (averaged when the step's metrics are written)."""
+    extra: dict[str, list]
+    """column -> one value per completion (shown in samples.jsonl)."""
+
+
+class Scores(NamedTuple):
+    total_B: torch.Tensor
+    """Weighted sum over the functions, NaN left out (0 when no function scores a completion)."""
+    per_function: dict[str, torch.Tensor]
+    """name -> rewards_B, NaN where the function gave none."""
+    skipped: int
+    """Missing (function, sample) values."""
+    logged: Logged
 
 
 class RewardSet:
-    """The recipe's rewards, scored together: `score(prompts, completions, columns)`."""
+    """The recipe's rewards, scored together: `score(prompts, completions, columns, completion_ids, trainer_state)`."""
 
     def __init__(self, rewards: Sequence[Reward | tuple]):
         self.rewards = [Reward(*r) for r in rewards]
@@ -106,45 +115,72 @@ class RewardSet:
                 raise ValueError(f"reward '{r.name}': on_error must be raise or skip, got {r.on_error!r}")
             if not r.timeout > 0:
                 raise ValueError(f"reward '{r.name}': timeout must be > 0 seconds, got {r.timeout}")
-        self._filters = [_column_filter(r.fn) for r in self.rewards]
+        self._calling: list[Calling] = []  # how each function is called: read once, on the first batch
+        self._told: set[str] = set()
 
     @property
     def names(self) -> list[str]:
         return [r.name for r in self.rewards]
 
-    def score(self, prompts: list, completions: list[str],
-              columns: Optional[dict[str, list]] = None) -> tuple[torch.Tensor, dict[str, torch.Tensor], int]:
-        """-> (total_B: weighted sum, NaN as 0; per_function: name -> rewards_B with NaN where missing;
-        skipped: number of missing (function, sample) values). float32 CPU tensors."""
-        columns = dict(columns or {})
+    def score(self, prompts: list, completions: list, columns: Optional[dict[str, list]] = None,
+              completion_ids: Optional[list[list[int]]] = None, trainer_state: Any = None) -> Scores:
+        """Every function on the batch, called as TRL calls it (see contract.py); float32 CPU tensors out."""
+        columns = {k: v for k, v in (columns or {}).items() if k not in NOT_COLUMNS}
         size = len(completions)
         if len(prompts) != size:
             raise ValueError(f"{len(prompts)} prompts for {size} completions; pass one prompt per completion")
-        for key, values in columns.items():
+        for key, values in {**columns, "completion_ids": completion_ids or [None] * size}.items():
             if len(values) != size:
                 raise ValueError(f"column '{key}' has {len(values)} values for {size} completions")
+        if not self._calling:
+            self._calling = [calling(r.fn, r.name, list(columns)) for r in self.rewards]
+        if completions and not isinstance(completions[0], str):
+            for r, how in zip(self.rewards, self._calling):
+                if how.old_contract and r.name not in self._told:
+                    self._told.add(r.name)
+                    tell_message_lists(r.name)
+        logs = [UserLog(r.name, size) for r in self.rewards]
+        batch = dict(columns, prompts=prompts, completions=completions, completion_ids=completion_ids,
+                     trainer_state=trainer_state)
         started = time.monotonic()
-        futures = [_in_thread(r.fn, prompts, completions, **keep(columns))
-                   for r, keep in zip(self.rewards, self._filters)]
+        futures = [self._start(r.fn, *how.arguments({**batch, "log_extra": log.log_extra,
+                                                      "log_metric": log.log_metric}))
+                   for r, how, log in zip(self.rewards, self._calling, logs)]
         per_function: dict[str, torch.Tensor] = {}
-        for r, keep, future in zip(self.rewards, self._filters, futures):
+        for r, how, future in zip(self.rewards, self._calling, futures):
             remaining = max(0.0, started + r.timeout - time.monotonic())
             concurrent.futures.wait([future], timeout=remaining)
             if not future.done():
-                values = self._failed(r, f"did not return within {r.timeout:g}s", prompts, completions, None, None)
+                future.cancel()  # an async function's task stops; a thread runs on, unheard
+                values = self._failed(r, f"did not return within {r.timeout:g}s", batch, None, how)
             elif future.exception() is not None:
                 error = future.exception()
                 if isinstance(error, UserError):
                     raise error
-                values = self._failed(r, "raised", prompts, completions, error, keep(columns))
+                values = self._failed(r, "raised", batch, error, how)
             else:
                 values = self._check(r, future.result(), prompts)
             per_function[r.name] = values
         total_B = sum((r.weight * torch.nan_to_num(per_function[r.name], nan=0.0) for r in self.rewards),
                       torch.zeros(size, dtype=torch.float32))
-        return total_B, per_function, sum(int(v.isnan().sum()) for v in per_function.values())
+        _warn_unscored(per_function, batch, list(columns))
+        logged = Logged({}, {})
+        for log in logs:
+            for name, values in log.metrics.items():
+                logged.metrics.setdefault(name, []).extend(values)
+            logged.extra.update(log.extra)
+        return Scores(total_B, per_function, sum(int(v.isnan().sum()) for v in per_function.values()), logged)
 
-    def _failed(self, reward: Reward, what: str, prompts, completions, error, columns) -> torch.Tensor:
+    @staticmethod
+    def _start(fn: Callable, args: tuple, kwargs: dict) -> concurrent.futures.Future:
+        """An async function's coroutine on the shared event loop (the batch's async functions run together there);
+        any other function in a thread of its own."""
+        if is_async(fn):
+            return asyncio.run_coroutine_threadsafe(_call_async(fn, args, kwargs), event_loop())
+        return _in_thread(call_blocking, fn, args, kwargs)
+
+    def _failed(self, reward: Reward, what: str, batch: dict, error, how) -> torch.Tensor:
+        prompts, completions = batch["prompts"], batch["completions"]
         size = len(completions)
         if reward.on_error == "skip":
             logger.warning("reward '%s' %s on a batch of %d; its rewards for the batch count as missing "
@@ -154,22 +190,31 @@ class RewardSet:
             raise RewardError(f"reward '{reward.name}' {what} on a batch of {size} completions (first prompt: "
                               f"{excerpt(prompts[0] if prompts else '')!r}); raise its timeout in the recipe's "
                               "rewards, or set on_error: skip")
-        culprit = self._find_failing_sample(reward, prompts, completions, columns)
+        culprit = self._find_failing_sample(reward, batch, how)
         if culprit is not None:
             index, error = culprit
             where = f"on sample {index} (prompt: {excerpt(prompts[index])!r}; completion: {excerpt(completions[index])!r})"
         else:
             where = f"on a batch of {size} completions (first prompt: {excerpt(prompts[0] if prompts else '')!r})"
-        raise RewardError(f"reward '{reward.name}' {what_it_did(error)} {where}; fix the function, or set on_error: "
-                          "skip to count such batches as missing", error) from error
+        hint = ""
+        if isinstance(error, (TypeError, AttributeError)) and completions and not isinstance(completions[0], str):
+            hint = ("; for conversational data each completion is a list of messages, as TRL passes it: its text is "
+                    "completion[0]['content'] (docs/rewards.md)")
+        raise RewardError(f"reward '{reward.name}' {what_it_did(error)} {where}{hint}; fix the function, or set "
+                          "on_error: skip to count such batches as missing", error) from error
 
     @staticmethod
-    def _find_failing_sample(reward: Reward, prompts, completions, columns) -> Optional[tuple[int, BaseException]]:
+    def _find_failing_sample(reward: Reward, batch: dict, how) -> Optional[tuple[int, BaseException]]:
         """Re-run the function one sample at a time (within its timeout) to name the sample that fails."""
+        per_sample = [k for k, v in batch.items() if k != "trainer_state" and v is not None]
+
         def first_failure():
-            for i in range(len(completions)):
+            for i in range(len(batch["completions"])):
+                log = UserLog(reward.name, 1)
+                one = {**batch, **{k: batch[k][i:i + 1] for k in per_sample},
+                       "log_extra": log.log_extra, "log_metric": log.log_metric}
                 try:
-                    reward.fn(prompts[i:i + 1], completions[i:i + 1], **{k: v[i:i + 1] for k, v in columns.items()})
+                    call_blocking(reward.fn, *how.arguments(one))
                 except (Exception, SystemExit) as e:  # noqa: BLE001 - reported to the user
                     return i, e
             return None
@@ -201,6 +246,25 @@ class RewardSet:
                                   f"{excerpt(prompts[i])!r}); rewards must be finite numbers, or None for a sample it "
                                   "does not score")
         return torch.tensor(out, dtype=torch.float32)
+
+
+async def _call_async(fn: Callable, args: tuple, kwargs: dict) -> Any:
+    return await fn(*args, **kwargs)
+
+
+def _warn_unscored(per_function: dict[str, torch.Tensor], batch: dict, columns: list[str]) -> None:
+    """TRL's warning when every function returned None for a completion: nothing scores it (its reward is 0)."""
+    if not per_function:
+        return
+    unscored_B = torch.stack(list(per_function.values())).isnan().all(dim=0)
+    if not unscored_B.any():
+        return
+    i = int(unscored_B.nonzero()[0])
+    row = {k: batch[k][i] for k in columns}
+    logger.warning("every reward function returned None for %d of %d completions, which count as reward 0; the "
+                   "first: prompt %r, completion %r, columns %s. Make sure at least one function scores each "
+                   "completion", int(unscored_B.sum()), len(unscored_B), excerpt(batch["prompts"][i]),
+                   excerpt(batch["completions"][i]), {k: excerpt(v) for k, v in row.items()})
 
 
 def reward_metrics(per_function: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

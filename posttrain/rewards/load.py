@@ -3,9 +3,12 @@
     reward = load_reward(RewardConfig(name="my_rewards:has_citation", kwargs={"min_count": 2}, weight=0.5))
     rewards = load_rewards(recipe.rewards)                  # a RewardSet, names made unique
 
-`name` is a built-in (see posttrain.rewards.builtin.BUILTIN_REWARDS) or an import path:
-- 'package.module:function' (the module is looked up on sys.path and in the current directory), or
-- 'path/to/file.py:function'.
+`name` is what TRL's `reward_funcs` takes, and posttrain's spellings:
+- a built-in (see posttrain.rewards.builtin.BUILTIN_REWARDS);
+- 'package.module.function' (TRL's dotted import path) or 'package.module:function' (the module is looked up on
+  sys.path and in the current directory), or 'path/to/file.py:function';
+- reward_model with kwargs.path: a sequence-classification model (`--reward_funcs runs/rm/final`, TRL's way of
+  naming a reward model, becomes this entry: posttrain/config/trl_rewards.py).
 A function gets the kwargs bound with functools.partial. A class is instantiated once with the kwargs and its
 instances are called (for rewards that load something, like a verifier or a model).
 """
@@ -18,6 +21,7 @@ import inspect
 from typing import Any, Callable, Sequence
 
 from posttrain.config.schema import RewardConfig
+from posttrain.config.trl_rewards import TRL_BUILTINS, is_model_path
 from posttrain.errors import UserError
 from posttrain.rewards.builtin import BUILTIN_REWARDS, check_builtin_kwargs
 from posttrain.rewards.combine import ON_ERROR, Reward, RewardSet
@@ -35,15 +39,32 @@ def load_reward(cfg: RewardConfig) -> Reward:
         check_builtin_kwargs(cfg.name, kwargs)
         return Reward(cfg.name, functools.partial(BUILTIN_REWARDS[cfg.name], **kwargs), cfg.weight, cfg.timeout,
                       cfg.on_error)
-    if ":" not in cfg.name:
-        close = difflib.get_close_matches(cfg.name, list(BUILTIN_REWARDS), n=1, cutoff=0.5)
-        hint = f"did you mean '{close[0]}'? " if close else ""
-        raise UserError(f"reward '{cfg.name}' is neither a built-in reward ({', '.join(BUILTIN_REWARDS)}) nor an "
-                        f"import path 'module:function'; {hint}write your own as 'my_module:my_reward' taking "
-                        "(prompts, completions, **columns)")
-    target = load_callable(cfg.name, "reward")
+    if ":" in cfg.name:
+        target = load_callable(cfg.name, "reward")
+    elif "." in cfg.name and not cfg.name.endswith(".py") and not is_model_path(cfg.name):  # TRL's 'module.function'
+        module, _, function = cfg.name.rpartition(".")
+        target = load_callable(f"{module}:{function}", "reward", shown=cfg.name)
+    else:
+        raise UserError(_unknown(cfg.name))
     name = cfg.name.rpartition(":")[2].rsplit(".", 1)[-1]
     return Reward(name, _bind(cfg.name, target, kwargs), cfg.weight, cfg.timeout, cfg.on_error)
+
+
+def _unknown(name: str) -> str:
+    if name.endswith(".py"):
+        return f"reward '{name}' names a file; say which function in it: '{name}:my_reward'"
+    if is_model_path(name):
+        return (f"reward '{name}' looks like a model; in a recipe a reward model is {{name: reward_model, kwargs: "
+                f"{{path: {name}}}}} (on the command line, --reward_funcs {name} says the same)")
+    if name in TRL_BUILTINS:
+        return (f"reward '{name}' is a TRL built-in; with trl installed pass it as 'trl.rewards.{name}' (TRL's "
+                f"{name} may need more packages, e.g. math_verify), or use posttrain's built-ins "
+                f"({', '.join(BUILTIN_REWARDS)})")
+    close = difflib.get_close_matches(name, list(BUILTIN_REWARDS), n=1, cutoff=0.5)
+    hint = f"did you mean '{close[0]}'? " if close else ""
+    return (f"reward '{name}' is neither a built-in reward ({', '.join(BUILTIN_REWARDS)}) nor an import path "
+            f"('module.function', 'module:function' or 'file.py:function'); {hint}docs/rewards.md shows how to "
+            "write one")
 
 
 def load_rewards(cfgs: Sequence[RewardConfig]) -> RewardSet:
@@ -59,23 +80,24 @@ def load_rewards(cfgs: Sequence[RewardConfig]) -> RewardSet:
     return RewardSet(rewards)
 
 
-def load_callable(spec: str, what: str) -> Callable:
+def load_callable(spec: str, what: str, shown: str = "") -> Callable:
     """'package.module:attribute' or 'path/to/file.py:attribute' -> the callable it names; a UserError starting
-    "{what} '{spec}'" when it does not import or is not callable (rewards, tools, environments, parsers)."""
+    "{what} '{shown or spec}'" when it does not import or is not callable (rewards, tools, environments, parsers)."""
+    shown = shown or spec
     if ":" not in spec:
         raise UserError(f"{what} '{spec}' is not an import path; write it as 'package.module:name' or "
                         "'path/to/file.py:name'")
     module_name, _, attribute = spec.rpartition(":")
-    target = import_user(module_name, f"{what} '{spec}'")
+    target = import_user(module_name, f"{what} '{shown}'")
     for part in attribute.split("."):
         if not hasattr(target, part):
             names = [n for n in dir(target) if not n.startswith("_")]
             close = difflib.get_close_matches(part, names, n=1, cutoff=0.5)
             hint = f"; did you mean '{close[0]}'?" if close else ""
-            raise UserError(f"{what} '{spec}': {getattr(target, '__name__', target)!s} has no attribute '{part}'{hint}")
+            raise UserError(f"{what} '{shown}': {getattr(target, '__name__', target)!s} has no attribute '{part}'{hint}")
         target = getattr(target, part)
     if not callable(target):
-        raise UserError(f"{what} '{spec}': '{attribute}' is a {type(target).__name__}, not a function or class")
+        raise UserError(f"{what} '{shown}': '{attribute}' is a {type(target).__name__}, not a function or class")
     return target
 
 
@@ -89,10 +111,9 @@ def _bind(spec: str, target: Any, kwargs: dict) -> Callable:
             raise UserError(f"reward '{spec}': {target.__name__} instances are not callable; give it a __call__")
         return instance
     try:
-        inspect.signature(target).bind_partial(None, None, **kwargs)
+        inspect.signature(target).bind_partial(**kwargs)
     except TypeError as e:
-        raise UserError(f"reward '{spec}' cannot be called as fn(prompts, completions, **kwargs) with kwargs "
-                        f"{sorted(kwargs)}: {e}") from None
+        raise UserError(f"reward '{spec}' does not take the kwargs {sorted(kwargs)} the recipe gives it: {e}") from None
     except ValueError:  # no signature to check (some C callables)
         pass
     return functools.partial(target, **kwargs)

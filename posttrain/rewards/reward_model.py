@@ -73,22 +73,25 @@ class RewardModelScorer:
             self.place(self.load_model().to(device), device)
         return self._model
 
-    def encode(self, prompt, completion: str) -> list[int]:
+    def encode(self, prompt, completion) -> list[int]:
         """Token ids of prompt + completion exactly as `posttrain rm` tokenised its pairs (posttrain.data), so the
-        head reads the token it was trained to read (EOS, or the chat template's end-of-turn token)."""
+        head reads the token it was trained to read (EOS, or the chat template's end-of-turn token). A message-list
+        prompt or completion (TRL's conversational shape, a multi-turn trajectory) is rendered by the chat
+        template."""
         from posttrain.data.chat import split_rendered
         from posttrain.data.tokenize import _ids, _with_eos
 
         tok = self.tokenizer
-        if isinstance(prompt, str):
+        if isinstance(prompt, str) and isinstance(completion, str):
             ids = _ids(tok, prompt, True) + _with_eos(tok, _ids(tok, completion, False))
         else:
-            turn = [{"role": "assistant", "content": completion}]
-            prompt_text, completion_text = split_rendered(tok, list(prompt), turn, "reward_model")
+            opening = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
+            turn = [{"role": "assistant", "content": completion}] if isinstance(completion, str) else list(completion)
+            prompt_text, completion_text = split_rendered(tok, opening, turn, "reward_model")
             ids = _ids(tok, prompt_text, False) + _ids(tok, completion_text, False)
         return ids[-self.max_length:] if self.max_length else ids
 
-    def __call__(self, prompts: list, completions: list[str], **columns) -> list[float]:
+    def __call__(self, prompts: list, completions: list, **kwargs) -> list[float]:
         encoded = [self.encode(p, c) for p, c in zip(prompts, completions)]
         scores: list[float] = []
         for start in range(0, len(encoded), self.batch_size):
@@ -118,7 +121,7 @@ def load_scorer(path: str, device: Optional[str] = None, batch_size: int = 8, ma
         return _SCORERS[key]
 
 
-def reward_model(prompts: list, completions: list[str], path: str, device: Optional[str] = None, batch_size: int = 8,
-                 max_length: Optional[int] = None, dtype: str = "auto", **columns) -> list[float]:
+def reward_model(prompts: list, completions: list, path: str, device: Optional[str] = None, batch_size: int = 8,
+                 max_length: Optional[int] = None, dtype: str = "auto", **kwargs) -> list[float]:
     """The built-in `reward_model` reward: the score of the reward model at `path` (see RewardModelScorer)."""
     return load_scorer(path, device, batch_size, max_length, dtype)(prompts, completions)

@@ -21,7 +21,7 @@ from posttrain.algorithms import preference_logps as pl
 from posttrain.config.schema import DataConfig
 from posttrain.data import collate_preference, load_rows, tokenize_preference
 from posttrain.errors import UserError
-from posttrain.rewards import exact_match
+from posttrain.rewards import as_completions, exact_match
 from posttrain.generation import HFEngine, SamplingParams
 
 ANSWER_COLUMN = "answer"
@@ -52,7 +52,7 @@ def greedy_trajectories(agent, examples: list[dict], max_new_tokens: int, per_ca
 def accuracy_counts(examples: list[dict], texts: list[str]) -> tuple[int, int]:
     """(correct, with a reference) by exact match against the `answer` column; (0, 0) when the data has none."""
     references = [e["columns"].get(ANSWER_COLUMN) for e in examples]
-    scores = exact_match([e["prompt"] for e in examples], texts, answer=references)
+    scores = exact_match(completions=texts, answer=references)
     counted = [s for s in scores if s is not None]
     return int(sum(counted)), len(counted)
 
@@ -66,10 +66,11 @@ def exact_match_accuracy(model, tokenizer, prompt_examples: list[dict], max_new_
 
 
 def evaluate_prompts(backend, engine, tokenizer, examples: list[dict], rewards, generation,
-                     agent=None) -> dict[str, float]:
+                     agent=None, trainer_state=None) -> dict[str, float]:
     """eval/accuracy, eval/reward and eval/completion_length over the whole eval set, every rank taking a strided
     share. Shares are padded to equal size (fillers are not counted) so every rank makes the same engine calls.
-    agent: multi-turn trajectories instead, their last model turn scored (and the environment's reward added)."""
+    agent: multi-turn trajectories instead, scored whole (and the environment's reward added). trainer_state: what
+    the reward functions get as trainer_state (TRL passes the trainer's during evaluation too)."""
     share = -(-len(examples) // backend.world_size)
     mine = examples[backend.rank :: backend.world_size]
     real = len(mine)  # then fillers
@@ -85,8 +86,8 @@ def evaluate_prompts(backend, engine, tokenizer, examples: list[dict], rewards, 
             texts, ids = greedy_texts(engine, tokenizer, mine, generation.max_completion_length, generation.batch_size)
     correct, counted = accuracy_counts(mine[:real], texts[:real])
     columns = {k: [e["columns"][k] for e in mine] for k in mine[0]["columns"]}
-    columns.setdefault("completion_ids", ids)
-    total_B, _, _ = score([e["prompt"] for e in mine], texts, columns)
+    prompts = [e["prompt"] for e in mine]
+    total_B = score(prompts, as_completions(prompts, texts), columns, ids, trainer_state).total_B
     weight_B = torch.tensor(weights, dtype=torch.float64)
     length_B = torch.tensor([len(c) for c in ids], dtype=torch.float64)
     local = torch.tensor([correct, counted, (total_B.double() * weight_B).sum(), (length_B * weight_B).sum(),
@@ -102,7 +103,8 @@ def evaluate_online(backend, source, tokenizer, eval_examples, rewards, generati
     """An online algorithm's held-out figures (`evaluate_prompts`) with the rollout source's engine, so evaluation runs
     wherever generation does, on the current policy's weights (an engine holding a copy is synced first)."""
     source.before_evaluation()
-    return evaluate_prompts(backend, source.engine, tokenizer, eval_examples, rewards, generation, source.agent)
+    return evaluate_prompts(backend, source.engine, tokenizer, eval_examples, rewards, generation, source.agent,
+                            source.trainer_state())
 
 
 def preference_accuracy(model_or_dir: Any, tokenizer: Any = None, examples: Any = (), *, reference: Any = None,

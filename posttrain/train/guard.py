@@ -30,6 +30,7 @@ import threading
 import torch
 
 from posttrain.errors import RunStopped
+from posttrain.usercode import request_stop
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
@@ -45,6 +46,7 @@ class Guard:
 
     # --- signals ---------------------------------------------------------------------------------------------
     def __enter__(self) -> "Guard":
+        request_stop(0)
         if threading.current_thread() is threading.main_thread():  # Python delivers signals to the main thread only
             for sig in STOP_SIGNALS:
                 self._previous[sig] = signal.signal(sig, self._on_signal)
@@ -52,21 +54,23 @@ class Guard:
 
     def _on_signal(self, signum, frame) -> None:
         self.signal = signum
+        request_stop(signum)  # a wait on user code that hangs ends now (usercode.call_with_deadline)
         signal.signal(signum, self._previous.get(signum, signal.SIG_DFL))  # a second one acts at once
 
     def __exit__(self, kind, error, tb) -> None:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         self._previous.clear()
+        request_stop(0)
         if kind is None and self.signal and not self.stop_signal:  # after the last step: its checkpoint holds all
             raise RunStopped(f"{signal.Signals(self.signal).name} after the last step, before exporting final/ (the "
-                             "last checkpoint holds every step); run again with train.resume_from_checkpoint=auto "
-                             "to export it", 128 + self.signal)
+                             "last checkpoint holds every step, and continuing exports it)", 128 + self.signal,
+                             resumable=True)
 
     def stopped(self, step: int, checkpoint) -> None:
         name = signal.Signals(self.stop_signal).name
-        raise RunStopped(f"{name} at step {step}: checkpoint saved to {checkpoint}; continue with "
-                         "train.resume_from_checkpoint=auto", 128 + (self.signal or self.stop_signal))
+        raise RunStopped(f"{name} at step {step}: checkpoint saved to {checkpoint}",
+                         128 + (self.signal or self.stop_signal), resumable=True)
 
     # --- the step's flags ------------------------------------------------------------------------------------
     def local_flags(self, step_loss: torch.Tensor) -> torch.Tensor:

@@ -35,6 +35,53 @@ FIELDS = ("prompt_ids", "completion_ids", "logprobs", "truncated", "trajectories
 """The engine's answer for one batch, as RolloutSource._sample returns it (trajectories: None but multi-turn)."""
 
 
+def files_problem(directory: Path) -> Optional[str]:
+    """What is wrong with the batches-in-flight files of a checkpoint (an edited file whose manifest was recomputed
+    passes the checksums), or None: checked before any model loads, so `load` only meets well-formed records."""
+    for path in sorted(Path(directory).glob(FILE.format(rank="*"))):
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, ValueError, RecursionError) as e:
+            return f"{path.name} cannot be read ({e})"
+        if not isinstance(data, dict) or data.get("format") != FORMAT or not isinstance(data.get("batches"), list):
+            return f"{path.name} is not a file of generation batches in flight of format {FORMAT}"
+        for n, record in enumerate(data["batches"]):
+            problem = _record_problem(record)
+            if problem:
+                return f"{path.name} batch {n}: {problem}"
+    return None
+
+
+def _whole(value, least: int = 0) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= least
+
+
+def _record_problem(record) -> str:
+    if not isinstance(record, dict):
+        return "not an object"
+    missing = [k for k in ("index", "positions", "submitted_at", "sampled_by", *FIELDS) if k not in record]
+    if missing:
+        return f"no {', '.join(missing)}"
+    positions, rows = record["positions"], record["prompt_ids"]
+    if not _whole(record["index"]) or not _whole(record["submitted_at"]):
+        return "index and submitted_at must be whole numbers >= 0"
+    if not (isinstance(positions, list) and positions and all(_whole(p) for p in positions)):
+        return "positions must be a non-empty list of whole numbers >= 0"
+    if len(set(positions)) != len(positions):
+        return "a prompt position is listed twice"
+    if not isinstance(rows, list) or not rows or len(rows) % len(positions):
+        return f"{len(rows) if isinstance(rows, list) else rows!r:.40} rows for {len(positions)} prompt positions"
+    for key in FIELDS:
+        value = record[key]
+        if value is None and key != "prompt_ids":
+            continue
+        if not isinstance(value, list) or len(value) != len(rows):
+            return f"{key} must be a list of {len(rows)} rows"
+    if record["trajectories"] is not None and not all(isinstance(t, dict) for t in record["trajectories"]):
+        return "trajectories must be objects"
+    return ""
+
+
 @dataclass
 class Sampled:
     """One generation batch of this rank sampled ahead of training."""
@@ -168,7 +215,11 @@ class InFlight:
             columns = {k: [v for p in positions for v in rows[p][k]] if rows[positions[0]][k] is not None else None
                        for k in FIELDS}
             if columns["trajectories"] is not None:
-                columns["trajectories"] = [trajectory(**t) for t in columns["trajectories"]]
+                try:
+                    columns["trajectories"] = [trajectory(**t) for t in columns["trajectories"]]
+                except TypeError as e:  # fields another release (or an editor) wrote
+                    raise UserError(f"{directory}: a saved trajectory of generation batch {index} cannot be "
+                                    f"rebuilt ({e}): resume from an earlier checkpoint") from None
             self.batches.append(Sampled(index, positions, meta["submitted_at"], meta["sampled_by"],
                                         result=tuple(columns[k] for k in FIELDS)))
         return []

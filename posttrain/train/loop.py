@@ -26,6 +26,7 @@ import torch
 
 from posttrain.algorithms.base import Algorithm, Models
 from posttrain.batch import Batch
+from posttrain.config.schema import saves_final_checkpoint
 from posttrain.train.guard import Guard
 from posttrain.train.micro_batches import shape
 from posttrain.train.state import TrainState
@@ -164,7 +165,8 @@ def train(ctx: LoopContext) -> TrainState:
         # a stop signal acts where a checkpoint resumes exactly: at the end of a generation batch (PPO / GRPO reuse
         # one for algorithm.steps_per_rollout steps, and a resume inside it would sample it again)
         stop = guard.stop_signal and (state.step % algorithm.steps_per_rollout == 0 or last)
-        if (t.save_steps and state.step % t.save_steps == 0) or last or stop_early or stop:
+        due = (t.save_steps and state.step % t.save_steps == 0) or (last and saves_final_checkpoint(t))
+        if due or stop_early or stop:
             saved = ctx.checkpointer.save(state, models, algorithm)
         if stop:
             guard.stopped(state.step, saved)

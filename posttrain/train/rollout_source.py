@@ -44,7 +44,8 @@ from posttrain.data.collate import collate_padded
 from posttrain.agents import AgentRollout, Trajectory, agent_metrics, score_trajectories
 from posttrain.ops.advantages import zero_std_fraction
 from posttrain.ops.logprobs import sequence_mean
-from posttrain.rewards import reward_metrics
+from posttrain.rewards import as_completions, reward_metrics, trainer_state
+from posttrain.config.schema import total_steps
 from posttrain.generation import Completions, SamplingParams, make_engine
 from posttrain.generation.adapter_sync import check_delivery
 from posttrain.batch import Batch
@@ -179,6 +180,14 @@ class RolloutSource(Source):
         for line in self._ahead.load(directory, lambda index: self._prompts(index)[0], Trajectory):
             logger.warning("resuming from %s: %s; sampled again from the current policy", directory, line)
 
+    def trainer_state(self, step: int | None = None):
+        """What reward functions get as trainer_state while the completions for step `step` + 1 are scored (None:
+        the steps trained so far, for evaluation)."""
+        step = self._trained_through if step is None else step
+        per_epoch = self.micro_batches_per_epoch()
+        return trainer_state(self.recipe, step, total_steps(self.recipe.train, per_epoch),
+                             per_epoch / self.recipe.train.gradient_accumulation_steps, self.backend.is_main)
+
     def micro_batches_per_epoch(self) -> int:
         """Per-rank micro-batches for one pass over the prompts (each reused num_iterations times)."""
         completions = len(self.examples) * self.group
@@ -246,16 +255,17 @@ class RolloutSource(Source):
 
         # 3. score this rank's completions; gather the step's rewards from every rank
         columns = {key: [p["columns"][key] for p in prompts for _ in range(group)] for key in prompts[0]["columns"]}
-        columns.setdefault("completion_ids", completion_ids)
-        if trajectories is not None:  # rewards score the model's last turn; the whole conversation is a column
+        repeated = [p["prompt"] for p in prompts for _ in range(group)]
+        if trajectories is not None:  # rewards get every message after the prompt, as TRL's multi-turn GRPO
             texts = [t.final_text for t in trajectories]
             score = score_trajectories(self.rewards, trajectories, self.agent.environment is not None)
         else:
             texts, score = self.tokenizer.batch_decode(completion_ids, skip_special_tokens=True), self.rewards.score
-        total_B, per_function, skipped = score([p["prompt"] for p in prompts for _ in range(group)], texts, columns)
+        total_B, per_function, skipped, logged = score(repeated, as_completions(repeated, texts), columns,
+                                                       completion_ids, self.trainer_state(step))
         lengths = [len(ids) for ids in completion_ids]
         mine = dict(total=total_B.tolist(), per_function={k: v.tolist() for k, v in per_function.items()},
-                    skipped=skipped, lengths=lengths, truncated=truncated,
+                    skipped=skipped, logged=logged.metrics, lengths=lengths, truncated=truncated,
                     lag=[policy_lag(step, sampled_by)] * len(completion_ids),
                     agent=[t.stats() for t in trajectories] if trajectories is not None else None)
         everyone = backend.all_gather_object(mine)
@@ -287,7 +297,8 @@ class RolloutSource(Source):
             if seconds is not None:
                 metrics[f"time/role/{name}"] = seconds
         if backend.is_main:
-            self._write_samples(step, prompts, texts, total_B, per_function, sequence_advantages(batches), truncated)
+            self._write_samples(step, prompts, texts, total_B, per_function, sequence_advantages(batches), truncated,
+                                logged.extra)
         return Generation(index, batches, metrics, sampled_by)
 
     def _sample(self, prompts: list[dict], positions: list[int]):
@@ -341,8 +352,10 @@ class RolloutSource(Source):
                                    padding_free=self.recipe.data.packing))
         return batches
 
-    def _write_samples(self, step: int, prompts, texts, total_B, per_function, advantages_B, truncated) -> None:
-        """Every logging step: a few prompt groups of rank 0, appended to output_dir/samples.jsonl."""
+    def _write_samples(self, step: int, prompts, texts, total_B, per_function, advantages_B, truncated,
+                       extra: dict) -> None:
+        """Every logging step: a few prompt groups of rank 0, appended to output_dir/samples.jsonl (with what the
+        reward functions logged through log_extra)."""
         t, groups = self.recipe.train, self.recipe.algo.log_samples
         due = [s + 1 for s in range(step, step + self.iterations) if (s + 1) % t.logging_steps == 0]
         if not due or not groups:
@@ -350,10 +363,11 @@ class RolloutSource(Source):
         records = [{"step": due[0], "prompt": prompts[i // self.group]["prompt"], "completion": texts[i],
                     "reward": float(total_B[i]),
                     "rewards": {k: (None if v[i].isnan() else float(v[i])) for k, v in per_function.items()},
-                    "advantage": float(advantages_B[i]), "truncated": bool(truncated[i])}
+                    "advantage": float(advantages_B[i]), "truncated": bool(truncated[i]),
+                    **({"extra": {k: v[i] for k, v in extra.items()}} if extra else {})}
                    for i in range(min(groups, len(prompts)) * self.group)]
         with (Path(self.recipe.output_dir) / "samples.jsonl").open("a") as f:
-            f.writelines(json.dumps(r) + "\n" for r in records)
+            f.writelines(json.dumps(r, default=str) + "\n" for r in records)
 
 
 def sequence_advantages(batches: list[Batch]) -> torch.Tensor:
@@ -374,4 +388,9 @@ def step_metrics(everyone: list[dict], total_B: torch.Tensor, group: int) -> dic
                **reward_metrics(per_function)}
     if group > 1:  # samples of one prompt: how many groups carry no signal
         metrics["frac_reward_zero_std"] = zero_std_fraction(total_B, group)
-    return {**{k: float(v) for k, v in metrics.items()}, "rewards/skipped": float(sum(p["skipped"] for p in everyone))}
+    logged: dict[str, list[float]] = {}  # the reward functions' log_metric values, averaged over the step
+    for part in everyone:
+        for name, values in part["logged"].items():
+            logged.setdefault(name, []).extend(values)
+    return {**{k: float(v) for k, v in metrics.items()}, **{k: sum(v) / len(v) for k, v in logged.items()},
+            "rewards/skipped": float(sum(p["skipped"] for p in everyone))}

@@ -29,10 +29,17 @@ def _doctor_alone(rank: int, port: int, timeout: float = 3) -> subprocess.Popen:
 
 def test_wrong_master_addr_and_a_rank_that_never_joins_fail_within_the_timeout():
     started = time.perf_counter()
-    # rank 1 alone: nobody listens at MASTER_ADDR:MASTER_PORT; rank 0 alone: it hosts the store, rank 1 never comes
-    wrong_address, lonely = _doctor_alone(rank=1, port=free_port()), _doctor_alone(rank=0, port=free_port())
+    # rank 1 alone: nobody listens at MASTER_ADDR:MASTER_PORT (the doctor's own ranks, --nproc-per-node: under
+    # torchrun, its rendezvous would wait 600 s before the doctor starts); rank 0 alone: it hosts the store, rank 1
+    # never comes
+    wrong_address = subprocess.Popen(
+        [sys.executable, "-m", "posttrain", "doctor", "--nnodes", "2", "--node-rank", "1", "--nproc-per-node", "1",
+         "--master-addr", "127.0.0.1", "--master-port", str(free_port()), "--timeout", "3"], cwd=ROOT,
+        env=worker_env(env={}), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lonely = _doctor_alone(rank=0, port=free_port())
     outputs = [p.communicate(timeout=120)[0] for p in (wrong_address, lonely)]
-    assert time.perf_counter() - started < 60  # start-up (imports) + the 3 s deadline, not minutes of rendezvous
+    assert time.perf_counter() - started < 90  # start-up (imports, on a loaded 2-core CI machine) + the 3 s deadline,
+    # not the minutes of a rendezvous
     out = outputs[0]
     assert wrong_address.returncode == 1, out[-3000:]
     assert "FAIL  rendezvous: MASTER_ADDR:MASTER_PORT 127.0.0.1:" in out and "not reachable from rank 1" in out
@@ -40,3 +47,27 @@ def test_wrong_master_addr_and_a_rank_that_never_joins_fail_within_the_timeout()
     out = outputs[1]
     assert lonely.returncode == 1, out[-3000:]
     assert "1 of 2 ranks joined within 3 s; missing ranks [1]" in out
+
+
+def test_a_collective_that_never_completes_is_named_within_the_timeout():
+    """Rank 1 joins, then stops (SIGSTOP: a hung GPU, a stuck NIC): rank 0's next step (the process group or the
+    all-reduce) fails at its deadline naming that step, instead of waiting on rank 1 for ever."""
+    import os
+    import signal
+
+    port = free_port()
+    stuck, waiting = _doctor_alone(rank=1, port=port, timeout=5), _doctor_alone(rank=0, port=port, timeout=5)
+    try:
+        for line in stuck.stdout:  # rank 1 says it joined: stop it before it takes part in anything else
+            if "PASS  rendezvous" in line:
+                os.kill(stuck.pid, signal.SIGSTOP)
+                break
+        started = time.perf_counter()
+        out = waiting.communicate(timeout=120)[0]
+        assert time.perf_counter() - started < 30, out[-3000:]
+    finally:
+        os.kill(stuck.pid, signal.SIGKILL)
+        stuck.wait()
+    assert waiting.returncode == 1, out[-3000:]
+    assert "did not complete within 5 s: a rank is stuck or gone" in out, out[-3000:]
+

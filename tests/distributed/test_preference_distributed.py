@@ -109,6 +109,8 @@ def test_dpo_lora_two_processes_match_one(engine, tiny_model_dir, data, tmp_path
     result = launch(2, "dpo", overrides(tiny_model_dir, data, tmp_path / "run", *TWO, *LORA),
                     accelerate_config=ENGINES[engine])
     check_matches(result, single("dpo", "lora"), engine)
+    adapter = load_file(str(result.output_dir / "final" / "adapter" / "adapter_model.safetensors"))
+    assert adapter and all(".lora_A." in k or ".lora_B." in k for k in adapter)  # the adapter alone, gathered whole
 
 
 def test_rm_lora_under_fsdp2_exports_the_merged_model(tiny_model_dir, data, tmp_path, single):
@@ -118,6 +120,8 @@ def test_rm_lora_under_fsdp2_exports_the_merged_model(tiny_model_dir, data, tmp_
                     accelerate_config=ENGINES["fsdp2"])
     check_matches(result, single("rm", "lora"), "fsdp2")
     assert not [k for k in result.final_weights() if "lora" in k or "modules_to_save" in k or "base_layer" in k]
+    adapter = load_file(str(result.output_dir / "final" / "adapter" / "adapter_model.safetensors"))
+    assert any("score" in k for k in adapter) and any(".lora_B." in k for k in adapter)  # head + adapters
 
 
 @pytest.mark.parametrize("engine", ["ddp", "zero3"])

@@ -52,10 +52,12 @@ class Echo:
         return [{"role": "user", "content": f"{len(message['content'])} characters"}], len(message["content"]) / 50, False
 
 
-def length_reward(prompts, completions, trajectory, **columns):
-    """The last turn's length (the whole conversation comes in the trajectory column)."""
-    assert all(any(m["role"] == "assistant" for m in t) for t in trajectory)
-    return [len(c) / 40.0 for c in completions]
+def length_reward(prompts, completions, trajectory, **kwargs):
+    """The last model turn's length. As in TRL's multi-turn GRPO, a completion is every message after the prompt
+    (the whole conversation is also in the trajectory column)."""
+    assert all(t[len(t) - len(c):] == c and len(c) < len(t) for c, t in zip(completions, trajectory))
+    assert all(c[0]["role"] == "assistant" for c in completions)
+    return [len([m for m in c if m["role"] == "assistant"][-1]["content"]) / 40.0 for c in completions]
 
 
 @pytest.fixture(scope="module")

@@ -3,15 +3,37 @@
 from __future__ import annotations
 
 import json
+import os
+import re
+import shlex
+import signal
 
 import pytest
 
+from posttrain.algorithms.sft import SFT
 from posttrain.cli import main
 
 
-def test_quick_demo_writes_reports_and_results(tmp_path):
+def test_quick_demo_writes_reports_and_results(tmp_path, monkeypatch, capsys):
+    """Ctrl-C during SFT, then the command the message prints, as printed: the demo continues and finishes."""
     out = tmp_path / "demo"
-    assert main(["demo", "--quick", "--out", str(out)]) == 0
+    loss, calls = SFT.loss, []
+
+    def interrupted(self, *args):
+        calls.append(1)
+        if len(calls) == 2:
+            os.kill(os.getpid(), signal.SIGINT)  # the guard records it; the step finishes and is saved
+        return loss(self, *args)
+
+    monkeypatch.setattr(SFT, "loss", interrupted)
+    assert main(["demo", "--quick", "--out", str(out)]) == 130
+    monkeypatch.undo()
+    err = capsys.readouterr().err
+    printed = re.search(r"continue with `([^`]+)`", err)
+    assert printed and "resume_from_checkpoint" not in err, err
+    assert main(shlex.split(printed.group(1))[1:]) == 0
+    steps = [json.loads(line)["step"] for line in (out / "sft" / "metrics.jsonl").read_text().splitlines()]
+    assert steps == sorted(steps) and steps[-1] == 20  # continued, never restarted
     results = json.loads((out / "demo_results.json").read_text())
     for key in ("sft_accuracy", "dpo_accuracy", "grpo_accuracy", "ppo_accuracy", "dpo_pref_accuracy_before",
                 "dpo_pref_accuracy_after"):

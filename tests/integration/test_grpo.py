@@ -5,6 +5,7 @@ with a message that names what to change."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -15,14 +16,16 @@ from tests.integration.helpers import (ONE_PROCESS_SPLITS, assert_resume_is_exac
                                        metrics, run_cli, run_overrides, step_losses)
 
 HERE = "tests.integration.test_grpo"
+ROOT = Path(__file__).resolve().parents[2]
 
 
-def length_reward(prompts, completions, **columns):
-    """Varies within a group even for a random model: longer text, more reward."""
-    return [len(c) / 40.0 for c in completions]
+def length_reward(completions, **kwargs):
+    """Varies within a group even for a random model: longer text, more reward (the data is conversational: each
+    completion is [{"role": "assistant", "content": ...}], as TRL passes it)."""
+    return [len(c[0]["content"]) / 40.0 for c in completions]
 
 
-def raising_reward(prompts, completions, **columns):
+def raising_reward(prompts, completions, **kwargs):
     raise ValueError("this reward always fails")
 
 
@@ -166,6 +169,28 @@ def test_skipped_reward_continues(tiny_model_dir, data, tmp_path):
     rows = metrics(out)
     assert [r["step"] for r in rows] == [1, 2]
     assert all(r["rewards/skipped"] == 8 and r["reward/std"] > 0 for r in rows)
+
+
+def test_trl_reward_file_through_reward_funcs(tiny_model_dir, data, tmp_path):
+    """A TRL-style reward file (examples/rewards/trl_rewards.py: message-list completions, a dataset column,
+    trainer_state, log_metric) passed with TRL's --reward_funcs / --reward_weights trains on conversational data."""
+    out, rewards = tmp_path / "run", str(ROOT / "examples" / "rewards" / "trl_rewards.py")
+    flags = ["--reward_funcs", *(f"{rewards}:{f}" for f in ("format_reward", "accuracy_reward", "brevity_reward")),
+             "--reward_weights", "0.2", "1.0", "1.0"]
+    overrides = [o for o in base(tiny_model_dir, data, out, "train.max_steps=2") if not o.startswith("rewards=")]
+    assert run_cli("grpo", *flags, *overrides) == 0
+    rows = metrics(out)
+    assert [r["step"] for r in rows] == [1, 2]
+    for r in rows:
+        for name in ("format_reward", "accuracy_reward", "brevity_reward"):
+            assert 0 <= r[f"rewards/{name}/std"] and f"rewards/{name}/mean" in r, (name, r)
+        assert r["brevity/mean_chars"] > 0 and r["reward/std"] > 0
+        assert r["rewards/brevity_reward/mean"] < 0  # the function's own numbers, weighted 1.0
+    samples = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
+    assert all(s["extra"]["chars"] == len(s["completion"]) for s in samples)  # log_extra's column, per completion
+    initial = load_file(str(next(tiny_model_dir.glob("*.safetensors"))))
+    trained = final_weights(out)
+    assert any(not torch.equal(initial[k], trained[k]) for k in initial)
 
 
 @pytest.mark.parametrize("override, message", [

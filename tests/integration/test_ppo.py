@@ -17,9 +17,10 @@ from tests.integration.helpers import (assert_resume_is_exact, final_weights, ma
 HERE = "tests.integration.test_ppo"
 
 
-def length_reward(prompts, completions, **columns):
-    """Varies between completions even for a random model: longer text, more reward."""
-    return [len(c) / 40.0 for c in completions]
+def length_reward(completions, **kwargs):
+    """Varies between completions even for a random model: longer text, more reward (conversational data: each
+    completion is [{"role": "assistant", "content": ...}])."""
+    return [len(c[0]["content"]) / 40.0 for c in completions]
 
 
 @pytest.fixture(scope="module")

@@ -9,6 +9,8 @@ from __future__ import annotations
 import errno
 import json
 import os
+import re
+import shlex
 import signal
 from pathlib import Path
 
@@ -18,6 +20,7 @@ from safetensors.torch import load_file
 
 from posttrain.algorithms.sft import SFT
 from posttrain.checkpoint_files import verify
+from posttrain.cli import main
 from posttrain.distributed.backend import Backend
 from posttrain.tasks import write_example_data
 from posttrain.train.guard import Guard
@@ -95,6 +98,38 @@ def test_auto_starts_a_run_killed_before_its_first_checkpoint(tiny_model_dir, da
     assert sft(tiny_model_dir, data, out, "train.resume_from_checkpoint=auto") == 0
     assert_same_as_reference(out, reference)
     assert [r["step"] for r in metrics(out)] == list(range(1, STEPS + 1))
+
+
+def test_a_run_that_failed_at_step_0_is_rerun_in_place_and_a_trained_one_is_not(tiny_model_dir, data, tmp_path,
+                                                                                monkeypatch, capsys):
+    """The fix-and-retry loop: the same command again, no flag; once it has a checkpoint, the flag is needed."""
+    def bug(*args):
+        raise ValueError("a bug in the user's code")
+
+    monkeypatch.setattr(SFT, "loss", bug)
+    out = tmp_path / "run"
+    assert sft(tiny_model_dir, data, out, "train.max_steps=2") == 1
+    monkeypatch.undo()
+    capsys.readouterr()
+    assert sft(tiny_model_dir, data, out, "train.max_steps=2") == 0
+    err = capsys.readouterr().err
+    assert "the previous run there ended in an error (ValueError: a bug in the user's code)" in err, err
+    assert (out / "final").is_dir() and list((out / "failed-attempts").glob("*/config.yaml"))
+    assert sft(tiny_model_dir, data, out, "train.max_steps=2") == 2
+    assert "already holds a run" in capsys.readouterr().err
+
+
+def test_the_hint_after_ctrl_c_works_as_printed(tiny_model_dir, data, reference, tmp_path, monkeypatch, capsys):
+    """Even for a command that asked to overwrite, which the printed command must not repeat."""
+    at_step(monkeypatch, 2, send(signal.SIGINT))
+    out = tmp_path / "run"
+    assert sft(tiny_model_dir, data, out, "train.overwrite_output_dir=true") == 130
+    monkeypatch.undo()
+    err = capsys.readouterr().err
+    printed = re.search(r"continue with `posttrain ([^`]+)`", err)
+    assert printed, err
+    assert main(shlex.split(printed.group(1))) == 0
+    assert_same_as_reference(out, reference)
 
 
 # --- 2. non-finite loss / gradient norm ------------------------------------------------------------------------------

@@ -215,7 +215,7 @@ def test_async_grpo_samples_one_step_behind_and_the_server_ends_on_final(vllm_se
     from posttrain.config import load_recipe
     from posttrain.data.io import load_rows
     from posttrain.data.tokenize import tokenize_prompts
-    from posttrain.rewards import load_rewards
+    from posttrain.rewards import as_completions, load_rewards
     from posttrain.generation.hf import HFEngine
     from posttrain.generation.server import call
     from posttrain.generation.server_worker import tensor_digest
@@ -246,8 +246,8 @@ def test_async_grpo_samples_one_step_behind_and_the_server_ends_on_final(vllm_se
     model = AutoModelForCausalLM.from_pretrained(out / "final", dtype=torch.float32)
     texts, ids = greedy_texts(HFEngine(model, tokenizer), tokenizer, examples, recipe.generation.max_completion_length)
     columns = {k: [e["columns"][k] for e in examples] for k in examples[0]["columns"]}
-    total_B, _, _ = load_rewards(recipe.rewards).score([e["prompt"] for e in examples], texts,
-                                                        {**columns, "completion_ids": ids})
+    prompts = [e["prompt"] for e in examples]
+    total_B = load_rewards(recipe.rewards).score(prompts, as_completions(prompts, texts), columns, ids).total_B
     expected = {"eval/reward": float(total_B.double().mean()),
                 "eval/completion_length": sum(map(len, ids)) / len(ids)}
     for key in ("eval/reward", "eval/completion_length"):

@@ -11,7 +11,8 @@ from transformers import AutoTokenizer
 
 from posttrain.agents import AgentRollout, ToolRunner, load_tools
 from posttrain.agents.parsers import pick_parser
-from posttrain.errors import UserError
+
+from posttrain.usercode import UserCodeError
 from posttrain.generation.base import Completions, GenerationEngine, SamplingParams
 
 TOOL_FILE = '''
@@ -155,7 +156,7 @@ def test_max_turns_stops_and_the_last_turns_calls_are_not_run(tok, tmp_path):
 def test_environment_returning_wrong_types_names_it_and_the_sample(tok):
     engine = ScriptedEngine([[[40, tok.eos_token_id]]])
     agent = AgentRollout(tok, engine, budget=50, max_turns=3, environment=BadReturn, environment_name="my:BadReturn")
-    with pytest.raises(UserError, match=r"rollout.environment 'my:BadReturn' \(sample: dataset row 12\).step"):
+    with pytest.raises(UserCodeError, match=r"rollout.environment 'my:BadReturn' \(sample: dataset row 12\).step"):
         agent.run([{"prompt": "a", "columns": {}}], [12], SamplingParams())
 
 
@@ -173,7 +174,7 @@ def test_a_template_that_rewrites_earlier_turns_is_refused(tok):
             return tok(text, add_special_tokens=False)
 
     agent = AgentRollout(Rewriting(), ScriptedEngine([]), budget=50, max_turns=2)
-    with pytest.raises(UserError, match="renders the earlier turns"):
+    with pytest.raises(UserCodeError, match="renders the earlier turns"):
         agent.delta_ids([{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}],
                         [{"role": "user", "content": "c"}])
 

@@ -75,7 +75,7 @@ def test_manifest_paths_stay_inside_the_checkpoint(tmp_path, name):
 def rng_checkpoint(tmp_path, world_size=1):
     root = tmp_path / "step-2"
     root.mkdir()
-    (root / "trainer_state.json").write_text(json.dumps({"run": {"world_size": world_size}}))
+    (root / "trainer_state.json").write_text(json.dumps({"run": {"world_size": world_size}, "state": {"step": 2}}))
     for rank in range(world_size):  # what Accelerate's save_state writes per process
         torch.save({"random_state": random.getstate(), "numpy_random_seed": np.random.get_state(),
                     "torch_manual_seed": torch.get_rng_state()}, root / f"random_states_{rank}.pkl")
@@ -96,6 +96,23 @@ def test_rng_state_that_cannot_be_read_stops_a_strict_resume(tmp_path, capsys):
     (root / "random_states_1.pkl").unlink()
     write_manifest(root)
     assert "random_states_1.pkl is missing" in resumable_problem(root)
+
+
+@pytest.mark.parametrize("state, problem", [
+    ({"step": -5}, "records step=-5; each must be a whole number >= 0"),
+    ({"step": 2, "tokens_seen": 1.5}, "tokens_seen=1.5"),
+    ({"step": True}, "step=True"),
+    ({"step": 3}, "records step 3, but the checkpoint is step-2"),
+    ({"step": 2, "epoch": 1}, "has no readable state (TypeError"),
+    (None, "has no readable state (TypeError"),
+])
+def test_a_trainer_state_that_says_where_no_run_was_is_refused(tmp_path, state, problem):
+    """Edited with the manifest recomputed (so the checksums pass): a step of -5 used to be resumed, and the
+    resume dropped every metrics row after step -5."""
+    root = rng_checkpoint(tmp_path)
+    (root / "trainer_state.json").write_text(json.dumps({"run": {"world_size": 1}, "state": state}))
+    write_manifest(root)
+    assert problem in resumable_problem(root)
 
 
 def test_resume_strict_false_accepts_a_checkpoint_without_manifest_but_never_damage(tmp_path, capsys):

@@ -65,3 +65,15 @@ def test_no_vllm_no_pin_check(installed, capsys, monkeypatch):
                         if n == "vllm" else real(n))
     statuses, out = _check(capsys)
     assert statuses == ["PASS"] and "vllm" not in out, out
+
+
+def test_the_rendezvous_probe_never_outlasts_its_deadline_even_in_dns(monkeypatch):
+    """A MASTER_ADDR whose name the resolver keeps retrying: getaddrinfo has no timeout of its own."""
+    import socket
+    import time
+
+    monkeypatch.setattr(socket, "getaddrinfo", lambda *a, **k: time.sleep(60))
+    started = time.monotonic()
+    error = doctor._probe("node0.cluster", 29500, time.monotonic() + 1.0)
+    assert time.monotonic() - started < 3
+    assert error == "the name node0.cluster did not resolve in time (DNS)"

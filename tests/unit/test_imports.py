@@ -21,7 +21,7 @@ LAYERS = [
     ("cli", "__main__", "console", "demo", "demo_tools"),           # the command line
     ("launch",),                                                    # what starts processes: Ray, serve children, doctor
     ("run", "roles", "checkpoint", "outputs", "plan",               # composition of one run, and what it writes
-     "logging", "trackers", "report", "report_charts", "report_html"),
+     "logging", "trackers", "report", "report_charts", "report_html", "report_files"),
     ("train",),                                                     # the loop, sources, rollout source, evaluation
     ("algorithms", "agents"),                                       # prepare + loss plug-ins; multi-turn rollouts
     ("generation", "rollout", "rewards", "models", "data", "tasks"),   # engines (rollout: its old name), rewards, models, data

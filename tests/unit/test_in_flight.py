@@ -116,3 +116,26 @@ def test_checkpoint_files_restore_every_value_exactly_under_any_world_size(tmp_p
     (tmp_path / "rollouts_in_flight_1.json").write_text('{"format": 99, "batches": []}')
     with pytest.raises(UserError, match="rollouts_in_flight_1.json is not a file of generation batches in flight"):
         InFlight(2, 1).load(tmp_path, lambda index: [12])
+
+
+@pytest.mark.parametrize("edit, problem", [
+    (lambda b: b.update(positions=[]), "positions must be a non-empty list"),
+    (lambda b: b.update(positions=[8, 8]), "a prompt position is listed twice"),
+    (lambda b: b.update(prompt_ids=b["prompt_ids"][:3]), "3 rows for 2 prompt positions"),
+    (lambda b: b.update(logprobs=b["logprobs"][:1]), "logprobs must be a list of 4 rows"),
+    (lambda b: b.pop("completion_ids"), "no completion_ids"),
+    (lambda b: b.update(index="4"), "index and submitted_at must be whole numbers"),
+    (lambda b: b.update(trajectories=[1, 2, 3, 4]), "trajectories must be objects"),
+])
+def test_an_edited_in_flight_file_is_named_before_anything_loads(tmp_path, edit, problem):
+    """A file edited with its manifest recomputed: IndexError / KeyError deep in the resume before."""
+    from posttrain.train.in_flight import files_problem
+
+    queue = InFlight(2, 1)
+    queue.push(Sampled(4, [8, 9], 3, 2, result=answer(4, [8, 9])))
+    queue.save(tmp_path, 0)
+    assert files_problem(tmp_path) is None
+    data = json.loads((tmp_path / FILE.format(rank=0)).read_text())
+    edit(data["batches"][0])
+    (tmp_path / FILE.format(rank=0)).write_text(json.dumps(data))
+    assert files_problem(tmp_path).startswith(f"{FILE.format(rank=0)} batch 0: {problem}")

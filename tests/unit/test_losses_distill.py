@@ -180,3 +180,40 @@ def test_vllm_prompt_logprobs_become_top_k_tensors():
     torch.testing.assert_close(logprobs_TK, torch.tensor([[0.0, 0.0], [-0.1, -2.5], [-0.4, -1.5]]))
     with pytest.raises(ValueError, match="max-logprobs"):
         parse_prompt_logprobs(answer, k=3)
+
+
+@pytest.mark.parametrize("answer, says", [
+    ([None, {"70000": {"logprob": -0.1, "rank": 1}, "3": {"logprob": -2.5, "rank": 2}}],
+     "position 1: token id 70000 is outside the vocabulary [0, 1000)"),
+    ([None, {"7": {"logprob": 0.5, "rank": 1}, "3": {"logprob": -2.5, "rank": 2}}],
+     "position 1: log-prob 0.5 of token 7: a log-prob is a finite number <= 0"),
+    ([None, {"7": {"logprob": float("nan"), "rank": 1}, "3": {"logprob": -2.5, "rank": 2}}], "log-prob nan"),
+    ([None, {"7": {"logprob": -0.1, "rank": 0}, "3": {"logprob": -2.5, "rank": 2}}], "rank 0 of token 7"),
+    ([None, {"x": {"logprob": -0.1, "rank": 1}}], "position 1: 'x'"),
+    ([None, [1, 2]], "position 1: an entry must be an object"),
+    ([None], "'prompt_logprobs' must hold one entry per token (2), got 1"),
+])
+def test_a_teacher_server_answer_that_no_vllm_sends_is_named_and_stops_the_run(monkeypatch, answer, says):
+    """Ids out of range, positive or NaN log-probs and short answers used to crash or be trained on."""
+    from posttrain.errors import RunStopped
+    from posttrain.generation import teacher_server
+
+    server = teacher_server.TeacherServer("http://127.0.0.1:1", top_k=2, timeout=1.0, retries=0)
+    server.vocab_size = 1000
+    monkeypatch.setattr(teacher_server, "call_with_retries",
+                        lambda *a, **k: {"choices": [{"prompt_logprobs": answer}]})
+    with pytest.raises(RunStopped) as e:
+        server.topk([[5, 6]])
+    assert "the teacher server http://127.0.0.1:1 sent a wrong answer to /v1/completions" in str(e.value)
+    assert says in str(e.value)
+
+
+def test_a_teacher_server_that_names_no_model_is_exit_2_at_start_up(monkeypatch):
+    from posttrain.errors import UserError
+    from posttrain.generation import teacher_server
+
+    monkeypatch.setattr(teacher_server, "call", lambda url, path, *a, **k: {"data": []} if "models" in path
+                        else {"tokens": [1]})
+    with pytest.raises(UserError, match=r"algo.teacher_server = http://127.0.0.1:1: its /v1/models or /tokenize "
+                                        r"answer names no model or tokens \({'data': \[\]}\)"):
+        teacher_server.TeacherServer("http://127.0.0.1:1", 2, 1.0, 0).check(None, "tiny/")

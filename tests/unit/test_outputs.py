@@ -64,6 +64,7 @@ def test_a_run_directory_needs_auto_or_overwrite(tmp_path):
     (out / "config.yaml").write_text("x")
     assert outputs.check_output_dir(recipe(out)) is None  # config.yaml alone: that run never trained
     (out / "metrics.jsonl").write_text("{}\n")
+    outputs.end_attempt(out)  # it finished
     with pytest.raises(UserError, match="already holds a run"):
         outputs.check_output_dir(recipe(out))
     assert outputs.check_output_dir(recipe(out, "train.resume_from_checkpoint=auto")) is None
@@ -142,3 +143,96 @@ def test_replace_dir_swaps_a_complete_directory_in(tmp_path):
     (tmp / "a").write_text("new")
     checkpoint_files.replace_dir(tmp, final)
     assert (final / "a").read_text() == "new" and not tmp.exists() and not (tmp_path / ".old-final").exists()
+
+
+def failed_run(tmp_path, error: BaseException | None = ValueError("reward 'acc' raised\nTraceback ...")) -> Path:
+    """What a run that failed at step 0 leaves: the marker, config.yaml, metrics (eval at step 0), tensorboard."""
+    out = tmp_path / "run"
+    outputs.begin_run(out, overwrite=False, command="grpo")
+    (out / "config.yaml").write_text("x")
+    (out / "metrics.jsonl").write_text('{"step": 0, "eval/reward": 0.1}\n')
+    (out / "tensorboard").mkdir()
+    (out / "notes.txt").write_text("mine")
+    outputs.end_attempt(out, error)
+    return out
+
+
+def test_a_run_that_failed_before_any_checkpoint_is_taken_over_and_its_files_kept(tmp_path, capsys):
+    out = failed_run(tmp_path)
+    assert outputs.check_output_dir(recipe(out)) is None
+    outputs.begin_run(out, overwrite=False, command="grpo")
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "ended in an error (ValueError: reward 'acc' raised)" in err, err
+    kept = next((out / outputs.FAILED_DIR).iterdir())
+    assert str(kept) in err
+    assert (kept / "metrics.jsonl").read_text() == '{"step": 0, "eval/reward": 0.1}\n'
+    assert sorted(p.name for p in kept.iterdir()) == ["config.yaml", "metrics.jsonl", "tensorboard"]
+    assert (out / "notes.txt").read_text() == "mine"
+    assert not (out / "metrics.jsonl").exists()
+    assert outputs.read_marker(out)["attempt"]["status"] == "running"
+    outputs.end_attempt(out, KeyboardInterrupt())  # stopped before anything was saved: taken over again
+    outputs.begin_run(out, overwrite=False, command="grpo")
+    assert "was stopped" in capsys.readouterr().err
+    assert len(list((out / outputs.FAILED_DIR).iterdir())) == 1  # that attempt left no run files to keep
+
+
+@pytest.mark.parametrize("saved", ["checkpoints/step-2", "final"])
+def test_a_failed_run_with_a_checkpoint_or_final_still_needs_a_flag(tmp_path, saved):
+    out = failed_run(tmp_path)
+    (out / saved).mkdir(parents=True)
+    with pytest.raises(UserError, match="already holds a run.*resume_from_checkpoint=auto"):
+        outputs.check_output_dir(recipe(out))
+
+
+def test_a_run_whose_process_died_is_taken_over_only_before_step_1(tmp_path):
+    import subprocess
+    import sys
+
+    out = failed_run(tmp_path)
+    record = outputs.read_marker(out)
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    record["attempt"] = {**record["attempt"], "status": "running", "pid": int(gone.stdout)}  # killed -9
+    outputs.write_marker(out, record)
+    assert outputs.takeover_reason(out).startswith("ended before step 1")
+    with (out / "metrics.jsonl").open("a") as f:
+        f.write('{"step": 1, "loss": 2.0}\n')
+    with pytest.raises(UserError, match="already holds a run"):
+        outputs.check_output_dir(recipe(out))
+    record["attempt"]["pid"] = os.getpid()  # the attempt is still going: never taken over
+    outputs.write_marker(out, record)
+    (out / "metrics.jsonl").write_text("")
+    with pytest.raises(UserError, match=f"in use by a run still going \\(pid {os.getpid()}"):
+        outputs.check_output_dir(recipe(out))
+
+
+def test_the_continue_command_drops_overwrite_and_runs_as_printed(tmp_path):
+    import shlex
+
+    from posttrain.cli import continue_command
+    from posttrain.config.trl_compat import split_trl_flags
+
+    given = ["sft", "--config", "r.yaml", "--overwrite_output_dir", "--learning_rate", "1e-4", "train.max_steps=3",
+             "train.resume_from_checkpoint=null"]
+    assert continue_command(given, overwrite=True) == ("posttrain sft --config r.yaml train.max_steps=3 "
+                                                       "--learning_rate=0.0001 train.resume_from_checkpoint=auto")
+    config = tmp_path / "r.yaml"  # overwrite set by the recipe file (the demo's saved config.yaml does that)
+    config.write_text(f"output_dir: {tmp_path / 'run'}\ndata:\n  train: x.jsonl\ntrain:\n  overwrite_output_dir: true\n")
+    printed = continue_command(["sft", "--config", str(config)], overwrite=True)
+    assert printed.endswith("train.resume_from_checkpoint=auto train.overwrite_output_dir=false")
+    rest, flags = split_trl_flags(shlex.split(printed)[1:])
+    resumed = load_recipe(str(config), rest[3:], SFTAlgoConfig)  # no conflict: it loads
+    assert resumed.train.resume_from_checkpoint == "auto" and not resumed.train.overwrite_output_dir
+
+
+def test_a_checkpoint_of_another_commands_run_is_not_continued_and_overwrite_renames_the_command(tmp_path):
+    sft_run = tmp_path / "sft"
+    (sft_run / "checkpoints" / "step-2").mkdir(parents=True)
+    outputs.begin_run(sft_run, overwrite=False, command="sft")
+    step = sft_run / "checkpoints" / "step-2"
+    with pytest.raises(UserError, match=r"train.resume_from_checkpoint: .*sft holds a `posttrain sft` run, and this "
+                                        r"is `posttrain dpo`"):
+        outputs.check_output_dir(recipe(tmp_path / "dpo", f"train.resume_from_checkpoint={step}"), "dpo")
+    with pytest.raises(UserError, match="output_dir: .* holds a `posttrain sft` run"):
+        outputs.check_output_dir(recipe(sft_run, "train.resume_from_checkpoint=auto"), "dpo")
+    outputs.end_overwrite(outputs.begin_run(sft_run, overwrite=True, command="dpo"))  # replaced: now a dpo run
+    assert '"command": "dpo"' in (sft_run / outputs.MARKER).read_text()

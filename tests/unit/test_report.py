@@ -85,6 +85,13 @@ def test_constant_metrics_are_values_not_charts(tmp_path):
     table = page[page.index("Logged once or constant"):]
     assert re.search(r"<th>learning_rate</th><td class='num'>0.0001 <span class='note'>\(all 12 logs\)", table)
     assert "<th>estimated_peak_memory_mb</th>" in table
+    # on a CPU the measured peak is the process's resident memory: the allocator estimate is not set beside it
+    _, on_cpu, _ = plan_charts(["sft"], run.keys(), constants, on_cpu=True)
+    memory = next(c for c in on_cpu if "peak_memory_mb" in c.keys)
+    assert memory.keys == ("peak_memory_mb",) and "resident" in memory.title
+    (run.path / "summary.json").write_text('{"command": "sft", "device": "cpu"}')
+    page = render([load_run(run.path)])
+    assert "peak resident memory of the process" in page and "<th>estimated_peak_memory_mb</th>" in page
     # a schedule that moves is a curve again
     moving = load_run(write_run(tmp_path / "linear", sft_rows(lambda step: 1e-4 * (1 - step / 20))))
     assert "learning_rate" not in constant_keys([moving])

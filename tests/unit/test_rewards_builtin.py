@@ -53,13 +53,13 @@ def test_extract_answer(completion, answer):
     ],
 )
 def test_exact_match(completion, reference, expected):
-    assert exact_match(["q"], [completion], answer=[reference]) == [expected]
+    assert exact_match(completions=[completion], answer=[reference]) == [expected]
 
 
 def test_exact_match_other_column_and_missing_column():
-    assert exact_match(["q", "q"], ["4", "5"], answer_column="solution", solution=["4", "4"]) == [1.0, 0.0]
+    assert exact_match(completions=["4", "5"], answer_column="solution", solution=["4", "4"]) == [1.0, 0.0]
     with pytest.raises(UserError, match="column 'answer'.*columns: solution"):
-        exact_match(["q"], ["4"], solution=["4"])
+        exact_match(completions=["4"], solution=["4"])
 
 
 def test_format_reward():
@@ -70,14 +70,14 @@ def test_format_reward():
         "prefix <think>x</think><answer>4</answer>",
         "nothing",
     ]
-    assert format_reward([None] * 4, completions, pattern=pattern) == [1.0, 0.0, 0.0, 0.0]
-    assert format_reward([None] * 4, completions, pattern=pattern, fullmatch=False) == [1.0, 1.0, 1.0, 0.0]
+    assert format_reward(completions=completions, pattern=pattern) == [1.0, 0.0, 0.0, 0.0]
+    assert format_reward(completions=completions, pattern=pattern, fullmatch=False) == [1.0, 1.0, 1.0, 0.0]
 
 
 def test_length_penalty_numbers():
     completions = ["x" * n for n in (0, 10, 11, 15, 20, 30)]
     # target 10, max 20: 0 up to 10 characters, then -(L - 10) / 10, capped at -1
-    assert length_penalty([None] * 6, completions, max_length=20, target_length=10) == [
+    assert length_penalty(completions=completions, max_length=20, target_length=10) == [
         0.0,
         0.0,
         -0.1,
@@ -85,22 +85,22 @@ def test_length_penalty_numbers():
         -1.0,
         -1.0,
     ]
-    assert length_penalty([None] * 2, ["abcd", "ab"], max_length=4) == [-1.0, -0.5]
+    assert length_penalty(completions=["abcd", "ab"], max_length=4) == [-1.0, -0.5]
 
 
 def test_length_penalty_in_tokens(tiny_model_dir):
     ids = [[1] * 3, [1] * 5, [1] * 9]
     assert length_penalty(
-        [None] * 3, ["", "", ""], max_length=9, target_length=3, unit="tokens", completion_ids=ids
+        completions=["", "", ""], max_length=9, target_length=3, unit="tokens", completion_ids=ids
     ) == [
         0.0,
         pytest.approx(-1 / 3),
         -1.0,
     ]
     # without a completion_ids column: re-encoded with the tokenizer (digits are single tokens in the tiny one)
-    assert length_penalty([None], ["1234"], max_length=8, unit="tokens", tokenizer=str(tiny_model_dir)) == [-0.5]
+    assert length_penalty(completions=["1234"], max_length=8, unit="tokens", tokenizer=str(tiny_model_dir)) == [-0.5]
     with pytest.raises(UserError, match="needs kwargs.tokenizer"):
-        length_penalty([None], ["1234"], max_length=8, unit="tokens")
+        length_penalty(completions=["1234"], max_length=8, unit="tokens")
 
 
 def test_builtin_table():

@@ -33,7 +33,7 @@ def fails_on_blue(prompts, completions, **columns):
 
 def test_weighted_total():
     rewards = RewardSet([Reward("one", constant(1.0), 0.5), Reward("len", by_length, 2.0)])
-    total, per_function, skipped = rewards.score(PROMPTS, COMPLETIONS)
+    total, per_function, skipped, _ = rewards.score(PROMPTS, COMPLETIONS)
     # 0.5 * 1 + 2 * len: 0.5 + 2, 0.5 + 8, 0.5 + 22
     assert total.tolist() == [2.5, 8.5, 22.5]
     assert per_function["one"].tolist() == [1.0, 1.0, 1.0]
@@ -46,7 +46,7 @@ def test_none_counts_as_missing_and_zero():
     def some_none(prompts, completions, **columns):
         return [1.0, None, 3]
 
-    total, per_function, skipped = RewardSet([("a", some_none, 2.0, 5.0, "raise"), ("b", constant(True), 1.0)]).score(
+    total, per_function, skipped, _ = RewardSet([("a", some_none, 2.0, 5.0, "raise"), ("b", constant(True), 1.0)]).score(
         PROMPTS, COMPLETIONS
     )
     assert total.tolist() == [3.0, 1.0, 7.0]
@@ -62,7 +62,7 @@ def test_columns_are_passed_aligned():
         return [float(c == a) for c, a in zip(completions, answer)]
 
     columns = {"answer": ["4", "red", "hi"], "source": ["x", "y", "z"]}
-    total, _, _ = RewardSet([Reward("match", wants_answer)]).score(PROMPTS, COMPLETIONS, columns)
+    total, _, _, _ = RewardSet([Reward("match", wants_answer)]).score(PROMPTS, COMPLETIONS, columns)
     assert total.tolist() == [1.0, 0.0, 0.0] and seen["answer"] == columns["answer"]
     with pytest.raises(ValueError, match="column 'answer' has 2 values for 3"):
         RewardSet([Reward("match", wants_answer)]).score(PROMPTS, COMPLETIONS, {"answer": ["4", "red"]})
@@ -81,7 +81,7 @@ def test_raise_names_function_and_sample():
 
 def test_skip_makes_the_batch_missing():
     rewards = RewardSet([Reward("colour_check", fails_on_blue, 1.0, on_error="skip"), Reward("one", constant(1.0))])
-    total, per_function, skipped = rewards.score(PROMPTS, COMPLETIONS)
+    total, per_function, skipped, _ = rewards.score(PROMPTS, COMPLETIONS)
     assert per_function["colour_check"].isnan().all()
     assert total.tolist() == [1.0, 1.0, 1.0]
     assert skipped == 3
@@ -99,7 +99,7 @@ def test_timeout_raise_and_skip():
         with pytest.raises(RewardError, match=r"reward 'slow' did not return within 0.2s on a batch of 3"):
             RewardSet([Reward("slow", slow, timeout=0.2)]).score(PROMPTS, COMPLETIONS)
         assert time.monotonic() - start < 2
-        total, per_function, skipped = RewardSet(
+        total, per_function, skipped, _ = RewardSet(
             [Reward("slow", slow, timeout=0.2, on_error="skip"), Reward("one", constant(1.0), 3.0)]
         ).score(PROMPTS, COMPLETIONS)
         assert per_function["slow"].isnan().all() and total.tolist() == [3.0, 3.0, 3.0] and skipped == 3
@@ -114,7 +114,7 @@ def test_functions_run_concurrently():
         time.sleep(0.5)
         return [1.0] * len(completions)
 
-    total, _, skipped = RewardSet([Reward("a", sleepy, timeout=0.9), Reward("b", sleepy, timeout=0.9)]).score(
+    total, _, skipped, _ = RewardSet([Reward("a", sleepy, timeout=0.9), Reward("b", sleepy, timeout=0.9)]).score(
         PROMPTS, COMPLETIONS
     )
     assert total.tolist() == [2.0, 2.0, 2.0] and skipped == 0
@@ -153,11 +153,11 @@ def test_bad_output_is_a_reward_error_even_when_skipping(output, message):
 
 
 def test_tensor_output_and_none_are_accepted():
-    total, per_function, skipped = RewardSet(
+    total, per_function, skipped, _ = RewardSet(
         [Reward("t", lambda p, c, **k: torch.tensor([1.0, 3.0, 2.0]))]
     ).score(PROMPTS, COMPLETIONS)
     assert total.tolist() == [1.0, 3.0, 2.0] and skipped == 0
-    total, _, skipped = RewardSet([Reward("n", lambda p, c, **k: [1.0, None, 2.0])]).score(PROMPTS, COMPLETIONS)
+    total, _, skipped, _ = RewardSet([Reward("n", lambda p, c, **k: [1.0, None, 2.0])]).score(PROMPTS, COMPLETIONS)
     assert total.tolist() == [1.0, 0.0, 2.0] and skipped == 1
 
 

@@ -60,7 +60,7 @@ def test_builtin_with_kwargs():
     assert isinstance(reward, Reward)
     assert (reward.name, reward.weight, reward.timeout, reward.on_error) == ("exact_match", 2.0, 5.0, "raise")
     assert isinstance(reward.fn, functools.partial) and reward.fn.func is exact_match
-    assert reward.fn(["q"], ["#### 4"], solution=["4"]) == [1.0]
+    assert reward.fn(completions=["#### 4"], solution=["4"]) == [1.0]
 
 
 def test_import_path_function(user_module):
@@ -97,13 +97,13 @@ def test_file_path(tmp_path):
         ("raises_on_import:fn", {}, "cannot import module 'raises_on_import': it raised ImportError: needs sympy"),
         ("{m}:has_wrd", {}, "has no attribute 'has_wrd'; did you mean 'has_word'"),
         ("{m}:NOT_CALLABLE", {}, "'NOT_CALLABLE' is a int, not a function or class"),
-        ("{m}:two_args", {"word": "x"}, "cannot be called as fn\\(prompts, completions, \\*\\*kwargs\\)"),
+        ("{m}:two_args", {"word": "x"}, "does not take the kwargs \\['word'\\] the recipe gives it"),
         ("{m}:Broken", {}, "Broken\\(\\*\\*kwargs\\) raised RuntimeError: no licence key"),
         ("/no/such/file.py:fn", {}, "file /no/such/file.py does not exist"),
         (
             "exact_mach",
             {},
-            "neither a built-in reward .* nor an import path 'module:function'; did you mean 'exact_match'",
+            "neither a built-in reward .* nor an import path .*; did you mean 'exact_match'",
         ),
         ("format", {"patern": "x"}, "unknown kwarg 'patern'; did you mean 'pattern'"),
     ],
@@ -131,7 +131,7 @@ def test_load_rewards_makes_names_unique_and_scores(user_module):
     )
     assert isinstance(rewards, RewardSet)
     assert rewards.names == ["format", "format_2", "has_word", "exact_match"]
-    total, per_function, skipped = rewards.score(["q", "q"], ["yes", "no 7"], {"answer": ["x", "7"]})
+    total, per_function, skipped, _ = rewards.score(["q", "q"], ["yes", "no 7"], {"answer": ["x", "7"]})
     # yes: 0.5 * 1 + 0.25 * 1 + 1 + 0 ; no 7: 0 + 0 + 0 + 1
     assert total.tolist() == [1.75, 1.0] and skipped == 0
 

@@ -110,3 +110,21 @@ def test_rejects_what_is_not_a_reward_model(tmp_path, tiny_model_dir, tokenizer)
         RewardModelScorer(str(tiny_model_dir))
     with pytest.raises(UserError, match="has 2 labels"):
         RewardModelScorer(str(save_classifier(tmp_path / "two", tokenizer, num_labels=2)))
+
+
+def test_reward_funcs_model_path_scores_message_list_completions(rm_dir, tokenizer):
+    """--reward_funcs <dir> (TRL's way to name a reward model) scores TRL's conversational completions exactly as
+    the assistant-turn strings; a multi-turn completion goes through the chat template whole."""
+    from posttrain.config.trl_rewards import rewards_from_trl
+    from posttrain.rewards import as_completions, load_rewards
+
+    entries, problems = rewards_from_trl({"reward_funcs": [str(rm_dir)]})
+    assert problems == [] and entries == [{"name": "reward_model", "kwargs": {"path": str(rm_dir)}}]
+    rewards = load_rewards([RewardConfig(name=e["name"], kwargs={**e["kwargs"], "device": "cpu"}) for e in entries])
+    scores = rewards.score(CHAT, as_completions(CHAT, COMPLETIONS)).total_B.tolist()
+    assert scores == pytest.approx(RewardModelScorer(str(rm_dir), device="cpu")(CHAT, COMPLETIONS), abs=1e-6)
+    turns = [{"role": "assistant", "content": "Let me check."}, {"role": "user", "content": "ok"},
+             {"role": "assistant", "content": COMPLETIONS[0]}]
+    scorer = RewardModelScorer(str(rm_dir), device="cpu")
+    text = tokenizer.apply_chat_template(CHAT[0] + turns, tokenize=False)
+    assert tokenizer.decode(scorer.encode(CHAT[0], turns)) == text.rstrip()

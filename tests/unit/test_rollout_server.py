@@ -254,3 +254,23 @@ def test_earlier_spellings_pass_the_command_lines_own_check():
     assert command_line_overrides(typed, {}, GRPOAlgoConfig) == typed
     with pytest.raises(UserError, match="command line 'generation.vllm.placment=node'"):
         command_line_overrides(["generation.vllm.placment=node"], {}, GRPOAlgoConfig)
+
+
+@pytest.mark.parametrize("option", ["--port", "--port=18721", "--host", "--model", "--middleware"])
+def test_serve_refuses_vllm_options_that_contradict_its_own(option):
+    """`posttrain serve --port 18720 -- --port 18721` put vLLM on 18721 while serve polled 18720 for 900 s."""
+    from posttrain.generation.serve import check_vllm_args
+
+    with pytest.raises(UserError, match=f"{option.split('=')[0]} after -- would override what posttrain serve passes"):
+        check_vllm_args(serve_args(option, "18721"))
+    check_vllm_args(serve_args("--max-model-len", "512", "--port-range", "3"))  # others pass through
+
+
+def test_a_server_just_started_is_not_read_as_left_inside_a_weight_update():
+    """vLLM's /collective_rpc sends False as "False" (any non-dict, non-list result as its str()): every server, even
+    one just started, was warned about as left mid-update by an earlier trainer."""
+    from posttrain.generation.weight_transfer import any_true
+
+    assert not any_true({"results": ["False", "False"]}) and not any_true({"results": [False]})
+    assert any_true({"results": ["False", "True"]}) and any_true({"results": [True]})
+    assert not any_true(None) and not any_true({"results": "True"}) and not any_true([True])

@@ -243,3 +243,14 @@ def test_the_recipe_checks_name_what_the_higher_layers_have():
     assert sorted(validate.TRACKERS) == sorted(trackers.TRACKERS)
     assert sorted(validate.CHOICES["model.dtype"]) == sorted(DTYPES)
     assert sorted(validate.PLACED_ROLES) == sorted(ROLE_NAMES)
+
+
+def test_mlflows_default_store_is_inside_the_run(tmp_path, monkeypatch):
+    """MLflow's own default, sqlite:///mlflow.db, is relative to the working directory: a file outside every run."""
+    from posttrain.trackers import tracking_uri
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.chdir(tmp_path)
+    assert tracking_uri(Path("runs/a")) == f"sqlite:///{tmp_path / 'runs' / 'a' / 'mlflow.db'}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://127.0.0.1:5000")
+    assert tracking_uri(Path("runs/a")) == "http://127.0.0.1:5000"
