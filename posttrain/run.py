@@ -19,7 +19,7 @@ from typing import Any, Optional
 from transformers import set_seed
 
 from posttrain import data, outputs
-from posttrain.agents import check_rollout
+from posttrain.agents import check_rollout, opening_tools
 from posttrain.algorithms import ALGORITHMS
 from posttrain.checkpoint import Checkpointer, export_final, resume_path, run_facts
 from posttrain.checkpoint_files import tree_bytes, warn_low_disk
@@ -35,7 +35,7 @@ from posttrain.models.load import check_model_source, count_parameters, load_tok
 from posttrain.plan import estimated_peak_mb
 from posttrain.roles import build_roles
 from posttrain.generation.server import check_servers
-from posttrain.train.evaluation import evaluate_online
+from posttrain.train.evaluation import check_answer_columns, evaluate_online
 from posttrain.train.guard import Guard
 from posttrain.train.loop import LoopContext, evaluate, train
 from posttrain.train.micro_batches import check_token_budget
@@ -78,7 +78,9 @@ def load_examples(recipe: Recipe, algorithm, tokenizer, which: str):
     """Rows -> tokenised examples for the algorithm's data kind; raises UserError naming the file/row."""
     rows = data.load_rows(getattr(recipe.data, which), getattr(recipe.data, f"{which}_split"), f"data.{which}")
     rows = data.rename_text_field(rows, recipe.data.text_field, f"data.{which}")
-    tokenize = {"sft": data.tokenize_sft, "preference": data.tokenize_preference, "prompt": data.tokenize_prompts}
+    if algorithm.data_kind == "prompt":  # a multi-turn rollout's prompts show its tools: cut and counted here
+        return data.tokenize_prompts(rows, tokenizer, recipe.data, f"data.{which}", opening_tools(recipe.rollout))
+    tokenize = {"sft": data.tokenize_sft, "preference": data.tokenize_preference}
     return tokenize[algorithm.data_kind](rows, tokenizer, recipe.data, f"data.{which}")
 
 
@@ -131,6 +133,7 @@ def run_attempt(command: str, recipe: Recipe, launched: Optional[Launched] = Non
     check_rollout(recipe, tokenizer, command)  # tools import, the template shows them, the environment loads
     train_examples, train_stats = load_examples(recipe, algorithm, tokenizer, "train")
     eval_examples = load_examples(recipe, algorithm, tokenizer, "eval")[0] if recipe.data.eval else None
+    check_answer_columns(recipe, algorithm, train_examples, eval_examples)  # dynamic sampling's accuracy, pass@k
 
     # 2. processes and engines; then models
     backend = Backend(recipe)
@@ -180,8 +183,7 @@ def run_attempt(command: str, recipe: Recipe, launched: Optional[Launched] = Non
     logger.info("posttrain " + " | ".join(f"{k}={v}" for k, v in summary.items() if v is not None))
     eval_fn = None
     if eval_examples is not None and algorithm.source_kind == "rollout":  # by generating, wherever generation runs
-        eval_fn = partial(evaluate_online, backend, source, tokenizer, eval_examples, algorithm.rewards,
-                          recipe.generation)
+        eval_fn = partial(evaluate_online, backend, source, tokenizer, eval_examples, algorithm.rewards, recipe)
     elif eval_examples is not None:
         batches = eval_batches(eval_examples, collate, t.per_device_eval_batch_size, backend.world_size, backend.rank)
         eval_fn = partial(evaluate, backend, algorithm, models, batches)

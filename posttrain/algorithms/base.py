@@ -140,6 +140,9 @@ class Algorithm:
     """Online algorithms: completions sampled per prompt (GRPO's group); a prompt's samples stay on one rank."""
     steps_per_rollout: int = 1
     """Online algorithms: optimiser steps each generation batch is used for (GRPO num_iterations, PPO ppo_epochs)."""
+    dynamic_sampling = None
+    """Online algorithms: a grpo.DynamicSamplingConfig when the rollout source drops prompt groups whose metric does
+    not vary and draws more (DAPO); None: every drawn group is trained on."""
 
     def placement(self, role: str) -> str:
         """Where run.py puts a frozen role (reference, reward_model): 'local' (on the device, partitioned under

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
@@ -41,6 +41,28 @@ from posttrain.losses.policy import (IMPORTANCE_LEVELS, LOSS_AGGREGATIONS, add_k
 from posttrain.ops.advantages import REWARD_SCALES, group_advantages
 from posttrain.ops.logprobs import entropy_BT, masked_mean, token_logprobs
 from posttrain.batch import Batch
+
+DYNAMIC_SAMPLING_METRICS = ("accuracy", "reward")
+
+
+@dataclass(frozen=True)
+class DynamicSamplingConfig:
+    """DAPO's dynamic sampling (posttrain/train/dynamic_sampling.py)."""
+
+    enabled: bool = False
+    """Drop prompt groups whose metric does not vary and draw more prompts until the step's batch is full."""
+    metric: str = "accuracy"
+    """accuracy: exact match against the data's `answer` column (the raw signal, DAPO's choice); reward: the total
+    reward (shaped terms included)."""
+    max_batches: int = 4
+    """Most generation batches drawn per step (0: no limit); then the step trains on the groups it has."""
+
+    def validate(self) -> None:
+        if self.metric not in DYNAMIC_SAMPLING_METRICS:
+            raise UserError(f"algo.dynamic_sampling.metric is {self.metric!r}; choose one of "
+                            f"{', '.join(DYNAMIC_SAMPLING_METRICS)}")
+        if self.max_batches < 0:
+            raise UserError(f"algo.dynamic_sampling.max_batches must be >= 0 (0: no limit), got {self.max_batches}")
 
 
 @dataclass(frozen=True)
@@ -71,6 +93,8 @@ class GRPOAlgoConfig:
     an engine that samples with other numerics (vllm, server) or an older policy (generation.max_staleness)."""
     vllm_is_cap: float = 2.0
     """The cap of that weight (>= 1)."""
+    dynamic_sampling: DynamicSamplingConfig = field(default_factory=DynamicSamplingConfig)
+    """DAPO's dynamic sampling: drop groups whose accuracy (or reward) does not vary, draw more prompts to refill."""
 
     def validate(self, recipe: Recipe) -> None:
         """Everything checkable before the processes start; the loader calls it after building the recipe."""
@@ -86,12 +110,14 @@ class GRPOAlgoConfig:
             raise UserError(f"need algo.beta >= 0, algo.epsilon > 0 and algo.epsilon_high >= 0; got {self.beta}, "
                             f"{self.epsilon}, {self.epsilon_high}")
         check_is_correction(self, recipe)
+        self.dynamic_sampling.validate()
         if self.num_iterations < 1 or self.log_samples < 0:
             raise UserError(f"need algo.num_iterations >= 1 and algo.log_samples >= 0; got {self.num_iterations}, "
                             f"{self.log_samples}")
         if not recipe.rewards and recipe.rollout.environment is None:  # an environment may score alone
             raise UserError("grpo needs at least one reward: add `rewards: [{name: exact_match}]` to the recipe "
-                            "(built-ins: exact_match, format, length_penalty, reward_model; or 'module:function')")
+                            "(built-ins: exact_match, format, length_penalty, overlong, judge, reward_model; or "
+                            "'module:function')")
         if recipe.generation.temperature == 0:
             raise UserError("generation.temperature=0 samples greedily: every completion of a prompt is the same and "
                             "GRPO learns nothing; set generation.temperature > 0 (1.0 is usual)")
@@ -126,6 +152,7 @@ class GRPO(OnlineAlgorithm):
         self.needs_reference = self.config.beta > 0 and not recipe.model.lora.enabled
         self.samples_per_prompt = self.config.num_generations
         self.steps_per_rollout = self.config.num_iterations
+        self.dynamic_sampling = self.config.dynamic_sampling if self.config.dynamic_sampling.enabled else None
 
     # --- the rollout source calls it once per generation batch --------------------------------------------------
 

@@ -122,6 +122,10 @@ class TrainConfig:
     """Log metrics every this many optimiser steps."""
     eval_steps: int = 0
     """Evaluate every this many steps when an eval set is given (0: only at the end)."""
+    eval_pass_k: tuple[int, ...] = ()
+    """Online runs: log the unbiased pass@k (eval/pass_at_<k>) of each k, from sampled completions per eval prompt."""
+    eval_pass_k_samples: int = 0
+    """Completions sampled per eval prompt for eval_pass_k, >= max(eval_pass_k) (0: max(eval_pass_k))."""
     save_steps: int = 0
     """Checkpoint every this many steps (0: none, apart from save_final_checkpoint=true and the stops of
     max_steps_per_run or a signal)."""
@@ -236,8 +240,8 @@ class GenerationConfig:
 @dataclass(frozen=True)
 class RewardConfig:
     name: str = ""
-    """Built-in reward (exact_match, format, length_penalty, reward_model), an import path ('module.function',
-    'module:function', 'file.py:function') or a reward model directory / hub id (docs/rewards.md)."""
+    """Built-in reward (exact_match, format, length_penalty, overlong, judge, reward_model), an import path
+    ('module.function', 'module:function', 'file.py:function') or a reward model directory / hub id (docs/rewards.md)."""
     weight: float = 1.0
     """Weight of this reward in the total."""
     kwargs: dict = field(default_factory=dict)

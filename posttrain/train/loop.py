@@ -67,6 +67,11 @@ def pad_id(tokenizer) -> int:
     return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
 
+def completion_tokens(micro_batches: list[Batch], device) -> torch.Tensor:
+    """This rank's tokens inside the completion masks: the tokens the step trains on (fillers train on none)."""
+    return torch.stack([b.completion_mask_BT.sum() * (not b.filler) for b in micro_batches]).sum().float().to(device)
+
+
 def train(ctx: LoopContext) -> TrainState:
     backend, algorithm, models, state = ctx.backend, ctx.algorithm, ctx.models, ctx.state
     t = backend.recipe.train
@@ -96,8 +101,10 @@ def train(ctx: LoopContext) -> TrainState:
         objectives = algorithm.objectives(state.step)
         trained = [(name, role) for name, role in models.trained() if name in objectives]
         local_counts = torch.stack([torch.stack([objectives[name].count(b).float().to(backend.device) * (not b.filler)
-                                                 for b in micro_batches]).sum() for name, _ in trained])
-        normalisers = backend.all_reduce_sum(local_counts).clamp(min=1.0)
+                                                 for b in micro_batches]).sum() for name, _ in trained]
+                                   + [completion_tokens(micro_batches, backend.device)])  # + tokens to train on
+        counts = backend.all_reduce_sum(local_counts)
+        normalisers, trained_tokens = counts[:-1].clamp(min=1.0), int(counts[-1])
 
         # 4. per role: forward + backward, gradients synced on the last micro-batch only; clip, step, schedule
         losses, grad_norms, update_seconds, metric_sums = {}, {}, {}, {}
@@ -155,6 +162,11 @@ def train(ctx: LoopContext) -> TrainState:
             window, window_steps, window_tokens, window_start = {}, 0, 0, time.perf_counter()
         else:
             ctx.logger.progress(state.step, step_metrics.get("loss", 0.0))
+
+        if trained_tokens == 0:  # the loss is 0 and no weight moves: say so rather than log a quiet loss=0
+            hint = ctx.source.nothing_trained_hint()
+            ctx.logger.info(f"step {state.step}: every completion token was masked out, so this step trained nothing"
+                            + (f": {hint}" if hint else ""))
 
         # 6. eval and checkpoint when due
         last = state.step == ctx.total_steps
