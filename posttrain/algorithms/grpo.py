@@ -118,7 +118,7 @@ class GRPOAlgoConfig:
         if recipe.generation.temperature == 0:
             raise UserError("generation.temperature=0 samples greedily: every completion of a prompt is the same and "
                             "GRPO learns nothing; set generation.temperature > 0 (1.0 is usual)")
-        check_online(self, recipe, "grpo", "num_iterations")
+        check_online(self, recipe, "num_iterations")
 
 
 class GRPO(OnlineAlgorithm):

@@ -30,10 +30,10 @@ def check_is_correction(config, recipe: Recipe) -> None:
                         "or set algo.vllm_is_correction=false")
 
 
-def check_online(config, recipe: Recipe, name: str, iterations_key: str) -> None:
+def check_online(config, recipe: Recipe, iterations_key: str) -> None:
     """The checks of every online algorithm's config (its `validate` calls them): the importance correction, whole
-    groups of samples per device, padded batches, generation.batch_size, and checkpoints on whole generation
-    batches (`algo.<iterations_key>` optimiser steps each)."""
+    groups of samples per device, generation.batch_size, and checkpoints on whole generation batches
+    (`algo.<iterations_key>` optimiser steps each)."""
     check_is_correction(config, recipe)
     t, g = recipe.train, config.num_generations
     per_device = t.per_device_train_batch_size * t.gradient_accumulation_steps
@@ -44,9 +44,6 @@ def check_online(config, recipe: Recipe, name: str, iterations_key: str) -> None
                         f"each prompt's {g} completions must be sampled on one device. Make the product a multiple "
                         f"of {g} (e.g. per_device_train_batch_size={g} or gradient_accumulation_steps={g}), or "
                         f"pick a num_generations that divides {per_device}")
-    if recipe.data.packing:
-        raise UserError(f"data.packing does not apply to {name} (rollout batches are built padded); set "
-                        "data.packing=false")
     if recipe.generation.batch_size is not None and recipe.generation.batch_size < 1:
         raise UserError(f"generation.batch_size must be >= 1 or null, got {recipe.generation.batch_size}")
     n = getattr(config, iterations_key)

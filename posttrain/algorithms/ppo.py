@@ -104,7 +104,7 @@ class PPOAlgoConfig:
         if not recipe.rewards:
             raise UserError("ppo needs a reward: add `rewards: [{name: exact_match}]` or "
                             "`rewards: [{name: reward_model, kwargs: {path: runs/rm/final}}]` to the recipe")
-        check_online(self, recipe, "ppo", "ppo_epochs")
+        check_online(self, recipe, "ppo_epochs")
 
 
 class PPO(OnlineAlgorithm):
