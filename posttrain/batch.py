@@ -60,6 +60,9 @@ class Batch:
     a vllm / server engine samples from a copy of the policy, so they can differ from the trainer's."""
     truncated_B: Optional[torch.Tensor] = None
     """bool: completion hit max_completion_length without end of sequence."""
+    routed_experts_BTLK: Optional[torch.Tensor] = None
+    """Mixture-of-experts routing replay: the K experts of each of the L MoE layers that the old policy routed token t
+    to (int16), aligned with input_ids_BT; the training forward routes with them (models/moe.py)."""
     # --- distillation from a server teacher ---
     teacher_topk_logprobs_BTK: Optional[torch.Tensor] = None
     """The teacher's k largest log-probs (temperature 1) of the distribution predicting token t, at position t."""

@@ -22,6 +22,7 @@ from posttrain.batch import Batch
 from posttrain.checkpoint import export_final
 from posttrain.models.critic import load_critic
 from posttrain.models.forward import policy_logprobs
+from posttrain.models.moe import Routing, moe_routing
 from posttrain.models.reference import make_reference
 from posttrain.train.loop import update_role
 from posttrain.train.optim import make_optimizer, make_scheduler
@@ -39,6 +40,7 @@ class LocalRole(Role):
     placement: str = "local"
     train_config: Any = None
     """recipe.train, for the schedule."""
+    routing: Routing = moe_routing(torch.nn.Module())
 
     def logprobs(self, batch: Batch, temperature: float = 1.0) -> torch.Tensor:
         return policy_logprobs(self.model, batch, temperature)
@@ -85,10 +87,12 @@ class LocalRole(Role):
         export_final(self.backend, self.model, tokenizer, output_dir, name=name)
 
 
-def trained_role(backend, model, train_config, learning_rate: Optional[float] = None) -> LocalRole:
-    """A model that trains: prepared with its own optimiser by the backend."""
+def trained_role(backend, model, train_config, learning_rate: Optional[float] = None,
+                 routing: Optional[Routing] = None) -> LocalRole:
+    """A model that trains: prepared with its own optimiser by the backend (routing: hooks already on its routers)."""
     model, optimizer = backend.prepare(model, make_optimizer(model, train_config, learning_rate))
-    return LocalRole(model, backend, trains=True, optimizer=optimizer, train_config=train_config)
+    return LocalRole(model, backend, trains=True, optimizer=optimizer, train_config=train_config,
+                     routing=routing or moe_routing(torch.nn.Module()))
 
 
 def build_roles(recipe, algorithm, backend, tokenizer, policy, eval_examples=None,
@@ -99,7 +103,11 @@ def build_roles(recipe, algorithm, backend, tokenizer, policy, eval_examples=Non
     only owner of the reference, so an algorithm's setup may free it, and precompute for eval_examples too."""
     t = recipe.train
     remote = remote_roles or {}
-    models = Models(policy=trained_role(backend, policy, t), tokenizer=tokenizer, eval_examples=eval_examples)
+    routing = moe_routing(policy, recipe.model.router_aux_loss_coef)  # hooked before the engine wraps the model
+    if recipe.model.router_aux_loss_coef > 0:
+        routing.require(policy, "model.router_aux_loss_coef")
+    models = Models(policy=trained_role(backend, policy, t, routing=routing), tokenizer=tokenizer,
+                    eval_examples=eval_examples)
 
     def frozen(role: str, model) -> LocalRole:  # a frozen role on this process
         where = algorithm.placement(role)

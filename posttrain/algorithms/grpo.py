@@ -43,6 +43,9 @@ from posttrain.ops.logprobs import entropy_BT, masked_mean, token_logprobs
 from posttrain.batch import Batch
 
 
+ROUTING_REPLAY = ("none", "old_policy")
+
+
 @dataclass(frozen=True)
 class GRPOAlgoConfig:
     num_generations: int = 8
@@ -71,6 +74,10 @@ class GRPOAlgoConfig:
     an engine that samples with other numerics (vllm, server) or an older policy (generation.max_staleness)."""
     vllm_is_cap: float = 2.0
     """The cap of that weight (>= 1)."""
+    routing_replay: str = "none"
+    """Mixture-of-experts models: old_policy routes every training forward through the experts the old policy's
+    forward chose for each token (R2 routing replay, models/moe.py; needs num_iterations >= 2), logging
+    routing_agreement; none routes with the current router."""
 
     def validate(self, recipe: Recipe) -> None:
         """Everything checkable before the processes start; the loader calls it after building the recipe."""
@@ -86,6 +93,12 @@ class GRPOAlgoConfig:
             raise UserError(f"need algo.beta >= 0, algo.epsilon > 0 and algo.epsilon_high >= 0; got {self.beta}, "
                             f"{self.epsilon}, {self.epsilon_high}")
         check_is_correction(self, recipe)
+        if self.routing_replay not in ROUTING_REPLAY:
+            raise UserError(f"algo.routing_replay is {self.routing_replay!r}; choose one of {', '.join(ROUTING_REPLAY)}")
+        if self.routing_replay == "old_policy" and self.num_iterations < 2:
+            raise UserError("algo.routing_replay=old_policy replays the routing of the old policy's forward, which "
+                            "is the training forward's own when each generation batch is used for one step "
+                            "(algo.num_iterations=1): set algo.num_iterations >= 2, or algo.routing_replay=none")
         if self.num_iterations < 1 or self.log_samples < 0:
             raise UserError(f"need algo.num_iterations >= 1 and algo.log_samples >= 0; got {self.num_iterations}, "
                             f"{self.log_samples}")
@@ -151,10 +164,18 @@ class GRPO(OnlineAlgorithm):
         """
         updates = {}
         if self.config.num_iterations > 1 and batch.old_logprobs_BT is None:
-            updates["old_logprobs_BT"] = models.policy.logprobs(batch, self.temperature)
+            replay = self.config.routing_replay == "old_policy"
+            with models.policy.routing.recording() if replay else contextlib.nullcontext() as routed:
+                updates["old_logprobs_BT"] = models.policy.logprobs(batch, self.temperature)
+            if replay:  # the loop's training forwards of this batch route through these experts
+                updates["routed_experts_BTLK"] = routed.experts_BTLK(batch)
         if self.config.beta > 0 and batch.ref_logprobs_BT is None:
             updates["ref_logprobs_BT"] = self._reference_logprobs(models, batch)
         return dataclasses.replace(batch, **updates) if updates else batch
+
+    def setup(self, backend, models: Models, train_examples, collate, out) -> None:
+        if self.config.routing_replay != "none":
+            models.policy.routing.require(models.policy.model, "algo.routing_replay")
 
     def _reference_logprobs(self, models: Models, batch: Batch) -> torch.Tensor:
         if models.reference is not None:

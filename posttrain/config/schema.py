@@ -43,6 +43,9 @@ class ModelConfig:
     """Jinja chat template (or path to a .jinja file) overriding the tokenizer's."""
     lora: LoraConfig = field(default_factory=LoraConfig)
     """LoRA adapters (model.lora.*)."""
+    router_aux_loss_coef: float = 0.0
+    """Mixture-of-experts models: weight of the load-balancing loss added to the policy loss (transformers' name;
+    Qwen3-MoE's configs say 0.001); 0: not added (its value is still logged as router_aux_loss)."""
 
 
 @dataclass(frozen=True)

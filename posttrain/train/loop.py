@@ -168,9 +168,11 @@ def update_role(backend, role, objective, micro_batches: list[Batch], normaliser
     loss_sum = torch.zeros((), device=backend.device)
     metric_sums: dict[str, torch.Tensor] = {}
     for batch in micro_batches:
-        with backend.accumulate(role.model):
+        # routing: an MoE model's load-balancing loss and routing replay, over the forward AND the backward
+        with backend.accumulate(role.model), role.routing.training(batch) as routing:
             with backend.autocast():
-                loss, metrics = objective.loss(role.model, batch, normaliser)
+                loss, metrics = routing.finish(*objective.loss(role.model, batch, normaliser),
+                                               weight=objective.count(batch) / normaliser)
             backend.backward(loss, role.model)
         loss_sum += loss.detach().float()
         for key, value in metrics.items():
