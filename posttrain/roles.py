@@ -22,7 +22,7 @@ from posttrain.batch import Batch
 from posttrain.checkpoint import export_final
 from posttrain.models.critic import load_critic
 from posttrain.models.forward import policy_logprobs
-from posttrain.models.moe import Routing, moe_routing
+from posttrain.models.moe import Routing, moe_routing, sparse_block_classes
 from posttrain.models.reference import make_reference
 from posttrain.train.loop import update_role
 from posttrain.train.optim import make_optimizer, make_scheduler
@@ -90,7 +90,8 @@ class LocalRole(Role):
 def trained_role(backend, model, train_config, learning_rate: Optional[float] = None,
                  routing: Optional[Routing] = None) -> LocalRole:
     """A model that trains: prepared with its own optimiser by the backend (routing: hooks already on its routers)."""
-    model, optimizer = backend.prepare(model, make_optimizer(model, train_config, learning_rate))
+    model, optimizer = backend.prepare(model, make_optimizer(model, train_config, learning_rate),
+                                       leaf_modules=sparse_block_classes(model))
     return LocalRole(model, backend, trains=True, optimizer=optimizer, train_config=train_config,
                      routing=routing or moe_routing(torch.nn.Module()))
 
@@ -111,7 +112,8 @@ def build_roles(recipe, algorithm, backend, tokenizer, policy, eval_examples=Non
 
     def frozen(role: str, model) -> LocalRole:  # a frozen role on this process
         where = algorithm.placement(role)
-        return LocalRole(backend.prepare_frozen(model, offload=where == "offload"), backend, placement=where)
+        return LocalRole(backend.prepare_frozen(model, offload=where == "offload",
+                                                leaf_modules=sparse_block_classes(model)), backend, placement=where)
 
     if algorithm.needs_reference:
         models.reference = (remote["reference"].as_role() if "reference" in remote

@@ -37,6 +37,16 @@ def tiny_model_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def tiny_moe_model_dir(tmp_path_factory):
+    """`posttrain make-tiny-model --arch qwen3_moe`: a Qwen3-MoE of 4 experts, 2 per token (tests of models/moe.py)."""
+    from posttrain.models.tiny import make_tiny_model
+
+    out = tmp_path_factory.mktemp("tiny-moe") / "model"
+    make_tiny_model(out, arch="qwen3_moe", seed=0)
+    return out
+
+
+@pytest.fixture(scope="session")
 def tiny_vllm_model_dir(tmp_path_factory):
     """`posttrain make-tiny-model`'s default (head_dim 32, 2 heads of 32): vLLM's CPU attention has no kernel for 16."""
     from posttrain.models.tiny import make_tiny_model

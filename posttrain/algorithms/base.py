@@ -143,6 +143,9 @@ class Algorithm:
     """Online algorithms: completions sampled per prompt (GRPO's group); a prompt's samples stay on one rank."""
     steps_per_rollout: int = 1
     """Online algorithms: optimiser steps each generation batch is used for (GRPO num_iterations, PPO ppo_epochs)."""
+    routing_replay: bool = False
+    """Mixture-of-experts: prepare records the old policy's routing, which the training forward replays
+    (models/moe.py)."""
 
     def placement(self, role: str) -> str:
         """Where run.py puts a frozen role (reference, reward_model): 'local' (on the device, partitioned under

@@ -142,6 +142,7 @@ class GRPO(OnlineAlgorithm):
         self.needs_reference = self.config.beta > 0 and not recipe.model.lora.enabled
         self.samples_per_prompt = self.config.num_generations
         self.steps_per_rollout = self.config.num_iterations
+        self.routing_replay = self.config.routing_replay == "old_policy"
 
     # --- the rollout source calls it once per generation batch --------------------------------------------------
 
@@ -164,17 +165,16 @@ class GRPO(OnlineAlgorithm):
         """
         updates = {}
         if self.config.num_iterations > 1 and batch.old_logprobs_BT is None:
-            replay = self.config.routing_replay == "old_policy"
-            with models.policy.routing.recording() if replay else contextlib.nullcontext() as routed:
+            with models.policy.routing.recording() if self.routing_replay else contextlib.nullcontext() as routed:
                 updates["old_logprobs_BT"] = models.policy.logprobs(batch, self.temperature)
-            if replay:  # the loop's training forwards of this batch route through these experts
+            if self.routing_replay:  # the loop's training forwards of this batch route through these experts
                 updates["routed_experts_BTLK"] = routed.experts_BTLK(batch)
         if self.config.beta > 0 and batch.ref_logprobs_BT is None:
             updates["ref_logprobs_BT"] = self._reference_logprobs(models, batch)
         return dataclasses.replace(batch, **updates) if updates else batch
 
     def setup(self, backend, models: Models, train_examples, collate, out) -> None:
-        if self.config.routing_replay != "none":
+        if self.routing_replay:
             models.policy.routing.require(models.policy.model, "algo.routing_replay")
 
     def _reference_logprobs(self, models: Models, batch: Batch) -> torch.Tensor:

@@ -28,6 +28,7 @@ replay the sampler's (vLLM 0.32 can return it with enable_return_routed_experts;
 from __future__ import annotations
 
 import contextlib
+import json
 from dataclasses import dataclass, field
 from typing import Iterator, Optional
 
@@ -37,6 +38,10 @@ from posttrain.batch import Batch
 from posttrain.distributed.wrappers import plain_class, unwrap_module
 from posttrain.errors import UserError
 from posttrain.losses.router import load_balancing_loss, routing_agreement
+from posttrain.models.limits import model_config_file
+
+MOE_MODEL_TYPES = ("qwen3_moe", "qwen2_moe", "olmoe", "mixtral")
+"""config.json model_type of the transformers MoE models whose routers are in ROUTERS."""
 
 ROUTERS = {
     "Qwen3MoeTopKRouter": lambda router: router.norm_topk_prob,
@@ -63,6 +68,21 @@ def sparse_block_classes(model) -> list[type]:
 def moe_routing(model, aux_loss_coef: float = 0.0) -> "Routing":
     """Hooks on the routers of `model` (register before the engine wraps it); inert for a dense model."""
     return Routing(routers(model), aux_loss_coef)
+
+
+def check_moe_options(recipe, routing_replay: bool) -> None:
+    """MoE options on a dense model are refused before it loads (read from its config.json, when it is local or
+    cached; otherwise Routing.require says it once the model is loaded)."""
+    options = [name for name, on in (("model.router_aux_loss_coef", recipe.model.router_aux_loss_coef > 0),
+                                     ("algo.routing_replay", routing_replay)) if on]
+    config_file = model_config_file(recipe.model.name_or_path, recipe.model.revision) if options else None
+    if config_file is None:
+        return
+    model_type = json.loads(config_file.read_text()).get("model_type")
+    if model_type not in MOE_MODEL_TYPES:
+        raise UserError(f"{' and '.join(options)}: the model must be a mixture-of-experts model "
+                        f"({', '.join(MOE_MODEL_TYPES)}), but {recipe.model.name_or_path} is {model_type}; leave "
+                        f"{' and '.join(options)} at the default")
 
 
 def real_tokens_N(batch: Batch) -> torch.Tensor:
