@@ -201,8 +201,8 @@ class Backend:
         return self.accelerator.prepare(model, optimizer)
 
     def _zero3_leaves(self, model, leaf_modules: Sequence[type]) -> None:
-        """ZeRO-3 gathers a mixture-of-experts block (router and experts) as one unit: gathering per expert, a rank
-        whose tokens route to no token of some expert skips its gather while the others wait on it (a hang)."""
+        """ZeRO-3 gathers a mixture-of-experts block (router and experts) as one unit: gathering per expert module,
+        a rank whose tokens route no token to some expert would skip its gather while the others wait in it."""
         if self.zero_stage == 3 and leaf_modules:
             from deepspeed.utils import set_z3_leaf_modules
 

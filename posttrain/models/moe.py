@@ -59,8 +59,9 @@ def routers(model) -> list[torch.nn.Module]:
 
 
 def sparse_block_classes(model) -> list[type]:
-    """The classes of the modules that hold a router and its experts: ZeRO-3 must gather each as one unit (a leaf),
-    or a rank whose tokens pick no token for some expert waits forever for the others to gather its weights."""
+    """The classes of the modules that hold a router and its experts: ZeRO-3 gathers each as one unit (a leaf). Where
+    experts are modules of their own (remote-code models, transformers 4's Qwen3-MoE), a rank whose tokens pick no
+    token for some expert would skip its gather while the other ranks wait in it."""
     return list({plain_class(m) for m in unwrap_module(model).modules()
                  if any(plain_class(c).__name__ in ROUTERS for c in m.children())})
 
