@@ -4,7 +4,14 @@
     .venv/bin/python bench/compare_trl.py --algo dpo --size 20m --bs 2 --seq 256
     .venv/bin/python bench/compare_trl.py --algo grpo --size tiny --bs 8 --gens 4 --completion 32
     python bench/compare_trl.py --algo sft --size 0.5b --bs 8 --seq 1024 --precision bf16 [--gc] [--packing]  # GPU
-    .venv/bin/python bench/compare_trl.py --startup --repeats 3   # cold `posttrain sft` vs `trl sft`, one step each
+    .venv/bin/python bench/compare_trl.py --startup --repeats 3   # cold `posttrain sft` vs `trl sft` (compare_startup.py)
+    .venv/bin/python bench/compare_trl.py --algo dpo --model smollm2 --bs 8 --seq 256 --steps 10 --repeats 2
+    .venv/bin/python bench/compare_trl.py --algo distill --model DIR --teacher DIR2   # GKD (lmbda 0) vs TRL's GKD
+
+`--model DIR` trains a real model directory instead of a generated one (every algorithm; both tools load it in
+float32, or float32 weights under bf16 autocast with --precision bf16); `--model smollm2` is SmolLM2-135M-Instruct,
+built offline once by bench/real_model.py. `--algo distill` distils `--teacher` (default: the model itself) into the
+model on the data's demonstrations (lmbda 0, beta 0.5, temperature 1) against TRL's GKDTrainer with the same numbers.
     python bench/compare_trl.py --size 1.5b --seq 2048 --work runs/w --prepare-only   # only make the model and data
 
 `--json FILE` also writes the figures as JSON, rewritten after every tool's run (bench/gpu_suite.py reads it, and
@@ -61,9 +68,9 @@ def length_reward(prompts, completions, **_):
 
 
 # ----------------------------------------------------------------------------------------------------- inputs
-def prepare(work: Path, size: str, seq: int) -> None:
-    """The model (random weights, local tokenizer) and the three data files, made once per work directory (the
-    data once per --seq: SFT rows must be longer than it)."""
+def prepare(work: Path, size: str, seq: int, model: str | None = None) -> None:
+    """The model (random weights, local tokenizer; none when `model` names a real one) and the data files, made once
+    per work directory (the data once per --seq: SFT rows must be longer than it)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -72,7 +79,7 @@ def prepare(work: Path, size: str, seq: int) -> None:
     shape = dict(SIZES[size])
     vocab = shape.pop("vocab")
     model_dir = work / "model"
-    if not (model_dir / "config.json").exists():
+    if model is None and not (model_dir / "config.json").exists():
         make_tiny_model(model_dir, max_position_embeddings=max(1024, 2 * seq), **shape)
         if vocab is not None:  # real vocabulary size: the logits cost what they cost on the real model
             config = AutoConfig.from_pretrained(model_dir)
@@ -85,6 +92,8 @@ def prepare(work: Path, size: str, seq: int) -> None:
         "sft": [{"prompt": say(16), "completion": say(2 * seq)} for _ in range(2000)],
         "dpo": [{"prompt": say(seq // 8), "chosen": say(seq // 3), "rejected": say(seq // 3)} for _ in range(2000)],
         "grpo": [{"prompt": say(12), "answer": "yes"} for _ in range(2000)],
+        "distill": [{"messages": [{"role": "user", "content": say(16)},  # short enough for TRL's GKD collator
+                                  {"role": "assistant", "content": say(seq // 4)}]} for _ in range(2000)],
     }
     for name, rows in files.items():
         path = data_file(work, name, seq)
@@ -94,6 +103,15 @@ def prepare(work: Path, size: str, seq: int) -> None:
 
 def data_file(work: Path, algo: str, seq: int) -> Path:
     return work / f"{algo}-{seq}.jsonl"
+
+
+def model_dir(a, work: Path) -> Path:
+    """The trained model: --model (smollm2: bench/real_model.py's directory), else the one prepare() generated."""
+    if a.model == "smollm2":
+        from real_model import smollm2_dir
+
+        return smollm2_dir()
+    return Path(a.model).expanduser() if a.model else work / "model"
 
 
 def parameters_and_dims(model_dir: Path) -> tuple[int, int, int]:
@@ -139,7 +157,7 @@ def run_posttrain(a, work: Path, started: float) -> dict:
     out = work / f"posttrain-{a.algo}"
     shutil.rmtree(out, ignore_errors=True)  # the watcher below must see only this run's metrics
     overrides = [
-        f"model.name_or_path={work / 'model'}", f"output_dir={out}",
+        f"model.name_or_path={model_dir(a, work)}", "model.dtype=float32", f"output_dir={out}",
         f"train.max_steps={a.steps}", "train.logging_steps=1", f"train.per_device_train_batch_size={a.bs}",
         "train.learning_rate=1e-6", "train.lr_scheduler_type=constant", "train.save_final_model=false",
         "train.report=false", "train.tensorboard=false", "train.save_steps=0",
@@ -150,6 +168,9 @@ def run_posttrain(a, work: Path, started: float) -> dict:
         overrides += [f"data.max_length={a.seq}", f"data.packing={str(a.packing).lower()}"]
     elif a.algo == "dpo":
         overrides += [f"data.max_length={a.seq}", "algo.precompute_ref_logprobs=false"]
+    elif a.algo == "distill":
+        overrides += [f"data.max_length={a.seq}", f"algo.teacher_model_name_or_path={a.teacher or model_dir(a, work)}",
+                      "algo.lmbda=0.0", "algo.beta=0.5", "algo.temperature=1.0"]
     else:
         overrides += ["data.max_length=512", "data.max_prompt_length=128", f"algo.num_generations={a.gens}",
                       f"generation.max_completion_length={a.completion}", "algo.beta=0.0",
@@ -185,8 +206,8 @@ def run_trl(a, work: Path, started: float) -> dict:
     from datasets import load_dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
 
-    tokenizer = AutoTokenizer.from_pretrained(work / "model")
-    model = AutoModelForCausalLM.from_pretrained(work / "model", dtype=torch.float32, attn_implementation="sdpa")
+    tokenizer = AutoTokenizer.from_pretrained(model_dir(a, work))
+    model = AutoModelForCausalLM.from_pretrained(model_dir(a, work), dtype=torch.float32, attn_implementation="sdpa")
     ends: list[float] = []
 
     class StepEnds(TrainerCallback):
@@ -209,6 +230,14 @@ def run_trl(a, work: Path, started: float) -> dict:
         from trl import DPOConfig, DPOTrainer
 
         trainer = DPOTrainer(model=model, args=DPOConfig(max_length=a.seq, **common), train_dataset=data,
+                             processing_class=tokenizer)
+    elif a.algo == "distill":
+        from trl.experimental.gkd import GKDConfig, GKDTrainer
+
+        teacher = AutoModelForCausalLM.from_pretrained(a.teacher or model_dir(a, work), dtype=torch.float32,
+                                                       attn_implementation="sdpa")
+        config = GKDConfig(max_length=a.seq, lmbda=0.0, beta=0.5, temperature=1.0, **common)
+        trainer = GKDTrainer(model=model, teacher_model=teacher, args=config, train_dataset=data,
                              processing_class=tokenizer)
     else:
         from trl import GRPOConfig, GRPOTrainer
@@ -253,7 +282,7 @@ def figures(raw: dict, a, work: Path, probe: float, on_cuda: bool) -> dict:
     out = {"s/step": sec, "tokens/s": step_tokens / sec if step_tokens else None,
            "peak GB": raw["peak"] / 2**30, "start-up s": ends[0] - raw["started"], "first loss": raw["loss"][0]}
     if step_tokens and a.algo != "grpo":
-        params, layers, hidden = parameters_and_dims(work / "model")
+        params, layers, hidden = parameters_and_dims(model_dir(a, work))
         seq = a.seq if a.algo == "sft" else step_tokens / (2 * a.bs)
         achieved = out["tokens/s"] * (6 * params + 12 * layers * hidden * seq)
         out["MFU"] = achieved / (H100_BF16_PEAK if on_cuda else probe)
@@ -262,7 +291,9 @@ def figures(raw: dict, a, work: Path, probe: float, on_cuda: bool) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--algo", choices=["sft", "dpo", "grpo"], default="sft")
+    p.add_argument("--algo", choices=["sft", "dpo", "grpo", "distill"], default="sft")
+    p.add_argument("--model", help="a real model directory (or smollm2) instead of a generated --size")
+    p.add_argument("--teacher", help="--algo distill: the teacher's directory (default: the model itself)")
     p.add_argument("--size", choices=list(SIZES), default="tiny")
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--warmup", type=int, default=3, help="steps left out of the steady state")
@@ -283,6 +314,8 @@ def main() -> None:
     p.add_argument("--posttrain-path", help="--startup: another posttrain checkout to time as well (before/after)")
     a = p.parse_args()
     if a.startup:
+        from compare_startup import startup_side_by_side  # beside this file
+
         return startup_side_by_side(a)
     a.precision_value = "bf16" if a.precision == "bf16" else "'no'"
     if a.tool:
@@ -293,7 +326,7 @@ def main() -> None:
     if a.prepare_only:
         if not a.work:
             sys.exit("--prepare-only needs --work DIR (where the model and data are kept)")
-        return prepare(Path(a.work), a.size, a.seq)
+        return prepare(Path(a.work), a.size, a.seq, a.model)
     on_cuda = torch.cuda.is_available()
     device = torch.cuda.get_device_name() if on_cuda else f"CPU, {torch.get_num_threads()} threads"
     asked = a.tools.split(",")
@@ -304,9 +337,9 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(a.work or tmp)
         work.mkdir(parents=True, exist_ok=True)
-        prepare(work, a.size, a.seq)
+        prepare(work, a.size, a.seq, a.model)
         probe = matmul_probe("cuda" if on_cuda else "cpu", a.precision)
-        params = parameters_and_dims(work / "model")[0]
+        params = parameters_and_dims(model_dir(a, work))[0]
         for r in range(a.repeats):
             for tool in tools if r % 2 == 0 else tools[::-1]:
                 if tool in errors:
@@ -327,7 +360,7 @@ def main() -> None:
                 if a.json:
                     Path(a.json).write_text(json.dumps({"device": device, "params": params, "tools": best,
                                                         "errors": errors}, indent=1))
-    print(f"\n{a.algo} | size {a.size} ({params / 1e6:.1f}M params) | bs {a.bs} | seq {a.seq}"
+    print(f"\n{a.algo} | {a.model or 'size ' + a.size} ({params / 1e6:.1f}M params) | bs {a.bs} | seq {a.seq}"
           f" | {a.precision} | gc {a.gc} | packing {a.packing} | {device} | torch {torch.__version__} | best of "
           f"{a.repeats}")
     keys = ["s/step", "tokens/s", "peak GB", "MFU", "start-up s", "first loss"]
@@ -338,59 +371,13 @@ def main() -> None:
         ours, theirs = best["posttrain"], best["trl"]
         print(f"posttrain / TRL: speed {theirs['s/step'] / ours['s/step']:.2f}x, memory "
               f"{ours['peak GB'] / theirs['peak GB']:.2f}x, start-up {ours['start-up s'] / theirs['start-up s']:.2f}x")
+        print("\n| run | posttrain / TRL step time | posttrain / TRL peak memory |\n|---|---|---|\n"
+              f"| {a.algo}, {a.model or a.size}, bs {a.bs}, {a.steps} steps, {a.precision} | "
+              f"{ours['s/step'] / theirs['s/step']:.2f} | {ours['peak GB'] / theirs['peak GB']:.2f} |")
     for tool, error in errors.items():
         print(f"{tool}: not measured: {error.splitlines()[-1] if error.strip() else error}")
     if any(tool in errors for tool in tools):
         sys.exit(1)
-
-
-def startup_side_by_side(a) -> None:
-    """A user's cold start, command line to command line: `posttrain sft --config recipes/sft.yaml` against `trl sft`
-    with the same model, data file (the shipped conversational SFT rows), batch and max_length, one optimiser step,
-    nothing saved. Each a fresh process, in alternating order, `--repeats` times; prints wall and CPU seconds from
-    launch to exit (the median), so neither tool's figure depends on which ran on a quieter moment."""
-    import statistics
-
-    root = Path(__file__).resolve().parents[1]
-    with tempfile.TemporaryDirectory() as tmp:
-        work = Path(tmp)
-        from posttrain.models.tiny import make_tiny_model
-
-        model = make_tiny_model(work / "tiny")
-        (work / "sft").mkdir()
-        shutil.copy(root / "examples" / "data" / "sft_train.jsonl", work / "sft" / "train.jsonl")
-        common = [f"model.name_or_path={model}", f"data.train={work / 'sft' / 'train.jsonl'}", "data.eval=null",
-                  "train.max_steps=1", "train.save_final_model=false", "train.report=false",
-                  "train.tensorboard=false", "train.save_steps=0", "train.overwrite_output_dir=true"]
-        commands = {"posttrain": ([sys.executable, "-m", "posttrain", "sft", "--config",
-                                   str(root / "recipes" / "sft.yaml"), f"output_dir={work / 'pt'}", *common], root)}
-        if a.posttrain_path:
-            commands["posttrain (other)"] = (commands["posttrain"][0][:-len(common) - 1]
-                                             + [f"output_dir={work / 'pt2'}", *common], Path(a.posttrain_path))
-        trl = shutil.which("trl", path=str(Path(sys.executable).parent))
-        if trl:
-            commands["trl"] = ([trl, "sft", "--model_name_or_path", str(model), "--dataset_name", str(work / "sft"),
-                                "--output_dir", str(work / "trl"), "--max_steps", "1", "--per_device_train_batch_size",
-                                "16", "--max_length", "128", "--save_strategy", "no", "--report_to", "none",
-                                "--use_cpu", "--learning_rate", "1e-3"], root)
-        times: dict[str, list[tuple[float, float]]] = {name: [] for name in commands}
-        for r in range(a.repeats):
-            for name in list(commands) if r % 2 == 0 else list(commands)[::-1]:
-                argv, path = commands[name]
-                env = {**os.environ, "PYTHONPATH": str(path), "HF_HUB_OFFLINE": "1"}
-                before = resource.getrusage(resource.RUSAGE_CHILDREN)
-                started = time.perf_counter()
-                done = subprocess.run(argv, cwd=work, env=env, capture_output=True, text=True)
-                wall = time.perf_counter() - started
-                after = resource.getrusage(resource.RUSAGE_CHILDREN)
-                if done.returncode:
-                    sys.exit(f"{name} failed:\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}")
-                times[name].append((wall, after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime))
-    print(f"\ncold start, one SFT step on the tiny model (median of {a.repeats}; wall depends on the machine's load, "
-          f"CPU seconds less so; load average now {os.getloadavg()[0]:.1f})")
-    print("| command | wall s | CPU s |\n|---|---|---|")
-    for name, runs in times.items():
-        print(f"| {name} | {statistics.median(w for w, _ in runs):.1f} | {statistics.median(c for _, c in runs):.1f} |")
 
 
 def _without_work(argv: list[str]) -> list[str]:

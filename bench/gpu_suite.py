@@ -131,9 +131,12 @@ SCALES = {
 }
 
 
-def plan_rows(size: str, work: Path, tools: str) -> list[Row]:
-    """Every row of the suite at this size, in the order they run: the core rows, then the ones for time left."""
+def plan_rows(size: str, work: Path, tools: str, model_dir: str | None = None) -> list[Row]:
+    """Every row of the suite at this size, in the order they run: the core rows, then the ones for time left.
+    model_dir: a real model directory that every compare and plan row trains instead of the generated shapes
+    (bench/compare_trl.py --model), with a distillation row (the model teaching itself) among those for time left."""
     scale, py = SCALES[size], "python"
+    real = ("--model", model_dir) if model_dir else ()
     longest: dict[str, int] = {}  # the model's positions and the data's rows cover its longest SFT / DPO row
     for algo, model, bs, length, *_ in COMPARE:
         if algo != "grpo":
@@ -143,18 +146,20 @@ def plan_rows(size: str, work: Path, tools: str) -> list[Row]:
         size_arg = scale.model[model]
         return Row(f"prepare {model}", "prepare", size_arg,
                    (py, "bench/compare_trl.py", "--prepare-only", "--size", size_arg, "--seq", str(longest[model]),
-                    "--work", str(work / size_arg)), scale.prepare_budget[model], model == CORE_MODEL,
+                    "--work", str(work / size_arg), *real), scale.prepare_budget[model], model == CORE_MODEL,
                    needs=scale.needs)
 
     compare = []
-    for algo, model, bs, length, gc, steps, warmup, budget in COMPARE:
+    distill = (("distill", "1.5b", 8, 1024, False, 8, 2, 130),) if model_dir else ()  # "1.5b": not a core row
+    for algo, model, bs, length, gc, steps, warmup, budget in COMPARE + distill:
         name = f"{algo} {model} bs{bs}x{length}" + (" gc" if gc else "")
-        bs, length, steps, warmup, budget = scale.compare.get(algo) or (bs, length, steps, warmup, budget)
+        shapes = scale.compare.get("sft" if algo == "distill" else algo)
+        bs, length, steps, warmup, budget = shapes or (bs, length, steps, warmup, budget)
         shape_args = (("--bs", str(bs), "--gens", str(max(2, bs // 4)), "--completion", str(length))
                       if algo == "grpo" else ("--bs", str(bs), "--seq", str(length)))
         command = (py, "bench/compare_trl.py", "--algo", algo, "--size", scale.model[model], *shape_args,
                    "--steps", str(steps), "--warmup", str(warmup), "--precision", "bf16", *(("--gc",) if gc else ()),
-                   "--tools", tools, "--work", str(work / scale.model[model]), "--json", "{figures}")
+                   "--tools", tools, "--work", str(work / scale.model[model]), "--json", "{figures}", *real)
         compare.append(Row(name, "compare", f"{scale.model[model]} {bs}x{length}{' gc' if gc else ''}", command,
                            budget, model == CORE_MODEL, f"{steps} ({warmup} left out)", scale.needs,
                            (f"prepare {model}",)))
@@ -171,7 +176,7 @@ def plan_rows(size: str, work: Path, tools: str) -> list[Row]:
             budget = scale.plan_budget * factor * (1.5 if algo == "grpo" else 1)  # GRPO generates first
             steps = 2 if algo == "grpo" else 3
             command = (py, *launcher, "bench/plan_accuracy.py", "--json", "{figures}", "--algorithm", algo, "--model",
-                       str(work / scale.model[CORE_MODEL] / "model"), "--steps", str(steps),
+                       model_dir or str(work / scale.model[CORE_MODEL] / "model"), "--steps", str(steps),
                        *scale.plan_overrides[algo])
             needs = scale.needs + (("deepspeed",) if engine != "ddp1" else ())
             separate.append(Row(f"plan {algo} {CORE_MODEL} {engine}", "plan", scale.model[CORE_MODEL], command,
@@ -328,6 +333,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--size", choices=list(SCALES), default="gpu", help="gpu: the real shapes; tiny: CPU-sized")
     p.add_argument("--rows", help="comma-separated: row names, or words a name holds (their prepare rows run too)")
     p.add_argument("--tools", default="posttrain,trl", choices=("posttrain,trl", "posttrain", "trl"))
+    p.add_argument("--model", help="a real model directory (or smollm2: bench/real_model.py) for every row")
     p.add_argument("--minutes", type=float, default=MINUTES,
                    help="start no row after this many minutes from the start of bench/gpu_suite.sh (GPU_SUITE_T0)")
     p.add_argument("--budget", action="append", default=[], metavar="ROW=SECONDS", help="another budget for a row")
@@ -351,7 +357,11 @@ def main(argv: list[str] | None = None) -> int:
     started = float(os.environ.get("GPU_SUITE_T0") or time.time())
     deadline = time.monotonic() + 60 * a.minutes - (time.time() - started)
     work = Path(a.work).resolve()
-    rows = plan_rows(a.size, work, a.tools)
+    if a.model == "smollm2":
+        from real_model import smollm2_dir
+
+        a.model = str(smollm2_dir())
+    rows = plan_rows(a.size, work, a.tools, a.model)
     names = {r.name for r in rows}
     budgets = {}
     for item in a.budget:

@@ -55,7 +55,7 @@ def write_data(algorithm: str, path: Path, rows: int = 64, words: int = 200) -> 
     with path.open("w") as f:
         for _ in range(rows):
             prompt = [{"role": "user", "content": long_text(rng, words)}]
-            if algorithm == "sft":
+            if algorithm in ("sft", "distill"):
                 row = {"prompt": [{"role": "user", "content": long_text(rng, 20)}],
                        "completion": [{"role": "assistant", "content": long_text(rng, words)}]}
             elif algorithm in ("dpo", "rm"):
@@ -129,6 +129,8 @@ def bench_recipe(algorithm: str, model: str, data: Path, output_dir: Path, steps
         fixed.append("algo.precompute_ref_logprobs=false")  # keep the frozen reference copy: it is estimated
     if algorithm == "grpo":
         fixed.append("data.max_prompt_length=64")
+    if algorithm == "distill":  # the model teaches itself: a second full copy, on the data only (no generation)
+        fixed += [f"algo.teacher_model_name_or_path={model}", "algo.lmbda=0.0"]
     return load_recipe(str(ROOT / "recipes" / f"{algorithm}.yaml"), fixed + list(overrides), ALGORITHMS[algorithm][0])
 
 
@@ -193,7 +195,7 @@ def from_run(run_dir: Path) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--algorithm", default="sft", choices=["sft", "dpo", "grpo", "rm"])
+    parser.add_argument("--algorithm", default="sft", choices=["sft", "dpo", "grpo", "rm", "distill"])
     parser.add_argument("--model", default="tiny", help="tiny, 20m (made here) or a model directory / hub id")
     parser.add_argument("--json", help="also write the figures to this file")
     parser.add_argument("--steps", type=int, default=3)

@@ -20,6 +20,8 @@ import shutil
 from pathlib import Path
 from typing import Any, Optional
 
+import torch
+
 from posttrain import checkpoint_files as files
 from posttrain.config.schema import global_batch_size
 from posttrain.distributed.backend import drop_tied_aliases
@@ -224,11 +226,13 @@ def resume_path(backend, path: Path, now: dict[str, Any], output_dir) -> Path:
     return engine_resume_path(backend, path, read_trainer_state(path)["run"], now, output_dir)
 
 
-def export_final(backend, model, tokenizer, output_dir: str, name: str = "final") -> Optional[Path]:
+def export_final(backend, model, tokenizer, output_dir: str, name: str = "final",
+                 dtype: Optional[str] = None) -> Optional[Path]:
     """Write output_dir/<name> (final; final-critic for PPO's critic) as a Hugging Face directory that from_pretrained
     (and vLLM, for the policy) can load, a LoRA adapter merged into its base weights and also saved alone in
     <name>/adapter/ (PeftModel.from_pretrained(base, that folder)). Every rank calls it: the full
-    weights are gathered from the shards (ZeRO-3, FSDP) and rank 0 writes them."""
+    weights are gathered from the shards (ZeRO-3, FSDP) and rank 0 writes them. dtype: the merged weights' dtype on
+    disk (train.export_dtype; None: as trained), which config.json then names."""
     require_finite(backend, backend.nonfinite_parameters(model), "exporting final/")
     unwrapped = backend.unwrap(model)
     adapter = None  # a LoRA model's adapter, saved beside the merged weights in <name>/adapter/ (as TRL saves it)
@@ -254,7 +258,11 @@ def export_final(backend, model, tokenizer, output_dir: str, name: str = "final"
     tmp = Path(output_dir) / f".tmp-{name}"
     if backend.is_main:
         shutil.rmtree(tmp, ignore_errors=True)
+        if dtype is not None:
+            state_dict = {k: v.to(getattr(torch, dtype)) if v.is_floating_point() else v for k, v in state_dict.items()}
         unwrapped.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
+        if dtype is not None:  # save_pretrained names the live model's dtype
+            set_config_dtype(tmp / "config.json", dtype)
         tokenizer.save_pretrained(tmp)
         if getattr(unwrapped, "generation_config", None) is not None:
             unwrapped.generation_config.save_pretrained(tmp)
@@ -263,3 +271,13 @@ def export_final(backend, model, tokenizer, output_dir: str, name: str = "final"
         files.replace_dir(tmp, final)
     backend.barrier()
     return final if backend.is_main else None
+
+
+def set_config_dtype(config_file: Path, dtype: str) -> None:
+    """config.json names `dtype` as the weights' dtype (transformers 5's key, and torch_dtype where present), so that
+    `dtype=auto` loads (from_pretrained, vLLM) read the weights as written."""
+    config = json.loads(config_file.read_text())
+    config["dtype"] = dtype
+    if "torch_dtype" in config:
+        config["torch_dtype"] = dtype
+    config_file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")

@@ -10,7 +10,11 @@ Dropped, each by its own filter (a table, so a new one is one line):
 - accelerate's "Removed shared tensor {'lm_head.weight'} while saving" for tied embeddings (a tied model saves the
   tensor once, on purpose, and reloads it tied);
 - transformers' "LOAD REPORT ... score.weight | MISSING" where the only missing weights are a value / reward head
-  (`score.*`) that a reward model or critic starts afresh from a causal LM, by design.
+  (`score.*`) that a reward model or critic starts afresh from a causal LM, by design;
+- vLLM's "ParallelLMHead: Failed to load weights" and "RotaryEmbedding: Failed to load weights" on every weight
+  sync into an engine: a tied output layer gets its weights with the embedding's (the sync sends a tied weight
+  once, under the embedding's name) and rotary embeddings hold computed buffers, not weights. Any other layer that
+  fails to load is still said.
 """
 
 from __future__ import annotations
@@ -37,11 +41,17 @@ def _fresh_score_head(record: logging.LogRecord) -> bool:
     return bool(statuses) and all(key.startswith("score.") and status == "MISSING" for key, status in statuses)
 
 
+def _tied_head_or_rotary_reload(record: logging.LogRecord) -> bool:
+    match = re.fullmatch(r"(\w+): Failed to load weights", record.getMessage())
+    return bool(match) and (match.group(1) == "ParallelLMHead" or match.group(1).endswith("RotaryEmbedding"))
+
+
 # logger name -> the records of it to drop
 NOISE = {
     "DeepSpeed": lambda record: "Setting accelerator to CPU" in record.getMessage(),
     "accelerate.utils.other": _tied_embeddings,
     "transformers.modeling_utils": _fresh_score_head,
+    "vllm.model_executor.model_loader.reload.layerwise": _tied_head_or_rotary_reload,
 }
 
 

@@ -23,6 +23,9 @@ from posttrain.report_files import read_mapping, read_rows, report_path
 from posttrain.report_html import (config_section, constants_table, esc, facts_section, fmt, headline_single,
                                    headline_table, page, samples_section)
 
+# train.eval_pass_k: the held-out greedy accuracy and the unbiased pass@k of each k on one chart
+PASS_AT_K = ("held-out accuracy (greedy) and pass@k (sampled)", ("eval/accuracy", "eval/pass_at_?", "eval/pass_at_??",
+                                                                  "eval/pass_at_???"))
 # The curves a person reads first, per command: (title, metric patterns); eval/<metric> joins its train metric
 KEY_CURVES: dict[str, tuple[tuple[str, tuple[str, ...]], ...]] = {
     "sft": (("loss", ("loss",)), ("mean token log-prob", ("mean_token_logprob",))),
@@ -31,10 +34,10 @@ KEY_CURVES: dict[str, tuple[tuple[str, tuple[str, ...]], ...]] = {
     "dpo": (("loss", ("loss",)), ("reward accuracy", ("rewards/accuracies",)),
             ("reward margin", ("rewards/margins",)), ("implicit rewards", ("rewards/chosen", "rewards/rejected")),
             ("log-probs", ("logps/chosen", "logps/rejected"))),
-    "grpo": (("reward", ("reward/mean",)), ("KL to the reference", ("kl",)), ("entropy", ("entropy",)),
+    "grpo": (("reward", ("reward/mean",)), PASS_AT_K, ("KL to the reference", ("kl",)), ("entropy", ("entropy",)),
              ("clip fraction", ("clip_fraction",)), ("loss", ("loss",)),
              ("completion length", ("completion_length/mean",))),
-    "ppo": (("reward", ("reward/mean",)), ("KL to the reference", ("kl",)), ("entropy", ("entropy",)),
+    "ppo": (("reward", ("reward/mean",)), PASS_AT_K, ("KL to the reference", ("kl",)), ("entropy", ("entropy",)),
             ("clip fraction", ("clip_fraction", "value_clip_fraction")), ("policy loss", ("loss",)),
             ("value loss", ("loss/critic",)), ("completion length", ("completion_length/mean",))),
 }
@@ -128,7 +131,9 @@ def plan_charts(commands: list[str], keys: set[str], constants: set[str],
         claimed.update(members)
         return Chart(title, members) if any(k not in constants for k in members) else None
 
-    table = [entry for command in dict.fromkeys(commands) for entry in KEY_CURVES.get(command, ())]
+    sampled = any(k.startswith("eval/pass_at_") for k in keys)  # else eval/accuracy is a held-out chart of its own
+    table = [entry for command in dict.fromkeys(commands) for entry in KEY_CURVES.get(command, ())
+             if entry is not PASS_AT_K or sampled]
     key = [take(title, patterns) for title, patterns in table]
     joined = {eval_key(k) for k in keys if not k.startswith("eval/")}
     # a held-out figure with no train counterpart (GRPO's eval/accuracy) goes right after the first chart
@@ -171,8 +176,9 @@ def direction(key: str) -> int:
     name = key[len("eval/"):] if key.startswith("eval/") else key
     if "loss" in name or name in ("kl", "approx_kl"):
         return -1
-    if (name.endswith(("accuracy", "accuracies", "margin", "margins")) or name in ("reward", "reward/mean",
-            "mean_token_logprob") or (name.startswith("rewards/") and name.endswith("/mean"))):
+    if (name.endswith(("accuracy", "accuracies", "margin", "margins")) or name.startswith("pass_at_")
+            or name in ("reward", "reward/mean", "mean_token_logprob")
+            or (name.startswith("rewards/") and name.endswith("/mean"))):
         return 1
     return 0
 

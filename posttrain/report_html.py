@@ -150,7 +150,7 @@ def samples_section(run) -> str:
             for i, sample in enumerate(group):
                 cells = [f"<td rowspan='{step_rows}'><b>{esc(step)}</b></td>" if g == 0 and i == 0 else "",
                          f"<td rowspan='{len(group)}'><pre>{esc(prompt)}</pre></td>" if i == 0 else "",
-                         f"<td><pre>{esc(sample.get('completion', ''))}</pre>"
+                         f"<td><pre>{esc(completion_text(sample))}</pre>"
                          + ("<span class='note'>cut at max length</span>" if sample.get("truncated") else "") + "</td>",
                          _number_cell(sample.get("reward"), reward=True)]
                 cells += [_number_cell(_rewards(sample).get(f)) for f in per_function]
@@ -161,6 +161,16 @@ def samples_section(run) -> str:
             f"{SAMPLE_GROUPS} prompts each (those whose rewards differ first), each prompt's best, worst and middle "
             "completions by reward</p>"
             f"<table class='samples'>{head}{''.join(rows)}</table>")
+
+
+def completion_text(sample) -> str:
+    """What the model did: its completion, or (multi-turn) every turn of its trajectory, tool calls as it wrote them,
+    each tool's output or error and the environment's messages, labelled by role."""
+    turns = sample.get("trajectory")
+    if not isinstance(turns, list):
+        return str(sample.get("completion", ""))
+    return "\n".join(f"[{' '.join(str(m[k]) for k in ('role', 'name') if m.get(k))}] {m.get('content') or ''}"
+                     for m in turns if isinstance(m, dict))
 
 
 def _rewards(sample) -> dict:

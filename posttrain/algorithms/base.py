@@ -146,6 +146,9 @@ class Algorithm:
     routing_replay: bool = False
     """Mixture-of-experts: prepare records the old policy's routing, which the training forward replays
     (models/moe.py)."""
+    dynamic_sampling = None
+    """Online algorithms: a grpo.DynamicSamplingConfig when the rollout source drops prompt groups whose metric does
+    not vary and draws more (DAPO); None: every drawn group is trained on."""
 
     def placement(self, role: str) -> str:
         """Where run.py puts a frozen role (reference, reward_model): 'local' (on the device, partitioned under

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
@@ -41,6 +41,28 @@ from posttrain.losses.policy import (IMPORTANCE_LEVELS, LOSS_AGGREGATIONS, add_k
 from posttrain.ops.advantages import REWARD_SCALES, group_advantages
 from posttrain.ops.logprobs import entropy_BT, masked_mean, token_logprobs
 from posttrain.batch import Batch
+
+DYNAMIC_SAMPLING_METRICS = ("accuracy", "reward")
+
+
+@dataclass(frozen=True)
+class DynamicSamplingConfig:
+    """DAPO's dynamic sampling (posttrain/train/dynamic_sampling.py)."""
+
+    enabled: bool = False
+    """Drop prompt groups whose metric does not vary and draw more prompts until the step's batch is full."""
+    metric: str = "accuracy"
+    """accuracy: exact match against the data's `answer` column (the raw signal, DAPO's choice); reward: the total
+    reward (shaped terms included)."""
+    max_batches: int = 4
+    """Most generation batches drawn per step (0: no limit); then the step trains on the groups it has."""
+
+    def validate(self) -> None:
+        if self.metric not in DYNAMIC_SAMPLING_METRICS:
+            raise UserError(f"algo.dynamic_sampling.metric is {self.metric!r}; choose one of "
+                            f"{', '.join(DYNAMIC_SAMPLING_METRICS)}")
+        if self.max_batches < 0:
+            raise UserError(f"algo.dynamic_sampling.max_batches must be >= 0 (0: no limit), got {self.max_batches}")
 
 
 ROUTING_REPLAY = ("none", "old_policy")
@@ -78,6 +100,8 @@ class GRPOAlgoConfig:
     """Mixture-of-experts models: old_policy routes every training forward through the experts the old policy's
     forward chose for each token (R2 routing replay, models/moe.py; needs num_iterations >= 2), logging
     routing_agreement; none routes with the current router."""
+    dynamic_sampling: DynamicSamplingConfig = field(default_factory=DynamicSamplingConfig)
+    """DAPO's dynamic sampling: drop groups whose accuracy (or reward) does not vary, draw more prompts to refill."""
 
     def validate(self, recipe: Recipe) -> None:
         """Everything checkable before the processes start; the loader calls it after building the recipe."""
@@ -99,12 +123,14 @@ class GRPOAlgoConfig:
             raise UserError("algo.routing_replay=old_policy replays the routing of the old policy's forward, which "
                             "is the training forward's own when each generation batch is used for one step "
                             "(algo.num_iterations=1): set algo.num_iterations >= 2, or algo.routing_replay=none")
+        self.dynamic_sampling.validate()
         if self.num_iterations < 1 or self.log_samples < 0:
             raise UserError(f"need algo.num_iterations >= 1 and algo.log_samples >= 0; got {self.num_iterations}, "
                             f"{self.log_samples}")
         if not recipe.rewards and recipe.rollout.environment is None:  # an environment may score alone
             raise UserError("grpo needs at least one reward: add `rewards: [{name: exact_match}]` to the recipe "
-                            "(built-ins: exact_match, format, length_penalty, reward_model; or 'module:function')")
+                            "(built-ins: exact_match, format, length_penalty, overlong, judge, reward_model; or "
+                            "'module:function')")
         if recipe.generation.temperature == 0:
             raise UserError("generation.temperature=0 samples greedily: every completion of a prompt is the same and "
                             "GRPO learns nothing; set generation.temperature > 0 (1.0 is usual)")
@@ -143,6 +169,7 @@ class GRPO(OnlineAlgorithm):
         self.samples_per_prompt = self.config.num_generations
         self.steps_per_rollout = self.config.num_iterations
         self.routing_replay = self.config.routing_replay == "old_policy"
+        self.dynamic_sampling = self.config.dynamic_sampling if self.config.dynamic_sampling.enabled else None
 
     # --- the rollout source calls it once per generation batch --------------------------------------------------
 

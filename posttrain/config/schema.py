@@ -108,19 +108,34 @@ class TrainConfig:
     max_grad_norm: float = 1.0
     """Clip the global gradient norm to this (0 disables clipping)."""
     mixed_precision: str = "no"
-    """Autocast precision: 'no', bf16 or fp16."""
+    """Autocast precision: 'no', bf16 or fp16 (a bfloat16 / float16 model.dtype picks its own when 'no')."""
+    master_weights: bool = True
+    """With a 16-bit model.dtype (or auto on a 16-bit checkpoint): train float32 master weights and AdamW state under
+    16-bit autocast, as mixed precision does. false: pure bf16 / fp16 training (LLaMA-Factory's pure_bf16): half the
+    memory of weights, gradients and optimiser state, but an update below ~1/256 of a weight is rounded away."""
     gradient_checkpointing: bool = False
     """Recompute activations in backward to save memory."""
     logging_steps: int = 10
     """Log metrics every this many optimiser steps."""
     eval_steps: int = 0
     """Evaluate every this many steps when an eval set is given (0: only at the end)."""
+    eval_pass_k: tuple[int, ...] = ()
+    """Online runs: log the unbiased pass@k (eval/pass_at_<k>) of each k, from sampled completions per eval prompt."""
+    eval_pass_k_samples: int = 0
+    """Completions sampled per eval prompt for eval_pass_k, >= max(eval_pass_k) (0: max(eval_pass_k))."""
     save_steps: int = 0
-    """Checkpoint every this many steps (0: only at the end)."""
+    """Checkpoint every this many steps (0: none, apart from save_final_checkpoint=true and the stops of
+    max_steps_per_run or a signal)."""
+    save_final_checkpoint: Optional[bool] = None
+    """Checkpoint the last step too (to extend or resume the run later); None: when save_steps > 0, as a save
+    strategy does in transformers' Trainer, and never with save_steps 0 (final/ alone)."""
     save_total_limit: Optional[int] = 2
     """Keep only the newest this many checkpoints (None keeps all)."""
     save_final_model: bool = True
     """Export the trained model to output_dir/final as a Hugging Face directory."""
+    export_dtype: str = "auto"
+    """Weights dtype of final/: auto (the dtype the model was loaded in: model.dtype, auto read from the checkpoint),
+    float32, bfloat16 or float16."""
     resume_from_checkpoint: Optional[str] = None
     """auto (newest checkpoint in output_dir) or a checkpoint path."""
     resume_strict: bool = True
@@ -222,8 +237,8 @@ class GenerationConfig:
 @dataclass(frozen=True)
 class RewardConfig:
     name: str = ""
-    """Built-in reward (exact_match, format, length_penalty, reward_model), an import path ('module.function',
-    'module:function', 'file.py:function') or a reward model directory / hub id (docs/rewards.md)."""
+    """Built-in reward (exact_match, format, length_penalty, overlong, judge, reward_model), an import path
+    ('module.function', 'module:function', 'file.py:function') or a reward model directory / hub id (docs/rewards.md)."""
     weight: float = 1.0
     """Weight of this reward in the total."""
     kwargs: dict = field(default_factory=dict)
@@ -354,6 +369,11 @@ def total_steps(train: TrainConfig, micro_batches_per_epoch: int) -> int:
         return train.max_steps
     steps_per_epoch = max(1, -(-micro_batches_per_epoch // train.gradient_accumulation_steps))
     return max(1, int(round(train.num_train_epochs * steps_per_epoch)))
+
+
+def saves_final_checkpoint(train: TrainConfig) -> bool:
+    """Whether the last step is checkpointed: train.save_final_checkpoint, None meaning save_steps > 0."""
+    return train.save_steps > 0 if train.save_final_checkpoint is None else train.save_final_checkpoint
 
 
 def trackers(train: TrainConfig) -> tuple[str, ...]:

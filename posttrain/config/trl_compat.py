@@ -122,8 +122,8 @@ CONVERSIONS: dict[str, Callable[[Any], Any]] = {
     "bf16": _flag("bf16"), "fp16": _flag("fp16"), "use_vllm": _flag("vllm"), "padding_free": _flag(True),
     "scale_rewards": lambda value: {True: "group", False: "none"}[value] if isinstance(value, bool) else value,
     "eval_strategy": _strategy("evaluate", "evaluation runs exactly when data.eval is given: leave it out for none"),
-    "save_strategy": _strategy("save", "a checkpoint is always saved at the last step (and when a run is stopped), "
-                               "so it can be continued; save_steps=0 saves only then"),
+    "save_strategy": _strategy("save", "with save_steps=0 (the default) no checkpoint is saved, only final/ (and "
+                               "one when a run is stopped, so it can be continued)"),
     "logging_strategy": _strategy("log", "metrics.jsonl gets a row every logging_steps steps"),
     "optim": _optim, "loss_type": _one_loss,
     "max_tool_calling_iterations": lambda value: value + 1 if isinstance(value, int) else value}  # + the answer turn

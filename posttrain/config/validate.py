@@ -15,6 +15,7 @@ from posttrain.errors import UserError
 
 CHOICES = {
     "model.dtype": ("float32", "bfloat16", "float16", "auto"),
+    "train.export_dtype": ("auto", "float32", "bfloat16", "float16"),
     "train.lr_scheduler_type": ("constant", "linear", "cosine"), "train.mixed_precision": ("no", "bf16", "fp16"),
     "generation.engine": ("hf", "vllm"), "generation.placement": ("colocated", "node", "servers", "ray"),
     "generation.lora_sync": ("merged", "adapter"), "train.nonfinite": ("stop", "skip"),
@@ -105,6 +106,7 @@ def validate(recipe: Recipe) -> None:
             raise UserError(f"rewards[{i}].on_error must be raise or skip, got {r.on_error!r}")
     validate_placement(recipe.placement)
     check_trackers(t)
+    check_pass_k(recipe)
     check_algo = getattr(recipe.algo, "validate", None)
     if check_algo is not None:
         check_algo(recipe)
@@ -112,6 +114,25 @@ def validate(recipe: Recipe) -> None:
         raise UserError(f"model.lora.r must be > 0, got {recipe.model.lora.r}")
     if recipe.model.router_aux_loss_coef < 0:
         raise UserError(f"model.router_aux_loss_coef must be >= 0, got {recipe.model.router_aux_loss_coef}")
+
+
+def check_pass_k(recipe: Recipe) -> None:
+    """train.eval_pass_k: positive ks, enough samples for the largest, and sampling that is not greedy (n greedy
+    completions are one completion n times)."""
+    t = recipe.train
+    if not t.eval_pass_k:
+        if t.eval_pass_k_samples:
+            raise UserError("train.eval_pass_k_samples is set but train.eval_pass_k is empty; list the ks, e.g. "
+                            "train.eval_pass_k=[1,4,16]")
+        return
+    if any(k < 1 for k in t.eval_pass_k):
+        raise UserError(f"train.eval_pass_k must list ks >= 1, got {list(t.eval_pass_k)}")
+    if t.eval_pass_k_samples and t.eval_pass_k_samples < max(t.eval_pass_k):
+        raise UserError(f"train.eval_pass_k_samples={t.eval_pass_k_samples} is below the largest k "
+                        f"({max(t.eval_pass_k)}): pass@k needs n >= k samples per prompt; raise it or set 0 (= max k)")
+    if recipe.generation.temperature == 0:
+        raise UserError("train.eval_pass_k samples several completions per eval prompt, but generation.temperature "
+                        "is 0 (greedy: every sample is the same); set generation.temperature > 0")
 
 
 VLLM_MAX_LORA_RANK = 512  # the largest max_lora_rank vLLM accepts

@@ -66,8 +66,11 @@ def check_roles(rows, columns, tokenizer, what: str) -> None:
                                     "to a template that handles it")
 
 
-def render(tokenizer, messages: list[dict], add_generation_prompt: bool = False) -> str:
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+def render(tokenizer, messages: list[dict], add_generation_prompt: bool = False, tools: list[dict] | None = None) -> str:
+    """tools: JSON schemas the template shows the model (None or [] renders none: Llama's template writes its tools
+    boilerplate for an empty list)."""
+    return tokenizer.apply_chat_template(messages, tools=tools or None, tokenize=False,
+                                         add_generation_prompt=add_generation_prompt)
 
 
 def _no_prefix_property(where: str, option: str | None) -> UserError:
@@ -78,24 +81,25 @@ def _no_prefix_property(where: str, option: str | None) -> UserError:
 
 
 def split_rendered(tokenizer, prompt: list[dict], completion: list[dict], where: str,
-                   option: str | None = None) -> tuple[str, str]:
+                   option: str | None = None, tools: list[dict] | None = None) -> tuple[str, str]:
     """(prompt text with generation prompt, completion text) such that their concatenation is the rendered whole."""
-    prompt_text = render(tokenizer, prompt, add_generation_prompt=True)
-    full = render(tokenizer, prompt + completion)
+    prompt_text = render(tokenizer, prompt, add_generation_prompt=True, tools=tools)
+    full = render(tokenizer, prompt + completion, tools=tools)
     if not full.startswith(prompt_text):
         raise _no_prefix_property(where, option)
     return prompt_text, full[len(prompt_text):].rstrip()
 
 
-def assistant_spans(tokenizer, messages: list[dict], full: str, first: int, where: str, option: str) -> list[Span]:
+def assistant_spans(tokenizer, messages: list[dict], full: str, first: int, where: str, option: str,
+                    tools: list[dict] | None = None) -> list[Span]:
     """Character spans in `full` (the rendered conversation) of the assistant turns messages[first:]; one that opens
     the conversation is not trained (it answers nothing, and the empty conversation before it cannot be rendered)."""
     spans = []
     for i in range(max(first, 1), len(messages)):
         if messages[i]["role"] != "assistant":
             continue
-        before = render(tokenizer, messages[:i], add_generation_prompt=True)
-        through = render(tokenizer, messages[: i + 1])
+        before = render(tokenizer, messages[:i], add_generation_prompt=True, tools=tools)
+        through = render(tokenizer, messages[: i + 1], tools=tools)
         if not (through.startswith(before) and full.startswith(through)):
             raise _no_prefix_property(where, option)
         spans.append((len(before), max(len(before), len(through.rstrip()))))

@@ -8,7 +8,8 @@
 | preference        | prompt, chosen, rejected (explicit prompt) or chosen, rejected (implicit) |
 
 Standard rows hold strings; conversational rows hold lists of messages `{"role": ..., "content": ...}`.
-Other columns are kept and ignored (prompt-only data passes them to reward functions).
+Conversational rows may carry a `tools` column (TRL's tool-calling format: JSON schemas the chat template shows the
+model; posttrain/data/tools.py). Other columns are kept and ignored (prompt-only data passes them to reward functions).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from dataclasses import dataclass
 
 import datasets
 
+from posttrain.data.tools import without_nulls
 from posttrain.errors import UserError
 
 EXPECTED = "text | messages | prompt + completion | prompt | prompt + chosen + rejected | chosen + rejected"
@@ -84,5 +86,7 @@ def _check_value(value, conversational: bool, where: str, like: str) -> None:
 
 
 def clean_messages(messages: list[dict]) -> list[dict]:
-    """Messages without the None-valued keys Arrow adds when rows' messages have different keys (tool_calls, ...)."""
-    return [{k: v for k, v in m.items() if v is not None} for m in messages]
+    """Messages without the None-valued keys Arrow adds when rows' messages have different keys (tool_calls, ...),
+    at any depth inside tool calls (one call's arguments gain the keys of every other call in the column)."""
+    return [{k: without_nulls(v) if k == "tool_calls" else v for k, v in m.items() if v is not None}
+            for m in messages]

@@ -8,6 +8,9 @@ Every example's `completion_mask[0]` is 0: the first token is predicted by nothi
 Standard (string) rows are tokenised with the tokenizer's own special tokens (BOS) and completions end with EOS;
 conversational rows are rendered with the chat template, which writes its own special tokens.
 Rows that leave nothing to train are dropped and counted in `stats`; if none are left, a UserError says why.
+A conversational row's `tools` column (TRL's tool-calling format, posttrain/data/tools.py) is rendered by the chat
+template with it; assistant tool calls are trained like the rest of their turn, `tool` messages like other
+non-assistant turns.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from posttrain.config import DataConfig
 from posttrain.data.chat import (assistant_spans, check_roles, mask_from_spans, render, require_chat_template,
                                  split_rendered)
 from posttrain.data.formats import DataFormat, clean_messages, detect_format
+from posttrain.data.tools import check_tool_calls_rendered, check_tools_rendered, row_tools, tool_name
 from posttrain.errors import UserError
 
 
@@ -42,6 +46,31 @@ def _detect(dataset, tokenizer, what: str, accepts, needs: str) -> DataFormat:
     return fmt
 
 
+def _read_columns(dataset, fmt: DataFormat) -> list[str]:
+    """The columns a tokenizer reads: the format's, and `tools` beside conversational ones."""
+    return list(fmt.columns()) + (["tools"] if fmt.conversational and "tools" in dataset.column_names else [])
+
+
+class _Tools:
+    """Each row's tools (its `tools` column, plus `extra` schemas for every row), with the template checked to show
+    them once (on the first row that has any) and every assistant tool call checked to be rendered."""
+
+    def __init__(self, tokenizer, extra: list[dict] | None = None):
+        self.tokenizer, self.extra, self.checked = tokenizer, list(extra or []), False
+
+    def of(self, row: dict, where: str) -> list[dict] | None:
+        own = row_tools(row.get("tools"), where) or []
+        named = {tool_name(t) for t in own}
+        tools = own + [t for t in self.extra if tool_name(t) not in named]
+        return tools or None
+
+    def check(self, messages: list[dict], tools: list[dict] | None, where: str) -> None:
+        if tools and not self.checked:
+            check_tools_rendered(self.tokenizer, messages, tools, where)
+            self.checked = True
+        check_tool_calls_rendered(self.tokenizer, messages, tools, where)
+
+
 # --- SFT --------------------------------------------------------------------------------------------------------------
 
 
@@ -54,11 +83,12 @@ def tokenize_sft(dataset: datasets.Dataset, tokenizer, data_cfg: DataConfig, wha
     stats = dict(rows=len(dataset), examples=0, tokens=0, completion_tokens=0, truncated=0, dropped_no_completion=0,
                  dropped_empty=0)
     examples = []
-    for i, row in enumerate(dataset.select_columns(list(fmt.columns()))):
+    tooling = _Tools(tokenizer)
+    for i, row in enumerate(dataset.select_columns(_read_columns(dataset, fmt))):
         if _sft_empty(row, fmt):
             stats["dropped_empty"] += 1
             continue
-        input_ids, mask = (_sft_conversation(row, tokenizer, data_cfg, f"{what} row {i}") if fmt.conversational
+        input_ids, mask = (_sft_conversation(row, tokenizer, data_cfg, f"{what} row {i}", tooling) if fmt.conversational
                            else _sft_text(row, tokenizer, data_cfg))
         if len(input_ids) > data_cfg.max_length:
             input_ids, mask = input_ids[: data_cfg.max_length], mask[: data_cfg.max_length]
@@ -99,17 +129,20 @@ def _sft_text(row: dict, tokenizer, data_cfg: DataConfig) -> tuple[list[int], li
     return prompt_ids + completion_ids, prompt_mask + [1] * len(completion_ids)
 
 
-def _sft_conversation(row: dict, tokenizer, data_cfg: DataConfig, where: str) -> tuple[list[int], list[int]]:
+def _sft_conversation(row: dict, tokenizer, data_cfg: DataConfig, where: str,
+                      tooling: _Tools) -> tuple[list[int], list[int]]:
     prompt = [] if "messages" in row else clean_messages(row["prompt"])
     messages = clean_messages(row["messages"]) if "messages" in row else prompt + clean_messages(row["completion"])
     completion_only = data_cfg.completion_only_loss and bool(prompt)  # only prompt-completion rows have a prompt
-    full = render(tokenizer, messages)
+    tools = tooling.of(row, where)
+    tooling.check(messages, tools, where)
+    full = render(tokenizer, messages, tools=tools)
     if data_cfg.assistant_only_loss:
         first = len(prompt) if completion_only else 0
-        spans = assistant_spans(tokenizer, messages, full, first, where, "data.assistant_only_loss")
+        spans = assistant_spans(tokenizer, messages, full, first, where, "data.assistant_only_loss", tools)
     elif completion_only:
         prompt_text, completion_text = split_rendered(tokenizer, prompt, messages[len(prompt):], where,
-                                                      "data.completion_only_loss")
+                                                      "data.completion_only_loss", tools)
         spans = [(len(prompt_text), len(prompt_text) + len(completion_text))]
     else:
         spans = [(0, len(full))]
@@ -131,7 +164,8 @@ def tokenize_preference(dataset: datasets.Dataset, tokenizer, data_cfg: DataConf
     stats = dict(rows=len(dataset), pairs=0, tokens=0, truncated=0,
                  dropped_prompt_mismatch=0, dropped_identical=0, dropped_empty=0)
     examples = []
-    for i, row in enumerate(dataset.select_columns(list(fmt.columns()) + (["margin"] if has_margin else []))):
+    tooling = _Tools(tokenizer)
+    for i, row in enumerate(dataset.select_columns(_read_columns(dataset, fmt) + (["margin"] if has_margin else []))):
         where = f"{what} row {i}"
         split = _split_pair(row, fmt)
         if isinstance(split, str):
@@ -139,8 +173,11 @@ def tokenize_preference(dataset: datasets.Dataset, tokenizer, data_cfg: DataConf
             continue
         prompt, chosen, rejected = split
         if fmt.conversational:
-            prompt_text, chosen_text = split_rendered(tokenizer, prompt, chosen, where)
-            _, rejected_text = split_rendered(tokenizer, prompt, rejected, where)
+            tools = tooling.of(row, where)
+            for completion in (chosen, rejected):
+                tooling.check(prompt + completion, tools, where)
+            prompt_text, chosen_text = split_rendered(tokenizer, prompt, chosen, where, tools=tools)
+            _, rejected_text = split_rendered(tokenizer, prompt, rejected, where, tools=tools)
             prompt_ids = _ids(tokenizer, prompt_text, False)
             chosen_ids, rejected_ids = _ids(tokenizer, chosen_text, False), _ids(tokenizer, rejected_text, False)
         else:
@@ -237,26 +274,40 @@ def _fit_pair(prompt_ids: list[int], chosen_ids: list[int], rejected_ids: list[i
 # --- prompts for generation -------------------------------------------------------------------------------------------
 
 
-def tokenize_prompts(dataset: datasets.Dataset, tokenizer, data_cfg: DataConfig, what: str = "data.train"):
-    """Rows -> [{"prompt_ids", "prompt", "columns"}] (columns: the row's other values, for rewards); stats {rows,
-    tokens, truncated, dropped_empty}. Empty prompts are dropped; long ones keep their last max_prompt_length tokens."""
+def tokenize_prompts(dataset: datasets.Dataset, tokenizer, data_cfg: DataConfig, what: str = "data.train",
+                     rollout_tools: list[dict] | None = None):
+    """Rows -> [{"prompt_ids", "prompt", "tools", "columns"(, "messages")}] (tools: the schemas rendered, or None;
+    columns: the row's other values, for rewards; messages: the opening chat, multi-turn only); stats {rows, tokens, truncated, dropped_empty}. Empty prompts are dropped; long ones
+    keep their last max_prompt_length tokens, counted in `truncated` (the tools turn included).
+    rollout_tools: a multi-turn rollout starts from these prompts (not None; a list of the rollout's tool schemas,
+    rendered beside the row's own): string prompts open a chat as one user message, and the limit is
+    max_prompt_length or else max_length, the prompt posttrain/agents/rollout.py continues."""
     fmt = _detect(dataset, tokenizer, what, lambda f: "prompt" in f.columns(), "generation needs a 'prompt' column")
-    limit = data_cfg.max_prompt_length
+    multi_turn = rollout_tools is not None
+    limit = data_cfg.max_prompt_length or (data_cfg.max_length if multi_turn else None)
     stats = dict(rows=len(dataset), tokens=0, truncated=0, dropped_empty=0)
     examples = []
-    for row in dataset:
+    tooling = _Tools(tokenizer, rollout_tools)
+    for i, row in enumerate(dataset):
         prompt = clean_messages(row["prompt"]) if fmt.conversational else row["prompt"]
         if not prompt or (_no_text(prompt) if fmt.conversational else not prompt.strip()):
             stats["dropped_empty"] += 1  # nothing to answer: the generation would start from nothing
             continue
-        prompt_ids = (_ids(tokenizer, render(tokenizer, prompt, add_generation_prompt=True), False)
-                      if fmt.conversational else _ids(tokenizer, prompt, True))
+        tools = None
+        if fmt.conversational or multi_turn:
+            messages = prompt if fmt.conversational else [{"role": "user", "content": prompt}]
+            tools = tooling.of(row, f"{what} row {i}")
+            tooling.check(messages, tools, f"{what} row {i}")
+            prompt_ids = _ids(tokenizer, render(tokenizer, messages, add_generation_prompt=True, tools=tools), False)
+        else:
+            prompt_ids = _ids(tokenizer, prompt, True)
         if limit is not None and len(prompt_ids) > limit:
             prompt_ids = prompt_ids[len(prompt_ids) - limit:]
             stats["truncated"] += 1
         stats["tokens"] += len(prompt_ids)
         columns = {k: v for k, v in row.items() if k != "prompt"}
-        examples.append({"prompt_ids": prompt_ids, "prompt": prompt, "columns": columns})
+        example = {"prompt_ids": prompt_ids, "prompt": prompt, "tools": tools, "columns": columns}
+        examples.append({**example, "messages": messages} if multi_turn else example)
     if not examples:
         raise UserError(f"{what}: every one of the {stats['rows']} prompts is empty; give rows with a prompt to answer")
     return examples, stats

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import io
 import os
 import resource
@@ -39,6 +40,7 @@ from posttrain.distributed.build_locks import announce_cpu_op_builds, clear_stal
 from posttrain.distributed.launch_config import (check_launcher_settings, env_flag, fill_deepspeed_config,
                                                  launcher_engine)
 from posttrain.distributed.offload import Offloaded
+from posttrain.distributed.precision import announce_precision, check_precision, resolve_precision
 from posttrain.distributed.process_exit import settle_at_exit
 from posttrain.distributed.weight_sync import adapter_units, sync_buckets, sync_units
 from posttrain.errors import UserError
@@ -105,11 +107,15 @@ def _enable_fsdp_on_cpu(mixed_precision: str) -> None:
 
 class Backend:
     def __init__(self, recipe: Recipe):
+        use_cpu = not torch.cuda.is_available() or env_flag("ACCELERATE_USE_CPU")
+        self.precision = resolve_precision(recipe.model, recipe.train)
+        check_precision(self.precision, use_cpu, launcher_engine())
+        # the recipe as it runs: train.mixed_precision is the autocast the run uses (a 16-bit model.dtype trains
+        # float32 master weights under its own autocast: distributed/precision.py), for Accelerate, DeepSpeed and FSDP2
+        recipe = dataclasses.replace(recipe, train=dataclasses.replace(recipe.train,
+                                                                       mixed_precision=self.precision.autocast))
         t = recipe.train
         self.recipe = recipe
-        use_cpu = not torch.cuda.is_available() or env_flag("ACCELERATE_USE_CPU")
-        if use_cpu and t.mixed_precision == "fp16":
-            raise UserError("train.mixed_precision=fp16 needs a CUDA GPU; on CPU use bf16 or 'no'")
         check_launcher_settings(t)
         _reset_accelerate_state()  # an earlier run in this process (tests, the demo) that stopped on an error
         if use_cpu and launcher_engine() == "deepspeed":  # before DeepSpeed loads (and JIT-checks) its CPU ops
@@ -127,6 +133,8 @@ class Backend:
             plugin = self.accelerator.state.deepspeed_plugin
             fill_deepspeed_config(plugin.deepspeed_config, t, self.world_size)
             plugin.gradient_accumulation_steps = t.gradient_accumulation_steps
+        if self.is_main:
+            announce_precision(self.precision, on_cpu=self.device.type == "cpu")
         if self.world_size > 1:  # who is where, so a rank whose peer dies can say which
             peers.record(self.all_gather_object(peers.me()))
 

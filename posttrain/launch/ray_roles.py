@@ -29,6 +29,7 @@ from posttrain.algorithms import ALGORITHMS
 from posttrain.algorithms.base import Role
 from posttrain.batch import Batch
 from posttrain.distributed.backend import Backend
+from posttrain.distributed.precision import trained_model_config
 from posttrain.errors import RunStopped, UserError
 from posttrain.launch.ray_actors import Worker, last_line, rank_env
 from posttrain.launch.ray_placement import node_options, rank_slots
@@ -106,7 +107,8 @@ class TrainedRoleWorker(RoleWorker):
         self.tokenizer = load_tokenizer(recipe.model)
         set_seed(recipe.seed)
         t = recipe.train
-        model = load_critic(self.algorithm.critic_source(), self.tokenizer.pad_token_id, t.gradient_checkpointing)
+        model = load_critic(trained_model_config(self.algorithm.critic_source(), t), self.tokenizer.pad_token_id,
+                            t.gradient_checkpointing)
         count = sum(p.numel() for p in model.parameters())
         self.role = trained_role(self.backend, model, t, self.algorithm.critic_learning_rate())
         self.role.train()

@@ -23,7 +23,8 @@ SPECIAL_TOKENS = (PAD, IM_START, IM_END)
 # ChatML. The assistant turn's content and its <|im_end|> sit inside {% generation %} so that
 # `apply_chat_template(..., return_assistant_tokens_mask=True)` can mark what the model should learn to say.
 # With `tools=[...]` a system turn lists their JSON schemas and asks for Hermes-style <tool_call> JSON (Qwen 2.5's
-# convention); tool results render as `tool` turns. Without tools the text is exactly plain ChatML.
+# convention); an assistant message's `tool_calls` render the same way, after its content; tool results render as
+# `tool` turns. Without tools and tool calls the text is exactly plain ChatML.
 CHATML_TEMPLATE = (
     "{%- if tools %}"
     "{{- '<|im_start|>system\\nYou may call these tools:\\n<tools>\\n' }}"
@@ -33,7 +34,13 @@ CHATML_TEMPLATE = (
     "{%- for message in messages %}"
     "{{- '<|im_start|>' + message['role'] + '\\n' }}"
     "{%- if message['role'] == 'assistant' %}"
-    "{% generation %}{{- message['content'] + '<|im_end|>' }}{% endgeneration %}"
+    "{% generation %}{{- message['content'] or '' }}"
+    "{%- for call in message['tool_calls'] or [] %}"
+    "{%- set call = call['function'] if call['function'] is defined else call %}"
+    "{{- ('\n' if (message['content'] or not loop.first) else '') + '<tool_call>\n{\"name\": \"' + call['name']"
+    " + '\", \"arguments\": ' + (call['arguments'] | tojson) + '}\n</tool_call>' }}"
+    "{%- endfor %}"
+    "{{- '<|im_end|>' }}{% endgeneration %}"
     "{%- else %}"
     "{{- message['content'] + '<|im_end|>' }}"
     "{%- endif %}"

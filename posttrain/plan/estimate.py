@@ -85,7 +85,21 @@ class Workload:
     generation_length: int = 0
     """Prompt + completion tokens of a generated sequence."""
     vllm_fraction: float = 0.0
-    """Share of the GPU a colocated vLLM reserves (gpu_memory_utilization); 0: none."""
+    """Share of the GPU a colocated vLLM reserves (gpu_memory_utilization): its weights and KV cache; 0: none."""
+    vllm_weight_bytes: int = 0
+    """An in-process vLLM engine on CPU: bytes per weight of its own copy of the policy (0: no such engine)."""
+    vllm_kv_cache_bytes: int = 0
+    """An in-process vLLM engine on CPU: its KV cache (generation.vllm.kv_cache_gb, else its share of the RAM)."""
+    frozen_weight_bytes: int = 0
+    """Bytes per weight of the frozen copies (model.dtype as loaded; 0: weight_bytes). A 16-bit checkpoint trains
+    float32 master weights (weight_bytes 4) beside a 16-bit reference."""
+    frozen_parameters: int = 0
+    """Frozen parameters of models of another size than the policy (a distillation teacher)."""
+    trained_copies: int = 1
+    """Models trained at the policy's size: 2 with PPO's critic (its weights, gradients and AdamW state)."""
+    teacher_logits: bool = False
+    """A local distillation teacher: its (B, T, V) logits and the copy of their completion rows the loss keeps for
+    backward (losses/distill.py) live beside the student's."""
 
 
 @dataclass(frozen=True)
@@ -189,9 +203,11 @@ def logits_bytes(shape: ModelShape, w: Workload) -> int:
     if not w.lm_head:
         return 0
     tokens = w.sequences * w.sequence_length
+    teacher = 2 * tokens * shape.vocab_size * w.compute_bytes if w.teacher_logits else 0
     if w.logprobs_only and shape.fused_head:  # ops.linear_token_logprobs: float32 chunks of LINEAR_CHUNK rows
         return 2 * min(tokens, max(1, LINEAR_CHUNK // shape.vocab_size)) * shape.vocab_size * 4
-    return 2 * tokens * shape.vocab_size * w.compute_bytes + 2 * min(tokens, LOGPROB_CHUNK) * shape.vocab_size * 4
+    return (2 * tokens * shape.vocab_size * w.compute_bytes + 2 * min(tokens, LOGPROB_CHUNK) * shape.vocab_size * 4
+            + teacher)
 
 
 def generation_bytes(shape: ModelShape, w: Workload, engine: Engine, world_size: int, weight_bytes: int) -> int:
@@ -202,6 +218,14 @@ def generation_bytes(shape: ModelShape, w: Workload, engine: Engine, world_size:
     logits = w.generation_sequences * shape.vocab_size * 4 * 2  # float32 scores + the sampling distribution
     whole = shape.parameters * weight_bytes  # ZeRO-3 / FSDP2: every rank holds it for the call, besides its own shard
     return kv_cache + logits + (whole - _share(whole, world_size) if engine.shards_parameters else 0)
+
+
+def vllm_bytes(shape: ModelShape, w: Workload, gpu_bytes: int) -> int:
+    """A colocated vLLM engine: on a GPU the share it reserves (weights and KV cache inside it); on CPU its own copy
+    of the weights and its KV cache."""
+    if gpu_bytes and w.vllm_fraction:
+        return int(w.vllm_fraction * gpu_bytes)
+    return shape.parameters * w.vllm_weight_bytes + w.vllm_kv_cache_bytes if w.vllm_weight_bytes else 0
 
 
 def _share(total: int, world_size: int) -> int:
@@ -217,9 +241,9 @@ def estimate(shape: ModelShape, w: Workload, engine: Engine, world_size: int = 1
     # DeepSpeed under bf16/fp16 holds 16-bit weights and gradients and an fp32 master copy beside AdamW's moments
     weight_bytes = 2 if deepspeed and w.mixed_precision else w.weight_bytes
     master = 4 if deepspeed and weight_bytes < 4 else 0
-    optimizer = t * ((8 + master) if deepspeed else 2 * weight_bytes)
-    parameters = p * weight_bytes
-    gradients = t * weight_bytes
+    optimizer = w.trained_copies * t * ((8 + master) if deepspeed else 2 * weight_bytes)
+    parameters = w.trained_copies * p * weight_bytes
+    gradients = w.trained_copies * t * weight_bytes
     if engine.zero_stage >= 1 or engine.fsdp:
         optimizer = _share(optimizer, n)
     if engine.zero_stage >= 2 or engine.fsdp:
@@ -238,14 +262,14 @@ def estimate(shape: ModelShape, w: Workload, engine: Engine, world_size: int = 1
     if engine.offload_param:
         cpu += parameters
         parameters = 0
-    frozen = w.frozen_copies * p * weight_bytes
-    if engine.zero_stage == 3:  # prepare_frozen shards the reference under ZeRO-3 only
-        frozen = w.frozen_copies * _share(p * weight_bytes, n)
+    frozen_bytes = w.frozen_copies * p * (w.frozen_weight_bytes or weight_bytes) + w.frozen_parameters * (
+        w.frozen_weight_bytes or weight_bytes)
+    frozen = _share(frozen_bytes, n) if engine.zero_stage == 3 else frozen_bytes  # prepare_frozen shards under ZeRO-3
     gathered = 2 * shape.layer_parameters * weight_bytes if engine.shards_parameters else 0
     optimizer_step = 0 if deepspeed or not w.foreach_optimizer else _share(t, n if engine.fsdp else 1) * 4
     return Breakdown(parameters=parameters, gradients=gradients, gradient_buffers=buffers, optimizer=optimizer,
                      frozen_copies=frozen, activations=activation_bytes(shape, w), logits=logits_bytes(shape, w),
-                     gathered=gathered, optimizer_step=optimizer_step, vllm=int(w.vllm_fraction * gpu_bytes),
+                     gathered=gathered, optimizer_step=optimizer_step, vllm=vllm_bytes(shape, w, gpu_bytes),
                      generation=generation_bytes(shape, w, engine, n, weight_bytes), cpu_bytes=cpu,
                      gradients_in_forward=gradients if w.accumulation > 1 else 0,
                      autocast_copies=2 * p if w.mixed_precision and weight_bytes == 4 and not engine.fsdp

@@ -14,6 +14,13 @@ the contract in **kwargs; one value per completion. A recipe's `kwargs` are boun
         kwargs: {target_length: 200, max_length: 400}
       - name: reward_model
         kwargs: {path: runs/rm/final}
+      - name: overlong                     # DAPO's soft overlong punishment (rewards/overlong.py)
+        kwargs: {max_length: 512, buffer: 128}
+      - name: judge                        # an LLM judge on an OpenAI-compatible endpoint (rewards/judge.py)
+        kwargs: {url: 'http://127.0.0.1:8000/v1', prompt_template: judge.jinja}
+
+overlong and judge are classes on TRL's keyword contract (prompts=, completions=, completion_ids=, **columns), built
+once from their kwargs.
 """
 
 from __future__ import annotations
@@ -27,6 +34,8 @@ from typing import Any, Callable, Optional
 
 from posttrain.errors import UserError
 from posttrain.rewards.contract import CONTRACT_ARGS, completion_text
+from posttrain.rewards.judge import Judge
+from posttrain.rewards.overlong import Overlong
 from posttrain.rewards.reward_model import load_scorer, reward_model
 
 _BOXED = re.compile(r"\\(?:boxed|fbox)\s*\{")
@@ -157,7 +166,9 @@ def length_penalty(completions: list, max_length: int, target_length: int = 0, u
 
 
 BUILTIN_REWARDS: dict[str, Callable[..., list]] = {"exact_match": exact_match, "format": format_reward,
-                                                   "length_penalty": length_penalty, "reward_model": reward_model}
+                                                   "length_penalty": length_penalty, "reward_model": reward_model,
+                                                   "overlong": Overlong, "judge": Judge}
+"""A function gets the recipe's kwargs bound; a class is built once with them (its __init__ checks them)."""
 
 
 def _check_format(kwargs: dict) -> None:

@@ -37,8 +37,9 @@ def load_reward(cfg: RewardConfig) -> Reward:
     kwargs = dict(cfg.kwargs)
     if cfg.name in BUILTIN_REWARDS:
         check_builtin_kwargs(cfg.name, kwargs)
-        return Reward(cfg.name, functools.partial(BUILTIN_REWARDS[cfg.name], **kwargs), cfg.weight, cfg.timeout,
-                      cfg.on_error)
+        target = BUILTIN_REWARDS[cfg.name]
+        fn = target(**kwargs) if isinstance(target, type) else functools.partial(target, **kwargs)
+        return Reward(cfg.name, fn, cfg.weight, cfg.timeout, cfg.on_error)
     if ":" in cfg.name:
         target = load_callable(cfg.name, "reward")
     elif "." in cfg.name and not cfg.name.endswith(".py") and not is_model_path(cfg.name):  # TRL's 'module.function'

@@ -6,7 +6,8 @@ own preference accuracy for preference pairs (`preference_accuracy`, also the de
 
 `prompt_examples` are what `posttrain.data.tokenize_prompts` returns ({"prompt_ids", "prompt", "columns"}); the
 reference answer is the `answer` column, compared by `posttrain.rewards.exact_match`. During a GRPO run the same
-numbers come from `evaluate_prompts` over every rank's share of data.eval (logged as eval/accuracy, eval/reward).
+numbers come from `evaluate_prompts` over every rank's share of data.eval (logged as eval/accuracy, eval/reward; with
+train.eval_pass_k also eval/pass_at_<k>, the unbiased pass@k from sampled completions).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from posttrain.algorithms import preference_logps as pl
 from posttrain.config.schema import DataConfig
 from posttrain.data import collate_preference, load_rows, tokenize_preference
 from posttrain.errors import UserError
+from posttrain.ops.pass_at_k import pass_at_k
 from posttrain.rewards import as_completions, exact_match
 from posttrain.generation import HFEngine, SamplingParams
 
@@ -65,12 +67,15 @@ def exact_match_accuracy(model, tokenizer, prompt_examples: list[dict], max_new_
     return correct / counted if counted else 0.0
 
 
-def evaluate_prompts(backend, engine, tokenizer, examples: list[dict], rewards, generation,
-                     agent=None, trainer_state=None) -> dict[str, float]:
+def evaluate_prompts(backend, engine, tokenizer, examples: list[dict], rewards, generation, agent=None,
+                     trainer_state=None, pass_k: tuple[int, ...] = (), pass_k_samples: int = 0,
+                     seed: int = 0) -> dict[str, float]:
     """eval/accuracy, eval/reward and eval/completion_length over the whole eval set, every rank taking a strided
     share. Shares are padded to equal size (fillers are not counted) so every rank makes the same engine calls.
     agent: multi-turn trajectories instead, scored whole (and the environment's reward added). trainer_state: what
-    the reward functions get as trainer_state (TRL passes the trainer's during evaluation too)."""
+    the reward functions get as trainer_state (TRL passes the trainer's during evaluation too). pass_k: also
+    eval/pass_at_<k> for each k (`sampled_pass_at_k`), from pass_k_samples (0: max k) completions per prompt sampled
+    with the recipe's generation settings, seeded by `seed`."""
     share = -(-len(examples) // backend.world_size)
     mine = examples[backend.rank :: backend.world_size]
     real = len(mine)  # then fillers
@@ -96,15 +101,65 @@ def evaluate_prompts(backend, engine, tokenizer, examples: list[dict], rewards, 
     out = {"eval/reward": reward_sum / max(n, 1.0), "eval/completion_length": length_sum / max(n, 1.0)}
     if counted:
         out["eval/accuracy"] = correct / counted
+    if pass_k:
+        n = pass_k_samples or max(pass_k)
+        out.update(sampled_pass_at_k(backend, engine, tokenizer, mine, real, generation, agent, pass_k, n, seed))
     return out
 
 
-def evaluate_online(backend, source, tokenizer, eval_examples, rewards, generation) -> dict[str, float]:
-    """An online algorithm's held-out figures (`evaluate_prompts`) with the rollout source's engine, so evaluation runs
-    wherever generation does, on the current policy's weights (an engine holding a copy is synced first)."""
+def check_answer_columns(recipe, algorithm, train_examples: list[dict], eval_examples: Optional[list[dict]]) -> None:
+    """What compares completions with the `answer` column finds it, before any model loads: dynamic sampling on
+    accuracy (data.train) and train.eval_pass_k (data.eval)."""
+    needs = []
+    dynamic = algorithm.dynamic_sampling
+    if dynamic is not None and dynamic.metric == "accuracy":
+        needs.append(("data.train", train_examples, "algo.dynamic_sampling.metric=accuracy",
+                      "or set algo.dynamic_sampling.metric=reward"))
+    if recipe.train.eval_pass_k and eval_examples is not None:  # without data.eval nothing is evaluated at all
+        needs.append(("data.eval", eval_examples, "train.eval_pass_k", "or drop train.eval_pass_k"))
+    for where, examples, what, otherwise in needs:
+        if examples and ANSWER_COLUMN not in examples[0]["columns"]:
+            columns = ", ".join(sorted(examples[0]["columns"])) or "none"
+            raise UserError(f"{what} compares completions with the '{ANSWER_COLUMN}' column, which {where} does not "
+                            f"have (columns: {columns}); add it, {otherwise}")
+
+
+def sampled_pass_at_k(backend, engine, tokenizer, examples: list[dict], real: int, generation, agent,
+                      ks: tuple[int, ...], n: int, seed: int) -> dict[str, float]:
+    """eval/pass_at_<k>: the unbiased estimator (posttrain.ops.pass_at_k) over the prompts with a reference, from n
+    completions of each sampled at generation.temperature and judged by exact match against the `answer` column.
+    `examples` is this rank's share padded to the same size on every rank (the same engine calls everywhere); the
+    first `real` count."""
+    per_call = generation.batch_size or len(examples)
+    correct: list[int] = []
+    for start in range(0, len(examples), per_call):
+        chunk = [e for e in examples[start : start + per_call] for _ in range(n)]
+        params = SamplingParams.from_config(generation, seed=seed * 1_000_003 + backend.rank * 7_919 + start)
+        with backend.autocast():
+            if agent is not None:
+                texts = [t.final_text for t in agent.run(chunk, [start + i // n for i in range(len(chunk))], params)]
+            else:
+                ids = engine.generate([e["prompt_ids"] for e in chunk], params).completion_ids
+                texts = tokenizer.batch_decode(ids, skip_special_tokens=True)
+        references = [e["columns"].get(ANSWER_COLUMN) for e in chunk]
+        scores = exact_match(completions=texts, answer=references)
+        correct += [-1 if scores[i] is None else int(sum(scores[i : i + n])) for i in range(0, len(chunk), n)]
+    scored_P = torch.tensor(correct[:real], dtype=torch.long)
+    scored_P = scored_P[scored_P >= 0]  # prompts without a reference are not counted
+    sums = [pass_at_k(torch.full_like(scored_P, n), scored_P, k).sum() for k in ks]
+    local = torch.tensor([float(len(scored_P)), *map(float, sums)], dtype=torch.float64)
+    counted, *totals = backend.all_reduce_sum(local.to(backend.device)).tolist()
+    return {f"eval/pass_at_{k}": total / counted for k, total in zip(ks, totals)} if counted else {}
+
+
+def evaluate_online(backend, source, tokenizer, eval_examples, rewards, recipe) -> dict[str, float]:
+    """An online algorithm's held-out figures (`evaluate_prompts`, with train.eval_pass_k) with the rollout source's
+    engine, so evaluation runs wherever generation does, on the current policy's weights (an engine holding a copy is
+    synced first)."""
     source.before_evaluation()
-    return evaluate_prompts(backend, source.engine, tokenizer, eval_examples, rewards, generation, source.agent,
-                            source.trainer_state())
+    t = recipe.train
+    return evaluate_prompts(backend, source.engine, tokenizer, eval_examples, rewards, recipe.generation, source.agent,
+                            source.trainer_state(), t.eval_pass_k, t.eval_pass_k_samples, recipe.seed)
 
 
 def preference_accuracy(model_or_dir: Any, tokenizer: Any = None, examples: Any = (), *, reference: Any = None,

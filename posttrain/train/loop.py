@@ -26,6 +26,7 @@ import torch
 
 from posttrain.algorithms.base import Algorithm, Models
 from posttrain.batch import Batch
+from posttrain.config.schema import saves_final_checkpoint
 from posttrain.train.guard import Guard
 from posttrain.train.state import TrainState
 
@@ -56,6 +57,11 @@ def count_tokens(batch: Batch) -> int:
     return int(batch.input_ids_BT.numel())
 
 
+def completion_tokens(micro_batches: list[Batch], device) -> torch.Tensor:
+    """This rank's tokens inside the completion masks: the tokens the step trains on."""
+    return torch.stack([b.completion_mask_BT.sum() for b in micro_batches]).sum().float().to(device)
+
+
 def train(ctx: LoopContext) -> TrainState:
     backend, algorithm, models, state = ctx.backend, ctx.algorithm, ctx.models, ctx.state
     t = backend.recipe.train
@@ -83,8 +89,10 @@ def train(ctx: LoopContext) -> TrainState:
         objectives = algorithm.objectives(state.step)
         trained = [(name, role) for name, role in models.trained() if name in objectives]
         local_counts = torch.stack([torch.stack([objectives[name].count(b).float().to(backend.device)
-                                                 for b in micro_batches]).sum() for name, _ in trained])
-        normalisers = backend.all_reduce_sum(local_counts).clamp(min=1.0)
+                                                 for b in micro_batches]).sum() for name, _ in trained]
+                                   + [completion_tokens(micro_batches, backend.device)])  # + tokens to train on
+        counts = backend.all_reduce_sum(local_counts)
+        normalisers, trained_tokens = counts[:-1].clamp(min=1.0), int(counts[-1])
 
         # 4. per role: forward + backward, gradients synced on the last micro-batch only; clip, step, schedule
         losses, grad_norms, update_seconds, metric_sums = {}, {}, {}, {}
@@ -141,6 +149,11 @@ def train(ctx: LoopContext) -> TrainState:
         else:
             ctx.logger.progress(state.step, step_metrics.get("loss", 0.0))
 
+        if trained_tokens == 0:  # the loss is 0 and no weight moves: say so rather than log a quiet loss=0
+            hint = ctx.source.nothing_trained_hint()
+            ctx.logger.info(f"step {state.step}: every completion token was masked out, so this step trained nothing"
+                            + (f": {hint}" if hint else ""))
+
         # 6. eval and checkpoint when due
         last = state.step == ctx.total_steps
         if ctx.evaluate is not None and ((t.eval_steps and state.step % t.eval_steps == 0) or last):
@@ -150,7 +163,8 @@ def train(ctx: LoopContext) -> TrainState:
         # a stop signal acts where a checkpoint resumes exactly: at the end of a generation batch (PPO / GRPO reuse
         # one for algorithm.steps_per_rollout steps, and a resume inside it would sample it again)
         stop = guard.stop_signal and (state.step % algorithm.steps_per_rollout == 0 or last)
-        if (t.save_steps and state.step % t.save_steps == 0) or last or stop_early or stop:
+        due = (t.save_steps and state.step % t.save_steps == 0) or (last and saves_final_checkpoint(t))
+        if due or stop_early or stop:
             saved = ctx.checkpointer.save(state, models, algorithm)
         if stop:
             guard.stopped(state.step, saved)

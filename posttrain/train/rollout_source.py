@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
@@ -49,6 +50,8 @@ from posttrain.config.schema import total_steps
 from posttrain.generation import Completions, SamplingParams, make_engine
 from posttrain.generation.adapter_sync import check_delivery
 from posttrain.batch import Batch
+from posttrain.train.drawn import Drawn
+from posttrain.train.dynamic_sampling import DynamicSampler
 from posttrain.train.in_flight import InFlight, Sampled, lag_metrics, policy_lag
 from posttrain.train.sources import SampleOrder, Source
 
@@ -123,6 +126,11 @@ class RolloutSource(Source):
         self._ahead = InFlight(recipe.generation.max_staleness, self.iterations)
         self._pool = (ThreadPoolExecutor(max_workers=1, thread_name_prefix="posttrain-async")
                       if recipe.generation.max_staleness else None)
+        # algo.dynamic_sampling: prompts drawn until enough groups vary (train/dynamic_sampling.py)
+        self.dynamic_sampling = None
+        if algorithm.dynamic_sampling is not None:
+            self.dynamic_sampling = DynamicSampler(algorithm.dynamic_sampling, self.prompts_per_rank, self.group,
+                                                   self._draw, backend.all_reduce_sum)
 
     def _sync_weights(self, step: int, force: bool = False) -> None:
         """Before generating for `step`: an engine holding its own copy of the policy gets the trainer's weights
@@ -171,14 +179,27 @@ class RolloutSource(Source):
         self.engine.end()
 
     def save_state(self, directory: Path) -> None:
-        """Into a checkpoint being written (every rank): this rank's generation batches in flight (in_flight.py)."""
+        """Into a checkpoint being written (every rank): this rank's generation batches in flight (in_flight.py), and
+        with dynamic sampling where the prompt order stands."""
         if self._pool is not None or len(self._ahead):
             self._ahead.save(directory, self.backend.rank)
+        if self.dynamic_sampling is not None:
+            self.dynamic_sampling.save(directory, self.backend.is_main)
 
     def load_state(self, directory: Path) -> None:
         """From the checkpoint resumed: the batches that were in flight, so none is sampled again."""
+        if self.dynamic_sampling is not None:
+            self.dynamic_sampling.load(directory)
         for line in self._ahead.load(directory, lambda index: self._prompts(index)[0], Trajectory):
             logger.warning("resuming from %s: %s; sampled again from the current policy", directory, line)
+
+    def nothing_trained_hint(self) -> str:
+        cut, algo = self._metrics.get("truncated_fraction", 0.0), self.recipe.algo
+        if not (algo.mask_truncated_completions and cut > 0):
+            return ""
+        return (f"{cut:.0%} of the completions reached generation.max_completion_length="
+                f"{self.recipe.generation.max_completion_length} and algo.mask_truncated_completions=true leaves those "
+                "out of the loss; raise max_completion_length (multi-turn: prompts, tool output and turns share it)")
 
     def trainer_state(self, step: int | None = None):
         """What reward functions get as trainer_state while the completions for step `step` + 1 are scored (None:
@@ -224,58 +245,29 @@ class RolloutSource(Source):
         return positions, dataset_index, [self.examples[i] for i in dataset_index]
 
     def _generate(self, index: int, step: int) -> Generation:
-        # 1. this rank's slice of the step's prompts
         backend, group = self.backend, self.group
-        positions, dataset_index, prompts = self._prompts(index)
-
-        # 2. generate (an engine with its own copy of the weights gets the current policy first); with
-        # generation.max_staleness the batch was sampled during earlier steps, and the next ones start now
-        self._sync_seconds = 0.0
-        started = time.perf_counter()
-        ahead, refused = self._ahead.take(index, step)
-        if refused:
-            logger.warning("step %d: %s; it is sampled again from the current policy", step, refused)
-        if ahead is not None:
-            sampled_by, sample = ahead.sampled_by, ahead.wait()
+        self._sync_seconds, self._seconds, self._logged = 0.0, {"generate": 0.0, "score": 0.0}, {}
+        # 1-3. this rank's prompt groups, generated and scored; dynamic sampling draws until enough of them vary
+        if self.dynamic_sampling is None:
+            drawn, dynamic_metrics = self._draw(index, step), {}
         else:
-            self._sync_weights(step)
-            sampled_by, sample = self._synced_at, self._sample(prompts, positions)
-        prompt_ids, completion_ids, sampler_logprobs, truncated, trajectories = sample
-        self._ahead.settle()  # the batches ahead finish first: no sync ever lands under a generation in flight
-        generated, synced_before = time.perf_counter(), self._sync_seconds
-        if self._pool is not None:  # up to k batches ahead, each from the policy current now
-            self._sync_weights(step)
-            for ahead_index in self._ahead.wanted(index):
-                ahead_positions, _, ahead_prompts = self._prompts(ahead_index)
-                future = self._pool.submit(self._sample, ahead_prompts, ahead_positions)
-                self._ahead.push(Sampled(ahead_index, ahead_positions, step, self._synced_at, future))
-        else:
-            self.engine.sleep()  # training gets the engine's accelerator memory back (vllm sleep mode on a GPU)
-        score_started = time.perf_counter()
-
-        # 3. score this rank's completions; gather the step's rewards from every rank
-        columns = {key: [p["columns"][key] for p in prompts for _ in range(group)] for key in prompts[0]["columns"]}
-        repeated = [p["prompt"] for p in prompts for _ in range(group)]
-        if trajectories is not None:  # rewards get every message after the prompt, as TRL's multi-turn GRPO
-            texts = [t.final_text for t in trajectories]
-            score = score_trajectories(self.rewards, trajectories, self.agent.environment is not None)
-        else:
-            texts, score = self.tokenizer.batch_decode(completion_ids, skip_special_tokens=True), self.rewards.score
-        total_B, per_function, skipped, logged = score(repeated, as_completions(repeated, texts), columns,
-                                                       completion_ids, self.trainer_state(step))
-        lengths = [len(ids) for ids in completion_ids]
-        mine = dict(total=total_B.tolist(), per_function={k: v.tolist() for k, v in per_function.items()},
-                    skipped=skipped, logged=logged.metrics, lengths=lengths, truncated=truncated,
-                    lag=[policy_lag(step, sampled_by)] * len(completion_ids),
-                    agent=[t.stats() for t in trajectories] if trajectories is not None else None)
+            drawn, dynamic_metrics = self.dynamic_sampling.fill(index, step)
+        mine = dict(total=drawn.total, per_function=drawn.per_function, skipped=drawn.skipped, logged=self._logged,
+                    lengths=[len(ids) for ids in drawn.completion_ids], truncated=drawn.truncated, lag=drawn.lags,
+                    agent=[t.stats() for t in drawn.trajectories] if drawn.trajectories is not None else None)
+        gather_started = time.perf_counter()
         everyone = backend.all_gather_object(mine)
         global_total_B = torch.tensor([r for part in everyone for r in part["total"]])
         scored = time.perf_counter()
+        self._seconds["score"] += scored - gather_started
 
         # 4. micro-batches, with old / reference log-probs and values taken once
-        masks = [t.completion_mask for t in trajectories] if trajectories is not None else None
-        batches = self._micro_batches(prompt_ids, completion_ids, sampler_logprobs, truncated, total_B,
-                                      [i for i in dataset_index for _ in range(group)], masks)
+        total_B = torch.tensor(drawn.total, dtype=torch.float32)
+        masks = ([t.completion_mask for t in drawn.trajectories] if drawn.trajectories is not None
+                 else [[1] * len(c) for c in drawn.completion_ids])
+        masks = [[0] * len(m) if filler else m for m, filler in zip(masks, drawn.filler)]
+        batches = self._micro_batches(drawn.prompt_ids, drawn.completion_ids, drawn.logprobs, drawn.truncated,
+                                      total_B, [i for i in drawn.dataset_index for _ in range(group)], masks)
         with torch.no_grad(), backend.autocast():
             batches = [self.algorithm.prepare(b.to(backend.device), self.models) for b in batches]
 
@@ -288,18 +280,68 @@ class RolloutSource(Source):
 
         metrics = step_metrics(everyone, global_total_B, group)
         metrics.update(agent_metrics([part["agent"] for part in everyone]))
-        metrics.update({"time/generate": generated - started - synced_before, "time/score": scored - score_started,
+        metrics.update({"time/generate": self._seconds["generate"], "time/score": self._seconds["score"],
                         "time/ref": prepared - scored, "time/sync": self._sync_seconds,
-                        **lag_metrics([lag for part in everyone for lag in part["lag"]]), **advantage_metrics})
+                        **lag_metrics([lag for part in everyone for lag in part["lag"]]), **advantage_metrics,
+                        **dynamic_metrics})
         for name in ("reference", "reward_model", "critic"):  # roles served apart: their calls' seconds
             role = getattr(self.models, name)
             seconds = role.seconds() if role is not None else None
             if seconds is not None:
                 metrics[f"time/role/{name}"] = seconds
         if backend.is_main:
-            self._write_samples(step, prompts, texts, total_B, per_function, sequence_advantages(batches), truncated,
-                                logged.extra)
-        return Generation(index, batches, metrics, sampled_by)
+            self._write_samples(step, drawn.prompts, drawn.texts, total_B, drawn.per_function,
+                                sequence_advantages(batches), drawn.truncated, drawn.extra, drawn.trajectories)
+        versions = [v for v in drawn.sampled_by if v is not None]
+        return Generation(index, batches, metrics, min(versions) if versions else None)
+
+    def _draw(self, draw: int, step: int) -> Drawn:
+        """Generation batch `draw` of the prompt order (this rank's slice), sampled and scored for `step`."""
+        group = self.group
+        positions, dataset_index, prompts = self._prompts(draw)
+
+        # generate (an engine with its own copy of the weights gets the current policy first); with
+        # generation.max_staleness the batch was sampled during earlier steps, and the next ones start now
+        started, synced_before = time.perf_counter(), self._sync_seconds
+        ahead, refused = self._ahead.take(draw, step)
+        if refused:
+            logger.warning("step %d: %s; it is sampled again from the current policy", step, refused)
+        if ahead is not None:
+            sampled_by, sample = ahead.sampled_by, ahead.wait()
+        else:
+            self._sync_weights(step)
+            sampled_by, sample = self._synced_at, self._sample(prompts, positions)
+        prompt_ids, completion_ids, sampler_logprobs, truncated, trajectories = sample
+        self._ahead.settle()  # the batches ahead finish first: no sync ever lands under a generation in flight
+        generated, synced = time.perf_counter(), self._sync_seconds - synced_before
+        if self._pool is not None:  # up to k batches ahead, each from the policy current now
+            self._sync_weights(step)
+            for ahead_index in self._ahead.wanted(draw):
+                ahead_positions, _, ahead_prompts = self._prompts(ahead_index)
+                future = self._pool.submit(self._sample, ahead_prompts, ahead_positions)
+                self._ahead.push(Sampled(ahead_index, ahead_positions, step, self._synced_at, future))
+        else:
+            self.engine.sleep()  # training gets the engine's accelerator memory back (vllm sleep mode on a GPU)
+        score_started = time.perf_counter()
+
+        # score this rank's completions
+        columns = {key: [p["columns"][key] for p in prompts for _ in range(group)] for key in prompts[0]["columns"]}
+        repeated = [p["prompt"] for p in prompts for _ in range(group)]
+        if trajectories is not None:  # rewards get every message after the prompt, as TRL's multi-turn GRPO
+            texts = [t.final_text for t in trajectories]
+            score = score_trajectories(self.rewards, trajectories, self.agent.environment is not None)
+        else:
+            texts, score = self.tokenizer.batch_decode(completion_ids, skip_special_tokens=True), self.rewards.score
+        total_B, per_function, _, logged = score(repeated, as_completions(repeated, texts), columns, completion_ids,
+                                                 self.trainer_state(step))
+        for name, values in logged.metrics.items():  # log_metric: averaged over the step, every draw's
+            self._logged.setdefault(name, []).extend(values)
+        self._seconds["generate"] += generated - started - synced
+        self._seconds["score"] += time.perf_counter() - score_started
+        rows = len(completion_ids)
+        return Drawn(positions, prompts, dataset_index, prompt_ids, completion_ids, sampler_logprobs, truncated, texts,
+                     total_B.tolist(), {k: v.tolist() for k, v in per_function.items()},
+                     [policy_lag(step, sampled_by)] * rows, [sampled_by] * rows, trajectories, dict(logged.extra))
 
     def _sample(self, prompts: list[dict], positions: list[int]):
         """G completions per prompt, `generation.batch_size` prompts per engine call. Every rank makes the same number
@@ -352,21 +394,29 @@ class RolloutSource(Source):
         return batches
 
     def _write_samples(self, step: int, prompts, texts, total_B, per_function, advantages_B, truncated,
-                       extra: dict) -> None:
+                       extra: dict, trajectories=None) -> None:
         """Every logging step: a few prompt groups of rank 0, appended to output_dir/samples.jsonl (with what the
-        reward functions logged through log_extra)."""
+        reward functions logged through log_extra). Multi-turn: each record's `trajectory` holds every message after
+        the opening ones (the model's text with its tool calls as written, each tool's output or error, the
+        environment's messages) and `stats` its counts."""
         t, groups = self.recipe.train, self.recipe.algo.log_samples
         due = [s + 1 for s in range(step, step + self.iterations) if (s + 1) % t.logging_steps == 0]
         if not due or not groups:
             return
         records = [{"step": due[0], "prompt": prompts[i // self.group]["prompt"], "completion": texts[i],
                     "reward": float(total_B[i]),
-                    "rewards": {k: (None if v[i].isnan() else float(v[i])) for k, v in per_function.items()},
+                    "rewards": {k: (None if math.isnan(v[i]) else float(v[i])) for k, v in per_function.items()},
                     "advantage": float(advantages_B[i]), "truncated": bool(truncated[i]),
-                    **({"extra": {k: v[i] for k, v in extra.items()}} if extra else {})}
+                    **({"extra": {k: v[i] for k, v in extra.items()}} if extra else {}),
+                    **(trajectory_record(trajectories[i]) if trajectories is not None else {})}
                    for i in range(min(groups, len(prompts)) * self.group)]
         with (Path(self.recipe.output_dir) / "samples.jsonl").open("a") as f:
             f.writelines(json.dumps(r, default=str) + "\n" for r in records)
+
+
+def trajectory_record(t: Trajectory) -> dict:
+    """A trajectory for samples.jsonl: its messages after the opening ones, and its counts."""
+    return {"trajectory": t.completion_messages, "stats": t.stats()}
 
 
 def sequence_advantages(batches: list[Batch]) -> torch.Tensor:

@@ -33,6 +33,11 @@ class Source:
         """Figures of the last step to log beside the loss (an online source's rewards, lengths, timings)."""
         return {}
 
+    def nothing_trained_hint(self) -> str:
+        """Asked when every completion token of a step was masked out: what in the recipe did it, and what to
+        change ("" when the source cannot tell)."""
+        return ""
+
     def save_state(self, directory) -> None:
         """Every rank, into a checkpoint being written: what the source holds beyond the step number (an online
         source's generation batches sampled ahead); the data position itself is the step."""

@@ -79,3 +79,22 @@ def test_ranks_generating_different_lengths_finish_together(tiny_model_dir, data
     if accelerate_config == "fsdp2":  # gathering per forward made 16-17 all-gathers per call here
         assert ranks[0]["gathers"] == ranks[1]["gathers"], ranks
         assert all(0 < n <= ranks[0]["fsdp_modules"] for n in ranks[0]["gathers"]), ranks
+
+
+def test_dynamic_sampling_keeps_the_ranks_in_step_under_zero3(tiny_model_dir, data, tmp_path):
+    """algo.dynamic_sampling on 2 processes under ZeRO-3 (generation gathers parameters: a collective): each rank
+    fills its own share and both draw again while either is short, so the run finishes; every group trained varies,
+    and the counts are the step's, both ranks summed."""
+    out = tmp_path / "run"
+    args = overrides(tiny_model_dir, data, out, per_device=2) + [
+        "algo.dynamic_sampling.enabled=true", "algo.dynamic_sampling.metric=reward",
+        "algo.dynamic_sampling.max_batches=0", "train.max_steps=3", "data.eval=null",
+        "rewards=[{name: 'tests.integration.test_dynamic_sampling:first_letter_reward'}]"]
+    result = launch(2, "grpo", args, accelerate_config="zero3", timeout=300)
+    assert result.ok, result.output[-6000:]
+    rows = [r for r in result.metrics() if "loss" in r]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    for r in rows:  # 4 prompts a step (2 ranks x 2), drawn 4 at a time
+        assert r["frac_reward_zero_std"] == 0 and r["dynamic_sampling/groups_drawn"] == 4 * r["dynamic_sampling/batches"]
+        assert r["dynamic_sampling/groups_kept"] >= 4 and r["dynamic_sampling/filler_groups"] == 0
+    assert any(r["dynamic_sampling/batches"] > 1 for r in rows), rows

@@ -16,6 +16,7 @@ import torch
 from safetensors.torch import load_file
 
 from posttrain.generation.vllm_engine import vllm_available
+from posttrain.report import write_report
 from posttrain.tasks import write_example_data
 from tests.integration.helpers import (
     assert_resume_is_exact,
@@ -108,6 +109,40 @@ def test_multi_turn_grpo_trains_on_the_models_tokens(tiny_model_dir, data, tmp_p
     assert [k for k in initial if torch.equal(initial[k], trained[k])] == []
     samples = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
     assert samples and all(len(s["completion"]) <= 4 * 8 for s in samples)  # the last turn: at most 4 tokens
+    for s in samples:  # the whole trajectory: each turn, each tool call's output, the environment's answers
+        assert [m["role"] for m in s["trajectory"]] == ["assistant", "tool", "user"] * 2 + ["assistant"]
+        tool_outputs = [m for m in s["trajectory"] if m["role"] == "tool"]
+        assert all(m["name"] == "calculator" and m["content"].isdigit() for m in tool_outputs)
+        assert s["trajectory"][-1]["content"] == s["completion"] and s["stats"]["tool_calls"] == 2
+    html = write_report(out).read_text()
+    assert "[tool calculator] " + tool_outputs[0]["content"] in html
+
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather of a city.",
+                                            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}
+
+
+def test_prompts_with_tools_are_counted_when_cut_and_a_step_with_nothing_to_train_says_so(tiny_model_dir, tmp_path,
+                                                                                          capsys):
+    """A tools column beside conversational prompts and rollout.tools: both show in the prompt; the header counts the
+    prompts cut to data.max_prompt_length with their tools turn; every trajectory cut and masked is said."""
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": [{"role": "user", "content": f"What is {i} + 1?"}],
+                                           "tools": [WEATHER] if i % 2 else None}) + "\n" for i in range(4)))
+    out = tmp_path / "run"
+    # with the calculator alone a prompt is 351 tokens, with get_weather too 488: the odd rows are cut at 400
+    assert run_cli("grpo", *run_overrides(
+        tiny_model_dir, prompts, out, "train.max_steps=1", "train.per_device_train_batch_size=4",
+        "algo.num_generations=2", "generation.max_completion_length=12", "algo.mask_truncated_completions=true",
+        f"rewards=[{{name: '{HERE}:length_reward'}}]", f"rollout.tools=['{HERE}:calculator']",
+        f"rollout.tool_parser={HERE}:every_turn_calls", "data.max_prompt_length=400", "data.max_length=512")) == 0
+    printed = capsys.readouterr()
+    printed = printed.out + printed.err
+    assert "| truncated=2 |" in printed
+    assert "step 1: every completion token was masked out, so this step trained nothing: 100% of the completions " \
+           "reached generation.max_completion_length=12" in printed
+    [r] = metrics(out)
+    assert r["loss"] == 0.0 and r["truncated_fraction"] == 1.0
 
 
 def engine_segments(full: list[int], calls: list) -> list[tuple[int, list[int], list[float]]]:

@@ -69,12 +69,20 @@ def test_vllm_engine_async_multi_turn_samples_the_next_batch_during_training(tin
     assert all((r["turns/mean"], r["tools/calls"], r["tools/errors"]) == (3, 16, 0) for r in rows), rows
 
 
-def test_max_staleness_2_resumes_bit_for_bit(tiny_vllm_model_dir, data, tmp_path):
+DYNAMIC = ("algo.dynamic_sampling.enabled=true", "algo.dynamic_sampling.metric=reward",
+           "algo.dynamic_sampling.max_batches=0", "rewards=[{name: 'tests.integration.test_dynamic_sampling:"
+           "first_letter_reward'}]")
+
+
+@pytest.mark.parametrize("dynamic", [(), DYNAMIC], ids=["plain", "dynamic_sampling"])
+def test_max_staleness_2_resumes_bit_for_bit(tiny_vllm_model_dir, data, tmp_path, dynamic):
     """generation.max_staleness=2: batches are sampled two steps ahead (policy_lag 0, 1, 2, 2) and importance
     weighted; a run stopped after step 2 carries its two batches in flight in the checkpoint (one file, listed in the
     manifest), and resumed it trains on them: every logged figure but the clocks, and the final weights, equal the
-    uninterrupted run's exactly."""
-    common = ("generation.max_staleness=2", "algo.vllm_is_correction=true", "train.max_steps=4", "train.save_steps=2")
+    uninterrupted run's exactly. With DAPO's dynamic sampling too: the draws ahead are the prompt order's next
+    generation batches, and the checkpoint says where the order stands."""
+    common = ("generation.max_staleness=2", "algo.vllm_is_correction=true", "train.max_steps=4", "train.save_steps=2",
+              *dynamic)
     full, split = tmp_path / "full", tmp_path / "split"
     for out, extra in ((full, []), (split, ["train.max_steps_per_run=2"]),
                        (split, ["train.resume_from_checkpoint=auto"])):
@@ -84,11 +92,16 @@ def test_max_staleness_2_resumes_bit_for_bit(tiny_vllm_model_dir, data, tmp_path
     saved = json.loads((split / "checkpoints" / "step-2" / "manifest.json").read_text())["files"]
     assert "rollouts_in_flight_0.json" in saved
     in_flight = json.loads((split / "checkpoints" / "step-2" / "rollouts_in_flight_0.json").read_text())["batches"]
-    assert [(b["index"], b["submitted_at"], b["sampled_by"]) for b in in_flight] == [(2, 0, 0), (3, 1, 1)]
-
     clocks = ("time/", "tokens_per_second", "peak_memory_mb", "estimated_peak_memory_mb")
     a, b = ([{k: v for k, v in r.items() if not k.startswith(clocks)} for r in metrics(out)] for out in (full, split))
-    assert [r["policy_lag"] for r in a] == [0, 1, 2, 2] and [r["rollout/policy_lag_max"] for r in a] == [0, 1, 2, 2]
+    if not dynamic:
+        assert [(b["index"], b["submitted_at"], b["sampled_by"]) for b in in_flight] == [(2, 0, 0), (3, 1, 1)]
+        assert [r["policy_lag"] for r in a] == [0, 1, 2, 2] and [r["rollout/policy_lag_max"] for r in a] == [0, 1, 2, 2]
+    else:  # some step drew again, so the draws ahead run past the generation batch count
+        next_draw = json.loads((split / "checkpoints" / "step-2" / "dynamic_sampling.json").read_text())["next_draw"]
+        assert len(in_flight) == 2 and in_flight[0]["index"] == next_draw
+        assert sum(r["dynamic_sampling/batches"] for r in a) > 4 and all(r["frac_reward_zero_std"] == 0 for r in a)
+        assert max(r["rollout/policy_lag_max"] for r in a) <= 2
     assert b == a
     weights_a, weights_b = final_weights(full), final_weights(split)
     assert weights_a.keys() == weights_b.keys() and all(torch.equal(weights_a[k], weights_b[k]) for k in weights_a)

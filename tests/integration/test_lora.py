@@ -41,7 +41,7 @@ def adapted_model(tiny_model_dir, checkpoint, task="causal_lm", seed=3):
 def test_sft_lora_trains_adapters_and_exports_a_merged_plain_model(tiny_model_dir, data, tmp_path, recwarn):
     out = tmp_path / "run"
     assert run_cli("sft", *base(tiny_model_dir, data["sft_train"], out, "train.max_steps=3",
-                                "train.gradient_checkpointing=true")) == 0
+                                "train.gradient_checkpointing=true", "train.save_final_checkpoint=true")) == 0
     checkpoint = out / "checkpoints" / "step-3"
     saved = load_file(str(checkpoint / "model.safetensors"))
     adapters = [k for k in saved if "lora_A" in k or "lora_B" in k]
@@ -111,7 +111,8 @@ def test_rm_lora_trains_the_head_and_the_merged_export_scores(tiny_model_dir, da
     from posttrain.rewards.reward_model import RewardModelScorer
 
     out = tmp_path / "run"
-    assert run_cli("rm", *base(tiny_model_dir, data["pref_train"], out, "train.max_steps=3")) == 0
+    assert run_cli("rm", *base(tiny_model_dir, data["pref_train"], out, "train.max_steps=3",
+                               "train.save_final_checkpoint=true")) == 0
     merged = final_weights(out)
     assert "score.weight" in merged and not any("lora" in k or "modules_to_save" in k for k in merged)
     checkpoint = out / "checkpoints" / "step-3"

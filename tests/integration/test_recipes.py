@@ -90,8 +90,10 @@ class Workdir:
             finally:
                 os.chdir(cwd)
             return self.done[key]
-        if server is not None:  # the header's URL is the session server's
+        if server is not None:  # the header's URL is the session server's, and so is the recipe's (a judge's)
             argv = [a.replace("http://127.0.0.1:8000", server.url) for a in argv]
+            config = self.root / argv[argv.index("--config") + 1]
+            config.write_text(config.read_text().replace("http://127.0.0.1:8000", server.url))
         recipe_text = (self.root / argv[argv.index("--config") + 1]).read_text()
         argv = argv[1:] + CHEAP + (ONLINE_CHEAP if argv[1] in ("grpo", "ppo") else [])
         extra = needs(argv, recipe_text)

@@ -52,11 +52,23 @@ def test_unknown_override_section(tmp_path):
         ("train.mixed_precision=no", "quote the word you meant"),
         ("train.warmup_ratio=1.5", "warmup_ratio"),
         ("model.lora.enabled=maybe", "must be true or false"),
+        ("train.eval_pass_k=[0,4]", r"eval_pass_k must list ks >= 1"),
+        ("train.eval_pass_k=[1,a]", "must be an integer"),
+        ("train.eval_pass_k_samples=8", "train.eval_pass_k is empty"),
     ],
 )
 def test_invalid_values(override, message):
     with pytest.raises(UserError, match=message):
         load_recipe(None, ["data.train=a.jsonl", override], SFTAlgoConfig)
+
+
+def test_pass_at_k_needs_enough_samples_and_sampling():
+    base = ["data.train=a.jsonl", "train.eval_pass_k=[1,4,16]"]
+    assert load_recipe(None, base, SFTAlgoConfig).train.eval_pass_k == (1, 4, 16)
+    with pytest.raises(UserError, match=r"eval_pass_k_samples=8 is below the largest k \(16\)"):
+        load_recipe(None, base + ["train.eval_pass_k_samples=8"], SFTAlgoConfig)
+    with pytest.raises(UserError, match="generation.temperature is 0"):
+        load_recipe(None, base + ["generation.temperature=0"], SFTAlgoConfig)
 
 
 def test_conflicting_options():

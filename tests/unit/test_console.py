@@ -31,6 +31,16 @@ def test_tied_embedding_save_note_is_dropped_untied_names_are_kept():
     assert kept("accelerate.utils.other", message.format(names="{'lm_head.weight', 'model.norm.weight'}"))
 
 
+def test_vllm_reload_notes_of_the_tied_head_and_rotary_buffers_are_dropped_others_kept():
+    logger = "vllm.model_executor.model_loader.reload.layerwise"
+    record = logging.LogRecord(logger, logging.WARNING, __file__, 1, "%s: Failed to load weights", ("X",), None)
+    for layer in ("ParallelLMHead", "RotaryEmbedding", "Llama3RotaryEmbedding"):
+        record.args = (layer,)  # as vLLM logs it
+        assert not _Drop(NOISE[logger]).filter(record), layer
+    assert kept(logger, "QKVParallelLinear: Failed to load weights")  # a real layer that missed its weights
+    assert kept(logger, "VocabParallelEmbedding: Failed to load weights")
+
+
 def test_deepspeed_cpu_accelerator_note_is_dropped():
     assert not kept("DeepSpeed", "Setting accelerator to CPU. If you have GPU or other accelerator, we were unable")
     assert kept("DeepSpeed", "Setting ds_accelerator to cuda (auto detect)")

@@ -57,6 +57,18 @@ def test_core_rows_come_in_order_and_fit_eight_minutes_with_the_setup(tmp_path):
     assert plan.reads == ("sft 0.5b bs8x1024",) and str(tmp_path / "0.5b" / "posttrain-sft") in plan.command
 
 
+def test_a_real_model_directory_is_trained_by_every_row_and_distils_too(tmp_path):
+    suite = load_suite()
+    rows = suite.plan_rows("gpu", tmp_path, "posttrain,trl", model_dir="/models/smollm2")
+    compare = [r for r in rows if r.kind == "compare"]
+    assert {r.command[r.command.index("--algo") + 1] for r in compare} == {"sft", "dpo", "grpo", "distill"}
+    assert all(r.command[r.command.index("--model") + 1] == "/models/smollm2" for r in compare)
+    assert all(r.command[r.command.index("--model") + 1] == "/models/smollm2" for r in rows
+               if r.kind == "prepare" or "--algorithm" in r.command)
+    assert [r.name for r in rows if r.name.startswith("distill")] == ["distill 1.5b bs8x1024"]  # after the core
+    assert len({r.name for r in rows}) == len(rows)
+
+
 def test_tiny_rows_are_the_same_rows_without_a_gpu(tmp_path):
     suite = load_suite()
     gpu, tiny = suite.plan_rows("gpu", tmp_path, "posttrain"), suite.plan_rows("tiny", tmp_path, "posttrain")

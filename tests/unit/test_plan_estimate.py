@@ -7,6 +7,8 @@ from pathlib import Path
 import pytest
 
 from posttrain.config.load import load_recipe
+from posttrain.algorithms.dpo import DPOAlgoConfig
+from posttrain.algorithms.grpo import GRPOAlgoConfig
 from posttrain.config.schema import SFTAlgoConfig
 from posttrain.errors import UserError
 from posttrain.plan import parse_memory, run_plan
@@ -108,6 +110,44 @@ def test_vllm_share_and_splits():
     assert splits(4, 2) == [(8, 1), (4, 2), (2, 4), (1, 8)]
 
 
+def test_every_model_and_engine_the_run_holds_is_counted():
+    """By hand on SHAPE (1000 parameters): the in-process vLLM engine on CPU (its float32 copy and KV cache), a
+    16-bit reference beside float32 master weights, a teacher of another size, PPO's critic."""
+    cpu_vllm = Workload(algorithm="grpo", sequences=2, sequence_length=4, vllm_weight_bytes=4, vllm_kv_cache_bytes=500)
+    assert estimate(SHAPE, cpu_vllm, ENGINES["ddp"]).vllm == 4000 + 500
+    assert estimate(SHAPE, cpu_vllm, ENGINES["ddp"], gpu_bytes=8000).vllm == 4500  # no GPU share asked for
+    reference = Workload(algorithm="dpo", sequences=2, sequence_length=4, frozen_copies=1, frozen_weight_bytes=2)
+    assert estimate(SHAPE, reference, ENGINES["ddp"]).frozen_copies == 2000  # bf16 beside float32 master weights
+    teacher = Workload(algorithm="distill", sequences=2, sequence_length=4, frozen_parameters=3000,
+                       teacher_logits=True)
+    assert estimate(SHAPE, teacher, ENGINES["ddp"]).frozen_copies == 12000
+    assert estimate(SHAPE, teacher, ENGINES["ddp"]).logits == LOGITS + 2 * 8 * 10 * 4  # its logits + kept rows
+    critic = estimate(SHAPE, Workload(algorithm="ppo", sequences=2, sequence_length=4, trained_copies=2),
+                      ENGINES["ddp"])
+    assert (critic.parameters, critic.gradients, critic.optimizer) == (8000, 8000, 16000)
+
+
+def test_a_bf16_checkpoint_is_estimated_with_its_master_weights(tmp_path):
+    from posttrain.plan.workload import workload_from_recipe
+
+    (tmp_path / "config.json").write_text(json.dumps({**LLAMA_7B, "dtype": "bfloat16"}))
+    common = [f"model.name_or_path={tmp_path}/", "data.train=rows.jsonl", "model.dtype=auto",
+              "rewards=[{name: exact_match}]"]
+    mixed = workload_from_recipe("dpo", load_recipe(None, common, DPOAlgoConfig))
+    assert (mixed.weight_bytes, mixed.frozen_weight_bytes, mixed.compute_bytes, mixed.mixed_precision) == (4, 2, 2,
+                                                                                                         True)
+    pure = workload_from_recipe("dpo", load_recipe(None, [*common, "train.master_weights=false"], DPOAlgoConfig))
+    assert (pure.weight_bytes, pure.frozen_weight_bytes) == (2, 2)
+    vllm = workload_from_recipe("grpo", load_recipe(None, [*common, "generation.engine=vllm",
+                                                           "generation.vllm.kv_cache_gb=1"], GRPOAlgoConfig),
+                                on_gpu=False)
+    assert (vllm.vllm_weight_bytes, vllm.vllm_kv_cache_bytes, vllm.generation_sequences) == (4, 2**30, 0)
+    on_gpu = workload_from_recipe("grpo", load_recipe(None, [*common, "generation.engine=vllm",
+                                                             "generation.vllm.gpu_memory_utilization=0.5"],
+                                                      GRPOAlgoConfig))
+    assert (on_gpu.vllm_fraction, on_gpu.vllm_weight_bytes) == (0.5, 0)
+
+
 def test_parse_memory():
     assert parse_memory("80GiB") == 80 * 2**30
     assert parse_memory("40GB") == 40 * 10**9
@@ -163,8 +203,9 @@ def test_7b_on_8x40gb_ddp_does_not_fit_zero3_does(config_7b):
     plan = make_plan(shape, lambda b, n=None: workload_from_recipe("sft", recipe, b, n), 4, 4, gpus=8,
                      gpu_bytes=40 * 10**9)
     table = {o.engine.name: o for o in plan.at_recipe_batch}
-    # DDP: 16-bit weights + gradients (+ bucket copy) + bf16 AdamW moments alone are 2+4+4 = 10 B x 6.7B = 67 GB
-    assert not table["ddp"].fits and table["ddp"].breakdown.parameters == 2 * PARAMS_7B
+    # DDP on a bf16 checkpoint: float32 master weights + gradients (+ bucket copy) + AdamW moments are
+    # 4+8+8 = 20 B x 6.7B = 135 GB (distributed/precision.py)
+    assert not table["ddp"].fits and table["ddp"].breakdown.parameters == 4 * PARAMS_7B
     assert table["zero3"].fits
     assert table["zero3"].breakdown.optimizer == -(-PARAMS_7B * 12 // 8)
     assert plan.recommended is not None and plan.recommended.fits

@@ -61,6 +61,12 @@ def test_key_curves_come_first_per_algorithm_with_eval_beside_train():
     assert [c.title for c in throughput] == ["tokens per second", "peak memory (MB)", "seconds per step, by phase"]
     assert {k for c in rest for k in c.keys} == {"grad_norm", "learning_rate"}
 
+    # train.eval_pass_k: pass@k of each k beside the greedy accuracy, on one chart after the reward
+    sampled, _, _ = plan_charts(["grpo"], GRPO_KEYS | {"eval/pass_at_1", "eval/pass_at_4", "eval/pass_at_16"}, set())
+    assert sampled[1].title == "held-out accuracy (greedy) and pass@k (sampled)"
+    assert sampled[1].keys == ("eval/accuracy", "eval/pass_at_1", "eval/pass_at_4", "eval/pass_at_16")
+    assert [c.title for c in sampled[2:]] == [c.title for c in grpo[2:]]
+
     dpo_keys = {"loss", "rewards/accuracies", "rewards/margins", "rewards/chosen", "rewards/rejected", "nll_loss",
                 "eval/rewards/accuracies", "eval/nll_loss"}
     dpo, _, rest = plan_charts(["dpo"], dpo_keys, constants=set())

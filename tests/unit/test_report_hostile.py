@@ -4,6 +4,7 @@ everything from the files escaped in the page; and no page written over a file o
 from __future__ import annotations
 
 import json
+import random
 import os
 
 import pytest
@@ -20,7 +21,7 @@ def a_run(path, **kwargs):
 
 
 @pytest.mark.parametrize("file, content, fragment", [
-    ("metrics.jsonl", os.urandom(64) + b"\xff\n", "metrics.jsonl line 1 is not UTF-8 text"),
+    ("metrics.jsonl", random.Random(0).randbytes(64) + b"\xff\n", "metrics.jsonl line 1 is not UTF-8 text"),  # seeded: xdist workers collect the same ids
     ("metrics.jsonl", b'{"step": 1, "loss": 1.0}\n42\n{"step": 2, "loss": 0.5}\n', "line 2 is int '42', not a JSON "
      "object"),
     ("metrics.jsonl", b'{"step": 1, "loss": 1.0}\n{"loss": 0.5}\n', "line 2 has step None; every row needs a whole "

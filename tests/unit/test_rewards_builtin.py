@@ -104,7 +104,7 @@ def test_length_penalty_in_tokens(tiny_model_dir):
 
 
 def test_builtin_table():
-    assert set(BUILTIN_REWARDS) == {"exact_match", "format", "length_penalty", "reward_model"}
+    assert set(BUILTIN_REWARDS) == {"exact_match", "format", "length_penalty", "reward_model", "overlong", "judge"}
 
 
 @pytest.mark.parametrize(

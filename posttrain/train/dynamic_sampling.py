@@ -1,0 +1,152 @@
+"""DAPO's dynamic sampling (Yu et al. 2025, sec. 3.2): drop the prompt groups whose completions all score the same (they
+carry no group-relative advantage) and sample further prompts until the step's batch is full of groups that do.
+
+    algo:
+      dynamic_sampling: {enabled: true, metric: accuracy, max_batches: 4}
+
+    kept_P = varied_groups(accuracy_B, group=8)            # the pure filter
+    groups, stats = refill(need, draw, varied_groups, 8, max_batches=4, short_anywhere=...)   # the loop
+
+The paper keeps a group when 0 < |{o_i : is_equivalent(a, o_i)}| < G, i.e. its accuracy is neither all 0 nor all 1:
+the filter runs on the raw accuracy (`metric: accuracy`, exact match against the `answer` column), never on the shaped
+reward, where an overlong or format term can make a group of all-wrong answers look varied (NeMo-RL#2431, verl-recipe
+PR#125). `metric: reward` filters on the total reward instead (for tasks without a reference answer). "Varied" is
+max > min, which is std > 0 (verl's `np.std(...) > 0`) without rounding.
+
+As in verl's filter_groups, generation batches of `prompts per step` prompts are drawn until the kept groups fill the
+step; kept groups beyond it are discarded, not carried over (so the data position is all a checkpoint needs, beside
+the batches sampled ahead). After `max_batches` draws (0: no limit) the step trains on what there is: the missing
+groups are filled with dropped ones whose completions are masked out of the loss, and a warning says so (verl raises
+instead). With several processes every rank fills its own share and all draw again while any is short, so every rank
+makes the same engine calls.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Optional, Sequence, TypeVar
+
+import torch
+
+from posttrain.algorithms.grpo import DynamicSamplingConfig
+from posttrain.errors import UserError
+from posttrain.train.drawn import Drawn
+
+logger = logging.getLogger(__name__)
+
+Group = TypeVar("Group")
+
+
+def varied_groups(metric_B: torch.Tensor, group: int) -> torch.Tensor:
+    """bool_P: which groups of `group` consecutive completions have a metric that varies (DAPO's kept groups). A group
+    of one is kept (nothing to compare, as verl); a NaN (no metric) makes its group not varied."""
+    metric_PG = metric_B.reshape(-1, group).double()
+    if group == 1:
+        return torch.ones(metric_PG.shape[0], dtype=torch.bool)
+    return (metric_PG.amax(dim=1) > metric_PG.amin(dim=1)) & ~metric_PG.isnan().any(dim=1)
+
+
+@dataclass
+class Refilled:
+    """One step's groups after dynamic sampling, with what it took."""
+
+    groups: list
+    """`need` groups: the kept ones first, then (only when max_batches ran out) fillers to mask out of the loss."""
+    fillers: int
+    """How many of `groups` (at the end) are dropped groups standing in for missing ones."""
+    drawn: int
+    kept: int
+    """Varied groups drawn (surplus included)."""
+    batches: int
+    """Generation batches drawn."""
+
+
+def refill(need: int, draw: Callable[[], tuple[Sequence[Group], torch.Tensor]],
+           keep: Callable[[torch.Tensor, int], torch.Tensor], group: int, max_batches: int,
+           short_anywhere: Callable[[int], bool] = lambda short: short > 0) -> Refilled:
+    """Draw generation batches until `need` kept groups are in hand (on every rank: `short_anywhere(this rank's
+    shortfall)` is true while any rank is short) or `max_batches` were drawn (0: no limit).
+
+    draw() -> (groups, metric_B): the next generation batch's groups, in prompt order, and the metric of each of
+    their completions (group consecutive values per group). keep(metric_B, group) -> bool_P picks the groups."""
+    kept: list = []
+    dropped: list = []
+    drawn = batches = 0
+    while True:
+        groups, metric_B = draw()
+        batches += 1
+        drawn += len(groups)
+        keep_P = keep(metric_B, group).tolist()
+        kept += [g for g, k in zip(groups, keep_P) if k]
+        dropped += [g for g, k in zip(groups, keep_P) if not k]
+        if not short_anywhere(max(0, need - len(kept))) or (max_batches and batches >= max_batches):
+            break
+    fillers = max(0, need - len(kept))
+    if fillers:
+        logger.warning("dynamic sampling: %d of %d prompt groups of this step vary after %d generation batches "
+                       "(algo.dynamic_sampling.max_batches); training on them, the other %d groups masked out of the "
+                       "loss. Raise max_batches, or use easier / harder data", len(kept), need, batches, fillers)
+    return Refilled(kept[:need] + dropped[:fillers], fillers, drawn, len(kept), batches)
+
+
+class DynamicSampler:
+    """The rollout source's dynamic sampling: where the next draw starts in the prompt order (saved in checkpoints),
+    and one step's refill.
+
+    draw(d, step) -> Drawn: generation batch d of the prompt order (this rank's slice), sampled and scored.
+    all_reduce_sum: sums a tensor over ranks (the shortfall, the step's counts)."""
+
+    FILE = "dynamic_sampling.json"
+
+    def __init__(self, config: DynamicSamplingConfig, need: int, group: int, draw: Callable[[int, int], Drawn],
+                 all_reduce_sum: Callable[[torch.Tensor], torch.Tensor]):
+        self.config, self.need, self.group, self._draw, self._sum = config, need, group, draw, all_reduce_sum
+        self.next_draw: Optional[int] = None
+        """The generation batch of the prompt order the next draw takes (None: the first step's own)."""
+
+    def fill(self, index: int, step: int) -> tuple[Drawn, dict[str, float]]:
+        """This rank's `need` groups for generation batch `index` (trained from `step`) and the step's
+        dynamic_sampling/* figures (all ranks)."""
+        rewards: list[float] = []
+        if self.next_draw is None:  # a new run, or one resumed from a checkpoint written without dynamic sampling
+            self.next_draw = index
+
+        def draw():
+            drawn = self._draw(self.next_draw, step)
+            self.next_draw += 1
+            rewards.extend(drawn.total)
+            return drawn.groups(), drawn.metric(self.config.metric)
+
+        def short_anywhere(short: int) -> bool:
+            return float(self._sum(torch.tensor([float(short)]))[0]) > 0
+
+        out = refill(self.need, draw, varied_groups, self.group, self.config.max_batches, short_anywhere)
+        counts = self._sum(torch.tensor([out.drawn, out.kept, out.fillers, sum(rewards), len(rewards)],
+                                        dtype=torch.float64)).tolist()
+        drawn, kept, fillers, reward_sum, completions = counts
+        metrics = {"dynamic_sampling/groups_drawn": drawn, "dynamic_sampling/groups_kept": kept,
+                   "dynamic_sampling/groups_dropped": drawn - kept, "dynamic_sampling/kept_fraction": kept / drawn,
+                   "dynamic_sampling/filler_groups": fillers, "dynamic_sampling/batches": float(out.batches),
+                   "dynamic_sampling/drawn_reward_mean": reward_sum / max(completions, 1.0)}
+        return Drawn.join(out.groups, out.fillers), metrics
+
+    def save(self, directory: Path, is_main: bool) -> None:
+        if is_main:
+            (Path(directory) / self.FILE).write_text(json.dumps({"next_draw": self.next_draw}))
+
+    def load(self, directory: Path) -> None:
+        """From a checkpoint: where the prompt order stands. A checkpoint of a run without dynamic sampling has no
+        such file: the draws then start at the resumed step's own generation batch."""
+        path = Path(directory) / self.FILE
+        if not path.is_file():
+            logger.warning("%s has no %s (written without algo.dynamic_sampling): the draws start at the resumed "
+                           "step's generation batch", directory, self.FILE)
+            return
+        try:
+            self.next_draw = int(json.loads(path.read_text())["next_draw"])
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise UserError(f"{path} cannot be read ({e}): resume from an earlier checkpoint") from e
+

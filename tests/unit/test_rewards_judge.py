@@ -1,0 +1,187 @@
+"""The judge reward against a hostile fake OpenAI-compatible server (wrong JSON, slow, 500s, redirects, floods) and
+its parsing; the real vLLM server as judge is tests/integration/test_judge.py."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from posttrain.config.schema import RewardConfig
+from posttrain.errors import UserError
+from posttrain.generation.http import BadAnswer, ServerUnavailable
+from posttrain.rewards import RewardError, RewardSet
+from posttrain.rewards.judge import parse_score
+from posttrain.rewards.load import load_reward
+
+
+class FakeJudge(BaseHTTPRequestHandler):
+    """Answers per the server's `mode`; records requests, their peak concurrency and the client ports."""
+
+    protocol_version = "HTTP/1.1"  # keep-alive, so a pooled connection can be reused
+
+    def log_message(self, *args):
+        pass
+
+    def do_GET(self):
+        self._send(200, {"object": "list", "data": [{"id": "the-judge", "object": "model"}]})
+
+    def do_POST(self):
+        server = self.server
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        with server.lock:
+            server.requests.append((body, self.headers.get("Authorization"), self.client_address[1]))
+            server.in_flight += 1
+            server.peak = max(server.peak, server.in_flight)
+            attempt = len(server.requests)
+        try:
+            mode = server.mode
+            if mode == "slow":
+                time.sleep(2.0)
+            if mode == "drip":  # headers at once, then a byte every 0.3 s
+                self.send_response(200)
+                self.send_header("Content-Length", "1000")
+                self.end_headers()
+                for _ in range(20):
+                    self.wfile.write(b" ")
+                    self.wfile.flush()
+                    time.sleep(0.3)
+                return
+            if mode == "500" or (mode == "500_then_ok" and attempt == 1):
+                return self._send(500, {"error": "overloaded"})
+            if mode == "redirect":
+                self.send_response(307)
+                self.send_header("Location", "http://elsewhere.example/v1/chat/completions")
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+                return
+            if mode == "not_json":
+                return self._raw(200, b"<html>gateway</html>")
+            if mode == "wrong_shape":
+                return self._send(200, {"choices": [{"text": "7"}]})
+            if mode == "flood":
+                return self._raw(200, b"[" + b"1," * 600_000 + b"1]")
+            time.sleep(0.05)
+            text = body["messages"][-1]["content"]
+            self._send(200, {"choices": [{"message": {"role": "assistant",
+                                                      "content": f"Score: {len(text.split('|')[1])}"}}]})
+        finally:
+            with server.lock:
+                server.in_flight -= 1
+
+    def _send(self, status, payload):
+        self._raw(status, json.dumps(payload).encode())
+
+    def _raw(self, status, data):
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+
+@pytest.fixture
+def fake(tmp_path):
+    server = ThreadingHTTPServer(("127.0.0.1", 0), FakeJudge)
+    server.daemon_threads = True
+    server.mode, server.requests, server.lock, server.in_flight, server.peak = "ok", [], threading.Lock(), 0, 0
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    template = tmp_path / "judge.jinja"
+    template.write_text("Rate {{ prompt }} |{{ completion }}| against {{ answer }}")
+    server.url = f"http://127.0.0.1:{server.server_address[1]}/v1"
+    server.template = str(template)
+    yield server
+    server.shutdown()
+    server.server_close()
+
+
+def judge(fake, **kwargs):
+    return load_reward(RewardConfig(name="judge", kwargs={"url": fake.url, "prompt_template": fake.template,
+                                                          "request_timeout_s": 1.0, "retries": 1, **kwargs})).fn
+
+
+def test_scores_concurrently_over_pooled_connections_with_the_token(fake, monkeypatch):
+    monkeypatch.setenv("MY_JUDGE_TOKEN", "s3cret")
+    fn = judge(fake, concurrency=4, token_env="MY_JUDGE_TOKEN", model="m")
+    completions = ["x" * n for n in range(12)]
+    scores = fn(prompts=["p"] * 12, completions=completions, completion_ids=None, answer=["a"] * 12)
+    assert scores == [float(n) for n in range(12)]  # the fake scores the completion's length, in order
+    bodies = [b for b, _, _ in fake.requests]
+    assert {b["model"] for b in bodies} == {"m"} and bodies[0]["messages"][-1]["content"].startswith("Rate p |")
+    assert "against a" in bodies[0]["messages"][-1]["content"]  # the dataset's columns reach the template
+    assert {auth for _, auth, _ in fake.requests} == {"Bearer s3cret"}
+    assert 1 < fake.peak <= 4  # concurrent, never more than the pool
+    assert len({port for _, _, port in fake.requests}) <= 4  # connections were reused
+
+
+def test_without_a_model_name_it_asks_the_server(fake):
+    assert judge(fake)(["p"], ["abc"], answer=["a"]) == [3.0]
+    assert fake.requests[0][0]["model"] == "the-judge"
+
+
+def test_a_500_is_tried_again(fake):
+    fake.mode = "500_then_ok"
+    assert judge(fake)(["p"], ["abcd"], answer=["a"]) == [4.0] and len(fake.requests) == 2
+
+
+@pytest.mark.parametrize("mode, error, message", [
+    ("500", ServerUnavailable, "HTTP 500.*after 2 tries"),
+    ("slow", ServerUnavailable, "no complete answer within 1 s"),
+    ("drip", ServerUnavailable, "no complete answer within 1 s"),
+    ("redirect", ServerUnavailable, "no redirect is followed"),
+    ("not_json", ServerUnavailable, "not JSON"),
+    ("wrong_shape", BadAnswer, r"choices\[0\].message.content"),
+    ("flood", ServerUnavailable, "bytes allowed"),
+])
+def test_hostile_answers_fail_with_a_reason_and_in_time(fake, mode, error, message):
+    fake.mode = mode
+    started = time.monotonic()
+    with pytest.raises(error, match=message):
+        judge(fake, model="m", max_answer_bytes=2**20)(["p"], ["abc"], answer=["a"])
+    assert time.monotonic() - started < 4.0  # deadlines hold: at most 2 tries of 1 s and a back-off
+    assert len(fake.requests) == (2 if mode in ("500", "slow", "drip") else 1)  # only what may help is tried again
+
+
+def test_in_a_reward_set_a_failing_judge_obeys_on_error(fake):
+    fake.mode = "wrong_shape"
+    strict = RewardSet([("judge", judge(fake, model="m"), 1.0, 30.0, "raise")])
+    with pytest.raises(RewardError, match="judge"):
+        strict.score(["p"], ["abc"], {"answer": ["a"]})
+    lenient = RewardSet([("judge", judge(fake, model="m"), 1.0, 30.0, "skip")])
+    assert lenient.score(["p"], ["abc"], {"answer": ["a"]})[2] == 1
+
+
+@pytest.mark.parametrize("text, parse, expected", [
+    ("The answer deserves 7/10. Final score: 8", "number", 8.0),
+    ("no digits", "number", None),
+    ("Yes, it is correct", "yes_no", 1.0),
+    ("**No**", "yes_no", 0.0),
+    ("maybe", "yes_no", None),
+    ("<score>0.75</score> (was 3)", r"<score>(.*?)</score>", 0.75),
+    ("<score>n/a</score>", r"<score>(.*?)</score>", None),
+])
+def test_parse(text, parse, expected):
+    assert parse_score(text, parse) == expected
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"url": "ftp://x"}, "http"),
+    ({"prompt_template": "/no/such.jinja"}, "is not a file"),
+    ({"parse": "score"}, "neither number, yes_no nor a regular expression"),
+    ({"concurrency": 0}, "concurrency"),
+    ({"request_timeout_s": 0}, "request_timeout_s"),
+    ({"modle": "x"}, "did you mean 'model'"),
+])
+def test_bad_kwargs_fail_at_load(fake, kwargs, message):
+    with pytest.raises(UserError, match=message):
+        judge(fake, **kwargs)
+
+
+def test_a_template_with_an_unknown_variable_fails_on_the_first_batch(fake, tmp_path):
+    template = tmp_path / "typo.jinja"
+    template.write_text("{{ completoin }}")
+    with pytest.raises(Exception, match="completoin"):
+        judge(fake, prompt_template=str(template), model="m")(["p"], ["c"])
