@@ -106,7 +106,7 @@ def build_roles(recipe, algorithm, backend, tokenizer, policy, eval_examples=Non
     t = recipe.train
     remote = remote_roles or {}
     routing = moe_routing(policy, recipe.model.router_aux_loss_coef)  # hooked before the engine wraps the model
-    if recipe.model.router_aux_loss_coef > 0:
+    if (recipe.model.router_aux_loss_coef or 0) > 0:
         routing.require(policy, "model.router_aux_loss_coef")
     models = Models(policy=trained_role(backend, policy, t, routing=routing), tokenizer=tokenizer,
                     eval_examples=eval_examples)

@@ -66,15 +66,20 @@ def sparse_block_classes(model) -> list[type]:
                  if any(plain_class(c).__name__ in ROUTERS for c in m.children())})
 
 
-def moe_routing(model, aux_loss_coef: float = 0.0) -> "Routing":
-    """Hooks on the routers of `model` (register before the engine wraps it); inert for a dense model."""
+def moe_routing(model, aux_loss_coef: Optional[float] = 0.0) -> "Routing":
+    """Hooks on the routers of `model` (register before the engine wraps it); inert for a dense model.
+    aux_loss_coef None: the model config's own router_aux_loss_coef, as TRL takes it (0 where it has none)."""
+    if aux_loss_coef is None:
+        config = getattr(unwrap_module(model), "config", None)
+        text_config = config.get_text_config() if config is not None else None
+        aux_loss_coef = getattr(text_config, "router_aux_loss_coef", 0.0) or 0.0
     return Routing(routers(model), aux_loss_coef)
 
 
 def check_moe_options(recipe, routing_replay: bool) -> None:
     """MoE options on a dense model are refused before it loads (read from its config.json, when it is local or
     cached; otherwise Routing.require says it once the model is loaded)."""
-    options = [name for name, on in (("model.router_aux_loss_coef", recipe.model.router_aux_loss_coef > 0),
+    options = [name for name, on in (("model.router_aux_loss_coef", (recipe.model.router_aux_loss_coef or 0) > 0),
                                      ("algo.routing_replay", routing_replay)) if on]
     config_file = model_config_file(recipe.model.name_or_path, recipe.model.revision) if options else None
     if config_file is None:

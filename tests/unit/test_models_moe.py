@@ -28,6 +28,12 @@ def tiny_moe(seed: int = 0, **config) -> Qwen3MoeForCausalLM:
         decoder_sparse_step=1, **config))
 
 
+def tiny_dense() -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                        num_attention_heads=2, num_key_value_heads=1))
+
+
 def padded_batch(seed: int = 1) -> Batch:
     g = torch.Generator().manual_seed(seed)
     input_ids_BT = torch.randint(3, 50, (3, 7), generator=g)
@@ -129,6 +135,11 @@ def test_aux_loss_is_transformers_and_weighted_into_the_loss():
     assert "routing_agreement" not in metrics and metrics["x"] == 1.0  # no replay without recorded experts
 
 
+def test_an_unset_coefficient_is_the_model_configs_own_as_in_trl():
+    assert moe_routing(tiny_moe(router_aux_loss_coef=0.02), None).aux_loss_coef == 0.02
+    assert moe_routing(tiny_dense(), None).aux_loss_coef == 0.0
+
+
 def test_gradient_checkpointing_recomputes_with_the_replayed_routing():
     grads = []
     for checkpointing in (False, True):
@@ -149,9 +160,7 @@ def test_gradient_checkpointing_recomputes_with_the_replayed_routing():
 
 
 def test_a_dense_model_has_no_routers_and_says_so():
-    torch.manual_seed(0)
-    dense = LlamaForCausalLM(LlamaConfig(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                         num_attention_heads=2, num_key_value_heads=1))
+    dense = tiny_dense()
     routing = moe_routing(dense)
     assert routing.num_routers == 0 and sparse_block_classes(dense) == []
     with routing.training(padded_batch()) as step:
