@@ -23,7 +23,7 @@ from posttrain.checkpoint import export_final
 from posttrain.distributed.precision import trained_model_config
 from posttrain.models.critic import load_critic
 from posttrain.models.forward import policy_logprobs
-from posttrain.models.moe import Routing, moe_routing, sparse_block_classes
+from posttrain.models.moe import NO_ROUTING, Routing, moe_routing, sparse_block_classes
 from posttrain.models.reference import make_reference
 from posttrain.train.loop import update_role
 from posttrain.train.optim import make_optimizer, make_scheduler
@@ -41,7 +41,7 @@ class LocalRole(Role):
     placement: str = "local"
     train_config: Any = None
     """recipe.train, for the schedule."""
-    routing: Routing = moe_routing(torch.nn.Module())
+    routing: Routing = NO_ROUTING
 
     def logprobs(self, batch: Batch, temperature: float = 1.0) -> torch.Tensor:
         return policy_logprobs(self.model, batch, temperature)
@@ -94,7 +94,7 @@ def trained_role(backend, model, train_config, learning_rate: Optional[float] = 
     model, optimizer = backend.prepare(model, make_optimizer(model, train_config, learning_rate),
                                        leaf_modules=sparse_block_classes(model))
     return LocalRole(model, backend, trains=True, optimizer=optimizer, train_config=train_config,
-                     routing=routing or moe_routing(torch.nn.Module()))
+                     routing=routing or NO_ROUTING)
 
 
 def build_roles(recipe, algorithm, backend, tokenizer, policy, eval_examples=None,

@@ -21,7 +21,7 @@ from typing import Any, Callable, NamedTuple, Optional
 import torch
 
 from posttrain.batch import Batch
-from posttrain.models.moe import Routing, moe_routing
+from posttrain.models.moe import NO_ROUTING, Routing
 
 ROLE_NAMES = ("policy", "critic", "reference", "reward_model", "teacher")
 """Every role an algorithm may ask for; trained roles are stepped in this order."""
@@ -38,7 +38,7 @@ class Role:
     """Where it lives: local (this process, sharded as the launcher says), offload (CPU between uses) or ray."""
     model: Any = None
     """The module in this process (what the backend returned); None for a role served elsewhere."""
-    routing: Routing = moe_routing(torch.nn.Module())
+    routing: Routing = NO_ROUTING
     """Its mixture-of-experts routers (aux loss, replay: models/moe.py); inert for a dense model."""
 
     # --- what algorithms ask (no gradient) ----------------------------------------------------------------------

@@ -213,3 +213,7 @@ def _replayed(output, forced_NK: torch.Tensor, renormalise: bool):
     if renormalise:
         forced_weights_NK = forced_weights_NK / forced_weights_NK.sum(dim=-1, keepdim=True)
     return logits_NE, forced_weights_NK.to(weights_NK.dtype), forced_NK
+
+
+NO_ROUTING = Routing([], 0.0)
+"""The routing of a role without MoE hooks (a dense model, a critic): every context does nothing."""
