@@ -7,6 +7,12 @@ Layouts:
 - packed (padding-free): B == 1, sequences concatenated, `attention_mask_BT` is None, `position_ids_BT` restarts at 0
   for every sequence (transformers keeps attention inside each sequence), `sequence_index_BT` numbers them.
 - preference: the first `num_pairs` rows are the chosen sequences, the next `num_pairs` their rejected partners.
+- padding-free forward (`padding_free`, data.packing for every algorithm but SFT's own packing): the batch keeps the
+  padded layout for the losses, but `model_inputs()` packs its rows first-fit-decreasing into as few rows of the
+  longest row's length as hold them (position ids restarting per sequence, so transformers keeps attention inside
+  each) and `unpack` scatters the model's outputs back to [B, T]: little compute or activation memory is spent on
+  padding, and no loss needs to know. Rows no longer than the longest keep attention at most what the padded batch
+  costs where the attention kernel is not varlen (sdpa / eager build a mask over a packed row's whole length).
 """
 
 from __future__ import annotations
@@ -68,15 +74,41 @@ class Batch:
     """The teacher's k largest log-probs (temperature 1) of the distribution predicting token t, at position t."""
     teacher_topk_ids_BTK: Optional[torch.Tensor] = None
     """The token ids of those k log-probs (int64)."""
+    # --- how the micro-batch runs ---
+    padding_free: bool = False
+    """Padded layout whose forwards drop the padding (see the module docstring)."""
+    filler: bool = False
+    """A stand-in micro-batch that keeps collective-bound ranks (ZeRO-3, FSDP) in step when this rank has fewer
+    token-budget micro-batches than another: its forward and backward run, its loss and counts weigh 0."""
 
     def to(self, device: torch.device) -> "Batch":
         return dataclasses.replace(self, **{name: value.to(device) for name, value in self._tensors()})
 
     def model_inputs(self) -> dict:
-        """Keyword arguments for a transformers forward pass."""
+        """Keyword arguments for a transformers forward pass (padding-free: the real tokens as one packed row; the
+        outputs go through `unpack`)."""
+        if self.padding_free:
+            keep_BT = self.attention_mask_BT.bool()
+            slots_N, fill_R, width = _packed_slots(keep_BT)
+            rows = fill_R.shape[0]
+            # the filler after a packed row's last sequence is a sequence of its own (positions from 0), then dropped
+            positions_N = (torch.arange(width, device=keep_BT.device)[None] - fill_R[:, None]).reshape(-1)
+            positions_N[slots_N] = (keep_BT.long().cumsum(-1) - 1)[keep_BT]
+            ids_N = self.input_ids_BT.new_zeros(rows * width).index_put((slots_N,), self.input_ids_BT[keep_BT])
+            return {"input_ids": ids_N.view(rows, width), "position_ids": positions_N.view(rows, width)}
         inputs = {"input_ids": self.input_ids_BT, "attention_mask": self.attention_mask_BT,
                   "position_ids": self.position_ids_BT}
         return {key: value for key, value in inputs.items() if value is not None}
+
+    def unpack(self, x_RW: torch.Tensor) -> torch.Tensor:
+        """A forward output over `model_inputs()` ([rows, width, ...]) in this batch's [B, T, ...] layout, 0 at
+        padding; as it is when the batch is not padding-free."""
+        if not self.padding_free:
+            return x_RW
+        keep_BT = self.attention_mask_BT.bool()
+        slots_N, _, _ = _packed_slots(keep_BT)
+        packed_N = x_RW.reshape(-1, *x_RW.shape[2:])[slots_N]
+        return x_RW.new_zeros(*keep_BT.shape, *x_RW.shape[2:]).index_put((keep_BT,), packed_N)
 
     def rows(self, start: int, stop: int) -> "Batch":
         """Rows [start, stop) of a padded batch (for chunked forwards)."""
@@ -88,3 +120,22 @@ class Batch:
         """(field name, tensor) of every field that holds a tensor."""
         values = ((f.name, getattr(self, f.name)) for f in dataclasses.fields(self))
         return [(name, value) for name, value in values if isinstance(value, torch.Tensor)]
+
+
+def _packed_slots(keep_BT: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Where a padding-free forward puts each real token: rows placed first-fit-decreasing into packed rows of the
+    longest row's length. Returns (flat slot in the packed [rows, width] of each real token, in keep_BT's row-major
+    order; tokens placed in each packed row; width)."""
+    lengths = keep_BT.sum(-1).tolist()
+    width = max(max(lengths), 1)
+    fill: list[int] = []  # tokens placed in each packed row
+    start = [0] * len(lengths)  # each row's first slot
+    for b in sorted(range(len(lengths)), key=lambda b: -lengths[b]):
+        row = next((r for r, used in enumerate(fill) if used + lengths[b] <= width), len(fill))
+        if row == len(fill):
+            fill.append(0)
+        start[b] = row * width + fill[row]
+        fill[row] += lengths[b]
+    slots = [s + t for s, n in zip(start, lengths) for t in range(n)]
+    device = keep_BT.device
+    return torch.tensor(slots, dtype=torch.long, device=device), torch.tensor(fill, device=device), width

@@ -39,6 +39,7 @@ from posttrain.generation.server import check_servers
 from posttrain.train.evaluation import check_answer_columns, evaluate_online
 from posttrain.train.guard import Guard
 from posttrain.train.loop import LoopContext, evaluate, train
+from posttrain.train.micro_batches import check_token_budget
 from posttrain.train.rollout_source import RolloutSource
 from posttrain.train.distill_source import DistillSource
 from posttrain.train.sources import DatasetSource, Source
@@ -88,7 +89,7 @@ def make_collate(recipe: Recipe, algorithm, tokenizer):
     pad_id = tokenizer.pad_token_id
     if algorithm.data_kind == "preference":
         return lambda examples: data.collate_preference(examples, pad_id)
-    if recipe.data.packing:
+    if recipe.data.packing and recipe.train.max_tokens_per_microbatch is None:  # else padding-free, regrouped
         return lambda examples: data.collate_packed(examples, row_length=recipe.data.max_length, pad_id=pad_id)
     return lambda examples: data.collate_padded(examples, pad_id)
 
@@ -124,6 +125,7 @@ def run_attempt(command: str, recipe: Recipe, launched: Optional[Launched] = Non
     check_model_source(recipe.model)
     check_position_limit(recipe, algorithm.data_kind)
     check_moe_options(recipe, algorithm.routing_replay)
+    check_token_budget(recipe, algorithm)
     resume_from = outputs.check_output_dir(recipe, command)
     tokenizer = load_tokenizer(recipe.model)
     launched = launched or Launched()

@@ -47,6 +47,14 @@ def tiny_moe_model_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def teacher_dir(tmp_path_factory):
+    """A second tiny model (another seed, the same tokenizer): distillation's teacher."""
+    from posttrain.models.tiny import make_tiny_model
+
+    return make_tiny_model(tmp_path_factory.mktemp("teacher") / "model", seed=1)
+
+
+@pytest.fixture(scope="session")
 def tiny_vllm_model_dir(tmp_path_factory):
     """`posttrain make-tiny-model`'s default (head_dim 32, 2 heads of 32): vLLM's CPU attention has no kernel for 16."""
     from posttrain.models.tiny import make_tiny_model

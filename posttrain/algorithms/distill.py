@@ -75,9 +75,6 @@ class DistillAlgoConfig:
             raise UserError(f"algo.temperature must be > 0 (it is generation.temperature when null), got "
                             f"{self.loss_temperature(recipe)}; set algo.temperature=1.0")
         if self.lmbda > 0:
-            if recipe.data.packing:
-                raise UserError("algo.lmbda > 0 samples completions, whose batches are built padded; set "
-                                "data.packing=false, or algo.lmbda=0 to train on the data only")
             if not recipe.data.completion_only_loss:
                 raise UserError("algo.lmbda > 0 keeps each row's prompt (the tokens before its first trained token) "
                                 "and samples the completion: set data.completion_only_loss=true")
@@ -151,7 +148,8 @@ class Distill(Algorithm):
                                     batch.input_ids_BT, mask_BT, self.config.beta, self.temperature)
         else:
             with torch.no_grad():
-                teacher_logits_BTV = self.teacher.forward(**batch.model_inputs(), use_cache=False).logits
+                teacher_BTV = self.teacher.forward(**batch.model_inputs(), use_cache=False).logits
+                teacher_logits_BTV = batch.unpack(teacher_BTV)
             out = distill_loss(student_logits_BTV, teacher_logits_BTV, batch.input_ids_BT, mask_BT, self.config.beta,
                                self.temperature)
         metrics = {name: masked_mean(value_BT, mask_BT) for name, value_BT in out.metrics_BT.items()}

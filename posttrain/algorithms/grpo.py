@@ -144,9 +144,6 @@ class GRPOAlgoConfig:
                             f"each prompt's {g} completions must be sampled on one device. Make the product a multiple "
                             f"of {g} (e.g. per_device_train_batch_size={g} or gradient_accumulation_steps={g}), or "
                             f"pick a num_generations that divides {per_device}")
-        if recipe.data.packing:
-            raise UserError("data.packing does not apply to grpo (rollout batches are built padded); set "
-                            "data.packing=false")
         if recipe.generation.batch_size is not None and recipe.generation.batch_size < 1:
             raise UserError(f"generation.batch_size must be >= 1 or null, got {recipe.generation.batch_size}")
         n = self.num_iterations

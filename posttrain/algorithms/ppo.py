@@ -111,8 +111,6 @@ class PPOAlgoConfig:
         if (t.per_device_train_batch_size * t.gradient_accumulation_steps) % self.num_generations:
             raise UserError(f"train.per_device_train_batch_size x train.gradient_accumulation_steps must be a multiple "
                             f"of algo.num_generations ({self.num_generations})")
-        if recipe.data.packing:
-            raise UserError("data.packing does not apply to ppo (rollout batches are padded); set data.packing=false")
         for key, value in (("train.save_steps", t.save_steps), ("train.max_steps_per_run", t.max_steps_per_run)):
             if self.ppo_epochs > 1 and value and value % self.ppo_epochs:
                 raise UserError(f"{key}={value} is not a multiple of algo.ppo_epochs={self.ppo_epochs}")

@@ -27,6 +27,7 @@ from posttrain.algorithms.preference_logps import split_pairs
 from posttrain.config.schema import Recipe
 from posttrain.errors import UserError
 from posttrain.losses.preference import bradley_terry_loss
+from posttrain.models.forward import sequence_scores
 from posttrain.batch import Batch
 
 
@@ -46,7 +47,7 @@ class RMAlgoConfig:
 
 def pair_scores(model, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
     """One forward over the 2P rows -> (chosen scores_P, rejected scores_P), float32."""
-    scores_B = model(**batch.model_inputs()).logits[:, 0].float()
+    scores_B = sequence_scores(model, batch)
     return split_pairs(scores_B, batch.num_pairs)
 
 

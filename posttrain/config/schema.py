@@ -65,7 +65,8 @@ class DataConfig:
     max_prompt_length: Optional[int] = None
     """Longest prompt for prompt-only data (GRPO); longer prompts are truncated from the left."""
     packing: bool = False
-    """Padding-free packing: concatenate sequences, restart position ids, keep attention inside each sequence."""
+    """Padding-free packing (TRL's padding_free), every algorithm: forwards run on the real tokens concatenated,
+    position ids restarting per sequence so attention stays inside each; the update is the same as padded."""
     completion_only_loss: bool = True
     """Prompt-completion data: train only on completion tokens."""
     assistant_only_loss: bool = True
@@ -82,6 +83,11 @@ class TrainConfig:
     """Sequences per device per eval batch."""
     gradient_accumulation_steps: int = 1
     """Micro-batches per optimiser step."""
+    max_tokens_per_microbatch: Optional[int] = None
+    """Token budget of a micro-batch (verl's ppo_max_token_len_per_gpu): each rank's rows of a step (the global batch
+    per_device_train_batch_size x gradient_accumulation_steps x world) are regrouped into as few micro-batches of at
+    most this many real tokens as fit, whole rows / preference pairs each; the update is the same as without it.
+    None: micro-batches of per_device_train_batch_size rows."""
     learning_rate: float = 1.0e-4
     """Peak learning rate (AdamW)."""
     weight_decay: float = 0.0

@@ -8,7 +8,9 @@ the numbers (DeepSpeed "auto" values are filled from it and contradictions stop 
 Loss scaling: algorithms return a loss already divided by the GLOBAL count of loss units of the step. Accelerate
 (non-DeepSpeed) divides by the accumulation steps and DeepSpeed's engine does the same; DDP, FSDP and ZeRO average
 gradients over ranks. `backward` multiplies by accumulation x world size so that, after both, the gradient is
-exactly d(sum of unit losses / global count).
+exactly d(sum of unit losses / global count). Both divisions are by constants, so this stays exact when a step holds
+another number of micro-batches than `gradient_accumulation_steps` (train.max_tokens_per_microbatch): the loop marks
+the step's last micro-batch itself (`accumulate(model, last)`).
 
 CPU (tests, laptops): Accelerate only turns DeepSpeed / FSDP on for accelerator devices and, on CPU, only talks
 over gloo when asked. So on CPU the process group is made here first (gloo, the recipe's timeout), and then the
@@ -242,9 +244,16 @@ class Backend:
             return Offloaded(model, self.device)
         return model.to(self.device)
 
-    def accumulate(self, model) -> contextlib.AbstractContextManager:
-        """Skips the gradient all-reduce on all but the last micro-batch of a step."""
-        return self.accelerator.accumulate(model)
+    @contextlib.contextmanager
+    def accumulate(self, model, last: bool) -> Iterator[None]:
+        """One micro-batch's forward + backward; `last`: it ends the step, so its backward reduces the gradients
+        across ranks (DDP no_sync, FSDP2 requires-gradient-sync and DeepSpeed's accumulation boundary stand aside
+        for it) and the optimizer may step. The loop says which micro-batch is last, rather than Accelerate counting
+        `gradient_accumulation_steps` of them, so a step may hold any number (token-budget micro-batches) as long as
+        every rank runs the same number."""
+        self.accelerator.gradient_state._set_sync_gradients(last)  # read by backward and Accelerate's optimizer
+        with contextlib.nullcontext() if last else self.accelerator.no_sync(model):
+            yield
 
     def backward(self, loss: torch.Tensor, model=None) -> None:
         """Backward of `model`'s loss (the policy's when None). Under DeepSpeed each trained model is its own engine,

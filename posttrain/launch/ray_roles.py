@@ -126,7 +126,8 @@ class TrainedRoleWorker(RoleWorker):
         if key != self.name:
             return super().forward(key, inputs)
         with torch.no_grad(), self.backend.autocast():
-            out = self.role.model(**{k: v.to(self.backend.device) for k, v in inputs.items()})
+            # no KV cache: with one, transformers does not see the packed sequences of a padding-free batch
+            out = self.role.model(**{k: v.to(self.backend.device) for k, v in inputs.items()}, use_cache=False)
         return out.logits.float().cpu()
 
     def update(self, key: str, step: int, micro_batches: list, normaliser, skip_nonfinite: bool):
@@ -201,7 +202,7 @@ class RayRole(Role):
     def logprobs(self, batch, temperature: float = 1.0):
         """Token log-probs of `batch` (only the fields a forward reads are sent), on the batch's device."""
         sent = Batch(batch.input_ids_BT, batch.completion_mask_BT, attention_mask_BT=batch.attention_mask_BT,
-                     position_ids_BT=batch.position_ids_BT).to("cpu")
+                     position_ids_BT=batch.position_ids_BT, padding_free=batch.padding_free).to("cpu")
         return self._call("logprobs", sent, temperature).to(batch.input_ids_BT.device)
 
     def seconds(self) -> float:

@@ -49,5 +49,5 @@ def load_critic(source: ModelConfig, pad_token_id: int, gradient_checkpointing: 
 def critic_values(critic, batch) -> torch.Tensor:
     """values_BT: position t holds the critic's value after reading tokens < t (the state token t is sampled from);
     position 0 is 0, matching the log-prob alignment of posttrain.batch."""
-    out_BT = critic(**batch.model_inputs()).logits[..., 0].float()
+    out_BT = batch.unpack(critic(**batch.model_inputs(), use_cache=False).logits[..., 0].float())
     return torch.nn.functional.pad(out_BT[:, :-1], (1, 0))

@@ -23,17 +23,52 @@ FUSED_HEAD_MODELS = frozenset({"llama", "qwen2", "qwen3", "mistral", "phi3", "qw
 
 
 def policy_logits(model, batch: Batch) -> torch.Tensor:
-    """logits_BTV of a causal LM for the batch (padded or packed layout)."""
-    return model(**batch.model_inputs(), use_cache=False).logits
+    """logits_BTV of a causal LM for the batch (padded, packed or padding-free layout)."""
+    return batch.unpack(model(**batch.model_inputs(), use_cache=False).logits)
 
 
 def policy_logprobs(model, batch: Batch, temperature: float = 1.0) -> torch.Tensor:
-    """logprobs_BT aligned with input_ids_BT (position 0 is 0): log p(token t | tokens < t)."""
+    """logprobs_BT aligned with input_ids_BT (position 0 is 0): log p(token t | tokens < t). A padding-free batch
+    is scored packed (the logits never exist for padding) and unpacked: each row's position 0, which in the packed
+    row holds a prediction from the previous row's last token, is set back to 0."""
+    inputs = batch.model_inputs()
     head = fusable_head(model)
     if head is None:
-        return token_logprobs(policy_logits(model, batch), batch.input_ids_BT, temperature=temperature)
-    with _head_returns_logprobs(head, batch.input_ids_BT, temperature):
-        return model(**batch.model_inputs(), use_cache=False).logits
+        logits = model(**inputs, use_cache=False).logits
+        logprobs = token_logprobs(logits, inputs["input_ids"], temperature=temperature)
+    else:
+        with _head_returns_logprobs(head, inputs["input_ids"], temperature):
+            logprobs = model(**inputs, use_cache=False).logits
+    if not batch.padding_free:
+        return logprobs
+    logprobs_BT = batch.unpack(logprobs)
+    return torch.cat([logprobs_BT.new_zeros(logprobs_BT.shape[0], 1), logprobs_BT[:, 1:]], dim=1)
+
+
+def sequence_scores(model, batch: Batch) -> torch.Tensor:
+    """A sequence-classification model's score of each row -> scores_B (float32), read where transformers pools:
+    the last token that is not the pad token. Padding-free: the score head's per-token output is taken from the
+    packed forward (a hook on `model.score`, which every transformers *ForSequenceClassification has) at the same
+    tokens, because the model's own pooling would see one row."""
+    if not batch.padding_free:
+        return model(**batch.model_inputs()).logits[:, 0].float()
+    inner = unwrap_module(model)
+    head = getattr(inner, "score", None)
+    if head is None:
+        raise RuntimeError(f"padding-free scoring needs the score head of a *ForSequenceClassification model; "
+                           f"{type(inner).__name__} has no `score` module (set data.packing=false)")
+    captured = []
+    handle = head.register_forward_hook(lambda module, args, output: captured.append(output))
+    try:
+        model(**batch.model_inputs(), use_cache=False)  # with a cache, transformers does not look for packed rows
+    finally:
+        handle.remove()
+    scores_BT = batch.unpack(captured[0][..., 0])
+    pad_id = inner.config.pad_token_id
+    pooled_BT = batch.attention_mask_BT.bool() & (batch.input_ids_BT != (-1 if pad_id is None else pad_id))
+    positions_BT = torch.arange(pooled_BT.shape[1], device=pooled_BT.device).expand_as(pooled_BT)
+    last_B = (positions_BT * pooled_BT).argmax(-1)
+    return scores_BT.gather(1, last_B[:, None])[:, 0].float()
 
 
 def fusable_head(model) -> torch.nn.Linear | None:

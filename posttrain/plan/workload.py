@@ -86,7 +86,7 @@ def workload_from_recipe(command: str, recipe: Recipe, per_device_batch: Optiona
                         lm_head=facts["task"] == "causal_lm", logprobs_only=command in ("sft", "dpo"),
                         eager_attention=recipe.model.attn_implementation == "eager")
     if not facts["generate"]:
-        return workload
+        return within_budget(workload, t, per_device_batch, max_length)
     prompt_length = d.max_prompt_length or max(1, length - g.max_completion_length)
     if max_length is not None:
         prompt_length = max(1, min(prompt_length, max_length - g.max_completion_length))
@@ -95,8 +95,22 @@ def workload_from_recipe(command: str, recipe: Recipe, per_device_batch: Optiona
     per_call = min(g.batch_size or prompts, prompts) or 1
     vllm = g.engine == "vllm" and g.placement in ("colocated", "node")  # its KV cache lives in its reserved share
     vllm_weight_bytes, kv_cache = vllm_on_cpu(recipe) if vllm and not on_gpu else (0, 0)
-    return dataclasses.replace(workload, sequence_length=prompt_length + g.max_completion_length,
-                               generation_sequences=0 if vllm else per_call * generations,
-                               generation_length=prompt_length + g.max_completion_length,
-                               vllm_fraction=g.vllm.gpu_memory_utilization if vllm else 0.0,
-                               vllm_weight_bytes=vllm_weight_bytes, vllm_kv_cache_bytes=kv_cache)
+    workload = dataclasses.replace(workload, sequence_length=prompt_length + g.max_completion_length,
+                                   generation_sequences=0 if vllm else per_call * generations,
+                                   generation_length=prompt_length + g.max_completion_length,
+                                   vllm_fraction=g.vllm.gpu_memory_utilization if vllm else 0.0,
+                                   vllm_weight_bytes=vllm_weight_bytes, vllm_kv_cache_bytes=kv_cache)
+    return within_budget(workload, t, per_device_batch, max_length)
+
+
+def within_budget(workload: Workload, t, per_device_batch: Optional[int], max_length: Optional[int]) -> Workload:
+    """train.max_tokens_per_microbatch: a micro-batch holds at most that many tokens, which its padding-free forward
+    packs into rows of the longest row's length (the worst case: full rows of the recipe's length), and the step's
+    rows at full length take ceil(tokens / budget) micro-batches. Not applied when the caller asks about another
+    micro-batch shape (the recommender's alternatives)."""
+    budget = t.max_tokens_per_microbatch
+    if budget is None or per_device_batch is not None or max_length is not None:
+        return workload
+    step_tokens = workload.sequences * workload.sequence_length * workload.accumulation
+    return dataclasses.replace(workload, sequences=max(1, min(budget, step_tokens) // workload.sequence_length),
+                               accumulation=max(1, -(-step_tokens // budget)))

@@ -28,6 +28,7 @@ from posttrain.algorithms.base import Algorithm, Models
 from posttrain.batch import Batch
 from posttrain.config.schema import saves_final_checkpoint
 from posttrain.train.guard import Guard
+from posttrain.train.micro_batches import shape
 from posttrain.train.state import TrainState
 
 
@@ -50,6 +51,8 @@ class LoopContext:
 
 
 def count_tokens(batch: Batch) -> int:
+    if batch.filler:
+        return 0
     if batch.attention_mask_BT is not None:
         return int(batch.attention_mask_BT.sum())
     if batch.sequence_index_BT is not None:  # packed rows: filler tokens are not data
@@ -57,9 +60,16 @@ def count_tokens(batch: Batch) -> int:
     return int(batch.input_ids_BT.numel())
 
 
+def pad_id(tokenizer) -> int:
+    """The id that pads rows the loop regroups (the tokenizer's pad token, else its end of sequence)."""
+    if tokenizer is None:
+        return 0
+    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+
+
 def completion_tokens(micro_batches: list[Batch], device) -> torch.Tensor:
-    """This rank's tokens inside the completion masks: the tokens the step trains on."""
-    return torch.stack([b.completion_mask_BT.sum() for b in micro_batches]).sum().float().to(device)
+    """This rank's tokens inside the completion masks: the tokens the step trains on (fillers train on none)."""
+    return torch.stack([b.completion_mask_BT.sum() * (not b.filler) for b in micro_batches]).sum().float().to(device)
 
 
 def train(ctx: LoopContext) -> TrainState:
@@ -77,8 +87,10 @@ def train(ctx: LoopContext) -> TrainState:
     while state.step < ctx.total_steps:
         step_start = time.perf_counter()
 
-        # 1. this rank's micro-batches for the step
-        micro_batches = [b.to(backend.device) for b in ctx.source.step_batches(state.step)]
+        # 1. this rank's micro-batches for the step: padding-free and within the token budget when the recipe asks
+        micro_batches = shape(ctx.source.step_batches(state.step), backend.recipe, pad_id(models.tokenizer),
+                              lambda count: max(backend.all_gather_object(count)))
+        micro_batches = [b.to(backend.device) for b in micro_batches]
 
         # 2. what needs no gradient
         with torch.no_grad():
@@ -88,7 +100,7 @@ def train(ctx: LoopContext) -> TrainState:
         #    micro-batches and ranks)
         objectives = algorithm.objectives(state.step)
         trained = [(name, role) for name, role in models.trained() if name in objectives]
-        local_counts = torch.stack([torch.stack([objectives[name].count(b).float().to(backend.device)
+        local_counts = torch.stack([torch.stack([objectives[name].count(b).float().to(backend.device) * (not b.filler)
                                                  for b in micro_batches]).sum() for name, _ in trained]
                                    + [completion_tokens(micro_batches, backend.device)])  # + tokens to train on
         counts = backend.all_reduce_sum(local_counts)
@@ -109,15 +121,17 @@ def train(ctx: LoopContext) -> TrainState:
         # 5. reduce once across ranks: [tokens, *losses, *metrics means, *guard flags]
         tokens = sum(count_tokens(b) for b in micro_batches)
         keys = sorted(metric_sums)
+        trained_on = sum(not b.filler for b in micro_batches)
         local = torch.stack([torch.tensor(float(tokens), device=backend.device)] + list(losses.values())
-                            + [metric_sums[k].to(backend.device) / len(micro_batches) for k in keys])
+                            + [metric_sums[k].to(backend.device) / trained_on for k in keys])
         # + [a loss not finite, signal]: agreed in this reduce
         local = torch.cat([local, guard.local_flags(torch.stack(list(losses.values())).sum())])
         reduced = backend.all_reduce_sum(local)
         guard.check_step(state, reduced[-2:], sum(grad_norms.values()))  # NaN when any role's norm is
         global_tokens = int(reduced[0])
         state.tokens_seen += global_tokens
-        state.samples_seen += sum(b.num_pairs or b.num_sequences for b in micro_batches) * backend.world_size
+        samples = sum(b.num_pairs or b.num_sequences for b in micro_batches if not b.filler)
+        state.samples_seen += samples * backend.world_size
         step_metrics = {}
         for name, value in zip(losses, reduced[1 : 1 + len(losses)]):
             suffix = "" if name == "policy" else f"/{name}"
@@ -181,12 +195,15 @@ def update_role(backend, role, objective, micro_batches: list[Batch], normaliser
     in a Ray actor group of its own runs it there."""
     loss_sum = torch.zeros((), device=backend.device)
     metric_sums: dict[str, torch.Tensor] = {}
-    for batch in micro_batches:
+    for k, batch in enumerate(micro_batches):
         # routing: an MoE model's load-balancing loss and routing replay, over the forward AND the backward
-        with backend.accumulate(role.model), role.routing.training(batch) as routing:
+        last = k == len(micro_batches) - 1
+        with backend.accumulate(role.model, last=last), role.routing.training(batch) as routing:
             with backend.autocast():
                 loss, metrics = routing.finish(*objective.loss(role.model, batch, normaliser),
                                                weight=objective.count(batch) / normaliser)
+            if batch.filler:  # runs for the collectives only (train/micro_batches.py)
+                loss, metrics = loss * 0.0, {}
             backend.backward(loss, role.model)
         loss_sum += loss.detach().float()
         for key, value in metrics.items():

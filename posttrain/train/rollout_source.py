@@ -390,7 +390,8 @@ class RolloutSource(Source):
                 sampler_BT[row, len(p) : len(p) + len(lps)] = torch.tensor(lps, dtype=torch.float32)
             batches.append(replace(batch, rewards_B=rewards_B[start:stop].float(), sampler_logprobs_BT=sampler_BT,
                                    truncated_B=torch.tensor(truncated[start:stop], dtype=torch.bool),
-                                   example_index_B=torch.tensor(dataset_index[start:stop])))
+                                   example_index_B=torch.tensor(dataset_index[start:stop]),
+                                   padding_free=self.recipe.data.packing))
         return batches
 
     def _write_samples(self, step: int, prompts, texts, total_B, per_function, advantages_B, truncated,

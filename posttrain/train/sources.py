@@ -5,6 +5,10 @@ permutation of the dataset seeded by (seed, e), epochs concatenated. Step s take
 that stream and splits them over ranks and micro-batches. So the order depends on the seed and the global batch
 size only — not on how the global batch is split — which is what makes 1x4, 2x2 and 4x1 runs identical and makes
 resume exact: the data position is just the step number.
+
+With a token budget (train.max_tokens_per_microbatch) the step's global batch is spread over ranks by tokens instead
+(`balanced_partition`: every rank computes the same plan from the same stream, so no collective is needed) and each
+rank hands its share to the loop as one batch, which regroups it within the budget (train/micro_batches.py).
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from typing import Callable, Sequence
 import torch
 
 from posttrain.batch import Batch
+from posttrain.data.token_budget import balanced_partition
 
 
 class Source:
@@ -70,10 +75,12 @@ class SampleOrder:
 
 class DatasetSource(Source):
     def __init__(self, examples: Sequence[dict], collate: Callable[[list[dict]], Batch], per_device_batch_size: int,
-                 gradient_accumulation_steps: int, world_size: int, rank: int, seed: int):
+                 gradient_accumulation_steps: int, world_size: int, rank: int, seed: int, balance: bool = False):
         self.examples, self.collate, self.world_size, self.rank = examples, collate, world_size, rank
         self.micro, self.accumulation = per_device_batch_size, gradient_accumulation_steps
         self.order = SampleOrder(len(examples), seed)
+        self.balance = balance
+        """Spread each step's rows over ranks by tokens, one batch per rank (with a token budget)."""
 
     @classmethod
     def from_recipe(cls, recipe, backend, examples: Sequence[dict], collate) -> "DatasetSource":
@@ -81,7 +88,7 @@ class DatasetSource(Source):
         t = recipe.train
         seed = t.dataloader_seed if t.dataloader_seed is not None else recipe.seed
         return cls(examples, collate, t.per_device_train_batch_size, t.gradient_accumulation_steps, backend.world_size,
-                   backend.rank, seed)
+                   backend.rank, seed, balance=t.max_tokens_per_microbatch is not None)
 
     @property
     def global_batch(self) -> int:
@@ -98,9 +105,22 @@ class DatasetSource(Source):
         return [range(start + slot * self.micro, start + (slot + 1) * self.micro) for slot in slots]
 
     def step_indices(self, step: int) -> list[list[int]]:
-        """Dataset indices of this rank's micro-batches (step_positions through the seeded order)."""
-        return [[self.order.index(p) for p in positions] for positions in self.step_positions(step)]
+        """Dataset indices of this rank's micro-batches (step_positions through the seeded order); balanced: this
+        rank's share of the step's rows as one list, the shares as equal in tokens as balanced_partition finds."""
+        if not self.balance:
+            return [[self.order.index(p) for p in positions] for positions in self.step_positions(step)]
+        start = step * self.global_batch
+        indices = [self.order.index(p) for p in range(start, start + self.global_batch)]
+        shares = balanced_partition([example_tokens(self.examples[i]) for i in indices], self.world_size)
+        return [[indices[k] for k in sorted(shares[self.rank])]]
 
     def step_batches(self, step: int) -> list[Batch]:
         return [dataclasses.replace(self.collate([self.examples[i] for i in indices]),
                                     example_index_B=torch.tensor(indices)) for indices in self.step_indices(step)]
+
+
+def example_tokens(example: dict) -> int:
+    """Tokens an example puts through the model: its row, or a preference pair's two rows."""
+    if "input_ids" in example:
+        return len(example["input_ids"])
+    return 2 * len(example["prompt_ids"]) + len(example["chosen_ids"]) + len(example["rejected_ids"])

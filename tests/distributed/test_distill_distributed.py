@@ -20,13 +20,6 @@ def data(tmp_path_factory):
     return write_example_data(tmp_path_factory.mktemp("data"), n_train=32, n_eval=4)
 
 
-@pytest.fixture(scope="module")
-def teacher_dir(tmp_path_factory):
-    from posttrain.models.tiny import make_tiny_model
-
-    return make_tiny_model(tmp_path_factory.mktemp("teacher") / "model", seed=1)
-
-
 def overrides(student, teacher, data, out, accumulation):
     return run_overrides(student, data["sft_train"], out, f"algo.teacher_model_name_or_path={teacher}",
                          "train.max_steps=3", "train.per_device_train_batch_size=2",

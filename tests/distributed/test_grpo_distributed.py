@@ -1,5 +1,6 @@
 """GRPO on 2 CPU processes (gloo) under DDP, ZeRO-2 and ZeRO-3 (generation with gathered ZeRO-3 parameters) gives
-the same samples, losses, held-out figures and weights as one process with the same global batch.
+the same samples, losses, held-out figures and weights as one process with the same global batch; so does ZeRO-3
+with padding-free rows in token-budget micro-batches.
 
 With generation.batch_size=1 every generate call holds one prompt's group, seeded by the prompt's global position,
 so the completions do not depend on how prompts are spread over ranks; rewards are gathered for advantages
@@ -24,14 +25,18 @@ def data(tmp_path_factory):
     return write_example_data(tmp_path_factory.mktemp("data"), n_train=32, n_eval=5)  # 5: the eval shares are 3 and 2
 
 
-def overrides(tiny_model_dir, data, out, per_device):
+def overrides(tiny_model_dir, data, out, per_device, *extra):
     return run_overrides(
         tiny_model_dir, data["prompts_train"], out, f"data.eval={data['prompts_eval']}", "train.max_steps=2",
         f"train.per_device_train_batch_size={per_device}", "train.gradient_accumulation_steps=2",
         "generation.max_completion_length=8", "generation.batch_size=1",
         "algo.num_generations=2", "algo.beta=0.05", "algo.scale_rewards=batch",
-        f"rewards=[{{name: '{REWARD}'}}]", learning_rate="1e-3", seed=5,
+        f"rewards=[{{name: '{REWARD}'}}]", *extra, learning_rate="1e-3", seed=5,
     )
+
+
+SHORT = ["data.max_prompt_length=24"]  # rows of at most 32 tokens
+PACKED_BUDGET = ["data.packing=true", "train.max_tokens_per_microbatch=32"]  # about one row per micro-batch
 
 
 @pytest.fixture(scope="module")
@@ -43,11 +48,33 @@ def single(tiny_model_dir, data, tmp_path_factory):
     return result
 
 
+@pytest.fixture(scope="module")
+def single_short(tiny_model_dir, data, tmp_path_factory):
+    out = tmp_path_factory.mktemp("single_short") / "run"
+    result = launch(1, "grpo", overrides(tiny_model_dir, data, out, 4, *SHORT))
+    assert result.ok, result.output[-6000:]
+    return result
+
+
 @pytest.mark.parametrize("engine, accelerate_config", [("ddp", None), ("deepspeed-zero2", "zero2"),
                                                        ("deepspeed-zero3", "zero3"), ("fsdp2", "fsdp2")])
 def test_two_processes_match_one(tiny_model_dir, data, tmp_path, single, engine, accelerate_config):
     result = launch(2, "grpo", overrides(tiny_model_dir, data, tmp_path / "run", per_device=2),
                     accelerate_config=accelerate_config)
+    check_two_match_one(result, single, engine)
+
+
+@pytest.mark.parametrize("engine, accelerate_config", [("deepspeed-zero3", "zero3")])
+def test_packed_budget_two_processes_match_one(tiny_model_dir, data, tmp_path, single_short, engine,
+                                               accelerate_config):
+    """Padding-free rows regrouped into micro-batches of about one row: ranks with fewer micro-batches run fillers
+    so ZeRO-3's collective forwards stay in step; the padded one-process run's samples, losses and weights."""
+    result = launch(2, "grpo", overrides(tiny_model_dir, data, tmp_path / "run", 2, *SHORT, *PACKED_BUDGET),
+                    accelerate_config=accelerate_config)
+    check_two_match_one(result, single_short, engine)
+
+
+def check_two_match_one(result, single, engine):
     result.check_world(2)
     assert result.facts["engine"] == engine
     one = {(r["step"], "eval" if "eval/reward" in r else "train"): r for r in single.metrics()}

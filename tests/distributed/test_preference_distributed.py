@@ -5,7 +5,7 @@ DPO runs with a live frozen reference everywhere (under ZeRO-3 the reference is 
 and with precompute_ref_logprobs under ZeRO-3 and FSDP2: every rank scores its slice of the pairs in step with the
 others, one all-reduce assembles the table, and the cached table equals the one-process table. LoRA DPO (reference
 = the adapter-off policy) runs under DDP, ZeRO-3 and FSDP2, LoRA RM under FSDP2; the merged final/ equals the
-one-process one. Three steps each.
+one-process one. DPO with padding-free pairs in token-budget micro-batches under DDP and ZeRO-3. Three steps each.
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ def overrides(tiny_model_dir, data, out, *extra):
 
 ONE = ["train.per_device_train_batch_size=4", "train.gradient_accumulation_steps=1"]
 TWO = ["train.per_device_train_batch_size=1", "train.gradient_accumulation_steps=2"]
+SHORT = ["data.max_length=32"]  # pairs of 40-44 tokens
 
 
 @pytest.fixture(scope="module")
@@ -51,6 +52,7 @@ def single(tiny_model_dir, data, tmp_path_factory):
             out = root / f"{command}-{variant}"
             extra = LORA if variant == "lora" else []
             extra += ["algo.precompute_ref_logprobs=true"] if variant == "precomputed" else []
+            extra += SHORT if variant == "short" else []
             assert run_cli(command, *overrides(tiny_model_dir, data, out, *ONE, *extra)) == 0
             cache[key] = out
         return cache[key]
@@ -120,3 +122,14 @@ def test_rm_lora_under_fsdp2_exports_the_merged_model(tiny_model_dir, data, tmp_
     assert not [k for k in result.final_weights() if "lora" in k or "modules_to_save" in k or "base_layer" in k]
     adapter = load_file(str(result.output_dir / "final" / "adapter" / "adapter_model.safetensors"))
     assert any("score" in k for k in adapter) and any(".lora_B." in k for k in adapter)  # head + adapters
+
+
+@pytest.mark.parametrize("engine", ["ddp", "zero3"])
+def test_dpo_packed_budget_two_processes_match_one(engine, tiny_model_dir, data, tmp_path, single):
+    """Padding-free pairs in token-budget micro-batches: the ranks' shares are balanced by tokens and each rank runs
+    the agreed number of micro-batches, yet the update is the padded one-process one's. With 87 tokens (this data's
+    pairs are 40-44 tokens), step 1 needs 2 micro-batches on rank 0 and 1 on rank 1, which runs a filler; steps 2
+    and 3 need 1 on each rank where gradient_accumulation_steps says 2: the backend's boundary is the loop's."""
+    result = launch(2, "dpo", overrides(tiny_model_dir, data, tmp_path / "run", *TWO, *SHORT, "data.packing=true",
+                                        "train.max_tokens_per_microbatch=87"), accelerate_config=ENGINES[engine])
+    check_matches(result, single("dpo", "short"), engine)

@@ -199,7 +199,6 @@ def test_trl_reward_file_through_reward_funcs(tiny_model_dir, data, tmp_path):
     ("algo.scale_rewards=rank", "choose one of group, batch, none"),
     ("generation.temperature=0", "generation.temperature > 0"),
     ("rewards=[]", "grpo needs at least one reward"),
-    ("data.packing=true", "data.packing"),
     ("algo.num_iterations=2", "train.save_steps=3 is not a multiple of algo.num_iterations=2"),
 ])
 def test_recipe_checks(override, message):

@@ -32,7 +32,6 @@ def load(*overrides):
     (["algo.lmbda=-0.1"], "algo.beta and algo.lmbda in [0, 1]"),
     (["algo.temperature=0"], "algo.temperature must be > 0"),
     (["generation.temperature=0"], "algo.temperature must be > 0"),
-    (["data.packing=true"], "data.packing=false"),
     (["data.completion_only_loss=false"], "data.completion_only_loss=true"),
     (["algo.teacher_server=http://127.0.0.1:9"], "name the teacher once"),
     (["algo.teacher_model_name_or_path=null"], "name the teacher once"),

@@ -244,3 +244,18 @@ def test_fused_output_layer_never_makes_the_logits():
     w = Workload(algorithm="sft", sequences=2, sequence_length=4, logprobs_only=True)
     assert estimate(fused, w, ENGINES["ddp"]).logits == 2 * 8 * 10 * 4  # one float32 chunk (all 8 rows) and its work
     assert estimate(SHAPE, w, ENGINES["ddp"]).logits == LOGITS  # a head that cannot be fused: the logits path
+
+
+def test_a_token_budget_bounds_the_micro_batch_the_estimate_sees():
+    from posttrain.algorithms.dpo import DPOAlgoConfig
+    from posttrain.plan.workload import workload_from_recipe
+
+    base = ["data.train=a.jsonl", "data.max_length=1024", "train.per_device_train_batch_size=8",
+            "train.gradient_accumulation_steps=2"]
+    padded = workload_from_recipe("dpo", load_recipe(None, base, DPOAlgoConfig))
+    budget = workload_from_recipe("dpo", load_recipe(None, [*base, "train.max_tokens_per_microbatch=4096"],
+                                                     DPOAlgoConfig))
+    assert (padded.sequences, padded.sequence_length, padded.accumulation) == (16, 1024, 2)
+    # 2 x 16 rows x 1024 tokens in micro-batches of 4,096 tokens: 4 rows each, 8 of them
+    assert (budget.sequences, budget.sequence_length, budget.accumulation) == (4, 1024, 8)
+    assert estimate(SHAPE, budget, ENGINES["ddp"]).activations < estimate(SHAPE, padded, ENGINES["ddp"]).activations
