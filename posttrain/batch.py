@@ -110,6 +110,16 @@ class Batch:
         packed_N = x_RW.reshape(-1, *x_RW.shape[2:])[slots_N]
         return x_RW.new_zeros(*keep_BT.shape, *x_RW.shape[2:]).index_put((keep_BT,), packed_N)
 
+    def pack(self, x_BT: torch.Tensor) -> torch.Tensor:
+        """A [B, T, ...] tensor in the layout of `model_inputs()` ([rows, width, ...], 0 at the filler): the inverse
+        of `unpack` (per-token inputs a model's hooks need, e.g. models/moe.py's replayed experts)."""
+        if not self.padding_free:
+            return x_BT
+        keep_BT = self.attention_mask_BT.bool()
+        slots_N, fill_R, width = _packed_slots(keep_BT)
+        packed_N = x_BT.new_zeros(fill_R.shape[0] * width, *x_BT.shape[2:]).index_put((slots_N,), x_BT[keep_BT])
+        return packed_N.view(fill_R.shape[0], width, *x_BT.shape[2:])
+
     def rows(self, start: int, stop: int) -> "Batch":
         """Rows [start, stop) of a padded batch (for chunked forwards)."""
         size = self.input_ids_BT.shape[0]

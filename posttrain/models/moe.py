@@ -92,9 +92,9 @@ def check_moe_options(recipe, routing_replay: bool) -> None:
 
 
 def real_tokens_N(batch: Batch) -> torch.Tensor:
-    """bool over the flattened batch: tokens that are data (not padding, not packing filler)."""
+    """bool over the tokens as the routers see them (`batch.model_inputs()` flattened): data, not padding or filler."""
     if batch.attention_mask_BT is not None:
-        return batch.attention_mask_BT.reshape(-1).bool()
+        return batch.pack(batch.attention_mask_BT).reshape(-1).bool()
     if batch.sequence_index_BT is not None:
         return (batch.sequence_index_BT >= 0).reshape(-1)
     return torch.ones(batch.input_ids_BT.numel(), dtype=torch.bool, device=batch.input_ids_BT.device)
@@ -108,10 +108,11 @@ class Recording:
     """chosen[layer] = [indices_NK of each forward]."""
 
     def experts_BTLK(self, batch: Batch) -> torch.Tensor:
-        """(B, T, L, K) int16: the experts chosen for every token of `batch`, aligned with input_ids_BT."""
-        B, T = batch.input_ids_BT.shape
-        per_layer = [torch.cat(forwards).reshape(B, T, -1) for forwards in self.chosen]
-        return torch.stack(per_layer, dim=2).to(torch.int16)
+        """(B, T, L, K) int16: the experts chosen for every token of `batch`, aligned with input_ids_BT (0 at
+        padding). The forwards saw `batch.model_inputs()` (padding-free: packed rows), or its rows in order."""
+        rows, width = batch.model_inputs()["input_ids"].shape
+        per_layer = [torch.cat(forwards).reshape(rows, width, -1) for forwards in self.chosen]
+        return batch.unpack(torch.stack(per_layer, dim=2)).to(torch.int16)
 
 
 @dataclass
@@ -177,7 +178,7 @@ class Routing:
         (routed_experts_BTLK) is routed with them."""
         forced = None
         if batch.routed_experts_BTLK is not None:
-            forced = list(batch.routed_experts_BTLK.long().flatten(0, 1).unbind(dim=1))
+            forced = list(batch.pack(batch.routed_experts_BTLK.long()).flatten(0, 1).unbind(dim=1))
         self._training = TrainingForward(self, real_tokens_N(batch), forced)
         try:
             yield self._training

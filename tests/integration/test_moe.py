@@ -33,11 +33,14 @@ def test_sft_adds_the_load_balancing_loss(tiny_moe_model_dir, data, tmp_path):
 
 
 def test_grpo_replays_the_old_policys_routing(tiny_moe_model_dir, data, tmp_path):
+    """Padding-free micro-batches within a token budget: the routing recorded on the padded rollout batch is packed
+    with them (agreement 1.0 on each batch's first step says every token got its own experts back)."""
     out = tmp_path / "run"
     assert run_cli("grpo", *run_overrides(
         tiny_moe_model_dir, data["prompts_train"], out, "train.max_steps=4", "train.per_device_train_batch_size=4",
         "generation.max_completion_length=8", "algo.num_generations=4", "algo.num_iterations=2",
         "algo.routing_replay=old_policy", "model.router_aux_loss_coef=0.001", "train.save_final_model=false",
+        "data.packing=true", "data.max_prompt_length=56", "train.max_tokens_per_microbatch=64",
         f"rewards=[{{name: '{REWARD}'}}]", learning_rate="3e-2")) == 0
     rows = {r["step"]: r for r in metrics(out)}
     assert sorted(rows) == [1, 2, 3, 4]

@@ -169,3 +169,30 @@ def test_a_dense_model_has_no_routers_and_says_so():
     with pytest.raises(UserError, match="algo.routing_replay.*llama has none"):
         routing.require(dense, "algo.routing_replay")
     assert [c.__name__ for c in sparse_block_classes(tiny_moe())] == ["Qwen3MoeSparseMoeBlock"]
+
+
+def test_a_padding_free_forward_replays_the_padded_recording():
+    """Token-budget micro-batches run padding-free (packed rows): the recording, taken padded, is packed the same
+    way, so every real token keeps its experts and an unchanged model agrees with itself."""
+    model, batch = tiny_moe(), padded_batch()
+    routing = moe_routing(model)
+    old_BT, replayed = recorded(model, routing, batch)
+    packed = dataclasses.replace(replayed, padding_free=True)
+    seen, handles = experts_used(model)
+    with routing.training(packed) as step:
+        new_BT = policy_logprobs(model, packed)
+        _, metrics = step.finish(new_BT.sum(), {}, weight=torch.tensor(1.0))
+    for h in handles:
+        h.remove()
+    assert metrics["routing_agreement"].item() == 1.0
+    real_N = packed.pack(packed.attention_mask_BT).reshape(-1).bool()
+    expected_NLK = packed.pack(replayed.routed_experts_BTLK.long()).flatten(0, 1)
+    for layer in range(LAYERS):
+        assert torch.equal(seen[layer][real_N], expected_NLK[real_N, layer])
+    real_BT = batch.attention_mask_BT.bool()  # padding-free scores no padding (0 there)
+    torch.testing.assert_close(new_BT[real_BT], old_BT[real_BT], atol=1e-5, rtol=0)
+    with torch.no_grad(), routing.recording() as record:
+        policy_logprobs(model, packed)
+    recorded_packed = record.experts_BTLK(packed)  # recorded padding-free: the same at every real token, 0 at padding
+    assert torch.equal(recorded_packed[real_BT], replayed.routed_experts_BTLK[real_BT])
+    assert not recorded_packed[~real_BT].any()
