@@ -66,6 +66,9 @@ class Batch:
     a vllm / server engine samples from a copy of the policy, so they can differ from the trainer's."""
     truncated_B: Optional[torch.Tensor] = None
     """bool: completion hit max_completion_length without end of sequence."""
+    routed_experts_BTLK: Optional[torch.Tensor] = None
+    """Mixture-of-experts routing replay: the K experts of each of the L MoE layers that the old policy routed token t
+    to (int16), aligned with input_ids_BT; the training forward routes with them (models/moe.py)."""
     # --- distillation from a server teacher ---
     teacher_topk_logprobs_BTK: Optional[torch.Tensor] = None
     """The teacher's k largest log-probs (temperature 1) of the distribution predicting token t, at position t."""
@@ -106,6 +109,16 @@ class Batch:
         slots_N, _, _ = _packed_slots(keep_BT)
         packed_N = x_RW.reshape(-1, *x_RW.shape[2:])[slots_N]
         return x_RW.new_zeros(*keep_BT.shape, *x_RW.shape[2:]).index_put((keep_BT,), packed_N)
+
+    def pack(self, x_BT: torch.Tensor) -> torch.Tensor:
+        """A [B, T, ...] tensor in the layout of `model_inputs()` ([rows, width, ...], 0 at the filler): the inverse
+        of `unpack` (per-token inputs a model's hooks need, e.g. models/moe.py's replayed experts)."""
+        if not self.padding_free:
+            return x_BT
+        keep_BT = self.attention_mask_BT.bool()
+        slots_N, fill_R, width = _packed_slots(keep_BT)
+        packed_N = x_BT.new_zeros(fill_R.shape[0] * width, *x_BT.shape[2:]).index_put((slots_N,), x_BT[keep_BT])
+        return packed_N.view(fill_R.shape[0], width, *x_BT.shape[2:])
 
     def rows(self, start: int, stop: int) -> "Batch":
         """Rows [start, stop) of a padded batch (for chunked forwards)."""

@@ -23,6 +23,7 @@ from posttrain.checkpoint import export_final
 from posttrain.distributed.precision import trained_model_config
 from posttrain.models.critic import load_critic
 from posttrain.models.forward import policy_logprobs
+from posttrain.models.moe import NO_ROUTING, Routing, moe_routing, sparse_block_classes
 from posttrain.models.reference import make_reference
 from posttrain.train.loop import update_role
 from posttrain.train.optim import make_optimizer, make_scheduler
@@ -40,6 +41,7 @@ class LocalRole(Role):
     placement: str = "local"
     train_config: Any = None
     """recipe.train, for the schedule."""
+    routing: Routing = NO_ROUTING
 
     def logprobs(self, batch: Batch, temperature: float = 1.0) -> torch.Tensor:
         return policy_logprobs(self.model, batch, temperature)
@@ -86,10 +88,13 @@ class LocalRole(Role):
         export_final(self.backend, self.model, tokenizer, output_dir, name=name)
 
 
-def trained_role(backend, model, train_config, learning_rate: Optional[float] = None) -> LocalRole:
-    """A model that trains: prepared with its own optimiser by the backend."""
-    model, optimizer = backend.prepare(model, make_optimizer(model, train_config, learning_rate))
-    return LocalRole(model, backend, trains=True, optimizer=optimizer, train_config=train_config)
+def trained_role(backend, model, train_config, learning_rate: Optional[float] = None,
+                 routing: Optional[Routing] = None) -> LocalRole:
+    """A model that trains: prepared with its own optimiser by the backend (routing: hooks already on its routers)."""
+    model, optimizer = backend.prepare(model, make_optimizer(model, train_config, learning_rate),
+                                       leaf_modules=sparse_block_classes(model))
+    return LocalRole(model, backend, trains=True, optimizer=optimizer, train_config=train_config,
+                     routing=routing or NO_ROUTING)
 
 
 def build_roles(recipe, algorithm, backend, tokenizer, policy, eval_examples=None,
@@ -100,11 +105,16 @@ def build_roles(recipe, algorithm, backend, tokenizer, policy, eval_examples=Non
     only owner of the reference, so an algorithm's setup may free it, and precompute for eval_examples too."""
     t = recipe.train
     remote = remote_roles or {}
-    models = Models(policy=trained_role(backend, policy, t), tokenizer=tokenizer, eval_examples=eval_examples)
+    routing = moe_routing(policy, recipe.model.router_aux_loss_coef)  # hooked before the engine wraps the model
+    if (recipe.model.router_aux_loss_coef or 0) > 0:
+        routing.require(policy, "model.router_aux_loss_coef")
+    models = Models(policy=trained_role(backend, policy, t, routing=routing), tokenizer=tokenizer,
+                    eval_examples=eval_examples)
 
     def frozen(role: str, model) -> LocalRole:  # a frozen role on this process
         where = algorithm.placement(role)
-        return LocalRole(backend.prepare_frozen(model, offload=where == "offload"), backend, placement=where)
+        return LocalRole(backend.prepare_frozen(model, offload=where == "offload",
+                                                leaf_modules=sparse_block_classes(model)), backend, placement=where)
 
     if algorithm.needs_reference:
         models.reference = (remote["reference"].as_role() if "reference" in remote

@@ -32,6 +32,7 @@ from posttrain.logging import MetricsLogger, read_metrics
 from posttrain.models import load
 from posttrain.models.limits import check_position_limit
 from posttrain.models.load import check_model_source, count_parameters, load_tokenizer
+from posttrain.models.moe import check_moe_options
 from posttrain.plan import estimated_peak_mb
 from posttrain.roles import build_roles
 from posttrain.generation.server import check_servers
@@ -124,6 +125,7 @@ def run_attempt(command: str, recipe: Recipe, launched: Optional[Launched] = Non
     algorithm.preflight()  # its rewards, teacher, critic
     check_model_source(recipe.model)
     check_position_limit(recipe, algorithm.data_kind)
+    check_moe_options(recipe, algorithm.routing_replay)
     check_token_budget(recipe, algorithm)
     resume_from = outputs.check_output_dir(recipe, command)
     tokenizer = load_tokenizer(recipe.model)

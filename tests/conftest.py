@@ -37,6 +37,16 @@ def tiny_model_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def tiny_moe_model_dir(tmp_path_factory):
+    """`posttrain make-tiny-model --arch qwen3_moe`: a Qwen3-MoE of 4 experts, 2 per token (tests of models/moe.py)."""
+    from posttrain.models.tiny import make_tiny_model
+
+    out = tmp_path_factory.mktemp("tiny-moe") / "model"
+    make_tiny_model(out, arch="qwen3_moe", seed=0)
+    return out
+
+
+@pytest.fixture(scope="session")
 def teacher_dir(tmp_path_factory):
     """A second tiny model (another seed, the same tokenizer): distillation's teacher."""
     from posttrain.models.tiny import make_tiny_model

@@ -21,6 +21,7 @@ from typing import Any, Callable, NamedTuple, Optional
 import torch
 
 from posttrain.batch import Batch
+from posttrain.models.moe import NO_ROUTING, Routing
 
 ROLE_NAMES = ("policy", "critic", "reference", "reward_model", "teacher")
 """Every role an algorithm may ask for; trained roles are stepped in this order."""
@@ -37,6 +38,8 @@ class Role:
     """Where it lives: local (this process, sharded as the launcher says), offload (CPU between uses) or ray."""
     model: Any = None
     """The module in this process (what the backend returned); None for a role served elsewhere."""
+    routing: Routing = NO_ROUTING
+    """Its mixture-of-experts routers (aux loss, replay: models/moe.py); inert for a dense model."""
 
     # --- what algorithms ask (no gradient) ----------------------------------------------------------------------
     def logprobs(self, batch: Batch, temperature: float = 1.0) -> torch.Tensor:
@@ -182,6 +185,9 @@ class Algorithm:
     """Online algorithms: optimiser steps each generation batch is used for (GRPO num_iterations, PPO ppo_epochs)."""
     logprobs_only: bool = False
     """Its loss needs the policy's log-probs only, not the logits (SFT, DPO): what the planner assumes of memory."""
+    routing_replay: bool = False
+    """Mixture-of-experts: prepare records the old policy's routing, which the training forward replays
+    (models/moe.py)."""
     dynamic_sampling = None
     """Online algorithms: a grpo.DynamicSamplingConfig when the rollout source drops prompt groups whose metric does
     not vary and draws more (DAPO); None: every drawn group is trained on."""

@@ -63,6 +63,9 @@ class DynamicSamplingConfig:
             raise UserError(f"algo.dynamic_sampling.max_batches must be >= 0 (0: no limit), got {self.max_batches}")
 
 
+ROUTING_REPLAY = ("none", "old_policy")
+
+
 @dataclass(frozen=True)
 class GRPOAlgoConfig:
     num_generations: int = 8
@@ -91,6 +94,10 @@ class GRPOAlgoConfig:
     an engine that samples with other numerics (vllm, server) or an older policy (generation.max_staleness)."""
     vllm_is_cap: float = 2.0
     """The cap of that weight (>= 1)."""
+    routing_replay: str = "none"
+    """Mixture-of-experts models: old_policy routes every training forward through the experts the old policy's
+    forward chose for each token (R2 routing replay, models/moe.py; needs num_iterations >= 2), logging
+    routing_agreement; none routes with the current router."""
     dynamic_sampling: DynamicSamplingConfig = field(default_factory=DynamicSamplingConfig)
     """DAPO's dynamic sampling: drop groups whose accuracy (or reward) does not vary, draw more prompts to refill."""
 
@@ -107,6 +114,12 @@ class GRPOAlgoConfig:
         if self.beta < 0 or self.epsilon <= 0 or (self.epsilon_high is not None and self.epsilon_high < 0):
             raise UserError(f"need algo.beta >= 0, algo.epsilon > 0 and algo.epsilon_high >= 0; got {self.beta}, "
                             f"{self.epsilon}, {self.epsilon_high}")
+        if self.routing_replay not in ROUTING_REPLAY:
+            raise UserError(f"algo.routing_replay is {self.routing_replay!r}; choose one of {', '.join(ROUTING_REPLAY)}")
+        if self.routing_replay == "old_policy" and self.num_iterations < 2:
+            raise UserError("algo.routing_replay=old_policy replays the routing of the old policy's forward, which "
+                            "is the training forward's own when each generation batch is used for one step "
+                            "(algo.num_iterations=1): set algo.num_iterations >= 2, or algo.routing_replay=none")
         self.dynamic_sampling.validate()
         if self.num_iterations < 1 or self.log_samples < 0:
             raise UserError(f"need algo.num_iterations >= 1 and algo.log_samples >= 0; got {self.num_iterations}, "
@@ -132,6 +145,7 @@ class GRPO(OnlineAlgorithm):
         self.needs_reference = self.config.beta > 0 and not recipe.model.lora.enabled
         self.samples_per_prompt = self.config.num_generations
         self.steps_per_rollout = self.config.num_iterations
+        self.routing_replay = self.config.routing_replay == "old_policy"
         self.dynamic_sampling = self.config.dynamic_sampling if self.config.dynamic_sampling.enabled else None
 
     # --- the rollout source calls it once per generation batch --------------------------------------------------
@@ -155,10 +169,17 @@ class GRPO(OnlineAlgorithm):
         """
         updates = {}
         if self.config.num_iterations > 1 and batch.old_logprobs_BT is None:
-            updates["old_logprobs_BT"] = models.policy.logprobs(batch, self.temperature)
+            with models.policy.routing.recording() if self.routing_replay else contextlib.nullcontext() as routed:
+                updates["old_logprobs_BT"] = models.policy.logprobs(batch, self.temperature)
+            if self.routing_replay:  # the loop's training forwards of this batch route through these experts
+                updates["routed_experts_BTLK"] = routed.experts_BTLK(batch)
         if self.config.beta > 0 and batch.ref_logprobs_BT is None:
             updates["ref_logprobs_BT"] = self._reference_logprobs(models, batch)
         return dataclasses.replace(batch, **updates) if updates else batch
+
+    def setup(self, backend, models: Models, train_examples, collate, out) -> None:
+        if self.routing_replay:
+            models.policy.routing.require(models.policy.model, "algo.routing_replay")
 
     def _reference_logprobs(self, models: Models, batch: Batch) -> torch.Tensor:
         if models.reference is not None:

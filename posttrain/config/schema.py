@@ -43,6 +43,9 @@ class ModelConfig:
     """Jinja chat template (or path to a .jinja file) overriding the tokenizer's."""
     lora: LoraConfig = field(default_factory=LoraConfig)
     """LoRA adapters (model.lora.*)."""
+    router_aux_loss_coef: Optional[float] = None
+    """Mixture-of-experts models: weight of the load-balancing loss added to the policy loss (TRL's and transformers'
+    name); null: the model config's own (Qwen3-MoE: 0.001; none for a dense model); 0: off (still logged)."""
 
 
 @dataclass(frozen=True)

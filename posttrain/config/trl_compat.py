@@ -74,7 +74,7 @@ def _one_loss(value: Any) -> Any:
 
 # TRL keys spelled as here, by recipe section (train: transformers' TrainingArguments)
 SAME_NAMES = {
-    "model": "attn_implementation trust_remote_code",
+    "model": "attn_implementation trust_remote_code router_aux_loss_coef",
     "data": "max_length max_prompt_length packing completion_only_loss assistant_only_loss",
     "train": "per_device_train_batch_size per_device_eval_batch_size gradient_accumulation_steps learning_rate "
              "weight_decay adam_beta1 adam_beta2 adam_epsilon lr_scheduler_type warmup_steps warmup_ratio max_steps "

@@ -104,7 +104,6 @@ IGNORED: dict[str, tuple[tuple[Any, ...], str]] = {
     "do_predict": (FALSE, "posttrain has no predict phase"),
     "local_rank": ((-1, None), "the launcher (torchrun, accelerate launch) sets each process's rank"),
     # TRL's trainer configs
-    "router_aux_loss_coef": (NONE, "a mixture-of-experts model keeps its own router loss settings"),
     "shuffle_dataset": ((True, False, None), "training data is always shuffled, seeded by data_seed (or seed)"),
     "pad_to_multiple_of": (("auto", None), "micro-batches are packed or padded to their longest row"),
     "eval_packing": (NONE, "evaluation batches like training (data.packing)"),

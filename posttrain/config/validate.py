@@ -112,6 +112,8 @@ def validate(recipe: Recipe) -> None:
         check_algo(recipe)
     if recipe.model.lora.enabled and recipe.model.lora.r <= 0:
         raise UserError(f"model.lora.r must be > 0, got {recipe.model.lora.r}")
+    if recipe.model.router_aux_loss_coef is not None and recipe.model.router_aux_loss_coef < 0:
+        raise UserError(f"model.router_aux_loss_coef must be >= 0, got {recipe.model.router_aux_loss_coef}")
 
 
 def check_pass_k(recipe: Recipe) -> None:

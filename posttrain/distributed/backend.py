@@ -28,7 +28,7 @@ import resource
 import warnings
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -205,10 +205,20 @@ class Backend:
         self.accelerator.state.deepspeed_plugin.deepspeed_config.setdefault("checkpoint", {})["load_universal"] = True
 
     # --- training --------------------------------------------------------------------------------------------
-    def prepare(self, model, optimizer):
+    def prepare(self, model, optimizer, leaf_modules: Sequence[type] = ()):
+        """leaf_modules: classes ZeRO-3 gathers as one unit (models/moe.sparse_block_classes)."""
+        self._zero3_leaves(model, leaf_modules)
         return self.accelerator.prepare(model, optimizer)
 
-    def prepare_frozen(self, model, offload: bool = False):
+    def _zero3_leaves(self, model, leaf_modules: Sequence[type]) -> None:
+        """ZeRO-3 gathers a mixture-of-experts block (router and experts) as one unit: gathering per expert module,
+        a rank whose tokens route no token to some expert would skip its gather while the others wait in it."""
+        if self.zero_stage == 3 and leaf_modules:
+            from deepspeed.utils import set_z3_leaf_modules
+
+            set_z3_leaf_modules(model, list(leaf_modules))
+
+    def prepare_frozen(self, model, offload: bool = False, leaf_modules: Sequence[type] = ()):
         """A no-grad model (reference, reward model): partitioned like the trained ones under ZeRO-3. offload: its
         weights stay in CPU memory between forwards (ZeRO-3: DeepSpeed's parameter offload; else Offloaded)."""
         zero3 = self.zero_stage == 3
@@ -223,6 +233,7 @@ class Backend:
             config = {"train_micro_batch_size_per_gpu": self.recipe.train.per_device_train_batch_size,
                       "bf16": {"enabled": precision == "bf16"}, "fp16": {"enabled": precision == "fp16"},
                       "zero_optimization": zero}
+            self._zero3_leaves(model, leaf_modules)
             engine, *_ = deepspeed.initialize(model=model, config=config)
             engine.eval()
             return engine

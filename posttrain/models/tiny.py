@@ -3,6 +3,7 @@
     from posttrain.models.tiny import make_tiny_model
     make_tiny_model("tiny/", arch="llama", seed=0)        # ~0.1M parameters, 2 heads of 32, about a second on a CPU
     make_tiny_model("bench/", hidden_size=512, num_layers=8, num_heads=8, num_kv_heads=4, intermediate_size=1408)  # 24M
+    make_tiny_model("moe/", arch="qwen3_moe")             # Qwen3-MoE: 4 experts of 32, 2 routed per token
 
 The tokenizer is byte-level BPE (~630 tokens; any NFC-normalised text round-trips through encode/decode), puts every
 digit in its own token (so arithmetic tasks are learnable by a small model), and carries a ChatML chat template.
@@ -48,7 +49,9 @@ CHATML_TEMPLATE = (
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
 
-ARCHS = ("llama", "qwen2")
+ARCHS = ("llama", "qwen2", "qwen3_moe")
+MOE_EXPERTS, MOE_TOP_K = 4, 2
+"""The tiny Qwen3-MoE: experts per layer and experts routed per token (each expert is intermediate_size / 4 wide)."""
 
 # Qwen2's pre-tokenizer split: `\p{N}` alone puts every digit in its own token. The whole pipeline (NFC, this
 # split, byte-level) is Qwen2Tokenizer's own, because transformers 5 loads any qwen2 directory with Qwen2Tokenizer,
@@ -119,12 +122,13 @@ def train_tokenizer(vocab_size: int = 768):
 def make_tiny_model(out_dir, arch: str = "llama", seed: int = 0, hidden_size: int = 64, num_layers: int = 2,
                     num_heads: int = 2, num_kv_heads: int = 1, intermediate_size: int = 128,
                     max_position_embeddings: int = 1024) -> Path:
-    """Write a random-init `arch` (llama or qwen2) causal LM (float32, tied embeddings) and its tokenizer to out_dir.
+    """Write a random-init `arch` (llama, qwen2 or qwen3_moe) causal LM (float32, tied embeddings) and its tokenizer
+    to out_dir. qwen3_moe replaces every MLP by MOE_EXPERTS experts, MOE_TOP_K routed per token (models/moe.py).
 
     The default shape has head_dim 32 (hidden 64 / 2 heads): vLLM's CPU attention has no kernel below 32, and the
     shipped vLLM recipes run on this model as their headers say."""
     import torch
-    from transformers import AutoModelForCausalLM, GenerationConfig, LlamaConfig, Qwen2Config
+    from transformers import AutoModelForCausalLM, GenerationConfig, LlamaConfig, Qwen2Config, Qwen3MoeConfig
 
     from posttrain.errors import UserError
 
@@ -140,11 +144,13 @@ def make_tiny_model(out_dir, arch: str = "llama", seed: int = 0, hidden_size: in
     tokenizer.model_max_length = max_position_embeddings
     eos_id = tokenizer.convert_tokens_to_ids(IM_END)
     pad_id = tokenizer.convert_tokens_to_ids(PAD)
-    config_cls = LlamaConfig if arch == "llama" else Qwen2Config
+    config_cls = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3_moe": Qwen3MoeConfig}[arch]
+    moe = {"num_experts": MOE_EXPERTS, "num_experts_per_tok": MOE_TOP_K, "moe_intermediate_size": intermediate_size // 4,
+           "decoder_sparse_step": 1, "head_dim": hidden_size // num_heads} if arch == "qwen3_moe" else {}
     config = config_cls(vocab_size=len(tokenizer), hidden_size=hidden_size, intermediate_size=intermediate_size,
                         num_hidden_layers=num_layers, num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
                         max_position_embeddings=max_position_embeddings, tie_word_embeddings=True, bos_token_id=None,
-                        eos_token_id=eos_id, pad_token_id=pad_id)
+                        eos_token_id=eos_id, pad_token_id=pad_id, **moe)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.generation_config = GenerationConfig(bos_token_id=None, eos_token_id=eos_id, pad_token_id=pad_id)

@@ -198,9 +198,12 @@ def update_role(backend, role, objective, micro_batches: list[Batch], normaliser
     loss_sum = torch.zeros((), device=backend.device)
     metric_sums: dict[str, torch.Tensor] = {}
     for k, batch in enumerate(micro_batches):
-        with backend.accumulate(role.model, last=k == len(micro_batches) - 1):
+        # routing: an MoE model's load-balancing loss and routing replay, over the forward AND the backward
+        last = k == len(micro_batches) - 1
+        with backend.accumulate(role.model, last=last), role.routing.training(batch) as routing:
             with backend.autocast():
-                loss, metrics = objective.loss(role.model, batch, normaliser)
+                loss, metrics = routing.finish(*objective.loss(role.model, batch, normaliser),
+                                               weight=objective.count(batch) / normaliser)
             if batch.filler:  # runs for the collectives only (train/micro_batches.py)
                 loss, metrics = loss * 0.0, {}
             backend.backward(loss, role.model)

@@ -5,6 +5,7 @@ Writes <output_dir>/hooks/engine_facts-rank<r>.json with
                         partition (zero.Init at from_pretrained), i.e. no rank ever held the whole model
   local_fraction        after prepare: parameter elements this rank stores / elements of the model
                         (1.0 replicated: DDP, ZeRO-1/2; about 1/world sharded: ZeRO-3, FSDP2)
+  z3_leaf_modules       after prepare: classes of the modules ZeRO-3 gathers as one unit (MoE blocks)
   checksums             at export: a checksum of the full (gathered) parameters from every rank, all equal when the
                         replicas agree
   exported_max_diff     at export: max |final/*.safetensors - gathered parameter| over all tensors
@@ -47,8 +48,9 @@ def _inspect_load_policy(recipe, algorithm):
 _prepare = Backend.prepare
 
 
-def _inspect_prepare(self, model, optimizer):
-    model, optimizer = _prepare(self, model, optimizer)
+def _inspect_prepare(self, model, optimizer, **kwargs):
+    model, optimizer = _prepare(self, model, optimizer, **kwargs)
+    _report["z3_leaf_modules"] = sorted({type(m).__name__ for m in model.modules() if getattr(m, "_z3_leaf", False)})
     local = total = 0
     for p in self.unwrap(model).parameters():
         if hasattr(p, "ds_tensor"):  # ZeRO-3 partition
