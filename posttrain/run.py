@@ -169,35 +169,14 @@ def run_attempt(command: str, recipe: Recipe, launched: Optional[Launched] = Non
         state = checkpointer.load(resume_from, models, algorithm)
     algorithm.setup(backend, models, train_examples, collate, out)
 
-    dropped = {key: count for key, count in train_stats.items() if key.startswith("dropped") and count}
-    summary = {
-        "command": command,
-        "parameters": f"{total_params / 1e6:.2f}M ({trainable_params / 1e6:.2f}M trainable)",
-        "rows": train_stats.get("rows"),
-        "tokens": train_stats.get("tokens"),
-        "truncated": train_stats.get("truncated", 0),
-        "dropped": dropped or 0,
-        "steps": steps,
-        "per_device_batch": t.per_device_train_batch_size,
-        "accumulation": t.gradient_accumulation_steps,
-        "global_batch": facts["global_batch"],
-        **backend.describe(),
-        "resumed_from": str(resume_from) if resume_from else None,
-    }
-    # `posttrain plan`'s estimate, logged beside the measured peak_memory_mb so drift shows (docs/planning.md)
-    summary["estimated_peak_memory_mb"] = estimated_peak_mb(command, recipe, backend.describe(),
-                                                            (total_params, trainable_params))
+    summary = run_summary(command, recipe, backend, facts, train_stats, steps, (total_params, trainable_params),
+                          resume_from)
     trackers = []
     if backend.is_main:
         trackers = open_trackers(tracker_names(t), tracked_run(recipe, command, state.step, summary))
     logger = MetricsLogger(str(out), steps, state.step, backend.is_main, trackers)
     logger.info("posttrain " + " | ".join(f"{k}={v}" for k, v in summary.items() if v is not None))
-    eval_fn = None
-    if eval_examples is not None and algorithm.source_kind == "rollout":  # by generating, wherever generation runs
-        eval_fn = partial(evaluate_online, backend, source, tokenizer, eval_examples, algorithm.rewards, recipe)
-    elif eval_examples is not None:
-        batches = eval_batches(eval_examples, collate, t.per_device_eval_batch_size, backend.world_size, backend.rank)
-        eval_fn = partial(evaluate, backend, algorithm, models, batches)
+    eval_fn = make_evaluation(recipe, backend, algorithm, models, source, tokenizer, eval_examples, collate)
 
     # 4. train, export, report
     ctx = LoopContext(backend=backend, algorithm=algorithm, models=models, source=source, total_steps=steps,
@@ -225,3 +204,40 @@ def run_attempt(command: str, recipe: Recipe, launched: Optional[Launched] = Non
     source.end()  # no collective after this point: an in-process vLLM engine may tear down its groups
     backend.end()
     return RunResult(output_dir=out, final_dir=final_dir, steps=state.step, metrics=metrics)
+
+
+def run_summary(command: str, recipe: Recipe, backend, facts: dict, train_stats: dict, steps: int,
+                parameters: tuple[int, int], resume_from) -> dict:
+    """The run header (logged once, in summary.json and the report) with `posttrain plan`'s memory estimate, logged
+    beside the measured peak_memory_mb so drift shows (docs/planning.md)."""
+    t = recipe.train
+    total_params, trainable_params = parameters
+    dropped = {key: count for key, count in train_stats.items() if key.startswith("dropped") and count}
+    summary = {
+        "command": command,
+        "parameters": f"{total_params / 1e6:.2f}M ({trainable_params / 1e6:.2f}M trainable)",
+        "rows": train_stats.get("rows"),
+        "tokens": train_stats.get("tokens"),
+        "truncated": train_stats.get("truncated", 0),
+        "dropped": dropped or 0,
+        "steps": steps,
+        "per_device_batch": t.per_device_train_batch_size,
+        "accumulation": t.gradient_accumulation_steps,
+        "global_batch": facts["global_batch"],
+        **backend.describe(),
+        "resumed_from": str(resume_from) if resume_from else None,
+    }
+    summary["estimated_peak_memory_mb"] = estimated_peak_mb(command, recipe, backend.describe(), parameters)
+    return summary
+
+
+def make_evaluation(recipe: Recipe, backend, algorithm, models, source, tokenizer, eval_examples, collate):
+    """The run's eval function, or None without eval data: online algorithms evaluate by generating, wherever
+    generation runs; offline ones by their loss over the eval batches."""
+    if eval_examples is None:
+        return None
+    if algorithm.source_kind == "rollout":
+        return partial(evaluate_online, backend, source, tokenizer, eval_examples, algorithm.rewards, recipe)
+    batches = eval_batches(eval_examples, collate, recipe.train.per_device_eval_batch_size, backend.world_size,
+                           backend.rank)
+    return partial(evaluate, backend, algorithm, models, batches)

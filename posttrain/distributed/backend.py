@@ -14,7 +14,7 @@ the step's last micro-batch itself (`accumulate(model, last)`).
 
 CPU (tests, laptops): Accelerate only turns DeepSpeed / FSDP on for accelerator devices and, on CPU, only talks
 over gloo when asked. So on CPU the process group is made here first (gloo, the recipe's timeout), and then the
-engine the launcher asked for is switched on over it; see `_make_accelerator`.
+engine the launcher asked for is switched on over it; see `accelerator_setup.make_accelerator`.
 """
 
 from __future__ import annotations
@@ -26,18 +26,16 @@ import io
 import os
 import resource
 import warnings
-from datetime import timedelta
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
-from accelerate import Accelerator, PartialState
-from accelerate.state import AcceleratorState, GradientState
-from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin, InitProcessGroupKwargs
+from accelerate.utils import DistributedType
 
-from posttrain.config.schema import Recipe, TrainConfig
+from posttrain.config.schema import Recipe
 from posttrain.distributed import peers
+from posttrain.distributed.accelerator_setup import make_accelerator, reset_accelerate_state
 from posttrain.distributed.build_locks import announce_cpu_op_builds, clear_stale_build_locks
 from posttrain.distributed.launch_config import (check_launcher_settings, env_flag, fill_deepspeed_config,
                                                  launcher_engine)
@@ -45,66 +43,9 @@ from posttrain.distributed.offload import Offloaded
 from posttrain.distributed.precision import announce_precision, check_precision, resolve_precision
 from posttrain.distributed.process_exit import settle_at_exit
 from posttrain.distributed.weight_sync import adapter_units, sync_buckets, sync_units
-from posttrain.errors import UserError
 
 # DeepSpeed still calls the torch collectives that torch 2.x deprecates; one warning per call buries the log.
 warnings.filterwarnings("ignore", message=r".*torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor).*")
-
-
-def _check_not_a_lone_cpu_process() -> None:
-    """`accelerate launch --cpu --num_processes 2` starts ONE process that expects mpirun to start the others."""
-    launched = any(k in os.environ for k in ("LOCAL_RANK", "WORLD_SIZE", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE"))
-    if env_flag("ACCELERATE_USE_CPU") and "MASTER_ADDR" in os.environ and not launched:
-        raise UserError("accelerate launch --cpu with several processes starts only one here (it expects mpirun). "
-                        "Use `torchrun --nproc_per_node N -m posttrain ...`, or `accelerate launch --config_file "
-                        "recipes/accelerate/ddp.yaml --num_processes N -m posttrain ...` (without --cpu: with no GPU, "
-                        "posttrain runs every process on the CPU over gloo)")
-
-
-def _make_accelerator(t: TrainConfig, use_cpu: bool) -> Accelerator:
-    timeout = timedelta(seconds=t.ddp_timeout)
-    engine = launcher_engine()
-    _check_not_a_lone_cpu_process()
-    if use_cpu and engine is not None:
-        if "LOCAL_RANK" not in os.environ:  # torchrun / accelerate launch set it, a plain `posttrain` does not
-            raise UserError(f"ACCELERATE_USE_{engine.upper()}=true asks for {engine}, which needs a launcher: run "
-                            "through `torchrun --nproc_per_node N -m posttrain ...` or `accelerate launch "
-                            "--config_file ... -m posttrain ...`")
-        # the gloo group first, with the right world size; the engine is then enabled over it (cpu=False below)
-        PartialState(cpu=True, backend="gloo", timeout=timeout)
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    handlers = [InitProcessGroupKwargs(backend="gloo" if use_cpu else "nccl", timeout=timeout)] if world > 1 else []
-    try:
-        accelerator = Accelerator(cpu=use_cpu and engine is None, mixed_precision=t.mixed_precision,
-                                  gradient_accumulation_steps=t.gradient_accumulation_steps, kwargs_handlers=handlers,
-                                  step_scheduler_with_optimizer=False)
-    except ValueError as e:  # Accelerate's own checks of the launcher configuration
-        raise UserError(f"the launcher configuration does not work: {e}") from e
-    if use_cpu and engine == "fsdp" and accelerator.distributed_type == DistributedType.MULTI_CPU:
-        _enable_fsdp_on_cpu(t.mixed_precision)
-    running = {DistributedType.DEEPSPEED: "deepspeed", DistributedType.FSDP: "fsdp"}.get(accelerator.distributed_type)
-    if engine is not None and running != engine:  # never a silent fallback to plain data parallelism
-        why = ("ACCELERATE_USE_CPU=true (accelerate launch --cpu) turns engines off: drop it, posttrain runs on the "
-               "CPU by itself when there is no GPU") if env_flag("ACCELERATE_USE_CPU") else (
-               "start the processes with torchrun or accelerate launch")
-        raise UserError(f"the launcher asked for {engine} but Accelerate started "
-                        f"{accelerator.distributed_type.value}: {why}")
-    return accelerator
-
-
-def _enable_fsdp_on_cpu(mixed_precision: str) -> None:
-    """Accelerate switches to FSDP only for GPU-like devices; FSDP2's fully_shard itself runs on CPU over gloo
-    (FSDP1 does not), so the state Accelerate would have built is set here."""
-    plugin = FullyShardedDataParallelPlugin()
-    if plugin.fsdp_version != 2:
-        raise UserError("FSDP on CPU needs FSDP2: set fsdp_version: 2 in the accelerate config (or FSDP_VERSION=2); "
-                        "FSDP1 runs only on GPUs")
-    if mixed_precision != "no":
-        plugin.set_mixed_precision(mixed_precision)
-    state = AcceleratorState()
-    state.fsdp_plugin = plugin
-    state.distributed_type = DistributedType.FSDP
-    PartialState._shared_state["distributed_type"] = DistributedType.FSDP
 
 
 class Backend:
@@ -119,11 +60,11 @@ class Backend:
         t = recipe.train
         self.recipe = recipe
         check_launcher_settings(t)
-        _reset_accelerate_state()  # an earlier run in this process (tests, the demo) that stopped on an error
+        reset_accelerate_state()  # an earlier run in this process (tests, the demo) that stopped on an error
         if use_cpu and launcher_engine() == "deepspeed":  # before DeepSpeed loads (and JIT-checks) its CPU ops
             clear_stale_build_locks()
             announce_cpu_op_builds(os.environ.get("ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE") in ("cpu", "nvme"))
-        self.accelerator = _make_accelerator(t, use_cpu)
+        self.accelerator = make_accelerator(t, use_cpu)
         self.world_size = self.accelerator.num_processes
         self.rank = self.accelerator.process_index
         self.is_main = self.accelerator.is_main_process
@@ -400,13 +341,7 @@ class Backend:
         if dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()
         settle_at_exit()  # also when an in-process vLLM engine destroyed the group it adopted (its gloo threads)
-        _reset_accelerate_state()
-
-
-def _reset_accelerate_state() -> None:
-    """Accelerate keeps its state in process-wide singletons; a new Backend starts from none."""
-    AcceleratorState._reset_state(reset_partial_state=True)
-    GradientState._reset_state()
+        reset_accelerate_state()
 
 
 def _zero3_gathered(params) -> contextlib.AbstractContextManager:

@@ -100,13 +100,8 @@ def train(ctx: LoopContext) -> TrainState:
         #    counted over this rank's micro-batches, then summed over ranks in one all-reduce
         objectives = algorithm.objectives(state.step, models)
         trained = [(name, role) for name, role in models.trained() if name in objectives]
-        local_counts = []
-        for name, _ in trained:  # a filler micro-batch (a rank with fewer rows under a token budget) counts none
-            units = sum(objectives[name].count(b).float().to(backend.device) * (not b.filler) for b in micro_batches)
-            local_counts.append(units)
-        local_counts.append(completion_tokens(micro_batches, backend.device))  # + the tokens trained on
-        counts = backend.all_reduce_sum(torch.stack(local_counts))
-        normalisers, trained_tokens = counts[:-1].clamp(min=1.0), int(counts[-1])
+        normalisers, trained_tokens = step_normalisers(backend, [objectives[name] for name, _ in trained],
+                                                       micro_batches)
 
         # 4. per role: forward + backward, gradients synced on the last micro-batch only; clip, step, schedule
         losses, grad_norms, update_seconds, metric_sums = {}, {}, {}, {}
@@ -148,19 +143,9 @@ def train(ctx: LoopContext) -> TrainState:
         state.elapsed_seconds += time.perf_counter() - step_start
 
         if state.step % t.logging_steps == 0 or state.step == ctx.total_steps:
-            elapsed = time.perf_counter() - window_start
-            record = {k: v / window_steps for k, v in window.items()}
-            peak_mb = [b / 2**20 for b in backend.all_gather_object(backend.peak_memory_bytes())]
-            record.update({f"learning_rate/{name}": role.learning_rate()
-                           for name, role in models.trained() if name != "policy"})
-            record.update(step=state.step, learning_rate=models.policy.learning_rate(),
-                          tokens_per_second=window_tokens / max(elapsed, 1e-9), num_tokens=state.tokens_seen,
-                          peak_memory_mb=max(peak_mb))
-            if ctx.memory_estimate_mb is not None:
-                record["estimated_peak_memory_mb"] = ctx.memory_estimate_mb
-            if len(peak_mb) > 1:  # CUDA peak on GPU, peak RSS on CPU, per rank: where the memory goes
-                record.update({f"peak_memory_mb/rank{r}": mb for r, mb in enumerate(peak_mb)})
-            ctx.logger.log(state.step, record)
+            tokens_per_second = window_tokens / max(time.perf_counter() - window_start, 1e-9)
+            ctx.logger.log(state.step, logged_record(ctx, {k: v / window_steps for k, v in window.items()},
+                                                     tokens_per_second))
             window, window_steps, window_tokens, window_start = {}, 0, 0, time.perf_counter()
         else:
             ctx.logger.progress(state.step, step_metrics.get("loss", 0.0))
@@ -187,6 +172,35 @@ def train(ctx: LoopContext) -> TrainState:
         if stop_early:
             break
     return state
+
+
+def step_normalisers(backend, objectives: list, micro_batches: list[Batch]) -> tuple[torch.Tensor, int]:
+    """Phase 3: each trained role's loss units (tokens, sequences or pairs) counted over this rank's micro-batches,
+    then summed over ranks in one all-reduce, with the completion tokens trained on. Returns (normaliser per
+    objective, global trained tokens). A filler micro-batch (a rank with fewer rows under a token budget) counts
+    none."""
+    local_counts = [sum(objective.count(b).float().to(backend.device) * (not b.filler) for b in micro_batches)
+                    for objective in objectives]
+    local_counts.append(completion_tokens(micro_batches, backend.device))
+    counts = backend.all_reduce_sum(torch.stack(local_counts))
+    return counts[:-1].clamp(min=1.0), int(counts[-1])
+
+
+def logged_record(ctx: LoopContext, means: dict[str, float], tokens_per_second: float) -> dict[str, float]:
+    """The logging window's means plus what is read once per log line: learning rates, throughput and the peak
+    memory of every rank (CUDA peak on GPU, peak RSS on CPU), beside the planner's estimate."""
+    backend, models, state = ctx.backend, ctx.models, ctx.state
+    peak_mb = [b / 2**20 for b in backend.all_gather_object(backend.peak_memory_bytes())]
+    record = dict(means)
+    record.update({f"learning_rate/{name}": role.learning_rate()
+                   for name, role in models.trained() if name != "policy"})
+    record.update(step=state.step, learning_rate=models.policy.learning_rate(), tokens_per_second=tokens_per_second,
+                  num_tokens=state.tokens_seen, peak_memory_mb=max(peak_mb))
+    if ctx.memory_estimate_mb is not None:
+        record["estimated_peak_memory_mb"] = ctx.memory_estimate_mb
+    if len(peak_mb) > 1:  # per rank: where the memory goes
+        record.update({f"peak_memory_mb/rank{r}": mb for r, mb in enumerate(peak_mb)})
+    return record
 
 
 def update_role(backend, role, objective, micro_batches: list[Batch], normaliser: torch.Tensor,
