@@ -37,6 +37,25 @@ def tiny_model_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def eos_ids_model_dir(tiny_model_dir, tmp_path_factory):
+    """make(*extra): a copy of the tiny model whose generation_config.json lists `extra` eos ids after the tokenizer's,
+    as Llama-3.1-Instruct's ([128001, 128008, 128009]) and Qwen2.5-Instruct's do."""
+    import shutil
+
+    from transformers import GenerationConfig
+
+    def make(*extra: int):
+        out = tmp_path_factory.mktemp("eos-ids") / "model"
+        shutil.copytree(tiny_model_dir, out)
+        config = GenerationConfig.from_pretrained(out)
+        config.eos_token_id = [config.eos_token_id, *extra]
+        config.save_pretrained(out)
+        return out
+
+    return make
+
+
+@pytest.fixture(scope="session")
 def tiny_moe_model_dir(tmp_path_factory):
     """`posttrain make-tiny-model --arch qwen3_moe`: a Qwen3-MoE of 4 experts, 2 per token (tests of models/moe.py)."""
     from posttrain.models.tiny import make_tiny_model

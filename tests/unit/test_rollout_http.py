@@ -305,3 +305,19 @@ def test_a_sync_runs_vllms_four_phases_and_the_bytes_arrive_bit_for_bit(fake):
     one_sync = ["/start_weight_update", "/update_weights", "/finish_weight_update", "/reset_prefix_cache"]
     # /collective_rpc: an update a dead trainer left open is ended first (posttrain_end_abandoned_update)
     assert phases == ["/get_world_size", "/collective_rpc", "/init_weight_transfer_engine"] + one_sync * 2
+
+
+def test_the_request_carries_every_stop_id_and_a_completion_ending_on_one_is_finished(fake, eos_ids_model_dir):
+    """The generation config's second eos (7) goes to the server in stop_token_ids beside the tokenizer's; a
+    completion that ends on it at max_tokens is not truncated."""
+    from posttrain.config.schema import ModelConfig
+    from posttrain.models.load import load_tokenizer
+
+    tokenizer = load_tokenizer(ModelConfig(name_or_path=str(eos_ids_model_dir(7))))
+    bodies = []
+    server = fake(lambda h: (bodies.append(json.loads(h.body)), json_answer(choice(tokens=(5, 6, 7)))(h)))
+    config = GenerationConfig(engine="vllm", placement="servers", servers=(server.url,), request_retries=0)
+    out = ServerEngine(config, tokenizer, sends_weights=True, token="s3cret", vocab_size=VOCAB).generate(
+        [[1, 2, 3]], SamplingParams(max_new_tokens=3, temperature=1.0))
+    assert bodies[0]["sampling_params"]["stop_token_ids"] == [tokenizer.eos_token_id, 7]
+    assert out.completion_ids == [[5, 6, 7]] and out.truncated == [False]

@@ -19,3 +19,19 @@ def test_cpu_head_dim_without_kernel_is_a_user_error(tiny_model_dir):
         pytest.skip("the head_dim check is for vLLM's CPU attention")
     with pytest.raises(UserError, match="head_dim 16.*generation.engine=hf"):
         VLLMEngine(tiny_model_dir, AutoTokenizer.from_pretrained(tiny_model_dir))
+
+
+def test_sampling_params_stop_at_every_eos_of_the_generation_config(eos_ids_model_dir):
+    """vLLM's own eos handling is off (ignore_eos): its SamplingParams carry the whole stop set, and a completion that
+    reached max_tokens on the second eos is finished."""
+    from vllm import SamplingParams as VSamplingParams
+
+    from posttrain.config.schema import ModelConfig
+    from posttrain.generation.base import SamplingParams, stop_ids, vllm_sampling, vllm_truncated
+    from posttrain.models.load import load_tokenizer
+
+    tokenizer = load_tokenizer(ModelConfig(name_or_path=str(eos_ids_model_dir(7))))
+    stops = stop_ids(tokenizer)
+    vparams = VSamplingParams(**vllm_sampling(SamplingParams(max_new_tokens=4), stops, 0))
+    assert vparams.stop_token_ids == [tokenizer.eos_token_id, 7]
+    assert not vllm_truncated("length", [5, 7], stops) and vllm_truncated("length", [5, 6], stops)
