@@ -21,11 +21,12 @@ made in phases:
   5. advantages: algorithm.advantages(Rollouts) over the step (group-relative, GAE, ...).
 
 last_metrics (whole step, all ranks): reward/mean|std (scored completions only), rewards/<name>/mean|std,
-rewards/skipped, rewards/unscored (completions no reward scored), frac_reward_zero_std, completion_length/mean|max|min, truncated_fraction, policy_lag and rollout/policy_lag_mean|max
-(optimiser steps from the sampling policy to the trained one); and this rank's seconds per phase: time/generate
-(with max_staleness: the wait for the batch sampled ahead), time/sync, time/score (with the gather), time/ref
-(log-probs, values, advantages), time/train (from handing the micro-batches over to the loop reading the metrics),
-and under launcher: ray time/role/<role> for each role served apart from the policy (its calls, transfer included).
+rewards/skipped, rewards/unscored (completions no reward scored), frac_reward_zero_std, completion_length/mean|max|min,
+truncated_fraction, policy_lag and rollout/policy_lag_mean|max (optimiser steps from the sampling policy to the
+trained one); and this rank's seconds per phase: time/generate (with max_staleness: the wait for the batch sampled
+ahead), time/sync, time/score (with the gather), time/ref (log-probs, values, advantages), time/train (from handing
+the micro-batches over to the loop reading the metrics), and under launcher: ray time/role/<role> for each role
+served apart from the policy (its calls, transfer included).
 """
 
 from __future__ import annotations
@@ -218,8 +219,9 @@ class RolloutSource(Source):
             drawn, dynamic_metrics = self._draw(index, step), {}
         else:
             drawn, dynamic_metrics = self.dynamic_sampling.fill(index, step)
-        mine = dict(total=drawn.total, scored=drawn.scored, per_function=drawn.per_function, skipped=drawn.skipped, logged=self._logged,
-                    lengths=[len(ids) for ids in drawn.completion_ids], truncated=drawn.truncated, lag=drawn.lags,
+        mine = dict(total=drawn.total, scored=drawn.scored, per_function=drawn.per_function, skipped=drawn.skipped,
+                    logged=self._logged, lengths=[len(ids) for ids in drawn.completion_ids], truncated=drawn.truncated,
+                    lag=drawn.lags,
                     agent=[t.stats() for t in drawn.trajectories] if drawn.trajectories is not None else None)
         gather_started = time.perf_counter()
         everyone = backend.all_gather_object(mine)
