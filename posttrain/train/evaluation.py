@@ -12,6 +12,7 @@ train.eval_pass_k also eval/pass_at_<k>, the unbiased pass@k from sampled comple
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any, Optional
 
@@ -75,10 +76,12 @@ def evaluate_prompts(backend, link, tokenizer, examples: list[dict], rewards, tr
     total_B = scored.total_B
     weight_B = torch.tensor(weights, dtype=torch.float64)
     length_B = torch.tensor([len(c) for c in sample.completion_ids], dtype=torch.float64)
-    local = torch.tensor([correct, counted, (total_B.double() * weight_B).sum(), (length_B * weight_B).sum(),
-                          weight_B.sum()], dtype=torch.float64)
-    correct, counted, reward_sum, length_sum, n = backend.all_reduce_sum(local.to(backend.device)).tolist()
-    out = {"eval/reward": reward_sum / max(n, 1.0), "eval/completion_length": length_sum / max(n, 1.0)}
+    scored_weight_B = weight_B * scored.scored_B.double()  # TRL's nanmean: a completion no reward scored is left out
+    local = torch.tensor([correct, counted, (total_B.double() * scored_weight_B).sum(), scored_weight_B.sum(),
+                          (length_B * weight_B).sum(), weight_B.sum()], dtype=torch.float64)
+    correct, counted, reward_sum, n_scored, length_sum, n = backend.all_reduce_sum(local.to(backend.device)).tolist()
+    out = {"eval/reward": reward_sum / n_scored if n_scored else math.nan,
+           "eval/completion_length": length_sum / max(n, 1.0)}
     if counted:
         out["eval/accuracy"] = correct / counted
     if pass_k:
