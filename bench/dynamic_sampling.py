@@ -2,8 +2,8 @@
 
     .venv/bin/python bench/dynamic_sampling.py --out runs/bench-dynamic --steps 40
 
-Makes the demo's tiny model, data and SFT stage (posttrain/demo.py, FULL shape, --sft-steps of it), then runs the
-demo's GRPO stage (128 completions a step: 16 prompts x 8, exact match) twice: plain, and with
+Makes the demo's tiny model, data and SFT stage (posttrain/demo/arithmetic.py, FULL shape, --sft-steps of it), then
+runs the demo's GRPO stage (128 completions a step: 16 prompts x 8, exact match) twice: plain, and with
 algo.dynamic_sampling {metric: accuracy, max_batches: 4}. Writes curves.png (per step: the kept fraction of the drawn
 groups; the reward over every drawn completion, which is the plain run's reward/mean; held-out accuracy) and one JSON
 line of the figures.

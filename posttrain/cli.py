@@ -30,8 +30,8 @@ OTHER_COMMANDS = {  # command -> (its one-line help, its module, the functions t
                "posttrain.launch.commands", "add_plan_and_doctor", "run_plan_or_doctor"),
     "serve": ("start a vLLM generation server for generation.placement=servers", "posttrain.generation.serve",
               "add_serve", "run_serve"),
-    "report": ("redraw a run's report.html, or compare several runs on one page", "posttrain.report", "add_report",
-               "run_report"),
+    "report": ("redraw a run's report.html, or compare several runs on one page", "posttrain.report.write",
+               "add_report", "run_report"),
 }
 ALGORITHM_EPILOG = """TRL-style flags work too: --learning_rate 1e-4, --num_generations=4, --bf16 (docs/trl.md has
 the table), and --config takes a flat TRL config file (model_name_or_path: ..., learning_rate: ...). Online

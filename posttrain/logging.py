@@ -1,5 +1,5 @@
 """What the user sees while a run trains: a progress bar, metrics.jsonl, and the trackers of train.report_to
-(posttrain/trackers.py). The report drawn from metrics.jsonl at the end is posttrain/report.py.
+(posttrain/trackers.py). The report drawn from metrics.jsonl at the end is posttrain/report/write.py.
 
 Only rank 0 writes; other ranks get a logger whose methods do nothing.
 """

@@ -44,7 +44,7 @@ from posttrain.train.rollout_source import RolloutSource
 from posttrain.train.distill_source import DistillSource
 from posttrain.train.sources import DatasetSource, Source
 from posttrain.train.state import TrainState
-from posttrain.report import write_report
+from posttrain.report.write import write_report
 from posttrain.trackers import closing_status, open_trackers, tracked_run
 
 

@@ -151,9 +151,10 @@ class GRPO(OnlineAlgorithm):
     # --- the rollout source calls it once per generation batch --------------------------------------------------
 
     def advantages(self, rollouts) -> tuple[list[Batch], dict[str, float]]:
-        """Group-relative advantages over the whole step's rewards (every rank computes the same), this rank's rows."""
+        """Group-relative advantages over the whole step's rewards (every rank computes the same), this rank's rows;
+        a completion no reward scored is left out of its group's statistics with advantage 0, as in TRL."""
         advantages_B = group_advantages(rollouts.step_rewards_B, self.config.num_generations,
-                                        self.config.scale_rewards).float()
+                                        self.config.scale_rewards, rollouts.step_scored_B).float()
         return [dataclasses.replace(b, advantages_B=a) for b, a in
                 zip(rollouts.batches, rollouts.per_batch(advantages_B))], {}
 

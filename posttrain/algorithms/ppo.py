@@ -170,7 +170,7 @@ class PPO(OnlineAlgorithm):
     def advantages(self, rollouts) -> tuple[list[Batch], dict[str, float]]:
         cfg = self.config
         estimator = ADVANTAGE_ESTIMATORS[cfg.advantage_estimator]
-        score_B = rollouts.step_rewards_B.float()
+        score_B = rollouts.step_rewards_B.float()  # 0 where no reward scored: no group to leave it out of (GAE)
         if cfg.missing_eos_penalty is not None:
             score_B = score_B - cfg.missing_eos_penalty * rollouts.step_truncated_B.float()
         score_B = estimator.baseline(score_B, cfg.num_generations)

@@ -8,6 +8,9 @@ gathers a step's rewards across ranks before calling these.
 Standard deviations are the unbiased (Bessel-corrected, divide by n - 1) sample std, torch.std's default, as in
 TRL's GRPOTrainer, so numbers and recipes carry over: rewards {0, 1} in a group of 2 have std 0.7071 and get
 advantages -+0.5 / (0.7071 + 1e-4) = -+0.7070 (the population std, 0.5, would give -+1).
+
+A completion no reward function scored (`scored_B` False) is handled as TRL's GRPOTrainer does: left out of every
+mean and std, advantage 0.
 """
 
 from __future__ import annotations
@@ -20,14 +23,24 @@ STD_EPSILON = 1e-4
 """Added to the std before dividing, as in TRL, so a group whose rewards are all equal gets advantage 0."""
 
 
+def nanstd(x: torch.Tensor, dim: int | None = None, keepdim: bool = False) -> torch.Tensor:
+    """Sample std (Bessel-corrected) over the non-NaN values, NaN where there are fewer than two: TRL's nanstd."""
+    if dim is None:
+        x, dim = x.reshape(-1), 0
+    mean = torch.nanmean(x, dim=dim, keepdim=True)
+    count = (~x.isnan()).sum(dim=dim, keepdim=keepdim)
+    squares = torch.nansum((x - mean) ** 2, dim=dim, keepdim=keepdim)
+    return torch.where(count > 1, squares / (count - 1).clamp(min=1), torch.nan).sqrt()
+
+
 def _group_scale(rewards_GN: torch.Tensor) -> torch.Tensor:
     """GRPO (Shao et al. 2024, DeepSeekMath): each group's own std."""
-    return rewards_GN.std(dim=1, keepdim=True) + STD_EPSILON
+    return nanstd(rewards_GN, dim=1, keepdim=True) + STD_EPSILON
 
 
 def _batch_scale(rewards_GN: torch.Tensor) -> torch.Tensor:
     """One std over every reward passed in; the mean stays per group (Liu et al. 2025, "Tricks or Traps?", Lite PPO)."""
-    return (rewards_GN.std() + STD_EPSILON).expand(rewards_GN.shape[0], 1)
+    return (nanstd(rewards_GN) + STD_EPSILON).expand(rewards_GN.shape[0], 1)
 
 
 def _no_scale(rewards_GN: torch.Tensor) -> torch.Tensor:
@@ -38,7 +51,8 @@ def _no_scale(rewards_GN: torch.Tensor) -> torch.Tensor:
 
 REWARD_SCALES: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {"group": _group_scale, "batch": _batch_scale,
                                                                      "none": _no_scale}
-"""scale_rewards -> divisor of each group's mean-centred rewards: rewards_GN (groups, group_size) -> (groups, 1)."""
+"""scale_rewards -> divisor of each group's mean-centred rewards: rewards_GN (groups, group_size) -> (groups, 1);
+NaN (an unscored completion) is left out of the std."""
 
 
 def _groups(rewards_B: torch.Tensor, group_size: int) -> torch.Tensor:
@@ -48,18 +62,32 @@ def _groups(rewards_B: torch.Tensor, group_size: int) -> torch.Tensor:
     return rewards_B.view(-1, group_size)
 
 
-def group_advantages(rewards_B: torch.Tensor, group_size: int, scale_rewards: str = "group") -> torch.Tensor:
-    """(reward - mean of its group) / scale -> advantages_B; the scale by `scale_rewards`, see REWARD_SCALES."""
+def _scored_groups(rewards_B: torch.Tensor, group_size: int, scored_B: torch.Tensor | None) -> torch.Tensor:
+    """rewards_GN with NaN where no reward function scored the completion (scored_B False; None: all scored)."""
+    rewards_GN = _groups(rewards_B, group_size)
+    if scored_B is None:
+        return rewards_GN
+    return torch.where(_groups(scored_B.bool(), group_size), rewards_GN, torch.nan)
+
+
+def group_advantages(rewards_B: torch.Tensor, group_size: int, scale_rewards: str = "group",
+                     scored_B: torch.Tensor | None = None) -> torch.Tensor:
+    """(reward - mean of its group) / scale -> advantages_B; the scale by `scale_rewards`, see REWARD_SCALES.
+
+    scored_B (bool, None: all) marks the completions some reward function scored. As in TRL's GRPOTrainer, an
+    unscored one (every function returned None) is left out of its group's mean and std (and the batch std) and gets
+    advantage 0; so does every completion of a group with fewer than two scored ones when the std divides."""
     if scale_rewards not in REWARD_SCALES:
         raise ValueError(f"scale_rewards must be one of {', '.join(REWARD_SCALES)}, got {scale_rewards!r}")
-    rewards_GN = _groups(rewards_B, group_size)
-    centred_GN = rewards_GN - rewards_GN.mean(dim=1, keepdim=True)
-    return (centred_GN / REWARD_SCALES[scale_rewards](rewards_GN)).reshape(-1)
+    rewards_GN = _scored_groups(rewards_B, group_size, scored_B)
+    centred_GN = rewards_GN - torch.nanmean(rewards_GN, dim=1, keepdim=True)
+    return torch.nan_to_num(centred_GN / REWARD_SCALES[scale_rewards](rewards_GN), nan=0.0).reshape(-1)
 
 
-def zero_std_fraction(rewards_B: torch.Tensor, group_size: int) -> torch.Tensor:
-    """Fraction of groups whose rewards are all equal (std isclose to 0, as TRL): no learning signal -> scalar."""
-    std_G = _groups(rewards_B, group_size).std(dim=1)
+def zero_std_fraction(rewards_B: torch.Tensor, group_size: int, scored_B: torch.Tensor | None = None) -> torch.Tensor:
+    """Fraction of groups whose scored rewards are all equal (std isclose to 0, as TRL; a group with fewer than two
+    scored completions has no std and is not counted, as TRL): no learning signal -> scalar."""
+    std_G = nanstd(_scored_groups(rewards_B, group_size, scored_B), dim=1)
     return torch.isclose(std_G, torch.zeros_like(std_G)).float().mean()
 
 

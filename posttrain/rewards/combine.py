@@ -2,7 +2,7 @@
 
     rewards = RewardSet([Reward("exact_match", exact_match), Reward("format", fmt, 0.2, timeout=5, on_error="skip")])
     scores = rewards.score(prompts, completions, {"answer": answers}, completion_ids, trainer_state)
-    scores.total_B, scores.per_function, scores.skipped, scores.logged
+    scores.total_B, scores.scored_B, scores.per_function, scores.skipped, scores.logged
     metrics = reward_metrics(scores.per_function)          # rewards/<name>/mean, rewards/<name>/std
 
 Functions are called as TRL calls them (posttrain/rewards/contract.py). Each runs in its own daemon thread (all at
@@ -10,7 +10,8 @@ once, so slow verifiers overlap), an `async def` one on the shared event loop, w
 runs on in the background but never keeps the process from exiting. On an exception or a timeout, on_error "raise"
 stops with a RewardError naming the function and the failing sample, "skip" makes its batch NaN. NaN (skipped, or
 None for a sample) is left out of the weighted sum (TRL's nansum: it counts as 0), counted in `skipped` and left out
-of the metrics; a completion no function scores is warned about, as TRL does. A UserError from a function (a missing
+of the metrics; a completion no function scores is unscored (`scored_B` False: TRL's NaN reward, left out of the
+group baselines and reward metrics, advantage 0) and warned about, as TRL does. A UserError from a function (a missing
 column) always propagates; wrong-length or non-numeric output, NaN and inf are RewardErrors.
 """
 
@@ -93,12 +94,21 @@ class Logged(NamedTuple):
 
 class Scores(NamedTuple):
     total_B: torch.Tensor
-    """Weighted sum over the functions, NaN left out (0 when no function scores a completion)."""
+    """Weighted sum over the functions, NaN left out (0 when no function scores a completion: see scored_B)."""
     per_function: dict[str, torch.Tensor]
     """name -> rewards_B, NaN where the function gave none."""
     skipped: int
     """Missing (function, sample) values."""
     logged: Logged
+
+    @property
+    def scored_B(self) -> torch.Tensor:
+        """bool: some function gave the completion a value (no functions: all). An unscored one is TRL's unscorable
+        completion (NaN reward): the GRPO family leaves it out of its group's mean and std with advantage 0
+        (ops/advantages.py), the reward metrics leave it out."""
+        if not self.per_function:
+            return torch.ones(len(self.total_B), dtype=torch.bool)
+        return ~torch.stack(list(self.per_function.values())).isnan().all(dim=0)
 
 
 class RewardSet:
@@ -163,13 +173,14 @@ class RewardSet:
             per_function[r.name] = values
         total_B = sum((r.weight * torch.nan_to_num(per_function[r.name], nan=0.0) for r in self.rewards),
                       torch.zeros(size, dtype=torch.float32))
-        _warn_unscored(per_function, batch, list(columns))
         logged = Logged({}, {})
         for log in logs:
             for name, values in log.metrics.items():
                 logged.metrics.setdefault(name, []).extend(values)
             logged.extra.update(log.extra)
-        return Scores(total_B, per_function, sum(int(v.isnan().sum()) for v in per_function.values()), logged)
+        scores = Scores(total_B, per_function, sum(int(v.isnan().sum()) for v in per_function.values()), logged)
+        _warn_unscored(scores.scored_B, batch, list(columns))
+        return scores
 
     @staticmethod
     def _start(fn: Callable, args: tuple, kwargs: dict) -> concurrent.futures.Future:
@@ -252,18 +263,16 @@ async def _call_async(fn: Callable, args: tuple, kwargs: dict) -> Any:
     return await fn(*args, **kwargs)
 
 
-def _warn_unscored(per_function: dict[str, torch.Tensor], batch: dict, columns: list[str]) -> None:
-    """TRL's warning when every function returned None for a completion: nothing scores it (its reward is 0)."""
-    if not per_function:
+def _warn_unscored(scored_B: torch.Tensor, batch: dict, columns: list[str]) -> None:
+    """TRL's warning when every function returned None for a completion: nothing scores it."""
+    if scored_B.all():
         return
-    unscored_B = torch.stack(list(per_function.values())).isnan().all(dim=0)
-    if not unscored_B.any():
-        return
-    i = int(unscored_B.nonzero()[0])
+    i = int((~scored_B).nonzero()[0])
     row = {k: batch[k][i] for k in columns}
-    logger.warning("every reward function returned None for %d of %d completions, which count as reward 0; the "
+    logger.warning("every reward function returned None for %d of %d completions: they are left out of their "
+                   "group's reward mean and std and get advantage 0 (as in TRL; PPO gives them reward 0); the "
                    "first: prompt %r, completion %r, columns %s. Make sure at least one function scores each "
-                   "completion", int(unscored_B.sum()), len(unscored_B), excerpt(batch["prompts"][i]),
+                   "completion", int((~scored_B).sum()), len(scored_B), excerpt(batch["prompts"][i]),
                    excerpt(batch["completions"][i]), {k: excerpt(v) for k, v in row.items()})
 
 

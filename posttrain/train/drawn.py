@@ -50,10 +50,14 @@ class Drawn:
     """What the reward functions logged through log_extra: column -> one value per completion."""
     filler: list[bool] = field(default_factory=list)
     """Completions standing in for missing groups (dynamic sampling out of draws): masked out of the loss."""
+    scored: list[bool] = field(default_factory=list)
+    """Some reward scored the completion (False: every function returned None; advantage 0, out of the metrics)."""
 
     def __post_init__(self):
         if not self.filler:
             self.filler = [False] * len(self.completion_ids)
+        if not self.scored:
+            self.scored = [True] * len(self.completion_ids)
 
     @property
     def group(self) -> int:
@@ -100,10 +104,12 @@ class Drawn:
 
     def metric(self, name: str, answer_column: str = "answer") -> torch.Tensor:
         """metric_B for dynamic sampling: accuracy (exact match against the answer column; NaN without a reference)
-        or reward (the total)."""
+        or reward (the total); NaN for a completion no reward scored, which trains on advantage 0 whatever it is."""
         if name == "reward":
-            return torch.tensor(self.total, dtype=torch.float64)
-        g = self.group
-        references = [p["columns"].get(answer_column) for p in self.prompts for _ in range(g)]
-        scores = exact_match(completions=self.texts, answer=references)
-        return torch.tensor([math.nan if s is None else s for s in scores], dtype=torch.float64)
+            values = self.total
+        else:
+            g = self.group
+            references = [p["columns"].get(answer_column) for p in self.prompts for _ in range(g)]
+            values = exact_match(completions=self.texts, answer=references)
+        return torch.tensor([math.nan if v is None or not scored else v for v, scored in zip(values, self.scored)],
+                            dtype=torch.float64)

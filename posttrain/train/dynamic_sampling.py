@@ -11,7 +11,9 @@ The paper keeps a group when 0 < |{o_i : is_equivalent(a, o_i)}| < G, i.e. its a
 the filter runs on the raw accuracy (`metric: accuracy`, exact match against the `answer` column), never on the shaped
 reward, where an overlong or format term can make a group of all-wrong answers look varied (NeMo-RL#2431, verl-recipe
 PR#125). `metric: reward` filters on the total reward instead (for tasks without a reference answer). "Varied" is
-max > min, which is std > 0 (verl's `np.std(...) > 0`) without rounding.
+max > min, which is std > 0 (verl's `np.std(...) > 0`) without rounding. A completion no reward function scored
+(TRL's unscorable completion, advantage 0) has no metric: the group varies when its other completions do, as the
+advantages see it; with fewer than two such completions nothing in the group trains, and it is dropped.
 
 As in verl's filter_groups, generation batches of `prompts per step` prompts are drawn until the kept groups fill the
 step; kept groups beyond it are discarded, not carried over (so the data position is all a checkpoint needs, beside
@@ -25,6 +27,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional, Sequence, TypeVar
@@ -42,11 +45,15 @@ Group = TypeVar("Group")
 
 def varied_groups(metric_B: torch.Tensor, group: int) -> torch.Tensor:
     """bool_P: which groups of `group` consecutive completions have a metric that varies (DAPO's kept groups). A group
-    of one is kept (nothing to compare, as verl); a NaN (no metric) makes its group not varied."""
+    of one is kept (nothing to compare, as verl); NaN (no metric: no reference answer, or no reward scored the
+    completion) is left out, so a group varies when its other values do."""
     metric_PG = metric_B.reshape(-1, group).double()
     if group == 1:
         return torch.ones(metric_PG.shape[0], dtype=torch.bool)
-    return (metric_PG.amax(dim=1) > metric_PG.amin(dim=1)) & ~metric_PG.isnan().any(dim=1)
+    known_PG = ~metric_PG.isnan()
+    highest_P = torch.where(known_PG, metric_PG, -math.inf).amax(dim=1)
+    lowest_P = torch.where(known_PG, metric_PG, math.inf).amin(dim=1)
+    return highest_P > lowest_P
 
 
 @dataclass

@@ -12,6 +12,7 @@ train.eval_pass_k also eval/pass_at_<k>, the unbiased pass@k from sampled comple
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any, Optional
 
@@ -56,14 +57,14 @@ def exact_match_accuracy(model, tokenizer, prompt_examples: list[dict], max_new_
 
 
 def evaluate_prompts(backend, link, tokenizer, examples: list[dict], rewards, trainer_state=None,
-                     pass_k: tuple[int, ...] = (), pass_k_samples: int = 0, seed: int = 0) -> dict[str, float]:
+                     pass_k: tuple[int, ...] = (), pass_k_samples: int = 0) -> dict[str, float]:
     """eval/accuracy, eval/reward and eval/completion_length over the whole eval set, every rank taking a strided
     share, greedy, through the run's engine link (train/engine_link.py; a multi-turn run's trajectories are scored
     whole, the environment's reward added). Shares are padded to equal size (fillers are not counted) so every rank
     makes the same engine calls. trainer_state: what
     the reward functions get as trainer_state (TRL passes the trainer's during evaluation too). pass_k: also
     eval/pass_at_<k> for each k (`sampled_pass_at_k`), from pass_k_samples (0: max k) completions per prompt sampled
-    with the recipe's generation settings, seeded by `seed`."""
+    with the recipe's generation settings, seeded by the link's seed."""
     share = -(-len(examples) // backend.world_size)
     mine = examples[backend.rank :: backend.world_size]
     real = len(mine)  # then fillers
@@ -75,16 +76,17 @@ def evaluate_prompts(backend, link, tokenizer, examples: list[dict], rewards, tr
     total_B = scored.total_B
     weight_B = torch.tensor(weights, dtype=torch.float64)
     length_B = torch.tensor([len(c) for c in sample.completion_ids], dtype=torch.float64)
-    local = torch.tensor([correct, counted, (total_B.double() * weight_B).sum(), (length_B * weight_B).sum(),
-                          weight_B.sum()], dtype=torch.float64)
-    correct, counted, reward_sum, length_sum, n = backend.all_reduce_sum(local.to(backend.device)).tolist()
-    out = {"eval/reward": reward_sum / max(n, 1.0), "eval/completion_length": length_sum / max(n, 1.0)}
+    scored_weight_B = weight_B * scored.scored_B.double()  # TRL's nanmean: a completion no reward scored is left out
+    local = torch.tensor([correct, counted, (total_B.double() * scored_weight_B).sum(), scored_weight_B.sum(),
+                          (length_B * weight_B).sum(), weight_B.sum()], dtype=torch.float64)
+    correct, counted, reward_sum, n_scored, length_sum, n = backend.all_reduce_sum(local.to(backend.device)).tolist()
+    out = {"eval/reward": reward_sum / n_scored if n_scored else math.nan,
+           "eval/completion_length": length_sum / max(n, 1.0)}
     if counted:
         out["eval/accuracy"] = correct / counted
     if pass_k:
         n = pass_k_samples or max(pass_k)
-        out.update(sampled_pass_at_k(backend, link.engine, tokenizer, mine, real, link.generation, link.agent, pass_k,
-                                     n, seed))
+        out.update(sampled_pass_at_k(backend, link, tokenizer, mine, real, pass_k, n))
     return out
 
 
@@ -105,26 +107,23 @@ def check_answer_columns(recipe, algorithm, train_examples: list[dict], eval_exa
                             f"have (columns: {columns}); add it, {otherwise}")
 
 
-def sampled_pass_at_k(backend, engine, tokenizer, examples: list[dict], real: int, generation, agent,
-                      ks: tuple[int, ...], n: int, seed: int) -> dict[str, float]:
+EVAL_POSITIONS = 2**40
+"""Where evaluation's sampling positions start: beyond every training prompt's position in the global order."""
+
+
+def sampled_pass_at_k(backend, link, tokenizer, examples: list[dict], real: int, ks: tuple[int, ...],
+                      n: int) -> dict[str, float]:
     """eval/pass_at_<k>: the unbiased estimator (posttrain.ops.pass_at_k) over the prompts with a reference, from n
-    completions of each sampled at generation.temperature and judged by exact match against the `answer` column.
-    `examples` is this rank's share padded to the same size on every rank (the same engine calls everywhere); the
-    first `real` count."""
-    per_call = generation.batch_size or len(examples)
-    correct: list[int] = []
-    for start in range(0, len(examples), per_call):
-        chunk = [e for e in examples[start : start + per_call] for _ in range(n)]
-        params = SamplingParams.from_config(generation, seed=seed * 1_000_003 + backend.rank * 7_919 + start)
-        with backend.autocast():
-            if agent is not None:
-                texts = [t.final_text for t in agent.run(chunk, [start + i // n for i in range(len(chunk))], params)]
-            else:
-                ids = engine.generate([e["prompt_ids"] for e in chunk], params).completion_ids
-                texts = tokenizer.batch_decode(ids, skip_special_tokens=True)
-        references = [e["columns"].get(ANSWER_COLUMN) for e in chunk]
-        scores = exact_match(completions=texts, answer=references)
-        correct += [-1 if scores[i] is None else int(sum(scores[i : i + n])) for i in range(0, len(chunk), n)]
+    completions of each sampled through the engine link at generation.temperature and judged by exact match against
+    the `answer` column. `examples` is this rank's share padded to the same size on every rank (the same engine
+    calls everywhere); the first `real` count. The draws are seeded by positions past any training prompt's
+    (EVAL_POSITIONS), so evaluation never repeats a training draw and does not move the training stream."""
+    share_start = EVAL_POSITIONS + backend.rank * len(examples)
+    sample = link.sample(examples, [share_start + i for i in range(len(examples))], group=n)
+    texts = sample.texts(tokenizer)
+    references = [e["columns"].get(ANSWER_COLUMN) for e in examples for _ in range(n)]
+    scores = exact_match(completions=texts, answer=references)
+    correct = [-1 if scores[i] is None else int(sum(scores[i : i + n])) for i in range(0, len(texts), n)]
     scored_P = torch.tensor(correct[:real], dtype=torch.long)
     scored_P = scored_P[scored_P >= 0]  # prompts without a reference are not counted
     sums = [pass_at_k(torch.full_like(scored_P, n), scored_P, k).sum() for k in ks]
@@ -140,7 +139,7 @@ def evaluate_online(backend, source, tokenizer, eval_examples, rewards, recipe) 
     source.before_evaluation()
     t = recipe.train
     return evaluate_prompts(backend, source.link, tokenizer, eval_examples, rewards, source.trainer_state(),
-                            t.eval_pass_k, t.eval_pass_k_samples, recipe.seed)
+                            t.eval_pass_k, t.eval_pass_k_samples)
 
 
 def preference_accuracy(model_or_dir: Any, tokenizer: Any = None, examples: Any = (), *, reference: Any = None,

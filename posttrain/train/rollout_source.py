@@ -20,12 +20,13 @@ made in phases:
      values are taken now (algorithm.prepare), once, so a batch reused for several steps keeps them;
   5. advantages: algorithm.advantages(Rollouts) over the step (group-relative, GAE, ...).
 
-last_metrics (whole step, all ranks): reward/mean|std, rewards/<name>/mean|std, rewards/skipped,
-frac_reward_zero_std, completion_length/mean|max|min, truncated_fraction, policy_lag and rollout/policy_lag_mean|max
-(optimiser steps from the sampling policy to the trained one); and this rank's seconds per phase: time/generate
-(with max_staleness: the wait for the batch sampled ahead), time/sync, time/score (with the gather), time/ref
-(log-probs, values, advantages), time/train (from handing the micro-batches over to the loop reading the metrics),
-and under launcher: ray time/role/<role> for each role served apart from the policy (its calls, transfer included).
+last_metrics (whole step, all ranks): reward/mean|std (scored completions only), rewards/<name>/mean|std,
+rewards/skipped, rewards/unscored (completions no reward scored), frac_reward_zero_std, completion_length/mean|max|min,
+truncated_fraction, policy_lag and rollout/policy_lag_mean|max (optimiser steps from the sampling policy to the
+trained one); and this rank's seconds per phase: time/generate (with max_staleness: the wait for the batch sampled
+ahead), time/sync, time/score (with the gather), time/ref (log-probs, values, advantages), time/train (from handing
+the micro-batches over to the loop reading the metrics), and under launcher: ray time/role/<role> for each role
+served apart from the policy (its calls, transfer included).
 """
 
 from __future__ import annotations
@@ -73,6 +74,9 @@ class Rollouts:
     samples_per_prompt: int
     all_reduce_sum: Callable[[torch.Tensor], torch.Tensor]
     """Sums a tensor over ranks (for statistics of the whole step, e.g. advantage whitening)."""
+    step_scored_B: torch.Tensor | None = None
+    """bool, every completion of the step: some reward function scored it (None: all). The GRPO family leaves the
+    others out of the group baselines with advantage 0, as TRL; PPO's score is then 0 (step_rewards_B)."""
 
     def per_batch(self, step_values_B: torch.Tensor) -> list[torch.Tensor]:
         """This rank's rows of a tensor over the whole step, split like its micro-batches (on their device)."""
@@ -215,12 +219,14 @@ class RolloutSource(Source):
             drawn, dynamic_metrics = self._draw(index, step), {}
         else:
             drawn, dynamic_metrics = self.dynamic_sampling.fill(index, step)
-        mine = dict(total=drawn.total, per_function=drawn.per_function, skipped=drawn.skipped, logged=self._logged,
-                    lengths=[len(ids) for ids in drawn.completion_ids], truncated=drawn.truncated, lag=drawn.lags,
+        mine = dict(total=drawn.total, scored=drawn.scored, per_function=drawn.per_function, skipped=drawn.skipped,
+                    logged=self._logged, lengths=[len(ids) for ids in drawn.completion_ids], truncated=drawn.truncated,
+                    lag=drawn.lags,
                     agent=[t.stats() for t in drawn.trajectories] if drawn.trajectories is not None else None)
         gather_started = time.perf_counter()
         everyone = backend.all_gather_object(mine)
         global_total_B = torch.tensor([r for part in everyone for r in part["total"]])
+        global_scored_B = torch.tensor([s for part in everyone for s in part["scored"]], dtype=torch.bool)
         scored = time.perf_counter()
         self._seconds["score"] += scored - gather_started
 
@@ -237,11 +243,11 @@ class RolloutSource(Source):
             # 5. advantages over the whole step
             step_truncated_B = torch.tensor([c for part in everyone for c in part["truncated"]], dtype=torch.bool)
             rollouts = Rollouts(batches, global_total_B, step_truncated_B, backend.rank * len(total_B), group,
-                                backend.all_reduce_sum)
+                                backend.all_reduce_sum, global_scored_B)
             batches, advantage_metrics = self.algorithm.advantages(rollouts)
         prepared = time.perf_counter()
 
-        metrics = step_metrics(everyone, global_total_B, group)
+        metrics = step_metrics(everyone, global_total_B, global_scored_B, group)
         metrics.update(agent_metrics([part["agent"] for part in everyone]))
         metrics.update({"time/generate": self._seconds["generate"], "time/score": self._seconds["score"],
                         "time/ref": prepared - scored, "time/sync": self.link.sync_seconds,
@@ -253,8 +259,9 @@ class RolloutSource(Source):
             if seconds is not None:
                 metrics[f"time/role/{name}"] = seconds
         if backend.is_main:
-            self._write_samples(step, drawn.prompts, drawn.texts, total_B, drawn.per_function,
-                                sequence_advantages(batches), drawn.truncated, drawn.extra, drawn.trajectories)
+            self._write_samples(step, drawn.prompts, drawn.texts, total_B.where(torch.tensor(drawn.scored), torch.nan),
+                                drawn.per_function, sequence_advantages(batches), drawn.truncated, drawn.extra,
+                                drawn.trajectories)
         versions = [v for v in drawn.sampled_by if v is not None]
         return Generation(index, batches, metrics, min(versions) if versions else None)
 
@@ -297,7 +304,8 @@ class RolloutSource(Source):
         return Drawn(positions, prompts, dataset_index, sample.prompt_ids, sample.completion_ids, sample.logprobs,
                      sample.truncated, scored.texts, scored.total_B.tolist(),
                      {k: v.tolist() for k, v in scored.per_function.items()}, [policy_lag(step, sampled_by)] * rows,
-                     [sampled_by] * rows, sample.trajectories, dict(scored.logged.extra))
+                     [sampled_by] * rows, sample.trajectories, dict(scored.logged.extra),
+                     scored=scored.scored_B.tolist())
 
     def _micro_batches(self, prompt_ids, completion_ids, sampler_logprobs, truncated, rewards_B,
                        dataset_index, masks=None) -> list[Batch]:
@@ -327,13 +335,13 @@ class RolloutSource(Source):
         """Every logging step: a few prompt groups of rank 0, appended to output_dir/samples.jsonl (with what the
         reward functions logged through log_extra). Multi-turn: each record's `trajectory` holds every message after
         the opening ones (the model's text with its tool calls as written, each tool's output or error, the
-        environment's messages) and `stats` its counts."""
+        environment's messages) and `stats` its counts. A completion no reward scored has reward null."""
         t, groups = self.recipe.train, self.recipe.algo.log_samples
         due = [s + 1 for s in range(step, step + self.iterations) if (s + 1) % t.logging_steps == 0]
         if not due or not groups:
             return
         records = [{"step": due[0], "prompt": prompts[i // self.group]["prompt"], "completion": texts[i],
-                    "reward": float(total_B[i]),
+                    "reward": None if math.isnan(total_B[i]) else float(total_B[i]),
                     "rewards": {k: (None if math.isnan(v[i]) else float(v[i])) for k, v in per_function.items()},
                     "advantage": float(advantages_B[i]), "truncated": bool(truncated[i]),
                     **({"extra": {k: v[i] for k, v in extra.items()}} if extra else {}),
@@ -354,18 +362,21 @@ def sequence_advantages(batches: list[Batch]) -> torch.Tensor:
                       else sequence_mean(b.advantages_BT, b.completion_mask_BT) for b in batches]).cpu()
 
 
-def step_metrics(everyone: list[dict], total_B: torch.Tensor, group: int) -> dict[str, float]:
-    """Reward, length and truncation figures of the whole step from every rank's gathered numbers."""
+def step_metrics(everyone: list[dict], total_B: torch.Tensor, scored_B: torch.Tensor, group: int) -> dict[str, float]:
+    """Reward, length and truncation figures of the whole step from every rank's gathered numbers. reward/* and
+    frac_reward_zero_std are over the scored completions only (TRL's nanmean); rewards/unscored counts the others."""
     per_function = {name: torch.tensor([r for part in everyone for r in part["per_function"][name]])
                     for name in everyone[0]["per_function"]}
     lengths = torch.tensor([n for part in everyone for n in part["lengths"]], dtype=torch.float32)
     truncated = torch.tensor([c for part in everyone for c in part["truncated"]], dtype=torch.float32)
-    metrics = {"reward/mean": total_B.mean(), "reward/std": total_B.std(unbiased=False),
+    scored_total_B = total_B[scored_B]
+    metrics = {"reward/mean": scored_total_B.mean(), "reward/std": scored_total_B.std(unbiased=False),
+               "rewards/unscored": (~scored_B).sum(),
                "completion_length/mean": lengths.mean(), "completion_length/max": lengths.max(),
                "completion_length/min": lengths.min(), "truncated_fraction": truncated.mean(),
                **reward_metrics(per_function)}
     if group > 1:  # samples of one prompt: how many groups carry no signal
-        metrics["frac_reward_zero_std"] = zero_std_fraction(total_B, group)
+        metrics["frac_reward_zero_std"] = zero_std_fraction(total_B, group, scored_B)
     logged: dict[str, list[float]] = {}  # the reward functions' log_metric values, averaged over the step
     for part in everyone:
         for name, values in part["logged"].items():

@@ -1,7 +1,7 @@
 """Rewards of a `Sample` (train/engine_link.py): the one scoring step of training rollouts and held-out evaluation.
 
     scored = score(rewards, prompts, sample, tokenizer, link.with_environment, trainer_state)
-    scored.total_B, scored.per_function, scored.skipped, scored.logged, scored.texts
+    scored.total_B, scored.scored_B, scored.per_function, scored.skipped, scored.logged, scored.texts
 
 Each reward function is called on TRL's contract (rewards/combine.py): one prompt per completion (a prompt's G
 samples repeat it), the completions in the dataset's shape (a multi-turn run: every message after the prompt, with
@@ -25,6 +25,8 @@ class Scored:
     """The completions as the reward functions saw them."""
     total_B: torch.Tensor
     """The weighted sum of every reward per completion (a missing value counts 0)."""
+    scored_B: torch.Tensor
+    """bool: some reward scored the completion (else TRL's unscorable completion: advantage 0, out of the metrics)."""
     per_function: dict[str, torch.Tensor]
     """Reward name -> its value per completion, NaN where it did not apply."""
     skipped: int
@@ -46,4 +48,4 @@ def score(rewards, prompts: list[dict], sample, tokenizer, with_environment: boo
     else:
         scorer = rewards.score
     scores = scorer(repeated, as_completions(repeated, texts), columns, sample.completion_ids, trainer_state)
-    return Scored(texts, scores.total_B, scores.per_function, scores.skipped, scores.logged)
+    return Scored(texts, scores.total_B, scores.scored_B, scores.per_function, scores.skipped, scores.logged)

@@ -25,6 +25,11 @@ def length_reward(completions, **kwargs):
     return [len(c[0]["content"]) / 40.0 for c in completions]
 
 
+def every_other_length_reward(completions, **kwargs):
+    """length_reward for even-numbered completions, None ("not applicable") for the others."""
+    return [None if i % 2 else r for i, r in enumerate(length_reward(completions))]
+
+
 def raising_reward(prompts, completions, **kwargs):
     raise ValueError("this reward always fails")
 
@@ -161,14 +166,22 @@ def test_raising_reward_stops_the_run_naming_it(tiny_model_dir, data, tmp_path, 
     assert code == 1 and "raising_reward" in err and "this reward always fails" in err, err
 
 
-def test_skipped_reward_continues(tiny_model_dir, data, tmp_path):
+def test_skipped_and_unscored_rewards_continue(tiny_model_dir, data, tmp_path):
+    """A skipped reward counts as missing; a completion no reward scores (every one None or skipped) is TRL's
+    unscorable completion: advantage 0, reward null in samples.jsonl, counted in rewards/unscored."""
     out = tmp_path / "run"
-    rewards = f"rewards=[{{name: '{HERE}:raising_reward', on_error: skip}}, {{name: '{HERE}:length_reward'}}]"
+    rewards = (f"rewards=[{{name: '{HERE}:raising_reward', on_error: skip}}, "
+               f"{{name: '{HERE}:every_other_length_reward'}}]")
     assert run_cli("grpo", *base(tiny_model_dir, data, out, rewards, "train.max_steps=2",
                                  "train.save_final_model=false")) == 0
     rows = metrics(out)
     assert [r["step"] for r in rows] == [1, 2]
-    assert all(r["rewards/skipped"] == 8 and r["reward/std"] > 0 for r in rows)
+    assert all(r["rewards/skipped"] == 8 + 4 and r["rewards/unscored"] == 4 and r["reward/mean"] > 0 for r in rows)
+    samples = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
+    unscored = [s for s in samples if s["reward"] is None]
+    assert len(unscored) == len(samples) // 2 and all(s["advantage"] == 0.0 for s in unscored)
+    assert all(s["rewards"] == {"raising_reward": None, "every_other_length_reward": None} for s in unscored)
+    assert any(s["advantage"] != 0.0 for s in samples if s["reward"] is not None)
 
 
 def test_trl_reward_file_through_reward_funcs(tiny_model_dir, data, tmp_path):

@@ -215,7 +215,7 @@ def test_tiny_template_renders_plain_conversations_as_before(tiny_model_dir):
 def test_the_shipped_tools_template_is_the_demos():
     from pathlib import Path
 
-    from posttrain.demo_tools import TEMPLATE, calculator, parse_call
+    from posttrain.demo.tools import TEMPLATE, calculator, parse_call
 
     root = Path(__file__).resolve().parents[2]
     assert (root / "examples" / "agents" / "tools_chatml.jinja").read_text() == TEMPLATE
@@ -227,7 +227,7 @@ def test_the_shipped_tools_template_is_the_demos():
 
 
 def test_the_demos_problems_keep_every_copy_at_a_fixed_width():
-    from posttrain.demo_tools import HIGH, LOW, problems, traces
+    from posttrain.demo.tools import HIGH, LOW, problems, traces
 
     pairs = problems(0)
     assert len(set(pairs)) == len(pairs) == (HIGH - LOW + 1) ** 2 and {len(str(a * b)) for a, b in pairs} == {4}

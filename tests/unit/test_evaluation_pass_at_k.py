@@ -31,14 +31,14 @@ def test_pass_at_k_counts_prompts_with_a_reference(tiny_model_dir, tmp_path):
     examples = [{"prompt_ids": i, "prompt": p, "columns": {"answer": a}} for i, p, a in zip(ids, prompts, answers)]
     generation = GenerationConfig(max_completion_length=2, temperature=1e-3, batch_size=2)
     backend = Backend(Recipe(output_dir=str(tmp_path)))
-    out = evaluate_prompts(backend, EngineLink.over(engine, backend, generation), tokenizer, examples, RewardSet([]),
-                           pass_k=(1, 2, 4), pass_k_samples=5, seed=3)
+    out = evaluate_prompts(backend, EngineLink.over(engine, backend, generation, seed=3), tokenizer, examples,
+                           RewardSet([]), pass_k=(1, 2, 4), pass_k_samples=5)
     assert out["eval/accuracy"] == pytest.approx(0.5)
     assert {k: out[f"eval/pass_at_{k}"] for k in (1, 2, 4)} == pytest.approx({1: 0.5, 2: 0.5, 4: 0.5})
 
     # at temperature 1, the same seed gives the same figures, and pass@k grows with k
     hot = GenerationConfig(max_completion_length=2, temperature=1.0, batch_size=2)
-    runs = [evaluate_prompts(backend, EngineLink.over(engine, backend, hot), tokenizer, examples, RewardSet([]),
-                             pass_k=(1, 4), seed=7) for _ in range(2)]
+    runs = [evaluate_prompts(backend, EngineLink.over(engine, backend, hot, seed=7), tokenizer, examples,
+                             RewardSet([]), pass_k=(1, 4)) for _ in range(2)]
     assert runs[0] == runs[1]
     assert runs[0]["eval/pass_at_1"] <= runs[0]["eval/pass_at_4"]

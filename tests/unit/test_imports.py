@@ -18,10 +18,10 @@ FORBIDDEN = ("torch.distributed", "accelerate", "deepspeed", "ray", "vllm")
 MACHINERY = ("torch.distributed", "accelerate", "deepspeed", "ray")
 ALLOWED_IN = {"distributed": MACHINERY, "launch": MACHINERY, "generation": ("vllm",)}
 LAYERS = [
-    ("cli", "__main__", "console", "demo", "demo_tools"),           # the command line
+    ("cli", "__main__", "console", "demo"),                         # the command line, and the demos it runs
     ("launch",),                                                    # what starts processes: Ray, serve children, doctor
     ("run", "roles", "checkpoint", "outputs", "plan",               # composition of one run, and what it writes
-     "logging", "trackers", "report", "report_charts", "report_html", "report_files"),
+     "logging", "trackers", "report"),
     ("train",),                                                     # the loop, sources, rollout source, evaluation
     ("algorithms", "agents"),                                       # prepare + loss plug-ins; multi-turn rollouts
     ("generation", "rollout", "rewards", "models", "data", "tasks"),   # engines (rollout: its old name), rewards, models, data

@@ -9,9 +9,9 @@ import re
 import pytest
 
 from posttrain.cli import run_command
-from posttrain.report import (Figure, chart_series, constant_keys, headline_figures, load_run, load_runs,
-                              plan_charts, render, write_report)
-from posttrain.report_charts import smooth, smoothing_weight
+from posttrain.report.write import (Figure, chart_series, constant_keys, headline_figures, load_run, load_runs,
+                                    plan_charts, render, write_report)
+from posttrain.report.charts import smooth, smoothing_weight
 
 
 def write_run(path, rows, facts=None, config=None, samples=None):

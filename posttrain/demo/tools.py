@@ -1,6 +1,6 @@
 """The tool-use demo: does a model that calls a calculator learn more than the same pipeline without one?
 
-    python -m posttrain.demo_tools --out runs/agents-demo          # ~20 minutes on 2 CPU cores (docs/agents.md)
+    python -m posttrain.demo.tools --out runs/agents-demo          # ~20 minutes on 2 CPU cores (docs/agents.md)
 
 Task: two-digit x two-digit multiplication, operands 32-99 so that every product has four digits. A tiny model
 does not learn to multiply in minutes; with the calculator it only has to copy: the operands into the call and the
@@ -102,7 +102,7 @@ def prompts(pairs) -> list[dict]:
 
 def run_demo(out_dir: str, sft_steps: int, grpo_steps: int, seed: int = 0, slip: float = 0.3,
              pipelines: tuple[str, ...] = ("plain", "tools")) -> dict:
-    from posttrain.demo import stage
+    from posttrain.demo.arithmetic import stage
     from posttrain.models.tiny import make_tiny_model
 
     out = Path(out_dir)
@@ -137,8 +137,8 @@ def run_demo(out_dir: str, sft_steps: int, grpo_steps: int, seed: int = 0, slip:
                      "rewards=[{name: exact_match}]"]
         if name == "tools":
             overrides += [f"model.chat_template={out / 'tools.jinja'}", "generation.max_completion_length=48",
-                          "rollout.tools=[posttrain.demo_tools:calculator]",
-                          "rollout.tool_parser=posttrain.demo_tools:parse_call",
+                          "rollout.tools=[posttrain.demo.tools:calculator]",
+                          "rollout.tool_parser=posttrain.demo.tools:parse_call",
                           "rollout.max_turns=2"]
         else:
             overrides += ["generation.max_completion_length=8"]

@@ -1,5 +1,5 @@
 """The report's markup: the page shell with its inline CSS, and the sections that are tables rather than charts
-(headline, constant metrics, sampled completions, config differences, run facts). posttrain/report.py assembles them.
+(headline, constant metrics, sampled completions, config differences, run facts). report/write.py assembles them.
 """
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import html
 import json
 
 from posttrain.logging import finite
-from posttrain.report_charts import COLORS
-from posttrain.report_files import GENERATOR
+from posttrain.report.charts import COLORS
+from posttrain.report.files import GENERATOR
 from posttrain.trackers import flatten
 
 CSS = """

@@ -18,9 +18,9 @@ from typing import Any, Optional
 
 from posttrain.errors import UserError
 from posttrain.logging import finite
-from posttrain.report_charts import COLORS, LINESTYLES, Series, draw, is_constant
-from posttrain.report_files import read_mapping, read_rows, report_path
-from posttrain.report_html import (config_section, constants_table, esc, facts_section, fmt, headline_single,
+from posttrain.report.charts import COLORS, LINESTYLES, Series, draw, is_constant
+from posttrain.report.files import read_mapping, read_rows, report_path
+from posttrain.report.html import (config_section, constants_table, esc, facts_section, fmt, headline_single,
                                    headline_table, page, samples_section)
 
 # train.eval_pass_k: the held-out greedy accuracy and the unbiased pass@k of each k on one chart
