@@ -67,7 +67,10 @@ def test_sft_lora_trains_adapters_and_exports_a_merged_plain_model(tiny_model_di
         base_model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
         with_adapter = PeftModel.from_pretrained(base_model, out / "final" / "adapter").eval()
         assert torch.allclose(with_adapter(input_ids=ids).logits, expected, atol=1e-4)
-    assert not recwarn.list, [str(w.message) for w in recwarn.list]  # a healthy run warns of nothing
+    # a healthy run warns of nothing; ResourceWarnings are the garbage collector finding sockets that other tests on
+    # this worker left (e.g. connections to the session's vLLM server), whenever it happens to run, not this run's
+    ours = [w for w in recwarn.list if not issubclass(w.category, ResourceWarning)]
+    assert not ours, [str(w.message) for w in ours]
 
 
 def test_lora_resume_continues_exactly(tiny_model_dir, data, tmp_path):
