@@ -13,8 +13,8 @@ from posttrain.algorithms.base import Algorithm
 from posttrain.config.schema import Recipe
 from posttrain.errors import UserError
 from posttrain.losses.policy import clipped_surrogate, truncated_importance_weights
-from posttrain.models.forward import policy_logits
-from posttrain.ops.logprobs import entropy_BT, masked_mean, token_logprobs
+from posttrain.models.forward import policy_logprobs_entropy
+from posttrain.ops.logprobs import masked_mean
 from posttrain.rewards import load_rewards
 from posttrain.rewards.reward_model import load_scorer
 from posttrain.batch import Batch
@@ -104,8 +104,8 @@ class OnlineAlgorithm(Algorithm):
         """The forward and clipped surrogate GRPO and PPO share (Schulman et al. 2017), at the sampling temperature;
         with algo.vllm_is_correction each token is weighted by min(pi_old / pi_sampler, algo.vllm_is_cap)."""
         cfg, mask_BT = self.config, batch.completion_mask_BT
-        logits_BTV = policy_logits(model, batch)
-        logprobs_BT = token_logprobs(logits_BTV, batch.input_ids_BT, temperature=self.temperature)
+        # a fusable output layer gives both without making the (B, T, V) logits (models/forward.py)
+        logprobs_BT, entropy_BT = policy_logprobs_entropy(model, batch, self.temperature)
         # one step per generation batch: the sampling policy is the current one, so the ratio is 1 with the right
         # gradient
         old_BT = batch.old_logprobs_BT if batch.old_logprobs_BT is not None else logprobs_BT.detach()
@@ -117,6 +117,5 @@ class OnlineAlgorithm(Algorithm):
                                                                   cfg.vllm_is_cap)
             loss_BT = loss_BT * weights_BT
             metrics.update(is_metrics)
-        with torch.no_grad():
-            metrics["entropy"] = masked_mean(entropy_BT(logits_BTV.detach(), temperature=self.temperature), mask_BT)
+        metrics["entropy"] = masked_mean(entropy_BT, mask_BT)
         return Surrogate(loss_BT, logprobs_BT, old_BT, metrics)

@@ -16,7 +16,7 @@ import torch
 
 from posttrain.batch import Batch
 from posttrain.distributed.wrappers import plain_class, unwrap_module
-from posttrain.ops.logprobs import linear_token_logprobs, token_logprobs
+from posttrain.ops.logprobs import entropy_BT, linear_token_logprobs_entropy, token_logprobs
 
 FUSED_HEAD_MODELS = frozenset({"llama", "qwen2", "qwen3", "mistral", "phi3", "qwen2_moe", "qwen3_moe", "olmo2"})
 """Model types whose causal-LM forward returns `lm_head(hidden)` as the logits, with nothing applied after it."""
@@ -31,18 +31,38 @@ def policy_logprobs(model, batch: Batch, temperature: float = 1.0) -> torch.Tens
     """logprobs_BT aligned with input_ids_BT (position 0 is 0): log p(token t | tokens < t). A padding-free batch
     is scored packed (the logits never exist for padding) and unpacked: each row's position 0, which in the packed
     row holds a prediction from the previous row's last token, is set back to 0."""
+    return _scored(model, batch, temperature, with_entropy=False)[0]
+
+
+def policy_logprobs_entropy(model, batch: Batch, temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """policy_logprobs and the entropy_BT of each position's next-token distribution (detached: a metric), from one
+    forward; with a fusable head both come from the same logits chunks, so the (B, T, V) logits never exist."""
+    return _scored(model, batch, temperature, with_entropy=True)
+
+
+def _scored(model, batch: Batch, temperature: float, with_entropy: bool):
     inputs = batch.model_inputs()
     head = fusable_head(model)
+    entropy = None
     if head is None:
         logits = model(**inputs, use_cache=False).logits
         logprobs = token_logprobs(logits, inputs["input_ids"], temperature=temperature)
+        if with_entropy:
+            with torch.no_grad():
+                entropy = entropy_BT(logits.detach(), temperature=temperature)
     else:
-        with _head_returns_logprobs(head, inputs["input_ids"], temperature):
+        with _head_returns_logprobs(head, inputs["input_ids"], temperature, with_entropy) as entropies:
             logprobs = model(**inputs, use_cache=False).logits
+        entropy = entropies[0] if with_entropy else None
     if not batch.padding_free:
-        return logprobs
-    logprobs_BT = batch.unpack(logprobs)
-    return torch.cat([logprobs_BT.new_zeros(logprobs_BT.shape[0], 1), logprobs_BT[:, 1:]], dim=1)
+        return logprobs, entropy
+    return _unpacked(batch, logprobs), (_unpacked(batch, entropy) if with_entropy else None)
+
+
+def _unpacked(batch: Batch, values) -> torch.Tensor:
+    """Packed per-token values -> (B, T), each row's position 0 (a prediction from the previous row) set to 0."""
+    values_BT = batch.unpack(values)
+    return torch.cat([values_BT.new_zeros(values_BT.shape[0], 1), values_BT[:, 1:]], dim=1)
 
 
 def sequence_scores(model, batch: Batch) -> torch.Tensor:
@@ -82,12 +102,19 @@ def fusable_head(model) -> torch.nn.Linear | None:
 
 
 @contextlib.contextmanager
-def _head_returns_logprobs(head: torch.nn.Linear, input_ids_BT: torch.Tensor, temperature: float):
+def _head_returns_logprobs(head: torch.nn.Linear, input_ids_BT: torch.Tensor, temperature: float,
+                           with_entropy: bool = False):
+    """The head returns log-probs; with_entropy: the entropies of its call are appended to the yielded list."""
+    entropies = []
+
     def forward(hidden_BTH: torch.Tensor) -> torch.Tensor:
-        return linear_token_logprobs(hidden_BTH, head.weight, input_ids_BT, temperature)
+        logprobs, entropy = linear_token_logprobs_entropy(hidden_BTH, head.weight, input_ids_BT, temperature,
+                                                          with_entropy=with_entropy)
+        entropies.append(entropy)
+        return logprobs
 
     head.forward = forward
     try:
-        yield
+        yield entropies
     finally:
         del head.forward

@@ -97,24 +97,29 @@ class _LinearTokenLogprobs(torch.autograd.Function):
     forward, as the model's own lm_head would; softmax math is float32."""
 
     @staticmethod
-    def forward(ctx, hidden_NH, weight_VH, targets_N, temperature, chunk_size):
+    def forward(ctx, hidden_NH, weight_VH, targets_N, temperature, chunk_size, with_entropy=False):
         device_type = hidden_NH.device.type
         autocast = device_type, torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type)
         n, dtype = hidden_NH.shape[0], _compute_dtype(hidden_NH)
         logprobs_N = torch.empty(n, dtype=dtype, device=hidden_NH.device)
         logsumexp_N = torch.empty(n, dtype=dtype, device=hidden_NH.device)
+        entropy_N = torch.empty(n if with_entropy else 0, dtype=dtype, device=hidden_NH.device)
         for start in range(0, n, chunk_size):
             stop = min(start + chunk_size, n)
             scaled_nV = _scaled_logits(hidden_NH[start:stop], weight_VH, dtype, temperature)
             logsumexp_N[start:stop] = torch.logsumexp(scaled_nV, dim=-1)
             logprobs_N[start:stop] = scaled_nV.gather(-1, targets_N[start:stop, None]).squeeze(-1) - logsumexp_N[start:stop]
+            if with_entropy:  # H = -sum p log p from the same chunk: the logits are not made again for the metric
+                logp_nV = scaled_nV.sub_(logsumexp_N[start:stop, None])
+                entropy_N[start:stop] = -(torch.exp(logp_nV) * logp_nV).sum(-1)
         ctx.save_for_backward(hidden_NH, weight_VH, targets_N, logsumexp_N)
         ctx.temperature, ctx.chunk_size, ctx.autocast = temperature, chunk_size, autocast
-        return logprobs_N
+        ctx.mark_non_differentiable(entropy_N)
+        return logprobs_N, entropy_N
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    def backward(ctx, grad_N):
+    def backward(ctx, grad_N, _grad_entropy_N):
         hidden_NH, weight_VH, targets_N, logsumexp_N = ctx.saved_tensors
         device_type, enabled, autocast_dtype = ctx.autocast
         grad_hidden_NH = torch.empty_like(hidden_NH) if ctx.needs_input_grad[0] else None
@@ -138,7 +143,7 @@ class _LinearTokenLogprobs(torch.autograd.Function):
                     grad_weight_VH += (dlogits_nV.t() @ hidden_nH).float()
         if grad_weight_VH is not None:
             grad_weight_VH = grad_weight_VH.to(weight_VH.dtype)
-        return grad_hidden_NH, grad_weight_VH, None, None, None
+        return grad_hidden_NH, grad_weight_VH, None, None, None, None
 
 
 def _scaled_logits(hidden_nH: torch.Tensor, weight_VH: torch.Tensor, dtype: torch.dtype, temperature: float):
@@ -159,12 +164,23 @@ def linear_token_logprobs(hidden_BTH: torch.Tensor, weight_VH: torch.Tensor, inp
     and backward, so neither the (B, T, V) logits nor their gradient exist: for a 150k vocabulary that is the largest
     tensor of a training step. `chunk_size` rows at a time (default: about LINEAR_CHUNK_ELEMENTS logits per chunk).
     """
+    return linear_token_logprobs_entropy(hidden_BTH, weight_VH, input_ids_BT, temperature, chunk_size, False)[0]
+
+
+def linear_token_logprobs_entropy(hidden_BTH: torch.Tensor, weight_VH: torch.Tensor, input_ids_BT: torch.Tensor,
+                                  temperature: float = 1.0, chunk_size: int | None = None,
+                                  with_entropy: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`linear_token_logprobs` and, from the same logits chunks, `entropy_BT` of each position's next-token
+    distribution (a detached metric, as entropy_BT computes it from the logits) -> (logprobs_BT, entropy_BT or None).
+    """
     batch, length, hidden = hidden_BTH.shape
     chunk_size = chunk_size or max(1, LINEAR_CHUNK_ELEMENTS // weight_VH.shape[0])
     _check(temperature, chunk_size)
-    logprobs_N = _LinearTokenLogprobs.apply(hidden_BTH.reshape(batch * length, hidden), weight_VH,
-                                            _next_tokens(input_ids_BT).reshape(-1), temperature, chunk_size)
-    return _shift_right(logprobs_N.view(batch, length))
+    logprobs_N, entropy_N = _LinearTokenLogprobs.apply(hidden_BTH.reshape(batch * length, hidden), weight_VH,
+                                                       _next_tokens(input_ids_BT).reshape(-1), temperature,
+                                                       chunk_size, with_entropy)
+    entropy_BT = _shift_right(entropy_N.view(batch, length)) if with_entropy else None
+    return _shift_right(logprobs_N.view(batch, length)), entropy_BT
 
 
 def entropy_BT(logits_BTV: torch.Tensor, chunk_size: int = 1024, temperature: float = 1.0) -> torch.Tensor:

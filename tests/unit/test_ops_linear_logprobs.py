@@ -4,7 +4,7 @@ model-level fused path of algorithms.forward.policy_logprobs against the logits 
 import pytest
 import torch
 
-from posttrain.ops.logprobs import linear_token_logprobs, token_logprobs
+from posttrain.ops.logprobs import entropy_BT, linear_token_logprobs, linear_token_logprobs_entropy, token_logprobs
 
 
 def hidden_batch(B=3, T=5, H=6, V=11, seed=0, dtype=torch.float32):
@@ -41,6 +41,19 @@ def test_values_and_gradients_match_the_unfused_path(chunk_size, temperature):
     (want * weights_BT).sum().backward()
     for mine, theirs in zip(ours, ref):
         torch.testing.assert_close(mine.grad, theirs.grad, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("chunk_size", [4, 1000])
+def test_entropy_from_the_same_chunks_matches_entropy_of_the_logits(chunk_size):
+    hidden_BTH, weight_VH, input_ids_BT = hidden_batch(seed=2)
+    hidden = hidden_BTH.clone().requires_grad_()
+    logprobs_BT, got_BT = linear_token_logprobs_entropy(hidden, weight_VH, input_ids_BT, 0.7, chunk_size=chunk_size)
+    want_BT = entropy_BT(hidden_BTH @ weight_VH.t(), temperature=0.7)  # lse - E[x]: the same value, other rounding
+    torch.testing.assert_close(got_BT, want_BT, atol=1e-5, rtol=1e-5)
+    assert not got_BT.requires_grad  # a metric
+    torch.testing.assert_close(logprobs_BT, linear_token_logprobs(hidden_BTH, weight_VH, input_ids_BT, 0.7))
+    logprobs_BT.sum().backward()  # the entropy output takes no part in the gradient
+    assert hidden.grad is not None and torch.isfinite(hidden.grad).all()
 
 
 def test_gradcheck_float64():
@@ -97,3 +110,34 @@ def test_heads_that_are_not_plain_take_the_logits_path(tiny_model_dir):
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
     model.config.model_type = "gemma2"  # soft-caps its logits after the head
     assert fusable_head(model) is None
+
+
+@pytest.mark.parametrize("padding_free", [False, True])
+@pytest.mark.parametrize("fused", [True, False])
+def test_policy_logprobs_entropy_equals_logprobs_and_entropy_of_the_logits(tiny_model_dir, padding_free, fused):
+    import dataclasses
+
+    from transformers import AutoModelForCausalLM
+
+    from posttrain.batch import Batch
+    from posttrain.models.forward import policy_logits, policy_logprobs_entropy
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    if not fused:
+        model.config.model_type = "gemma2"  # not fusable: the logits path
+    g = torch.Generator().manual_seed(1)
+    input_ids_BT = torch.randint(3, model.config.vocab_size, (2, 9), generator=g)
+    attention_mask_BT = torch.ones_like(input_ids_BT)
+    attention_mask_BT[1, 6:] = 0
+    batch = Batch(input_ids_BT=input_ids_BT, completion_mask_BT=attention_mask_BT.bool(),
+                  attention_mask_BT=attention_mask_BT, num_sequences=2, padding_free=padding_free)
+    logprobs_BT, got_BT = policy_logprobs_entropy(model, batch, temperature=0.8)
+    reference_batch = dataclasses.replace(batch, padding_free=False)
+    with torch.no_grad():
+        logits_BTV = policy_logits(model, reference_batch)
+    mask_BT = attention_mask_BT.bool()
+    want_logprobs_BT = token_logprobs(logits_BTV, input_ids_BT, temperature=0.8)
+    want_BT = entropy_BT(logits_BTV, temperature=0.8)
+    torch.testing.assert_close(logprobs_BT[mask_BT], want_logprobs_BT[mask_BT], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got_BT[mask_BT], want_BT[mask_BT], atol=1e-5, rtol=1e-5)
+    assert logprobs_BT.requires_grad and not got_BT.requires_grad
