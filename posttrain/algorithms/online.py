@@ -109,6 +109,8 @@ class OnlineAlgorithm(Algorithm):
         # one step per generation batch: the sampling policy is the current one, so the ratio is 1 with the right
         # gradient
         old_BT = batch.old_logprobs_BT if batch.old_logprobs_BT is not None else logprobs_BT.detach()
+        # outside the completions logprobs_BT is 0 (never scored): no ratio exp(0 - old) that could overflow there
+        old_BT = torch.where(mask_BT.bool(), old_BT, logprobs_BT.detach())
         loss_BT, clip_fraction = clipped_surrogate(logprobs_BT, old_BT, advantages, mask_BT, epsilon_low,
                                                    epsilon_high, level=level)
         metrics = {"clip_fraction": clip_fraction}

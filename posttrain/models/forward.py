@@ -36,11 +36,13 @@ def policy_logprobs(model, batch: Batch, temperature: float = 1.0) -> torch.Tens
 
 def policy_logprobs_entropy(model, batch: Batch, temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
     """policy_logprobs and the entropy_BT of each position's next-token distribution (detached: a metric), from one
-    forward; with a fusable head both come from the same logits chunks, so the (B, T, V) logits never exist."""
-    return _scored(model, batch, temperature, with_entropy=True)
+    forward, right at the completion positions: with a fusable head both come from the same logits chunks, only of
+    the rows that predict a completion token (0 elsewhere), so the (B, T, V) logits never exist and the output layer
+    skips the prompts and the padding; other heads give every position."""
+    return _scored(model, batch, temperature, with_entropy=True, completion_only=True)
 
 
-def _scored(model, batch: Batch, temperature: float, with_entropy: bool):
+def _scored(model, batch: Batch, temperature: float, with_entropy: bool, completion_only: bool = False):
     inputs = batch.model_inputs()
     head = fusable_head(model)
     entropy = None
@@ -51,7 +53,8 @@ def _scored(model, batch: Batch, temperature: float, with_entropy: bool):
             with torch.no_grad():
                 entropy = entropy_BT(logits.detach(), temperature=temperature)
     else:
-        with _head_returns_logprobs(head, inputs["input_ids"], temperature, with_entropy) as entropies:
+        mask = batch.pack(batch.completion_mask_BT) if completion_only else None
+        with _head_returns_logprobs(head, inputs["input_ids"], temperature, with_entropy, mask) as entropies:
             logprobs = model(**inputs, use_cache=False).logits
         entropy = entropies[0] if with_entropy else None
     if not batch.padding_free:
@@ -103,13 +106,14 @@ def fusable_head(model) -> torch.nn.Linear | None:
 
 @contextlib.contextmanager
 def _head_returns_logprobs(head: torch.nn.Linear, input_ids_BT: torch.Tensor, temperature: float,
-                           with_entropy: bool = False):
-    """The head returns log-probs; with_entropy: the entropies of its call are appended to the yielded list."""
+                           with_entropy: bool = False, mask_BT: torch.Tensor | None = None):
+    """The head returns log-probs (at mask_BT's positions only, when given); with_entropy: the entropies of its call
+    are appended to the yielded list."""
     entropies = []
 
     def forward(hidden_BTH: torch.Tensor) -> torch.Tensor:
         logprobs, entropy = linear_token_logprobs_entropy(hidden_BTH, head.weight, input_ids_BT, temperature,
-                                                          with_entropy=with_entropy)
+                                                          with_entropy=with_entropy, mask_BT=mask_BT)
         entropies.append(entropy)
         return logprobs
 

@@ -168,17 +168,25 @@ def linear_token_logprobs(hidden_BTH: torch.Tensor, weight_VH: torch.Tensor, inp
 
 
 def linear_token_logprobs_entropy(hidden_BTH: torch.Tensor, weight_VH: torch.Tensor, input_ids_BT: torch.Tensor,
-                                  temperature: float = 1.0, chunk_size: int | None = None,
-                                  with_entropy: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+                                  temperature: float = 1.0, chunk_size: int | None = None, with_entropy: bool = True,
+                                  mask_BT: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`linear_token_logprobs` and, from the same logits chunks, `entropy_BT` of each position's next-token
     distribution (a detached metric, as entropy_BT computes it from the logits) -> (logprobs_BT, entropy_BT or None).
+    `mask_BT`: only the positions it marks are scored (0 elsewhere): the output layer never runs on the rows that
+    predict the others (a prompt's tokens, padding), forward or backward.
     """
     batch, length, hidden = hidden_BTH.shape
     chunk_size = chunk_size or max(1, LINEAR_CHUNK_ELEMENTS // weight_VH.shape[0])
     _check(temperature, chunk_size)
-    logprobs_N, entropy_N = _LinearTokenLogprobs.apply(hidden_BTH.reshape(batch * length, hidden), weight_VH,
-                                                       _next_tokens(input_ids_BT).reshape(-1), temperature,
-                                                       chunk_size, with_entropy)
+    hidden_NH, targets_N = hidden_BTH.reshape(batch * length, hidden), _next_tokens(input_ids_BT).reshape(-1)
+    if mask_BT is not None:  # the rows whose logits predict a marked token
+        rows_n = _next_tokens(mask_BT).reshape(-1).bool().nonzero().squeeze(-1)
+        hidden_NH, targets_N = hidden_NH[rows_n], targets_N[rows_n]
+    logprobs_N, entropy_N = _LinearTokenLogprobs.apply(hidden_NH, weight_VH, targets_N, temperature, chunk_size,
+                                                       with_entropy)
+    if mask_BT is not None:
+        scatter = lambda x_n: x_n.new_zeros(batch * length).index_put((rows_n,), x_n)  # noqa: E731
+        logprobs_N, entropy_N = scatter(logprobs_N), scatter(entropy_N) if with_entropy else entropy_N
     entropy_BT = _shift_right(entropy_N.view(batch, length)) if with_entropy else None
     return _shift_right(logprobs_N.view(batch, length)), entropy_BT
 

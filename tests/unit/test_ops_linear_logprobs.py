@@ -56,6 +56,25 @@ def test_entropy_from_the_same_chunks_matches_entropy_of_the_logits(chunk_size):
     assert hidden.grad is not None and torch.isfinite(hidden.grad).all()
 
 
+def test_a_mask_scores_only_its_positions_with_the_same_values_and_gradients():
+    hidden_BTH, weight_VH, input_ids_BT = hidden_batch(seed=5)
+    mask_BT = torch.zeros(input_ids_BT.shape, dtype=torch.bool)
+    mask_BT[0, 2:] = mask_BT[2, 1:3] = True  # row 1: nothing scored
+    weights_BT = torch.randn(input_ids_BT.shape, generator=torch.Generator().manual_seed(6))
+    results = []
+    for mask in (mask_BT, None):
+        h, w = hidden_BTH.clone().requires_grad_(), weight_VH.clone().requires_grad_()
+        logprobs_BT, entropy_BT = linear_token_logprobs_entropy(h, w, input_ids_BT, 0.9, chunk_size=2, mask_BT=mask)
+        (torch.where(mask_BT, logprobs_BT, 0.0) * weights_BT).sum().backward()
+        results.append((logprobs_BT.detach(), entropy_BT, h.grad, w.grad))
+    (masked, masked_entropy, *masked_grads), (full, full_entropy, *full_grads) = results
+    assert (masked[~mask_BT] == 0).all() and (masked_entropy[~mask_BT] == 0).all()
+    torch.testing.assert_close(masked[mask_BT], full[mask_BT])
+    torch.testing.assert_close(masked_entropy[mask_BT], full_entropy[mask_BT])
+    for mine, theirs in zip(masked_grads, full_grads):
+        torch.testing.assert_close(mine, theirs, atol=1e-6, rtol=1e-5)
+
+
 def test_gradcheck_float64():
     hidden_BTH, weight_VH, input_ids_BT = hidden_batch(B=2, T=3, H=4, V=5, dtype=torch.float64)
     inputs = (hidden_BTH.requires_grad_(), weight_VH.requires_grad_())
