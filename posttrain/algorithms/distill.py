@@ -27,11 +27,11 @@ from typing import Optional
 import torch
 
 from posttrain.algorithms.base import Algorithm, Models, Objective, Role
-from posttrain.models.forward import policy_logits
+from posttrain.models.forward import policy_logits, policy_logits_at
 from posttrain.batch import Batch
 from posttrain.config.schema import Recipe
 from posttrain.errors import UserError
-from posttrain.losses.distill import distill_loss, topk_distill_loss
+from posttrain.losses.distill import distill_loss_at, predicting_rows, topk_distill_loss
 from posttrain.ops.logprobs import masked_mean, masked_sum
 
 
@@ -155,15 +155,18 @@ class Distill(Algorithm):
         """The divergence to the teacher's distributions over the completion tokens: a server teacher's top-k
         (fetched in prepare), or the `teacher` role's logits, computed here one micro-batch at a time."""
         mask_BT = batch.completion_mask_BT
-        student_logits_BTV = policy_logits(model, batch)
         if batch.teacher_topk_ids_BTK is not None:
-            out = topk_distill_loss(student_logits_BTV, batch.teacher_topk_logprobs_BTK, batch.teacher_topk_ids_BTK,
-                                    batch.input_ids_BT, mask_BT, self.config.beta, self.temperature)
+            out = topk_distill_loss(policy_logits(model, batch), batch.teacher_topk_logprobs_BTK,
+                                    batch.teacher_topk_ids_BTK, batch.input_ids_BT, mask_BT, self.config.beta,
+                                    self.temperature)
         else:
+            rows_n = predicting_rows(mask_BT)
             with torch.no_grad():
-                teacher_BTV = teacher.forward(**batch.model_inputs(), use_cache=False).logits
-                teacher_logits_BTV = batch.unpack(teacher_BTV)
-            out = distill_loss(student_logits_BTV, teacher_logits_BTV, batch.input_ids_BT, mask_BT, self.config.beta,
-                               self.temperature)
+                teacher_BTV = batch.unpack(teacher.forward(**batch.model_inputs(), use_cache=False).logits)
+                teacher_nV = teacher_BTV.reshape(-1, teacher_BTV.shape[-1])[rows_n]
+                del teacher_BTV  # only the completion rows are kept for the loss's backward
+            # the student's output layer projects only the rows that predict a completion token
+            out = distill_loss_at(policy_logits_at(model, batch, rows_n), teacher_nV, batch.input_ids_BT, mask_BT,
+                                  self.config.beta, self.temperature)
         metrics = {name: masked_mean(value_BT, mask_BT) for name, value_BT in out.metrics_BT.items()}
         return masked_sum(out.loss_BT, mask_BT) / normaliser, metrics

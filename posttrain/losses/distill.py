@@ -158,7 +158,7 @@ class _ChunkedDivergence(torch.autograd.Function):
         return grad_NV, None, None, None, None, None, None, None
 
 
-def _predicting_rows(completion_mask_BT: torch.Tensor) -> torch.Tensor:
+def predicting_rows(completion_mask_BT: torch.Tensor) -> torch.Tensor:
     """Flat row indices (b * T + t - 1) of the logits that predict each completion token (b, t), in row order."""
     return _next_tokens(completion_mask_BT).reshape(-1).bool().nonzero().squeeze(-1)
 
@@ -181,16 +181,35 @@ def distill_loss(student_logits_BTV: torch.Tensor, teacher_logits_BTV: torch.Ten
     if not temperature > 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
     batch, length, vocab = student_logits_BTV.shape
-    chunk_size = chunk_size or max(1, LINEAR_CHUNK_ELEMENTS // vocab)
-    rows_n = _predicting_rows(completion_mask_BT)
-    targets_n = _next_tokens(input_ids_BT).reshape(-1)[rows_n]
+    rows_n = predicting_rows(completion_mask_BT)
     # only the teacher's completion rows outlive this call (kept for the backward pass): not its whole (B, T, V)
     teacher_nV = teacher_logits_BTV.detach().reshape(batch * length, vocab)[rows_n]
+    return distill_loss_at(student_logits_BTV.reshape(batch * length, vocab), teacher_nV, input_ids_BT,
+                           completion_mask_BT, beta, temperature, chunk_size, student_rows_n=rows_n)
+
+
+def distill_loss_at(student_nV: torch.Tensor, teacher_nV: torch.Tensor, input_ids_BT: torch.Tensor,
+                    completion_mask_BT: torch.Tensor, beta: float, temperature: float = 1.0,
+                    chunk_size: int | None = None, student_rows_n: torch.Tensor | None = None) -> DistillOutput:
+    """distill_loss from the logits of the predicting rows only (`predicting_rows(completion_mask_BT)`, in that
+    order), e.g. models.forward.policy_logits_at's: no (B, T, V) logits or gradient is needed.
+    `student_rows_n`: student_nV holds every row of the batch instead, and these are the predicting ones."""
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    rows_n = predicting_rows(completion_mask_BT)
+    if student_rows_n is None:
+        student_rows_n = torch.arange(rows_n.shape[0], device=rows_n.device)
+    if teacher_nV.shape != (rows_n.shape[0], student_nV.shape[-1]):
+        raise ValueError(f"teacher logits {tuple(teacher_nV.shape)} are not one row of the student's vocabulary "
+                         f"({student_nV.shape[-1]}) per completion token ({rows_n.shape[0]})")
+    chunk_size = chunk_size or max(1, LINEAR_CHUNK_ELEMENTS // student_nV.shape[-1])
+    targets_n = _next_tokens(input_ids_BT).reshape(-1)[rows_n]
     divergence = DIVERGENCES[divergence_name(beta)]
-    value_n, metrics_n5 = _ChunkedDivergence.apply(student_logits_BTV.reshape(batch * length, vocab), teacher_nV,
-                                                   rows_n, targets_n, divergence, float(beta), temperature, chunk_size)
-    metrics = {name: _scatter_BT(metrics_n5[:, i], rows_n, (batch, length)) for i, name in enumerate(METRICS)}
-    return DistillOutput(_scatter_BT(value_n, rows_n, (batch, length)), metrics)
+    value_n, metrics_n5 = _ChunkedDivergence.apply(student_nV, teacher_nV.detach(), student_rows_n, targets_n,
+                                                   divergence, float(beta), temperature, chunk_size)
+    shape = completion_mask_BT.shape
+    metrics = {name: _scatter_BT(metrics_n5[:, i], rows_n, shape) for i, name in enumerate(METRICS)}
+    return DistillOutput(_scatter_BT(value_n, rows_n, shape), metrics)
 
 
 def topk_distill_loss(student_logits_BTV: torch.Tensor, teacher_topk_logprobs_BTK: torch.Tensor,

@@ -27,6 +27,25 @@ def policy_logits(model, batch: Batch) -> torch.Tensor:
     return batch.unpack(model(**batch.model_inputs(), use_cache=False).logits)
 
 
+def policy_logits_at(model, batch: Batch, rows_n: torch.Tensor) -> torch.Tensor:
+    """logits_nV of the flat rows `rows_n` (b * T + t of the batch's padded layout) only: with a fusable head and a
+    padded batch the output layer projects just those rows' hidden states (its own forward, so autocast and engine
+    hooks apply as usual), so the other rows' logits and their gradient never exist; else the full logits, indexed."""
+    head = fusable_head(model)
+    if head is None or batch.padding_free:
+        logits_BTV = policy_logits(model, batch)
+        return logits_BTV.reshape(-1, logits_BTV.shape[-1])[rows_n]
+
+    def forward(hidden_BTH: torch.Tensor) -> torch.Tensor:
+        return torch.nn.Linear.forward(head, hidden_BTH.reshape(-1, hidden_BTH.shape[-1])[rows_n])
+
+    head.forward = forward
+    try:
+        return model(**batch.model_inputs(), use_cache=False).logits
+    finally:
+        del head.forward
+
+
 def policy_logprobs(model, batch: Batch, temperature: float = 1.0) -> torch.Tensor:
     """logprobs_BT aligned with input_ids_BT (position 0 is 0): log p(token t | tokens < t). A padding-free batch
     is scored packed (the logits never exist for padding) and unpacked: each row's position 0, which in the packed

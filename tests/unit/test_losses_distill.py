@@ -5,7 +5,8 @@ import math
 import pytest
 import torch
 
-from posttrain.losses.distill import DIVERGENCES, distill_loss, divergence_name, topk_distill_loss
+from posttrain.losses.distill import (DIVERGENCES, distill_loss, distill_loss_at, divergence_name, predicting_rows,
+                                     topk_distill_loss)
 from posttrain.ops.logprobs import masked_sum
 
 # one sequence of 3 tokens, vocabulary 2; positions 1 and 2 are completion tokens (predicted by rows 0 and 1)
@@ -89,6 +90,21 @@ def test_chunked_gradient_equals_autograd_of_the_divergence(beta):
     (reference_BT * (weights * mask)[:, 1:]).sum().backward()
     torch.testing.assert_close(got, student.grad, rtol=1e-9, atol=1e-12)
     torch.testing.assert_close(out.loss_BT[:, 1:], torch.where(mask[:, 1:], reference_BT, 0.0).detach())
+
+
+def test_the_predicting_rows_alone_give_the_same_loss_metrics_and_gradient():
+    student, teacher, ids, mask = random_case(seed=2)
+    full = distill_loss(student, teacher, ids, mask, 0.5, chunk_size=3)
+    rows_n = predicting_rows(mask)
+    student_nV = student.reshape(-1, student.shape[-1])[rows_n]
+    at = distill_loss_at(student_nV, teacher.reshape(-1, teacher.shape[-1])[rows_n], ids, mask, 0.5, chunk_size=3)
+    torch.testing.assert_close(at.loss_BT, full.loss_BT, rtol=0, atol=0)
+    for name in full.metrics_BT:
+        torch.testing.assert_close(at.metrics_BT[name], full.metrics_BT[name], rtol=0, atol=0)
+    grads = [torch.autograd.grad(out.loss_BT.sum(), student)[0] for out in (full, at)]
+    torch.testing.assert_close(grads[1], grads[0], rtol=0, atol=0)
+    with pytest.raises(ValueError, match="per completion token"):
+        distill_loss_at(student_nV[1:], teacher.reshape(-1, teacher.shape[-1])[rows_n][1:], ids, mask, 0.5)
 
 
 def test_chunk_size_changes_nothing():

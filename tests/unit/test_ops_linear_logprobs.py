@@ -95,20 +95,26 @@ def test_bf16_autocast_matches_the_unfused_path_under_autocast():
         torch.testing.assert_close(a, b, atol=2e-2, rtol=2e-2)  # both in bf16 matmuls; chunking changes rounding
 
 
+def padded_batch(vocab: int, seed: int, padded_row: int, pad_from: int, length: int = 9, padding_free: bool = False):
+    """Two rows of random ids, one right-padded from `pad_from`; every real token in the completion mask."""
+    from posttrain.batch import Batch
+
+    input_ids_BT = torch.randint(3, vocab, (2, length), generator=torch.Generator().manual_seed(seed))
+    attention_mask_BT = torch.ones_like(input_ids_BT)
+    attention_mask_BT[padded_row, pad_from:] = 0
+    return Batch(input_ids_BT=input_ids_BT, completion_mask_BT=attention_mask_BT.bool(),
+                 attention_mask_BT=attention_mask_BT, num_sequences=2, padding_free=padding_free)
+
+
 def test_policy_logprobs_fused_equals_the_logits_path(tiny_model_dir):
     from transformers import AutoModelForCausalLM
 
     from posttrain.models.forward import fusable_head, policy_logits, policy_logprobs
-    from posttrain.batch import Batch
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
     assert fusable_head(model) is model.lm_head
-    g = torch.Generator().manual_seed(0)
-    input_ids_BT = torch.randint(3, model.config.vocab_size, (2, 9), generator=g)
-    attention_mask_BT = torch.ones_like(input_ids_BT)
-    attention_mask_BT[1, 6:] = 0
-    batch = Batch(input_ids_BT=input_ids_BT, completion_mask_BT=attention_mask_BT.bool(),
-                  attention_mask_BT=attention_mask_BT, num_sequences=2)
+    batch = padded_batch(model.config.vocab_size, seed=0, padded_row=1, pad_from=6)
+    input_ids_BT = batch.input_ids_BT
     fused = policy_logprobs(model, batch, temperature=0.8)
     assert "forward" not in vars(model.lm_head)  # the swap is undone
     (fused * batch.completion_mask_BT).sum().backward()
@@ -138,18 +144,13 @@ def test_policy_logprobs_entropy_equals_logprobs_and_entropy_of_the_logits(tiny_
 
     from transformers import AutoModelForCausalLM
 
-    from posttrain.batch import Batch
     from posttrain.models.forward import policy_logits, policy_logprobs_entropy
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
     if not fused:
         model.config.model_type = "gemma2"  # not fusable: the logits path
-    g = torch.Generator().manual_seed(1)
-    input_ids_BT = torch.randint(3, model.config.vocab_size, (2, 9), generator=g)
-    attention_mask_BT = torch.ones_like(input_ids_BT)
-    attention_mask_BT[1, 6:] = 0
-    batch = Batch(input_ids_BT=input_ids_BT, completion_mask_BT=attention_mask_BT.bool(),
-                  attention_mask_BT=attention_mask_BT, num_sequences=2, padding_free=padding_free)
+    batch = padded_batch(model.config.vocab_size, seed=1, padded_row=1, pad_from=6, padding_free=padding_free)
+    input_ids_BT, attention_mask_BT = batch.input_ids_BT, batch.attention_mask_BT
     logprobs_BT, got_BT = policy_logprobs_entropy(model, batch, temperature=0.8)
     reference_batch = dataclasses.replace(batch, padding_free=False)
     with torch.no_grad():
@@ -160,3 +161,26 @@ def test_policy_logprobs_entropy_equals_logprobs_and_entropy_of_the_logits(tiny_
     torch.testing.assert_close(logprobs_BT[mask_BT], want_logprobs_BT[mask_BT], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(got_BT[mask_BT], want_BT[mask_BT], atol=1e-5, rtol=1e-5)
     assert logprobs_BT.requires_grad and not got_BT.requires_grad
+
+
+def test_policy_logits_at_projects_only_the_asked_rows_with_the_same_values_and_gradients(tiny_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    from posttrain.models.forward import policy_logits, policy_logits_at
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    batch = padded_batch(model.config.vocab_size, seed=2, padded_row=0, pad_from=5, length=7)
+    rows_n = torch.tensor([1, 3, 8, 12])
+    calls = []
+    handle = model.lm_head.register_forward_hook(lambda module, args, out: calls.append(out.shape))
+    got_nV = policy_logits_at(model, batch, rows_n)
+    handle.remove()
+    assert calls == [torch.Size([4, model.config.vocab_size])] and "forward" not in vars(model.lm_head)
+    got_nV.square().sum().backward()
+    got_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    want_nV = policy_logits(model, batch).reshape(-1, model.config.vocab_size)[rows_n]
+    want_nV.square().sum().backward()
+    torch.testing.assert_close(got_nV, want_nV, atol=1e-5, rtol=1e-5)
+    for name, param in model.named_parameters():
+        torch.testing.assert_close(got_grads[name], param.grad, atol=1e-5, rtol=1e-4, msg=name)
