@@ -36,13 +36,15 @@ RUN_ARTIFACTS = ("config.yaml", "metrics.jsonl", "tensorboard", "checkpoints", "
 ASIDE_PREFIX = ".posttrain-replaced-"  # overwrite_output_dir: the old run's files until the new run is set up
 RECIPE_SECTIONS = ("output_dir", "model", "data", "train")  # what every config.yaml a run wrote holds
 FAILED_DIR = "failed-attempts"  # a failed attempt's files, moved here when the next run takes its place
+RAY_SESSION_DIR = "ray"  # the session (logs, sockets) of a Ray cluster the launcher started for the run
 
 
-def engine_logs() -> str:
-    """The folder the Ray launcher's generation engines log to, created before the run itself starts."""
+def launcher_dirs() -> tuple[str, ...]:
+    """The folders the Ray launcher writes before the run itself starts: its generation engines' logs and the
+    session of a cluster it started for the run."""
     from posttrain.generation.server_process import LOG_DIR
 
-    return LOG_DIR
+    return LOG_DIR, RAY_SESSION_DIR
 
 
 def check_output_dir(recipe, command: str = "") -> Optional[Path]:
@@ -72,8 +74,8 @@ def check_output_dir(recipe, command: str = "") -> Optional[Path]:
     resume = resolve_resume(str(out), t.resume_from_checkpoint, strict=t.resume_strict)
     if resume is not None or t.overwrite_output_dir or t.resume_from_checkpoint == "auto":
         return resume  # auto and no checkpoint yet (a run stopped before its first save): the run starts
-    # config.yaml alone (or with an empty log): that run never trained; the engines' logs: the Ray launcher started
-    # them first; a failed attempt (takeover_reason) is replaced by the next run
+    # config.yaml alone (or with an empty log): that run never trained; the Ray launcher's folders: it wrote them
+    # first; a failed attempt (takeover_reason) is replaced by the next run
     if kind == "run" and not never_trained(out) and takeover_reason(out) is None:
         live = live_attempt(out)
         if live:
@@ -139,9 +141,9 @@ def check_same_command(run: Path, command: str, key: str) -> None:
 
 def never_trained(out: Path) -> bool:
     """What a run leaves that stopped before its first step (its model did not load, an input error found once it
-    had started): config.yaml, the marker, the engines' logs, and at most an empty metrics.jsonl and tensorboard/."""
+    had started): config.yaml, the marker, the Ray launcher's folders, and at most an empty metrics.jsonl and tensorboard/."""
     for p in out.iterdir():
-        if p.name in ("config.yaml", MARKER, engine_logs(), "tensorboard", FAILED_DIR):
+        if p.name in ("config.yaml", MARKER, *launcher_dirs(), "tensorboard", FAILED_DIR):
             continue
         if p.name == "metrics.jsonl" and p.is_file() and not p.is_symlink() and p.stat().st_size == 0:
             continue
@@ -187,12 +189,12 @@ def check_writable(out: Path) -> None:
 
 
 def classify(out: Path) -> str:
-    """new (absent or empty, or only the engines' logs), run (the marker, or a run from before the marker), or
+    """new (absent or empty, or only the Ray launcher's folders), run (the marker, or a run from before the marker), or
     foreign (anything else: nothing there may be touched)."""
     if not out.is_dir():
         return "new"
     names = {p.name for p in out.iterdir()}
-    if not names - {engine_logs()}:
+    if not names - set(launcher_dirs()):
         return "new"
     return "run" if MARKER in names or is_unmarked_run(out) else "foreign"
 
