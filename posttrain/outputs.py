@@ -16,6 +16,7 @@ The rules, each with its reason, are in docs/reliability.md ("Output directories
 from __future__ import annotations
 
 import datetime
+import fcntl
 import json
 import os
 import shutil
@@ -230,6 +231,7 @@ def begin_run(out: Path, overwrite: bool, command: str = "") -> Optional[Path]:
     move the previous run's own files into a folder inside output_dir (returned; pass it to end_overwrite once
     config.yaml is new). A failed attempt taken over (takeover_reason) has its files moved to failed-attempts/."""
     out.mkdir(parents=True, exist_ok=True)
+    claim(out)
     _started.append(out)
     now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     reason = None if overwrite or not (out / MARKER).exists() else takeover_reason(out)
@@ -256,6 +258,34 @@ def begin_run(out: Path, overwrite: bool, command: str = "") -> Optional[Path]:
         aside.rmdir()
         raise
     return aside
+
+
+_claimed: dict[Path, int] = {}  # output_dir -> this process's open descriptor of it, locked while its run goes
+
+
+def claim(out: Path) -> None:
+    """Lock output_dir for this process's run (flock on the directory; released by end_attempt, or by the kernel when
+    the process ends however it ends). Two runs started into one directory at the same moment both passed
+    check_output_dir and both trained into it (two sets of metrics rows, one final/ over the other, exit 0 twice);
+    the second is refused here, before it writes anything. A filesystem without flock is not locked."""
+    if out in _claimed:
+        return
+    fd = os.open(out, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise UserError(f"output_dir {out} is in use by a run still going ({live_attempt(out) or 'another process'}"
+                        "); wait for it, stop it, or choose another output_dir") from None
+    except OSError:  # no locks there (some network filesystems): check_output_dir's marker check is all there is
+        pass
+    _claimed[out] = fd
+
+
+def release(out: Path) -> None:
+    fd = _claimed.pop(out, None)
+    if fd is not None:
+        os.close(fd)
 
 
 def keep_failed_attempt(out: Path, stamp: str) -> Optional[Path]:
@@ -285,6 +315,13 @@ def write_marker(out: Path, record: dict) -> None:
 def end_attempt(out: Path, error: Optional[BaseException] = None) -> None:
     """Record how this process's attempt ended: finished, stopped (a signal, Ctrl-C) or failed (with the error's
     first line). Only the process that began it writes (rank 0; never a run that refused to start)."""
+    try:
+        record_end(out, error)
+    finally:
+        release(out)
+
+
+def record_end(out: Path, error: Optional[BaseException]) -> None:
     record = read_marker(out)
     attempt = record.get("attempt") or {}
     if attempt.get("pid") != os.getpid() or attempt.get("status") != "running":
