@@ -235,6 +235,18 @@ def test_the_algorithm_is_told_by_the_recipe():
 def test_bad_launch_shape_is_a_user_error(config_7b):
     with pytest.raises(UserError, match="--gpus"):
         run_plan("sft", _recipe(config_7b), None, [], 3, 2, "80GiB", as_json=False)
+    with pytest.raises(UserError, match="'0GiB' is no memory at all"):  # it planned on, "nothing fits"
+        run_plan("sft", _recipe(config_7b), None, [], 1, 1, "0GiB", as_json=False)
+
+
+@pytest.mark.parametrize("shape, message", [
+    ("train.max_tokens_per_microbatch=3", "train.max_tokens_per_microbatch=3 is below data.max_length = 2048"),
+    ("data.max_length=99999999", "the model holds 4,096 positions"),
+])
+def test_what_a_run_refuses_the_plan_refuses(config_7b, shape, message):
+    """The plan recommended a command (data.max_length cut to fit memory, or the budget kept) that exits 2 at once."""
+    with pytest.raises(UserError, match=message):
+        run_plan("sft", _recipe(config_7b, shape), None, [], 1, 1, "80GiB", as_json=False)
 
 
 def test_fused_output_layer_never_makes_the_logits():
