@@ -1,6 +1,7 @@
 """posttrain.plan: byte counts worked out by hand for a small known shape, parameter counts from a 7B config.json
 (meta device, no weights), and the recommendation for that 7B model on 8 x 40 GB."""
 
+import functools
 import json
 from pathlib import Path
 
@@ -200,7 +201,7 @@ def test_7b_on_8x40gb_ddp_does_not_fit_zero3_does(config_7b):
 
     recipe = _recipe(config_7b)
     shape = model_shape(recipe.model)
-    plan = make_plan(shape, lambda b, n=None: workload_from_recipe("sft", recipe, b, n), 4, 4, gpus=8,
+    plan = make_plan(shape, functools.partial(workload_from_recipe, "sft", recipe), 4, 4, gpus=8,
                      gpu_bytes=40 * 10**9)
     table = {o.engine.name: o for o in plan.at_recipe_batch}
     # DDP on a bf16 checkpoint: float32 master weights + gradients (+ bucket copy) + AdamW moments are
