@@ -68,13 +68,14 @@ def engine_for(engine: str, offload: str = "none") -> str:
 
 
 def estimate_for_run(command: str, recipe, engine: str, offload: str, world_size: int,
-                     counts: Optional[tuple[int, int]] = None) -> Breakdown:
+                     counts: Optional[tuple[int, int]] = None, mean_length: Optional[int] = None) -> Breakdown:
     """The estimate of this recipe as it is being launched (logged at start beside the measured peak). `counts`:
-    the loaded model's (total, trainable) parameters, which spare building the model on the meta device."""
+    the loaded model's (total, trainable) parameters, which spare building the model on the meta device;
+    `mean_length`: the data's mean row length (None: every row full, the worst case)."""
     shape = (shape_from_config(read_config(recipe.model), *counts) if counts is not None
              else model_shape(recipe.model, algorithm_facts(command, recipe)["task"]))
     gpu_bytes = detect_gpu_memory()
-    return estimate(shape, workload_from_recipe(command, recipe, on_gpu=gpu_bytes is not None),
+    return estimate(shape, workload_from_recipe(command, recipe, on_gpu=gpu_bytes is not None, mean_length=mean_length),
                     ENGINES[engine_for(engine, offload)], world_size, gpu_bytes or 0)
 
 

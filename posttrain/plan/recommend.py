@@ -51,7 +51,6 @@ class Plan:
 
 
 WorkloadFor = Callable[..., Workload]  # (per_device_batch, max_length=None, *, sequence_parallel, budget) -> Workload
-BUDGET_STEP = 256  # recommended token budgets are multiples of this
 
 
 def splits(per_device_batch: int, accumulation: int) -> list[tuple[int, int]]:
@@ -112,9 +111,9 @@ def make_plan(shape: ModelShape, workload_for: WorkloadFor, per_device_batch: in
 
 def largest_budget(shape: ModelShape, workload_for: WorkloadFor, option: Option, per_device_batch: int, gpus: int,
                    gpu_bytes: int, shortest: int) -> Optional[tuple[int, Breakdown]]:
-    """The largest token budget (a multiple of BUDGET_STEP, at least `shortest`, at most the device's tokens of a
-    step) whose packed micro-batches fit under `option`'s engine and SP degree: activations grow with the budget, so
-    a bisection finds it. None when not even `shortest` fits."""
+    """The largest token budget (at least `shortest`, at most the device's tokens of a step) whose micro-batches fit
+    under `option`'s engine and SP degree (packed; padded under SP): activations grow with the budget, so a
+    bisection finds it. None when not even `shortest` fits."""
     def at(budget: int) -> Breakdown:
         w = workload_for(per_device_batch, sequence_parallel=option.sequence_parallel, budget=budget)
         return estimate(shape, w, option.engine, gpus, gpu_bytes)
@@ -129,10 +128,9 @@ def largest_budget(shape: ModelShape, workload_for: WorkloadFor, option: Option,
     while high - low > 1:
         middle = (low + high) // 2
         low, high = (middle, high) if fits(at(middle), gpu_bytes) else (low, middle)
-    best = max(shortest, low // BUDGET_STEP * BUDGET_STEP)
     # padded, a budget holds whole rows: name the tokens they really hold (a budget between two rows' worth is moot)
-    held = workload_for(per_device_batch, sequence_parallel=option.sequence_parallel, budget=best).real_tokens
-    best = max(shortest, min(best, held))
+    held = workload_for(per_device_batch, sequence_parallel=option.sequence_parallel, budget=low).real_tokens
+    best = max(shortest, min(low, held))
     return best, at(best)
 
 

@@ -260,3 +260,19 @@ def test_a_token_budget_bounds_the_micro_batch_the_estimate_sees():
     # 2 x 16 rows x 1024 tokens in micro-batches of 4,096 tokens: 4 rows each, 8 of them
     assert (budget.sequences, budget.sequence_length, budget.accumulation) == (4, 1024, 8)
     assert estimate(SHAPE, budget, ENGINES["ddp"]).activations < estimate(SHAPE, padded, ENGINES["ddp"]).activations
+
+
+def test_32k_tokens_of_a_7b_model_need_sequence_parallelism(config_7b):
+    """One 32k-token row of the 7B model keeps ~540 GB of bf16 activations: no engine fits it on an 80 GiB GPU; split
+    over N ranks it does. The plan names N, the keys to set, and a token budget."""
+    recipe = _recipe(config_7b, "data.max_length=32768", "train.per_device_train_batch_size=1",
+                     "train.gradient_checkpointing=false", "data.packing=true")
+    out = json.loads(run_plan("sft", recipe, None, [], 8, 1, "80GiB", as_json=True))
+    assert not any(e["fits"] for e in out["engines"])
+    chosen = out["recommended"]
+    assert chosen["sequence_parallel_size"] in (2, 4, 8) and chosen["engine"] != "fsdp2"
+    assert f"train.sequence_parallel_size={chosen['sequence_parallel_size']}" in out["command"]
+    assert "data.packing=false" in out["command"]  # sequence parallelism refuses packed rows
+    assert out["token_budget"]["max_tokens_per_microbatch"] >= 32768 and not out["token_budget"]["packing"]
+    text = run_plan("sft", recipe, None, [], 8, 1, "80GiB", as_json=False)
+    assert "one sequence's activations do not fit one GPU" in text and "train.max_tokens_per_microbatch=" in text
