@@ -113,9 +113,9 @@ def micro_batch_words(command: str, recipe, mean_length: Optional[int]) -> str:
     w = workload_from_recipe(command, recipe, mean_length=mean_length)
     how = "packed" if recipe.data.packing else "padded"
     budget = recipe.train.max_tokens_per_microbatch
-    said = (f"{how}{f' within {budget} tokens' if budget else ''}: {w.sequences} rows of up to {w.sequence_length} "
-            f"tokens (mean {min(mean_length or w.sequence_length, w.sequence_length)}) = {w.tokens} tokens a "
-            f"micro-batch ({w.real_tokens} of the data)")
+    said = (f"{how}{f' within {budget} tokens' if budget else ''}: {w.sequences} row(s) of up to {w.sequence_length} "
+            f"tokens, mean {min(mean_length or w.sequence_length, w.sequence_length)}: {w.tokens} tokens a micro-batch, "
+            f"{w.real_tokens} of them data")
     return said + (f" over {w.sequence_parallel} SP ranks" if w.sequence_parallel > 1 else "")
 
 
@@ -157,8 +157,8 @@ def run_plan(command: str, recipe, config: Optional[str], overrides: list[str], 
              f"{_count(shape.parameters)} parameters ({_count(shape.trainable)} trainable), {precision(recipe, shape)}; "
              f"{gpus} GPU(s) of {gpu_bytes / GIB:.1f} GiB on {nodes} node(s)",
              f"per device at the recipe's batch (per_device_train_batch_size={t.per_device_train_batch_size}, "
-             f"gradient_accumulation_steps={t.gradient_accumulation_steps}), {micro_batch_words(command, recipe, mean_length)}"
-             f", GiB; fits = peak <= 90% of the GPU:",
+             f"gradient_accumulation_steps={t.gradient_accumulation_steps}; {micro_batch_words(command, recipe, mean_length)}"
+             f"), GiB; fits = peak <= 90% of the GPU:",
              format_table(plan)]
     if plan.recommended is not None:
         r = plan.recommended
@@ -170,6 +170,11 @@ def run_plan(command: str, recipe, config: Optional[str], overrides: list[str], 
             lines.append(f"  one sequence's activations do not fit one GPU at sequence_parallel_size={sp}: "
                          f"{r.sequence_parallel} ranks each hold 1/{r.sequence_parallel} of every sequence "
                          f"({gpus // r.sequence_parallel} data-parallel group(s) of {r.sequence_parallel})")
+        if plan.checkpointed is not None:
+            c = plan.checkpointed
+            lines.append(f"  or without sequence parallelism: train.gradient_checkpointing=true with {c.engine.name}, "
+                         f"per_device_train_batch_size={c.per_device_batch} (peak {c.breakdown.peak_bytes / GIB:.2f} "
+                         f"GiB per GPU; the backward recomputes each layer's forward, about 1/3 more compute)")
         if plan.token_budget is not None:
             budget, b = plan.token_budget
             how = ("data.packing=true ", "packed") if r.sequence_parallel == 1 else ("", "padded (SP refuses packing)")

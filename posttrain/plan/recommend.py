@@ -14,6 +14,7 @@ the smallest sequence-parallel degree that fits (docs/planning.md says why).
 
 from __future__ import annotations
 
+import dataclasses
 import shlex
 from pathlib import Path
 
@@ -48,6 +49,8 @@ class Plan:
     token_budget: Optional[tuple[int, Breakdown]] = None
     """The largest train.max_tokens_per_microbatch (with data.packing) that fits the recommended option, and its
     estimate; None when no budget of whole units fits."""
+    checkpointed: Optional[Option] = None
+    """Where sequence parallelism is recommended: what fits without it under gradient checkpointing, if anything."""
 
 
 WorkloadFor = Callable[..., Workload]  # (per_device_batch, max_length=None, *, sequence_parallel, budget) -> Workload
@@ -106,7 +109,15 @@ def make_plan(shape: ModelShape, workload_for: WorkloadFor, per_device_batch: in
     budget = None
     if recommended is not None and shortest_budget:
         budget = largest_budget(shape, workload_for, recommended, per_device_batch, gpus, gpu_bytes, shortest_budget)
-    return Plan(gpus, nodes, gpu_bytes, table, recommended, ways, budget)
+    checkpointed = None
+    if recommended is not None and recommended.sequence_parallel > recipe.sequence_parallel and \
+            not recipe.gradient_checkpointing:  # the other way to fit a long sequence: recompute the forward
+        def recomputed(batch, *args, **kwargs):
+            return dataclasses.replace(workload_for(batch, *args, **kwargs), gradient_checkpointing=True)
+
+        checkpointed = next((o for o in (best_option(shape, recomputed, e, per_device_batch, accumulation, gpus,
+                                                     gpu_bytes) for e in ENGINES.values()) if o is not None), None)
+    return Plan(gpus, nodes, gpu_bytes, table, recommended, ways, budget, checkpointed)
 
 
 def largest_budget(shape: ModelShape, workload_for: WorkloadFor, option: Option, per_device_batch: int, gpus: int,
@@ -241,4 +252,5 @@ def to_json(plan: Plan, command_line: Optional[str]) -> dict:
     return {"gpus": plan.gpus, "nodes": plan.nodes, "gpu_bytes": plan.gpu_bytes,
             "usable_fraction": USABLE_FRACTION, "engines": [option(o) for o in plan.at_recipe_batch],
             "recommended": option(plan.recommended) if plan.recommended else None, "command": command_line,
-            "token_budget": budget, "suggestions": plan.suggestions}
+            "token_budget": budget, "suggestions": plan.suggestions,
+            "gradient_checkpointing_instead": option(plan.checkpointed) if plan.checkpointed else None}

@@ -274,5 +274,11 @@ def test_32k_tokens_of_a_7b_model_need_sequence_parallelism(config_7b):
     assert f"train.sequence_parallel_size={chosen['sequence_parallel_size']}" in out["command"]
     assert "data.packing=false" in out["command"]  # sequence parallelism refuses packed rows
     assert out["token_budget"]["max_tokens_per_microbatch"] >= 32768 and not out["token_budget"]["packing"]
+    # the other way: gradient checkpointing, each layer keeps its input (h), one layer is recomputed whole
+    # (10h + 4kv + 4I), embeddings / norm 3h: bf16, per row of 32k tokens
+    instead = out["gradient_checkpointing_instead"]
+    per_token = H * L + 3 * H + 10 * H + 4 * H + 4 * I
+    assert instead["sequence_parallel_size"] == 1
+    assert instead["breakdown"]["activations"] == instead["per_device_train_batch_size"] * 32768 * per_token * 2
     text = run_plan("sft", recipe, None, [], 8, 1, "80GiB", as_json=False)
     assert "one sequence's activations do not fit one GPU" in text and "train.max_tokens_per_microbatch=" in text
