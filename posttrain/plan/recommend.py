@@ -93,14 +93,15 @@ def make_plan(shape: ModelShape, workload_for: WorkloadFor, per_device_batch: in
     works; None: none is sought), and suggestions if nothing fits."""
     breakdowns = {e: estimate(shape, workload_for(per_device_batch), e, gpus, gpu_bytes) for e in ENGINES.values()}
     recipe = workload_for(per_device_batch)
-    table = [Option(e, per_device_batch, accumulation, b, fits(b, gpu_bytes), recipe.sequence_parallel)
-             for e, b in breakdowns.items()]
+    runs_here = lambda engine, n: n == 1 or engine.sequence_parallel  # noqa: E731 - FSDP does not run SP
+    table = [Option(e, per_device_batch, accumulation, b, fits(b, gpu_bytes) and runs_here(e, recipe.sequence_parallel),
+                    recipe.sequence_parallel) for e, b in breakdowns.items()]
     degrees = [0]  # the recipe's, then more where this algorithm and attention run Ulysses (sdpa / flash)
     if recipe.algorithm in SEQUENCE_PARALLEL_ALGORITHMS and not recipe.eager_attention:
         degrees += [n for n in sequence_parallel_degrees(shape, gpus) if n > recipe.sequence_parallel]
     # the fastest engine that fits, least SP first; offload last: it moves optimizer state over PCIe every step,
     # which costs more than Ulysses' all-to-alls inside the node
-    runs = [(n, e) for n in degrees for e in ENGINES.values() if n in (0, 1) or e.sequence_parallel]
+    runs = [(n, e) for n in degrees for e in ENGINES.values() if runs_here(e, n or recipe.sequence_parallel)]
     order = [(n, e) for n, e in runs if not e.offload_optimizer] + [(n, e) for n, e in runs if e.offload_optimizer]
     options = (best_option(shape, workload_for, e, per_device_batch, accumulation, gpus, gpu_bytes, n)
                for n, e in order)

@@ -91,11 +91,11 @@ def test_degrees_divide_the_gpus_and_the_heads():
     assert sequence_parallel_degrees(gqa, 6) == [2]
 
 
-def _workload_for(algorithm, length=4096):
+def _workload_for(algorithm, length=4096, recipe_sp=1):
     """A pure stand-in for workload_from_recipe: one row of `length` per micro-batch, 4 micro-batches a step."""
     def workload_for(batch, max_length=None, *, sequence_parallel=None, budget=None):
         w = Workload(algorithm=algorithm, sequences=batch, sequence_length=length, accumulation=4 // batch,
-                     sequence_parallel=sequence_parallel or 1)
+                     sequence_parallel=sequence_parallel or recipe_sp)
         packed = w.sequence_parallel == 1
         return with_tokens(w, 1, None, packed, budget) if budget is not None else w
     return workload_for
@@ -110,6 +110,12 @@ def test_the_least_sequence_parallel_degree_that_fits_is_recommended():
     assert plan.recommended.sequence_parallel == 2 and plan.recommended.engine.sequence_parallel
     assert plan.token_budget[0] == 4096  # padded under SP: one row a micro-batch, no more
     assert make_plan(SHAPE, _workload_for("dpo"), 1, 4, 2, gpu).recommended is None
+
+
+def test_fsdp_never_fits_a_sequence_parallel_recipe():
+    plan = make_plan(SHAPE, _workload_for("sft", recipe_sp=2), 1, 4, 2, 10**9)
+    assert {o.engine.name for o in plan.at_recipe_batch if not o.fits} == {"fsdp2"}
+    assert plan.recommended.engine.name == "ddp" and plan.recommended.sequence_parallel == 2
 
 
 def test_the_largest_token_budget_that_fits():
