@@ -113,12 +113,19 @@ def make_plan(shape: ModelShape, workload_for: WorkloadFor, per_device_batch: in
     checkpointed = None
     if recommended is not None and recommended.sequence_parallel > recipe.sequence_parallel and \
             not recipe.gradient_checkpointing:  # the other way to fit a long sequence: recompute the forward
-        def recomputed(batch, *args, **kwargs):
-            return dataclasses.replace(workload_for(batch, *args, **kwargs), gradient_checkpointing=True)
-
-        checkpointed = next((o for o in (best_option(shape, recomputed, e, per_device_batch, accumulation, gpus,
-                                                     gpu_bytes) for e in ENGINES.values()) if o is not None), None)
+        checkpointed = with_checkpointing(shape, workload_for, per_device_batch, accumulation, gpus, gpu_bytes)
     return Plan(gpus, nodes, gpu_bytes, table, recommended, ways, budget, checkpointed)
+
+
+def with_checkpointing(shape: ModelShape, workload_for: WorkloadFor, per_device_batch: int, accumulation: int,
+                       gpus: int, gpu_bytes: int) -> Optional[Option]:
+    """The fastest engine that fits the recipe's SP degree under gradient checkpointing, or None."""
+    def recomputed(batch, *args, **kwargs):
+        return dataclasses.replace(workload_for(batch, *args, **kwargs), gradient_checkpointing=True)
+
+    options = (best_option(shape, recomputed, e, per_device_batch, accumulation, gpus, gpu_bytes)
+               for e in ENGINES.values())
+    return next((o for o in options if o is not None), None)
 
 
 def largest_budget(shape: ModelShape, workload_for: WorkloadFor, option: Option, per_device_batch: int, gpus: int,
