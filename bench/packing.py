@@ -140,6 +140,7 @@ def trl_child(a, algo: str, mode: str, model: str, data: str, out: str) -> None:
     common = dict(output_dir=out, per_device_train_batch_size=rows_per_step(a, algo), max_steps=a.steps,
                   learning_rate=1e-4, lr_scheduler_type="constant", logging_steps=1, save_strategy="no",
                   report_to="none", dataloader_num_workers=0, disable_tqdm=True, seed=3,
+                  gradient_checkpointing=False,  # TRL 1.16's configs default to True; posttrain's to False
                   use_cpu=not torch.cuda.is_available())
     dataset = load_dataset("json", data_files=data, split="train")
     padding_free = mode == "TRL padding_free"
