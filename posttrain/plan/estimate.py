@@ -66,6 +66,8 @@ class Workload:
     row's length (plan/workload.py counts them)."""
     real_tokens: int = 0
     """Of `tokens`, those of the data (not padding or packing filler); 0: all of them."""
+    token_budget: Optional[int] = None
+    """train.max_tokens_per_microbatch that cut the step into these micro-batches (None: rows cut it)."""
     sequence_parallel: int = 1
     """train.sequence_parallel_size: N ranks each hold 1/N of every sequence's tokens (DeepSpeed Ulysses)."""
     weight_bytes: int = 4

@@ -68,8 +68,12 @@ def fits(breakdown: Breakdown, gpu_bytes: int) -> bool:
 
 def best_option(shape: ModelShape, workload_for: WorkloadFor, engine: Engine, per_device_batch: int,
                 accumulation: int, gpus: int, gpu_bytes: int, sequence_parallel: int = 0) -> Optional[Option]:
-    """The largest micro-batch that fits under `engine` (at `sequence_parallel`; 0: the recipe's), or None."""
-    for batch, steps in splits(per_device_batch, accumulation):
+    """The largest micro-batch that fits under `engine` (at `sequence_parallel`; 0: the recipe's), or None. Under a
+    token budget the recipe's split is kept: the budget cuts the micro-batches, whatever the split."""
+    pairs = splits(per_device_batch, accumulation)
+    if workload_for(per_device_batch, sequence_parallel=sequence_parallel or None).token_budget is not None:
+        pairs = [(per_device_batch, accumulation)]
+    for batch, steps in pairs:
         w = workload_for(batch, sequence_parallel=sequence_parallel or None)
         breakdown = estimate(shape, w, engine, gpus, gpu_bytes)
         if fits(breakdown, gpu_bytes):
@@ -137,8 +141,9 @@ def largest_budget(shape: ModelShape, workload_for: WorkloadFor, option: Option,
         w = workload_for(per_device_batch, sequence_parallel=option.sequence_parallel, budget=budget)
         return estimate(shape, w, option.engine, gpus, gpu_bytes)
 
-    whole = workload_for(per_device_batch, sequence_parallel=option.sequence_parallel)
-    most = max(shortest, whole.sequences * whole.sequence_length * whole.accumulation)  # one micro-batch a step
+    # one micro-batch a step: a budget above every row of the step at full length
+    most = max(shortest, workload_for(per_device_batch, sequence_parallel=option.sequence_parallel,
+                                      budget=2**62).tokens)
     if not fits(at(shortest), gpu_bytes):
         return None
     if fits(at(most), gpu_bytes):

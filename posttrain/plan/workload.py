@@ -68,8 +68,8 @@ def workload_from_recipe(command: str, recipe: Recipe, per_device_batch: Optiona
     False for a run on CPU (its AdamW steps tensor by tensor). `mean_length`: the data's mean row length in tokens
     (None: every row as long as the recipe allows, the worst case); `sequence_parallel`: another SP degree than the
     recipe's; `budget`: a token budget to plan with packing on (the recommender's search; packing is off under
-    sequence parallelism, which refuses it), where the recipe's own (train.max_tokens_per_microbatch) applies only
-    at the recipe's micro-batch shape."""
+    sequence parallelism, which refuses it) instead of the recipe's own (train.max_tokens_per_microbatch), which
+    applies at the recipe's lengths."""
     t, d, g = recipe.train, recipe.data, recipe.generation
     facts = algorithm_facts(command, recipe)
     batch = per_device_batch or t.per_device_train_batch_size
@@ -89,8 +89,9 @@ def workload_from_recipe(command: str, recipe: Recipe, per_device_batch: Optiona
                         eager_attention=recipe.model.attn_implementation == "eager",
                         sequence_parallel=sequence_parallel or recipe_sequence_parallel(recipe))
     packed = workload.sequence_parallel == 1 and (d.packing or budget is not None)  # SP refuses packed rows
-    packing = (packed, budget) if budget is not None else (
-        (packed, t.max_tokens_per_microbatch if per_device_batch is None and max_length is None else None))
+    # the recipe's budget cuts the step whatever its split into micro-batches, not at another max_length
+    packing = (packed, budget) if budget is not None else (packed, t.max_tokens_per_microbatch if max_length is None
+                                                           else None)
     if not facts["generate"]:
         return with_tokens(workload, facts["rows_per_unit"], mean_length, *packing)
     prompt_length = d.max_prompt_length or max(1, length - g.max_completion_length)
@@ -141,4 +142,4 @@ def with_tokens(workload: Workload, unit_rows: int, mean_length: Optional[int], 
         real = rows * mean
     tokens = -(-real // length) * length if packed else rows * length
     return dataclasses.replace(workload, sequences=rows, tokens=tokens, real_tokens=min(real, tokens),
-                               accumulation=accumulation)
+                               accumulation=accumulation, token_budget=budget)

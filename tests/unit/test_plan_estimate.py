@@ -282,3 +282,18 @@ def test_32k_tokens_of_a_7b_model_need_sequence_parallelism(config_7b):
     assert instead["breakdown"]["activations"] == instead["per_device_train_batch_size"] * 32768 * per_token * 2
     text = run_plan("sft", recipe, None, [], 8, 1, "80GiB", as_json=False)
     assert "one sequence's activations do not fit one GPU" in text and "train.max_tokens_per_microbatch=" in text
+
+
+def test_the_recipes_token_budget_is_planned_and_its_split_kept(config_7b):
+    """A budget of 8,192 packed tokens cuts 4 x 4 rows of 2,048 into micro-batches of 4 rows whatever the split: the
+    table costs that micro-batch (checkpointed, bf16), the recommendation keeps the
+    recipe's 4 x 4."""
+    from posttrain.plan.shape import model_shape
+    from posttrain.plan.workload import workload_from_recipe
+
+    recipe = _recipe(config_7b, "data.packing=true", "train.max_tokens_per_microbatch=8192")
+    shape = model_shape(recipe.model)
+    plan = make_plan(shape, functools.partial(workload_from_recipe, "sft", recipe), 4, 4, gpus=8, gpu_bytes=80 * 2**30)
+    per_token = H * L + 3 * H + 10 * H + 4 * H + 4 * I  # checkpointed layer inputs, embeddings, one layer recomputed
+    assert all(o.breakdown.activations == 8192 * per_token * 2 for o in plan.at_recipe_batch)
+    assert (plan.recommended.per_device_batch, plan.recommended.accumulation) == (4, 4)
