@@ -286,8 +286,7 @@ def test_32k_tokens_of_a_7b_model_need_sequence_parallelism(config_7b):
 
 def test_the_recipes_token_budget_is_planned_and_its_split_kept(config_7b):
     """A budget of 8,192 packed tokens cuts 4 x 4 rows of 2,048 into micro-batches of 4 rows whatever the split: the
-    table costs that micro-batch (checkpointed, bf16), the recommendation keeps the
-    recipe's 4 x 4."""
+    table costs that micro-batch (checkpointed, bf16), the recommendation keeps the recipe's 4 x 4."""
     from posttrain.plan.shape import model_shape
     from posttrain.plan.workload import workload_from_recipe
 
