@@ -172,7 +172,9 @@ def run_plan(command: str, recipe, config: Optional[str], overrides: list[str], 
                          f"({gpus // r.sequence_parallel} data-parallel group(s) of {r.sequence_parallel})")
         if plan.checkpointed is not None:
             c = plan.checkpointed
-            lines.append(f"  or without sequence parallelism: train.gradient_checkpointing=true with {c.engine.name}, "
+            keep = "without sequence parallelism" if c.sequence_parallel == 1 else \
+                f"at sequence_parallel_size={c.sequence_parallel}"
+            lines.append(f"  or {keep}: train.gradient_checkpointing=true with {c.engine.name}, "
                          f"per_device_train_batch_size={c.per_device_batch} (peak {c.breakdown.peak_bytes / GIB:.2f} "
                          f"GiB per GPU; the backward recomputes each layer's forward, about 1/3 more compute)")
         if plan.token_budget is not None:
