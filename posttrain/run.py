@@ -40,6 +40,7 @@ from posttrain.train.evaluation import check_answer_columns, evaluate_online
 from posttrain.train.guard import Guard
 from posttrain.train.loop import LoopContext, evaluate, train
 from posttrain.train.micro_batches import check_token_budget
+from posttrain.distributed.sequence_parallel import check_sequence_parallel
 from posttrain.train.rollout_source import RolloutSource
 from posttrain.train.distill_source import DistillSource
 from posttrain.train.sources import DatasetSource, Source
@@ -127,6 +128,7 @@ def run_attempt(command: str, recipe: Recipe, launched: Optional[Launched] = Non
     check_position_limit(recipe, algorithm.data_kind)
     check_moe_options(recipe, algorithm.routing_replay)
     check_token_budget(recipe, algorithm)
+    check_sequence_parallel(recipe, algorithm)
     resume_from = outputs.check_output_dir(recipe, command)
     tokenizer = load_tokenizer(recipe.model)
     launched = launched or Launched()
@@ -238,6 +240,6 @@ def make_evaluation(recipe: Recipe, backend, algorithm, models, source, tokenize
         return None
     if algorithm.source_kind == "rollout":
         return partial(evaluate_online, backend, source, tokenizer, eval_examples, algorithm.rewards, recipe)
-    batches = eval_batches(eval_examples, collate, recipe.train.per_device_eval_batch_size, backend.world_size,
-                           backend.rank)
+    batches = eval_batches(eval_examples, collate, recipe.train.per_device_eval_batch_size, backend.data_world_size,
+                           backend.data_rank)
     return partial(evaluate, backend, algorithm, models, batches)
