@@ -1,18 +1,18 @@
 """Test hook (sp_facts): what DeepSpeed's Ulysses attention saw on this rank, so a sequence-parallel test can tell a
 sharded run from one where every rank quietly ran whole rows (which would give the same update).
 
-Writes <POSTTRAIN_HOOK_OUT>/sp_facts-rank<r>.json at exit: calls (Ulysses forwards), local_lengths and
+Writes <POSTTRAIN_HOOK_OUT>/sp_facts-rank<r>.json when the run ends (Backend.end): calls (Ulysses forwards), local_lengths and
 global_lengths (the shard length each call got and the row length after the exchange, distinct values), odd_rows
 (sharded forwards whose rows had an odd length, so were padded).
 """
 
-import atexit
 import json
 import os
 from pathlib import Path
 
 from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
 
+from posttrain.distributed.backend import Backend
 from posttrain.distributed.sequence_parallel import SequenceParallel
 
 _report = {"calls": 0, "local_lengths": [], "global_lengths": [], "odd_rows": 0}
@@ -34,12 +34,16 @@ def _counted(self, module, query, *args, **kwargs):
     return out
 
 
-def _write() -> None:
+_end = Backend.end
+
+
+def _write_then_end(self) -> None:
     folder = Path(os.environ["POSTTRAIN_HOOK_OUT"])
     folder.mkdir(parents=True, exist_ok=True)
     (folder / f"sp_facts-rank{os.environ['RANK']}.json").write_text(json.dumps(_report))
+    _end(self)
 
 
 UlyssesSPAttentionHF.forward = _counted
 SequenceParallel.shard_inputs = _seen
-atexit.register(_write)
+Backend.end = _write_then_end
