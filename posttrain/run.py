@@ -30,7 +30,7 @@ from posttrain.distributed.backend import Backend
 from posttrain.distributed.precision import export_dtype, trained_model_config, upcast_trainable
 from posttrain.logging import MetricsLogger, read_metrics
 from posttrain.models import load
-from posttrain.models.limits import check_position_limit
+from posttrain.models.limits import check_position_limit, check_sequence_parallel
 from posttrain.models.load import check_model_source, count_parameters, load_tokenizer
 from posttrain.models.moe import check_moe_options
 from posttrain.plan import estimated_peak_mb
@@ -40,7 +40,6 @@ from posttrain.train.evaluation import check_answer_columns, evaluate_online
 from posttrain.train.guard import Guard
 from posttrain.train.loop import LoopContext, evaluate, train
 from posttrain.train.micro_batches import check_token_budget
-from posttrain.distributed.sequence_parallel import check_sequence_parallel
 from posttrain.train.rollout_source import RolloutSource
 from posttrain.train.distill_source import DistillSource
 from posttrain.train.sources import DatasetSource, Source

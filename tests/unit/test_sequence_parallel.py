@@ -13,8 +13,9 @@ from posttrain.algorithms import ALGORITHMS
 from posttrain.cli import main
 from posttrain.config.load import load_recipe
 from posttrain.distributed.backend import Backend
-from posttrain.distributed.sequence_parallel import check_sequence_parallel, padded_length, shard
+from posttrain.distributed.sequence_parallel import padded_length, shard
 from posttrain.errors import UserError
+from posttrain.models.limits import check_sequence_parallel
 from posttrain.ops.logprobs import (linear_next_token_logprobs, linear_token_logprobs, next_token_logprobs,
                                     next_tokens, shift_right, token_logprobs)
 
