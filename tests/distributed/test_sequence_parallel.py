@@ -12,12 +12,13 @@ import pytest
 from posttrain.tasks import write_example_data
 from tests.distributed.launch import launch
 from tests.distributed.recipes import sft_overrides
-from tests.integration.helpers import assert_same_update, max_weight_diff, run_overrides, step_losses
+from tests.integration.helpers import (ONE_PROCESS_SPLITS, assert_same_update, max_weight_diff, run_overrides,
+                                      step_losses)
 
 pytestmark = pytest.mark.distributed
 
 SP = ["train.sequence_parallel_size=2"]
-MB1_ACC4 = ["train.per_device_train_batch_size=1", "train.gradient_accumulation_steps=4"]
+MB1_ACC4 = ONE_PROCESS_SPLITS["mb1_acc4"]  # the shared one-process SFT run's split (conftest.one_process)
 
 
 def check_same_steps(one: list[dict], two: list[dict], loss_tol: float = 1e-5) -> None:
@@ -28,14 +29,6 @@ def check_same_steps(one: list[dict], two: list[dict], loss_tol: float = 1e-5) -
     for step, expected in one.items():
         assert two[step]["loss"] == pytest.approx(expected["loss"], abs=loss_tol), step
         assert two[step]["grad_norm"] == pytest.approx(expected["grad_norm"], rel=1e-4), step
-
-
-@pytest.fixture(scope="module")
-def sft_single(tiny_model_dir, task_data, tmp_path_factory):
-    out = tmp_path_factory.mktemp("sp-single") / "run"
-    result = launch(1, "sft", sft_overrides(tiny_model_dir, task_data, out, *MB1_ACC4))
-    assert result.ok, result.output[-4000:]
-    return result
 
 
 @pytest.fixture(scope="module")
@@ -57,11 +50,11 @@ def check_sharded(result) -> None:
     assert all(r["odd_rows"] > 0 for r in ranks), ranks
 
 
-def test_sft_sp2_matches_one_process(sft_single, sft_sp):
+def test_sft_sp2_matches_one_process(one_process, sft_sp):
     check_sharded(sft_sp)
-    check_same_steps(sft_single.metrics(), sft_sp.metrics())
-    assert_same_update(sft_single.final_weights(), sft_sp.final_weights())
-    assert sft_sp.trainer_state()["state"]["samples_seen"] == sft_single.trainer_state()["state"]["samples_seen"]
+    check_same_steps(one_process.metrics["mb1_acc4"], sft_sp.metrics())
+    assert_same_update(one_process["mb1_acc4"][1], sft_sp.final_weights())
+    assert sft_sp.trainer_state()["state"]["samples_seen"] == 4 * len(sft_sp.losses())  # the pair counts its rows once
 
 
 def test_sft_sp2_resume_matches_uninterrupted(tiny_model_dir, task_data, tmp_path, sft_sp):
@@ -78,14 +71,14 @@ def test_sft_sp2_resume_matches_uninterrupted(tiny_model_dir, task_data, tmp_pat
     assert max_weight_diff(sft_sp.final_weights(), result.final_weights()) < 1e-6
 
 
-def test_sft_sp2_under_zero3(tiny_model_dir, task_data, tmp_path, sft_single):
+def test_sft_sp2_under_zero3(tiny_model_dir, task_data, tmp_path, one_process):
     result = launch(2, "sft", sft_overrides(tiny_model_dir, task_data, tmp_path / "run", *MB1_ACC4, *SP),
                     accelerate_config="zero3")
     assert result.ok, result.output[-4000:]
     result.check_world(2)
     assert result.facts["engine"] == "deepspeed-zero3"
-    check_same_steps(sft_single.metrics(), result.metrics())
-    assert_same_update(sft_single.final_weights(), result.final_weights())
+    check_same_steps(one_process.metrics["mb1_acc4"], result.metrics())
+    assert_same_update(one_process["mb1_acc4"][1], result.final_weights())
 
 
 def grpo_overrides(model_dir, data, out, *extra):
