@@ -226,6 +226,7 @@ def run_summary(command: str, recipe: Recipe, backend, facts: dict, train_stats:
         "accumulation": t.gradient_accumulation_steps,
         "global_batch": facts["global_batch"],
         **backend.describe(),
+        "sequence_parallel": t.sequence_parallel_size if t.sequence_parallel_size > 1 else None,
         "resumed_from": str(resume_from) if resume_from else None,
     }
     summary["estimated_peak_memory_mb"] = estimated_peak_mb(command, recipe, backend.describe(), parameters)

@@ -52,6 +52,7 @@ def check_sharded(result) -> None:
 
 def test_sft_sp2_matches_one_process(one_process, sft_sp):
     check_sharded(sft_sp)
+    assert sft_sp.facts["sequence_parallel"] == "2"  # the start line says so
     check_same_steps(one_process.metrics["mb1_acc4"], sft_sp.metrics())
     assert_same_update(one_process["mb1_acc4"][1], sft_sp.final_weights())
     assert sft_sp.trainer_state()["state"]["samples_seen"] == 4 * len(sft_sp.losses())  # the pair counts its rows once
