@@ -22,7 +22,7 @@ from posttrain.errors import UserError
 from posttrain.plan.estimate import ENGINES, GIB, Breakdown, estimate
 from posttrain.plan.recommend import format_table, launch_command, make_plan, to_json
 from posttrain.plan.shape import config_and_source, model_shape, read_config, shape_from_config
-from posttrain.plan.workload import algorithm_facts, recipe_sequence_parallel, workload_from_recipe
+from posttrain.plan.workload import algorithm_facts, workload_from_recipe
 
 _UNITS = {"": GIB, "b": 1, "kb": 1000, "mb": 1000**2, "gb": 1000**3, "tb": 1000**4, "kib": 2**10, "mib": 2**20,
           "gib": GIB, "tib": 2**40}
@@ -131,7 +131,7 @@ def run_plan(command: str, recipe, config: Optional[str], overrides: list[str], 
         raise UserError(f"--gpus ({gpus}) must be a positive multiple of --nodes ({nodes})")
     if mean_length is not None and mean_length < 1:
         raise UserError(f"--mean-length ({mean_length}) must be a positive number of tokens")
-    sp = recipe_sequence_parallel(recipe)
+    sp = recipe.train.sequence_parallel_size
     if gpus % sp:
         raise UserError(f"train.sequence_parallel_size={sp} must divide --gpus ({gpus}): world = data x sequence ranks")
     gpu_bytes = parse_memory(gpu_memory) if gpu_memory else detect_gpu_memory()

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Callable, Optional
 
 from posttrain.plan.estimate import ENGINES, GIB, Breakdown, Engine, ModelShape, Workload, estimate
-from posttrain.plan.workload import SEQUENCE_PARALLEL_ALGORITHMS
+from posttrain.models.limits import SEQUENCE_PARALLEL_ALGORITHMS
 
 USABLE_FRACTION = 0.9
 

@@ -87,7 +87,7 @@ def workload_from_recipe(command: str, recipe: Recipe, per_device_batch: Optiona
                         gradient_checkpointing=t.gradient_checkpointing, frozen_copies=facts["frozen"],
                         lm_head=facts["task"] == "causal_lm", logprobs_only=facts["logprobs_only"],
                         eager_attention=recipe.model.attn_implementation == "eager",
-                        sequence_parallel=sequence_parallel or recipe_sequence_parallel(recipe))
+                        sequence_parallel=sequence_parallel or t.sequence_parallel_size)
     packed = workload.sequence_parallel == 1 and (d.packing or budget is not None)  # SP refuses packed rows
     # the recipe's budget cuts the step whatever its split into micro-batches, not at another max_length
     packing = (packed, budget) if budget is not None else (packed, t.max_tokens_per_microbatch if max_length is None
@@ -108,15 +108,6 @@ def workload_from_recipe(command: str, recipe: Recipe, per_device_batch: Optiona
                                    vllm_fraction=g.vllm.gpu_memory_utilization if vllm else 0.0,
                                    vllm_weight_bytes=vllm_weight_bytes, vllm_kv_cache_bytes=kv_cache)
     return with_tokens(workload, facts["rows_per_unit"], mean_length, *packing)
-
-
-SEQUENCE_PARALLEL_ALGORITHMS = ("sft", "grpo", "ppo", "distill")
-"""The algorithms that run sequence-parallel (distributed/sequence_parallel.py's list, as #34's item 3 builds it)."""
-
-
-def recipe_sequence_parallel(recipe: Recipe) -> int:
-    """train.sequence_parallel_size (1 where the recipe schema has no such key yet: it lands with #34's item 3)."""
-    return getattr(recipe.train, "sequence_parallel_size", 1) or 1
 
 
 def with_tokens(workload: Workload, unit_rows: int, mean_length: Optional[int], packed: bool,
