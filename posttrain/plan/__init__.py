@@ -144,12 +144,12 @@ def run_plan(command: str, recipe, config: Optional[str], overrides: list[str], 
     as long as the recipe allows)."""
     if gpus < 1 or nodes < 1 or gpus % nodes:
         raise UserError(f"--gpus ({gpus}) must be a positive multiple of --nodes ({nodes})")
-    check_as_run(command, recipe)
     if mean_length is not None and mean_length < 1:
         raise UserError(f"--mean-length ({mean_length}) must be a positive number of tokens")
     sp = recipe.train.sequence_parallel_size
     if gpus % sp:
         raise UserError(f"train.sequence_parallel_size={sp} must divide --gpus ({gpus}): world = data x sequence ranks")
+    check_as_run(command, recipe)
     gpu_bytes = parse_memory(gpu_memory) if gpu_memory else detect_gpu_memory()
     if gpu_bytes is None:
         raise UserError("no GPU here to read the memory of: pass --gpu-memory (e.g. --gpu-memory 80GiB)")

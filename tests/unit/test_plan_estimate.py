@@ -274,10 +274,11 @@ def test_a_token_budget_bounds_the_micro_batch_the_estimate_sees():
     assert estimate(SHAPE, budget, ENGINES["ddp"]).activations < estimate(SHAPE, padded, ENGINES["ddp"]).activations
 
 
-def test_32k_tokens_of_a_7b_model_need_sequence_parallelism(config_7b):
+def test_32k_tokens_of_a_7b_model_need_sequence_parallelism(tmp_path):
     """One 32k-token row of the 7B model keeps ~540 GB of bf16 activations: no engine fits it on an 80 GiB GPU; split
     over N ranks it does. The plan names N, the keys to set, and a token budget."""
-    recipe = _recipe(config_7b, "data.max_length=32768", "train.per_device_train_batch_size=1",
+    (tmp_path / "config.json").write_text(json.dumps({**LLAMA_7B, "max_position_embeddings": 131072}))  # 32k fits
+    recipe = _recipe(tmp_path, "data.max_length=32768", "train.per_device_train_batch_size=1",
                      "train.gradient_checkpointing=false", "data.packing=true")
     out = json.loads(run_plan("sft", recipe, None, [], 8, 1, "80GiB", as_json=True))
     assert not any(e["fits"] for e in out["engines"])
