@@ -162,7 +162,7 @@ class Distill(Algorithm):
         else:
             rows_n = predicting_rows(mask_BT)
             with torch.no_grad():
-                teacher_BTV = batch.unpack(teacher.forward(**batch.model_inputs(), use_cache=False).logits)
+                teacher_BTV = policy_logits(teacher.forward, batch)
                 teacher_nV = teacher_BTV.reshape(-1, teacher_BTV.shape[-1])[rows_n]
                 del teacher_BTV  # only the completion rows are kept for the loss's backward
             # the student's output layer projects only the rows that predict a completion token

@@ -6,6 +6,11 @@ output layer's `forward` is swapped for `ops.logprobs.linear_token_logprobs`, wh
 layer's own weight, so the model returns log-probs where it would return logits. The swap is on the module
 instance, so every engine's hooks around that module (ZeRO-3 gathering its weight, FSDP2 unsharding) still run.
 Other architectures (logit soft-capping or scaling after the head, a LoRA-wrapped head) take the logits path.
+
+Under sequence parallelism (distributed/sequence_parallel.py) every forward here runs this rank's slice of each row
+and gathers the per-token result over the group, so callers see [B, T] as without it. Log-probs are taken per
+slice against the next tokens of the whole row (a slice's last position predicts the next slice's first token),
+so only [B, T] floats are gathered, never logits, on the fused path.
 """
 
 from __future__ import annotations
@@ -15,8 +20,10 @@ import contextlib
 import torch
 
 from posttrain.batch import Batch
+from posttrain.distributed import sequence_parallel
 from posttrain.distributed.wrappers import plain_class, unwrap_module
-from posttrain.ops.logprobs import entropy_BT, linear_token_logprobs_entropy, token_logprobs
+from posttrain.ops.logprobs import (entropy_BT, linear_next_token_logprobs, linear_next_token_logprobs_entropy,
+                                   next_token_logprobs, next_tokens, shift_right, token_logprobs)
 
 FUSED_HEAD_MODELS = frozenset({"llama", "qwen2", "qwen3", "mistral", "phi3", "qwen2_moe", "qwen3_moe", "olmo2"})
 """Model types whose causal-LM forward returns `lm_head(hidden)` as the logits, with nothing applied after it."""
@@ -24,15 +31,27 @@ FUSED_HEAD_MODELS = frozenset({"llama", "qwen2", "qwen3", "mistral", "phi3", "qw
 
 def policy_logits(model, batch: Batch) -> torch.Tensor:
     """logits_BTV of a causal LM for the batch (padded, packed or padding-free layout)."""
-    return batch.unpack(model(**batch.model_inputs(), use_cache=False).logits)
+    return per_token(model, batch, lambda out: out.logits)
+
+
+def per_token(model, batch: Batch, read) -> torch.Tensor:
+    """`read(model output)` over the batch's tokens as [B, T, ...]: the padding-free forward unpacked, or under
+    sequence parallelism this rank's slices gathered over the group."""
+    sp = sequence_parallel.current()
+    if sp is None:
+        return batch.unpack(read(model(**batch.model_inputs(), use_cache=False)))
+    with sp.attention():
+        out_BC = read(model(**sp.shard_inputs(batch.input_ids_BT), use_cache=False))
+    return sp.gather(out_BC, batch.input_ids_BT.shape[1])
 
 
 def policy_logits_at(model, batch: Batch, rows_n: torch.Tensor) -> torch.Tensor:
     """logits_nV of the flat rows `rows_n` (b * T + t of the batch's padded layout) only: with a fusable head and a
     padded batch the output layer projects just those rows' hidden states (its own forward, so autocast and engine
-    hooks apply as usual), so the other rows' logits and their gradient never exist; else the full logits, indexed."""
+    hooks apply as usual), so the other rows' logits and their gradient never exist; else (padding-free, sequence
+    parallel, other heads) the full logits, indexed."""
     head = fusable_head(model)
-    if head is None or batch.padding_free:
+    if head is None or batch.padding_free or sequence_parallel.current() is not None:
         logits_BTV = policy_logits(model, batch)
         return logits_BTV.reshape(-1, logits_BTV.shape[-1])[rows_n]
 
@@ -46,45 +65,67 @@ def policy_logits_at(model, batch: Batch, rows_n: torch.Tensor) -> torch.Tensor:
         del head.forward
 
 
-def policy_logprobs(model, batch: Batch, temperature: float = 1.0) -> torch.Tensor:
-    """logprobs_BT aligned with input_ids_BT (position 0 is 0): log p(token t | tokens < t). A padding-free batch
-    is scored packed (the logits never exist for padding) and unpacked: each row's position 0, which in the packed
-    row holds a prediction from the previous row's last token, is set back to 0."""
-    return _scored(model, batch, temperature, with_entropy=False)[0]
-
-
 def policy_logprobs_entropy(model, batch: Batch, temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
     """policy_logprobs and the entropy_BT of each position's next-token distribution (detached: a metric), from one
-    forward, right at the completion positions: with a fusable head both come from the same logits chunks, only of
-    the rows that predict a completion token (0 elsewhere), so the (B, T, V) logits never exist and the output layer
-    skips the prompts and the padding; other heads give every position."""
-    return _scored(model, batch, temperature, with_entropy=True, completion_only=True)
-
-
-def _scored(model, batch: Batch, temperature: float, with_entropy: bool, completion_only: bool = False):
-    inputs = batch.model_inputs()
+    forward, right at the completion positions: with a fusable head (no sequence parallelism) both come from the same
+    logits chunks, only of the rows that predict a completion token (0 elsewhere), so the (B, T, V) logits never
+    exist and the output layer skips the prompts and the padding; otherwise from the logits, at every position."""
     head = fusable_head(model)
-    entropy = None
-    if head is None:
-        logits = model(**inputs, use_cache=False).logits
-        logprobs = token_logprobs(logits, inputs["input_ids"], temperature=temperature)
-        if with_entropy:
-            with torch.no_grad():
-                entropy = entropy_BT(logits.detach(), temperature=temperature)
-    else:
-        mask = batch.pack(batch.completion_mask_BT) if completion_only else None
-        with _head_returns_logprobs(head, inputs["input_ids"], temperature, with_entropy, mask) as entropies:
-            logprobs = model(**inputs, use_cache=False).logits
-        entropy = entropies[0] if with_entropy else None
+    if head is None or sequence_parallel.current() is not None:
+        logits_BTV = policy_logits(model, batch)
+        with torch.no_grad():
+            entropy = entropy_BT(logits_BTV.detach(), temperature=temperature)
+        return token_logprobs(logits_BTV, batch.input_ids_BT, temperature=temperature), entropy
+    inputs = batch.model_inputs()
+    mask = next_tokens(batch.pack(batch.completion_mask_BT))
+    entropies = []
+
+    def forward(hidden_BTH: torch.Tensor) -> torch.Tensor:
+        next_ids = next_tokens(inputs["input_ids"])
+        logprobs, entropy = linear_next_token_logprobs_entropy(hidden_BTH, head.weight, next_ids, temperature,
+                                                               next_mask_BT=mask)
+        entropies.append(entropy)
+        return logprobs
+
+    head.forward = forward
+    try:
+        logprobs = shift_right(model(**inputs, use_cache=False).logits)
+    finally:
+        del head.forward
+    entropy = shift_right(entropies[0])
     if not batch.padding_free:
         return logprobs, entropy
-    return _unpacked(batch, logprobs), (_unpacked(batch, entropy) if with_entropy else None)
+    return _unpacked(batch, logprobs), _unpacked(batch, entropy)
 
 
 def _unpacked(batch: Batch, values) -> torch.Tensor:
     """Packed per-token values -> (B, T), each row's position 0 (a prediction from the previous row) set to 0."""
     values_BT = batch.unpack(values)
     return torch.cat([values_BT.new_zeros(values_BT.shape[0], 1), values_BT[:, 1:]], dim=1)
+
+
+def policy_logprobs(model, batch: Batch, temperature: float = 1.0) -> torch.Tensor:
+    """logprobs_BT aligned with input_ids_BT (position 0 is 0): log p(token t | tokens < t). A padding-free batch
+    is scored packed (the logits never exist for padding) and unpacked: each row's position 0, which in the packed
+    row holds a prediction from the previous row's last token, is set back to 0."""
+    sp = sequence_parallel.current()
+    if sp is not None:
+        next_BC = sp.shard(next_tokens(batch.input_ids_BT))
+        with sp.attention():
+            logprobs_BC = _next_token_logprobs(model, sp.shard_inputs(batch.input_ids_BT), next_BC, temperature)
+        return shift_right(sp.gather(logprobs_BC, batch.input_ids_BT.shape[1]))
+    inputs = batch.model_inputs()
+    logprobs = shift_right(_next_token_logprobs(model, inputs, next_tokens(inputs["input_ids"]), temperature))
+    return logprobs if not batch.padding_free else _unpacked(batch, logprobs)
+
+
+def _next_token_logprobs(model, inputs: dict, next_ids_BT: torch.Tensor, temperature: float) -> torch.Tensor:
+    """log p(next_ids[t] | the tokens up to t) at each position of `inputs` (unshifted)."""
+    head = fusable_head(model)
+    if head is None:
+        return next_token_logprobs(model(**inputs, use_cache=False).logits, next_ids_BT, temperature=temperature)
+    with _head_returns_logprobs(head, next_ids_BT, temperature):
+        return model(**inputs, use_cache=False).logits
 
 
 def sequence_scores(model, batch: Batch) -> torch.Tensor:
@@ -124,20 +165,12 @@ def fusable_head(model) -> torch.nn.Linear | None:
 
 
 @contextlib.contextmanager
-def _head_returns_logprobs(head: torch.nn.Linear, input_ids_BT: torch.Tensor, temperature: float,
-                           with_entropy: bool = False, mask_BT: torch.Tensor | None = None):
-    """The head returns log-probs (at mask_BT's positions only, when given); with_entropy: the entropies of its call
-    are appended to the yielded list."""
-    entropies = []
-
+def _head_returns_logprobs(head: torch.nn.Linear, next_ids_BT: torch.Tensor, temperature: float):
     def forward(hidden_BTH: torch.Tensor) -> torch.Tensor:
-        logprobs, entropy = linear_token_logprobs_entropy(hidden_BTH, head.weight, input_ids_BT, temperature,
-                                                          with_entropy=with_entropy, mask_BT=mask_BT)
-        entropies.append(entropy)
-        return logprobs
+        return linear_next_token_logprobs(hidden_BTH, head.weight, next_ids_BT, temperature)
 
     head.forward = forward
     try:
-        yield entropies
+        yield
     finally:
         del head.forward

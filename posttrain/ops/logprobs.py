@@ -19,13 +19,13 @@ from __future__ import annotations
 import torch
 
 
-def _shift_right(x_BT: torch.Tensor) -> torch.Tensor:
+def shift_right(x_BT: torch.Tensor) -> torch.Tensor:
     """Move values computed at position t (about token t + 1) to position t + 1; position 0 becomes 0."""
     return torch.cat([x_BT.new_zeros(x_BT.shape[0], 1), x_BT[:, :-1]], dim=1)
 
 
-def _next_tokens(input_ids_BT: torch.Tensor) -> torch.Tensor:
-    """The token each position's logits predict; the last position predicts nothing (0, dropped by _shift_right)."""
+def next_tokens(input_ids_BT: torch.Tensor) -> torch.Tensor:
+    """The token each position's logits predict; the last position predicts nothing (0, dropped by shift_right)."""
     return torch.cat([input_ids_BT[:, 1:], input_ids_BT.new_zeros(input_ids_BT.shape[0], 1)], dim=1)
 
 
@@ -84,11 +84,18 @@ def token_logprobs(logits_BTV: torch.Tensor, input_ids_BT: torch.Tensor, tempera
     flattened B*T at a time, so no (B, T, V) float32 tensor is made, forward or backward. The temperature must be
     the sampling temperature when the log-probs are compared with the sampler's (GRPO importance ratios).
     """
+    return shift_right(next_token_logprobs(logits_BTV, next_tokens(input_ids_BT), temperature, chunk_size))
+
+
+def next_token_logprobs(logits_BTV: torch.Tensor, next_ids_BT: torch.Tensor, temperature: float = 1.0,
+                        chunk_size: int = 1024) -> torch.Tensor:
+    """log p(next_ids[t] | tokens <= t) at position t, unshifted: `token_logprobs` for a slice of a row whose next
+    tokens come from beyond it (sequence parallelism: a shard's last position predicts the next shard's first)."""
     _check(temperature, chunk_size)
     batch, length, vocab = logits_BTV.shape
-    logprobs_N = _ChunkedTokenLogprobs.apply(logits_BTV.reshape(batch * length, vocab),
-                                             _next_tokens(input_ids_BT).reshape(-1), temperature, chunk_size)
-    return _shift_right(logprobs_N.view(batch, length))
+    logprobs_N = _ChunkedTokenLogprobs.apply(logits_BTV.reshape(batch * length, vocab), next_ids_BT.reshape(-1),
+                                             temperature, chunk_size)
+    return logprobs_N.view(batch, length)
 
 
 class _LinearTokenLogprobs(torch.autograd.Function):
@@ -164,7 +171,14 @@ def linear_token_logprobs(hidden_BTH: torch.Tensor, weight_VH: torch.Tensor, inp
     and backward, so neither the (B, T, V) logits nor their gradient exist: for a 150k vocabulary that is the largest
     tensor of a training step. `chunk_size` rows at a time (default: about LINEAR_CHUNK_ELEMENTS logits per chunk).
     """
-    return linear_token_logprobs_entropy(hidden_BTH, weight_VH, input_ids_BT, temperature, chunk_size, False)[0]
+    return shift_right(linear_next_token_logprobs(hidden_BTH, weight_VH, next_tokens(input_ids_BT), temperature,
+                                                  chunk_size))
+
+
+def linear_next_token_logprobs(hidden_BTH: torch.Tensor, weight_VH: torch.Tensor, next_ids_BT: torch.Tensor,
+                               temperature: float = 1.0, chunk_size: int | None = None) -> torch.Tensor:
+    """`linear_token_logprobs` unshifted, given the token each position predicts (see `next_token_logprobs`)."""
+    return linear_next_token_logprobs_entropy(hidden_BTH, weight_VH, next_ids_BT, temperature, chunk_size, False)[0]
 
 
 def linear_token_logprobs_entropy(hidden_BTH: torch.Tensor, weight_VH: torch.Tensor, input_ids_BT: torch.Tensor,
@@ -175,20 +189,30 @@ def linear_token_logprobs_entropy(hidden_BTH: torch.Tensor, weight_VH: torch.Ten
     `mask_BT`: only the positions it marks are scored (0 elsewhere): the output layer never runs on the rows that
     predict the others (a prompt's tokens, padding), forward or backward.
     """
+    logprobs, entropy = linear_next_token_logprobs_entropy(hidden_BTH, weight_VH, next_tokens(input_ids_BT),
+                                                           temperature, chunk_size, with_entropy,
+                                                           None if mask_BT is None else next_tokens(mask_BT))
+    return shift_right(logprobs), (shift_right(entropy) if with_entropy else None)
+
+
+def linear_next_token_logprobs_entropy(hidden_BTH: torch.Tensor, weight_VH: torch.Tensor, next_ids_BT: torch.Tensor,
+                                       temperature: float = 1.0, chunk_size: int | None = None,
+                                       with_entropy: bool = True, next_mask_BT: torch.Tensor | None = None):
+    """`linear_token_logprobs_entropy` unshifted: `next_ids_BT` and `next_mask_BT` are about the token each position
+    predicts (see `next_token_logprobs`)."""
     batch, length, hidden = hidden_BTH.shape
     chunk_size = chunk_size or max(1, LINEAR_CHUNK_ELEMENTS // weight_VH.shape[0])
     _check(temperature, chunk_size)
-    hidden_NH, targets_N = hidden_BTH.reshape(batch * length, hidden), _next_tokens(input_ids_BT).reshape(-1)
-    if mask_BT is not None:  # the rows whose logits predict a marked token
-        rows_n = _next_tokens(mask_BT).reshape(-1).bool().nonzero().squeeze(-1)
+    hidden_NH, targets_N = hidden_BTH.reshape(batch * length, hidden), next_ids_BT.reshape(-1)
+    if next_mask_BT is not None:  # the rows whose logits predict a marked token
+        rows_n = next_mask_BT.reshape(-1).bool().nonzero().squeeze(-1)
         hidden_NH, targets_N = hidden_NH[rows_n], targets_N[rows_n]
     logprobs_N, entropy_N = _LinearTokenLogprobs.apply(hidden_NH, weight_VH, targets_N, temperature, chunk_size,
                                                        with_entropy)
-    if mask_BT is not None:
+    if next_mask_BT is not None:
         scatter = lambda x_n: x_n.new_zeros(batch * length).index_put((rows_n,), x_n)  # noqa: E731
         logprobs_N, entropy_N = scatter(logprobs_N), scatter(entropy_N) if with_entropy else entropy_N
-    entropy_BT = _shift_right(entropy_N.view(batch, length)) if with_entropy else None
-    return _shift_right(logprobs_N.view(batch, length)), entropy_BT
+    return logprobs_N.view(batch, length), (entropy_N.view(batch, length) if with_entropy else None)
 
 
 def entropy_BT(logits_BTV: torch.Tensor, chunk_size: int = 1024, temperature: float = 1.0) -> torch.Tensor:
@@ -207,7 +231,7 @@ def entropy_BT(logits_BTV: torch.Tensor, chunk_size: int = 1024, temperature: fl
         logsumexp_n = torch.logsumexp(scaled_nV, dim=-1)
         probs_nV = torch.exp(scaled_nV - logsumexp_n[:, None])
         chunks.append(logsumexp_n - (probs_nV * scaled_nV).sum(-1))
-    return _shift_right(torch.cat(chunks).view(batch, length))
+    return shift_right(torch.cat(chunks).view(batch, length))
 
 
 def masked_sum(x_BT: torch.Tensor, mask_BT: torch.Tensor) -> torch.Tensor:
