@@ -6,6 +6,8 @@ output layer's `forward` is swapped for `ops.logprobs.linear_token_logprobs`, wh
 layer's own weight, so the model returns log-probs where it would return logits. The swap is on the module
 instance, so every engine's hooks around that module (ZeRO-3 gathering its weight, FSDP2 unsharding) still run.
 Other architectures (logit soft-capping or scaling after the head, a LoRA-wrapped head) take the logits path.
+With gradients, the gated MLPs and RMSNorms keep fewer activations for the backward (models/lean_activations.py:
+the same gradients, bit for bit).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import torch
 
 from posttrain.batch import Batch
 from posttrain.distributed.wrappers import plain_class, unwrap_module
+from posttrain.models.lean_activations import lean_activations
 from posttrain.ops.logprobs import linear_token_logprobs, token_logprobs
 
 FUSED_HEAD_MODELS = frozenset({"llama", "qwen2", "qwen3", "mistral", "phi3", "qwen2_moe", "qwen3_moe", "olmo2"})
@@ -33,12 +36,13 @@ def policy_logprobs(model, batch: Batch, temperature: float = 1.0) -> torch.Tens
     row holds a prediction from the previous row's last token, is set back to 0."""
     inputs = batch.model_inputs()
     head = fusable_head(model)
-    if head is None:
-        logits = model(**inputs, use_cache=False).logits
-        logprobs = token_logprobs(logits, inputs["input_ids"], temperature=temperature)
-    else:
-        with _head_returns_logprobs(head, inputs["input_ids"], temperature):
-            logprobs = model(**inputs, use_cache=False).logits
+    with lean_activations(model):
+        if head is None:
+            logits = model(**inputs, use_cache=False).logits
+            logprobs = token_logprobs(logits, inputs["input_ids"], temperature=temperature)
+        else:
+            with _head_returns_logprobs(head, inputs["input_ids"], temperature):
+                logprobs = model(**inputs, use_cache=False).logits
     if not batch.padding_free:
         return logprobs
     logprobs_BT = batch.unpack(logprobs)
