@@ -24,6 +24,8 @@ TRL (`pip install trl`) is optional: without it only posttrain's rows print.
 
 Figures (steady state: the first `--warmup` steps are dropped):
 - s/step: mean seconds between consecutive optimiser steps.
+- CPU s/step: the process's CPU seconds per steady step (all its threads): on a shared machine it moves far less with
+  the load than s/step does.
 - tokens/s: trained tokens per second. SFT rows are all longer than --seq, so each holds exactly --seq tokens and
   both tools train bs x seq tokens a step; DPO counts bs x 2 sequences x their prompt+response tokens; GRPO counts
   prompt+completion tokens of the step's completions as each tool reports them.
@@ -175,7 +177,7 @@ def run_posttrain(a, work: Path, started: float) -> dict:
         overrides += ["data.max_length=512", "data.max_prompt_length=128", f"algo.num_generations={a.gens}",
                       f"generation.max_completion_length={a.completion}", "algo.beta=0.0",
                       "rewards=[{name: 'compare_trl:length_reward'}]"]
-    ends: list[float] = []
+    ends, cpu = [], []
     metrics = out / "metrics.jsonl"
     done = threading.Event()
 
@@ -185,6 +187,7 @@ def run_posttrain(a, work: Path, started: float) -> dict:
             if metrics.exists():
                 lines = [x for x in metrics.read_text().splitlines() if '"tokens_per_second"' in x]
                 ends.extend([time.perf_counter()] * (len(lines) - seen))
+                cpu.extend([time.process_time()] * (len(lines) - seen))
                 seen = len(lines)
             time.sleep(0.005)
 
@@ -197,7 +200,7 @@ def run_posttrain(a, work: Path, started: float) -> dict:
         raise SystemExit(f"posttrain {a.algo} exited {code}")
     rows = [json.loads(x) for x in metrics.read_text().splitlines() if '"tokens_per_second"' in x]
     tokens = [rows[0]["num_tokens"]] + [rows[i]["num_tokens"] - rows[i - 1]["num_tokens"] for i in range(1, len(rows))]
-    return {"ends": ends, "tokens": tokens, "started": started, "peak": peak_memory_bytes(),
+    return {"ends": ends, "cpu": cpu, "tokens": tokens, "started": started, "peak": peak_memory_bytes(),
             "loss": [r["loss"] for r in rows]}
 
 
@@ -208,13 +211,14 @@ def run_trl(a, work: Path, started: float) -> dict:
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir(a, work))
     model = AutoModelForCausalLM.from_pretrained(model_dir(a, work), dtype=torch.float32, attn_implementation="sdpa")
-    ends: list[float] = []
+    ends, cpu = [], []
 
     class StepEnds(TrainerCallback):
         def on_step_end(self, args, state, control, **kwargs):
             if torch.cuda.is_available():
                 torch.cuda.synchronize()
             ends.append(time.perf_counter())
+            cpu.append(time.process_time())
 
     common = dict(output_dir=str(work / f"trl-{a.algo}"), per_device_train_batch_size=a.bs, max_steps=a.steps,
                   learning_rate=1e-6, lr_scheduler_type="constant", logging_steps=1, save_strategy="no",
@@ -253,7 +257,7 @@ def run_trl(a, work: Path, started: float) -> dict:
     tokens = None
     if all(s is not None for s in seen) and len(seen) == len(ends):
         tokens = [seen[0]] + [seen[i] - seen[i - 1] for i in range(1, len(seen))]
-    return {"ends": ends, "tokens": tokens, "started": started, "peak": peak_memory_bytes(),
+    return {"ends": ends, "cpu": cpu, "tokens": tokens, "started": started, "peak": peak_memory_bytes(),
             "loss": [h["loss"] for h in logged]}
 
 
@@ -279,7 +283,8 @@ def figures(raw: dict, a, work: Path, probe: float, on_cuda: bool) -> dict:
         step_tokens = sum(raw["tokens"][k + 1:]) / len(gaps)
     else:
         step_tokens = None
-    out = {"s/step": sec, "tokens/s": step_tokens / sec if step_tokens else None,
+    cpu = (raw["cpu"][-1] - raw["cpu"][k]) / len(gaps)
+    out = {"s/step": sec, "CPU s/step": cpu, "tokens/s": step_tokens / sec if step_tokens else None,
            "peak GB": raw["peak"] / 2**30, "start-up s": ends[0] - raw["started"], "first loss": raw["loss"][0]}
     if step_tokens and a.algo != "grpo":
         params, layers, hidden = parameters_and_dims(model_dir(a, work))
@@ -363,13 +368,14 @@ def main() -> None:
     print(f"\n{a.algo} | {a.model or 'size ' + a.size} ({params / 1e6:.1f}M params) | bs {a.bs} | seq {a.seq}"
           f" | {a.precision} | gc {a.gc} | packing {a.packing} | {device} | torch {torch.__version__} | best of "
           f"{a.repeats}")
-    keys = ["s/step", "tokens/s", "peak GB", "MFU", "start-up s", "first loss"]
+    keys = ["s/step", "CPU s/step", "tokens/s", "peak GB", "MFU", "start-up s", "first loss"]
     print("| tool | " + " | ".join(keys) + " |\n" + "|---" * (len(keys) + 1) + "|")
     for tool, row in best.items():
         print(f"| {tool} | " + " | ".join(_fmt(k, row.get(k)) for k in keys) + " |")
     if len(best) == 2:
         ours, theirs = best["posttrain"], best["trl"]
-        print(f"posttrain / TRL: speed {theirs['s/step'] / ours['s/step']:.2f}x, memory "
+        print(f"posttrain / TRL: speed {theirs['s/step'] / ours['s/step']:.2f}x (CPU time "
+              f"{ours['CPU s/step'] / theirs['CPU s/step']:.2f}x), memory "
               f"{ours['peak GB'] / theirs['peak GB']:.2f}x, start-up {ours['start-up s'] / theirs['start-up s']:.2f}x")
         print("\n| run | posttrain / TRL step time | posttrain / TRL peak memory |\n|---|---|---|\n"
               f"| {a.algo}, {a.model or a.size}, bs {a.bs}, {a.steps} steps, {a.precision} | "
@@ -409,7 +415,7 @@ def _fmt(key: str, value) -> str:
         return f"{value:.1%}"
     if key == "tokens/s":
         return f"{value:,.0f}"
-    return f"{value:.3f}" if key in ("s/step", "first loss") else f"{value:.2f}"
+    return f"{value:.3f}" if key in ("s/step", "CPU s/step", "first loss") else f"{value:.2f}"
 
 
 if __name__ == "__main__":
