@@ -31,6 +31,7 @@ from posttrain.distributed.precision import export_dtype, trained_model_config, 
 from posttrain.logging import MetricsLogger, read_metrics
 from posttrain.models import load
 from posttrain.models.limits import check_position_limit, check_sequence_parallel
+from posttrain.models.packing import check_packing
 from posttrain.models.load import check_model_source, count_parameters, load_tokenizer
 from posttrain.models.moe import check_moe_options
 from posttrain.plan import estimated_peak_mb
@@ -125,6 +126,7 @@ def run_attempt(command: str, recipe: Recipe, launched: Optional[Launched] = Non
     algorithm.preflight()  # its rewards, teacher, critic
     check_model_source(recipe.model)
     check_position_limit(recipe, algorithm.data_kind)
+    check_packing(recipe)  # data.packing on a model whose attention would mix the packed sequences
     check_moe_options(recipe, algorithm.routing_replay)
     check_token_budget(recipe, algorithm)
     check_sequence_parallel(recipe, algorithm)

@@ -33,7 +33,22 @@ def parse_memory(text: str, what: str = "--gpu-memory") -> int:
     match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text or "")
     if not match or match.group(2).lower() not in _UNITS:
         raise UserError(f"{what} '{text}' is not a memory size; write it like 80GiB, 40GB or 24 (GiB)")
-    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+    size = int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+    if size < 1:
+        raise UserError(f"{what} '{text}' is no memory at all; give the memory of one GPU, e.g. 80GiB")
+    return size
+
+
+def check_as_run(command: str, recipe) -> None:
+    """What a run of the recipe refuses from its shapes alone, before any model loads, refused here too: else the
+    plan recommends a command that exits 2 (a token budget below one unit, a length past the model's positions)."""
+    from posttrain.algorithms import ALGORITHMS
+    from posttrain.models.limits import check_position_limit
+    from posttrain.train.micro_batches import check_token_budget
+
+    algorithm = ALGORITHMS[command][1](recipe)
+    check_position_limit(recipe, algorithm.data_kind)
+    check_token_budget(recipe, algorithm)
 
 
 def infer_algorithm(config: Optional[str], overrides: list[str]) -> str:
@@ -134,6 +149,7 @@ def run_plan(command: str, recipe, config: Optional[str], overrides: list[str], 
     sp = recipe.train.sequence_parallel_size
     if gpus % sp:
         raise UserError(f"train.sequence_parallel_size={sp} must divide --gpus ({gpus}): world = data x sequence ranks")
+    check_as_run(command, recipe)
     gpu_bytes = parse_memory(gpu_memory) if gpu_memory else detect_gpu_memory()
     if gpu_bytes is None:
         raise UserError("no GPU here to read the memory of: pass --gpu-memory (e.g. --gpu-memory 80GiB)")

@@ -120,7 +120,8 @@ class RolloutSource(Source):
         self.dynamic_sampling = None
         if algorithm.dynamic_sampling is not None:
             self.dynamic_sampling = DynamicSampler(algorithm.dynamic_sampling, self.prompts_per_rank, self.group,
-                                                   self._draw, backend.data_all_reduce_sum)
+                                                   self._draw, backend.data_all_reduce_sum,
+                                                   -(-len(examples) // self.prompts_per_step))
 
     def before_evaluation(self) -> None:
         """Held-out evaluation measures the current policy: the generations in flight finish first (their

@@ -236,6 +236,18 @@ def test_the_algorithm_is_told_by_the_recipe():
 def test_bad_launch_shape_is_a_user_error(config_7b):
     with pytest.raises(UserError, match="--gpus"):
         run_plan("sft", _recipe(config_7b), None, [], 3, 2, "80GiB", as_json=False)
+    with pytest.raises(UserError, match="'0GiB' is no memory at all"):  # it planned on, "nothing fits"
+        run_plan("sft", _recipe(config_7b), None, [], 1, 1, "0GiB", as_json=False)
+
+
+@pytest.mark.parametrize("shape, message", [
+    ("train.max_tokens_per_microbatch=3", "train.max_tokens_per_microbatch=3 is below data.max_length = 2048"),
+    ("data.max_length=99999999", "the model holds 4,096 positions"),
+])
+def test_what_a_run_refuses_the_plan_refuses(config_7b, shape, message):
+    """The plan recommended a command (data.max_length cut to fit memory, or the budget kept) that exits 2 at once."""
+    with pytest.raises(UserError, match=message):
+        run_plan("sft", _recipe(config_7b, shape), None, [], 1, 1, "80GiB", as_json=False)
 
 
 def test_fused_output_layer_never_makes_the_logits():
@@ -262,10 +274,11 @@ def test_a_token_budget_bounds_the_micro_batch_the_estimate_sees():
     assert estimate(SHAPE, budget, ENGINES["ddp"]).activations < estimate(SHAPE, padded, ENGINES["ddp"]).activations
 
 
-def test_32k_tokens_of_a_7b_model_need_sequence_parallelism(config_7b):
+def test_32k_tokens_of_a_7b_model_need_sequence_parallelism(tmp_path):
     """One 32k-token row of the 7B model keeps ~540 GB of bf16 activations: no engine fits it on an 80 GiB GPU; split
     over N ranks it does. The plan names N, the keys to set, and a token budget."""
-    recipe = _recipe(config_7b, "data.max_length=32768", "train.per_device_train_batch_size=1",
+    (tmp_path / "config.json").write_text(json.dumps({**LLAMA_7B, "max_position_embeddings": 131072}))  # 32k fits
+    recipe = _recipe(tmp_path, "data.max_length=32768", "train.per_device_train_batch_size=1",
                      "train.gradient_checkpointing=false", "data.packing=true")
     out = json.loads(run_plan("sft", recipe, None, [], 8, 1, "80GiB", as_json=True))
     assert not any(e["fits"] for e in out["engines"])
