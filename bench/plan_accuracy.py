@@ -8,7 +8,9 @@
 
 Data are synthetic and long, so every row is cut at data.max_length (every completion runs to
 generation.max_completion_length as far as sampling allows): the estimate assumes full-length rows, and so the run
-must have them. Packing is off (a packed micro-batch's token count depends on the data).
+must have them. Packing is off (a packed micro-batch's token count depends on the data), except with `--mixed`:
+preference pairs of a chosen row cut at data.max_length and a short rejected row, planned with the data's mean row
+length (`posttrain plan --mean-length`), padded, packed (data.packing=true) or within a token budget.
 
 "Measured peak":
 - GPU: torch.cuda.max_memory_allocated over the whole run (what the caching allocator handed out; the CUDA context
@@ -29,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import os
 import random
@@ -49,11 +52,18 @@ def long_text(rng: random.Random, words: int = 200) -> str:
     return " ".join(rng.choice(WORDS) for _ in range(words))
 
 
-def write_data(algorithm: str, path: Path, rows: int = 64, words: int = 200) -> None:
-    """Synthetic rows of `words` words (one or more tokens each), so every row is cut at data.max_length < words."""
+def write_data(algorithm: str, path: Path, rows: int = 64, words: int = 200, mixed: bool = False) -> None:
+    """Synthetic rows of `words` words (one or more tokens each), so every row is cut at data.max_length < words.
+    `mixed` (preference data): every pair's chosen row is cut at data.max_length, its rejected row is short (a few
+    tokens), so each micro-batch holds the same mix of lengths however the data is shuffled."""
     rng = random.Random(0)
     with path.open("w") as f:
         for _ in range(rows):
+            if mixed:
+                f.write(json.dumps({"prompt": [{"role": "user", "content": long_text(rng, 2)}],
+                                    "chosen": [{"role": "assistant", "content": long_text(rng, words)}],
+                                    "rejected": [{"role": "assistant", "content": long_text(rng, 3)}]}) + "\n")
+                continue
             prompt = [{"role": "user", "content": long_text(rng, words)}]
             if algorithm in ("sft", "distill"):
                 row = {"prompt": [{"role": "user", "content": long_text(rng, 20)}],
@@ -134,8 +144,26 @@ def bench_recipe(algorithm: str, model: str, data: Path, output_dir: Path, steps
     return load_recipe(str(ROOT / "recipes" / f"{algorithm}.yaml"), fixed + list(overrides), ALGORITHMS[algorithm][0])
 
 
-def measure(algorithm: str, model: str = "tiny", steps: int = 3, overrides: tuple[str, ...] = ()) -> dict:
-    """Run `steps` steps of recipes/<algorithm>.yaml on long synthetic rows; the estimate and the measured peak."""
+def mean_row_length(algorithm: str, recipe) -> float:
+    """The mean tokens per row of the recipe's training data, as the run tokenizes and collates it (padded)."""
+    from posttrain.algorithms import ALGORITHMS
+    from posttrain.models.load import load_tokenizer
+    from posttrain.run import load_examples, make_collate
+
+    plain = dataclasses.replace(recipe, data=dataclasses.replace(recipe.data, packing=False),
+                                train=dataclasses.replace(recipe.train, max_tokens_per_microbatch=None))
+    algo = ALGORITHMS[algorithm][1](plain)
+    tokenizer = load_tokenizer(plain.model)
+    examples = load_examples(plain, algo, tokenizer, "train")
+    examples = examples[0] if isinstance(examples, tuple) else examples
+    mask = make_collate(plain, algo, tokenizer)(list(examples)).attention_mask_BT
+    return float(mask.sum()) / mask.shape[0]
+
+
+def measure(algorithm: str, model: str = "tiny", steps: int = 3, overrides: tuple[str, ...] = (),
+            mixed: bool = False) -> dict:
+    """Run `steps` steps of recipes/<algorithm>.yaml on long synthetic rows (`mixed`: preference pairs of a long and
+    a short row, planned with their mean length); the estimate and the measured peak."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     from posttrain.models.tiny import make_tiny_model
     from posttrain.plan import estimate_for_run
@@ -146,7 +174,8 @@ def measure(algorithm: str, model: str = "tiny", steps: int = 3, overrides: tupl
         model = str(make_tiny_model(work / model, **MODELS[model]))
     data = work / "data.jsonl"
     recipe = bench_recipe(algorithm, model, data, work / "run", steps, overrides)
-    write_data(algorithm, data, words=max(200, recipe.data.max_length * 3 // 2))
+    write_data(algorithm, data, words=max(200, recipe.data.max_length * 3 // 2), mixed=mixed)
+    mean_length = round(mean_row_length(algorithm, recipe)) if mixed else None
 
     cuda = torch.cuda.is_available()
     if cuda:
@@ -161,13 +190,13 @@ def measure(algorithm: str, model: str = "tiny", steps: int = 3, overrides: tupl
         measured = cpu_peak_bytes(profiler)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     engine, offload = launched_engine()
-    breakdown = estimate_for_run(algorithm, recipe, engine, offload, world)
+    breakdown = estimate_for_run(algorithm, recipe, engine, offload, world, mean_length=mean_length)
     rows = recipe.train.per_device_train_batch_size * (2 if algorithm in ("dpo", "rm") else 1)
     length = recipe.data.max_length if algorithm != "grpo" else (
         recipe.data.max_prompt_length + recipe.generation.max_completion_length)
     shutil.rmtree(work, ignore_errors=True)
     return {"estimate": breakdown.peak_bytes, "measured": measured, "breakdown": breakdown.parts(), "engine": engine,
-            "device": "cuda" if cuda else "cpu", "rows": rows, "length": length,
+            "device": "cuda" if cuda else "cpu", "rows": rows, "length": length, "mean_length": mean_length,
             "logged_peak_memory_mb": (result.metrics[-1] if result.metrics else {}).get("peak_memory_mb"),
             "logged_estimate_mb": (result.metrics[-1] if result.metrics else {}).get("estimated_peak_memory_mb")}
 
@@ -201,13 +230,15 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--from-run", help="run nothing: read the estimate and peak a finished run logged (its "
                         "output_dir)")
+    parser.add_argument("--mixed", action="store_true", help="preference pairs of a long and a short row, planned "
+                        "with their mean length (with data.packing=true / train.max_tokens_per_microbatch=N)")
     parser.add_argument("overrides", nargs="*", help="recipe overrides, e.g. train.per_device_train_batch_size=4")
     args = parser.parse_args()
     if args.from_run:
         m, label = from_run(Path(args.from_run)), f"{args.from_run} | logged"
     else:
-        m = measure(args.algorithm, args.model, args.steps, tuple(args.overrides))
-        label = f"{args.model} | {args.algorithm}"
+        m = measure(args.algorithm, args.model, args.steps, tuple(args.overrides), args.mixed)
+        label = f"{args.model} | {args.algorithm}" + (f" (mean row {m['mean_length']} tokens)" if args.mixed else "")
     if int(os.environ.get("RANK", "0")) != 0:
         return
     mib = 2**20

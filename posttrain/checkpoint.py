@@ -198,7 +198,7 @@ class Checkpointer:
 def run_facts(backend, t) -> dict[str, Any]:
     """What a checkpoint records about the launch, and what resuming compares: world, engine, batch split."""
     return {"world_size": backend.world_size, "nodes": backend.num_nodes, "engine": backend.describe()["engine"],
-            "global_batch": global_batch_size(t, backend.world_size),
+            "global_batch": global_batch_size(t, backend.data_world_size),
             "per_device_train_batch_size": t.per_device_train_batch_size,
             "gradient_accumulation_steps": t.gradient_accumulation_steps}
 

@@ -16,6 +16,7 @@ The rules, each with its reason, are in docs/reliability.md ("Output directories
 from __future__ import annotations
 
 import datetime
+import fcntl
 import json
 import os
 import shutil
@@ -36,13 +37,15 @@ RUN_ARTIFACTS = ("config.yaml", "metrics.jsonl", "tensorboard", "checkpoints", "
 ASIDE_PREFIX = ".posttrain-replaced-"  # overwrite_output_dir: the old run's files until the new run is set up
 RECIPE_SECTIONS = ("output_dir", "model", "data", "train")  # what every config.yaml a run wrote holds
 FAILED_DIR = "failed-attempts"  # a failed attempt's files, moved here when the next run takes its place
+RAY_SESSION_DIR = "ray"  # the session (logs, sockets) of a Ray cluster the launcher started for the run
 
 
-def engine_logs() -> str:
-    """The folder the Ray launcher's generation engines log to, created before the run itself starts."""
+def launcher_dirs() -> tuple[str, ...]:
+    """The folders the Ray launcher writes before the run itself starts: its generation engines' logs and the
+    session of a cluster it started for the run."""
     from posttrain.generation.server_process import LOG_DIR
 
-    return LOG_DIR
+    return LOG_DIR, RAY_SESSION_DIR
 
 
 def check_output_dir(recipe, command: str = "") -> Optional[Path]:
@@ -72,8 +75,8 @@ def check_output_dir(recipe, command: str = "") -> Optional[Path]:
     resume = resolve_resume(str(out), t.resume_from_checkpoint, strict=t.resume_strict)
     if resume is not None or t.overwrite_output_dir or t.resume_from_checkpoint == "auto":
         return resume  # auto and no checkpoint yet (a run stopped before its first save): the run starts
-    # config.yaml alone (or with an empty log): that run never trained; the engines' logs: the Ray launcher started
-    # them first; a failed attempt (takeover_reason) is replaced by the next run
+    # config.yaml alone (or with an empty log): that run never trained; the Ray launcher's folders: it wrote them
+    # first; a failed attempt (takeover_reason) is replaced by the next run
     if kind == "run" and not never_trained(out) and takeover_reason(out) is None:
         live = live_attempt(out)
         if live:
@@ -139,9 +142,9 @@ def check_same_command(run: Path, command: str, key: str) -> None:
 
 def never_trained(out: Path) -> bool:
     """What a run leaves that stopped before its first step (its model did not load, an input error found once it
-    had started): config.yaml, the marker, the engines' logs, and at most an empty metrics.jsonl and tensorboard/."""
+    had started): config.yaml, the marker, the Ray launcher's folders, and at most an empty metrics.jsonl and tensorboard/."""
     for p in out.iterdir():
-        if p.name in ("config.yaml", MARKER, engine_logs(), "tensorboard", FAILED_DIR):
+        if p.name in ("config.yaml", MARKER, *launcher_dirs(), "tensorboard", FAILED_DIR):
             continue
         if p.name == "metrics.jsonl" and p.is_file() and not p.is_symlink() and p.stat().st_size == 0:
             continue
@@ -187,12 +190,12 @@ def check_writable(out: Path) -> None:
 
 
 def classify(out: Path) -> str:
-    """new (absent or empty, or only the engines' logs), run (the marker, or a run from before the marker), or
+    """new (absent or empty, or only the Ray launcher's folders), run (the marker, or a run from before the marker), or
     foreign (anything else: nothing there may be touched)."""
     if not out.is_dir():
         return "new"
     names = {p.name for p in out.iterdir()}
-    if not names - {engine_logs()}:
+    if not names - set(launcher_dirs()):
         return "new"
     return "run" if MARKER in names or is_unmarked_run(out) else "foreign"
 
@@ -228,6 +231,7 @@ def begin_run(out: Path, overwrite: bool, command: str = "") -> Optional[Path]:
     move the previous run's own files into a folder inside output_dir (returned; pass it to end_overwrite once
     config.yaml is new). A failed attempt taken over (takeover_reason) has its files moved to failed-attempts/."""
     out.mkdir(parents=True, exist_ok=True)
+    claim(out)
     _started.append(out)
     now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     reason = None if overwrite or not (out / MARKER).exists() else takeover_reason(out)
@@ -254,6 +258,34 @@ def begin_run(out: Path, overwrite: bool, command: str = "") -> Optional[Path]:
         aside.rmdir()
         raise
     return aside
+
+
+_claimed: dict[Path, int] = {}  # output_dir -> this process's open descriptor of it, locked while its run goes
+
+
+def claim(out: Path) -> None:
+    """Lock output_dir for this process's run (flock on the directory; released by end_attempt, or by the kernel when
+    the process ends however it ends). Two runs started into one directory at the same moment both passed
+    check_output_dir and both trained into it (two sets of metrics rows, one final/ over the other, exit 0 twice);
+    the second is refused here, before it writes anything. A filesystem without flock is not locked."""
+    if out in _claimed:
+        return
+    fd = os.open(out, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise UserError(f"output_dir {out} is in use by a run still going ({live_attempt(out) or 'another process'}"
+                        "); wait for it, stop it, or choose another output_dir") from None
+    except OSError:  # no locks there (some network filesystems): check_output_dir's marker check is all there is
+        pass
+    _claimed[out] = fd
+
+
+def release(out: Path) -> None:
+    fd = _claimed.pop(out, None)
+    if fd is not None:
+        os.close(fd)
 
 
 def keep_failed_attempt(out: Path, stamp: str) -> Optional[Path]:
@@ -283,6 +315,13 @@ def write_marker(out: Path, record: dict) -> None:
 def end_attempt(out: Path, error: Optional[BaseException] = None) -> None:
     """Record how this process's attempt ended: finished, stopped (a signal, Ctrl-C) or failed (with the error's
     first line). Only the process that began it writes (rank 0; never a run that refused to start)."""
+    try:
+        record_end(out, error)
+    finally:
+        release(out)
+
+
+def record_end(out: Path, error: Optional[BaseException]) -> None:
     record = read_marker(out)
     attempt = record.get("attempt") or {}
     if attempt.get("pid") != os.getpid() or attempt.get("status") != "running":

@@ -30,7 +30,8 @@ from posttrain.distributed.backend import Backend
 from posttrain.distributed.precision import export_dtype, trained_model_config, upcast_trainable
 from posttrain.logging import MetricsLogger, read_metrics
 from posttrain.models import load
-from posttrain.models.limits import check_position_limit
+from posttrain.models.limits import check_position_limit, check_sequence_parallel
+from posttrain.models.packing import check_packing
 from posttrain.models.load import check_model_source, count_parameters, load_tokenizer
 from posttrain.models.moe import check_moe_options
 from posttrain.plan import estimated_peak_mb
@@ -125,8 +126,10 @@ def run_attempt(command: str, recipe: Recipe, launched: Optional[Launched] = Non
     algorithm.preflight()  # its rewards, teacher, critic
     check_model_source(recipe.model)
     check_position_limit(recipe, algorithm.data_kind)
+    check_packing(recipe)  # data.packing on a model whose attention would mix the packed sequences
     check_moe_options(recipe, algorithm.routing_replay)
     check_token_budget(recipe, algorithm)
+    check_sequence_parallel(recipe, algorithm)
     resume_from = outputs.check_output_dir(recipe, command)
     tokenizer = load_tokenizer(recipe.model)
     launched = launched or Launched()
@@ -225,6 +228,7 @@ def run_summary(command: str, recipe: Recipe, backend, facts: dict, train_stats:
         "accumulation": t.gradient_accumulation_steps,
         "global_batch": facts["global_batch"],
         **backend.describe(),
+        "sequence_parallel": t.sequence_parallel_size if t.sequence_parallel_size > 1 else None,
         "resumed_from": str(resume_from) if resume_from else None,
     }
     summary["estimated_peak_memory_mb"] = estimated_peak_mb(command, recipe, backend.describe(), parameters)
@@ -238,6 +242,6 @@ def make_evaluation(recipe: Recipe, backend, algorithm, models, source, tokenize
         return None
     if algorithm.source_kind == "rollout":
         return partial(evaluate_online, backend, source, tokenizer, eval_examples, algorithm.rewards, recipe)
-    batches = eval_batches(eval_examples, collate, recipe.train.per_device_eval_batch_size, backend.world_size,
-                           backend.rank)
+    batches = eval_batches(eval_examples, collate, recipe.train.per_device_eval_batch_size, backend.data_world_size,
+                           backend.data_rank)
     return partial(evaluate, backend, algorithm, models, batches)

@@ -40,11 +40,12 @@ class UserCodeError(Exception):
 
 class ProcessExitCalled(BaseException):
     """os._exit(code) called by user code inside call_user: it would end the process at once, with no word and no
-    cleanup, so inside user code it raises this instead (install_exit_guard)."""
+    cleanup, so inside user code it raises this instead (install_exit_guard). Also sys.exit(code) in a coroutine
+    (awaited_user), which would stop the event loop all async user code shares."""
 
-    def __init__(self, code):
+    def __init__(self, code, call: str = "os._exit"):
         super().__init__(code)
-        self.code = code
+        self.code, self.call = code, call
 
 
 _inside_user = set()  # the threads running user code now (threading.get_ident())
@@ -77,7 +78,7 @@ def install_exit_guard() -> None:
 def what_it_did(error: BaseException) -> str:
     """'raised ValueError: bad input' / 'called sys.exit(0)': what the user's code did, in words."""
     if isinstance(error, ProcessExitCalled):
-        return f"called os._exit({error.code!r})"
+        return f"called {error.call}({error.code!r})"
     if isinstance(error, SystemExit):
         return f"called sys.exit({error.code!r})" if error.code is not None else "called sys.exit()"
     return f"raised {type(error).__name__}: {error}"
@@ -105,6 +106,23 @@ def user_code():
     finally:
         if not nested:
             _inside_user.discard(me)
+
+
+def run_user_loop(loop) -> None:
+    """Run an event loop that runs only user coroutines (async reward functions), in this thread, as user code:
+    os._exit in any of them raises ProcessExitCalled in that coroutine instead of ending the process."""
+    with user_code():
+        loop.run_forever()
+
+
+async def awaited_user(awaitable) -> Any:
+    """await user code on such a loop. sys.exit there would not stay in the coroutine: asyncio re-raises SystemExit
+    out of run_forever, which stops the loop (every later coroutine then waits forever) and ends its thread without
+    a word; it comes back as ProcessExitCalled, which what_it_did names, with the user's traceback."""
+    try:
+        return await awaitable
+    except SystemExit as e:
+        raise ProcessExitCalled(e.code, "sys.exit").with_traceback(e.__traceback__) from None
 
 
 def call_user(fn: Callable, what: str, *args, **kwargs) -> Any:

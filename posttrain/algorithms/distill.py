@@ -161,8 +161,7 @@ class Distill(Algorithm):
                                     batch.input_ids_BT, mask_BT, self.config.beta, self.temperature)
         else:
             with torch.no_grad():
-                teacher_BTV = teacher.forward(**batch.model_inputs(), use_cache=False).logits
-                teacher_logits_BTV = batch.unpack(teacher_BTV)
+                teacher_logits_BTV = policy_logits(teacher.forward, batch)
             out = distill_loss(student_logits_BTV, teacher_logits_BTV, batch.input_ids_BT, mask_BT, self.config.beta,
                                self.temperature)
         metrics = {name: masked_mean(value_BT, mask_BT) for name, value_BT in out.metrics_BT.items()}

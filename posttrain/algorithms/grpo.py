@@ -53,7 +53,8 @@ class DynamicSamplingConfig:
     """accuracy: exact match against the data's `answer` column (the raw signal, DAPO's choice); reward: the total
     reward (shaped terms included)."""
     max_batches: int = 4
-    """Most generation batches drawn per step (0: no limit); then the step trains on the groups it has."""
+    """Most generation batches drawn per step; then the step trains on the groups it has. 0: no limit (a step that
+    drew every prompt once without filling stops the run instead)."""
 
     def validate(self) -> None:
         if self.metric not in DYNAMIC_SAMPLING_METRICS:

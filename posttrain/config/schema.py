@@ -88,6 +88,11 @@ class TrainConfig:
     per_device_train_batch_size x gradient_accumulation_steps x world) are regrouped into as few micro-batches of at
     most this many real tokens as fit, whole rows / preference pairs each; the update is the same as without it.
     None: micro-batches of per_device_train_batch_size rows."""
+    sequence_parallel_size: int = 1
+    """Sequence parallelism (DeepSpeed Ulysses / ALST): each row is split into this many contiguous slices, one per
+    rank of a group of consecutive ranks that train on the same rows, so one sequence's activations are spread over
+    them; the world must divide by it, and the model's attention heads (kv heads, or the other way round) too. SFT,
+    GRPO, PPO and distill; 1: off. The update equals that of 1."""
     learning_rate: float = 1.0e-4
     """Peak learning rate (AdamW)."""
     weight_decay: float = 0.0

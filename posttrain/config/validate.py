@@ -22,7 +22,7 @@ CHOICES = {
     "generation.vllm.dtype": ("auto", "float32", "bfloat16", "float16"), "launcher": ("local", "ray"),
 }
 POSITIVE = (
-    "train.per_device_train_batch_size", "train.per_device_eval_batch_size", "train.gradient_accumulation_steps",
+    "train.per_device_train_batch_size", "train.sequence_parallel_size", "train.per_device_eval_batch_size", "train.gradient_accumulation_steps",
     "train.learning_rate", "train.logging_steps", "train.num_train_epochs", "data.max_length",
     "generation.max_completion_length", "train.ddp_timeout", "generation.sync_every", "generation.sync_bucket_mb",
     "generation.vllm.tensor_parallel_size", "generation.request_timeout_s", "generation.sync_timeout_s",

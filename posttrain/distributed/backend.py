@@ -42,6 +42,7 @@ from posttrain.distributed.launch_config import (check_launcher_settings, env_fl
 from posttrain.distributed.offload import Offloaded
 from posttrain.distributed.precision import announce_precision, check_precision, resolve_precision
 from posttrain.distributed.process_exit import settle_at_exit
+from posttrain.distributed.sequence_parallel import SequenceParallel
 from posttrain.distributed.weight_sync import adapter_units, sync_buckets, sync_units
 
 # DeepSpeed still calls the torch collectives that torch 2.x deprecates; one warning per call buries the log.
@@ -80,6 +81,13 @@ class Backend:
             announce_precision(self.precision, on_cpu=self.device.type == "cpu")
         if self.world_size > 1:  # who is where, so a rank whose peer dies can say which
             peers.record(self.all_gather_object(peers.me()))
+        # train.sequence_parallel_size: groups of consecutive ranks share rows (distributed/sequence_parallel.py)
+        self.sequence_parallel = None
+        if t.sequence_parallel_size > 1:
+            self.sequence_parallel = SequenceParallel.start(t.sequence_parallel_size, recipe.model.attn_implementation)
+        self.sequence_parallel_size = t.sequence_parallel_size
+        self.data_rank = self.rank // self.sequence_parallel_size
+        self.data_world_size = self.world_size // self.sequence_parallel_size
 
     # --- what is running -------------------------------------------------------------------------------------
     @property
@@ -236,6 +244,24 @@ class Backend:
         dist.all_reduce(y, op=dist.ReduceOp.SUM)
         return y.to(x.device)
 
+    @property
+    def data_weight(self) -> float:
+        """1 on the first rank of each sequence-parallel group, 0 on the others (which hold the same rows)."""
+        return float(self.rank % self.sequence_parallel_size == 0)
+
+    def data_all_reduce_sum(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum over the data ranks of a figure of the rows (a count, a reward): the ranks of a sequence-parallel
+        group hold the same rows, so only the group's first counts. Exact: each term is multiplied by 1 or 0."""
+        return self.all_reduce_sum(x * self.data_weight)
+
+    def data_all_gather_object(self, obj: Any) -> list[Any]:
+        """Every data rank's `obj` (the first rank's of each sequence-parallel group), in data-rank order."""
+        return self.all_gather_object(obj)[:: self.sequence_parallel_size]
+
+    def same_rows(self, obj: Any) -> Any:
+        """The rows of the sequence-parallel group's first rank on every rank of it (generated rows may differ)."""
+        return obj if self.sequence_parallel is None else self.sequence_parallel.broadcast(obj)
+
     def all_gather_object(self, obj: Any) -> list[Any]:
         out: list[Any] = [obj] if self.world_size == 1 else [None] * self.world_size
         if self.world_size > 1:
@@ -338,6 +364,8 @@ class Backend:
         """Trackers closed, process group destroyed, Accelerate's singletons reset (a second run in this process
         starts from scratch)."""
         self.accelerator.end_training()
+        if self.sequence_parallel is not None:
+            self.sequence_parallel.stop()
         if dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()
         settle_at_exit()  # also when an in-process vLLM engine destroyed the group it adopted (its gloo threads)

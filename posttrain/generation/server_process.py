@@ -31,7 +31,8 @@ LOG_DIR = "engines"  # under output_dir: the servers' output (run.check_output_d
 READY_TIMEOUT_S = 600.0  # model load + vLLM start-up (large models on GPUs take minutes)
 # the training process's torch.distributed rendezvous: a server started by a rank is a world of its own
 LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
-                      "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT")
+                      "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT",
+                      "TORCHELASTIC_USE_AGENT_STORE")
 
 
 def serve_args(recipe, tensor_parallel_size: int) -> list[str]:

@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import contextlib
 import re
-import socket
 
 from posttrain.errors import UserError
 from posttrain.launch.ray_placement import Plan, RankSlot
 
 INSTALL = "pip install 'posttrain[ray]' (or pip install 'ray[default]>=2.40')"
+USE_AGENT_STORE = "TORCHELASTIC_USE_AGENT_STORE"  # torch.distributed: the rendezvous store is hosted elsewhere
+STORE_TIMEOUT_S = 1800.0  # the store's own requests (torch.distributed's default process-group timeout)
 
 
 def import_ray():
@@ -30,14 +31,17 @@ class Worker:
 
         return ray.get_runtime_context().get_node_id()
 
-    def rendezvous(self) -> tuple[str, int]:
-        """This node's address and a free port on it (MASTER_ADDR / MASTER_PORT of the worker's group)."""
+    def rendezvous(self, world_size: int) -> tuple[str, int]:
+        """Host the torch.distributed store of this worker's group on this node's address only, and return that
+        address and the store's port (MASTER_ADDR / MASTER_PORT of the group). Every rank joins it as a client
+        (USE_AGENT_STORE in rank_env, as under torchrun, whose agent hosts it): a store rank 0 started itself would
+        listen on every interface."""
         import ray
 
-        address = ray.util.get_node_ip_address()
-        with socket.socket() as s:
-            s.bind(("", 0))
-            return address, s.getsockname()[1]
+        from posttrain.distributed.sync_group import SyncStore
+
+        self._store = SyncStore(ray.util.get_node_ip_address(), world_size, STORE_TIMEOUT_S)  # lives with the actor
+        return self._store.addr, self._store.port
 
 
 def rank_env(slot: RankSlot, world_size: int, num_nodes: int, master_addr: str, master_port: int,
@@ -47,7 +51,8 @@ def rank_env(slot: RankSlot, world_size: int, num_nodes: int, master_addr: str, 
     local_rank = 0 if plan.gpu_resource == "GPU" else slot.local_rank
     return {"RANK": str(slot.rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(local_rank),
             "LOCAL_WORLD_SIZE": str(world_size // num_nodes), "GROUP_RANK": str(slot.node_rank),
-            "GROUP_WORLD_SIZE": str(num_nodes), "MASTER_ADDR": master_addr, "MASTER_PORT": str(master_port)}
+            "GROUP_WORLD_SIZE": str(num_nodes), "MASTER_ADDR": master_addr, "MASTER_PORT": str(master_port),
+            USE_AGENT_STORE: "True"}
 
 
 def kill_all(ray, actors: list) -> None:

@@ -17,6 +17,7 @@ import os
 import sys
 import time
 import traceback
+from pathlib import Path
 from typing import Any
 
 from posttrain.algorithms import ALGORITHMS
@@ -28,10 +29,12 @@ from posttrain.launch.ray_placement import (Plan, RankSlot, fit, node_options, n
 from posttrain.launch.ray_actors import Worker, import_ray, kill_all, last_line, rank_env
 from posttrain.launch.ray_roles import RoleWorkerDied, check_apart, start_role_groups
 from posttrain.errors import RunStopped, UserError
+from posttrain.outputs import RAY_SESSION_DIR, check_output_dir
 from posttrain.run import Launched, run
 
 START_TIMEOUT_S = 300.0  # actors not started by then: their resources are held by something else
 GRACE_S = 10.0  # after the first failure, how long the others get to report theirs (a survivor's error is noise)
+SOCKET_TAIL = "/session_2026-11-26_15-50-51_699182_4194304/sockets/plasma_store.99"  # the longest Ray adds
 
 
 class RankWorker(Worker):
@@ -71,7 +74,9 @@ def run_on_ray(command: str, recipe: Recipe) -> int:
     roles = roles_needed(algorithm, recipe)
     recipe = absolute_paths(recipe)  # a relative path means the same in every actor, on every node
     address = recipe.placement.address or os.environ.get("RAY_ADDRESS") or None
-    ray.init(**init_options(address))
+    if address is None:  # the cluster's session goes into output_dir: refuse one the run could not use first
+        check_output_dir(recipe, command)
+    start_ray(ray, address, Path(recipe.output_dir))
     actors: list = []
     engines = Engines()
     try:
@@ -91,7 +96,7 @@ def run_on_ray(command: str, recipe: Recipe) -> int:
         ranks = [ray.remote(RankWorker).options(**node_options(slot.node, plan)).remote() for slot in slots]
         actors += ranks
         wait_started(ray, ranks, slots)
-        master_addr, master_port = ray.get(ranks[0].rendezvous.remote())
+        master_addr, master_port = ray.get(ranks[0].rendezvous.remote(len(slots)))
         env = {s.rank: {**forwarded, **engines.env, **rank_env(s, len(slots), len(plan.units[0].nodes), master_addr,
                                                                master_port, plan)} for s in slots}
         futures = {ranks[s.rank].run.remote(command, recipe, os.getcwd(), env[s.rank], groups.for_rank(s.rank),
@@ -103,10 +108,50 @@ def run_on_ray(command: str, recipe: Recipe) -> int:
         ray.shutdown()
 
 
-def init_options(address: str | None) -> dict[str, Any]:
-    """ray.init's options: join the cluster at `address`, or start one for the run that listens on 127.0.0.1 only."""
-    local = {} if address else {"_node_ip_address": "127.0.0.1"}
-    return dict(address=address, include_dashboard=False, configure_logging=False, log_to_driver=True, **local)
+def start_ray(ray, address: str | None, output_dir: Path) -> None:
+    """Join the cluster at `address`, or start one for the run: every process of it (GCS, raylet, workers, agents,
+    this driver) listening on 127.0.0.1 only, its session (logs, sockets) in session_root(output_dir).
+
+    ray.init turns a node address of 127.0.0.1 into the machine's reachable one (services.resolve_ip_for_localhost)
+    unless Ray takes clusters for unsupported on this OS (ray_constants.ENABLE_RAY_CLUSTER, from
+    RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER when ray is imported): then the node is 127.0.0.1, and the GCS, raylet and
+    workers bind 127.0.0.1 instead of every interface, the agents the node's address. Held only while ray.init
+    resolves the address (tests/integration/test_recipes.py checks every listener of a run, recipes/ppo_ray.yaml)."""
+    options = init_options(address, output_dir)
+    if address is not None:
+        ray.init(**options)
+        return
+    from ray._private import ray_constants
+
+    before = ray_constants.ENABLE_RAY_CLUSTER
+    ray_constants.ENABLE_RAY_CLUSTER = False
+    try:
+        ray.init(**options)
+    finally:
+        ray_constants.ENABLE_RAY_CLUSTER = before
+    root = options.get("_temp_dir")
+    if root is not None:
+        os.chmod(root, 0o700)  # Ray makes it world-writable (for users sharing /tmp/ray); this one is the run's
+    where = root or "Ray's default, /tmp/ray (output_dir's and ~/.cache's paths are too long for Ray's sockets)"
+    print(f"posttrain ray: a local cluster for this run, on 127.0.0.1 only; its logs under {where}", flush=True)
+
+
+def init_options(address: str | None, output_dir: Path) -> dict[str, Any]:
+    """ray.init's options: join the cluster at `address`, or start one for the run with its session under
+    session_root(output_dir)."""
+    options = dict(address=address, include_dashboard=False, configure_logging=False, log_to_driver=True)
+    root = None if address else session_root(output_dir)
+    return options if root is None else {**options, "_temp_dir": str(root)}
+
+
+def session_root(output_dir: Path) -> Path | None:
+    """Where a local cluster keeps its sessions: <output_dir>/ray, or ~/.cache/posttrain/ray where Ray's socket
+    paths (<root>/session_<time>_<pid>/sockets/plasma_store) would not fit the 107 bytes of a Unix socket path;
+    None (Ray's own /tmp/ray) where neither fits."""
+    for root in (output_dir.resolve() / RAY_SESSION_DIR, Path.home() / ".cache" / "posttrain" / "ray"):
+        if len(str(root).encode()) + len(SOCKET_TAIL) <= 107:
+            return root
+    return None
 
 
 def wait_started(ray, actors: list, slots: list[RankSlot]) -> None:

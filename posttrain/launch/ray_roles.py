@@ -275,7 +275,7 @@ def start_role_groups(ray, plan, command: str, recipe, env: dict[str, str]) -> R
         actors = [worker.options(**node_options(slot.node, plan)).remote() for slot in slots]
         group_env = [{} for _ in slots]
         if trained:  # a torch.distributed group of its own, joined by every worker's load at once
-            address, port = ray.get(actors[0].rendezvous.remote())
+            address, port = ray.get(actors[0].rendezvous.remote(len(slots)))
             group_env = [rank_env(slot, len(slots), len(placed.nodes), address, port, plan) for slot in slots]
         for slot, actor, own in zip(slots, actors, group_env):
             where = f"{placed.unit.name} worker {slot.rank} on node {slot.node.label}"

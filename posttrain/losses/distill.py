@@ -32,7 +32,7 @@ from typing import Callable, NamedTuple
 
 import torch
 
-from posttrain.ops.logprobs import LINEAR_CHUNK_ELEMENTS, _compute_dtype, _next_tokens, _shift_right, token_logprobs
+from posttrain.ops.logprobs import LINEAR_CHUNK_ELEMENTS, _compute_dtype, next_tokens, shift_right, token_logprobs
 
 
 def _kl(logp_a_nV: torch.Tensor, logp_b_nV: torch.Tensor) -> torch.Tensor:
@@ -160,13 +160,13 @@ class _ChunkedDivergence(torch.autograd.Function):
 
 def _predicting_rows(completion_mask_BT: torch.Tensor) -> torch.Tensor:
     """Flat row indices (b * T + t - 1) of the logits that predict each completion token (b, t), in row order."""
-    return _next_tokens(completion_mask_BT).reshape(-1).bool().nonzero().squeeze(-1)
+    return next_tokens(completion_mask_BT).reshape(-1).bool().nonzero().squeeze(-1)
 
 
 def _scatter_BT(values_n: torch.Tensor, rows_n: torch.Tensor, shape) -> torch.Tensor:
     """Values of the predicting rows -> a (B, T) tensor aligned with input_ids (shifted right, 0 elsewhere)."""
     flat = values_n.new_zeros(shape[0] * shape[1]).index_put((rows_n,), values_n)
-    return _shift_right(flat.view(shape))
+    return shift_right(flat.view(shape))
 
 
 def distill_loss(student_logits_BTV: torch.Tensor, teacher_logits_BTV: torch.Tensor, input_ids_BT: torch.Tensor,
@@ -183,7 +183,7 @@ def distill_loss(student_logits_BTV: torch.Tensor, teacher_logits_BTV: torch.Ten
     batch, length, vocab = student_logits_BTV.shape
     chunk_size = chunk_size or max(1, LINEAR_CHUNK_ELEMENTS // vocab)
     rows_n = _predicting_rows(completion_mask_BT)
-    targets_n = _next_tokens(input_ids_BT).reshape(-1)[rows_n]
+    targets_n = next_tokens(input_ids_BT).reshape(-1)[rows_n]
     # only the teacher's completion rows outlive this call (kept for the backward pass): not its whole (B, T, V)
     teacher_nV = teacher_logits_BTV.detach().reshape(batch * length, vocab)[rows_n]
     divergence = DIVERGENCES[divergence_name(beta)]
@@ -219,7 +219,7 @@ def topk_distill_loss(student_logits_BTV: torch.Tensor, teacher_topk_logprobs_BT
         metrics = {
             "forward_kl": _kl(teacher_BTK, student_BTK.detach()),
             "reverse_kl": _kl(student_BTK.detach(), teacher_BTK),
-            "top1_agreement": (_shift_right(student_logits_BTV.argmax(-1)) == top_teacher_BT).float(),
+            "top1_agreement": (shift_right(student_logits_BTV.argmax(-1)) == top_teacher_BT).float(),
             "student_logprob": token_logprobs(student_logits_BTV.detach(), input_ids_BT, temperature),
         }
         metrics = {k: torch.where(mask_BT, v, 0.0) for k, v in metrics.items()}

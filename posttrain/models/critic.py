@@ -16,6 +16,7 @@ import torch
 from posttrain.config.schema import ModelConfig
 from posttrain.errors import UserError
 from posttrain.models.load import _from_pretrained, check_model_source
+from posttrain.models.forward import per_token
 
 
 def check_critic_source(source: ModelConfig, what: str, policy_vocab_size: int) -> None:
@@ -49,5 +50,5 @@ def load_critic(source: ModelConfig, pad_token_id: int, gradient_checkpointing: 
 def critic_values(critic, batch) -> torch.Tensor:
     """values_BT: position t holds the critic's value after reading tokens < t (the state token t is sampled from);
     position 0 is 0, matching the log-prob alignment of posttrain.batch."""
-    out_BT = batch.unpack(critic(**batch.model_inputs(), use_cache=False).logits[..., 0].float())
+    out_BT = per_token(critic, batch, lambda out: out.logits[..., 0].float())
     return torch.nn.functional.pad(out_BT[:, :-1], (1, 0))

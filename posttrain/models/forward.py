@@ -8,6 +8,11 @@ instance, so every engine's hooks around that module (ZeRO-3 gathering its weigh
 Other architectures (logit soft-capping or scaling after the head, a LoRA-wrapped head) take the logits path.
 With gradients, the gated MLPs and RMSNorms keep fewer activations for the backward (models/lean_activations.py:
 the same gradients, bit for bit).
+
+Under sequence parallelism (distributed/sequence_parallel.py) every forward here runs this rank's slice of each row
+and gathers the per-token result over the group, so callers see [B, T] as without it. Log-probs are taken per
+slice against the next tokens of the whole row (a slice's last position predicts the next slice's first token),
+so only [B, T] floats are gathered, never logits, on the fused path.
 """
 
 from __future__ import annotations
@@ -17,9 +22,10 @@ import contextlib
 import torch
 
 from posttrain.batch import Batch
+from posttrain.distributed import sequence_parallel
 from posttrain.distributed.wrappers import plain_class, unwrap_module
 from posttrain.models.lean_activations import lean_activations
-from posttrain.ops.logprobs import linear_token_logprobs, token_logprobs
+from posttrain.ops.logprobs import linear_next_token_logprobs, next_token_logprobs, next_tokens, shift_right
 
 FUSED_HEAD_MODELS = frozenset({"llama", "qwen2", "qwen3", "mistral", "phi3", "qwen2_moe", "qwen3_moe", "olmo2"})
 """Model types whose causal-LM forward returns `lm_head(hidden)` as the logits, with nothing applied after it."""
@@ -27,26 +33,46 @@ FUSED_HEAD_MODELS = frozenset({"llama", "qwen2", "qwen3", "mistral", "phi3", "qw
 
 def policy_logits(model, batch: Batch) -> torch.Tensor:
     """logits_BTV of a causal LM for the batch (padded, packed or padding-free layout)."""
-    return batch.unpack(model(**batch.model_inputs(), use_cache=False).logits)
+    return per_token(model, batch, lambda out: out.logits)
+
+
+def per_token(model, batch: Batch, read) -> torch.Tensor:
+    """`read(model output)` over the batch's tokens as [B, T, ...]: the padding-free forward unpacked, or under
+    sequence parallelism this rank's slices gathered over the group."""
+    sp = sequence_parallel.current()
+    if sp is None:
+        return batch.unpack(read(model(**batch.model_inputs(), use_cache=False)))
+    with sp.attention():
+        out_BC = read(model(**sp.shard_inputs(batch.input_ids_BT), use_cache=False))
+    return sp.gather(out_BC, batch.input_ids_BT.shape[1])
 
 
 def policy_logprobs(model, batch: Batch, temperature: float = 1.0) -> torch.Tensor:
     """logprobs_BT aligned with input_ids_BT (position 0 is 0): log p(token t | tokens < t). A padding-free batch
     is scored packed (the logits never exist for padding) and unpacked: each row's position 0, which in the packed
     row holds a prediction from the previous row's last token, is set back to 0."""
+    sp = sequence_parallel.current()
+    if sp is not None:
+        next_BC = sp.shard(next_tokens(batch.input_ids_BT))
+        with sp.attention():
+            logprobs_BC = _next_token_logprobs(model, sp.shard_inputs(batch.input_ids_BT), next_BC, temperature)
+        return shift_right(sp.gather(logprobs_BC, batch.input_ids_BT.shape[1]))
     inputs = batch.model_inputs()
-    head = fusable_head(model)
-    with lean_activations(model):
-        if head is None:
-            logits = model(**inputs, use_cache=False).logits
-            logprobs = token_logprobs(logits, inputs["input_ids"], temperature=temperature)
-        else:
-            with _head_returns_logprobs(head, inputs["input_ids"], temperature):
-                logprobs = model(**inputs, use_cache=False).logits
+    logprobs = shift_right(_next_token_logprobs(model, inputs, next_tokens(inputs["input_ids"]), temperature))
     if not batch.padding_free:
         return logprobs
     logprobs_BT = batch.unpack(logprobs)
     return torch.cat([logprobs_BT.new_zeros(logprobs_BT.shape[0], 1), logprobs_BT[:, 1:]], dim=1)
+
+
+def _next_token_logprobs(model, inputs: dict, next_ids_BT: torch.Tensor, temperature: float) -> torch.Tensor:
+    """log p(next_ids[t] | the tokens up to t) at each position of `inputs` (unshifted)."""
+    head = fusable_head(model)
+    with lean_activations(model):
+        if head is None:
+            return next_token_logprobs(model(**inputs, use_cache=False).logits, next_ids_BT, temperature=temperature)
+        with _head_returns_logprobs(head, next_ids_BT, temperature):
+            return model(**inputs, use_cache=False).logits
 
 
 def sequence_scores(model, batch: Batch) -> torch.Tensor:
@@ -86,9 +112,9 @@ def fusable_head(model) -> torch.nn.Linear | None:
 
 
 @contextlib.contextmanager
-def _head_returns_logprobs(head: torch.nn.Linear, input_ids_BT: torch.Tensor, temperature: float):
+def _head_returns_logprobs(head: torch.nn.Linear, next_ids_BT: torch.Tensor, temperature: float):
     def forward(hidden_BTH: torch.Tensor) -> torch.Tensor:
-        return linear_token_logprobs(hidden_BTH, head.weight, input_ids_BT, temperature)
+        return linear_next_token_logprobs(hidden_BTH, head.weight, next_ids_BT, temperature)
 
     head.forward = forward
     try:

@@ -1,6 +1,8 @@
-"""What the model can hold, read from its config.json without loading weights: the longest sequence.
+"""What the model can hold, read from its config.json without loading weights: the longest sequence, and the
+attention heads sequence parallelism splits.
 
     check_position_limit(recipe, algorithm.data_kind)      # UserError naming the key, before anything heavy loads
+    check_sequence_parallel(recipe, algorithm)             # train.sequence_parallel_size against launch and heads
 
 A sequence longer than the model's position table either fails deep inside the forward pass (learned positions)
 or trains on positions the model never saw (rotary), after the data, the memory estimate and the model were all
@@ -11,9 +13,12 @@ here; a hub id not in the cache is checked when it loads).
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Optional
 
+from posttrain.distributed.launch_config import launcher_engine
+from posttrain.distributed.sequence_parallel import SUPPORTED_ATTENTION
 from posttrain.errors import UserError
 
 POSITION_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length", "n_ctx")
@@ -92,3 +97,51 @@ def check_position_limit(recipe, data_kind: str) -> None:
     if longest > positions:
         raise UserError(f"{what}, but the model holds {positions:,} positions ({key} in {config_file}); {fix} to at "
                         f"most {positions:,}")
+
+
+SEQUENCE_PARALLEL_ALGORITHMS = ("sft", "grpo", "ppo", "distill")
+"""Algorithms whose forwards and data-level counts are sequence-parallel (their model calls go through
+models/forward.py's per-token forwards)."""
+
+
+def check_sequence_parallel(recipe, algorithm) -> None:
+    """train.sequence_parallel_size against the launch, the algorithm, the attention kernel and the model's heads:
+    UserError naming the key, before any model loads."""
+    size = recipe.train.sequence_parallel_size
+    if size == 1:
+        return
+    key = f"train.sequence_parallel_size={size}"
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world % size:
+        raise UserError(f"{key} does not divide the {world} processes launched: launch a multiple of {size} "
+                        f"(torchrun --nproc_per_node {size} ...), or lower it")
+    if algorithm.name not in SEQUENCE_PARALLEL_ALGORITHMS:
+        raise UserError(f"{key}: {algorithm.name} does not run sequence-parallel (only "
+                        f"{', '.join(SEQUENCE_PARALLEL_ALGORITHMS)}); set it to 1")
+    if recipe.launcher == "ray":
+        raise UserError(f"{key} with launcher: ray: roles served by Ray actor groups run unsharded forwards; "
+                        "launch with torchrun or accelerate launch")
+    if launcher_engine() == "fsdp":
+        raise UserError(f"{key} runs under DDP or DeepSpeed (ZeRO 0-3); FSDP with sequence parallelism is not "
+                        "supported: use a DeepSpeed config (recipes/accelerate/zero3.yaml)")
+    if recipe.data.packing:
+        raise UserError(f"{key} with data.packing=true: packed rows hold several sequences whose attention must stay "
+                        "apart, and Ulysses keeps only causal attention over a whole row; set data.packing=false "
+                        "(sequence parallelism already spends little on padding: each row is split, not padded)")
+    if recipe.model.attn_implementation not in SUPPORTED_ATTENTION:
+        raise UserError(f"{key} needs model.attn_implementation in {', '.join(SUPPORTED_ATTENTION)} (got "
+                        f"{recipe.model.attn_implementation!r}): Ulysses runs the kernel causally over the whole row, "
+                        "and eager attention needs a mask over it")
+    config_file = model_config_file(recipe.model.name_or_path, recipe.model.revision)
+    if config_file is None:
+        return  # not on disk yet: DeepSpeed checks the heads at the first forward
+    config = json.loads(config_file.read_text())
+    config = config.get("text_config") or config
+    heads = config.get("num_attention_heads")
+    kv_heads = config.get("num_key_value_heads") or heads
+    if heads is not None and heads % size:
+        raise UserError(f"{key} must divide the model's {heads} attention heads (Ulysses gives each rank "
+                        f"heads / {size} of them); choose a divisor of {heads}")
+    if kv_heads is not None and kv_heads % size and size % kv_heads:
+        raise UserError(f"{key} and the model's {kv_heads} key/value heads must divide one another (more ranks than "
+                        f"kv heads: each is replicated over {size} / {kv_heads} ranks); choose a divisor or multiple")

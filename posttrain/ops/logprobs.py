@@ -19,13 +19,13 @@ from __future__ import annotations
 import torch
 
 
-def _shift_right(x_BT: torch.Tensor) -> torch.Tensor:
+def shift_right(x_BT: torch.Tensor) -> torch.Tensor:
     """Move values computed at position t (about token t + 1) to position t + 1; position 0 becomes 0."""
     return torch.cat([x_BT.new_zeros(x_BT.shape[0], 1), x_BT[:, :-1]], dim=1)
 
 
-def _next_tokens(input_ids_BT: torch.Tensor) -> torch.Tensor:
-    """The token each position's logits predict; the last position predicts nothing (0, dropped by _shift_right)."""
+def next_tokens(input_ids_BT: torch.Tensor) -> torch.Tensor:
+    """The token each position's logits predict; the last position predicts nothing (0, dropped by shift_right)."""
     return torch.cat([input_ids_BT[:, 1:], input_ids_BT.new_zeros(input_ids_BT.shape[0], 1)], dim=1)
 
 
@@ -84,11 +84,18 @@ def token_logprobs(logits_BTV: torch.Tensor, input_ids_BT: torch.Tensor, tempera
     flattened B*T at a time, so no (B, T, V) float32 tensor is made, forward or backward. The temperature must be
     the sampling temperature when the log-probs are compared with the sampler's (GRPO importance ratios).
     """
+    return shift_right(next_token_logprobs(logits_BTV, next_tokens(input_ids_BT), temperature, chunk_size))
+
+
+def next_token_logprobs(logits_BTV: torch.Tensor, next_ids_BT: torch.Tensor, temperature: float = 1.0,
+                        chunk_size: int = 1024) -> torch.Tensor:
+    """log p(next_ids[t] | tokens <= t) at position t, unshifted: `token_logprobs` for a slice of a row whose next
+    tokens come from beyond it (sequence parallelism: a shard's last position predicts the next shard's first)."""
     _check(temperature, chunk_size)
     batch, length, vocab = logits_BTV.shape
-    logprobs_N = _ChunkedTokenLogprobs.apply(logits_BTV.reshape(batch * length, vocab),
-                                             _next_tokens(input_ids_BT).reshape(-1), temperature, chunk_size)
-    return _shift_right(logprobs_N.view(batch, length))
+    logprobs_N = _ChunkedTokenLogprobs.apply(logits_BTV.reshape(batch * length, vocab), next_ids_BT.reshape(-1),
+                                             temperature, chunk_size)
+    return logprobs_N.view(batch, length)
 
 
 class _LinearTokenLogprobs(torch.autograd.Function):
@@ -159,12 +166,19 @@ def linear_token_logprobs(hidden_BTH: torch.Tensor, weight_VH: torch.Tensor, inp
     and backward, so neither the (B, T, V) logits nor their gradient exist: for a 150k vocabulary that is the largest
     tensor of a training step. `chunk_size` rows at a time (default: about LINEAR_CHUNK_ELEMENTS logits per chunk).
     """
+    return shift_right(linear_next_token_logprobs(hidden_BTH, weight_VH, next_tokens(input_ids_BT), temperature,
+                                                  chunk_size))
+
+
+def linear_next_token_logprobs(hidden_BTH: torch.Tensor, weight_VH: torch.Tensor, next_ids_BT: torch.Tensor,
+                               temperature: float = 1.0, chunk_size: int | None = None) -> torch.Tensor:
+    """`linear_token_logprobs` unshifted, given the token each position predicts (see `next_token_logprobs`)."""
     batch, length, hidden = hidden_BTH.shape
     chunk_size = chunk_size or max(1, LINEAR_CHUNK_ELEMENTS // weight_VH.shape[0])
     _check(temperature, chunk_size)
     logprobs_N = _LinearTokenLogprobs.apply(hidden_BTH.reshape(batch * length, hidden), weight_VH,
-                                            _next_tokens(input_ids_BT).reshape(-1), temperature, chunk_size)
-    return _shift_right(logprobs_N.view(batch, length))
+                                            next_ids_BT.reshape(-1), temperature, chunk_size)
+    return logprobs_N.view(batch, length)
 
 
 def entropy_BT(logits_BTV: torch.Tensor, chunk_size: int = 1024, temperature: float = 1.0) -> torch.Tensor:
@@ -183,7 +197,7 @@ def entropy_BT(logits_BTV: torch.Tensor, chunk_size: int = 1024, temperature: fl
         logsumexp_n = torch.logsumexp(scaled_nV, dim=-1)
         probs_nV = torch.exp(scaled_nV - logsumexp_n[:, None])
         chunks.append(logsumexp_n - (probs_nV * scaled_nV).sum(-1))
-    return _shift_right(torch.cat(chunks).view(batch, length))
+    return shift_right(torch.cat(chunks).view(batch, length))
 
 
 def masked_sum(x_BT: torch.Tensor, mask_BT: torch.Tensor) -> torch.Tensor:

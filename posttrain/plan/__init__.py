@@ -33,7 +33,22 @@ def parse_memory(text: str, what: str = "--gpu-memory") -> int:
     match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text or "")
     if not match or match.group(2).lower() not in _UNITS:
         raise UserError(f"{what} '{text}' is not a memory size; write it like 80GiB, 40GB or 24 (GiB)")
-    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+    size = int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+    if size < 1:
+        raise UserError(f"{what} '{text}' is no memory at all; give the memory of one GPU, e.g. 80GiB")
+    return size
+
+
+def check_as_run(command: str, recipe) -> None:
+    """What a run of the recipe refuses from its shapes alone, before any model loads, refused here too: else the
+    plan recommends a command that exits 2 (a token budget below one unit, a length past the model's positions)."""
+    from posttrain.algorithms import ALGORITHMS
+    from posttrain.models.limits import check_position_limit
+    from posttrain.train.micro_batches import check_token_budget
+
+    algorithm = ALGORITHMS[command][1](recipe)
+    check_position_limit(recipe, algorithm.data_kind)
+    check_token_budget(recipe, algorithm)
 
 
 def infer_algorithm(config: Optional[str], overrides: list[str]) -> str:
@@ -68,13 +83,14 @@ def engine_for(engine: str, offload: str = "none") -> str:
 
 
 def estimate_for_run(command: str, recipe, engine: str, offload: str, world_size: int,
-                     counts: Optional[tuple[int, int]] = None) -> Breakdown:
+                     counts: Optional[tuple[int, int]] = None, mean_length: Optional[int] = None) -> Breakdown:
     """The estimate of this recipe as it is being launched (logged at start beside the measured peak). `counts`:
-    the loaded model's (total, trainable) parameters, which spare building the model on the meta device."""
+    the loaded model's (total, trainable) parameters, which spare building the model on the meta device;
+    `mean_length`: the data's mean row length (None: every row full, the worst case)."""
     shape = (shape_from_config(read_config(recipe.model), *counts) if counts is not None
              else model_shape(recipe.model, algorithm_facts(command, recipe)["task"]))
     gpu_bytes = detect_gpu_memory()
-    return estimate(shape, workload_from_recipe(command, recipe, on_gpu=gpu_bytes is not None),
+    return estimate(shape, workload_from_recipe(command, recipe, on_gpu=gpu_bytes is not None, mean_length=mean_length),
                     ENGINES[engine_for(engine, offload)], world_size, gpu_bytes or 0)
 
 
@@ -99,15 +115,41 @@ def precision(recipe, shape) -> str:
     return said
 
 
+def shortest_budget(command: str, recipe) -> int:
+    """The smallest train.max_tokens_per_microbatch the run accepts: its longest unit (train/micro_batches.py)."""
+    from posttrain.algorithms import ALGORITHMS
+    from posttrain.train.micro_batches import longest_unit
+
+    return longest_unit(recipe, ALGORITHMS[command][1](recipe))[0]
+
+
+def micro_batch_words(command: str, recipe, mean_length: Optional[int]) -> str:
+    """How the table's micro-batch holds its tokens, in the recipe's keys."""
+    w = workload_from_recipe(command, recipe, mean_length=mean_length)
+    how = "packed" if recipe.data.packing else "padded"
+    budget = recipe.train.max_tokens_per_microbatch
+    said = (f"{how}{f' within {budget} tokens' if budget else ''}: {w.sequences} row(s) of up to {w.sequence_length} "
+            f"tokens, mean {min(mean_length or w.sequence_length, w.sequence_length)}: {w.tokens} tokens a micro-batch, "
+            f"{w.real_tokens} of them data")
+    return said + (f" over {w.sequence_parallel} SP ranks" if w.sequence_parallel > 1 else "")
+
+
 def _count(n: int) -> str:
     return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M"
 
 
 def run_plan(command: str, recipe, config: Optional[str], overrides: list[str], gpus: int, nodes: int,
-             gpu_memory: Optional[str], as_json: bool) -> str:
-    """The text (or JSON) `posttrain plan` prints."""
+             gpu_memory: Optional[str], as_json: bool, mean_length: Optional[int] = None) -> str:
+    """The text (or JSON) `posttrain plan` prints. `mean_length`: the data's mean tokens per row (None: every row
+    as long as the recipe allows)."""
     if gpus < 1 or nodes < 1 or gpus % nodes:
         raise UserError(f"--gpus ({gpus}) must be a positive multiple of --nodes ({nodes})")
+    if mean_length is not None and mean_length < 1:
+        raise UserError(f"--mean-length ({mean_length}) must be a positive number of tokens")
+    sp = recipe.train.sequence_parallel_size
+    if gpus % sp:
+        raise UserError(f"train.sequence_parallel_size={sp} must divide --gpus ({gpus}): world = data x sequence ranks")
+    check_as_run(command, recipe)
     gpu_bytes = parse_memory(gpu_memory) if gpu_memory else detect_gpu_memory()
     if gpu_bytes is None:
         raise UserError("no GPU here to read the memory of: pass --gpu-memory (e.g. --gpu-memory 80GiB)")
@@ -117,11 +159,12 @@ def run_plan(command: str, recipe, config: Optional[str], overrides: list[str], 
     with_lora = dataclasses.replace(recipe.model, lora=dataclasses.replace(recipe.model.lora, enabled=True))
     # what LoRA would need (its frozen copies are counted as without it: an upper bound)
     lora_shape = None if recipe.model.lora.enabled else model_shape(with_lora, task)
-    workload_for = functools.partial(workload_from_recipe, command, recipe)  # (batch, length=None) -> Workload
+    # (batch, length=None, *, sequence_parallel=None, budget=None) -> Workload
+    workload_for = functools.partial(workload_from_recipe, command, recipe, mean_length=mean_length)
     plan = make_plan(shape, workload_for, t.per_device_train_batch_size, t.gradient_accumulation_steps, gpus,
-                     gpu_bytes, nodes, lora_shape, recipe.data.max_length)
+                     gpu_bytes, nodes, lora_shape, recipe.data.max_length, shortest_budget(command, recipe))
     line = (launch_command(plan.recommended, command, config, overrides, gpus, nodes,
-                           (t.per_device_train_batch_size, t.gradient_accumulation_steps))
+                           (t.per_device_train_batch_size, t.gradient_accumulation_steps), sp, recipe.data.packing)
             if plan.recommended is not None else None)
     if as_json:
         return json.dumps({"command": command, "model": recipe.model.name_or_path, "parameters": shape.parameters,
@@ -130,13 +173,31 @@ def run_plan(command: str, recipe, config: Optional[str], overrides: list[str], 
              f"{_count(shape.parameters)} parameters ({_count(shape.trainable)} trainable), {precision(recipe, shape)}; "
              f"{gpus} GPU(s) of {gpu_bytes / GIB:.1f} GiB on {nodes} node(s)",
              f"per device at the recipe's batch (per_device_train_batch_size={t.per_device_train_batch_size}, "
-             f"gradient_accumulation_steps={t.gradient_accumulation_steps}), GiB; fits = peak <= 90% of the GPU:",
+             f"gradient_accumulation_steps={t.gradient_accumulation_steps}; {micro_batch_words(command, recipe, mean_length)}"
+             f"), GiB; fits = peak <= 90% of the GPU:",
              format_table(plan)]
     if plan.recommended is not None:
         r = plan.recommended
+        parallel = f", train.sequence_parallel_size={r.sequence_parallel}" if r.sequence_parallel > 1 else ""
         lines += [f"recommended: {r.engine.name}, per_device_train_batch_size={r.per_device_batch} x "
-                  f"gradient_accumulation_steps={r.accumulation} (peak {r.breakdown.peak_bytes / GIB:.2f} GiB per "
-                  f"GPU, {r.breakdown.cpu_bytes / GIB:.2f} GiB CPU RAM per GPU)", f"  {line}"]
+                  f"gradient_accumulation_steps={r.accumulation}{parallel} (peak {r.breakdown.peak_bytes / GIB:.2f} "
+                  f"GiB per GPU, {r.breakdown.cpu_bytes / GIB:.2f} GiB CPU RAM per GPU)", f"  {line}"]
+        if r.sequence_parallel != sp:
+            lines.append(f"  one sequence's activations do not fit one GPU at sequence_parallel_size={sp}: "
+                         f"{r.sequence_parallel} ranks each hold 1/{r.sequence_parallel} of every sequence "
+                         f"({gpus // r.sequence_parallel} data-parallel group(s) of {r.sequence_parallel})")
+        if plan.checkpointed is not None:
+            c = plan.checkpointed
+            keep = "without sequence parallelism" if c.sequence_parallel == 1 else \
+                f"at sequence_parallel_size={c.sequence_parallel}"
+            lines.append(f"  or {keep}: train.gradient_checkpointing=true with {c.engine.name}, "
+                         f"per_device_train_batch_size={c.per_device_batch} (peak {c.breakdown.peak_bytes / GIB:.2f} "
+                         f"GiB per GPU; the backward recomputes each layer's forward, about 1/3 more compute)")
+        if plan.token_budget is not None:
+            budget, b = plan.token_budget
+            how = ("data.packing=true ", "packed") if r.sequence_parallel == 1 else ("", "padded (SP refuses packing)")
+            lines.append(f"token budget: {how[0]}train.max_tokens_per_microbatch={budget} (the most {how[1]} tokens "
+                         f"a micro-batch may hold here: peak {b.peak_bytes / GIB:.2f} GiB per GPU)")
     else:
         lines += ["nothing fits on these GPUs; what would:"] + [f"  - {s}" for s in plan.suggestions]
     lines.append("estimates are within about 15% of measured peaks where docs/planning.md says they were checked")

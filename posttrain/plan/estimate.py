@@ -59,7 +59,17 @@ class Workload:
     sequences: int
     """Rows per micro-batch through the policy (DPO: 2 x pairs; GRPO: completions)."""
     sequence_length: int
-    """Tokens per row (padded or packed length)."""
+    """Tokens of the longest row (a padded micro-batch's width; a packed row's length)."""
+    tokens: int = 0
+    """Tokens one micro-batch's forward holds (0: sequences x sequence_length, every row padded to full length). A
+    padded micro-batch holds rows x its longest row; a packed one its rows' real tokens, laid in rows of the longest
+    row's length (plan/workload.py counts them)."""
+    real_tokens: int = 0
+    """Of `tokens`, those of the data (not padding or packing filler); 0: all of them."""
+    token_budget: Optional[int] = None
+    """train.max_tokens_per_microbatch that cut the step into these micro-batches (None: rows cut it)."""
+    sequence_parallel: int = 1
+    """train.sequence_parallel_size: N ranks each hold 1/N of every sequence's tokens (DeepSpeed Ulysses)."""
     weight_bytes: int = 4
     """Bytes per stored weight (model.dtype)."""
     compute_bytes: int = 4
@@ -112,6 +122,8 @@ class Engine:
     offload_param: bool = False
     accelerate_config: Optional[str] = None
     """recipes/accelerate/<name>.yaml that launches it (None: torchrun)."""
+    sequence_parallel: bool = True
+    """Runs train.sequence_parallel_size > 1 (DDP and DeepSpeed ZeRO do; FSDP does not)."""
 
     @property
     def shards_parameters(self) -> bool:
@@ -123,7 +135,7 @@ ENGINES: dict[str, Engine] = {
     "ddp": Engine("ddp"),
     "zero1": Engine("zero1", zero_stage=1, accelerate_config="zero1"),
     "zero2": Engine("zero2", zero_stage=2, accelerate_config="zero2"),
-    "fsdp2": Engine("fsdp2", fsdp=True, accelerate_config="fsdp2"),
+    "fsdp2": Engine("fsdp2", fsdp=True, accelerate_config="fsdp2", sequence_parallel=False),
     "zero3": Engine("zero3", zero_stage=3, accelerate_config="zero3"),
     "zero2_offload": Engine("zero2_offload", zero_stage=2, offload_optimizer=True, accelerate_config="zero2_offload"),
     "zero3_offload": Engine("zero3_offload", zero_stage=3, offload_optimizer=True, offload_param=True,
@@ -185,27 +197,56 @@ def activation_elements_per_token(shape: ModelShape, gradient_checkpointing: boo
     return h if gradient_checkpointing else 10 * h + 4 * kv + 4 * i
 
 
+def micro_batch_tokens(w: Workload) -> int:
+    """Tokens of one micro-batch's forward, over every rank of its sequence-parallel group."""
+    return w.tokens or w.sequences * w.sequence_length
+
+
+def local_tokens(w: Workload) -> int:
+    """Tokens this rank holds: 1/N of the micro-batch's under sequence parallelism (rows padded to a multiple of N)."""
+    return -(-micro_batch_tokens(w) // w.sequence_parallel)
+
+
+def replicated_kv_elements(shape: ModelShape, sp: int, tokens: int) -> int:
+    """Elements per layer that Ulysses adds on a rank beyond its 1/N share of `tokens`: with fewer key/value heads
+    than ranks, DeepSpeed replicates them so that each rank attends with one whole head over the full sequence
+    (UlyssesSPAttentionHF's kv_replication_factor), and the attention keeps that head's keys and values: 2 x d x T
+    where the 1/N share counted 2 x kv / N x T."""
+    return 2 * shape.head_dim * (max(sp, shape.num_kv_heads) - shape.num_kv_heads) * tokens // sp
+
+
 def activation_bytes(shape: ModelShape, w: Workload) -> int:
-    """All layers' saved activations for one micro-batch (plus one recomputed layer under checkpointing)."""
-    tokens = w.sequences * w.sequence_length
-    per_layer = activation_elements_per_token(shape, w.gradient_checkpointing) * tokens * w.compute_bytes
-    total = per_layer * shape.num_layers + 3 * shape.hidden_size * tokens * w.compute_bytes  # embeddings, final norm
+    """All layers' saved activations for one micro-batch (plus one recomputed layer under checkpointing), on one rank.
+
+    Sequence parallelism (Ulysses) shards every token-wise tensor; the attention runs on the full sequence for 1/N of
+    the heads, which is the same element count, except replicated key/value heads (replicated_kv_elements) and eager
+    attention's scores, which stay quadratic in the full length (heads/N x T^2)."""
+    tokens, local, n = micro_batch_tokens(w), local_tokens(w), w.sequence_parallel
+    per_token = activation_elements_per_token(shape, w.gradient_checkpointing)
+    attention_layers = 1 if w.gradient_checkpointing else shape.num_layers  # recomputed: one layer at a time
+    total = (per_token * local * shape.num_layers + 3 * shape.hidden_size * local  # + embeddings, final norm
+             + attention_layers * replicated_kv_elements(shape, n, tokens)) * w.compute_bytes
     if w.gradient_checkpointing:
-        total += activation_elements_per_token(shape, False) * tokens * w.compute_bytes
-    if w.eager_attention:  # softmax(QK^T) kept per layer (one layer's worth under checkpointing)
-        layers = 1 if w.gradient_checkpointing else shape.num_layers
-        total += layers * w.sequences * shape.num_heads * w.sequence_length**2 * w.compute_bytes
+        total += activation_elements_per_token(shape, False) * local * w.compute_bytes
+    if w.eager_attention:  # softmax(QK^T) per row kept per layer, each rank for its heads over the whole row
+        rows = -(-tokens // w.sequence_length)
+        total += attention_layers * rows * (shape.num_heads // n) * w.sequence_length**2 * w.compute_bytes
     return total
 
 
 def logits_bytes(shape: ModelShape, w: Workload) -> int:
-    """The logits (kept for the log-softmax backward) and their gradient, plus float32 log-softmax work rows."""
+    """The logits (kept for the log-softmax backward) and their gradient, plus float32 log-softmax work rows.
+
+    Under sequence parallelism a loss of log-probs only scores each rank's own shard (fused: its chunks; else its
+    shard's logits), but a loss that needs the logits (GRPO's entropy, distillation) gathers the whole rows' logits
+    on every rank of the group (distributed/sequence_parallel.py: each computes the loss over whole rows): those are
+    not sharded."""
     if not w.lm_head:
         return 0
-    tokens = w.sequences * w.sequence_length
-    teacher = 2 * tokens * shape.vocab_size * w.compute_bytes if w.teacher_logits else 0
     if w.logprobs_only and shape.fused_head:  # ops.linear_token_logprobs: float32 chunks of LINEAR_CHUNK rows
-        return 2 * min(tokens, max(1, LINEAR_CHUNK // shape.vocab_size)) * shape.vocab_size * 4
+        return 2 * min(local_tokens(w), max(1, LINEAR_CHUNK // shape.vocab_size)) * shape.vocab_size * 4
+    tokens = local_tokens(w) if w.logprobs_only else micro_batch_tokens(w)
+    teacher = 2 * tokens * shape.vocab_size * w.compute_bytes if w.teacher_logits else 0
     return (2 * tokens * shape.vocab_size * w.compute_bytes + 2 * min(tokens, LOGPROB_CHUNK) * shape.vocab_size * 4
             + teacher)
 

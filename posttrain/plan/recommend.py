@@ -1,17 +1,20 @@
 """Every engine at the recipe's micro-batch, the fastest configuration that fits, and what would fit otherwise.
 
-    result = make_plan(shape, lambda batch, length=None: workload_from_recipe("sft", recipe, batch, length),
-                       per_device_batch=8, accumulation=2, gpus=8, gpu_bytes=40 * GIB)
-    result.recommended            # Option(engine, per_device_batch, accumulation, breakdown) or None
+    result = make_plan(shape, functools.partial(workload_from_recipe, "sft", recipe), per_device_batch=8,
+                       accumulation=2, gpus=8, gpu_bytes=40 * GIB, shortest_budget=recipe.data.max_length)
+    result.recommended            # Option(engine, per_device_batch, accumulation, breakdown, sequence_parallel)
+    result.token_budget           # the largest train.max_tokens_per_microbatch that fits packed, or None
     result.suggestions            # when nothing fits: more GPUs, LoRA, shorter sequences
     print(format_table(result))
 
 An option fits when its peak is at most USABLE_FRACTION of the device's memory; engines are tried fastest first, each
-at the largest micro-batch that keeps the global batch (docs/planning.md says why).
+at the largest micro-batch that keeps the global batch, and when none fits with the recipe's sequence parallelism,
+the smallest sequence-parallel degree that fits (docs/planning.md says why).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import shlex
 from pathlib import Path
 
@@ -19,6 +22,7 @@ from dataclasses import dataclass
 from typing import Callable, Optional
 
 from posttrain.plan.estimate import ENGINES, GIB, Breakdown, Engine, ModelShape, Workload, estimate
+from posttrain.models.limits import SEQUENCE_PARALLEL_ALGORITHMS
 
 USABLE_FRACTION = 0.9
 
@@ -30,6 +34,8 @@ class Option:
     accumulation: int
     breakdown: Breakdown
     fits: bool
+    sequence_parallel: int = 1
+    """train.sequence_parallel_size of this option."""
 
 
 @dataclass(frozen=True)
@@ -40,9 +46,14 @@ class Plan:
     at_recipe_batch: list[Option]
     recommended: Optional[Option]
     suggestions: list[str]
+    token_budget: Optional[tuple[int, Breakdown]] = None
+    """The largest train.max_tokens_per_microbatch (with data.packing) that fits the recommended option, and its
+    estimate; None when no budget of whole units fits."""
+    checkpointed: Optional[Option] = None
+    """Where sequence parallelism is recommended: what fits without it under gradient checkpointing, if anything."""
 
 
-WorkloadFor = Callable[..., Workload]  # (per_device_batch, max_length=None) -> Workload
+WorkloadFor = Callable[..., Workload]  # (per_device_batch, max_length=None, *, sequence_parallel, budget) -> Workload
 
 
 def splits(per_device_batch: int, accumulation: int) -> list[tuple[int, int]]:
@@ -56,26 +67,95 @@ def fits(breakdown: Breakdown, gpu_bytes: int) -> bool:
 
 
 def best_option(shape: ModelShape, workload_for: WorkloadFor, engine: Engine, per_device_batch: int,
-                accumulation: int, gpus: int, gpu_bytes: int) -> Optional[Option]:
-    """The largest micro-batch that fits under `engine`, or None."""
-    for batch, steps in splits(per_device_batch, accumulation):
-        breakdown = estimate(shape, workload_for(batch), engine, gpus, gpu_bytes)
+                accumulation: int, gpus: int, gpu_bytes: int, sequence_parallel: int = 0) -> Optional[Option]:
+    """The largest micro-batch that fits under `engine` (at `sequence_parallel`; 0: the recipe's), or None. Under a
+    token budget the recipe's split is kept: the budget cuts the micro-batches, whatever the split."""
+    pairs = splits(per_device_batch, accumulation)
+    if workload_for(per_device_batch, sequence_parallel=sequence_parallel or None).token_budget is not None:
+        pairs = [(per_device_batch, accumulation)]
+    for batch, steps in pairs:
+        w = workload_for(batch, sequence_parallel=sequence_parallel or None)
+        breakdown = estimate(shape, w, engine, gpus, gpu_bytes)
         if fits(breakdown, gpu_bytes):
-            return Option(engine, batch, steps, breakdown, True)
+            return Option(engine, batch, steps, breakdown, True, w.sequence_parallel)
     return None
+
+
+def sequence_parallel_degrees(shape: ModelShape, gpus: int) -> list[int]:
+    """SP degrees above 1 that Ulysses can run here, smallest first: N divides the GPUs (world = data x sequence
+    ranks) and the attention heads (each rank attends with heads / N), and the key/value heads divide by N or N by
+    them (DeepSpeed replicates them then)."""
+    return [n for n in range(2, gpus + 1) if gpus % n == 0 and shape.num_heads % n == 0
+            and (shape.num_kv_heads % n == 0 or n % shape.num_kv_heads == 0)]
 
 
 def make_plan(shape: ModelShape, workload_for: WorkloadFor, per_device_batch: int, accumulation: int, gpus: int,
               gpu_bytes: int, nodes: int = 1, lora_shape: Optional[ModelShape] = None,
-              max_length: Optional[int] = None) -> Plan:
-    """Estimates at the recipe's batch for every engine, the recommendation, and suggestions if nothing fits."""
+              max_length: Optional[int] = None, shortest_budget: Optional[int] = None) -> Plan:
+    """Estimates at the recipe's batch for every engine, the recommendation (with a sequence-parallel degree when
+    the recipe's does not fit), the largest token budget (`shortest_budget`: the longest unit, below which no budget
+    works; None: none is sought), and suggestions if nothing fits."""
     breakdowns = {e: estimate(shape, workload_for(per_device_batch), e, gpus, gpu_bytes) for e in ENGINES.values()}
-    table = [Option(e, per_device_batch, accumulation, b, fits(b, gpu_bytes)) for e, b in breakdowns.items()]
-    options = (best_option(shape, workload_for, e, per_device_batch, accumulation, gpus, gpu_bytes)
-               for e in ENGINES.values())
-    recommended = next((o for o in options if o is not None), None)  # the fastest engine that fits
+    recipe = workload_for(per_device_batch)
+    runs_here = lambda engine, n: n == 1 or engine.sequence_parallel  # noqa: E731 - FSDP does not run SP
+    table = [Option(e, per_device_batch, accumulation, b, fits(b, gpu_bytes) and runs_here(e, recipe.sequence_parallel),
+                    recipe.sequence_parallel) for e, b in breakdowns.items()]
+    degrees = [0]  # the recipe's, then more where this algorithm and attention run Ulysses (sdpa / flash)
+    if recipe.algorithm in SEQUENCE_PARALLEL_ALGORITHMS and not recipe.eager_attention:
+        degrees += [n for n in sequence_parallel_degrees(shape, gpus) if n > recipe.sequence_parallel]
+    # the fastest engine that fits, least SP first; offload last: it moves optimizer state over PCIe every step,
+    # which costs more than Ulysses' all-to-alls inside the node
+    runs = [(n, e) for n in degrees for e in ENGINES.values() if runs_here(e, n or recipe.sequence_parallel)]
+    order = [(n, e) for n, e in runs if not e.offload_optimizer] + [(n, e) for n, e in runs if e.offload_optimizer]
+    options = (best_option(shape, workload_for, e, per_device_batch, accumulation, gpus, gpu_bytes, n)
+               for n, e in order)
+    recommended = next((o for o in options if o is not None), None)
     ways = [] if recommended is not None else suggestions(shape, workload_for, gpus, gpu_bytes, lora_shape, max_length)
-    return Plan(gpus, nodes, gpu_bytes, table, recommended, ways)
+    budget = None
+    if recommended is not None and shortest_budget:
+        budget = largest_budget(shape, workload_for, recommended, per_device_batch, gpus, gpu_bytes, shortest_budget)
+    checkpointed = None
+    if recommended is not None and recommended.sequence_parallel > recipe.sequence_parallel and \
+            not recipe.gradient_checkpointing:  # the other way to fit a long sequence: recompute the forward
+        checkpointed = with_checkpointing(shape, workload_for, per_device_batch, accumulation, gpus, gpu_bytes)
+    return Plan(gpus, nodes, gpu_bytes, table, recommended, ways, budget, checkpointed)
+
+
+def with_checkpointing(shape: ModelShape, workload_for: WorkloadFor, per_device_batch: int, accumulation: int,
+                       gpus: int, gpu_bytes: int) -> Optional[Option]:
+    """The fastest engine that fits the recipe's SP degree under gradient checkpointing, or None."""
+    def recomputed(batch, *args, **kwargs):
+        return dataclasses.replace(workload_for(batch, *args, **kwargs), gradient_checkpointing=True)
+
+    options = (best_option(shape, recomputed, e, per_device_batch, accumulation, gpus, gpu_bytes)
+               for e in ENGINES.values())
+    return next((o for o in options if o is not None), None)
+
+
+def largest_budget(shape: ModelShape, workload_for: WorkloadFor, option: Option, per_device_batch: int, gpus: int,
+                   gpu_bytes: int, shortest: int) -> Optional[tuple[int, Breakdown]]:
+    """The largest token budget (at least `shortest`, at most the device's tokens of a step) whose micro-batches fit
+    under `option`'s engine and SP degree (packed; padded under SP): activations grow with the budget, so a
+    bisection finds it. None when not even `shortest` fits."""
+    def at(budget: int) -> Breakdown:
+        w = workload_for(per_device_batch, sequence_parallel=option.sequence_parallel, budget=budget)
+        return estimate(shape, w, option.engine, gpus, gpu_bytes)
+
+    # one micro-batch a step: a budget above every row of the step at full length
+    most = max(shortest, workload_for(per_device_batch, sequence_parallel=option.sequence_parallel,
+                                      budget=2**62).tokens)
+    if not fits(at(shortest), gpu_bytes):
+        return None
+    if fits(at(most), gpu_bytes):
+        return most, at(most)
+    low, high = shortest, most  # fits at low, not at high
+    while high - low > 1:
+        middle = (low + high) // 2
+        low, high = (middle, high) if fits(at(middle), gpu_bytes) else (low, middle)
+    # padded, a budget holds whole rows: name the tokens they really hold (a budget between two rows' worth is moot)
+    held = workload_for(per_device_batch, sequence_parallel=option.sequence_parallel, budget=low).real_tokens
+    best = max(shortest, min(low, held))
+    return best, at(best)
 
 
 def suggestions(shape: ModelShape, workload_for: WorkloadFor, gpus: int, gpu_bytes: int,
@@ -109,14 +189,18 @@ def suggestions(shape: ModelShape, workload_for: WorkloadFor, gpus: int, gpu_byt
 
 
 def launch_command(option: Option, command: str, config: Optional[str], overrides: list[str], gpus: int,
-                   nodes: int, recipe_batch: tuple[int, int]) -> str:
-    """The accelerate launch / torchrun / posttrain line that runs the recipe as recommended."""
+                   nodes: int, recipe_batch: tuple[int, int], recipe_sp: int = 1, packing: bool = False) -> str:
+    """The accelerate launch / torchrun / posttrain line that runs the recipe as recommended (`packing`: the
+    recipe's data.packing, turned off where the option adds sequence parallelism, which refuses it)."""
     changes = []
     if (option.per_device_batch, option.accumulation) != recipe_batch:
         changes = [f"train.per_device_train_batch_size={option.per_device_batch}",
                    f"train.gradient_accumulation_steps={option.accumulation}"]
-    keep = [absolute(o) for o in overrides if not o.startswith(("train.per_device_train_batch_size=",
-                                                                 "train.gradient_accumulation_steps="))]
+    if option.sequence_parallel != recipe_sp:
+        changes.append(f"train.sequence_parallel_size={option.sequence_parallel}")
+        changes += ["data.packing=false"] if packing and option.sequence_parallel > 1 else []
+    replaced = tuple(change.split("=")[0] + "=" for change in changes)
+    keep = [absolute(o) for o in overrides if not o.startswith(replaced)]
     program = f"-m posttrain {command}" + (f" --config {shlex.quote(str(Path(config).resolve()))}" if config else "")
     tail = " ".join([program] + [shlex.quote(o) for o in keep] + changes)
     engine = option.engine
@@ -170,10 +254,16 @@ def format_table(plan: Plan) -> str:
 def to_json(plan: Plan, command_line: Optional[str]) -> dict:
     def option(o: Option) -> dict:
         return {"engine": o.engine.name, "per_device_train_batch_size": o.per_device_batch,
-                "gradient_accumulation_steps": o.accumulation, "fits": o.fits, "peak_bytes": o.breakdown.peak_bytes,
-                "breakdown": o.breakdown.parts()}
+                "gradient_accumulation_steps": o.accumulation, "sequence_parallel_size": o.sequence_parallel,
+                "fits": o.fits, "peak_bytes": o.breakdown.peak_bytes, "breakdown": o.breakdown.parts()}
 
+    budget = None
+    if plan.token_budget is not None:
+        budget = {"max_tokens_per_microbatch": plan.token_budget[0],
+                  "packing": plan.recommended.sequence_parallel == 1,
+                  "peak_bytes": plan.token_budget[1].peak_bytes}
     return {"gpus": plan.gpus, "nodes": plan.nodes, "gpu_bytes": plan.gpu_bytes,
             "usable_fraction": USABLE_FRACTION, "engines": [option(o) for o in plan.at_recipe_batch],
             "recommended": option(plan.recommended) if plan.recommended else None, "command": command_line,
-            "suggestions": plan.suggestions}
+            "token_budget": budget, "suggestions": plan.suggestions,
+            "gradient_checkpointing_instead": option(plan.checkpointed) if plan.checkpointed else None}

@@ -62,9 +62,14 @@ def vllm_on_cpu(recipe: Recipe) -> tuple[int, int]:
 
 
 def workload_from_recipe(command: str, recipe: Recipe, per_device_batch: Optional[int] = None,
-                         max_length: Optional[int] = None, on_gpu: bool = True) -> Workload:
+                         max_length: Optional[int] = None, on_gpu: bool = True, *, mean_length: Optional[int] = None,
+                         sequence_parallel: Optional[int] = None, budget: Optional[int] = None) -> Workload:
     """The recipe's micro-batch (or `per_device_batch`) at its lengths (or `max_length`) as a Workload; `on_gpu`
-    False for a run on CPU (its AdamW steps tensor by tensor)."""
+    False for a run on CPU (its AdamW steps tensor by tensor). `mean_length`: the data's mean row length in tokens
+    (None: every row as long as the recipe allows, the worst case); `sequence_parallel`: another SP degree than the
+    recipe's; `budget`: a token budget to plan with packing on (the recommender's search; packing is off under
+    sequence parallelism, which refuses it) instead of the recipe's own (train.max_tokens_per_microbatch), which
+    applies at the recipe's lengths."""
     t, d, g = recipe.train, recipe.data, recipe.generation
     facts = algorithm_facts(command, recipe)
     batch = per_device_batch or t.per_device_train_batch_size
@@ -81,9 +86,14 @@ def workload_from_recipe(command: str, recipe: Recipe, per_device_batch: Optiona
                         accumulation=t.per_device_train_batch_size * t.gradient_accumulation_steps // batch,
                         gradient_checkpointing=t.gradient_checkpointing, frozen_copies=facts["frozen"],
                         lm_head=facts["task"] == "causal_lm", logprobs_only=facts["logprobs_only"],
-                        eager_attention=recipe.model.attn_implementation == "eager")
+                        eager_attention=recipe.model.attn_implementation == "eager",
+                        sequence_parallel=sequence_parallel or t.sequence_parallel_size)
+    packed = workload.sequence_parallel == 1 and (d.packing or budget is not None)  # SP refuses packed rows
+    # the recipe's budget cuts the step whatever its split into micro-batches, not at another max_length
+    packing = (packed, budget) if budget is not None else (packed, t.max_tokens_per_microbatch if max_length is None
+                                                           else None)
     if not facts["generate"]:
-        return within_budget(workload, t, per_device_batch, max_length)
+        return with_tokens(workload, facts["rows_per_unit"], mean_length, *packing)
     prompt_length = d.max_prompt_length or max(1, length - g.max_completion_length)
     if max_length is not None:
         prompt_length = max(1, min(prompt_length, max_length - g.max_completion_length))
@@ -97,17 +107,30 @@ def workload_from_recipe(command: str, recipe: Recipe, per_device_batch: Optiona
                                    generation_length=prompt_length + g.max_completion_length,
                                    vllm_fraction=g.vllm.gpu_memory_utilization if vllm else 0.0,
                                    vllm_weight_bytes=vllm_weight_bytes, vllm_kv_cache_bytes=kv_cache)
-    return within_budget(workload, t, per_device_batch, max_length)
+    return with_tokens(workload, facts["rows_per_unit"], mean_length, *packing)
 
 
-def within_budget(workload: Workload, t, per_device_batch: Optional[int], max_length: Optional[int]) -> Workload:
-    """train.max_tokens_per_microbatch: a micro-batch holds at most that many tokens, which its padding-free forward
-    packs into rows of the longest row's length (the worst case: full rows of the recipe's length), and the step's
-    rows at full length take ceil(tokens / budget) micro-batches. Not applied when the caller asks about another
-    micro-batch shape (the recommender's alternatives)."""
-    budget = t.max_tokens_per_microbatch
-    if budget is None or per_device_batch is not None or max_length is not None:
-        return workload
-    step_tokens = workload.sequences * workload.sequence_length * workload.accumulation
-    return dataclasses.replace(workload, sequences=max(1, min(budget, step_tokens) // workload.sequence_length),
-                               accumulation=max(1, -(-step_tokens // budget)))
+def with_tokens(workload: Workload, unit_rows: int, mean_length: Optional[int], packed: bool,
+                budget: Optional[int]) -> Workload:
+    """The tokens one micro-batch's forward really holds, from its rows, their longest length L and their mean m:
+    - padded: rows x L (each micro-batch is as wide as its longest row, taken as L);
+    - packed (data.packing): the rows' real tokens rows x m, laid first-fit-decreasing in rows of length L
+      (Batch.model_inputs, data.collate_packed): ceil(rows x m / L) x L;
+    - a token budget B (train.max_tokens_per_microbatch): the device's rows of a step (rows x accumulation x m real
+      tokens) regrouped into ceil(step / B) micro-batches of at most B real tokens each: packed, ceil(B / L) x L
+      tokens, whatever the data (a budget bounds memory for any lengths; at most the step's rows at full length);
+      padded, whole units (a row, a preference pair) of m tokens, floor(B / (unit x m)) units padded to L.
+    m defaults to L (every row full: the worst case, and the estimate of a run whose data the planner has not seen)."""
+    length = workload.sequence_length
+    mean = min(mean_length or length, length)
+    rows, accumulation = workload.sequences, workload.accumulation
+    if budget is not None:
+        held = min(budget, rows * accumulation * length)  # what the budget lets in, whatever the data
+        accumulation = max(1, -(-rows * accumulation * mean // budget))
+        rows = min(rows * workload.accumulation, max(1, held // (unit_rows * mean)) * unit_rows)
+        real = held if packed else rows * mean
+    else:
+        real = rows * mean
+    tokens = -(-real // length) * length if packed else rows * length
+    return dataclasses.replace(workload, sequences=rows, tokens=tokens, real_tokens=min(real, tokens),
+                               accumulation=accumulation, token_budget=budget)

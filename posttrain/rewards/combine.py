@@ -31,7 +31,7 @@ import torch
 from posttrain.errors import UserError
 from posttrain.rewards.contract import (NOT_COLUMNS, Calling, UserLog, call_blocking, calling, event_loop, is_async,
                                         tell_message_lists)
-from posttrain.usercode import UserCodeError, user_code, what_it_did
+from posttrain.usercode import ProcessExitCalled, UserCodeError, awaited_user, user_code, what_it_did
 
 logger = logging.getLogger(__name__)
 
@@ -226,7 +226,7 @@ class RewardSet:
                        "log_extra": log.log_extra, "log_metric": log.log_metric}
                 try:
                     call_blocking(reward.fn, *how.arguments(one))
-                except (Exception, SystemExit) as e:  # noqa: BLE001 - reported to the user
+                except (Exception, SystemExit, ProcessExitCalled) as e:  # noqa: BLE001 - reported to the user
                     return i, e
             return None
 
@@ -260,7 +260,7 @@ class RewardSet:
 
 
 async def _call_async(fn: Callable, args: tuple, kwargs: dict) -> Any:
-    return await fn(*args, **kwargs)
+    return await awaited_user(fn(*args, **kwargs))
 
 
 def _warn_unscored(scored_B: torch.Tensor, batch: dict, columns: list[str]) -> None:

@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
 from posttrain.errors import UserError
+from posttrain.usercode import awaited_user, run_user_loop
 
 logger = logging.getLogger(__name__)
 
@@ -183,7 +184,7 @@ def event_loop() -> asyncio.AbstractEventLoop:
     with _LOOP_LOCK:
         if _LOOP is None or _LOOP.is_closed():
             _LOOP = asyncio.new_event_loop()
-            threading.Thread(target=_LOOP.run_forever, name="posttrain-async-rewards", daemon=True).start()
+            threading.Thread(target=run_user_loop, args=(_LOOP,), name="posttrain-async-rewards", daemon=True).start()
         return _LOOP
 
 
@@ -191,12 +192,8 @@ def call_blocking(fn: Callable, args: tuple, kwargs: dict) -> Any:
     """fn(*args, **kwargs), awaited on the shared loop when it returns a coroutine (for one-sample re-runs)."""
     result = fn(*args, **kwargs)
     if inspect.isawaitable(result):
-        return asyncio.run_coroutine_threadsafe(_awaited(result), event_loop()).result()
+        return asyncio.run_coroutine_threadsafe(awaited_user(result), event_loop()).result()
     return result
-
-
-async def _awaited(awaitable):
-    return await awaitable
 
 
 def trainer_state(recipe, global_step: int, max_steps: int, steps_per_epoch: float, is_main: bool) -> TrainerState:

@@ -90,12 +90,13 @@ def load_callable(spec: str, what: str, shown: str = "") -> Callable:
                         "'path/to/file.py:name'")
     module_name, _, attribute = spec.rpartition(":")
     target = import_user(module_name, f"{what} '{shown}'")
-    for part in attribute.split("."):
+    for depth, part in enumerate(attribute.split(".")):
         if not hasattr(target, part):
             names = [n for n in dir(target) if not n.startswith("_")]
             close = difflib.get_close_matches(part, names, n=1, cutoff=0.5)
             hint = f"; did you mean '{close[0]}'?" if close else ""
-            raise UserError(f"{what} '{shown}': {getattr(target, '__name__', target)!s} has no attribute '{part}'{hint}")
+            owner = module_name if depth == 0 else getattr(target, "__name__", target)  # a file: its path, as given
+            raise UserError(f"{what} '{shown}': {owner!s} has no attribute '{part}'{hint}")
         target = getattr(target, part)
     if not callable(target):
         raise UserError(f"{what} '{shown}': '{attribute}' is a {type(target).__name__}, not a function or class")

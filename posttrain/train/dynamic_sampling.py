@@ -17,9 +17,9 @@ advantages see it; with fewer than two such completions nothing in the group tra
 
 As in verl's filter_groups, generation batches of `prompts per step` prompts are drawn until the kept groups fill the
 step; kept groups beyond it are discarded, not carried over (so the data position is all a checkpoint needs, beside
-the batches sampled ahead). After `max_batches` draws (0: no limit) the step trains on what there is: the missing
-groups are filled with dropped ones whose completions are masked out of the loss, and a warning says so (verl raises
-instead). With several processes every rank fills its own share and all draw again while any is short, so every rank
+the batches sampled ahead). After `max_batches` draws the step trains on what there is: the missing groups are filled
+with dropped ones whose completions are masked out of the loss, and a warning says so (verl raises instead). With 0
+(no limit) a step draws until it is full, or stops the run once it drew every prompt of the data without filling. With several processes every rank fills its own share and all draw again while any is short, so every rank
 makes the same engine calls.
 """
 
@@ -35,7 +35,7 @@ from typing import Callable, Optional, Sequence, TypeVar
 import torch
 
 from posttrain.algorithms.grpo import DynamicSamplingConfig
-from posttrain.errors import UserError
+from posttrain.errors import RunStopped, UserError
 from posttrain.train.drawn import Drawn
 
 logger = logging.getLogger(__name__)
@@ -73,15 +73,19 @@ class Refilled:
 
 def refill(need: int, draw: Callable[[], tuple[Sequence[Group], torch.Tensor]],
            keep: Callable[[torch.Tensor, int], torch.Tensor], group: int, max_batches: int,
-           short_anywhere: Callable[[int], bool] = lambda short: short > 0) -> Refilled:
+           short_anywhere: Callable[[int], bool] = lambda short: short > 0,
+           batches_per_pass: Optional[int] = None) -> Refilled:
     """Draw generation batches until `need` kept groups are in hand (on every rank: `short_anywhere(this rank's
-    shortfall)` is true while any rank is short) or `max_batches` were drawn (0: no limit).
+    shortfall)` is true while any rank is short) or `max_batches` were drawn. With max_batches 0 (no limit) a step
+    still short after `batches_per_pass` draws (every prompt of the data once; None: unbounded) stops the run: more
+    draws would only repeat the prompts that did not vary (it used to draw forever).
 
     draw() -> (groups, metric_B): the next generation batch's groups, in prompt order, and the metric of each of
     their completions (group consecutive values per group). keep(metric_B, group) -> bool_P picks the groups."""
     kept: list = []
     dropped: list = []
     drawn = batches = 0
+    limit = max_batches or batches_per_pass or math.inf
     while True:
         groups, metric_B = draw()
         batches += 1
@@ -89,8 +93,15 @@ def refill(need: int, draw: Callable[[], tuple[Sequence[Group], torch.Tensor]],
         keep_P = keep(metric_B, group).tolist()
         kept += [g for g, k in zip(groups, keep_P) if k]
         dropped += [g for g, k in zip(groups, keep_P) if not k]
-        if not short_anywhere(max(0, need - len(kept))) or (max_batches and batches >= max_batches):
+        short = short_anywhere(max(0, need - len(kept)))
+        if not short or batches >= limit:
             break
+    if short and not max_batches:  # every rank knows `short` alike: all stop together
+        raise RunStopped(f"dynamic sampling drew every prompt of the data once for this step ({batches} generation "
+                         f"batches) and {len(kept)} of the {need} prompt groups this process needs vary: the metric "
+                         "(algo.dynamic_sampling.metric) is the same for every completion of almost every prompt. "
+                         "Check the reward and the data's answers, or set algo.dynamic_sampling.max_batches to train "
+                         "on the groups that vary (max_batches=0 never trains on fewer)")
     fillers = max(0, need - len(kept))
     if fillers:
         logger.warning("dynamic sampling: %d of %d prompt groups of this step vary after %d generation batches "
@@ -109,8 +120,10 @@ class DynamicSampler:
     FILE = "dynamic_sampling.json"
 
     def __init__(self, config: DynamicSamplingConfig, need: int, group: int, draw: Callable[[int, int], Drawn],
-                 all_reduce_sum: Callable[[torch.Tensor], torch.Tensor]):
+                 all_reduce_sum: Callable[[torch.Tensor], torch.Tensor], batches_per_pass: int):
         self.config, self.need, self.group, self._draw, self._sum = config, need, group, draw, all_reduce_sum
+        self.batches_per_pass = batches_per_pass
+        """Generation batches that draw every prompt of the data once (max_batches=0's bound per step)."""
         self.next_draw: Optional[int] = None
         """The generation batch of the prompt order the next draw takes (None: the first step's own)."""
 
@@ -130,7 +143,8 @@ class DynamicSampler:
         def short_anywhere(short: int) -> bool:
             return float(self._sum(torch.tensor([float(short)]))[0]) > 0
 
-        out = refill(self.need, draw, varied_groups, self.group, self.config.max_batches, short_anywhere)
+        out = refill(self.need, draw, varied_groups, self.group, self.config.max_batches, short_anywhere,
+                     self.batches_per_pass)
         counts = self._sum(torch.tensor([out.drawn, out.kept, out.fillers, sum(rewards), len(rewards)],
                                         dtype=torch.float64)).tolist()
         drawn, kept, fillers, reward_sum, completions = counts

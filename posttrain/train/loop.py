@@ -121,6 +121,8 @@ def train(ctx: LoopContext) -> TrainState:
         trained_on = sum(not b.filler for b in micro_batches)
         local = torch.stack([torch.tensor(float(tokens), device=backend.device)] + list(losses.values())
                             + [metric_sums[k].to(backend.device) / trained_on for k in keys])
+        # a sequence-parallel group's ranks hold the same rows and losses: counted once (data_weight 1 or 0)
+        local = local * backend.data_weight
         # + [a loss not finite, signal]: agreed in this reduce
         local = torch.cat([local, guard.local_flags(torch.stack(list(losses.values())).sum())])
         reduced = backend.all_reduce_sum(local)
@@ -128,13 +130,14 @@ def train(ctx: LoopContext) -> TrainState:
         global_tokens = int(reduced[0])
         state.tokens_seen += global_tokens
         samples = sum(b.num_pairs or b.num_sequences for b in micro_batches if not b.filler)
-        state.samples_seen += samples * backend.world_size
+        state.samples_seen += samples * backend.data_world_size
         step_metrics = {}
         for name, value in zip(losses, reduced[1 : 1 + len(losses)]):
             suffix = "" if name == "policy" else f"/{name}"
             step_metrics.update({f"loss{suffix}": float(value), f"grad_norm{suffix}": grad_norms[name],
                                  f"time/update/{name}": update_seconds[name]})
-        step_metrics.update({k: float(v) / backend.world_size for k, v in zip(keys, reduced[1 + len(losses) : -2])})
+        step_metrics.update({k: float(v) / backend.data_world_size
+                             for k, v in zip(keys, reduced[1 + len(losses) : -2])})
         step_metrics.update(ctx.source.last_metrics)
         for key, value in step_metrics.items():
             window[key] = window.get(key, 0.0) + value
@@ -182,7 +185,7 @@ def step_normalisers(backend, objectives: list, micro_batches: list[Batch]) -> t
     local_counts = [sum(objective.count(b).float().to(backend.device) * (not b.filler) for b in micro_batches)
                     for objective in objectives]
     local_counts.append(completion_tokens(micro_batches, backend.device))
-    counts = backend.all_reduce_sum(torch.stack(local_counts))
+    counts = backend.data_all_reduce_sum(torch.stack(local_counts))
     return counts[:-1].clamp(min=1.0), int(counts[-1])
 
 

@@ -43,25 +43,29 @@ def shape(batches: Sequence[Batch], recipe, pad_id: int, agree: Callable[[int], 
 
 
 def check_token_budget(recipe, algorithm) -> None:
-    """train.max_tokens_per_microbatch must hold the longest unit the run can make (a row of data.max_length; a
-    preference pair's two rows; a prompt plus its completion for generated data), or that unit would break it."""
+    """train.max_tokens_per_microbatch must hold the longest unit the run can make, or that unit would break it."""
     budget = recipe.train.max_tokens_per_microbatch
     if budget is None:
         return
+    longest, what = longest_unit(recipe, algorithm)
+    if budget < longest:
+        raise UserError(f"train.max_tokens_per_microbatch={budget} is below {what} = {longest}: one unit of the "
+                        f"{algorithm.name} loss would not fit; raise it to at least {longest}")
+
+
+def longest_unit(recipe, algorithm) -> tuple[int, str]:
+    """(tokens, what they are) of the longest unit a micro-batch of the run can hold: a row of data.max_length; a
+    preference pair's two rows; a prompt plus its completion for generated data. The smallest budget there is."""
     if algorithm.data_kind == "prompt" or algorithm.source_kind == "distill":
         from posttrain.generation.base import longest_sequence
 
         longest = longest_sequence(recipe)
-        what = "the longest prompt + generation.max_completion_length"
         if algorithm.source_kind == "distill" and recipe.data.max_length > longest:  # the dataset's own rows too
-            longest, what = recipe.data.max_length, "data.max_length"
-    elif algorithm.data_kind == "preference":
-        longest, what = 2 * recipe.data.max_length, f"a preference pair: 2 x data.max_length ({recipe.data.max_length})"
-    else:
-        longest, what = recipe.data.max_length, "data.max_length"
-    if budget < longest:
-        raise UserError(f"train.max_tokens_per_microbatch={budget} is below {what} = {longest}: one unit of the "
-                        f"{algorithm.name} loss would not fit; raise it to at least {longest}")
+            return recipe.data.max_length, "data.max_length"
+        return longest, "the longest prompt + generation.max_completion_length"
+    if algorithm.data_kind == "preference":
+        return 2 * recipe.data.max_length, f"a preference pair: 2 x data.max_length ({recipe.data.max_length})"
+    return recipe.data.max_length, "data.max_length"
 
 
 def split_units(batch: Batch) -> list[Batch]:

@@ -105,7 +105,7 @@ class RolloutSource(Source):
         self.micro = t.per_device_train_batch_size
         self.iterations = algorithm.steps_per_rollout
         self.prompts_per_rank = self.micro * t.gradient_accumulation_steps // self.group  # validated: whole
-        self.prompts_per_step = self.prompts_per_rank * backend.world_size
+        self.prompts_per_step = self.prompts_per_rank * backend.data_world_size
         self.order = SampleOrder(len(examples), t.dataloader_seed if t.dataloader_seed is not None else recipe.seed)
         self.link = EngineLink(recipe, backend, models.policy, self.tokenizer, servers)
         self._generation: Generation | None = None
@@ -120,7 +120,8 @@ class RolloutSource(Source):
         self.dynamic_sampling = None
         if algorithm.dynamic_sampling is not None:
             self.dynamic_sampling = DynamicSampler(algorithm.dynamic_sampling, self.prompts_per_rank, self.group,
-                                                   self._draw, backend.all_reduce_sum)
+                                                   self._draw, backend.data_all_reduce_sum,
+                                                   -(-len(examples) // self.prompts_per_step))
 
     def before_evaluation(self) -> None:
         """Held-out evaluation measures the current policy: the generations in flight finish first (their
@@ -179,7 +180,7 @@ class RolloutSource(Source):
     def micro_batches_per_epoch(self) -> int:
         """Per-rank micro-batches for one pass over the prompts (each reused num_iterations times)."""
         completions = len(self.examples) * self.group
-        return -(-completions // (self.micro * self.backend.world_size)) * self.iterations
+        return -(-completions // (self.micro * self.backend.data_world_size)) * self.iterations
 
     @property
     def last_metrics(self) -> dict[str, float]:
@@ -206,7 +207,7 @@ class RolloutSource(Source):
 
     def _prompts(self, index: int) -> tuple[list[int], list[int], list[dict]]:
         """This rank's slice of generation batch `index`: global positions, dataset rows, examples."""
-        first = index * self.prompts_per_step + self.backend.rank * self.prompts_per_rank
+        first = index * self.prompts_per_step + self.backend.data_rank * self.prompts_per_rank
         positions = list(range(first, first + self.prompts_per_rank))
         dataset_index = [self.order.index(p) for p in positions]
         return positions, dataset_index, [self.examples[i] for i in dataset_index]
@@ -219,12 +220,13 @@ class RolloutSource(Source):
             drawn, dynamic_metrics = self._draw(index, step), {}
         else:
             drawn, dynamic_metrics = self.dynamic_sampling.fill(index, step)
+        drawn = backend.same_rows(drawn)  # a sequence-parallel group trains on its first rank's completions
         mine = dict(total=drawn.total, scored=drawn.scored, per_function=drawn.per_function, skipped=drawn.skipped,
                     logged=self._logged, lengths=[len(ids) for ids in drawn.completion_ids], truncated=drawn.truncated,
                     lag=drawn.lags,
                     agent=[t.stats() for t in drawn.trajectories] if drawn.trajectories is not None else None)
         gather_started = time.perf_counter()
-        everyone = backend.all_gather_object(mine)
+        everyone = backend.data_all_gather_object(mine)
         global_total_B = torch.tensor([r for part in everyone for r in part["total"]])
         global_scored_B = torch.tensor([s for part in everyone for s in part["scored"]], dtype=torch.bool)
         scored = time.perf_counter()
@@ -242,8 +244,8 @@ class RolloutSource(Source):
 
             # 5. advantages over the whole step
             step_truncated_B = torch.tensor([c for part in everyone for c in part["truncated"]], dtype=torch.bool)
-            rollouts = Rollouts(batches, global_total_B, step_truncated_B, backend.rank * len(total_B), group,
-                                backend.all_reduce_sum, global_scored_B)
+            rollouts = Rollouts(batches, global_total_B, step_truncated_B, backend.data_rank * len(total_B), group,
+                                backend.data_all_reduce_sum, global_scored_B)
             batches, advantage_metrics = self.algorithm.advantages(rollouts)
         prepared = time.perf_counter()
 

@@ -87,8 +87,8 @@ class DatasetSource(Source):
         """This rank's source for a run: the train.* batch split, seeded by train.dataloader_seed (default: seed)."""
         t = recipe.train
         seed = t.dataloader_seed if t.dataloader_seed is not None else recipe.seed
-        return cls(examples, collate, t.per_device_train_batch_size, t.gradient_accumulation_steps, backend.world_size,
-                   backend.rank, seed, balance=t.max_tokens_per_microbatch is not None)
+        return cls(examples, collate, t.per_device_train_batch_size, t.gradient_accumulation_steps, backend.data_world_size,
+                   backend.data_rank, seed, balance=t.max_tokens_per_microbatch is not None)
 
     @property
     def global_batch(self) -> int:

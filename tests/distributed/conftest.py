@@ -8,7 +8,7 @@ import pytest
 from tests.distributed.launch import ENGINES, Result, launch
 from tests.distributed.recipes import TWO_PROCESS_SPLIT, sft_overrides
 from posttrain.tasks import write_example_data
-from tests.integration.helpers import ONE_PROCESS_SPLITS, final_weights, run_cli, step_losses
+from tests.integration.helpers import ONE_PROCESS_SPLITS, final_weights, metrics, run_cli, step_losses
 
 
 @pytest.fixture(scope="session")
@@ -16,14 +16,22 @@ def task_data(tmp_path_factory):
     return write_example_data(tmp_path_factory.mktemp("dist-data"), n_train=64, n_eval=16)
 
 
+class OneProcessRuns(dict):
+    """{split: (per-step losses, final weights)}; `.metrics[split]`: the run's logged rows (grad norms included)."""
+
+    metrics: dict[str, list[dict]]
+
+
 @pytest.fixture(scope="session")
 def one_process(tiny_model_dir, task_data, tmp_path_factory):
-    """{split: (per-step losses, final weights)} for 1 process x micro-batch 4 and 1 process x 1 x accumulation 4."""
+    """OneProcessRuns for 1 process x micro-batch 4 and 1 process x 1 x accumulation 4."""
     root = tmp_path_factory.mktemp("one-process")
-    out = {}
+    out = OneProcessRuns()
+    out.metrics = {}
     for name, extra in ONE_PROCESS_SPLITS.items():
         assert run_cli("sft", *sft_overrides(tiny_model_dir, task_data, root / name, *extra)) == 0
         out[name] = (step_losses(root / name), final_weights(root / name))
+        out.metrics[name] = metrics(root / name)
     return out
 
 

@@ -74,6 +74,19 @@ def images(tmp, tiny_model_dir, data):
     return "sft", common(tiny_model_dir, chat, tmp / "out")
 
 
+def packing_an_opt_model(tmp, tiny_model_dir, data):
+    """OPT's attention reads no position ids: packed sequences would attend to each other (models/packing.py)."""
+    import transformers
+
+    model = tmp / "opt"
+    shutil.copytree(tiny_model_dir, model)
+    config = json.loads((model / "config.json").read_text())
+    opt = transformers.OPTConfig(vocab_size=config["vocab_size"], hidden_size=64, ffn_dim=128, num_hidden_layers=2,
+                                 num_attention_heads=2, word_embed_proj_dim=64)
+    opt.save_pretrained(model)
+    return "sft", common(model, data["sft_train"], tmp / "out") + ["data.packing=true"]
+
+
 def overrides(command, *extra):
     def case(tmp, tiny_model_dir, data):
         train = data["prompts_train" if command == "grpo" else "sft_train"]
@@ -93,6 +106,7 @@ CASES = {
     "config.json a list": (a_model_config_that_is_a_list, "config.json is damaged: it holds a JSON list"),
     "config.json vocab text": (a_model_vocab_that_is_text, "vocab_size is 'lots'; it must be a whole number > 0"),
     "mixed content names the row": (mixed_content, "chat.jsonl line 4: a field holds values of different shapes"),
+    "packing a model that cannot pack": (packing_an_opt_model, "data.packing=true: OPTConfig"),
     "an image in SFT messages": (images, "data.train row 0: column 'messages' message 0 holds a 'image' part; "
                                  "posttrain trains text-only models"),
 }

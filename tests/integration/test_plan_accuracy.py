@@ -1,6 +1,7 @@
 """posttrain plan's estimate within 15% of the tiny model's measured peak on CPU (the CPU allocator's live bytes,
 see bench/plan_accuracy.py), for the memory shapes: SFT, DPO with its reference copy, GRPO with generation,
-distillation with its teacher."""
+distillation with its teacher; and for micro-batches of mixed lengths (DPO pairs of a long and a short row) packed and
+packed within a token budget, planned with the data's mean row length."""
 
 import importlib.util
 from pathlib import Path
@@ -25,3 +26,11 @@ def test_estimate_within_15_percent_of_measured_on_cpu(algorithm, steps):
     frozen = m["breakdown"]["frozen_copies"]  # DPO's reference, the distillation teacher (the model itself)
     assert frozen > 0 if algorithm in ("dpo", "distill") else frozen == 0
     assert (m["breakdown"]["generation"] > 0) == (algorithm == "grpo")
+
+
+@pytest.mark.parametrize("overrides", [("data.packing=true",),
+                                       ("data.packing=true", "train.max_tokens_per_microbatch=512")])
+def test_packed_and_budget_estimates_within_15_percent_on_mixed_lengths(overrides):
+    m = _bench().measure("dpo", "tiny", steps=2, overrides=overrides, mixed=True)
+    assert abs(m["estimate"] - m["measured"]) <= 0.15 * m["measured"], m
+    assert m["mean_length"] < m["length"]  # the estimate saw rows shorter than data.max_length

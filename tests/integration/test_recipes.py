@@ -12,12 +12,15 @@ tests/distributed.
 
 from __future__ import annotations
 
+import contextlib
+import ipaddress
 import os
 import re
 import shlex
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -109,13 +112,50 @@ class Workdir:
             pytest.importorskip(extra, reason=f"the {extra} extra is not installed (CI: EXTRAS=dev,vllm,ray)")
             env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
                    "VLLM_CPU_KVCACHE_SPACE": "1"}
-            proc = subprocess.run([sys.executable, "-m", "posttrain", *argv], cwd=self.root, env=env,
-                                  capture_output=True, text=True, timeout=600)
-            code = proc.returncode
-            assert code == 0, f"{line}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+            code, out, heard = run_listening([sys.executable, "-m", "posttrain", *argv], self.root, env)
+            assert code == 0, f"{line}\n{out[-8000:]}"
+            if extra == "ray" and not any(a.startswith("placement.address=") for a in argv):
+                check_local_cluster(heard, out)
         self.seconds[key] = time.perf_counter() - started
         self.done[key] = code
         return code
+
+
+def run_listening(argv: list[str], cwd: Path, env: dict) -> tuple[int, str, dict]:
+    """Run a command (600 s at most); meanwhile note every TCP/UDP socket its processes listen on, and who."""
+    import psutil
+
+    with tempfile.TemporaryFile("w+") as log:
+        proc = subprocess.Popen(argv, cwd=cwd, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
+        root, heard, deadline = psutil.Process(proc.pid), {}, time.monotonic() + 600
+        while proc.poll() is None and time.monotonic() < deadline:
+            with contextlib.suppress(psutil.Error):
+                for p in [root, *root.children(recursive=True)]:
+                    with contextlib.suppress(psutil.Error):
+                        for c in p.net_connections(kind="inet"):
+                            if c.status == psutil.CONN_LISTEN or (c.status == psutil.CONN_NONE and not c.raddr):
+                                heard.setdefault((c.laddr.ip, c.laddr.port), " ".join(p.cmdline())[:120])
+            time.sleep(0.2)
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+        log.seek(0)
+        return proc.returncode, log.read(), heard
+
+
+def loopback(address) -> bool:
+    return (getattr(address, "ipv4_mapped", None) or address).is_loopback  # gRPC's [::ffff:127.0.0.1] too
+
+
+def check_local_cluster(heard: dict, out: str) -> None:
+    """docs/ray.md: a cluster started for the run listens on 127.0.0.1 only (its GCS, raylet, workers, agents, the
+    driver, and the ranks' rendezvous), and keeps its session where it says (test_ray_inputs.py: which folder)."""
+    assert heard, "no listener seen: the check saw nothing of the cluster"
+    wide = {f"{ip}:{port}": who for (ip, port), who in heard.items()
+            if not loopback(ipaddress.ip_address(ip))}
+    assert not wide, f"listening beyond 127.0.0.1: {wide}"
+    logs = re.search(r"a local cluster for this run, on 127.0.0.1 only; its logs under (\S+)", out)
+    assert logs and Path(logs[1], "session_latest").resolve().is_dir(), out[-3000:]  # output_dir/ray where it fits
 
 
 SECONDS: dict[str, float] = {}  # per recipe, printed at the end of the module (the figure CI's budget watches)

@@ -94,7 +94,7 @@ def test_schema_from_hints_and_docstring(tool_file):
 
 @pytest.mark.parametrize("entry, message", [
     ("{file}:undocumented", "'{file}:undocumented': no usable signature"),
-    ("{file}:missing", "has no attribute 'missing'"),
+    ("{file}:missing", "{file} has no attribute 'missing'"),  # the file as given, not posttrain_user_<stem>
     ("no_such_module_xyz:f", "cannot import module 'no_such_module_xyz'"),
     ("no_colon", "is not an import path"),
 ])

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+from posttrain.errors import RunStopped
 from posttrain.train.dynamic_sampling import refill, varied_groups
 
 
@@ -91,6 +92,22 @@ def test_max_batches_trains_on_what_there_is_with_fillers_and_says_so(caplog):
     out = refill(3, lambda: next(draws), varied_groups, group, max_batches=2)
     assert out.groups == ["a", "b", "c"] and out.fillers == 2 and (out.kept, out.drawn, out.batches) == (1, 6, 2)
     assert "1 of 3 prompt groups" in caplog.text and "max_batches" in caplog.text
+
+
+def test_no_limit_stops_the_run_once_every_prompt_was_drawn():
+    """max_batches=0 with a metric that never varies (a constant reward) drew forever, a run that never ended."""
+    draws = []
+
+    def draw():
+        draws.append(1)
+        return ["a", "b"], torch.tensor([1.0, 1.0, 0.0, 1.0] if len(draws) == 2 else [1.0] * 4)
+
+    with pytest.raises(RunStopped, match=r"drew every prompt of the data once for this step \(3 generation batches\) "
+                                         r"and 1 of the 2 prompt groups"):
+        refill(2, draw, varied_groups, 2, max_batches=0, batches_per_pass=3)
+    assert len(draws) == 3
+    draws.clear()
+    assert refill(1, draw, varied_groups, 2, max_batches=0, batches_per_pass=3).batches == 2  # full in time: trains
 
 
 def test_every_rank_draws_while_any_is_short():

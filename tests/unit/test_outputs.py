@@ -236,3 +236,36 @@ def test_a_checkpoint_of_another_commands_run_is_not_continued_and_overwrite_ren
         outputs.check_output_dir(recipe(sft_run, "train.resume_from_checkpoint=auto"), "dpo")
     outputs.end_overwrite(outputs.begin_run(sft_run, overwrite=True, command="dpo"))  # replaced: now a dpo run
     assert '"command": "dpo"' in (sft_run / outputs.MARKER).read_text()
+
+
+@pytest.mark.parametrize("overwrite", [False, True])
+def test_a_second_run_started_into_the_same_directory_at_once_is_refused(tmp_path, overwrite):
+    """Two runs started together both passed check_output_dir and both trained into one directory, exit 0 twice
+    (metrics rows twice, one final/ over the other). The first to begin holds output_dir until its attempt ends
+    (a flock on the directory, which the kernel drops with the process however it ends)."""
+    import fcntl
+    import subprocess
+    import sys
+
+    out = tmp_path / "run"
+    out.mkdir()
+    holder = subprocess.Popen([sys.executable, "-c", "import fcntl, os, sys, time; fd = os.open(sys.argv[1], "
+                               "os.O_RDONLY); fcntl.flock(fd, fcntl.LOCK_EX); print('held', flush=True); "
+                               "time.sleep(60)", str(out)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"  # the other run, between its check and its marker
+        with pytest.raises(UserError, match=f"output_dir {out} is in use by a run still going"):
+            outputs.begin_run(out, overwrite=overwrite, command="sft")
+        assert list(out.iterdir()) == [] and outputs.run_started() != out  # refused before writing: exit 2
+    finally:
+        holder.kill()
+        holder.wait()
+    outputs.begin_run(out, overwrite=overwrite, command="sft")  # its process gone: the directory is free
+    other = os.open(out, os.O_RDONLY)
+    try:
+        with pytest.raises(BlockingIOError):  # held by this run now
+            fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        outputs.end_attempt(out)
+        fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)  # released when the attempt ended
+    finally:
+        os.close(other)

@@ -1,6 +1,7 @@
 """posttrain.plan: byte counts worked out by hand for a small known shape, parameter counts from a 7B config.json
 (meta device, no weights), and the recommendation for that 7B model on 8 x 40 GB."""
 
+import functools
 import json
 from pathlib import Path
 
@@ -200,7 +201,7 @@ def test_7b_on_8x40gb_ddp_does_not_fit_zero3_does(config_7b):
 
     recipe = _recipe(config_7b)
     shape = model_shape(recipe.model)
-    plan = make_plan(shape, lambda b, n=None: workload_from_recipe("sft", recipe, b, n), 4, 4, gpus=8,
+    plan = make_plan(shape, functools.partial(workload_from_recipe, "sft", recipe), 4, 4, gpus=8,
                      gpu_bytes=40 * 10**9)
     table = {o.engine.name: o for o in plan.at_recipe_batch}
     # DDP on a bf16 checkpoint: float32 master weights + gradients (+ bucket copy) + AdamW moments are
@@ -235,6 +236,18 @@ def test_the_algorithm_is_told_by_the_recipe():
 def test_bad_launch_shape_is_a_user_error(config_7b):
     with pytest.raises(UserError, match="--gpus"):
         run_plan("sft", _recipe(config_7b), None, [], 3, 2, "80GiB", as_json=False)
+    with pytest.raises(UserError, match="'0GiB' is no memory at all"):  # it planned on, "nothing fits"
+        run_plan("sft", _recipe(config_7b), None, [], 1, 1, "0GiB", as_json=False)
+
+
+@pytest.mark.parametrize("shape, message", [
+    ("train.max_tokens_per_microbatch=3", "train.max_tokens_per_microbatch=3 is below data.max_length = 2048"),
+    ("data.max_length=99999999", "the model holds 4,096 positions"),
+])
+def test_what_a_run_refuses_the_plan_refuses(config_7b, shape, message):
+    """The plan recommended a command (data.max_length cut to fit memory, or the budget kept) that exits 2 at once."""
+    with pytest.raises(UserError, match=message):
+        run_plan("sft", _recipe(config_7b, shape), None, [], 1, 1, "80GiB", as_json=False)
 
 
 def test_fused_output_layer_never_makes_the_logits():
@@ -259,3 +272,40 @@ def test_a_token_budget_bounds_the_micro_batch_the_estimate_sees():
     # 2 x 16 rows x 1024 tokens in micro-batches of 4,096 tokens: 4 rows each, 8 of them
     assert (budget.sequences, budget.sequence_length, budget.accumulation) == (4, 1024, 8)
     assert estimate(SHAPE, budget, ENGINES["ddp"]).activations < estimate(SHAPE, padded, ENGINES["ddp"]).activations
+
+
+def test_32k_tokens_of_a_7b_model_need_sequence_parallelism(tmp_path):
+    """One 32k-token row of the 7B model keeps ~540 GB of bf16 activations: no engine fits it on an 80 GiB GPU; split
+    over N ranks it does. The plan names N, the keys to set, and a token budget."""
+    (tmp_path / "config.json").write_text(json.dumps({**LLAMA_7B, "max_position_embeddings": 131072}))  # 32k fits
+    recipe = _recipe(tmp_path, "data.max_length=32768", "train.per_device_train_batch_size=1",
+                     "train.gradient_checkpointing=false", "data.packing=true")
+    out = json.loads(run_plan("sft", recipe, None, [], 8, 1, "80GiB", as_json=True))
+    assert not any(e["fits"] for e in out["engines"])
+    chosen = out["recommended"]
+    assert chosen["sequence_parallel_size"] in (2, 4, 8) and chosen["engine"] != "fsdp2"
+    assert f"train.sequence_parallel_size={chosen['sequence_parallel_size']}" in out["command"]
+    assert "data.packing=false" in out["command"]  # sequence parallelism refuses packed rows
+    assert out["token_budget"]["max_tokens_per_microbatch"] >= 32768 and not out["token_budget"]["packing"]
+    # the other way: gradient checkpointing, each layer keeps its input (h), one layer is recomputed whole
+    # (10h + 4kv + 4I), embeddings / norm 3h: bf16, per row of 32k tokens
+    instead = out["gradient_checkpointing_instead"]
+    per_token = H * L + 3 * H + 10 * H + 4 * H + 4 * I
+    assert instead["sequence_parallel_size"] == 1
+    assert instead["breakdown"]["activations"] == instead["per_device_train_batch_size"] * 32768 * per_token * 2
+    text = run_plan("sft", recipe, None, [], 8, 1, "80GiB", as_json=False)
+    assert "one sequence's activations do not fit one GPU" in text and "train.max_tokens_per_microbatch=" in text
+
+
+def test_the_recipes_token_budget_is_planned_and_its_split_kept(config_7b):
+    """A budget of 8,192 packed tokens cuts 4 x 4 rows of 2,048 into micro-batches of 4 rows whatever the split: the
+    table costs that micro-batch (checkpointed, bf16), the recommendation keeps the recipe's 4 x 4."""
+    from posttrain.plan.shape import model_shape
+    from posttrain.plan.workload import workload_from_recipe
+
+    recipe = _recipe(config_7b, "data.packing=true", "train.max_tokens_per_microbatch=8192")
+    shape = model_shape(recipe.model)
+    plan = make_plan(shape, functools.partial(workload_from_recipe, "sft", recipe), 4, 4, gpus=8, gpu_bytes=80 * 2**30)
+    per_token = H * L + 3 * H + 10 * H + 4 * H + 4 * I  # checkpointed layer inputs, embeddings, one layer recomputed
+    assert all(o.breakdown.activations == 8192 * per_token * 2 for o in plan.at_recipe_batch)
+    assert (plan.recommended.per_device_batch, plan.recommended.accumulation) == (4, 4)

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
+
+import pytest
 
 from posttrain.algorithms.ppo import PPOAlgoConfig
 from posttrain.config.load import load_recipe
@@ -43,8 +46,56 @@ def test_workers_get_only_the_secrets_the_run_needs(tmp_path):
     assert "AWS_SECRET_ACCESS_KEY" not in got and "PATH" not in got and "POSTTRAIN_SERVER_TOKEN" not in got
 
 
-def test_a_cluster_started_for_the_run_listens_on_loopback():
-    from posttrain.launch.ray_launcher import init_options
+def test_a_cluster_started_for_the_run_keeps_its_session_in_the_run(tmp_path, monkeypatch):
+    """Its logs and sockets in <output_dir>/ray, or ~/.cache/posttrain/ray where Ray's socket paths would pass the
+    107 bytes of a Unix socket path; an existing cluster keeps its own (test_recipes.py: what listens where)."""
+    from posttrain.launch.ray_launcher import init_options, session_root
 
-    assert init_options(None)["_node_ip_address"] == "127.0.0.1"
-    assert "_node_ip_address" not in init_options("10.0.0.1:6379")  # an existing cluster keeps its own addresses
+    monkeypatch.setenv("HOME", "/home/u")
+    assert init_options(None, Path("/r/run"))["_temp_dir"] == "/r/run/ray"
+    monkeypatch.chdir(tmp_path)
+    assert session_root(Path("run")) == (tmp_path / "run" / "ray" if len(str(tmp_path)) < 30 else
+                                         Path("/home/u/.cache/posttrain/ray"))  # a relative output_dir: from here
+    deep = Path("/" + "d" * 60)
+    assert session_root(deep) == Path("/home/u/.cache/posttrain/ray")
+    monkeypatch.setenv("HOME", "/" + "h" * 60)
+    assert session_root(deep) is None  # Ray's own /tmp/ray, said at start-up
+    assert "_temp_dir" not in init_options("10.0.0.1:6379", Path("/r/run")) and \
+        init_options("10.0.0.1:6379", Path("/r/run"))["include_dashboard"] is False
+
+
+def test_the_session_folder_does_not_make_output_dir_foreign(tmp_path):
+    """The driver starts the cluster (writing output_dir/ray) before the ranks check output_dir."""
+    from posttrain.outputs import check_output_dir, classify
+
+    out = tmp_path / "run"
+    (out / "ray" / "session_x").mkdir(parents=True)
+    assert classify(out) == "new"
+    recipe = load_recipe(None, ["data.train=x.jsonl", f"output_dir={out}", "model.name_or_path=m", REWARD],
+                         PPOAlgoConfig)
+    assert check_output_dir(recipe, "ppo") is None
+
+
+def test_ranks_join_a_store_the_first_worker_hosts(monkeypatch):
+    """Rank 0's own TCPStore would listen on every interface: every rank is a client (TORCHELASTIC_USE_AGENT_STORE,
+    as under torchrun, whose agent hosts it) of the store Worker.rendezvous hosts on the node's address only."""
+    import os
+
+    import psutil
+    from torch.distributed import TCPStore
+
+    from posttrain.launch.ray_actors import Worker, rank_env
+    from posttrain.launch.ray_placement import Plan, RankSlot
+
+    ray = pytest.importorskip("ray")
+    monkeypatch.setattr(ray.util, "get_node_ip_address", lambda: "127.0.0.1")  # the node's address, as Ray says it
+    worker = Worker()
+    addr, port = worker.rendezvous(2)
+    assert addr == "127.0.0.1"
+    bound = {c.laddr.ip for c in psutil.Process(os.getpid()).net_connections("inet") if c.laddr.port == port
+             and c.status == psutil.CONN_LISTEN}
+    assert bound == {"127.0.0.1"}
+    TCPStore(addr, port, 2, False).set("rank1", "here")  # a rank joins as a client
+    assert worker._store.store.get("rank1") == b"here"
+    env = rank_env(RankSlot(1, None, 1, 0), 2, 1, addr, port, Plan(units=(), gpu_resource="none"))
+    assert env["TORCHELASTIC_USE_AGENT_STORE"] == "True" and env["MASTER_PORT"] == str(port)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import os
+import sys
 import threading
 import time
 
@@ -184,6 +186,34 @@ def test_sys_exit_in_a_reward_is_a_failure_naming_the_sample():
     with pytest.raises(RewardError, match=r"reward 'x' called sys.exit\(0\) on sample 1 \(prompt: 'Name a colour.'") as e:
         RewardSet([Reward("x", exits_on_blue)]).score(PROMPTS, COMPLETIONS)
     assert "exits_on_blue" in e.value.user_traceback and "SystemExit: 0" in e.value.user_traceback
+
+
+def exit_on_blue(how: str):
+    """A reward, sync or async, that exits on the sample 'blue' by sys.exit or os._exit (code 7: were the guard gone,
+    os._exit would end pytest itself, and with 7, not a silent 0)."""
+    def score(completions, **kwargs):
+        if "blue" in completions:
+            sys.exit(7) if how.endswith("sys.exit") else os._exit(7)
+        return [1.0] * len(completions)
+
+    async def score_async(completions, **kwargs):
+        return score(completions)
+
+    return score_async if how.startswith("async") else score
+
+
+@pytest.mark.parametrize("how", ["sync os._exit", "async os._exit", "async sys.exit"])
+def test_an_exit_in_a_reward_sync_or_async_names_the_function_and_sample(how):
+    """An async reward runs on the event loop every async reward shares: os._exit there ended the process with no
+    word, sys.exit stopped the loop (reported as a timeout, and every later async reward timed out too)."""
+    call = how.split()[1]
+    with pytest.raises(RewardError, match=rf"reward 'x' called {call}\(7\) on sample 1 \(prompt: 'Name a colour.'") as e:
+        RewardSet([Reward("x", exit_on_blue(how), timeout=10)]).score(PROMPTS, COMPLETIONS)
+    assert "score" in e.value.user_traceback
+    async def still_scored(completions, **kwargs):
+        return [0.5] * len(completions)
+
+    assert RewardSet([Reward("y", still_scored, timeout=10)]).score(PROMPTS, COMPLETIONS).total_B.tolist() == [0.5] * 3
 
 
 def test_construction_checks():
