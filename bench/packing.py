@@ -17,6 +17,10 @@ tests/integration/test_packing.py):
   a refactor", falling back to padding) and GRPOConfig has none, so those cells say so instead of running.
 Rows are short enough (at most ~0.42 x --max-length words, ~2.2 tokens each here) that neither tool truncates them,
 which TRL's padding_free without packing requires (max_length=None).
+TRL reads the rows in posttrain's seeded order (sequential sampling over the reordered dataset) and in float32
+without autocast (TRL's configs default to bf16), so each step of every run sees the same rows and each run's
+per-step losses and grad norms, printed beside its timings, agree with the others' (SFT and DPO; GRPO samples its
+completions, so its losses differ between the tools).
 s/step is the mean wall time of the steps after the first (posttrain: tokens of a step / the logged
 tokens_per_second; TRL: between its step-end callbacks); peak memory is the process's peak RSS on a CPU (model,
 optimiser, activations and the ~0.5 GB of interpreter and libraries), CUDA's peak on a GPU.
@@ -108,7 +112,7 @@ def run_posttrain(a, algo: str, mode: str, model: Path, data: Path, work: Path) 
     tokens = [b["num_tokens"] - a_["num_tokens"] for a_, b in zip(rows, rows[1:])]
     seconds = [t / r["tokens_per_second"] for t, r in zip(tokens, rows[1:])]
     return {"s/step": sum(seconds) / max(1, len(seconds)), "peak MB": max(r["peak_memory_mb"] for r in rows),
-            "loss": rows[-1]["loss"]}
+            "losses": [r["loss"] for r in rows], "grad norms": [r["grad_norm"] for r in rows]}
 
 
 def run_trl(a, algo: str, mode: str, model: Path, data: Path, work: Path) -> dict:
@@ -128,6 +132,8 @@ def trl_child(a, algo: str, mode: str, model: str, data: str, out: str) -> None:
     from datasets import load_dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
 
+    from posttrain.train.sources import SampleOrder
+
     torch.manual_seed(3)
     tokenizer = AutoTokenizer.from_pretrained(model)
     policy = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32, attn_implementation="sdpa")
@@ -141,8 +147,14 @@ def trl_child(a, algo: str, mode: str, model: str, data: str, out: str) -> None:
                   learning_rate=1e-4, lr_scheduler_type="constant", logging_steps=1, save_strategy="no",
                   report_to="none", dataloader_num_workers=0, disable_tqdm=True, seed=3,
                   gradient_checkpointing=False,  # TRL 1.16's configs default to True; posttrain's to False
+                  bf16=False,  # TRL 1.16's configs default to bf16 autocast; posttrain's to none (float32, as here)
                   use_cpu=not torch.cuda.is_available())
     dataset = load_dataset("json", data_files=data, split="train")
+    # posttrain's seeded order (train.dataloader_seed = seed = 3), read in sequence: both tools see the same rows at
+    # each step, so their per-step losses can be compared (TRL's own shuffle draws another order)
+    order = SampleOrder(len(dataset), seed=3)
+    dataset = dataset.select([order.index(i) for i in range(len(dataset))])
+    common["train_sampling_strategy"] = "sequential"
     padding_free = mode == "TRL padding_free"
     if algo == "sft":
         from trl import SFTConfig, SFTTrainer
@@ -159,7 +171,7 @@ def trl_child(a, algo: str, mode: str, model: str, data: str, out: str) -> None:
         from trl import GRPOConfig, GRPOTrainer
 
         config = GRPOConfig(num_generations=4, max_completion_length=a.completion, beta=0.0, temperature=1.0,
-                            **common)
+                            shuffle_dataset=False, **common)
         trainer = GRPOTrainer(model=policy, args=config, train_dataset=dataset, processing_class=tokenizer,
                               reward_funcs=[length_reward])
     trainer.add_callback(StepEnds())
@@ -169,7 +181,9 @@ def trl_child(a, algo: str, mode: str, model: str, data: str, out: str) -> None:
             else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     print("RESULT " + json.dumps({"s/step": sum(gaps) / max(1, len(gaps)), "peak MB": peak / 2**20,
-                                  "loss": losses[-1] if losses else None}), flush=True)
+                                  "losses": losses,
+                                  "grad norms": [h["grad_norm"] for h in trainer.state.log_history if "loss" in h]}),
+          flush=True)
 
 
 def _env() -> dict:
@@ -180,6 +194,11 @@ def _env() -> dict:
 
 def _cell(result) -> str:
     return result if isinstance(result, str) else f"{result['s/step']:.2f} s/step, {result['peak MB']:,.0f} MB"
+
+
+def _losses(result: dict) -> str:
+    """Per-step figures of a run, to compare the tools step by step (they see the same rows at each step)."""
+    return "; ".join(f"{key} " + " ".join(f"{x:.4f}" for x in result[key]) for key in ("losses", "grad norms"))
 
 
 def main() -> None:
@@ -212,13 +231,13 @@ def main() -> None:
             row = table.setdefault(algo, {})
             for mode in MODES if "posttrain" in tools else ():
                 row[mode] = run_posttrain(a, algo, mode, model, data[algo], work)
-                print(f"{algo:5} {mode:17} {_cell(row[mode])}, last loss {row[mode]['loss']:.5f}", flush=True)
+                print(f"{algo:5} {mode:17} {_cell(row[mode])}, {_losses(row[mode])}", flush=True)
             for mode in TRL_MODES if "trl" in tools else ():
                 if mode == "TRL padding_free" and TRL_PADDING_FREE[algo]:
                     row[mode] = TRL_PADDING_FREE[algo]
                     continue
                 row[mode] = run_trl(a, algo, mode, model, data[algo], work)
-                print(f"{algo:5} {mode:17} {_cell(row[mode])}, last loss {row[mode]['loss']}", flush=True)
+                print(f"{algo:5} {mode:17} {_cell(row[mode])}, {_losses(row[mode])}", flush=True)
     columns = [c for c in (*MODES, *TRL_MODES) if any(c in row for row in table.values())]
     print("\n| run | " + " | ".join(columns) + " |")
     print("|---" * (len(columns) + 1) + "|")

@@ -6,6 +6,8 @@ output layer's `forward` is swapped for `ops.logprobs.linear_token_logprobs`, wh
 layer's own weight, so the model returns log-probs where it would return logits. The swap is on the module
 instance, so every engine's hooks around that module (ZeRO-3 gathering its weight, FSDP2 unsharding) still run.
 Other architectures (logit soft-capping or scaling after the head, a LoRA-wrapped head) take the logits path.
+With gradients, the gated MLPs and RMSNorms keep fewer activations for the backward (models/lean_activations.py:
+the same gradients, bit for bit).
 
 Under sequence parallelism (distributed/sequence_parallel.py) every forward here runs this rank's slice of each row
 and gathers the per-token result over the group, so callers see [B, T] as without it. Log-probs are taken per
@@ -22,6 +24,7 @@ import torch
 from posttrain.batch import Batch
 from posttrain.distributed import sequence_parallel
 from posttrain.distributed.wrappers import plain_class, unwrap_module
+from posttrain.models.lean_activations import lean_activations
 from posttrain.ops.logprobs import (entropy_BT, linear_next_token_logprobs, linear_next_token_logprobs_entropy,
                                    next_token_logprobs, next_tokens, shift_right, token_logprobs)
 
@@ -60,7 +63,8 @@ def policy_logits_at(model, batch: Batch, rows_n: torch.Tensor) -> torch.Tensor:
 
     head.forward = forward
     try:
-        return model(**batch.model_inputs(), use_cache=False).logits
+        with lean_activations(model):
+            return model(**batch.model_inputs(), use_cache=False).logits
     finally:
         del head.forward
 
@@ -89,7 +93,8 @@ def policy_logprobs_entropy(model, batch: Batch, temperature: float = 1.0) -> tu
 
     head.forward = forward
     try:
-        logprobs = shift_right(model(**inputs, use_cache=False).logits)
+        with lean_activations(model):
+            logprobs = shift_right(model(**inputs, use_cache=False).logits)
     finally:
         del head.forward
     entropy = shift_right(entropies[0])
@@ -122,10 +127,11 @@ def policy_logprobs(model, batch: Batch, temperature: float = 1.0) -> torch.Tens
 def _next_token_logprobs(model, inputs: dict, next_ids_BT: torch.Tensor, temperature: float) -> torch.Tensor:
     """log p(next_ids[t] | the tokens up to t) at each position of `inputs` (unshifted)."""
     head = fusable_head(model)
-    if head is None:
-        return next_token_logprobs(model(**inputs, use_cache=False).logits, next_ids_BT, temperature=temperature)
-    with _head_returns_logprobs(head, next_ids_BT, temperature):
-        return model(**inputs, use_cache=False).logits
+    with lean_activations(model):
+        if head is None:
+            return next_token_logprobs(model(**inputs, use_cache=False).logits, next_ids_BT, temperature=temperature)
+        with _head_returns_logprobs(head, next_ids_BT, temperature):
+            return model(**inputs, use_cache=False).logits
 
 
 def sequence_scores(model, batch: Batch) -> torch.Tensor:
