@@ -116,3 +116,22 @@ def lean_activations(model):
     finally:
         for module in swapped:
             del module.forward
+
+
+def lean_kinds(config) -> frozenset:
+    """The kinds of module ('mlp', 'norm') that lean_activations remakes in a model of this config, read from the
+    classes of transformers' modeling module for its model_type, so the planner counts what a run keeps without
+    building the model. Empty where that module cannot be read (remote code, a type transformers lacks): the planner
+    then counts every activation, the larger figure."""
+    import importlib
+
+    from transformers.models.auto.configuration_auto import model_type_to_module_name
+
+    name = model_type_to_module_name(getattr(config, "model_type", None) or "")
+    try:
+        module = importlib.import_module(f"transformers.models.{name}.modeling_{name}")
+    except Exception:  # noqa: BLE001 - any import failure means "not known": the larger estimate
+        return frozenset()
+    kinds = {_kind(cls) for cls in vars(module).values()
+             if isinstance(cls, type) and issubclass(cls, torch.nn.Module) and cls.__module__ == module.__name__}
+    return frozenset(kinds - {None})

@@ -11,7 +11,7 @@ Peak = persistent bytes + the largest of three phases that never overlap (traini
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import Optional
 
 GIB = 2**30
@@ -37,6 +37,9 @@ class ModelShape:
     """Parameters of the largest decoder layer (what ZeRO-3 / FSDP2 gathers at once); 0: parameters / layers."""
     fused_head: bool = False
     """The output layer can be fused with the log-softmax (algorithms.forward.FUSED_HEAD_MODELS)."""
+    lean: frozenset = frozenset()
+    """Which of the model's modules ('mlp', 'norm') keep fewer activations while it trains
+    (models/lean_activations.py)."""
 
     @property
     def head_dim(self) -> int:
@@ -87,7 +90,10 @@ class Workload:
     lm_head: bool = True
     """False for a sequence classifier (RM): no B x T x V logits."""
     logprobs_only: bool = False
-    """The loss needs log-probs only (SFT, DPO): a fusable head then never makes the logits."""
+    """The loss needs log-probs only (SFT, DPO, GRPO / PPO's surrogate): a fusable head then never makes the logits."""
+    scored_tokens: int = 0
+    """Tokens the fused output layer projects: GRPO / PPO score only the rows that predict a completion token
+    (models/forward.policy_logprobs_entropy); 0: every token this rank holds."""
     eager_attention: bool = False
     """attn_implementation=eager materialises B x heads x T x T scores; sdpa / flash do not."""
     generation_sequences: int = 0
@@ -188,13 +194,19 @@ class Breakdown:
 def activation_elements_per_token(shape: ModelShape, gradient_checkpointing: bool) -> int:
     """Activation elements one token keeps for backward in one decoder layer (Llama / Qwen2 / Mistral blocks).
 
-    Counted from what autograd saves: 2 RMSNorms (the normalised input and the weighted output: 2h each), q / k / v
-    projections (h + 2kv), rotary embedding (the rotated halves and the results: 2h + 2kv), the attention output and
+    Counted from what autograd saves: 2 RMSNorms (the normalised input and the weighted output, which the next
+    projections save as their input: 2h each), q / k / v projections (2kv: their input is the first norm's output),
+    rotary embedding (the rotated halves and the results: 2h + 2kv), the attention output and
     its contiguous copy before o_proj (2h), the residual sum (h), the MLP (gate, silu(gate), up, their product: 4I).
-    With gradient checkpointing a layer keeps only its input (h).
+    models/lean_activations.py remakes silu(gate) and the product (2I fewer) and each norm's normalised input (2h
+    fewer) in the backward where the model's classes are the ones it knows (`shape.lean`); it is off under
+    checkpointing. With gradient checkpointing a layer keeps only its input (h).
     """
     h, kv, i = shape.hidden_size, shape.kv_size, shape.intermediate_size
-    return h if gradient_checkpointing else 10 * h + 4 * kv + 4 * i
+    if gradient_checkpointing:
+        return h
+    return (9 * h + 4 * kv + 4 * i - (2 * i if "mlp" in shape.lean else 0)
+            - (2 * h if "norm" in shape.lean else 0))
 
 
 def micro_batch_tokens(w: Workload) -> int:
@@ -226,8 +238,9 @@ def activation_bytes(shape: ModelShape, w: Workload) -> int:
     attention_layers = 1 if w.gradient_checkpointing else shape.num_layers  # recomputed: one layer at a time
     total = (per_token * local * shape.num_layers + 3 * shape.hidden_size * local  # + embeddings, final norm
              + attention_layers * replicated_kv_elements(shape, n, tokens)) * w.compute_bytes
-    if w.gradient_checkpointing:
-        total += activation_elements_per_token(shape, False) * local * w.compute_bytes
+    if w.gradient_checkpointing:  # the recomputed layer's forward runs without lean_activations
+        plain = replace(shape, lean=frozenset())
+        total += activation_elements_per_token(plain, False) * local * w.compute_bytes
     if w.eager_attention:  # softmax(QK^T) per row kept per layer, each rank for its heads over the whole row
         rows = -(-tokens // w.sequence_length)
         total += attention_layers * rows * (shape.num_heads // n) * w.sequence_length**2 * w.compute_bytes
@@ -244,7 +257,8 @@ def logits_bytes(shape: ModelShape, w: Workload) -> int:
     if not w.lm_head:
         return 0
     if w.logprobs_only and shape.fused_head:  # ops.linear_token_logprobs: float32 chunks of LINEAR_CHUNK rows
-        return 2 * min(local_tokens(w), max(1, LINEAR_CHUNK // shape.vocab_size)) * shape.vocab_size * 4
+        scored = min(w.scored_tokens, local_tokens(w)) if w.scored_tokens else local_tokens(w)
+        return 2 * min(scored, max(1, LINEAR_CHUNK // shape.vocab_size)) * shape.vocab_size * 4
     tokens = local_tokens(w) if w.logprobs_only else micro_batch_tokens(w)
     teacher = 2 * tokens * shape.vocab_size * w.compute_bytes if w.teacher_logits else 0
     return (2 * tokens * shape.vocab_size * w.compute_bytes + 2 * min(tokens, LOGPROB_CHUNK) * shape.vocab_size * 4

@@ -14,6 +14,7 @@ from urllib.parse import urlparse
 import torch
 
 from posttrain.models.forward import FUSED_HEAD_MODELS
+from posttrain.models.lean_activations import lean_kinds
 from posttrain.config.schema import ModelConfig
 from posttrain.errors import UserError
 from posttrain.plan.estimate import ModelShape
@@ -119,4 +120,4 @@ def shape_from_config(config, parameters: int, trainable: int, largest_layer: in
                       num_layers=text.num_hidden_layers, num_heads=heads, largest_layer=largest_layer,
                       num_kv_heads=getattr(text, "num_key_value_heads", None) or heads,
                       intermediate_size=getattr(text, "intermediate_size", None) or 4 * hidden,
-                      fused_head=getattr(config, "model_type", None) in FUSED_HEAD_MODELS)
+                      fused_head=getattr(config, "model_type", None) in FUSED_HEAD_MODELS, lean=lean_kinds(config))

@@ -102,7 +102,11 @@ def workload_from_recipe(command: str, recipe: Recipe, per_device_batch: Optiona
     per_call = min(g.batch_size or prompts, prompts) or 1
     vllm = g.engine == "vllm" and g.placement in ("colocated", "node")  # its KV cache lives in its reserved share
     vllm_weight_bytes, kv_cache = vllm_on_cpu(recipe) if vllm and not on_gpu else (0, 0)
+    # the fused head scores the completion rows only, and not under sequence parallelism (the logits are gathered)
+    fused = workload.logprobs_only and workload.sequence_parallel == 1
     workload = dataclasses.replace(workload, sequence_length=prompt_length + g.max_completion_length,
+                                   logprobs_only=fused,
+                                   scored_tokens=workload.sequences * g.max_completion_length if fused else 0,
                                    generation_sequences=0 if vllm else per_call * generations,
                                    generation_length=prompt_length + g.max_completion_length,
                                    vllm_fraction=g.vllm.gpu_memory_utilization if vllm else 0.0,

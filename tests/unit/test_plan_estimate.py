@@ -22,9 +22,9 @@ ROOT = Path(__file__).resolve().parents[2]
 SHAPE = ModelShape(parameters=1000, trainable=1000, vocab_size=10, hidden_size=8, num_layers=2, num_heads=2,
                    num_kv_heads=1, intermediate_size=16)
 FP32 = Workload(algorithm="sft", sequences=2, sequence_length=4)  # 8 tokens, fp32 weights and activations
-# activations: per token per layer 10h + 4kv + 4I = 80 + 16 + 64 = 160 elements; x 8 tokens x 4 B x 2 layers
-# = 10240, + embeddings / final norm 3h x 8 tokens x 4 B = 768
-ACTIVATIONS = 10240 + 768
+# activations: per token per layer 9h + 4kv + 4I = 72 + 16 + 64 = 152 elements; x 8 tokens x 4 B x 2 layers
+# = 9728, + embeddings / final norm 3h x 8 tokens x 4 B = 768
+ACTIVATIONS = 9728 + 768
 # logits + their gradient 2 x 8 x 10 x 4 = 640, float32 log-softmax rows 2 x 8 x 10 x 4 = 640
 LOGITS = 1280
 
@@ -87,8 +87,8 @@ def test_zero3_offload_moves_state_to_cpu():
 
 def test_gradient_checkpointing_keeps_layer_inputs_and_one_layer():
     w = Workload(algorithm="sft", sequences=2, sequence_length=4, gradient_checkpointing=True)
-    # 8 B-elements per token per layer (h) x 8 tokens x 4 B x 2 layers + 768 + one layer recomputed (160 x 8 x 4)
-    assert estimate(SHAPE, w, ENGINES["ddp"]).activations == 8 * 8 * 4 * 2 + 768 + 160 * 8 * 4
+    # 8 B-elements per token per layer (h) x 8 tokens x 4 B x 2 layers + 768 + one layer recomputed (152 x 8 x 4)
+    assert estimate(SHAPE, w, ENGINES["ddp"]).activations == 8 * 8 * 4 * 2 + 768 + 152 * 8 * 4
 
 
 def test_generation_kv_cache_and_zero3_gathered_copy():
@@ -288,9 +288,9 @@ def test_32k_tokens_of_a_7b_model_need_sequence_parallelism(tmp_path):
     assert "data.packing=false" in out["command"]  # sequence parallelism refuses packed rows
     assert out["token_budget"]["max_tokens_per_microbatch"] >= 32768 and not out["token_budget"]["packing"]
     # the other way: gradient checkpointing, each layer keeps its input (h), one layer is recomputed whole
-    # (10h + 4kv + 4I), embeddings / norm 3h: bf16, per row of 32k tokens
+    # (9h + 4kv + 4I), embeddings / norm 3h: bf16, per row of 32k tokens
     instead = out["gradient_checkpointing_instead"]
-    per_token = H * L + 3 * H + 10 * H + 4 * H + 4 * I
+    per_token = H * L + 3 * H + 9 * H + 4 * H + 4 * I
     assert instead["sequence_parallel_size"] == 1
     assert instead["breakdown"]["activations"] == instead["per_device_train_batch_size"] * 32768 * per_token * 2
     text = run_plan("sft", recipe, None, [], 8, 1, "80GiB", as_json=False)
@@ -306,6 +306,40 @@ def test_the_recipes_token_budget_is_planned_and_its_split_kept(config_7b):
     recipe = _recipe(config_7b, "data.packing=true", "train.max_tokens_per_microbatch=8192")
     shape = model_shape(recipe.model)
     plan = make_plan(shape, functools.partial(workload_from_recipe, "sft", recipe), 4, 4, gpus=8, gpu_bytes=80 * 2**30)
-    per_token = H * L + 3 * H + 10 * H + 4 * H + 4 * I  # checkpointed layer inputs, embeddings, one layer recomputed
+    per_token = H * L + 3 * H + 9 * H + 4 * H + 4 * I  # checkpointed layer inputs, embeddings, one layer recomputed
     assert all(o.breakdown.activations == 8192 * per_token * 2 for o in plan.at_recipe_batch)
     assert (plan.recommended.per_device_batch, plan.recommended.accumulation) == (4, 4)
+
+
+def test_lean_activations_are_planned_where_the_run_keeps_fewer():
+    """models/lean_activations.py drops silu(gate) and the product (2I) and each norm's normalised input (2h) per
+    token and layer: 9h + 4kv + 4I - 2I - 2h = 56 + 16 + 32 = 104 elements; the recomputed layer under checkpointing
+    runs without it (152). The kinds come from transformers' own classes of the model type."""
+    import dataclasses
+
+    from transformers import AutoConfig
+
+    from posttrain.models.lean_activations import lean_kinds
+
+    lean = dataclasses.replace(SHAPE, lean=frozenset({"mlp", "norm"}))
+    assert estimate(lean, FP32, ENGINES["ddp"]).activations == 104 * 8 * 4 * 2 + 768
+    checkpointed = dataclasses.replace(FP32, gradient_checkpointing=True)
+    assert estimate(lean, checkpointed, ENGINES["ddp"]).activations == 8 * 8 * 4 * 2 + 768 + 152 * 8 * 4
+    assert lean_kinds(AutoConfig.for_model("llama")) == {"mlp", "norm"}
+    assert lean_kinds(AutoConfig.for_model("gpt2")) == frozenset()  # its MLP and LayerNorm: every activation kept
+
+
+def test_online_fused_head_scores_the_completion_rows_only(config_7b):
+    """GRPO's surrogate takes log-probs and entropy from the fused head over the rows that predict a completion
+    token: the planned chunk is per_device rows x max_completion_length, not the prompts; under sequence parallelism
+    the logits are gathered (no fused chunk)."""
+    from posttrain.plan.workload import workload_from_recipe
+
+    recipe = load_recipe(None, [f"model.name_or_path={config_7b}/", "data.train=rows.jsonl",
+                                "train.per_device_train_batch_size=8", "algo.num_generations=4",
+                                "generation.max_completion_length=32", "data.max_prompt_length=512",
+                                "rewards=[{name: length}]"], GRPOAlgoConfig)
+    w = workload_from_recipe("grpo", recipe)
+    assert w.logprobs_only and w.scored_tokens == w.sequences * 32
+    sp = workload_from_recipe("grpo", recipe, sequence_parallel=2)
+    assert not sp.logprobs_only and sp.scored_tokens == 0
