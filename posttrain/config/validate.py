@@ -175,6 +175,9 @@ def check_placement(recipe: Recipe) -> None:
     if where == "ray" and recipe.placement.generation.num_engines < 1:
         raise UserError("generation.placement=ray needs placement.generation.num_engines >= 1 (how many vLLM engines "
                         "to start as Ray actors)")
+    if recipe.train.sequence_parallel_size > 1 and recipe.launcher == "ray":
+        raise UserError(f"train.sequence_parallel_size={recipe.train.sequence_parallel_size} with launcher: ray: roles "
+                        "served by Ray actor groups run unsharded forwards; launch with torchrun or accelerate launch")
     if where != "ray" and recipe.placement.generation.num_engines and recipe.launcher == "ray":
         raise UserError(f"placement.generation.num_engines={recipe.placement.generation.num_engines} counts Ray "
                         f"engines, but generation.placement={where}: set generation.placement=ray, or drop it")

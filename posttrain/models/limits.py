@@ -118,9 +118,6 @@ def check_sequence_parallel(recipe, algorithm) -> None:
     if algorithm.name not in SEQUENCE_PARALLEL_ALGORITHMS:
         raise UserError(f"{key}: {algorithm.name} does not run sequence-parallel (only "
                         f"{', '.join(SEQUENCE_PARALLEL_ALGORITHMS)}); set it to 1")
-    if recipe.launcher == "ray":
-        raise UserError(f"{key} with launcher: ray: roles served by Ray actor groups run unsharded forwards; "
-                        "launch with torchrun or accelerate launch")
     if launcher_engine() == "fsdp":
         raise UserError(f"{key} runs under DDP or DeepSpeed (ZeRO 0-3); FSDP with sequence parallelism is not "
                         "supported: use a DeepSpeed config (recipes/accelerate/zero3.yaml)")

@@ -84,6 +84,11 @@ def test_bad_sizes_are_refused_with_the_key(tiny_model_dir, monkeypatch, command
     assert says in str(e.value)
 
 
+def test_a_ray_launch_is_refused_when_the_recipe_loads(tiny_model_dir):
+    with pytest.raises(UserError, match="train.sequence_parallel_size=2 with launcher: ray"):
+        sp_recipe(tiny_model_dir, "sft", "train.sequence_parallel_size=2", "launcher=ray")
+
+
 def test_kv_heads_fewer_than_ranks_are_replicated(tiny_model_dir, monkeypatch):
     """4 heads, 2 kv heads over 4 ranks: each kv head is replicated on 2 ranks (DeepSpeed's Ulysses does it)."""
     monkeypatch.setenv("WORLD_SIZE", "4")
