@@ -87,14 +87,8 @@ def train(ctx: LoopContext) -> TrainState:
     while state.step < ctx.total_steps:
         step_start = time.perf_counter()
 
-        # 1. this rank's micro-batches for the step: padding-free and within the token budget when the recipe asks
-        micro_batches = shape(ctx.source.step_batches(state.step), backend.recipe, pad_id(models.tokenizer),
-                              lambda count: max(backend.all_gather_object(count)))
-        micro_batches = [b.to(backend.device) for b in micro_batches]
-
-        # 2. what needs no gradient
-        with torch.no_grad(), backend.autocast():
-            micro_batches = [algorithm.prepare(b, models) for b in micro_batches]
+        # 1-2. this rank's micro-batches for the step, with what needs no gradient
+        micro_batches = prepared_micro_batches(ctx, state.step)
 
         # 3. one global normaliser per trained role for the whole step: its loss units (tokens, sequences or pairs)
         #    counted over this rank's micro-batches, then summed over ranks in one all-reduce
@@ -175,6 +169,17 @@ def train(ctx: LoopContext) -> TrainState:
         if stop_early:
             break
     return state
+
+
+def prepared_micro_batches(ctx: LoopContext, step: int) -> list[Batch]:
+    """This rank's micro-batches of `step` on its device (padding-free and within the token budget when the recipe
+    asks), each through algorithm.prepare: the forwards that need no gradient (reference, old policy, rewards)."""
+    backend, models = ctx.backend, ctx.models
+    micro_batches = shape(ctx.source.step_batches(step), backend.recipe, pad_id(models.tokenizer),
+                          lambda count: max(backend.all_gather_object(count)))
+    micro_batches = [b.to(backend.device) for b in micro_batches]
+    with torch.no_grad(), backend.autocast():
+        return [ctx.algorithm.prepare(b, models) for b in micro_batches]
 
 
 def step_normalisers(backend, objectives: list, micro_batches: list[Batch]) -> tuple[torch.Tensor, int]:
