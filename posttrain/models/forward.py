@@ -61,12 +61,8 @@ def policy_logits_at(model, batch: Batch, rows_n: torch.Tensor) -> torch.Tensor:
     def forward(hidden_BTH: torch.Tensor) -> torch.Tensor:
         return torch.nn.Linear.forward(head, hidden_BTH.reshape(-1, hidden_BTH.shape[-1])[rows_n])
 
-    head.forward = forward
-    try:
-        with lean_activations(model):
-            return model(**batch.model_inputs(), use_cache=False).logits
-    finally:
-        del head.forward
+    with _head_forward(head, forward), lean_activations(model):
+        return model(**batch.model_inputs(), use_cache=False).logits
 
 
 def policy_logprobs_entropy(model, batch: Batch, temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -91,12 +87,8 @@ def policy_logprobs_entropy(model, batch: Batch, temperature: float = 1.0) -> tu
         entropies.append(entropy)
         return logprobs
 
-    head.forward = forward
-    try:
-        with lean_activations(model):
-            logprobs = shift_right(model(**inputs, use_cache=False).logits)
-    finally:
-        del head.forward
+    with _head_forward(head, forward), lean_activations(model):
+        logprobs = shift_right(model(**inputs, use_cache=False).logits)
     entropy = shift_right(entropies[0])
     if not batch.padding_free:
         return logprobs, entropy
@@ -130,7 +122,11 @@ def _next_token_logprobs(model, inputs: dict, next_ids_BT: torch.Tensor, tempera
     with lean_activations(model):
         if head is None:
             return next_token_logprobs(model(**inputs, use_cache=False).logits, next_ids_BT, temperature=temperature)
-        with _head_returns_logprobs(head, next_ids_BT, temperature):
+
+        def forward(hidden_BTH: torch.Tensor) -> torch.Tensor:
+            return linear_next_token_logprobs(hidden_BTH, head.weight, next_ids_BT, temperature)
+
+        with _head_forward(head, forward):
             return model(**inputs, use_cache=False).logits
 
 
@@ -171,10 +167,9 @@ def fusable_head(model) -> torch.nn.Linear | None:
 
 
 @contextlib.contextmanager
-def _head_returns_logprobs(head: torch.nn.Linear, next_ids_BT: torch.Tensor, temperature: float):
-    def forward(hidden_BTH: torch.Tensor) -> torch.Tensor:
-        return linear_next_token_logprobs(hidden_BTH, head.weight, next_ids_BT, temperature)
-
+def _head_forward(head: torch.nn.Linear, forward):
+    """The output layer runs `forward(hidden_BTH)` instead of its own inside the block (on the instance, so engine
+    hooks around the module still run), and is itself again after it."""
     head.forward = forward
     try:
         yield
