@@ -39,11 +39,13 @@ def policy_logits(model, batch: Batch) -> torch.Tensor:
 
 def per_token(model, batch: Batch, read) -> torch.Tensor:
     """`read(model output)` over the batch's tokens as [B, T, ...]: the padding-free forward unpacked, or under
-    sequence parallelism this rank's slices gathered over the group."""
+    sequence parallelism this rank's slices gathered over the group. Every forward here keeps lean activations (the
+    policy's logits path and the critic's values alike)."""
     sp = sequence_parallel.current()
     if sp is None:
-        return batch.unpack(read(model(**batch.model_inputs(), use_cache=False)))
-    with sp.attention():
+        with lean_activations(model):
+            return batch.unpack(read(model(**batch.model_inputs(), use_cache=False)))
+    with sp.attention(), lean_activations(model):
         out_BC = read(model(**sp.shard_inputs(batch.input_ids_BT), use_cache=False))
     return sp.gather(out_BC, batch.input_ids_BT.shape[1])
 
