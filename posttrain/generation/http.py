@@ -6,8 +6,9 @@
 Never a hang, never trust the other side: `timeout` is a deadline for the whole request (connect, send, headers,
 body), not for each socket read, so a server that drips a byte at a time is cut off when it is spent; an answer
 larger than `max_bytes` is refused (by its Content-Length before any of it is read, or once that much has arrived);
-a redirect is never followed (the token would go with it to wherever it points); an answer that is not JSON, or not
-the shape a vLLM answer has, is an error that says what was wrong. Every error is a `ServerUnavailable`; its `retry`
+a redirect is never followed (the token would go with it to wherever it points); an answer cut short (fewer bytes than its Content-Length: the server died while
+sending it) is an error to retry, never an empty answer; an answer that is not JSON, or not the shape a vLLM answer
+has, is an error that says what was wrong. Every error is a `ServerUnavailable`; its `retry`
 says whether trying again can help (a refused connection, a missed deadline, HTTP 5xx) or not (a bad answer, 4xx).
 """
 
@@ -123,6 +124,10 @@ def _read(response, max_bytes: int, expired: threading.Event, truncate: bool = F
             raise ServerUnavailable(f"the answer passed the {max_bytes} bytes allowed", retry=False)
     if expired.is_set():
         raise OSError("cut by the deadline")
+    announced = int(length) if length is not None and length.isdigit() else None
+    if not truncate and announced is not None and size < announced:  # http.client's read1 does not check this
+        raise ServerUnavailable(f"the connection closed after {size} of the {announced} bytes announced (did the "
+                                "server stop?)", retry=True)
     return b"".join(chunks)[:max_bytes]
 
 

@@ -230,6 +230,26 @@ def test_call_errors_are_retryable_only_when_another_try_can_help(fake):
         assert e.value.retry is retry, e.value
 
 
+def cut_short(handler):  # a server dying while it sends its answer: 10 of the 1000 bytes it announced, then gone
+    handler.send_response(200)
+    handler.send_header("Content-Length", "1000")
+    handler.end_headers()
+    handler.wfile.write(b'{"choices"')
+    handler.wfile.flush()
+    handler.close_connection = True
+
+
+def test_an_answer_cut_short_is_an_error_to_retry_never_an_empty_answer(fake):
+    """http.client's read1 takes a closed connection for the end of the body, so a server killed mid-answer once
+    read as an empty (None) answer and the run stopped on 'a wrong answer' instead of trying the server again."""
+    server = fake(cut_short)
+    with pytest.raises(ServerUnavailable, match="closed after 10 of the 1000 bytes announced") as e:
+        call(server.url, "/inference/v1/generate", {"token_ids": [1]}, timeout=5)
+    assert e.value.retry
+    with pytest.raises(RunStopped, match=f"generation server {server.url} failed: .*closed after 10 of the 1000"):
+        generate(server.url)
+
+
 def test_bad_answers_at_start_up_are_user_errors_naming_the_server(fake, tiny_model_dir, monkeypatch):
     from posttrain.config.schema import Recipe
     from posttrain.generation.server import check_servers
