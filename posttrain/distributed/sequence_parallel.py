@@ -15,7 +15,9 @@ logits) are gathered so every rank of the group computes the same loss over whol
 keeps this rank's slice of the (identical) upstream gradient, and the all-to-alls inside attention carry the rest,
 so summing the group's parameter gradients gives the unsharded gradient. The loop counts the normaliser once per
 group (Backend.data_all_reduce_sum); DDP / ZeRO average over all N x data ranks and Backend.backward scales by the
-whole world, so the update equals N = 1.
+whole world, so the update equals N = 1. Under gradient checkpointing a layer's forward is recomputed in the
+backward, outside `attention()`: `checkpoint_context` (torch.utils.checkpoint's context_fn) runs it under the group
+its first forward ran under, so the recomputation is the same Ulysses attention over the same slices.
 
 From DeepSpeed 0.19.8's `runtime.sequence_parallel.ulysses_sp` we use `UlyssesSPAttentionHF` (the exchanges around
 the core attention, kv heads replicated when N is a multiple of their count). We do not use:
@@ -34,7 +36,7 @@ Nothing is missing for CPU: the exchange is torch.distributed's all_to_all_singl
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator, Optional
+from typing import Any, ContextManager, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -163,6 +165,17 @@ class SequenceParallel:
 def current() -> Optional[SequenceParallel]:
     """The run's sequence-parallel group, or None (N = 1)."""
     return _installed
+
+
+def checkpoint_context() -> tuple[ContextManager, ContextManager]:
+    """torch.utils.checkpoint's `context_fn` (models/load.py enables gradient checkpointing with it): a layer's
+    forward recomputed in the backward runs outside `attention()`, so it takes the attention that layer's first
+    forward took, read when that forward runs: Ulysses over the same group (the recomputed tensors are the sharded
+    ones the checkpoint compares against, and their all-to-alls pair up across the group because every rank
+    recomputes the same layers in the same order), or the model's own kernel for an unsharded forward (generation).
+    Returns (around the first forward, around the recomputation)."""
+    running = _running[-1] if _running else None
+    return contextlib.nullcontext(), (running.attention() if running is not None else contextlib.nullcontext())
 
 
 def _switch_attention(name: str) -> None:

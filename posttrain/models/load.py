@@ -24,6 +24,7 @@ from typing import Any, Iterator, Optional
 import torch
 
 from posttrain.config.schema import LoraConfig, ModelConfig
+from posttrain.distributed import sequence_parallel
 from posttrain.distributed.wrappers import unwrap_module
 from posttrain.errors import UserError
 
@@ -154,7 +155,9 @@ def _from_pretrained(auto_cls, model_cfg: ModelConfig, gradient_checkpointing: b
     except (OSError, ValueError, ImportError) as e:
         raise UserError(f"could not load model.name_or_path '{src}': {type(e).__name__}: {e}") from e
     if gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        # the recomputation in the backward attends as the first forward did (Ulysses under sequence parallelism)
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={
+            "use_reentrant": False, "context_fn": sequence_parallel.checkpoint_context})
         model.config.use_cache = False
     return model
 

@@ -1,7 +1,7 @@
 """Sequence parallelism (train.sequence_parallel_size=2) on 2 CPU processes over gloo: each row split in two halves,
 DeepSpeed's Ulysses attention exchanging them. The pair trains on the same rows, so SP=2 is compared with ONE
-process on the same global batch: the same losses, gradient norms and weights (SFT and GRPO), resumed runs equal
-uninterrupted ones, and ZeRO-3 shards the weights under it. The SFT rows (micro-batch 1) have odd and even lengths,
+process on the same global batch: the same losses, gradient norms and weights (SFT and GRPO; SFT with gradient
+checkpointing too), resumed runs equal uninterrupted ones, and ZeRO-3 shards the weights under it. The SFT rows (micro-batch 1) have odd and even lengths,
 so rows padded to a multiple of 2 are in every run.
 """
 
@@ -56,6 +56,20 @@ def test_sft_sp2_matches_one_process(one_process, sft_sp):
     check_same_steps(one_process.metrics["mb1_acc4"], sft_sp.metrics())
     assert_same_update(one_process["mb1_acc4"][1], sft_sp.final_weights())
     assert sft_sp.trainer_state()["state"]["samples_seen"] == 4 * len(sft_sp.losses())  # the pair counts its rows once
+
+
+def test_sft_sp2_gradient_checkpointing_matches_one_process(tiny_model_dir, task_data, tmp_path, one_process):
+    """Each layer's forward recomputed in the backward runs Ulysses over the same half rows as its first forward
+    (a recomputation with the model's own attention would make whole-row tensors: torch's CheckpointError), and
+    recomputing changes nothing: the same update as the one process without checkpointing."""
+    out = tmp_path / "run"
+    result = launch(2, "sft", sft_overrides(tiny_model_dir, task_data, out, *MB1_ACC4, *SP,
+                                            "train.gradient_checkpointing=true"),
+                    hooks=["sp_facts"], env={"POSTTRAIN_HOOK_OUT": str(out / "hooks")})
+    assert result.ok, result.output[-4000:]
+    check_sharded(result)
+    check_same_steps(one_process.metrics["mb1_acc4"], result.metrics())
+    assert_same_update(one_process["mb1_acc4"][1], result.final_weights())
 
 
 def test_sft_sp2_resume_matches_uninterrupted(tiny_model_dir, task_data, tmp_path, sft_sp):

@@ -1,9 +1,10 @@
 """Sequence parallelism's pure parts: sharding and padding rows, per-shard log-probs against the row's next tokens,
-the data ranks that count rows once per group, and the start-up checks of train.sequence_parallel_size. The
+the data ranks that count rows once per group, the recomputation of a checkpointed forward, and the start-up checks of train.sequence_parallel_size. The
 2-process runs are in tests/distributed/test_sequence_parallel.py."""
 
 from __future__ import annotations
 
+import contextlib
 import types
 
 import pytest
@@ -13,7 +14,8 @@ from posttrain.algorithms import ALGORITHMS
 from posttrain.cli import main
 from posttrain.config.load import load_recipe
 from posttrain.distributed.backend import Backend
-from posttrain.distributed.sequence_parallel import padded_length, shard
+from posttrain.distributed import sequence_parallel
+from posttrain.distributed.sequence_parallel import SequenceParallel, checkpoint_context, padded_length, shard
 from posttrain.errors import UserError
 from posttrain.models.limits import check_sequence_parallel
 from posttrain.ops.logprobs import (linear_next_token_logprobs, linear_token_logprobs, next_token_logprobs,
@@ -59,6 +61,27 @@ def test_rows_are_counted_once_per_group():
     assert Backend.data_all_gather_object(gathered, None) == ["a", "b"]
     summed = types.SimpleNamespace(data_weight=0.0, all_reduce_sum=lambda x: x)
     assert float(Backend.data_all_reduce_sum(summed, torch.tensor(7.0))) == 0.0
+
+
+@pytest.mark.parametrize("sharded", [True, False])
+def test_a_recomputed_forward_attends_as_its_first_forward(sharded):
+    """Gradient checkpointing recomputes in the backward, outside attention(): with checkpoint_context the
+    recomputation runs under the group the first forward ran under (Ulysses), and an unsharded forward's under
+    none (generation stays whole)."""
+    group = SequenceParallel(2, None, 0)  # no exchange happens here: only which group is running is read
+    seen = []
+
+    def layer(x):
+        seen.append(list(sequence_parallel._running))
+        return x.sin()
+
+    x = torch.randn(3, requires_grad=True)
+    with group.attention() if sharded else contextlib.nullcontext():
+        y = torch.utils.checkpoint.checkpoint(layer, x, use_reentrant=False, context_fn=checkpoint_context)
+    y.sum().backward()
+    assert seen == [[group], [group]] if sharded else seen == [[], []]
+    assert sequence_parallel._running == []
+    torch.testing.assert_close(x.grad, x.detach().cos())
 
 
 def sp_recipe(tiny_model_dir, command, *extra):
