@@ -1,7 +1,7 @@
-"""A local distillation teacher projects only the rows the loss uses (Role.logits_at): the rows that predict a
-completion token, in the padded and the padding-free (data.packing) layouts, held plainly or offloaded
-(algo.teacher_offload) — and distill's loss, the student's gradients and the metrics are those of the full-logits
-path (both models' (B, T, V) logits into losses.distill.distill_loss), in float32."""
+"""A local distillation teacher projects only the rows the loss uses (Role.logits_at), as the student does: the rows
+that predict a completion token, in the padded and the padding-free (data.packing) layouts, the teacher held plainly
+or offloaded (algo.teacher_offload); distill's loss, the student's gradients and the metrics are those of the
+full-logits path (both models' (B, T, V) logits into losses.distill.distill_loss), in float32."""
 
 import dataclasses
 
@@ -61,14 +61,17 @@ def test_the_teacher_projects_only_the_completion_rows_and_the_loss_is_the_full_
     role = LocalRole(Offloaded(teacher, "cpu") if offload else teacher)
 
     projected = []
-    hook = teacher.lm_head.register_forward_hook(lambda module, args, out: projected.append(tuple(out.shape)))
+    hooks = [model.lm_head.register_forward_hook(lambda module, args, out: projected.append(tuple(out.shape)))
+             for model in (teacher, student)]
     student.zero_grad()
     loss, metrics = algorithm.loss(student, batch, batch.completion_mask_BT.sum(), teacher=role)
     loss.backward()
-    hook.remove()
+    for hook in hooks:
+        hook.remove()
     grads = {name: p.grad.clone() for name, p in student.named_parameters()}
     rows = predicting_rows(batch.completion_mask_BT).shape[0]
-    assert projected == [(rows, student.config.vocab_size)]  # never the (B, T, V) logits, nor the packed row's
+    # the teacher's head, then the student's: never the (B, T, V) logits, nor the packed rows'
+    assert projected == [(rows, student.config.vocab_size)] * 2
     assert "forward" not in vars(teacher.lm_head) and next(teacher.parameters()).device.type == "cpu"
 
     student.zero_grad()
