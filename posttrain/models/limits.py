@@ -104,14 +104,15 @@ SEQUENCE_PARALLEL_ALGORITHMS = ("sft", "grpo", "ppo", "distill")
 models/forward.py's per-token forwards)."""
 
 
-def check_sequence_parallel(recipe, algorithm) -> None:
+def check_sequence_parallel(recipe, algorithm, world: Optional[int] = None) -> None:
     """train.sequence_parallel_size against the launch, the algorithm, the attention kernel and the model's heads:
-    UserError naming the key, before any model loads."""
+    UserError naming the key, before any model loads. `world`: the processes (None: this launch's WORLD_SIZE;
+    `posttrain plan` passes --gpus and checks that it divides itself)."""
     size = recipe.train.sequence_parallel_size
     if size == 1:
         return
     key = f"train.sequence_parallel_size={size}"
-    world = int(os.environ.get("WORLD_SIZE", "1"))
+    world = int(os.environ.get("WORLD_SIZE", "1")) if world is None else world
     if world % size:
         raise UserError(f"{key} does not divide the {world} processes launched: launch a multiple of {size} "
                         f"(torchrun --nproc_per_node {size} ...), or lower it")
