@@ -140,3 +140,34 @@ def test_compare_trl_refuses_bad_flags_before_making_anything(args, message):
     done = subprocess.run([sys.executable, str(ROOT / "bench" / "compare_trl.py"), *args], capture_output=True,
                           text=True, timeout=60)
     assert done.returncode == 2 and message in done.stderr and "Traceback" not in done.stderr, done.stderr
+
+
+@pytest.mark.parametrize("command, key", [("distill", "algo.teacher_model_name_or_path"),
+                                          ("ppo", "algo.critic_model_name_or_path")])
+def test_sequence_parallel_checks_the_heads_of_a_teacher_or_critic_of_another_shape(tmp_path, command, key):
+    """A one-head teacher under sequence_parallel_size=2 passed the policy's check and crashed in its first forward."""
+    from posttrain.algorithms import ALGORITHMS
+    from posttrain.models.limits import check_sequence_parallel
+
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "config.json").write_text(json.dumps({**TINY_LLAMA, "num_attention_heads": 1, "head_dim": 64}))
+    recipe = load_recipe(None, [f"model.name_or_path={model_dir(tmp_path)}", "data.train=a.jsonl", f"{key}={other}",
+                                "train.sequence_parallel_size=2", "rewards=[{name: exact_match}]"],
+                         ALGORITHMS[command][0])
+    with pytest.raises(UserError, match=rf"sequence_parallel_size=2 must divide .*{other}'s 1 attention heads"):
+        check_sequence_parallel(recipe, ALGORITHMS[command][1](recipe), world=2)
+
+
+def test_an_export_dtype_that_cannot_hold_a_weight_stops_before_writing_final():
+    """train.export_dtype=float16 on a weight of 1e6 wrote inf into final/ with rc 0."""
+    import torch
+
+    from posttrain.checkpoint import check_castable
+    from posttrain.errors import RunStopped
+
+    weights = {"model.layers.0.mlp.down_proj.weight": torch.tensor([[1e6, 1.0]]), "ids": torch.tensor([70000])}
+    with pytest.raises(RunStopped, match=r"down_proj.weight holds 1e\+06, beyond float16's largest value \(65504\)"):
+        check_castable(weights, "float16")
+    check_castable(weights, "bfloat16")
+    check_castable({"w": torch.tensor([65504.0, -65504.0])}, "float16")
