@@ -297,9 +297,12 @@ def figures(raw: dict, a, work: Path, probe: float, on_cuda: bool) -> dict:
 def check_args(p: argparse.ArgumentParser, a) -> None:
     """Exit 2 naming the flag, before anything is generated or run: a --model that is no model directory failed
     with a traceback after the data was made, and --steps 1 left no step gap to time."""
-    if a.model is not None and a.model != "smollm2" and not (Path(a.model).expanduser() / "config.json").is_file():
-        p.error(f"--model {a.model!r} is not a model directory (no config.json in it): give a Hugging Face model "
-                "directory, or smollm2")
+    if a.teacher is not None and a.algo != "distill":
+        p.error(f"--teacher is the teacher of --algo distill; --algo {a.algo} has none")
+    for flag, value, named in (("model", a.model, ("smollm2",)), ("teacher", a.teacher, ())):
+        if value is not None and value not in named and not (Path(value).expanduser() / "config.json").is_file():
+            p.error(f"--{flag} {value!r} is not a model directory (no config.json in it): give a Hugging Face model "
+                    f"directory{', or smollm2' if named else ''}")
     for flag in ("bs", "seq", "gens", "completion", "repeats"):
         if getattr(a, flag) < 1:
             p.error(f"--{flag} must be >= 1, got {getattr(a, flag)}")

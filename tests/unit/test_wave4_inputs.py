@@ -133,6 +133,8 @@ def test_two_trl_flags_for_one_key_are_called_a_conflict(capsys):
 @pytest.mark.parametrize("args, message", [
     (["--model", "/nonexistent/model"], "--model '/nonexistent/model' is not a model directory"),
     (["--model", ""], "--model '' is not a model directory"),
+    (["--algo", "distill", "--teacher", "/nonexistent"], "--teacher '/nonexistent' is not a model directory"),
+    (["--teacher", str(ROOT)], "--teacher is the teacher of --algo distill; --algo sft has none"),
     (["--steps", "1"], "--steps must be >= 2"),
     (["--bs", "0"], "--bs must be >= 1"),
 ])
