@@ -74,7 +74,7 @@ def check_output_dir(recipe, command: str = "") -> Optional[Path]:
         check_same_command(Path(t.resume_from_checkpoint).parent.parent, command, "train.resume_from_checkpoint")
     resume = resolve_resume(str(out), t.resume_from_checkpoint, strict=t.resume_strict)
     if kind == "run" and t.resume_from_checkpoint is not None and not t.overwrite_output_dir:
-        check_not_behind(out, resume)
+        check_not_behind(out, resume, t.max_steps)
     if resume is not None or t.overwrite_output_dir or t.resume_from_checkpoint == "auto":
         return resume  # auto and no checkpoint yet (a run stopped before its first save): the run starts
     # config.yaml alone (or with an empty log): that run never trained; the Ray launcher's folders: it wrote them
@@ -89,11 +89,12 @@ def check_output_dir(recipe, command: str = "") -> Optional[Path]:
     return None
 
 
-def check_not_behind(out: Path, resume: Optional[Path]) -> None:
-    """A run whose final/ holds step S (the marker records it) resumed from an older checkpoint, or from none
-    (train.save_final_checkpoint off), would train steps it already trained again and replace their metrics rows and
-    final/ with exit 0: what the user has would be lost. A run stopped before its end (max_steps_per_run, a signal, a
-    failure) has no newer final/ and is continued as usual."""
+def check_not_behind(out: Path, resume: Optional[Path], max_steps: int = -1) -> None:
+    """Resuming a run whose final/ holds step S (the marker records it) from behind S. With no checkpoint at all
+    (train.save_final_checkpoint off) `auto` started the run from scratch over final/ and metrics.jsonl with exit 0,
+    and a max_steps below S put an older model into final/: both refused. From an older checkpoint (the newest one was
+    damaged) the steps after it are trained again, as exactly as before: said once. A run stopped before its end
+    (max_steps_per_run, a signal, a failure) has no newer final/ and is continued as usual."""
     final_step = read_marker(out).get("final_step")
     if type(final_step) is not int or not (out / "final").exists():
         return
@@ -103,12 +104,19 @@ def check_not_behind(out: Path, resume: Optional[Path]) -> None:
         return  # resolve_resume checked what it needs; a checkpoint without a step is not compared
     if final_step <= resumed:
         return
-    behind = f"its newest checkpoint is step {resumed}" if resume else "it saved no checkpoint"
-    raise UserError(f"train.resume_from_checkpoint: the run in {out} finished at step {final_step} (final/), but "
-                    f"{behind} (train.save_final_checkpoint was off): resuming would train steps {resumed + 1}-"
-                    f"{final_step} again and replace their metrics rows and final/. To train on from its model, start "
-                    f"another output_dir with model.name_or_path={out / 'final'}; train.overwrite_output_dir=true "
-                    "replaces the run; train.save_final_checkpoint=true keeps a run extensible")
+    fix = (f"To train on from its model, start another output_dir with model.name_or_path={out / 'final'}; "
+           "train.overwrite_output_dir=true replaces the run")
+    if resume is None:
+        raise UserError(f"train.resume_from_checkpoint: the run in {out} finished at step {final_step} (final/) but "
+                        "saved no checkpoint (train.save_final_checkpoint was off), so there is nothing to resume: the "
+                        f"run would start from step 0 over its final/ and metrics.jsonl. {fix}; "
+                        "train.save_final_checkpoint=true keeps a run extensible")
+    if 0 < max_steps < final_step:
+        raise UserError(f"train.max_steps={max_steps}: the run in {out} already finished at step {final_step} "
+                        f"(final/); resuming from step {resumed} would replace final/ with the model of step "
+                        f"{max_steps}. {fix}")
+    warn(f"resuming {out} from step {resumed}, behind its final/ (step {final_step}): steps {resumed + 1}-{final_step} "
+         "are trained again and final/ is replaced at the end")
 
 
 def read_marker(out: Path) -> dict:

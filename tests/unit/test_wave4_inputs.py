@@ -97,21 +97,25 @@ def finished_run(tmp_path, final_step: int | None) -> Path:
     return out
 
 
-def test_resume_of_a_finished_run_that_saved_no_last_checkpoint_is_refused(tmp_path):
-    """save_final_checkpoint off: auto found no checkpoint and trained from scratch over final/ and metrics.jsonl,
-    exit 0; from an older checkpoint it trained the last steps again and replaced final/ with them."""
+def test_resume_of_a_finished_run_from_behind_its_final_is_refused_where_it_would_lose_it(tmp_path, capsys):
+    """save_final_checkpoint off: auto found no checkpoint and trained from step 0 over final/ and metrics.jsonl, exit
+    0; from an older checkpoint with a lower max_steps it put that older model into final/. From an older checkpoint
+    (the newest damaged) at the same max_steps the steps are trained again exactly: said, not refused."""
     out = finished_run(tmp_path, final_step=4)
     assert outputs.read_marker(out)["final_step"] == 4
-    with pytest.raises(UserError, match=r"finished at step 4 \(final/\), but it saved no checkpoint .* steps 1-4"):
+    with pytest.raises(UserError, match=r"finished at step 4 \(final/\) but saved no checkpoint .* from step 0"):
         outputs.check_output_dir(load_recipe(None, [f"output_dir={out}", "data.train=x.jsonl",
                                                     "train.resume_from_checkpoint=auto"], SFTAlgoConfig), "sft")
     older = out / "checkpoints" / "step-2"
     older.mkdir(parents=True)
     (older / "trainer_state.json").write_text(json.dumps({"state": {"step": 2}}))
-    with pytest.raises(UserError, match=r"its newest checkpoint is step 2 .* train steps 3-4 again"):
-        outputs.check_not_behind(out, older)
+    with pytest.raises(UserError, match=r"max_steps=2: .* finished at step 4 .* replace final/ with the model of step 2"):
+        outputs.check_not_behind(out, older, max_steps=2)
+    outputs.check_not_behind(out, older, max_steps=4)
+    assert "steps 3-4 are trained again" in capsys.readouterr().err
     (older / "trainer_state.json").write_text(json.dumps({"state": {"step": 4}}))
-    outputs.check_not_behind(out, older)  # the last step checkpointed: resuming continues it
+    outputs.check_not_behind(out, older, max_steps=2)  # the last step checkpointed: final/ is exported from it
+    assert capsys.readouterr().err == ""
 
 
 def test_an_attempt_that_wrote_no_final_keeps_the_step_final_holds(tmp_path):
