@@ -284,14 +284,31 @@ def figures(raw: dict, a, work: Path, probe: float, on_cuda: bool) -> dict:
     else:
         step_tokens = None
     cpu = (raw["cpu"][-1] - raw["cpu"][k]) / len(gaps)
-    out = {"s/step": sec, "CPU s/step": cpu, "tokens/s": step_tokens / sec if step_tokens else None,
+    out = {"s/step": sec, "CPU s/step": cpu, "tokens/s": step_tokens / sec if step_tokens and sec > 0 else None,
            "peak GB": raw["peak"] / 2**30, "start-up s": ends[0] - raw["started"], "first loss": raw["loss"][0]}
-    if step_tokens and a.algo != "grpo":
+    if out["tokens/s"] and a.algo != "grpo":  # none when steps ended within one poll of metrics.jsonl
         params, layers, hidden = parameters_and_dims(model_dir(a, work))
         seq = a.seq if a.algo == "sft" else step_tokens / (2 * a.bs)
         achieved = out["tokens/s"] * (6 * params + 12 * layers * hidden * seq)
         out["MFU"] = achieved / (H100_BF16_PEAK if on_cuda else probe)
     return out
+
+
+def check_args(p: argparse.ArgumentParser, a) -> None:
+    """Exit 2 naming the flag, before anything is generated or run: a --model that is no model directory failed
+    with a traceback after the data was made, and --steps 1 left no step gap to time."""
+    if a.teacher is not None and a.algo != "distill":
+        p.error(f"--teacher is the teacher of --algo distill; --algo {a.algo} has none")
+    for flag, value, named in (("model", a.model, ("smollm2",)), ("teacher", a.teacher, ())):
+        if value is not None and value not in named and not (Path(value).expanduser() / "config.json").is_file():
+            p.error(f"--{flag} {value!r} is not a model directory (no config.json in it): give a Hugging Face model "
+                    f"directory{', or smollm2' if named else ''}")
+    for flag in ("bs", "seq", "gens", "completion", "repeats"):
+        if getattr(a, flag) < 1:
+            p.error(f"--{flag} must be >= 1, got {getattr(a, flag)}")
+    if a.steps < 2 or a.warmup < 0:
+        p.error(f"--steps must be >= 2 (a step time is the gap between two steps) and --warmup >= 0; got --steps "
+                f"{a.steps} --warmup {a.warmup}")
 
 
 def main() -> None:
@@ -318,6 +335,7 @@ def main() -> None:
     p.add_argument("--startup", action="store_true", help="only the cold start of each tool's own command line")
     p.add_argument("--posttrain-path", help="--startup: another posttrain checkout to time as well (before/after)")
     a = p.parse_args()
+    check_args(p, a)
     if a.startup:
         from compare_startup import startup_side_by_side  # beside this file
 

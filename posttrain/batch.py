@@ -120,6 +120,15 @@ class Batch:
         packed_N = x_BT.new_zeros(fill_R.shape[0] * width, *x_BT.shape[2:]).index_put((slots_N,), x_BT[keep_BT])
         return packed_N.view(fill_R.shape[0], width, *x_BT.shape[2:])
 
+    def model_rows(self, rows_n: torch.Tensor) -> torch.Tensor:
+        """Flat rows (b * T + t) of this batch's [B, T] layout -> the same tokens' flat rows in `model_inputs()`'s
+        [rows, width] layout (as they are when the batch is not padding-free). Every row must be a real token."""
+        if not self.padding_free:
+            return rows_n
+        keep_BT = self.attention_mask_BT.bool()
+        slots_N, _, _ = _packed_slots(keep_BT)
+        return torch.full_like(keep_BT, -1, dtype=torch.long).index_put((keep_BT,), slots_N).reshape(-1)[rows_n]
+
     def rows(self, start: int, stop: int) -> "Batch":
         """Rows [start, stop) of a padded batch (for chunked forwards)."""
         size = self.input_ids_BT.shape[0]

@@ -259,6 +259,7 @@ def export_final(backend, model, tokenizer, output_dir: str, name: str = "final"
     if backend.is_main:
         shutil.rmtree(tmp, ignore_errors=True)
         if dtype is not None:
+            check_castable(state_dict, dtype, name)
             state_dict = {k: v.to(getattr(torch, dtype)) if v.is_floating_point() else v for k, v in state_dict.items()}
         unwrapped.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
         if dtype is not None:  # save_pretrained names the live model's dtype
@@ -271,6 +272,17 @@ def export_final(backend, model, tokenizer, output_dir: str, name: str = "final"
         files.replace_dir(tmp, final)
     backend.barrier()
     return final if backend.is_main else None
+
+
+def check_castable(state_dict: dict, dtype: str, name: str = "final") -> None:
+    """train.export_dtype=float16 on weights beyond float16's range (+-65504; bfloat16 has float32's): the cast
+    turned them into inf and final/ was written with rc 0. Stops before writing anything, naming the tensor."""
+    limit = torch.finfo(getattr(torch, dtype)).max
+    for key, value in state_dict.items():
+        if value.is_floating_point() and value.numel() and (largest := value.abs().max().item()) > limit:
+            raise RunStopped(f"train.export_dtype={dtype}: {key} holds {largest:.4g}, beyond {dtype}'s largest value "
+                             f"({limit:.6g}), so {name}/ would hold inf; nothing was written to {name}/. Export in "
+                             "bfloat16 or float32 (train.export_dtype)", shared=False)
 
 
 def set_config_dtype(config_file: Path, dtype: str) -> None:

@@ -73,6 +73,8 @@ def check_output_dir(recipe, command: str = "") -> Optional[Path]:
     if t.resume_from_checkpoint not in (None, "auto") and not t.overwrite_output_dir:
         check_same_command(Path(t.resume_from_checkpoint).parent.parent, command, "train.resume_from_checkpoint")
     resume = resolve_resume(str(out), t.resume_from_checkpoint, strict=t.resume_strict)
+    if kind == "run" and t.resume_from_checkpoint is not None and not t.overwrite_output_dir:
+        check_not_behind(out, resume, t.max_steps)
     if resume is not None or t.overwrite_output_dir or t.resume_from_checkpoint == "auto":
         return resume  # auto and no checkpoint yet (a run stopped before its first save): the run starts
     # config.yaml alone (or with an empty log): that run never trained; the Ray launcher's folders: it wrote them
@@ -85,6 +87,36 @@ def check_output_dir(recipe, command: str = "") -> Optional[Path]:
         raise UserError(f"output_dir {out} already holds a run (config.yaml); pass train.resume_from_checkpoint=auto "
                         "to continue it, train.overwrite_output_dir=true to replace it, or choose another output_dir")
     return None
+
+
+def check_not_behind(out: Path, resume: Optional[Path], max_steps: int = -1) -> None:
+    """Resuming a run whose final/ holds step S (the marker records it) from behind S. With no checkpoint at all
+    (train.save_final_checkpoint off) `auto` started the run from scratch over final/ and metrics.jsonl with exit 0,
+    and a max_steps below S put an older model into final/: both refused. From an older checkpoint (the newest one was
+    damaged) the steps after it are trained again, as exactly as before: said once. A run stopped before its end
+    (max_steps_per_run, a signal, a failure) has no newer final/ and is continued as usual."""
+    final_step = read_marker(out).get("final_step")
+    if type(final_step) is not int or not (out / "final").exists():
+        return
+    try:
+        resumed = int(json.loads((resume / "trainer_state.json").read_text())["state"]["step"]) if resume else 0
+    except (OSError, ValueError, KeyError, TypeError):
+        return  # resolve_resume checked what it needs; a checkpoint without a step is not compared
+    if final_step <= resumed:
+        return
+    fix = (f"To train on from its model, start another output_dir with model.name_or_path={out / 'final'}; "
+           "train.overwrite_output_dir=true replaces the run")
+    if resume is None:
+        raise UserError(f"train.resume_from_checkpoint: the run in {out} finished at step {final_step} (final/) but "
+                        "saved no checkpoint (train.save_final_checkpoint was off), so there is nothing to resume: the "
+                        f"run would start from step 0 over its final/ and metrics.jsonl. {fix}; "
+                        "train.save_final_checkpoint=true keeps a run extensible")
+    if 0 < max_steps < final_step:
+        raise UserError(f"train.max_steps={max_steps}: the run in {out} already finished at step {final_step} "
+                        f"(final/); resuming from step {resumed} would replace final/ with the model of step "
+                        f"{max_steps}. {fix}")
+    warn(f"resuming {out} from step {resumed}, behind its final/ (step {final_step}): steps {resumed + 1}-{final_step} "
+         "are trained again and final/ is replaced at the end")
 
 
 def read_marker(out: Path) -> dict:
@@ -312,16 +344,17 @@ def write_marker(out: Path, record: dict) -> None:
     os.replace(tmp, out / MARKER)
 
 
-def end_attempt(out: Path, error: Optional[BaseException] = None) -> None:
+def end_attempt(out: Path, error: Optional[BaseException] = None, final_step: Optional[int] = None) -> None:
     """Record how this process's attempt ended: finished, stopped (a signal, Ctrl-C) or failed (with the error's
-    first line). Only the process that began it writes (rank 0; never a run that refused to start)."""
+    first line), and the step final/ holds when it wrote one (check_not_behind). Only the process that began it
+    writes (rank 0; never a run that refused to start)."""
     try:
-        record_end(out, error)
+        record_end(out, error, final_step)
     finally:
         release(out)
 
 
-def record_end(out: Path, error: Optional[BaseException]) -> None:
+def record_end(out: Path, error: Optional[BaseException], final_step: Optional[int] = None) -> None:
     record = read_marker(out)
     attempt = record.get("attempt") or {}
     if attempt.get("pid") != os.getpid() or attempt.get("status") != "running":
@@ -332,6 +365,8 @@ def record_end(out: Path, error: Optional[BaseException]) -> None:
     attempt["status"] = "finished" if error is None else "stopped" if stopped else "failed"
     if error is not None:
         attempt["error"] = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"[:300]
+    if final_step is not None:
+        record["final_step"] = final_step
     attempt["ended"] = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     try:
         write_marker(out, record)

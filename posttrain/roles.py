@@ -22,7 +22,7 @@ from posttrain.batch import Batch
 from posttrain.checkpoint import export_final
 from posttrain.distributed.precision import trained_model_config
 from posttrain.models.critic import load_critic
-from posttrain.models.forward import policy_logprobs
+from posttrain.models.forward import policy_logits_at, policy_logprobs
 from posttrain.models.moe import NO_ROUTING, Routing, moe_routing, sparse_block_classes
 from posttrain.models.reference import make_reference
 from posttrain.train.loop import update_role
@@ -45,6 +45,10 @@ class LocalRole(Role):
 
     def logprobs(self, batch: Batch, temperature: float = 1.0) -> torch.Tensor:
         return policy_logprobs(self.model, batch, temperature)
+
+    def logits_at(self, batch: Batch, rows_n: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            return policy_logits_at(self.model, batch, rows_n)
 
     def forward(self, **inputs) -> Any:
         return self.model(**inputs)

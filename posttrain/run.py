@@ -27,7 +27,7 @@ from posttrain.config.load import dump_yaml
 from posttrain.config.schema import Recipe, total_steps, trackers as tracker_names
 from posttrain.data import eval_batches
 from posttrain.distributed.backend import Backend
-from posttrain.distributed.precision import export_dtype, trained_model_config, upcast_trainable
+from posttrain.distributed.precision import check_master_weights, export_dtype, trained_model_config, upcast_trainable
 from posttrain.logging import MetricsLogger, read_metrics
 from posttrain.models import load
 from posttrain.models.limits import check_position_limit, check_sequence_parallel
@@ -113,7 +113,7 @@ def run(command: str, recipe: Recipe, launched: Optional[Launched] = None) -> Ru
     except BaseException as error:
         outputs.end_attempt(Path(recipe.output_dir), error)
         raise
-    outputs.end_attempt(Path(recipe.output_dir))
+    outputs.end_attempt(Path(recipe.output_dir), final_step=result.steps if result.final_dir else None)
     return result
 
 
@@ -127,6 +127,7 @@ def run_attempt(command: str, recipe: Recipe, launched: Optional[Launched] = Non
     check_model_source(recipe.model)
     check_position_limit(recipe, algorithm.data_kind)
     check_packing(recipe)  # data.packing on a model whose attention would mix the packed sequences
+    check_master_weights(recipe.model, t)  # master_weights=false on float32 weights means nothing
     check_moe_options(recipe, algorithm.routing_replay)
     check_token_budget(recipe, algorithm)
     check_sequence_parallel(recipe, algorithm)

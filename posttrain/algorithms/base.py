@@ -46,6 +46,11 @@ class Role:
         """logprobs_BT of the batch's tokens under this model (models.forward.policy_logprobs alignment)."""
         raise NotImplementedError
 
+    def logits_at(self, batch: Batch, rows_n: torch.Tensor) -> torch.Tensor:
+        """logits_nV of the flat rows `rows_n` of the batch only (models.forward.policy_logits_at): a distillation
+        teacher's rows that predict a completion token, without its (B, T, V) logits where the head allows."""
+        raise NotImplementedError
+
     def forward(self, **inputs) -> Any:
         """The model's output for keyword inputs (input_ids, attention_mask, ...): an object with `.logits` (a
         critic's values, a reward model's scores)."""

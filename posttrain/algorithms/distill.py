@@ -14,7 +14,8 @@ completions from the data or sampled by the student itself (GKD, Agarwal et al. 
 
 The loss of a step is (sum of per-token divergences over all completion tokens of the step) / (their count): the
 loop passes that global count as `normaliser`, so accumulation and world size do not change the update. The
-teacher's logits are computed inside the loss, one micro-batch at a time, and never kept past it.
+teacher's logits are computed inside the loss, one micro-batch at a time, and never kept past it: only those of the
+rows that predict a completion token (Role.logits_at; a Ray replica sends back only those), as the student's.
 """
 
 from __future__ import annotations
@@ -160,12 +161,10 @@ class Distill(Algorithm):
                                     batch.teacher_topk_ids_BTK, batch.input_ids_BT, mask_BT, self.config.beta,
                                     self.temperature)
         else:
+            # both output layers project only the rows that predict a completion token (the teacher's are kept for
+            # the loss's backward; no (B, T, V) logits of either model exist where the heads allow)
             rows_n = predicting_rows(mask_BT)
-            with torch.no_grad():
-                teacher_BTV = policy_logits(teacher.forward, batch)
-                teacher_nV = teacher_BTV.reshape(-1, teacher_BTV.shape[-1])[rows_n]
-                del teacher_BTV  # only the completion rows are kept for the loss's backward
-            # the student's output layer projects only the rows that predict a completion token
+            teacher_nV = teacher.logits_at(batch, rows_n)
             out = distill_loss_at(policy_logits_at(model, batch, rows_n), teacher_nV, batch.input_ids_BT, mask_BT,
                                   self.config.beta, self.temperature)
         metrics = {name: masked_mean(value_BT, mask_BT) for name, value_BT in out.metrics_BT.items()}

@@ -180,7 +180,7 @@ def translate(flat: dict[str, Any], where: str, algo_cls: type, shown: str = "")
         if other:
             problems.append(f"{shown}{other[0]} ({other[1]!r}) and {shown}{key} ({value!r}) both set {path}; keep one")
     if problems:
-        raise UserError(f"{where}: {len(problems)} key{'s' if len(problems) > 1 else ''} with no meaning here:\n  "
+        raise UserError(f"{where}: {len(problems)} key{'s' if len(problems) > 1 else ''} refused:\n  "
                         + "\n  ".join(problems) + f"\n`posttrain {command} --help` lists every key; docs/trl.md "
                         "maps TRL's keys to posttrain's")
     for note in notes:

@@ -74,6 +74,12 @@ def validate(recipe: Recipe) -> None:
         raise UserError(f"train.max_steps must be a positive number of steps or -1 (use num_train_epochs), got {t.max_steps}")
     if t.save_total_limit is not None and t.save_total_limit < 1:
         raise UserError(f"train.save_total_limit must be >= 1 or null, got {t.save_total_limit}")
+    if t.max_tokens_per_microbatch is not None and t.max_tokens_per_microbatch <= 0:
+        raise UserError(f"train.max_tokens_per_microbatch must be a number of tokens > 0, or null (micro-batches of "
+                        f"per_device_train_batch_size rows), got {t.max_tokens_per_microbatch}")
+    if t.export_dtype != "auto" and not t.save_final_model:
+        raise UserError(f"train.export_dtype={t.export_dtype} is the dtype of final/, but train.save_final_model=false "
+                        "writes no final/; drop one")
     if t.resume_from_checkpoint is not None and t.overwrite_output_dir:
         raise UserError("train.resume_from_checkpoint and train.overwrite_output_dir conflict: resume keeps the run, overwrite discards it; pick one")
     if not recipe.data.train:

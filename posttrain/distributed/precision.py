@@ -85,6 +85,27 @@ def resolve_precision(model_cfg: ModelConfig, train: TrainConfig) -> Precision:
     return Precision(loaded=loaded, trained="float32", autocast=autocast)
 
 
+def check_master_weights(model_cfg: ModelConfig, train: TrainConfig) -> None:
+    """train.master_weights=false asks for pure 16-bit training: on float32 weights there is nothing 16-bit to train
+    (train.mixed_precision autocasts the compute only), so the key would silently mean nothing. Reads config.json
+    for model.dtype=auto; before any weights load."""
+    if train.master_weights:
+        return
+    try:
+        loaded = checkpoint_dtype(model_cfg)
+    except (OSError, ValueError):  # a hub id whose config cannot be read here: loading it says why
+        return
+    if loaded in LOW_PRECISION:
+        return
+    source = (f"model.dtype=auto reads {loaded} from {model_cfg.name_or_path}'s config" if model_cfg.dtype == "auto"
+              else f"model.dtype={loaded}")
+    autocast = (f" (train.mixed_precision={train.mixed_precision} autocasts the compute only)"
+                if train.mixed_precision != "no" else "")
+    raise UserError(f"train.master_weights=false asks for pure 16-bit weights, but {source}: the trained weights are "
+                    f"{loaded}{autocast}. Set model.dtype=bfloat16 (or float16) to train in 16 bits, or drop "
+                    "train.master_weights=false")
+
+
 def trained_model_config(model_cfg: ModelConfig, train: TrainConfig) -> ModelConfig:
     """`model_cfg` with the dtype a trained model (policy, critic) loads in: float32 master weights for a 16-bit
     checkpoint unless train.master_weights=false. With LoRA the frozen base stays 16-bit (`upcast_trainable` then

@@ -5,8 +5,8 @@
 
 A frozen role (reference, reward_model, a distillation teacher) placed apart runs as `RoleWorker` replicas, one per
 worker slot, each holding the whole model; rank r asks replica r % replicas through a `RayRole`, which returns small
-outputs (scores, values, log-probs: the reference's logits never travel; a teacher's logits do, distillation needs
-them whole) and times its calls as `time/role/<role>`. A trained role (PPO's critic) apart is a group of
+outputs (scores, values, log-probs: the reference's logits never travel; a teacher's do, only the rows that predict a
+completion token) and times its calls as `time/role/<role>`. A trained role (PPO's critic) apart is a group of
 `TrainedRoleWorker` actors with a process group of its own, one worker per policy rank (rank r drives worker r, so the
 group's collectives are reached in order); its updates, checkpoints and final-<role>/ run there.
 """
@@ -34,7 +34,7 @@ from posttrain.errors import RunStopped, UserError
 from posttrain.launch.ray_actors import Worker, last_line, rank_env
 from posttrain.launch.ray_placement import node_options, rank_slots
 from posttrain.models.critic import load_critic
-from posttrain.models.forward import policy_logprobs
+from posttrain.models.forward import policy_logits_at, policy_logprobs
 from posttrain.models.load import load_tokenizer
 from posttrain.models.reference import make_reference
 from posttrain.roles import trained_role
@@ -83,6 +83,12 @@ class RoleWorker(Worker):
         """Token log-probs of `batch` under the model `key` (algorithms.forward.policy_logprobs), on CPU."""
         with torch.no_grad(), self._autocast():
             return policy_logprobs(self.models[key], batch.to(self.device), temperature).float().cpu()
+
+    def logits_at(self, key: str, batch, rows_n):
+        """The logits of the flat rows `rows_n` of `batch` under the model `key` (models.forward.policy_logits_at),
+        on CPU: a teacher's completion rows, the only ones sent back."""
+        with torch.no_grad(), self._autocast():
+            return policy_logits_at(self.models[key], batch.to(self.device), rows_n.to(self.device)).cpu()
 
     def forward(self, key: str, inputs: dict):
         """The model's logits for keyword inputs (input_ids, attention_mask, ...), on CPU."""
@@ -201,9 +207,12 @@ class RayRole(Role):
 
     def logprobs(self, batch, temperature: float = 1.0):
         """Token log-probs of `batch` (only the fields a forward reads are sent), on the batch's device."""
-        sent = Batch(batch.input_ids_BT, batch.completion_mask_BT, attention_mask_BT=batch.attention_mask_BT,
-                     position_ids_BT=batch.position_ids_BT, padding_free=batch.padding_free).to("cpu")
-        return self._call("logprobs", sent, temperature).to(batch.input_ids_BT.device)
+        return self._call("logprobs", _forward_fields(batch), temperature).to(batch.input_ids_BT.device)
+
+    def logits_at(self, batch, rows_n):
+        """The logits of the flat rows `rows_n` of `batch`, computed by the replica (only those rows travel back), on
+        the batch's device."""
+        return self._call("logits_at", _forward_fields(batch), rows_n.cpu()).to(batch.input_ids_BT.device)
 
     def seconds(self) -> float:
         """Seconds this role's calls took since last asked (all keys of the role)."""
@@ -234,6 +243,12 @@ class RayRole(Role):
 
     def export(self, output_dir: str, name: str, tokenizer) -> None:
         self._call("export", output_dir, name, timed=False)
+
+
+def _forward_fields(batch: Batch) -> Batch:
+    """The batch's fields a forward reads, on CPU (what a replica is sent)."""
+    return Batch(batch.input_ids_BT, batch.completion_mask_BT, attention_mask_BT=batch.attention_mask_BT,
+                 position_ids_BT=batch.position_ids_BT, padding_free=batch.padding_free).to("cpu")
 
 
 def check_apart(units) -> None:

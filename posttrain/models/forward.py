@@ -51,17 +51,18 @@ def per_token(model, batch: Batch, read) -> torch.Tensor:
 
 
 def policy_logits_at(model, batch: Batch, rows_n: torch.Tensor) -> torch.Tensor:
-    """logits_nV of the flat rows `rows_n` (b * T + t of the batch's padded layout) only: with a fusable head and a
-    padded batch the output layer projects just those rows' hidden states (its own forward, so autocast and engine
-    hooks apply as usual), so the other rows' logits and their gradient never exist; else (padding-free, sequence
-    parallel, other heads) the full logits, indexed."""
+    """logits_nV of the flat rows `rows_n` (b * T + t of the batch's padded layout; real tokens) only: with a
+    fusable head the output layer projects just those rows' hidden states (its own forward, so autocast and engine
+    hooks apply as usual; a padding-free batch's rows found in its packed layout), so the other rows' logits and
+    their gradient never exist; else (sequence parallel, other heads) the full logits, indexed."""
     head = fusable_head(model)
-    if head is None or batch.padding_free or sequence_parallel.current() is not None:
+    if head is None or sequence_parallel.current() is not None:
         logits_BTV = policy_logits(model, batch)
         return logits_BTV.reshape(-1, logits_BTV.shape[-1])[rows_n]
+    model_rows_n = batch.model_rows(rows_n)
 
     def forward(hidden_BTH: torch.Tensor) -> torch.Tensor:
-        return torch.nn.Linear.forward(head, hidden_BTH.reshape(-1, hidden_BTH.shape[-1])[rows_n])
+        return torch.nn.Linear.forward(head, hidden_BTH.reshape(-1, hidden_BTH.shape[-1])[model_rows_n])
 
     with _head_forward(head, forward), lean_activations(model):
         return model(**batch.model_inputs(), use_cache=False).logits

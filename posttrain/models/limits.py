@@ -104,14 +104,15 @@ SEQUENCE_PARALLEL_ALGORITHMS = ("sft", "grpo", "ppo", "distill")
 models/forward.py's per-token forwards)."""
 
 
-def check_sequence_parallel(recipe, algorithm) -> None:
+def check_sequence_parallel(recipe, algorithm, world: Optional[int] = None) -> None:
     """train.sequence_parallel_size against the launch, the algorithm, the attention kernel and the model's heads:
-    UserError naming the key, before any model loads."""
+    UserError naming the key, before any model loads. `world`: the processes (None: this launch's WORLD_SIZE;
+    `posttrain plan` passes --gpus and checks that it divides itself)."""
     size = recipe.train.sequence_parallel_size
     if size == 1:
         return
     key = f"train.sequence_parallel_size={size}"
-    world = int(os.environ.get("WORLD_SIZE", "1"))
+    world = int(os.environ.get("WORLD_SIZE", "1")) if world is None else world
     if world % size:
         raise UserError(f"{key} does not divide the {world} processes launched: launch a multiple of {size} "
                         f"(torchrun --nproc_per_node {size} ...), or lower it")
@@ -129,16 +130,42 @@ def check_sequence_parallel(recipe, algorithm) -> None:
         raise UserError(f"{key} needs model.attn_implementation in {', '.join(SUPPORTED_ATTENTION)} (got "
                         f"{recipe.model.attn_implementation!r}): Ulysses runs the kernel causally over the whole row, "
                         "and eager attention needs a mask over it")
-    config_file = model_config_file(recipe.model.name_or_path, recipe.model.revision)
+    for what, name_or_path in sequence_parallel_models(recipe, algorithm):
+        policy = what == "model.name_or_path"
+        check_heads(key, size, "the model's" if policy else f"{what} {name_or_path}'s",
+                    model_config_file(name_or_path, recipe.model.revision if policy else None))
+
+
+def sequence_parallel_models(recipe, algorithm) -> list[tuple[str, str]]:
+    """(recipe key, model) of every model whose forwards run sequence-parallel: the policy, and a distillation
+    teacher or a PPO critic loaded from another model (the reference is the policy's)."""
+    models = [("model.name_or_path", recipe.model.name_or_path)]
+    teacher = getattr(recipe.algo, "teacher_model_name_or_path", None)
+    if teacher:
+        models.append(("algo.teacher_model_name_or_path", teacher))
+    critic_source = getattr(algorithm, "critic_source", None)
+    if critic_source is not None and critic_source().name_or_path != recipe.model.name_or_path:
+        models.append(("the critic", critic_source().name_or_path))
+    return models
+
+
+def check_heads(key: str, size: int, whose: str, config_file: Optional[Path]) -> None:
+    """Ulysses gives each rank heads / size attention heads: size must divide them, and the key/value heads and size
+    must divide one another. A teacher or critic of another shape failed deep inside its first forward."""
     if config_file is None:
         return  # not on disk yet: DeepSpeed checks the heads at the first forward
-    config = json.loads(config_file.read_text())
-    config = config.get("text_config") or config
-    heads = config.get("num_attention_heads")
-    kv_heads = config.get("num_key_value_heads") or heads
+    try:
+        config = json.loads(config_file.read_text())
+    except (OSError, ValueError):
+        return  # unreadable: loading the model says why
+    config = (config.get("text_config") or config) if isinstance(config, dict) else {}
+    heads, kv_heads = (config.get(name) if isinstance(config, dict) else None
+                       for name in ("num_attention_heads", "num_key_value_heads"))
+    heads = heads if type(heads) is int and heads > 0 else None  # else loading the model says what is wrong
+    kv_heads = kv_heads if type(kv_heads) is int and kv_heads > 0 else heads
     if heads is not None and heads % size:
-        raise UserError(f"{key} must divide the model's {heads} attention heads (Ulysses gives each rank "
+        raise UserError(f"{key} must divide {whose} {heads} attention heads (Ulysses gives each rank "
                         f"heads / {size} of them); choose a divisor of {heads}")
     if kv_heads is not None and kv_heads % size and size % kv_heads:
-        raise UserError(f"{key} and the model's {kv_heads} key/value heads must divide one another (more ranks than "
+        raise UserError(f"{key} and {whose} {kv_heads} key/value heads must divide one another (more ranks than "
                         f"kv heads: each is replicated over {size} / {kv_heads} ranks); choose a divisor or multiple")

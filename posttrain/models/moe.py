@@ -18,6 +18,12 @@ Megatron's router replay and verl's router_replay (R2 / R3) do: the experts are 
 gradient to the router. The hooks stay registered for the run and act only inside `recording` or `training`, which
 spans the backward too, so a forward recomputed by gradient checkpointing is replayed the same way.
 
+Under sequence parallelism (train.sequence_parallel_size) each rank's routers see its slice of every row. The router
+logits and choices of the group are gathered into whole rows (`whole_rows`, with the per-token outputs' gather), so
+the load-balancing loss, its metric and routing agreement are those of the unsharded rows on every rank, and the
+loss's gradient summed over the group is the unsharded one; a recording is gathered the same way, and a replay
+forces each rank's slice of it (`routed_tokens`).
+
 Routing replay (Ma et al. 2025, "Stabilizing MoE RL by aligning training and inference routers"): a policy update
 moves the router, so later optimiser steps on one generation batch (algo.num_iterations > 1) route tokens to other
 experts than the policy that produced pi_old did; the importance ratio then compares two different sub-networks and
@@ -35,6 +41,7 @@ from typing import Iterator, Optional
 import torch
 
 from posttrain.batch import Batch
+from posttrain.distributed import sequence_parallel
 from posttrain.distributed.wrappers import plain_class, unwrap_module
 from posttrain.errors import UserError
 from posttrain.losses.router import load_balancing_loss, routing_agreement
@@ -100,6 +107,35 @@ def real_tokens_N(batch: Batch) -> torch.Tensor:
     return torch.ones(batch.input_ids_BT.numel(), dtype=torch.bool, device=batch.input_ids_BT.device)
 
 
+def routed_tokens(batch: Batch, x_BTX: torch.Tensor) -> torch.Tensor:
+    """A per-token [B, T, ...] tensor of `batch` laid out as this rank's routers see the tokens: packed
+    (padding-free), this rank's slice of every row (sequence parallelism), or as it is."""
+    sp = sequence_parallel.current()
+    return batch.pack(x_BTX) if sp is None else sp.shard(x_BTX)
+
+
+def whole_rows(x_LNX: torch.Tensor, rows: int, width: int) -> torch.Tensor:
+    """Per-token router values of every layer, [L, N, ...] over the tokens this rank's routers saw, -> [L, rows *
+    width, ...] over the whole rows of `batch.model_inputs()` ([rows, width]). Under sequence parallelism the
+    group's slices are gathered as per-token outputs are (sequence_parallel.gather: the same on every rank of the
+    group, the backward keeps this rank's slice), so the load-balancing loss, its gradient summed over the group and
+    the recorded experts are those of the unsharded forward; otherwise `x_LNX` as it is."""
+    sp = sequence_parallel.current()
+    if sp is None:
+        return x_LNX
+    return layers_first(sp.gather(rows_first(x_LNX, rows), width))
+
+
+def rows_first(x_LNX: torch.Tensor, rows: int) -> torch.Tensor:
+    """[L, rows * width, ...] as the routers flatten their tokens -> [rows, width, L, ...]."""
+    return x_LNX.reshape(x_LNX.shape[0], rows, -1, *x_LNX.shape[2:]).movedim(0, 2)
+
+
+def layers_first(x_BTLX: torch.Tensor) -> torch.Tensor:
+    """[rows, width, L, ...] -> [L, rows * width, ...], the inverse of rows_first."""
+    return x_BTLX.movedim(2, 0).flatten(1, 2)
+
+
 @dataclass
 class Recording:
     """The experts each router chose, per forward (a role may run a batch in several forwards)."""
@@ -109,10 +145,11 @@ class Recording:
 
     def experts_BTLK(self, batch: Batch) -> torch.Tensor:
         """(B, T, L, K) int16: the experts chosen for every token of `batch`, aligned with input_ids_BT (0 at
-        padding). The forwards saw `batch.model_inputs()` (padding-free: packed rows), or its rows in order."""
+        padding). The forwards saw `batch.model_inputs()` (padding-free: packed rows), or its rows in order, or
+        (sequence parallelism) this rank's slice of them: the group's slices are gathered into whole rows."""
         rows, width = batch.model_inputs()["input_ids"].shape
-        per_layer = [torch.cat(forwards).reshape(rows, width, -1) for forwards in self.chosen]
-        return batch.unpack(torch.stack(per_layer, dim=2)).to(torch.int16)
+        chosen_LNK = whole_rows(torch.stack([torch.cat(forwards) for forwards in self.chosen]), rows, width)
+        return batch.unpack(rows_first(chosen_LNK, rows)).to(torch.int16)
 
 
 @dataclass
@@ -120,25 +157,34 @@ class TrainingForward:
     """What the routers saw in one micro-batch's training forward (the first pass; a recomputation is not counted)."""
 
     routing: "Routing"
-    mask_N: torch.Tensor
+    batch: Batch
     forced: Optional[list[torch.Tensor]] = None
-    """Replay: forced[layer] = indices_NK to route with."""
+    """Replay: forced[layer] = indices_NK to route this rank's tokens with."""
     logits: dict[int, torch.Tensor] = field(default_factory=dict)
-    agreement: dict[int, torch.Tensor] = field(default_factory=dict)
+    """logits[layer] = router_logits_NE of this rank's tokens."""
+    chosen: dict[int, torch.Tensor] = field(default_factory=dict)
+    """Replay: chosen[layer] = the experts the router itself would have picked, indices_NK of this rank's tokens."""
 
     def finish(self, loss: torch.Tensor, metrics: dict[str, torch.Tensor], weight: torch.Tensor
                ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Adds coef x the load-balancing loss x weight (this micro-batch's share of the step's normaliser, so the
-        step adds coef x their mean, as the policy loss is a mean) and the router metrics."""
+        step adds coef x their mean, as the policy loss is a mean) and the router metrics, both over whole rows."""
         metrics = dict(metrics)
         layers = sorted(self.logits)
-        if layers:
-            aux = load_balancing_loss(torch.stack([self.logits[i] for i in layers]), self.routing.top_k, self.mask_N)
-            metrics["router_aux_loss"] = aux.detach()
-            if self.routing.aux_loss_coef > 0:
-                loss = loss + self.routing.aux_loss_coef * aux * weight
-        if self.agreement:
-            matches, choices = torch.stack(list(self.agreement.values())).sum(dim=0)
+        if not layers:
+            return loss, metrics
+        rows, width = self.batch.model_inputs()["input_ids"].shape
+        mask_N = real_tokens_N(self.batch)
+        logits_LNE = whole_rows(torch.stack([self.logits[i] for i in layers]), rows, width)
+        aux = load_balancing_loss(logits_LNE, self.routing.top_k, mask_N)
+        metrics["router_aux_loss"] = aux.detach()
+        if self.routing.aux_loss_coef > 0:
+            loss = loss + self.routing.aux_loss_coef * aux * weight
+        if self.chosen:
+            chosen_LNK = whole_rows(torch.stack([self.chosen[i] for i in layers]), rows, width)
+            replayed_NLK = self.batch.pack(self.batch.routed_experts_BTLK.long()).flatten(0, 1)
+            matches, choices = torch.stack([routing_agreement(chosen_LNK[i], replayed_NLK[:, layer], mask_N)
+                                            for i, layer in enumerate(layers)]).sum(dim=0)
             metrics["routing_agreement"] = (matches / choices.clamp(min=1)).detach()
         return loss, metrics
 
@@ -178,8 +224,8 @@ class Routing:
         (routed_experts_BTLK) is routed with them."""
         forced = None
         if batch.routed_experts_BTLK is not None:
-            forced = list(batch.pack(batch.routed_experts_BTLK.long()).flatten(0, 1).unbind(dim=1))
-        self._training = TrainingForward(self, real_tokens_N(batch), forced)
+            forced = list(routed_tokens(batch, batch.routed_experts_BTLK.long()).flatten(0, 1).unbind(dim=1))
+        self._training = TrainingForward(self, batch, forced)
         try:
             yield self._training
         finally:
@@ -198,7 +244,7 @@ class Routing:
             if layer not in step.logits:  # the first pass, not a recomputation (gradient checkpointing)
                 step.logits[layer] = logits_NE
                 if step.forced is not None:
-                    step.agreement[layer] = routing_agreement(chosen_NK.detach(), step.forced[layer], step.mask_N)
+                    step.chosen[layer] = chosen_NK.detach()
             return None if step.forced is None else _replayed(output, step.forced[layer], renormalise)
 
         return hook

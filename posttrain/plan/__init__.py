@@ -39,16 +39,20 @@ def parse_memory(text: str, what: str = "--gpu-memory") -> int:
     return size
 
 
-def check_as_run(command: str, recipe) -> None:
+def check_as_run(command: str, recipe, gpus: int) -> None:
     """What a run of the recipe refuses from its shapes alone, before any model loads, refused here too: else the
-    plan recommends a command that exits 2 (a token budget below one unit, a length past the model's positions)."""
+    plan recommends a command that exits 2 (a token budget below one unit, a length past the model's positions,
+    sequence parallelism the algorithm, packing or heads cannot take, master_weights=false on float32 weights)."""
     from posttrain.algorithms import ALGORITHMS
-    from posttrain.models.limits import check_position_limit
+    from posttrain.distributed.precision import check_master_weights
+    from posttrain.models.limits import check_position_limit, check_sequence_parallel
     from posttrain.train.micro_batches import check_token_budget
 
     algorithm = ALGORITHMS[command][1](recipe)
     check_position_limit(recipe, algorithm.data_kind)
     check_token_budget(recipe, algorithm)
+    check_sequence_parallel(recipe, algorithm, world=gpus)
+    check_master_weights(recipe.model, recipe.train)
 
 
 def infer_algorithm(config: Optional[str], overrides: list[str]) -> str:
@@ -149,13 +153,18 @@ def run_plan(command: str, recipe, config: Optional[str], overrides: list[str], 
     sp = recipe.train.sequence_parallel_size
     if gpus % sp:
         raise UserError(f"train.sequence_parallel_size={sp} must divide --gpus ({gpus}): world = data x sequence ranks")
-    check_as_run(command, recipe)
+    check_as_run(command, recipe, gpus)
     gpu_bytes = parse_memory(gpu_memory) if gpu_memory else detect_gpu_memory()
     if gpu_bytes is None:
         raise UserError("no GPU here to read the memory of: pass --gpu-memory (e.g. --gpu-memory 80GiB)")
     t = recipe.train
     task = algorithm_facts(command, recipe)["task"]
     shape = model_shape(recipe.model, task)
+    longest_row = workload_from_recipe(command, recipe).sequence_length
+    if mean_length is not None and mean_length > longest_row:
+        raise UserError(f"--mean-length ({mean_length}) is above the longest row this recipe makes ({longest_row} "
+                        "tokens, data.max_length or the prompt + completion limits), and rows are cut to it: give the "
+                        f"data's mean tokens per row, at most {longest_row}")
     with_lora = dataclasses.replace(recipe.model, lora=dataclasses.replace(recipe.model.lora, enabled=True))
     # what LoRA would need (its frozen copies are counted as without it: an upper bound)
     lora_shape = None if recipe.model.lora.enabled else model_shape(with_lora, task)

@@ -114,8 +114,9 @@ class Workload:
     trained_copies: int = 1
     """Models trained at the policy's size: 2 with PPO's critic (its weights, gradients and AdamW state)."""
     teacher_logits: bool = False
-    """A local distillation teacher: its (B, T, V) logits and the copy of their completion rows the loss keeps for
-    backward (losses/distill.py) live beside the student's."""
+    """A local distillation teacher: the logits of its completion rows, which the loss keeps for backward
+    (losses/distill.py), live beside the student's. Its output layer projects only those rows (Role.logits_at), and
+    where a head cannot, its whole logits exist only during its no-grad forward, before the student's activations."""
 
 
 @dataclass(frozen=True)
@@ -260,7 +261,7 @@ def logits_bytes(shape: ModelShape, w: Workload) -> int:
         scored = min(w.scored_tokens, local_tokens(w)) if w.scored_tokens else local_tokens(w)
         return 2 * min(scored, max(1, LINEAR_CHUNK // shape.vocab_size)) * shape.vocab_size * 4
     tokens = local_tokens(w) if w.logprobs_only else micro_batch_tokens(w)
-    teacher = 2 * tokens * shape.vocab_size * w.compute_bytes if w.teacher_logits else 0
+    teacher = tokens * shape.vocab_size * w.compute_bytes if w.teacher_logits else 0  # its kept completion rows
     return (2 * tokens * shape.vocab_size * w.compute_bytes + 2 * min(tokens, LOGPROB_CHUNK) * shape.vocab_size * 4
             + teacher)
 

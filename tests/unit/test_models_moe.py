@@ -15,7 +15,8 @@ from posttrain.batch import Batch
 from posttrain.errors import UserError
 from posttrain.losses.router import load_balancing_loss, routing_agreement
 from posttrain.models.forward import policy_logprobs
-from posttrain.models.moe import moe_routing, routers, sparse_block_classes
+from posttrain.distributed.sequence_parallel import shard
+from posttrain.models.moe import layers_first, moe_routing, routers, rows_first, sparse_block_classes
 
 EXPERTS, TOP_K, LAYERS = 4, 2, 2
 
@@ -196,3 +197,20 @@ def test_a_padding_free_forward_replays_the_padded_recording():
     recorded_packed = record.experts_BTLK(packed)  # recorded padding-free: the same at every real token, 0 at padding
     assert torch.equal(recorded_packed[real_BT], replayed.routed_experts_BTLK[real_BT])
     assert not recorded_packed[~real_BT].any()
+
+
+@pytest.mark.parametrize("size", [2, 3])
+def test_the_groups_router_slices_line_up_into_whole_rows(size):
+    """Under sequence parallelism each rank's routers flatten its slice of every row ([rows * slice] tokens, row by
+    row); rows_first of each, concatenated along the sequence and cut to the row length as the group's gather does,
+    is layers_first's inverse of the unsharded routers' view, token for token (rows of 7 tokens: padded to 8 or 9)."""
+    rows, length = 3, 7
+    values_BTLE = torch.randn(rows, length, LAYERS, EXPERTS)
+
+    def routers_view(x_BTLE):  # [L, rows * width, E]: each layer's router gets its rows' tokens flattened
+        return torch.stack([x_BTLE[:, :, layer].reshape(-1, EXPERTS) for layer in range(LAYERS)])
+
+    slices = [routers_view(shard(values_BTLE, size, rank)) for rank in range(size)]
+    gathered_BTLE = torch.cat([rows_first(s, rows) for s in slices], dim=1)[:, :length]
+    assert torch.equal(layers_first(gathered_BTLE), routers_view(values_BTLE))
+    assert torch.equal(rows_first(routers_view(values_BTLE), rows), values_BTLE)

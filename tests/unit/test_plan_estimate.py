@@ -122,7 +122,7 @@ def test_every_model_and_engine_the_run_holds_is_counted():
     teacher = Workload(algorithm="distill", sequences=2, sequence_length=4, frozen_parameters=3000,
                        teacher_logits=True)
     assert estimate(SHAPE, teacher, ENGINES["ddp"]).frozen_copies == 12000
-    assert estimate(SHAPE, teacher, ENGINES["ddp"]).logits == LOGITS + 2 * 8 * 10 * 4  # its logits + kept rows
+    assert estimate(SHAPE, teacher, ENGINES["ddp"]).logits == LOGITS + 8 * 10 * 4  # its kept completion rows
     critic = estimate(SHAPE, Workload(algorithm="ppo", sequences=2, sequence_length=4, trained_copies=2),
                       ENGINES["ddp"])
     assert (critic.parameters, critic.gradients, critic.optimizer) == (8000, 8000, 16000)

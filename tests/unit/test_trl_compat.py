@@ -51,7 +51,7 @@ def test_every_key_without_meaning_is_reported_at_once_with_closest_name(tmp_pat
                       "per_device_train_batch_sise: 2\n")
     assert main(["sft", "--config", str(config)]) == 2
     err = capsys.readouterr().err
-    assert f"{config}: 4 keys with no meaning here" in err
+    assert f"{config}: 4 keys refused" in err
     assert "lerning_rate: did you mean 'learning_rate'?" in err
     assert "per_device_train_batch_sise: did you mean 'per_device_train_batch_size'?" in err
     assert "num_generations: posttrain's algo.num_generations, which `posttrain sft` does not take" in err
