@@ -130,22 +130,22 @@ def check_sequence_parallel(recipe, algorithm, world: Optional[int] = None) -> N
         raise UserError(f"{key} needs model.attn_implementation in {', '.join(SUPPORTED_ATTENTION)} (got "
                         f"{recipe.model.attn_implementation!r}): Ulysses runs the kernel causally over the whole row, "
                         "and eager attention needs a mask over it")
-    for what, name_or_path in sequence_parallel_models(recipe, algorithm):
-        policy = what == "model.name_or_path"
-        check_heads(key, size, "the model's" if policy else f"{what} {name_or_path}'s",
-                    model_config_file(name_or_path, recipe.model.revision if policy else None))
+    for whose, name_or_path, revision in sequence_parallel_models(recipe, algorithm):
+        check_heads(key, size, whose, model_config_file(name_or_path, revision))
 
 
-def sequence_parallel_models(recipe, algorithm) -> list[tuple[str, str]]:
-    """(recipe key, model) of every model whose forwards run sequence-parallel: the policy, and a distillation
-    teacher or a PPO critic loaded from another model (the reference is the policy's)."""
-    models = [("model.name_or_path", recipe.model.name_or_path)]
+def sequence_parallel_models(recipe, algorithm) -> list[tuple[str, str, Optional[str]]]:
+    """(how a message names it, model, revision) of every model whose forwards run sequence-parallel: the policy,
+    and a distillation teacher or a PPO critic loaded from another model (the reference is the policy's)."""
+    models = [("the model's", recipe.model.name_or_path, recipe.model.revision)]
     teacher = getattr(recipe.algo, "teacher_model_name_or_path", None)
     if teacher:
-        models.append(("algo.teacher_model_name_or_path", teacher))
+        models.append((f"algo.teacher_model_name_or_path {teacher}'s", teacher,
+                       getattr(recipe.algo, "teacher_model_revision", None)))
     critic_source = getattr(algorithm, "critic_source", None)
-    if critic_source is not None and critic_source().name_or_path != recipe.model.name_or_path:
-        models.append(("the critic", critic_source().name_or_path))
+    critic = critic_source() if critic_source is not None else None
+    if critic is not None and critic.name_or_path != recipe.model.name_or_path:
+        models.append((f"the critic {critic.name_or_path}'s", critic.name_or_path, critic.revision))
     return models
 
 
