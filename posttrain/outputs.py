@@ -95,11 +95,13 @@ def check_not_behind(out: Path, resume: Optional[Path], max_steps: int = -1) -> 
     and a max_steps below S put an older model into final/: both refused. From an older checkpoint (the newest one was
     damaged) the steps after it are trained again, as exactly as before: said once. A run stopped before its end
     (max_steps_per_run, a signal, a failure) has no newer final/ and is continued as usual."""
+    from posttrain.checkpoint import read_trainer_state
+
     final_step = read_marker(out).get("final_step")
     if type(final_step) is not int or not (out / "final").exists():
         return
     try:
-        resumed = int(json.loads((resume / "trainer_state.json").read_text())["state"]["step"]) if resume else 0
+        resumed = int(read_trainer_state(resume)["state"]["step"]) if resume else 0
     except (OSError, ValueError, KeyError, TypeError):
         return  # resolve_resume checked what it needs; a checkpoint without a step is not compared
     if final_step <= resumed:
