@@ -35,7 +35,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from posttrain.checkpoint_files import verify  # noqa: E402
+from posttrain.rundir.files import verify  # noqa: E402
 
 ENGINES = {"single": None, "ddp": "ddp", "zero2": "zero2", "zero3": "zero3", "fsdp2": "fsdp2"}
 
@@ -287,7 +287,7 @@ def main(argv_: list[str] | None = None) -> dict:
     root = Path(args.out or tempfile.mkdtemp(prefix="posttrain-chaos-"))
     root.mkdir(parents=True, exist_ok=True)
     from posttrain.models.tiny import make_tiny_model
-    from posttrain.tasks import write_example_data
+    from posttrain.demo.tasks import write_example_data
 
     model = make_tiny_model(root / "tiny", arch="llama", seed=0)
     data = write_example_data(root / "data", n_train=64, n_eval=8)

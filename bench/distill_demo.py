@@ -32,7 +32,7 @@ from pathlib import Path
 
 from posttrain.demo import held_out_accuracy, stage
 from posttrain.models.tiny import make_tiny_model
-from posttrain.tasks import carries
+from posttrain.demo.tasks import carries
 
 
 def machine() -> dict:

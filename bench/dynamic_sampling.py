@@ -18,7 +18,7 @@ from pathlib import Path
 
 from posttrain.demo import FULL, online_overrides, stage
 from posttrain.models.tiny import make_tiny_model
-from posttrain.tasks import write_example_data
+from posttrain.demo.tasks import write_example_data
 
 
 def main() -> None:

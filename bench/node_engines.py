@@ -22,7 +22,7 @@ sys.path.insert(0, str(ROOT))
 
 def main() -> int:
     from posttrain.models.tiny import make_tiny_model
-    from posttrain.tasks import write_example_data
+    from posttrain.demo.tasks import write_example_data
     from tests.distributed.launch import launch
     from tests.distributed.test_grpo_vllm_distributed import overrides
     from tests.integration.helpers import max_weight_diff

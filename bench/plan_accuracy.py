@@ -203,7 +203,7 @@ def measure(algorithm: str, model: str = "tiny", steps: int = 3, overrides: tupl
 
 def from_run(run_dir: Path) -> dict:
     """The estimate a finished run logged and its measured peak (metrics.jsonl), as measure() reports them."""
-    from posttrain.logging import read_metrics
+    from posttrain.rundir.metrics import read_metrics
 
     logged = [r for r in read_metrics(run_dir) if r.get("peak_memory_mb") is not None]
     if not logged:

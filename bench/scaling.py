@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from posttrain.models.tiny import make_tiny_model  # noqa: E402
-from posttrain.tasks import arithmetic_problems, sft_rows, write_jsonl  # noqa: E402
+from posttrain.demo.tasks import arithmetic_problems, sft_rows, write_jsonl  # noqa: E402
 from tests.distributed.launch import ENGINES, launch  # noqa: E402
 
 CONFIGS = {**ENGINES, "zero1": {"accelerate_config": "zero1"}, "zero2_offload": {"accelerate_config": "zero2_offload"},

@@ -61,7 +61,7 @@ def main() -> int:
     from posttrain.models.tiny import make_tiny_model
     from posttrain.generation.server import TOKEN_ENV, call
     from posttrain.generation.server_worker import tensor_digest
-    from posttrain.tasks import write_example_data
+    from posttrain.demo.tasks import write_example_data
     from tests.distributed.launch import launch
     from tests.integration.helpers import run_overrides
 

@@ -126,7 +126,7 @@ def run_command(argv: list[str] | None = None) -> int:
             return getattr(importlib.import_module(module), function)(args)
         from posttrain.algorithms import ALGORITHMS
         from posttrain.config.load import load_recipe
-        from posttrain.outputs import forget_started
+        from posttrain.rundir.claim import forget_started
         from posttrain.run import run
 
         forget_started()
@@ -142,7 +142,7 @@ def run_command(argv: list[str] | None = None) -> int:
             print(f"final model: {result.final_dir}")
         return 0
     except UserError as e:
-        from posttrain.outputs import run_started
+        from posttrain.rundir.claim import run_started
 
         started = run_started() if args.command in ALGORITHM_COMMANDS else None  # demo: its own runs' directories
         if started is not None:  # exit 2 says nothing was written: this one was found once the run had begun

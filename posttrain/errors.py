@@ -1,4 +1,8 @@
-"""Errors meant for people. A `UserError` means the input is wrong: the CLI prints it and exits with code 2."""
+"""Errors and warnings meant for people. A `UserError` means the input is wrong: the CLI prints it and exits with
+code 2; `warn` prints one line on stderr from rank 0."""
+
+import os
+import sys
 
 
 class UserError(Exception):
@@ -20,3 +24,9 @@ class RunStopped(Exception):
 
     def __str__(self) -> str:
         return self.reason + (f"; continue with {self.continue_with}" if self.resumable else "")
+
+
+def warn(message: str) -> None:
+    """One warning line on stderr, from rank 0 only (every rank checks the same files)."""
+    if os.environ.get("RANK", "0") == "0":
+        print(f"posttrain: warning: {message}", file=sys.stderr, flush=True)

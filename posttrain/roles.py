@@ -19,7 +19,7 @@ import torch
 
 from posttrain.algorithms.base import Models, Objective, Role
 from posttrain.batch import Batch
-from posttrain.checkpoint import export_final
+from posttrain.rundir.checkpoint import export_final
 from posttrain.distributed.precision import trained_model_config
 from posttrain.models.critic import load_critic
 from posttrain.models.forward import policy_logits_at, policy_logprobs

@@ -18,17 +18,18 @@ from typing import Any, Optional
 
 from transformers import set_seed
 
-from posttrain import data, outputs
-from posttrain.agents import check_rollout, opening_tools
+from posttrain import data
+from posttrain.rundir import claim
+from posttrain.agents import check_agent, opening_tools
 from posttrain.algorithms import ALGORITHMS
-from posttrain.checkpoint import Checkpointer, export_final, resume_path, run_facts
-from posttrain.checkpoint_files import tree_bytes, warn_low_disk
+from posttrain.rundir.checkpoint import Checkpointer, export_final, resume_path, run_facts
+from posttrain.rundir.files import tree_bytes, warn_low_disk
 from posttrain.config.load import dump_yaml
 from posttrain.config.schema import Recipe, total_steps, trackers as tracker_names
 from posttrain.data import eval_batches
 from posttrain.distributed.backend import Backend
 from posttrain.distributed.precision import check_master_weights, export_dtype, trained_model_config, upcast_trainable
-from posttrain.logging import MetricsLogger, read_metrics
+from posttrain.rundir.metrics import MetricsLogger, read_metrics
 from posttrain.models import load
 from posttrain.models.limits import check_position_limit, check_sequence_parallel
 from posttrain.models.packing import check_packing
@@ -37,16 +38,16 @@ from posttrain.models.moe import check_moe_options
 from posttrain.plan import estimated_peak_mb
 from posttrain.roles import build_roles
 from posttrain.generation.server import check_servers
-from posttrain.train.evaluation import check_answer_columns, evaluate_online
+from posttrain.online.evaluation import check_answer_columns, evaluate_online
 from posttrain.train.guard import Guard
 from posttrain.train.loop import LoopContext, evaluate, train
 from posttrain.train.micro_batches import check_token_budget
-from posttrain.train.rollout_source import RolloutSource
-from posttrain.train.distill_source import DistillSource
+from posttrain.online.rollout_source import RolloutSource
+from posttrain.online.distill_source import DistillSource
 from posttrain.train.sources import DatasetSource, Source
 from posttrain.train.state import TrainState
 from posttrain.report.write import write_report
-from posttrain.trackers import closing_status, open_trackers, tracked_run
+from posttrain.report.trackers import closing_status, open_trackers, tracked_run
 
 
 @dataclass
@@ -81,7 +82,7 @@ def load_examples(recipe: Recipe, algorithm, tokenizer, which: str):
     rows = data.load_rows(getattr(recipe.data, which), getattr(recipe.data, f"{which}_split"), f"data.{which}")
     rows = data.rename_text_field(rows, recipe.data.text_field, f"data.{which}")
     if algorithm.data_kind == "prompt":  # a multi-turn rollout's prompts show its tools: cut and counted here
-        return data.tokenize_prompts(rows, tokenizer, recipe.data, f"data.{which}", opening_tools(recipe.rollout))
+        return data.tokenize_prompts(rows, tokenizer, recipe.data, f"data.{which}", opening_tools(recipe.agent))
     tokenize = {"sft": data.tokenize_sft, "preference": data.tokenize_preference}
     return tokenize[algorithm.data_kind](rows, tokenizer, recipe.data, f"data.{which}")
 
@@ -107,13 +108,13 @@ def load_policy(recipe: Recipe, algorithm):
 def run(command: str, recipe: Recipe, launched: Optional[Launched] = None) -> RunResult:
     """One run of `command`. `launched`: what the launch wing started for it (launcher: ray): roles served apart
     (those are not loaded here) and generation engines. How it ended goes into output_dir's marker, so that a run
-    that failed before its first checkpoint can be rerun in place (posttrain/outputs.py)."""
+    that failed before its first checkpoint can be rerun in place (posttrain/rundir/claim.py)."""
     try:
         result = run_attempt(command, recipe, launched)
     except BaseException as error:
-        outputs.end_attempt(Path(recipe.output_dir), error)
+        claim.end_attempt(Path(recipe.output_dir), error)
         raise
-    outputs.end_attempt(Path(recipe.output_dir), final_step=result.steps if result.final_dir else None)
+    claim.end_attempt(Path(recipe.output_dir), final_step=result.steps if result.final_dir else None)
     return result
 
 
@@ -131,13 +132,13 @@ def run_attempt(command: str, recipe: Recipe, launched: Optional[Launched] = Non
     check_moe_options(recipe, algorithm.routing_replay)
     check_token_budget(recipe, algorithm)
     check_sequence_parallel(recipe, algorithm)
-    resume_from = outputs.check_output_dir(recipe, command)
+    resume_from = claim.check_output_dir(recipe, command)
     tokenizer = load_tokenizer(recipe.model)
     launched = launched or Launched()
     servers = launched.servers or recipe.generation.servers
     if servers:  # every server answers, takes the token, serves our vocabulary
         check_servers(recipe, tokenizer, servers)
-    check_rollout(recipe, tokenizer, command)  # tools import, the template shows them, the environment loads
+    check_agent(recipe, tokenizer, command)  # tools import, the template shows them, the environment loads
     train_examples, train_stats = load_examples(recipe, algorithm, tokenizer, "train")
     eval_examples = load_examples(recipe, algorithm, tokenizer, "eval")[0] if recipe.data.eval else None
     check_answer_columns(recipe, algorithm, train_examples, eval_examples)  # dynamic sampling's accuracy, pass@k
@@ -149,9 +150,9 @@ def run_attempt(command: str, recipe: Recipe, launched: Optional[Launched] = Non
     if resume_from is not None:  # a checkpoint this launch cannot continue exactly stops here, before any model
         resume_from = resume_path(backend, resume_from, facts, out)
     if backend.is_main:
-        replaced = outputs.begin_run(out, t.overwrite_output_dir, command)  # the marker; overwrite: old files aside
+        replaced = claim.begin_run(out, t.overwrite_output_dir, command)  # the marker; overwrite: old files aside
         (out / "config.yaml").write_text(dump_yaml(recipe))
-        outputs.end_overwrite(replaced)
+        claim.end_overwrite(replaced)
     backend.barrier()
     set_seed(recipe.seed)  # Python's, numpy's and torch's generators
     model = load_policy(recipe, algorithm)

@@ -1,6 +1,7 @@
 """User code (reward functions now; tools and environments reuse it): one error path for everything it can do.
 
     module = import_user("my_rewards", "reward 'my_rewards:has_citation'")        # UserError (exit 2) at start-up
+    fn = load_callable("my_rewards:has_citation", "reward")                       # rewards, tools, environments, parsers
     scores = call_user(fn, "reward 'has_citation' on a batch of 8", prompts, completions)   # UserCodeError (exit 1)
     raise UserCodeError(f"reward 'f' {what_it_did(error)} on sample 3 (prompt: 'What is')", error)
 
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import difflib
 import importlib
 import importlib.util
 import os
@@ -162,7 +164,7 @@ def call_with_deadline(fn: Callable, what: str, seconds: float, *args, **kwargs)
                                  "returning): stopped without saving, the last checkpoint is intact; continue with "
                                  "train.resume_from_checkpoint=auto", 128 + _stop_signal[0], shared=False) from None
             if left <= 0:
-                raise UserCodeError(f"{what} did not return within {seconds:g}s (rollout.user_code_timeout); it is "
+                raise UserCodeError(f"{what} did not return within {seconds:g}s (agent.user_code_timeout); it is "
                                     "stopped here instead of hanging the run") from None
 
 
@@ -186,3 +188,25 @@ def import_user(module_name: str, what: str):
         raise
     except BaseException as e:  # noqa: BLE001 - SystemExit included: see the module docstring
         raise UserError(f"{what}: cannot import module '{module_name}': it {what_it_did(e)}\n{user_frames(e)}") from None
+
+
+def load_callable(spec: str, what: str, shown: str = "") -> Callable:
+    """'package.module:attribute' or 'path/to/file.py:attribute' -> the callable it names; a UserError starting
+    "{what} '{shown or spec}'" when it does not import or is not callable (rewards, tools, environments, parsers)."""
+    shown = shown or spec
+    if ":" not in spec:
+        raise UserError(f"{what} '{spec}' is not an import path; write it as 'package.module:name' or "
+                        "'path/to/file.py:name'")
+    module_name, _, attribute = spec.rpartition(":")
+    target = import_user(module_name, f"{what} '{shown}'")
+    for depth, part in enumerate(attribute.split(".")):
+        if not hasattr(target, part):
+            names = [n for n in dir(target) if not n.startswith("_")]
+            close = difflib.get_close_matches(part, names, n=1, cutoff=0.5)
+            hint = f"; did you mean '{close[0]}'?" if close else ""
+            owner = module_name if depth == 0 else getattr(target, "__name__", target)  # a file: its path, as given
+            raise UserError(f"{what} '{shown}': {owner!s} has no attribute '{part}'{hint}")
+        target = getattr(target, part)
+    if not callable(target):
+        raise UserError(f"{what} '{shown}': '{attribute}' is a {type(target).__name__}, not a function or class")
+    return target

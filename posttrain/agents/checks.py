@@ -11,16 +11,16 @@ from posttrain.errors import UserError
 MULTI_TURN_COMMANDS = ("grpo", "ppo")
 
 
-def check_rollout(recipe, tokenizer, command: str) -> None:
-    """UserError naming what is wrong with recipe.rollout for this tokenizer; nothing when rollout is off."""
-    r = recipe.rollout
+def check_agent(recipe, tokenizer, command: str) -> None:
+    """UserError naming what is wrong with recipe.agent for this tokenizer; nothing when rollout is off."""
+    r = recipe.agent
     if not r.enabled:
         return
     if command not in MULTI_TURN_COMMANDS:
-        raise UserError(f"rollout.tools / rollout.environment: multi-turn rollouts run under "
+        raise UserError(f"agent.tools / agent.environment: multi-turn rollouts run under "
                         f"{', '.join(MULTI_TURN_COMMANDS)}, not {command}; remove the rollout section")
     if not getattr(tokenizer, "chat_template", None):
-        raise UserError("rollout.tools / rollout.environment need a chat template to format the turns; set "
+        raise UserError("agent.tools / agent.environment need a chat template to format the turns; set "
                         "model.chat_template")
     if r.environment:
         load_environment(r.environment)
@@ -37,9 +37,9 @@ def check_rollout(recipe, tokenizer, command: str) -> None:
                                                {"role": "tool", "name": next(iter(tools)), "content": "b"}],
                                       tools=schemas, tokenize=False, add_generation_prompt=True)
     except Exception as e:  # noqa: BLE001 - jinja raises its own types for a template that cannot do this
-        raise UserError(f"rollout.tools: the chat template cannot render tool messages ({type(e).__name__}: {e}); "
+        raise UserError(f"agent.tools: the chat template cannot render tool messages ({type(e).__name__}: {e}); "
                         "set model.chat_template to a template with tool support") from None
     if with_tools == without:
-        raise UserError("rollout.tools: the chat template ignores tools (it renders the same text with and without "
+        raise UserError("agent.tools: the chat template ignores tools (it renders the same text with and without "
                         "them), so the model would never see them; set model.chat_template to a template with tool "
                         "support")

@@ -1,6 +1,6 @@
 """Environments: a stateful object per sample that opens the conversation and answers each of the model's turns.
 
-    rollout:
+    agent:
       environment: my_envs:GuessNumber      # a class; one instance per sample, made with no arguments
 
     class GuessNumber:
@@ -19,7 +19,7 @@ the model's turn as {"role": "assistant", "content": text, "tool_calls": [...par
 to append (user or tool turns), a reward for the step and whether the episode is over. The trajectory's reward from
 the environment is the sum of its steps' rewards, added to the `rewards:` functions' total.
 
-The constructor, reset and step run with a deadline (rollout.user_code_timeout). One that raises, calls sys.exit /
+The constructor, reset and step run with a deadline (agent.user_code_timeout). One that raises, calls sys.exit /
 os._exit, never returns, or returns something malformed (a NaN or infinite reward included) stops the run with
 exit 1 naming the environment, the method and the sample (usercode.UserCodeError).
 """
@@ -31,7 +31,7 @@ import math
 from typing import Any, Protocol, runtime_checkable
 
 from posttrain.errors import UserError
-from posttrain.rewards.load import load_callable
+from posttrain.usercode import load_callable
 from posttrain.usercode import UserCodeError, call_with_deadline
 
 
@@ -47,19 +47,19 @@ class Environment(Protocol):
 
 
 def load_environment(spec: str) -> type:
-    """rollout.environment -> the class; UserError naming it when it does not import or lacks reset / step."""
-    cls = load_callable(spec, "rollout.environment")
+    """agent.environment -> the class; UserError naming it when it does not import or lacks reset / step."""
+    cls = load_callable(spec, "agent.environment")
     if not isinstance(cls, type):
-        raise UserError(f"rollout.environment '{spec}' is a {type(cls).__name__}; give a class with reset(row) and "
+        raise UserError(f"agent.environment '{spec}' is a {type(cls).__name__}; give a class with reset(row) and "
                         "step(assistant_message), made once per sample with no arguments")
     for method, arity in (("reset", 1), ("step", 1)):
         fn = getattr(cls, method, None)
         if not callable(fn):
-            raise UserError(f"rollout.environment '{spec}' has no method {method}(); see docs/agents.md")
+            raise UserError(f"agent.environment '{spec}' has no method {method}(); see docs/agents.md")
         params = [p for p in inspect.signature(fn).parameters.values() if p.name != "self"
                   and p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
         if len(params) != arity:
-            raise UserError(f"rollout.environment '{spec}': {method} must take one argument besides self, "
+            raise UserError(f"agent.environment '{spec}': {method} must take one argument besides self, "
                             f"it takes {[p.name for p in params]}")
     return cls
 
@@ -78,7 +78,7 @@ class EnvironmentSession:
     checked."""
 
     def __init__(self, cls: type, spec: str, sample: int, timeout: float = 60.0):
-        self.where = f"rollout.environment '{spec}' (sample: dataset row {sample})"
+        self.where = f"agent.environment '{spec}' (sample: dataset row {sample})"
         self.timeout = timeout
         self.env = call_with_deadline(cls, f"{self.where}: {cls.__name__}()", timeout)
 

@@ -1,6 +1,6 @@
 """Tool-call parsers: the model's turn (text) -> the calls it makes, in the format of the model's own chat template.
 
-    rollout:
+    agent:
       tool_parser: auto          # hermes | llama3 | auto (from the chat template) | my_module:parse
 
 A parser takes the assistant turn's text and returns `(calls, errors)`: calls as {"name": str, "arguments": dict},
@@ -8,7 +8,7 @@ errors as messages for the calls it saw but could not read (bad JSON), which go 
 calls. A custom parser `module:function` takes the text and returns a list of calls (raising ValueError for a
 malformed one). Whatever the model wrote is data: a call whose name is not a string, or whose body is not an object,
 goes back to the model as an error. A custom parser that raises anything else, returns something other than a list,
-or runs past rollout.user_code_timeout stops the run (exit 1) naming the parser and the turn.
+or runs past agent.user_code_timeout stops the run (exit 1) naming the parser and the turn.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import re
 from typing import Callable
 
 from posttrain.errors import UserError
-from posttrain.rewards.load import load_callable
+from posttrain.usercode import load_callable
 from posttrain.usercode import UserCodeError, call_with_deadline
 
 Parsed = tuple[list[dict], list[str]]
@@ -71,10 +71,10 @@ TEMPLATE_MARKERS = (("<tool_call>", "hermes"), ("<|python_tag|>", "llama3"), ('"
 
 
 def _custom(spec: str, timeout: float) -> Callable[[str], Parsed]:
-    fn = load_callable(spec, "rollout.tool_parser")
+    fn = load_callable(spec, "agent.tool_parser")
 
     def parse(text: str) -> Parsed:
-        what = f"rollout.tool_parser '{spec}' on the model's turn {text[:80]!r}"
+        what = f"agent.tool_parser '{spec}' on the model's turn {text[:80]!r}"
 
         def read(text: str):
             try:
@@ -96,18 +96,18 @@ def _custom(spec: str, timeout: float) -> Callable[[str], Parsed]:
 
 
 def pick_parser(spec: str, chat_template, timeout: float = 60.0) -> Callable[[str], Parsed]:
-    """rollout.tool_parser -> a parser: a table entry, a custom import path, or (auto) the format the template uses.
-    timeout: rollout.user_code_timeout, for a custom parser."""
+    """agent.tool_parser -> a parser: a table entry, a custom import path, or (auto) the format the template uses.
+    timeout: agent.user_code_timeout, for a custom parser."""
     if spec in TOOL_PARSERS:
         return TOOL_PARSERS[spec]
     if ":" in spec:
         return _custom(spec, timeout)
     if spec != "auto":
-        raise UserError(f"rollout.tool_parser is {spec!r}; choose auto, {', '.join(TOOL_PARSERS)} or give your own "
+        raise UserError(f"agent.tool_parser is {spec!r}; choose auto, {', '.join(TOOL_PARSERS)} or give your own "
                         "as 'module:function'")
     text = " ".join(chat_template.values()) if isinstance(chat_template, dict) else str(chat_template or "")
     for marker, name in TEMPLATE_MARKERS:
         if marker in text:
             return TOOL_PARSERS[name]
-    raise UserError("rollout.tool_parser=auto: the chat template shows no tool-call format posttrain knows "
-                    f"({', '.join(TOOL_PARSERS)}); set rollout.tool_parser to one of them or to 'module:function'")
+    raise UserError("agent.tool_parser=auto: the chat template shows no tool-call format posttrain knows "
+                    f"({', '.join(TOOL_PARSERS)}); set agent.tool_parser to one of them or to 'module:function'")

@@ -1,15 +1,15 @@
 """Tools: plain Python functions the model may call, named in the recipe, each call run in a process of its own.
 
-    rollout:
+    agent:
       tools: [my_tools:calculator, tools/search.py:lookup]
 
 A tool is a function with type hints and a Google-style docstring (its description and an `Args:` line per
 parameter); transformers' `get_json_schema` turns it into the JSON schema the chat template shows the model
 (`apply_chat_template(tools=[...])`). The model's call `{"name": "calculator", "arguments": {"expression": "2+3"}}`
 runs as `calculator(expression="2+3")`; what it returns comes back to the model as a tool message, as `str(result)`
-(JSON for dicts and lists), cut to `rollout.tool_max_output_chars`.
+(JSON for dicts and lists), cut to `agent.tool_max_output_chars`.
 
-Each call runs in a forked child process with a deadline (`rollout.tool_timeout`): a tool that hangs is killed, one
+Each call runs in a forked child process with a deadline (`agent.tool_timeout`): a tool that hangs is killed, one
 that raises or crashes its process gives the model an error message, and neither stops the batch. The counts go to
 the step's metrics (tools/errors, tools/timeouts).
 
@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 from posttrain.errors import UserError
-from posttrain.rewards.load import load_callable
+from posttrain.usercode import load_callable
 
 
 @dataclass(frozen=True)
@@ -47,33 +47,33 @@ class Tool:
 
 
 def load_tools(specs: tuple[str, ...]) -> dict[str, Tool]:
-    """rollout.tools -> {name: Tool}; UserError naming the entry when it does not import, is not a function, has no
+    """agent.tools -> {name: Tool}; UserError naming the entry when it does not import, is not a function, has no
     usable signature (type hints + docstring with Args), or repeats another tool's name."""
     from transformers.utils import get_json_schema
 
     tools: dict[str, Tool] = {}
     for spec in specs:
-        fn = load_callable(spec, "rollout.tools entry")
+        fn = load_callable(spec, "agent.tools entry")
         try:
             schema = get_json_schema(fn)
         except Exception as e:  # noqa: BLE001 - transformers raises several types for a signature it cannot read
-            raise UserError(f"rollout.tools entry '{spec}': no usable signature for a tool schema ({type(e).__name__}: "
+            raise UserError(f"agent.tools entry '{spec}': no usable signature for a tool schema ({type(e).__name__}: "
                             f"{e}); give every parameter a type hint and the docstring a description and an 'Args:' "
                             "line per parameter") from None
         name = schema["function"]["name"]
         if name in tools:
-            raise UserError(f"rollout.tools entry '{spec}': a tool named '{name}' is already listed; rename one")
+            raise UserError(f"agent.tools entry '{spec}': a tool named '{name}' is already listed; rename one")
         tools[name] = Tool(name, fn, schema)
     return tools
 
 
 def opening_tools(rollout) -> Optional[list[dict]]:
-    """What tokenize_prompts(rollout_tools=) takes for `rollout` (recipe.rollout): the tools' schemas when a multi-turn
+    """What tokenize_prompts(rollout_tools=) takes for `rollout` (recipe.agent): the tools' schemas when a multi-turn
     rollout opens from the dataset's prompts (rollout on, no environment: an environment writes its own opening);
     None otherwise."""
-    if not rollout.enabled or rollout.environment:
+    if not agent.enabled or agent.environment:
         return None
-    return [t.schema for t in load_tools(rollout.tools).values()]
+    return [t.schema for t in load_tools(agent.tools).values()]
 
 
 @dataclass(frozen=True)
@@ -83,7 +83,7 @@ class ToolResult:
     error: bool
     """The call failed: unknown tool, bad arguments, an exception, a crash or a timeout."""
     timed_out: bool
-    """The call ran past rollout.tool_timeout and its process was killed."""
+    """The call ran past agent.tool_timeout and its process was killed."""
     seconds: float
     """Wall time of the call."""
 
@@ -145,7 +145,7 @@ class ToolRunner:
 
     def __init__(self, tools: dict[str, Tool], timeout: float, max_output_chars: int, workers: int):
         if not (math.isfinite(timeout) and timeout > 0):
-            raise UserError(f"rollout.tool_timeout must be a finite number of seconds > 0, got {timeout!r}")
+            raise UserError(f"agent.tool_timeout must be a finite number of seconds > 0, got {timeout!r}")
         self.tools, self.timeout, self.limit, self.workers = tools, timeout, max_output_chars, workers
         self._context = multiprocessing.get_context("fork")  # the child inherits the tools: no pickling, no import
         if tools:

@@ -5,7 +5,7 @@
 Covers GRPO (Shao et al. 2024), DAPO's token-level loss and clip-higher (Yu et al. 2025), Dr. GRPO (Liu et al.
 2025) and GSPO's sequence-level ratio (Zheng et al. 2025), picked by `algo.loss_type`, `algo.epsilon_high`,
 `algo.scale_rewards` and `algo.importance_sampling_level`. Sampling, scoring and batching live in
-`posttrain.train.rollout_source`; the math lives in `ops.advantages`, `losses.policy`; this file wires them.
+`posttrain.online.rollout_source`; the math lives in `ops.advantages`, `losses.policy`; this file wires them.
 
 Batch semantics (stated here once; the checks below enforce them):
 - `train.per_device_train_batch_size` counts COMPLETIONS (sequences) per device per micro-batch.
@@ -45,7 +45,7 @@ DYNAMIC_SAMPLING_METRICS = ("accuracy", "reward")
 
 @dataclass(frozen=True)
 class DynamicSamplingConfig:
-    """DAPO's dynamic sampling (posttrain/train/dynamic_sampling.py)."""
+    """DAPO's dynamic sampling (posttrain/online/dynamic_sampling.py)."""
 
     enabled: bool = False
     """Drop prompt groups whose metric does not vary and draw more prompts until the step's batch is full."""
@@ -125,7 +125,7 @@ class GRPOAlgoConfig:
         if self.num_iterations < 1 or self.log_samples < 0:
             raise UserError(f"need algo.num_iterations >= 1 and algo.log_samples >= 0; got {self.num_iterations}, "
                             f"{self.log_samples}")
-        if not recipe.rewards and recipe.rollout.environment is None:  # an environment may score alone
+        if not recipe.rewards and recipe.agent.environment is None:  # an environment may score alone
             raise UserError("grpo needs at least one reward: add `rewards: [{name: exact_match}]` to the recipe "
                             "(built-ins: exact_match, format, length_penalty, overlong, judge, reward_model; or "
                             "'module:function')")

@@ -6,6 +6,8 @@
     generation.async: true | false             -> generation.max_staleness: 1 | 0 (batches sampled ahead)
     placement.generation.num_engines: N > 0    -> generation.placement: ray (N engines as Ray actors; launcher: ray,
                                                   the only launcher that reads placement.*)
+    rollout: {tools, environment, ...}         -> agent: {...} (the multi-turn agent loop; "rollout" now means the
+                                                  online batch only)
 
 Each rewrite is said once (rank 0) so the user can move the recipe over. A spelling that contradicts the new key
 given beside it is exit 2 naming both.
@@ -44,6 +46,17 @@ def _upgrade_async(generation: dict) -> str:
     return f"generation.async={str(old).lower()} is now generation.max_staleness={int(old)}"
 
 
+def _upgrade_rollout_section(raw: dict) -> str:
+    """The agent loop's section, once named `rollout:` -> `agent:`."""
+    old = raw.pop("rollout")
+    given = raw.get("agent")
+    if given is not None and given != old:
+        raise UserError("the recipe has both rollout: and agent: (rollout: is the old name of agent:, the multi-turn "
+                        "agent loop's section); keep agent: alone")
+    raw["agent"] = old
+    return "the rollout: section is now agent: (the multi-turn agent loop)"
+
+
 def upgrade(raw: dict[str, Any], say: bool = True) -> list[str]:
     """Rewrite earlier spellings in `raw` (the recipe mapping, overrides applied) in place; returns what was
     rewritten, one line each (printed on rank 0 when `say`)."""
@@ -70,6 +83,8 @@ def upgrade(raw: dict[str, Any], say: bool = True) -> list[str]:
                                 "servers or ray); set generation.placement instead")
             _set_placement(generation, VLLM_PLACEMENTS[old], f"generation.vllm.placement={old}")
             notes.append(f"generation.vllm.placement={old} is now generation.placement={VLLM_PLACEMENTS[old]}")
+    if "rollout" in raw:
+        notes.append(_upgrade_rollout_section(raw))
     placement = raw.get("placement")
     engines = placement.get("generation", {}) if isinstance(placement, dict) else {}
     count = engines.get("num_engines") if isinstance(engines, dict) else None

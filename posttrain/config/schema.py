@@ -261,8 +261,8 @@ class RewardConfig:
 
 
 @dataclass(frozen=True)
-class RolloutConfig:
-    """Multi-turn rollouts with tools and / or an environment (GRPO; docs/agents.md). Off while both are empty."""
+class AgentConfig:
+    """The multi-turn agent loop: tools and / or an environment (GRPO; docs/agents.md). Off while both are empty."""
 
     tools: tuple[str, ...] = ()
     """Functions the model may call: 'package.module:function' or 'path/to/file.py:function' (type hints and a
@@ -366,8 +366,8 @@ class Recipe:
     """Sampling for online algorithms."""
     rewards: tuple[RewardConfig, ...] = ()
     """Reward functions for online algorithms."""
-    rollout: RolloutConfig = field(default_factory=RolloutConfig)
-    """Multi-turn rollouts: tools, environment, turns (rollout.*)."""
+    agent: AgentConfig = field(default_factory=AgentConfig)
+    """The multi-turn agent loop: tools, environment, turns (agent.*; the old name rollout.* is still read)."""
     launcher: str = "local"
     """local: the processes torchrun / accelerate launch started (or one); ray: Ray actors placed by `placement`."""
     placement: PlacementConfig = field(default_factory=PlacementConfig)

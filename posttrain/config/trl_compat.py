@@ -112,7 +112,7 @@ TRL_RENAMES: dict[str, str] = {
     # the algorithm's own knobs (DPOConfig, GRPOConfig, RewardConfig, PPOConfig)
     "vllm_importance_sampling_correction": "algo.vllm_is_correction",
     "vllm_importance_sampling_cap": "algo.vllm_is_cap", "precompute_ref_log_probs": "algo.precompute_ref_logprobs",
-    "vllm_importance_sampling_clip_max": "algo.vllm_is_cap", "max_tool_calling_iterations": "rollout.max_turns",
+    "vllm_importance_sampling_clip_max": "algo.vllm_is_cap", "max_tool_calling_iterations": "agent.max_turns",
     "cliprange": "algo.epsilon", "cliprange_value": "algo.value_clip", "num_ppo_epochs": "algo.ppo_epochs",
     "value_model_path": "algo.critic_model_name_or_path",
 }

@@ -26,13 +26,13 @@ POSITIVE = (
     "train.learning_rate", "train.logging_steps", "train.num_train_epochs", "data.max_length",
     "generation.max_completion_length", "train.ddp_timeout", "generation.sync_every", "generation.sync_bucket_mb",
     "generation.vllm.tensor_parallel_size", "generation.request_timeout_s", "generation.sync_timeout_s",
-    "placement.cpus_per_worker", "placement.generation.tensor_parallel_size", "rollout.max_turns",
-    "rollout.tool_timeout", "rollout.tool_max_output_chars", "rollout.tool_workers", "rollout.user_code_timeout",
+    "placement.cpus_per_worker", "placement.generation.tensor_parallel_size", "agent.max_turns",
+    "agent.tool_timeout", "agent.tool_max_output_chars", "agent.tool_workers", "agent.user_code_timeout",
 )
 NON_NEGATIVE = ("train.weight_decay", "train.warmup_steps", "train.max_grad_norm", "train.save_steps", "train.eval_steps",
                 "train.max_nonfinite_skips", "generation.request_retries", "placement.generation.num_engines")
 PLACED_ROLES = ("policy", "reference", "critic", "reward_model", "teacher")  # algorithms.base.ROLE_NAMES; config stays torch-free
-# train.report_to: each is the module posttrain/trackers.py imports to write to it, and its pip package
+# train.report_to: each is the module posttrain/report/trackers.py imports to write to it, and its pip package
 TRACKERS = ("tensorboard", "wandb", "mlflow", "trackio")  # = trackers.TRACKERS (tests/unit/test_trackers.py)
 # MLflow's database stores (its default since 3.x is sqlite:///mlflow.db) need SQLAlchemy and Alembic, which full
 # mlflow brings and mlflow-skinny does not

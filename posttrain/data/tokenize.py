@@ -281,7 +281,7 @@ def tokenize_prompts(dataset: datasets.Dataset, tokenizer, data_cfg: DataConfig,
     keep their last max_prompt_length tokens, counted in `truncated` (the tools turn included).
     rollout_tools: a multi-turn rollout starts from these prompts (not None; a list of the rollout's tool schemas,
     rendered beside the row's own): string prompts open a chat as one user message, and the limit is
-    max_prompt_length or else max_length, the prompt posttrain/agents/rollout.py continues."""
+    max_prompt_length or else max_length, the prompt posttrain/agents/loop.py continues."""
     fmt = _detect(dataset, tokenizer, what, lambda f: "prompt" in f.columns(), "generation needs a 'prompt' column")
     multi_turn = rollout_tools is not None
     limit = data_cfg.max_prompt_length or (data_cfg.max_length if multi_turn else None)

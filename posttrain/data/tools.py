@@ -11,7 +11,7 @@ messages inside it.
 A row's `tools` is a list of JSON schemas, or the same list as a JSON string (TRL's datasets store it so, since
 Arrow cannot hold schemas of different shapes in one column). The chat template renders them
 (`apply_chat_template(tools=)`), as TRL's SFT and DPO trainers do. Python functions (TRL's GRPOTrainer(tools=[...]))
-are rollout.tools (posttrain/agents/tools.py): their schemas (transformers' `get_json_schema`) join each prompt's. A template that ignores them, or that drops an assistant turn's tool calls (and so
+are agent.tools (posttrain/agents/tools.py): their schemas (transformers' `get_json_schema`) join each prompt's. A template that ignores them, or that drops an assistant turn's tool calls (and so
 would train an empty turn), is refused with the row named rather than trained on silently.
 """
 

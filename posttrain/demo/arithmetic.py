@@ -5,7 +5,7 @@
 
 1. a tiny random Llama-style model + a tokenizer trained here (posttrain make-tiny-model);
 2. a synthetic task with a checkable answer: a number up to 999 plus a one-digit number, asked and answered in chat
-   (posttrain/tasks.py). 10,000 distinct problems, so the model has to learn to add rather than memorise;
+   (posttrain/demo/tasks.py). 10,000 distinct problems, so the model has to learn to add rather than memorise;
 3. SFT on demonstrations from a sloppy demonstrator, who forgets the carry in half of the problems that carry (as
    real demonstrations hold mistakes); then held-out exact-match accuracy;
 4. DPO on preferences over other problems (the right sum preferred to the forgotten carry or a near miss), with an SFT
@@ -26,7 +26,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from posttrain.tasks import write_example_data
+from posttrain.demo.tasks import write_example_data
 
 
 @dataclass(frozen=True)
@@ -58,7 +58,7 @@ def stage(command: str, out: Path, overrides: list[str], seed: int = 0, resume: 
     """One ordinary posttrain run, in-process, with the demo's run directory. resume: the same demo was stopped
     before it finished; a stage with a checkpoint continues from it (a finished one only exports again)."""
     from posttrain.algorithms import ALGORITHMS
-    from posttrain.checkpoint import list_checkpoints
+    from posttrain.rundir.checkpoint import list_checkpoints
     from posttrain.config.load import load_recipe
     from posttrain.run import run
 
@@ -70,7 +70,7 @@ def stage(command: str, out: Path, overrides: list[str], seed: int = 0, resume: 
 
 
 def held_out_accuracy(model_dir: Path, prompts_file: Path) -> float:
-    from posttrain.train.evaluation import exact_match_accuracy
+    from posttrain.online.evaluation import exact_match_accuracy
     from posttrain.config.schema import DataConfig, ModelConfig
     from posttrain.data import load_rows, tokenize_prompts
     from posttrain.models.load import load_causal_lm, load_tokenizer
@@ -121,7 +121,7 @@ def run_demo(out_dir: str = "runs/demo", quick: bool = False, seed: int = 0) -> 
 def run_stages(out: Path, size: DemoSize, seed: int, resume: bool) -> dict:
     """The demo's four stages under `out`; resume: continue each from its checkpoint (see `stage`)."""
     from posttrain.models.tiny import make_tiny_model
-    from posttrain.train.evaluation import preference_accuracy
+    from posttrain.online.evaluation import preference_accuracy
 
     quick = size == QUICK
     started = time.time()

@@ -6,11 +6,11 @@ Task: two-digit x two-digit multiplication, operands 32-99 so that every product
 does not learn to multiply in minutes; with the calculator it only has to copy: the operands into the call and the
 tool's result into its answer, each at a fixed place (the fixed widths keep the copies at fixed offsets, which a
 tiny model learns far sooner than copying numbers of varying length). The tool is called in a compact form,
-`calc 57 * 83`, read by a custom parser (rollout.tool_parser).
+`calc 57 * 83`, read by a custom parser (agent.tool_parser).
 Two pipelines, same tiny random model, same problems, same demonstrator who slips on 30% of the problems:
 - tools: SFT on scripted traces (question -> `calc a * b` -> the tool's result -> the answer); a slip
   copies the second operand's last digit wrong into the call, and the trace carries the wrong result through. Then
-  GRPO with the tool live (recipes/grpo_tools.yaml's settings): rollout.tools, exact match on the last turn.
+  GRPO with the tool live (recipes/grpo_tools.yaml's settings): agent.tools, exact match on the last turn.
 - plain: SFT on direct answers (a slip gives the same wrong product), then GRPO with exact match and no tool.
 Held-out exact match is each GRPO run's eval/accuracy: greedy, whole trajectories for the tool pipeline; step 0 is
 the SFT model, the last eval the GRPO model.
@@ -27,7 +27,7 @@ import re
 import time
 from pathlib import Path
 
-from posttrain.tasks import write_jsonl
+from posttrain.demo.tasks import write_jsonl
 
 LOW, HIGH = 32, 99  # 32 * 32 = 1024: every product has four digits
 SYSTEM = "Tools: calculator"
@@ -58,7 +58,7 @@ def calculator(expression: str) -> str:
 
 
 def parse_call(text: str) -> list[dict]:
-    """The demo's compact tool-call format, read by a custom rollout.tool_parser: `calc 57 * 83` calls the
+    """The demo's compact tool-call format, read by a custom agent.tool_parser: `calc 57 * 83` calls the
     calculator (the Hermes JSON form costs ~70 tokens of the tiny tokenizer, `calc ...` ~10)."""
     if not text.startswith("calc "):
         return []
@@ -137,9 +137,9 @@ def run_demo(out_dir: str, sft_steps: int, grpo_steps: int, seed: int = 0, slip:
                      "rewards=[{name: exact_match}]"]
         if name == "tools":
             overrides += [f"model.chat_template={out / 'tools.jinja'}", "generation.max_completion_length=48",
-                          "rollout.tools=[posttrain.demo.tools:calculator]",
-                          "rollout.tool_parser=posttrain.demo.tools:parse_call",
-                          "rollout.max_turns=2"]
+                          "agent.tools=[posttrain.demo.tools:calculator]",
+                          "agent.tool_parser=posttrain.demo.tools:parse_call",
+                          "agent.max_turns=2"]
         else:
             overrides += ["generation.max_completion_length=8"]
         grpo = stage("grpo", out / name, overrides, seed)

@@ -179,7 +179,7 @@ def precision_notes(precision: Precision, on_cpu: bool, native_bf16: Optional[bo
 
 def announce_precision(precision: Precision, on_cpu: bool) -> None:
     """Say each precision note once per process (rank 0)."""
-    from posttrain.checkpoint_files import warn
+    from posttrain.errors import warn
 
     for note in precision_notes(precision, on_cpu, cpu_has_native_bf16() if on_cpu else None):
         if note not in _ANNOUNCED:

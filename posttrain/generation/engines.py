@@ -20,7 +20,8 @@ import secrets
 from typing import Callable, Optional, Sequence
 
 from posttrain.generation.adapter_sync import adapter_config
-from posttrain.generation.base import GenerationEngine, longest_sequence
+from posttrain.generation.base import GenerationEngine
+from posttrain.models.facts import longest_sequence
 from posttrain.generation.hf import HFEngine
 from posttrain.generation.server import ServerEngine
 from posttrain.generation.vllm_engine import VLLMEngine

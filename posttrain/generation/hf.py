@@ -16,7 +16,8 @@ from typing import Callable, ContextManager, Iterable, Optional
 import torch
 from torch.nn.utils.rnn import pad_sequence
 
-from posttrain.generation.base import Completions, GenerationEngine, SamplingParams, check_prompts, stop_ids
+from posttrain.generation.base import Completions, GenerationEngine, SamplingParams, check_prompts
+from posttrain.models.facts import stop_ids
 
 # Logits processors transformers would otherwise pick up from the model's generation_config.json.
 NEUTRAL_GENERATION = dict(num_beams=1, num_return_sequences=1, min_new_tokens=0, repetition_penalty=1.0,
@@ -27,7 +28,7 @@ NEUTRAL_GENERATION = dict(num_beams=1, num_return_sequences=1, min_new_tokens=0,
 class HFEngine(GenerationEngine):
     """`GenerationEngine` over transformers generate. Shares the policy in-process: no weight copies, no sync.
 
-    model: a causal LM (the unwrapped policy, or a separate copy). tokenizer: gives the stop ids (base.stop_ids)
+    model: a causal LM (the unwrapped policy, or a separate copy). tokenizer: gives the stop ids (models.facts.stop_ids)
     and the pad id.
     gather: factory of a context manager entered around generation that gives the model its full parameters once for
     the whole call (ZeRO-3, FSDP2: `Backend.gathered_parameters`) instead of an all-gather per forward, or None.

@@ -24,8 +24,8 @@ from urllib.parse import urlsplit
 from posttrain.distributed.sync_group import local_address_towards
 from posttrain.errors import RunStopped, UserError
 from posttrain.generation.adapter_sync import PROBE_PROMPT, PROBE_TOKENS, AdapterNames, DeliveryProbe, max_lora_rank
-from posttrain.generation.base import (Completions, GenerationEngine, SamplingParams, check_prompts, stop_ids,
-                                    longest_sequence, vllm_sampling, vllm_truncated)
+from posttrain.generation.base import Completions, GenerationEngine, SamplingParams, check_prompts, vllm_sampling, vllm_truncated
+from posttrain.models.facts import stop_ids, longest_sequence
 from posttrain.generation.http import (TOKEN_ENV, BadAnswer, ServerUnavailable, call, call_with_retries,  # noqa: F401
                                     completion_bytes, read_completion)
 from posttrain.generation.weight_transfer import GlooTrainerEngine, GlooTrainerInitInfo, ServersClient
@@ -35,7 +35,7 @@ TOKENIZER_PROBE = "posttrain vocabulary probe: What is 12 + 7? Answer: 19."
 
 class ServerEngine(GenerationEngine):
     """`GenerationEngine` over vLLM servers (`posttrain serve`, or stock ones with the gloo-posttrain backend).
-    generation: the recipe's `generation.*`; tokenizer: gives the stop ids (base.stop_ids); sends_weights: this process is the trainer
+    generation: the recipe's `generation.*`; tokenizer: gives the stop ids (models.facts.stop_ids); sends_weights: this process is the trainer
     rank that pushes weight syncs (the others only take part in gathering them); servers, token: other servers than
     generation.servers, another token than the one in POSTTRAIN_SERVER_TOKEN (the engine of a node,
     generation/vllm_node.py); vocab_size: bounds the token ids a server may return (default: the policy's config)."""

@@ -23,7 +23,7 @@ from typing import Optional
 import psutil
 
 from posttrain.generation.adapter_sync import max_lora_rank
-from posttrain.generation.base import longest_sequence
+from posttrain.models.facts import longest_sequence
 from posttrain.generation.http import TOKEN_ENV
 from posttrain.generation.serve import die_with_parent, stop_group, wait_ready
 

@@ -23,8 +23,8 @@ from typing import Iterable, Optional
 import torch
 
 from posttrain.errors import UserError
-from posttrain.generation.base import (Completions, GenerationEngine, SamplingParams, check_prompts, stop_ids,
-                                    vllm_sampling, vllm_truncated)
+from posttrain.generation.base import Completions, GenerationEngine, SamplingParams, check_prompts, vllm_sampling, vllm_truncated
+from posttrain.models.facts import stop_ids
 
 
 def vllm_available() -> bool:
@@ -39,7 +39,7 @@ class VLLMEngine(GenerationEngine):
     """`GenerationEngine` over an in-process vLLM `LLM` holding its own copy of the policy's weights.
 
     model_dir: the policy's starting weights (a HF model directory or hub id). tokenizer: gives the ids that stop
-    a completion (base.stop_ids, as in the HF engine; vLLM's own eos handling is off). config: `generation.vllm`. seed: the engine's
+    a completion (models.facts.stop_ids, as in the HF engine; vLLM's own eos handling is off). config: `generation.vllm`. seed: the engine's
     seed. max_model_len: longest prompt + completion (None: config's, or vLLM's default).
     """
 

@@ -29,7 +29,7 @@ from posttrain.launch.ray_placement import (Plan, RankSlot, fit, node_options, n
 from posttrain.launch.ray_actors import Worker, import_ray, kill_all, last_line, rank_env
 from posttrain.launch.ray_roles import RoleWorkerDied, check_apart, start_role_groups
 from posttrain.errors import RunStopped, UserError
-from posttrain.outputs import RAY_SESSION_DIR, check_output_dir
+from posttrain.rundir.claim import RAY_SESSION_DIR, check_output_dir
 from posttrain.run import Launched, run
 
 START_TIMEOUT_S = 300.0  # actors not started by then: their resources are held by something else

@@ -85,7 +85,7 @@ def check_position_limit(recipe, data_kind: str) -> None:
         return
     positions, key = limit
     if data_kind == "prompt":
-        from posttrain.generation.base import longest_sequence
+        from posttrain.models.facts import longest_sequence
 
         longest = longest_sequence(recipe)
         prompt_key = "data.max_prompt_length" if recipe.data.max_prompt_length else "data.max_length"

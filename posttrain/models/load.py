@@ -126,7 +126,7 @@ def load_tokenizer(model_cfg: ModelConfig):
                             "tokenizer_config.json")
         tokenizer.pad_token = tokenizer.eos_token
     tokenizer.padding_side = "right"
-    from posttrain.generation.base import generation_eos_ids  # what ends a completion: generation.base.stop_ids
+    from posttrain.models.facts import generation_eos_ids  # what ends a completion: models.facts.stop_ids
 
     tokenizer.posttrain_stop_ids = generation_eos_ids(_resolve(model_cfg.name_or_path), model_cfg.revision)
     return tokenizer

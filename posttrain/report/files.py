@@ -19,7 +19,7 @@ from typing import Optional
 
 import yaml
 
-from posttrain.checkpoint_files import warn
+from posttrain.errors import warn
 from posttrain.errors import UserError
 
 GENERATOR = "<meta name='generator' content='posttrain report'>"  # in every page: marks it as ours to redraw
@@ -78,7 +78,7 @@ def read_mapping(path: Path, what: str) -> dict:
 def report_path(runs: list[Path], out: Optional[str]) -> Path:
     """Where the page goes: --out as given, else RUN/report.html (a run's own directory only) or ./compare.html
     (unless a file there is not a page of ours)."""
-    from posttrain.outputs import classify
+    from posttrain.rundir.claim import classify
 
     if out:
         path = Path(out).expanduser()

@@ -7,10 +7,10 @@ from __future__ import annotations
 import html
 import json
 
-from posttrain.logging import finite
+from posttrain.rundir.metrics import finite
 from posttrain.report.charts import COLORS
 from posttrain.report.files import GENERATOR
-from posttrain.trackers import flatten
+from posttrain.report.trackers import flatten
 
 CSS = """
 body { font: 14px/1.45 -apple-system, "Segoe UI", Roboto, "Helvetica Neue", Arial, sans-serif; color: #1f2937;

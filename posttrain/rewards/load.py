@@ -25,7 +25,7 @@ from posttrain.config.trl_rewards import TRL_BUILTINS, is_model_path
 from posttrain.errors import UserError
 from posttrain.rewards.builtin import BUILTIN_REWARDS, check_builtin_kwargs
 from posttrain.rewards.combine import ON_ERROR, Reward, RewardSet
-from posttrain.usercode import UserCodeError, call_user, import_user
+from posttrain.usercode import UserCodeError, call_user, load_callable
 
 
 def load_reward(cfg: RewardConfig) -> Reward:
@@ -79,28 +79,6 @@ def load_rewards(cfgs: Sequence[RewardConfig]) -> RewardSet:
             reward = reward._replace(name=f"{reward.name}_{seen[reward.name]}")
         rewards.append(reward)
     return RewardSet(rewards)
-
-
-def load_callable(spec: str, what: str, shown: str = "") -> Callable:
-    """'package.module:attribute' or 'path/to/file.py:attribute' -> the callable it names; a UserError starting
-    "{what} '{shown or spec}'" when it does not import or is not callable (rewards, tools, environments, parsers)."""
-    shown = shown or spec
-    if ":" not in spec:
-        raise UserError(f"{what} '{spec}' is not an import path; write it as 'package.module:name' or "
-                        "'path/to/file.py:name'")
-    module_name, _, attribute = spec.rpartition(":")
-    target = import_user(module_name, f"{what} '{shown}'")
-    for depth, part in enumerate(attribute.split(".")):
-        if not hasattr(target, part):
-            names = [n for n in dir(target) if not n.startswith("_")]
-            close = difflib.get_close_matches(part, names, n=1, cutoff=0.5)
-            hint = f"; did you mean '{close[0]}'?" if close else ""
-            owner = module_name if depth == 0 else getattr(target, "__name__", target)  # a file: its path, as given
-            raise UserError(f"{what} '{shown}': {owner!s} has no attribute '{part}'{hint}")
-        target = getattr(target, part)
-    if not callable(target):
-        raise UserError(f"{what} '{shown}': '{attribute}' is a {type(target).__name__}, not a function or class")
-    return target
 
 
 def _bind(spec: str, target: Any, kwargs: dict) -> Callable:

@@ -57,7 +57,7 @@ def longest_unit(recipe, algorithm) -> tuple[int, str]:
     """(tokens, what they are) of the longest unit a micro-batch of the run can hold: a row of data.max_length; a
     preference pair's two rows; a prompt plus its completion for generated data. The smallest budget there is."""
     if algorithm.data_kind == "prompt" or algorithm.source_kind == "distill":
-        from posttrain.generation.base import longest_sequence
+        from posttrain.models.facts import longest_sequence
 
         longest = longest_sequence(recipe)
         if algorithm.source_kind == "distill" and recipe.data.max_length > longest:  # the dataset's own rows too

@@ -7,7 +7,7 @@ import pytest
 
 from tests.distributed.launch import ENGINES, Result, launch
 from tests.distributed.recipes import TWO_PROCESS_SPLIT, sft_overrides
-from posttrain.tasks import write_example_data
+from posttrain.demo.tasks import write_example_data
 from tests.integration.helpers import ONE_PROCESS_SPLITS, final_weights, metrics, run_cli, step_losses
 
 

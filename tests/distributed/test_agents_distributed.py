@@ -17,7 +17,7 @@ pytestmark = pytest.mark.distributed
 
 
 def test_two_processes_match_one_with_accumulation(tiny_model_dir, tmp_path):
-    from posttrain.tasks import write_example_data
+    from posttrain.demo.tasks import write_example_data
 
     data = write_example_data(tmp_path / "data", n_train=16, n_eval=2)
     common = ["train.per_device_train_batch_size=2", "generation.batch_size=1", "algo.scale_rewards=batch"]

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from posttrain.tasks import write_example_data
+from posttrain.demo.tasks import write_example_data
 from tests.distributed.launch import launch
 from tests.integration.helpers import final_weights, max_weight_diff, metrics, run_cli, run_overrides
 

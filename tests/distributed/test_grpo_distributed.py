@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 
 from tests.distributed.launch import launch
-from posttrain.tasks import write_example_data
+from posttrain.demo.tasks import write_example_data
 from tests.integration.helpers import max_weight_diff, run_overrides
 
 pytestmark = pytest.mark.distributed

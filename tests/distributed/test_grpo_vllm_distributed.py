@@ -15,7 +15,7 @@ import psutil
 import pytest
 
 from posttrain.generation.vllm_engine import vllm_available
-from posttrain.tasks import write_example_data
+from posttrain.demo.tasks import write_example_data
 from tests.distributed.launch import launch
 from tests.integration.helpers import max_weight_diff, run_overrides
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 
-from posttrain.tasks import write_example_data
+from posttrain.demo.tasks import write_example_data
 from tests.distributed.launch import ENGINE_NAMES, ENGINES, launch
 from tests.distributed.test_sequence_parallel import check_sharded
 from tests.integration.helpers import max_weight_diff, run_overrides

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from posttrain.tasks import write_example_data
+from posttrain.demo.tasks import write_example_data
 from tests.distributed.launch import launch
 from tests.integration.helpers import max_weight_diff, run_overrides
 

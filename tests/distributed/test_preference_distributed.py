@@ -14,7 +14,7 @@ import pytest
 from safetensors.torch import load_file
 
 from tests.distributed.launch import ENGINE_NAMES, launch
-from posttrain.tasks import write_example_data
+from posttrain.demo.tasks import write_example_data
 from tests.integration.helpers import assert_same_update, final_weights, metrics, run_cli, run_overrides, step_losses
 
 pytestmark = pytest.mark.distributed

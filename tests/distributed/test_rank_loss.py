@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from posttrain.checkpoint_files import verify
+from posttrain.rundir.files import verify
 from tests.distributed.launch import ENGINES, launch
 from tests.distributed.recipes import TWO_PROCESS_SPLIT, sft_overrides
 from tests.integration.helpers import max_weight_diff

@@ -23,7 +23,7 @@ import pytest
 from tests.distributed.launch import ROOT, Result, launch, worker_env
 from tests.distributed.test_grpo_distributed import overrides as grpo_overrides
 from tests.distributed.test_ppo_distributed import REWARD, critic_weights, overrides as ppo_overrides
-from posttrain.tasks import write_example_data
+from posttrain.demo.tasks import write_example_data
 from posttrain.generation.vllm_engine import vllm_available
 from tests.integration.helpers import max_weight_diff
 
@@ -202,7 +202,7 @@ def test_killed_actor_names_rank_and_node(tiny_model_dir, data, tmp_path, cluste
                     r"died: The actor died unexpectedly", message), message
     assert "Some common causes" not in message  # Ray's generic advice is cut; the exit detail stays
     assert "continue with train.resume_from_checkpoint=auto" in message
-    from posttrain.checkpoint import resolve_resume
+    from posttrain.rundir.checkpoint import resolve_resume
 
     assert resolve_resume(str(out), "auto") is not None  # the newest complete checkpoint is there to resume from
 
@@ -288,7 +288,7 @@ def test_killed_role_replica_names_role_and_node(tiny_model_dir, data, tmp_path,
     assert re.match(r"posttrain: error: reference worker 0 on node \S+ \([0-9a-f]{8}\): its actor died: ", message), \
         message
     assert "continue with train.resume_from_checkpoint=auto" in message
-    from posttrain.checkpoint import resolve_resume
+    from posttrain.rundir.checkpoint import resolve_resume
 
     assert resolve_resume(str(out), "auto") is not None
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from posttrain.tasks import write_example_data
+from posttrain.demo.tasks import write_example_data
 from tests.distributed.launch import launch
 from tests.distributed.recipes import sft_overrides
 from tests.integration.helpers import (ONE_PROCESS_SPLITS, assert_same_update, max_weight_diff, run_overrides,

@@ -10,7 +10,7 @@ import pytest
 from safetensors.torch import load_file
 
 from posttrain.generation.vllm_engine import vllm_available
-from posttrain.tasks import write_example_data
+from posttrain.demo.tasks import write_example_data
 from tests.distributed.launch import launch
 from tests.integration.helpers import run_overrides
 

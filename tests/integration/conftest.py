@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from posttrain.tasks import write_example_data
+from posttrain.demo.tasks import write_example_data
 
 
 @pytest.fixture(scope="module")

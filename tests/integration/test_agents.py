@@ -2,8 +2,8 @@
 an exact resume with the hf engine; token in / token out against the session's vLLM server (the in-process vLLM engine
 with tools and generation.async: tests/integration/test_grpo_vllm.py).
 
-A random tiny model never writes a well-formed tool call, so `every_turn_calls` (a custom rollout.tool_parser)
-reads each turn as a calculator call; rollout.max_turn_tokens ends its turns. Everything else is the real path:
+A random tiny model never writes a well-formed tool call, so `every_turn_calls` (a custom agent.tool_parser)
+reads each turn as a calculator call; agent.max_turn_tokens ends its turns. Everything else is the real path:
 forked tool processes, the template's delta tokens, the environment, rewards over the trajectory.
 """
 
@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 
 from posttrain.generation.vllm_engine import vllm_available
 from posttrain.report import write_report
-from posttrain.tasks import write_example_data
+from posttrain.demo.tasks import write_example_data
 from tests.integration.helpers import (
     assert_resume_is_exact,
     final_weights,
@@ -70,13 +70,13 @@ def base(tiny_model_dir, data, out, *extra):
     return run_overrides(tiny_model_dir, data["prompts_train"], out, "train.max_steps=2",
                          "train.per_device_train_batch_size=4", "generation.max_completion_length=96",
                          "algo.num_generations=2", f"rewards=[{{name: '{HERE}:length_reward'}}]",
-                         f"rollout.tools=['{HERE}:calculator']", f"rollout.tool_parser={HERE}:every_turn_calls",
-                         f"rollout.environment={HERE}:Echo", "rollout.max_turns=3", "rollout.max_turn_tokens=4",
+                         f"agent.tools=['{HERE}:calculator']", f"agent.tool_parser={HERE}:every_turn_calls",
+                         f"agent.environment={HERE}:Echo", "agent.max_turns=3", "agent.max_turn_tokens=4",
                          "data.max_length=512", *extra, learning_rate="1e-3")
 
 
 def test_multi_turn_grpo_trains_on_the_models_tokens(tiny_model_dir, data, tmp_path, monkeypatch):
-    from posttrain.train.rollout_source import RolloutSource
+    from posttrain.online.rollout_source import RolloutSource
 
     built = []
     real = RolloutSource._micro_batches
@@ -124,7 +124,7 @@ WEATHER = {"type": "function", "function": {"name": "get_weather", "description"
 
 def test_prompts_with_tools_are_counted_when_cut_and_a_step_with_nothing_to_train_says_so(tiny_model_dir, tmp_path,
                                                                                           capsys):
-    """A tools column beside conversational prompts and rollout.tools: both show in the prompt; the header counts the
+    """A tools column beside conversational prompts and agent.tools: both show in the prompt; the header counts the
     prompts cut to data.max_prompt_length with their tools turn; every trajectory cut and masked is said."""
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": [{"role": "user", "content": f"What is {i} + 1?"}],
@@ -134,8 +134,8 @@ def test_prompts_with_tools_are_counted_when_cut_and_a_step_with_nothing_to_trai
     assert run_cli("grpo", *run_overrides(
         tiny_model_dir, prompts, out, "train.max_steps=1", "train.per_device_train_batch_size=4",
         "algo.num_generations=2", "generation.max_completion_length=12", "algo.mask_truncated_completions=true",
-        f"rewards=[{{name: '{HERE}:length_reward'}}]", f"rollout.tools=['{HERE}:calculator']",
-        f"rollout.tool_parser={HERE}:every_turn_calls", "data.max_prompt_length=400", "data.max_length=512")) == 0
+        f"rewards=[{{name: '{HERE}:length_reward'}}]", f"agent.tools=['{HERE}:calculator']",
+        f"agent.tool_parser={HERE}:every_turn_calls", "data.max_prompt_length=400", "data.max_length=512")) == 0
     printed = capsys.readouterr()
     printed = printed.out + printed.err
     assert "| truncated=2 |" in printed
@@ -163,16 +163,16 @@ def test_multi_turn_grpo_on_the_vllm_server_trains_the_servers_tokens(vllm_serve
     """generation.placement=servers: each turn the server gets the trajectory's ids so far as its prompt (its own
     earlier ids and the appended tool / environment ids, never re-templated text), and what is trained is exactly
     the ids it returned, with its log-probs, masked in; tool and environment tokens are context only."""
-    from posttrain.agents import AgentRollout
+    from posttrain.agents import AgentLoop
     from posttrain.generation.server import ServerEngine
-    from posttrain.train.rollout_source import RolloutSource
+    from posttrain.online.rollout_source import RolloutSource
 
     calls, runs, built = [], [], []
-    generate, run, micro_batches = ServerEngine.generate, AgentRollout.run, RolloutSource._micro_batches
+    generate, run, micro_batches = ServerEngine.generate, AgentLoop.run, RolloutSource._micro_batches
     monkeypatch.setattr(ServerEngine, "generate",
                         lambda self, prompts, params: calls.append((prompts, generate(self, prompts, params))) or
                         calls[-1][1])
-    monkeypatch.setattr(AgentRollout, "run", lambda self, *a: runs.append(run(self, *a)) or runs[-1])
+    monkeypatch.setattr(AgentLoop, "run", lambda self, *a: runs.append(run(self, *a)) or runs[-1])
     monkeypatch.setattr(RolloutSource, "_micro_batches",
                         lambda self, *a: built.append((a[1], micro_batches(self, *a))) or built[-1][1])
     out = tmp_path / "run"
@@ -241,9 +241,9 @@ def test_multi_turn_ppo_values_and_advantages_on_the_models_tokens(tiny_model_di
 
 
 @pytest.mark.parametrize("override, message", [
-    ("rollout.tools=['no_such_module_q:f']", "rollout.tools entry 'no_such_module_q:f': cannot import module"),
-    ("rollout.max_turns=0", "rollout.max_turns must be > 0"),
-    ("rollout.environment=tests.integration.test_agents:calculator", "rollout.environment"),
+    ("agent.tools=['no_such_module_q:f']", "agent.tools entry 'no_such_module_q:f': cannot import module"),
+    ("agent.max_turns=0", "agent.max_turns must be > 0"),
+    ("agent.environment=tests.integration.test_agents:calculator", "agent.environment"),
 ])
 def test_bad_rollout_input_exits_2_before_loading(tiny_model_dir, data, tmp_path, capsys, monkeypatch, override,
                                                   message):

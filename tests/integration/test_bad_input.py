@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from posttrain.tasks import write_example_data
+from posttrain.demo.tasks import write_example_data
 from tests.integration.helpers import run_cli
 
 
@@ -236,7 +236,7 @@ def test_an_explicit_checkpoint_with_a_bad_manifest_is_refused(tiny_model_dir, d
 
 def test_unreadable_rng_state_stops_the_resume_unless_resume_strict_is_off(tiny_model_dir, data, saved_run, tmp_path,
                                                                            capsys):
-    from posttrain.checkpoint_files import write_manifest
+    from posttrain.rundir.files import write_manifest
 
     out = copy_run(saved_run, tmp_path)
     for step in (out / "checkpoints").iterdir():

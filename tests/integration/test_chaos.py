@@ -95,19 +95,19 @@ class HangingEnv(Env):
 USER_CODE_CASES = {  # what the user code does: (overrides, exit code, what the message says)
     "a reward calls os._exit(0)": (["rewards=[{name: '{f}:exiting_reward'}]"], 1,
                                    "reward 'exiting_reward' called os._exit(0)"),
-    "a tool hangs and leaves a process": (["rollout.tools=['{f}:stray']", "rollout.tool_parser={f}:every_turn_strays",
-                                           "rollout.tool_timeout=1"], 0, ""),
-    "a parser hangs": (["rollout.tools=['{f}:calculator']", "rollout.tool_parser={f}:hanging_parser"], 1,
-                       "rollout.tool_parser '{f}:hanging_parser' on the model's turn"),
-    "an environment calls os._exit(0)": (["rollout.environment={f}:ExitingEnv"], 1,
-                                         "rollout.environment '{f}:ExitingEnv' (sample: dataset row"),
-    "an environment hangs": (["rollout.environment={f}:HangingEnv"], 1, "step did not return within 2s"),
+    "a tool hangs and leaves a process": (["agent.tools=['{f}:stray']", "agent.tool_parser={f}:every_turn_strays",
+                                           "agent.tool_timeout=1"], 0, ""),
+    "a parser hangs": (["agent.tools=['{f}:calculator']", "agent.tool_parser={f}:hanging_parser"], 1,
+                       "agent.tool_parser '{f}:hanging_parser' on the model's turn"),
+    "an environment calls os._exit(0)": (["agent.environment={f}:ExitingEnv"], 1,
+                                         "agent.environment '{f}:ExitingEnv' (sample: dataset row"),
+    "an environment hangs": (["agent.environment={f}:HangingEnv"], 1, "step did not return within 2s"),
 }
 
 
 @pytest.mark.parametrize("case", USER_CODE_CASES)
 def test_user_code_that_hangs_or_exits_is_named_and_leaves_nothing_running(tiny_model_dir, tmp_path, capsys, case):
-    from posttrain.tasks import write_example_data
+    from posttrain.demo.tasks import write_example_data
     from tests.integration.helpers import run_cli, run_overrides
 
     data = write_example_data(tmp_path / "data", n_train=4, n_eval=1)
@@ -119,9 +119,9 @@ def test_user_code_that_hangs_or_exits_is_named_and_leaves_nothing_running(tiny_
         extra.append(f"rewards=[{{name: '{code}:length'}}]")
     started = time.monotonic()
     argv = run_overrides(tiny_model_dir, data["prompts_train"], tmp_path / "out", "train.max_steps=1",
-                         "train.per_device_train_batch_size=2", "algo.num_generations=2", "rollout.max_turns=2",
-                         "rollout.max_turn_tokens=4", "generation.max_completion_length=32", "data.max_length=512",
-                         "rollout.user_code_timeout=2", *extra)
+                         "train.per_device_train_batch_size=2", "algo.num_generations=2", "agent.max_turns=2",
+                         "agent.max_turn_tokens=4", "generation.max_completion_length=32", "data.max_length=512",
+                         "agent.user_code_timeout=2", *extra)
     assert run_cli("grpo", *argv) == exit_code
     err = capsys.readouterr().err
     assert says.replace("{f}", str(code)) in err, err[-3000:]

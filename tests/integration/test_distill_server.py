@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file
 
 from posttrain.generation.vllm_engine import vllm_available
-from posttrain.tasks import write_example_data
+from posttrain.demo.tasks import write_example_data
 from tests.integration.helpers import final_weights, metrics, run_cli, run_overrides
 
 pytestmark = [pytest.mark.vllm,

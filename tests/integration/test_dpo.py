@@ -139,7 +139,7 @@ def test_accumulation_gives_the_same_update(tiny_model_dir, data, tmp_path, loss
 
 
 def test_preference_accuracy_matches_the_runs_metric(tiny_model_dir, data, tmp_path):
-    from posttrain.train.evaluation import preference_accuracy
+    from posttrain.demo.metrics import preference_accuracy
 
     out = tmp_path / "run"
     assert run_cli("dpo", *base(tiny_model_dir, data, out, "train.max_steps=6", "train.learning_rate=1e-2",
@@ -161,7 +161,7 @@ def test_preference_accuracy_matches_the_runs_metric(tiny_model_dir, data, tmp_p
 
 def test_sequence_logps_match_a_naive_log_softmax(tiny_model_dir, data):
     """The memory-light path (one concatenated forward, chunked log-probs) against a full log_softmax per row."""
-    from posttrain.train.evaluation import _tokenised_pairs
+    from posttrain.online.evaluation import _tokenised_pairs
     from posttrain.algorithms.preference_logps import sequence_logps, split_pairs
     from posttrain.data import collate_preference
 

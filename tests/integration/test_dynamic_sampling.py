@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from posttrain.tasks import write_example_data
+from posttrain.demo.tasks import write_example_data
 from tests.integration.helpers import assert_resume_is_exact, metrics, run_cli, run_overrides
 
 HERE = "tests.integration.test_dynamic_sampling"

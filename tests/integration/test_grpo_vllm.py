@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from posttrain.generation.vllm_engine import vllm_available
-from posttrain.tasks import write_example_data
+from posttrain.demo.tasks import write_example_data
 from tests.integration.helpers import final_weights, metrics, run_overrides
 
 pytestmark = [pytest.mark.vllm,
@@ -56,8 +56,8 @@ def test_vllm_engine_async_multi_turn_samples_the_next_batch_during_training(tin
     at step 1 (sampled from the synced policy) its log-probs on the masked tokens match the engine's."""
     tools = "tests.integration.test_agents"
     run = run_grpo(tiny_vllm_model_dir, data, tmp_path / "async", "generation.async=true",
-                   "algo.vllm_is_correction=true", "algo.vllm_is_cap=1.5", f"rollout.tools=['{tools}:calculator']",
-                   f"rollout.tool_parser={tools}:every_turn_calls", "rollout.max_turns=3", "rollout.max_turn_tokens=4",
+                   "algo.vllm_is_correction=true", "algo.vllm_is_cap=1.5", f"agent.tools=['{tools}:calculator']",
+                   f"agent.tool_parser={tools}:every_turn_calls", "agent.max_turns=3", "agent.max_turn_tokens=4",
                    "generation.max_completion_length=64", "data.max_length=512")  # the tools turn: ~350 tokens
     assert run.returncode == 0, run.stderr[-3000:]
     rows = metrics(tmp_path / "async")

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from posttrain.tasks import write_example_data
+from posttrain.demo.tasks import write_example_data
 from tests.integration.helpers import run_cli
 from tests.integration.test_bad_input import expect_exit_2, snapshot
 
@@ -99,7 +99,7 @@ CASES = {
     "weight_decay inf": (overrides("sft", "train.weight_decay=.inf"), "train.weight_decay is inf"),
     "epsilon nan": (overrides("grpo", "algo.epsilon=.nan"), "algo.epsilon is nan"),
     "temperature nan": (overrides("grpo", "generation.temperature=.nan"), "generation.temperature is nan"),
-    "tool_timeout inf": (overrides("grpo", "rollout.tool_timeout=.inf"), "rollout.tool_timeout is inf"),
+    "tool_timeout inf": (overrides("grpo", "agent.tool_timeout=.inf"), "agent.tool_timeout is inf"),
     "reward weight nan": (overrides("grpo", "rewards=[{name: format, weight: .nan}]"), "rewards[0].weight is nan"),
     "resume another algorithm's run": (an_sft_run, "holds a `posttrain sft` run, and this is `posttrain dpo`"),
     "a data dir with no data file": (a_data_dir_without_data, "is a directory with no data file"),
@@ -138,7 +138,7 @@ def test_an_input_error_found_once_the_run_has_written_is_exit_1_and_does_not_bl
     from posttrain.algorithms import ALGORITHMS
     from posttrain.config.load import load_recipe
     from posttrain.errors import UserError
-    from posttrain.outputs import check_output_dir
+    from posttrain.rundir.claim import check_output_dir
 
     def refuses(recipe, algorithm):
         raise UserError("model.name_or_path: found wrong as it loaded")

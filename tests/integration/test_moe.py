@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from posttrain.tasks import write_example_data
+from posttrain.demo.tasks import write_example_data
 from tests.integration.helpers import metrics, run_cli, run_overrides
 
 REWARD = "tests.integration.test_grpo:length_reward"

@@ -19,10 +19,10 @@ import torch
 from safetensors.torch import load_file
 
 from posttrain.algorithms.sft import SFT
-from posttrain.checkpoint_files import verify
+from posttrain.rundir.files import verify
 from posttrain.cli import main
 from posttrain.distributed.backend import Backend
-from posttrain.tasks import write_example_data
+from posttrain.demo.tasks import write_example_data
 from posttrain.train.guard import Guard
 from tests.integration.helpers import final_weights, max_weight_diff, metrics, run_cli, run_overrides, step_losses
 

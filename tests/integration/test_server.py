@@ -21,7 +21,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from posttrain.generation.vllm_engine import vllm_available
-from posttrain.tasks import write_example_data
+from posttrain.demo.tasks import write_example_data
 from tests.integration.helpers import metrics, run_cli, run_overrides
 
 pytestmark = [pytest.mark.vllm,
@@ -214,7 +214,7 @@ def test_async_grpo_samples_one_step_behind_and_the_server_ends_on_final(vllm_se
     policy one step older; the truncated importance weights are logged; held-out evaluation and the end of the run
     still see the current policy."""
     from posttrain.algorithms import ALGORITHMS
-    from posttrain.train.evaluation import greedy_texts
+    from posttrain.online.evaluation import greedy_texts
     from posttrain.config import load_recipe
     from posttrain.data.io import load_rows
     from posttrain.data.tokenize import tokenize_prompts

@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from posttrain.tasks import write_example_data
+from posttrain.demo.tasks import write_example_data
 from tests.integration.helpers import (ONE_PROCESS_SPLITS, final_weights, max_weight_diff, metrics, run_cli,
                                        run_overrides, step_losses)
 

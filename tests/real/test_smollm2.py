@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 import posttrain.run  # noqa: F401 - imported before a test patches what it binds (models.load.load_causal_lm)
 from posttrain.config import DataConfig
 from posttrain.data import collate_padded, tokenize_sft
-from posttrain.tasks import write_example_data
+from posttrain.demo.tasks import write_example_data
 from tests.integration.helpers import metrics, run_cli, run_overrides
 from tests.unit.test_data_tokenizers import rows
 

@@ -13,14 +13,14 @@ import time
 import pytest
 from transformers import AutoTokenizer
 
-from posttrain.agents import AgentRollout, ToolRunner, load_tools
+from posttrain.agents import AgentLoop, ToolRunner, load_tools
 from posttrain.agents.environment import EnvironmentSession
 from posttrain.agents.parsers import parse_hermes, parse_llama3, pick_parser
 from posttrain.agents.tools import OWNER_VARIABLE
 from posttrain.errors import UserError
 from posttrain.generation.base import SamplingParams
 from posttrain.usercode import UserCodeError
-from tests.unit.test_agents_rollout import ScriptedEngine
+from tests.unit.test_agents_loop import ScriptedEngine
 
 HERE = "tests.unit.test_agents_hostile"
 
@@ -124,7 +124,7 @@ def test_a_custom_parser_that_fails_stops_the_run_naming_it_and_the_turn(parser,
     started = time.monotonic()
     with pytest.raises(UserCodeError) as e:
         parse("the model's turn")
-    assert f"rollout.tool_parser '{HERE}:{parser}' on the model's turn \"the model's turn\"" in str(e.value)
+    assert f"agent.tool_parser '{HERE}:{parser}' on the model's turn \"the model's turn\"" in str(e.value)
     assert did in str(e.value) and e.value.exit_code == 1
     assert time.monotonic() - started < 5
 
@@ -174,7 +174,7 @@ def test_an_environment_that_fails_stops_the_run_naming_it_and_the_sample(cls, d
         session = EnvironmentSession(cls, "my:Env", 12, timeout=0.5)
         session.reset({"prompt": "p", "do": do})
         session.step({"role": "assistant", "content": "x"})
-    assert str(e.value).startswith("rollout.environment 'my:Env' (sample: dataset row 12)"), str(e.value)
+    assert str(e.value).startswith("agent.environment 'my:Env' (sample: dataset row 12)"), str(e.value)
     assert did in str(e.value) and e.value.exit_code == 1
     assert time.monotonic() - started < 5
 
@@ -204,7 +204,7 @@ def test_a_tool_gets_the_default_sigterm_handler_not_the_runs(tools):
 
 @pytest.mark.parametrize("timeout", [float("inf"), float("nan"), 0.0])
 def test_a_tool_timeout_that_is_not_a_finite_positive_number_is_refused(timeout):
-    with pytest.raises(UserError, match="rollout.tool_timeout must be a finite number of seconds > 0"):
+    with pytest.raises(UserError, match="agent.tool_timeout must be a finite number of seconds > 0"):
         ToolRunner({}, timeout, 100, 1)
 
 
@@ -221,7 +221,7 @@ def test_a_template_that_raises_on_a_role_mid_run_names_the_roles(tiny_model_dir
     tok.chat_template = ("{% for m in messages %}{% if m.role == 'tool' %}{{ raise_exception('no tool role') }}"
                          "{% endif %}{{ m.role }}: {{ m.content }}" + tok.eos_token + "{% endfor %}"
                          "{% if add_generation_prompt %}assistant: {% endif %}")
-    agent = AgentRollout(tok, ScriptedEngine([[[40, tok.eos_token_id]]] * 3), budget=50, max_turns=3, environment=ToolTurn,
+    agent = AgentLoop(tok, ScriptedEngine([[[40, tok.eos_token_id]]] * 3), budget=50, max_turns=3, environment=ToolTurn,
                          environment_name="my:ToolTurn")
     with pytest.raises(UserCodeError, match="cannot render a conversation with the roles user, assistant, tool "
                                             r"\(TemplateError: no tool role\); set model.chat_template"):
@@ -250,4 +250,4 @@ def test_sigterm_ends_a_wait_on_user_code_that_hangs_at_once():
         with Guard(T, B):
             session.step({"role": "assistant", "content": "x"})
     assert time.monotonic() - started < 5 and e.value.exit_code == 143
-    assert "SIGTERM while rollout.environment 'my:Env' (sample: dataset row 3).step was running" in str(e.value)
+    assert "SIGTERM while agent.environment 'my:Env' (sample: dataset row 3).step was running" in str(e.value)

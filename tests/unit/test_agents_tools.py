@@ -10,9 +10,9 @@ import multiprocessing
 import pytest
 from transformers import AutoTokenizer
 
-from posttrain.agents import ToolRunner, check_rollout, load_tools
+from posttrain.agents import ToolRunner, check_agent, load_tools
 from posttrain.agents.parsers import parse_hermes, parse_llama3, pick_parser
-from posttrain.config.schema import Recipe, RolloutConfig
+from posttrain.config.schema import Recipe, AgentConfig
 from posttrain.config.validate import validate
 from posttrain.errors import UserError
 
@@ -99,7 +99,7 @@ def test_schema_from_hints_and_docstring(tool_file):
     ("no_colon", "is not an import path"),
 ])
 def test_bad_tools_name_the_entry(tool_file, entry, message):
-    with pytest.raises(UserError, match="rollout.tools entry") as e:
+    with pytest.raises(UserError, match="agent.tools entry") as e:
         load_tools((entry.format(file=tool_file),))
     assert message.format(file=tool_file) in str(e.value)
 
@@ -168,34 +168,34 @@ def test_parser_picked_from_table_template_or_hook():
     assert custom("CALL add") == ([], ["could not read the tool call: no arguments"])
     with pytest.raises(UserError, match="shows no tool-call format"):
         pick_parser("auto", "{{ messages }}")
-    with pytest.raises(UserError, match="rollout.tool_parser is 'xml'"):
+    with pytest.raises(UserError, match="agent.tool_parser is 'xml'"):
         pick_parser("xml", "")
 
 
 def recipe(**rollout) -> Recipe:
-    return Recipe(data=dataclasses.replace(Recipe().data, train="x.jsonl"), rollout=RolloutConfig(**rollout))
+    return Recipe(data=dataclasses.replace(Recipe().data, train="x.jsonl"), agent=AgentConfig(**rollout))
 
 
 def test_max_turns_below_one_is_refused():
-    with pytest.raises(UserError, match="rollout.max_turns must be > 0, got 0"):
+    with pytest.raises(UserError, match="agent.max_turns must be > 0, got 0"):
         validate(recipe(max_turns=0))
 
 
 def test_startup_checks(tool_file, tiny_model_dir):
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
-    check_rollout(recipe(tools=specs(tool_file, "add")), tok, "grpo")  # the tiny template shows tools
-    check_rollout(recipe(), tok, "sft")  # off: nothing to check
+    check_agent(recipe(tools=specs(tool_file, "add")), tok, "grpo")  # the tiny template shows tools
+    check_agent(recipe(), tok, "sft")  # off: nothing to check
     with pytest.raises(UserError, match="multi-turn rollouts run under grpo, ppo, not dpo"):
-        check_rollout(recipe(tools=specs(tool_file, "add")), tok, "dpo")
+        check_agent(recipe(tools=specs(tool_file, "add")), tok, "dpo")
     plain = AutoTokenizer.from_pretrained(tiny_model_dir)
     plain.chat_template = tok.chat_template[tok.chat_template.index("{%- for message"):]  # ChatML without tools
     with pytest.raises(UserError, match="the chat template ignores tools"):
-        check_rollout(recipe(tools=specs(tool_file, "add"), tool_parser="hermes"), plain, "grpo")
-    with pytest.raises(UserError, match="rollout.environment 'tests.unit.test_agents_tools:custom_parser' is a "
+        check_agent(recipe(tools=specs(tool_file, "add"), tool_parser="hermes"), plain, "grpo")
+    with pytest.raises(UserError, match="agent.environment 'tests.unit.test_agents_tools:custom_parser' is a "
                                         "function"):
-        check_rollout(recipe(environment="tests.unit.test_agents_tools:custom_parser"), tok, "grpo")
+        check_agent(recipe(environment="tests.unit.test_agents_tools:custom_parser"), tok, "grpo")
     with pytest.raises(UserError, match="has no method step"):
-        check_rollout(recipe(environment="tests.unit.test_agents_tools:NoStep"), tok, "grpo")
+        check_agent(recipe(environment="tests.unit.test_agents_tools:NoStep"), tok, "grpo")
 
 
 class NoStep:
@@ -240,3 +240,19 @@ def test_the_demos_problems_keep_every_copy_at_a_fixed_width():
         assert result == answer == plain["completion"][0]["content"] == str(a * shown)  # a slip carries through
         slips += shown != b
     assert 40 <= slips <= 80  # 30% of 200
+
+
+def test_the_old_rollout_section_is_read_as_agent_and_said_once(capsys):
+    """`rollout:` was the agent loop's section before "rollout" came to mean the online batch only: a recipe or an
+    override written that way still runs, with one note; both names at once with different values is refused."""
+    from posttrain.algorithms.grpo import GRPOAlgoConfig
+    from posttrain.cli import command_line_overrides
+    from posttrain.config.load import load_recipe
+
+    base = ["data.train=x.jsonl", "rewards=[{name: exact_match}]"]
+    got = load_recipe(None, [*base, "rollout.max_turns=3", "rollout.tool_timeout=2.5"], GRPOAlgoConfig)
+    assert (got.agent.max_turns, got.agent.tool_timeout) == (3, 2.5)
+    assert capsys.readouterr().err.count("the rollout: section is now agent:") == 1
+    assert command_line_overrides(["rollout.max_turns=3"], {}, GRPOAlgoConfig) == ["rollout.max_turns=3"]
+    with pytest.raises(UserError, match="both rollout: and agent:"):
+        load_recipe(None, [*base, "rollout.max_turns=3", "agent.max_turns=2"], GRPOAlgoConfig)

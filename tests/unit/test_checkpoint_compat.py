@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from posttrain.checkpoint import check_compatible
+from posttrain.rundir.checkpoint import check_compatible
 from posttrain.errors import UserError
 
 

@@ -13,10 +13,10 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from posttrain.checkpoint import resumable_problem
-from posttrain.checkpoint_files import (MANIFEST, fsync_tree, is_disk_full, verify, warn_low_disk,
+from posttrain.rundir.checkpoint import resumable_problem
+from posttrain.rundir.files import (MANIFEST, fsync_tree, is_disk_full, verify, warn_low_disk,
                                        write_manifest)
-from posttrain.logging import MetricsLogger, read_metrics
+from posttrain.rundir.metrics import MetricsLogger, read_metrics
 from posttrain.models.load import safetensors_problem
 
 

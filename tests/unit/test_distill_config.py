@@ -6,7 +6,7 @@ import pytest
 from posttrain.algorithms import ALGORITHMS
 from posttrain.config.load import load_recipe
 from posttrain.errors import UserError
-from posttrain.train.distill_source import on_policy_step, prompt_ids
+from posttrain.online.distill_source import on_policy_step, prompt_ids
 
 
 def test_the_on_policy_coin_is_seeded_by_step_and_lands_at_lmbda():

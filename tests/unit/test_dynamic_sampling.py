@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from posttrain.errors import RunStopped
-from posttrain.train.dynamic_sampling import refill, varied_groups
+from posttrain.online.dynamic_sampling import refill, varied_groups
 
 
 def dapo_keeps(accuracy_G: list[float]) -> bool:

@@ -10,8 +10,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from posttrain.config.schema import GenerationConfig, Recipe
 from posttrain.generation import HFEngine, SamplingParams
 from posttrain.rewards import RewardSet
-from posttrain.train.engine_link import EngineLink
-from posttrain.train.evaluation import evaluate_prompts
+from posttrain.online.engine_link import EngineLink
+from posttrain.online.evaluation import evaluate_prompts
 
 
 def test_pass_at_k_counts_prompts_with_a_reference(tiny_model_dir, tmp_path):

@@ -20,13 +20,13 @@ ALLOWED_IN = {"distributed": MACHINERY, "launch": MACHINERY, "generation": ("vll
 LAYERS = [
     ("cli", "__main__", "console", "demo"),                         # the command line, and the demos it runs
     ("launch",),                                                    # what starts processes: Ray, serve children, doctor
-    ("run", "roles", "checkpoint", "outputs", "plan",               # composition of one run, and what it writes
-     "logging", "trackers", "report"),
-    ("train",),                                                     # the loop, sources, rollout source, evaluation
+    ("run", "roles", "rundir", "plan", "report"),                   # composition of one run, and what it writes
+    ("online",),                                                    # sampling, scoring, the online batch, evaluation
+    ("train",),                                                     # the loop every algorithm shares, offline sources
     ("algorithms", "agents"),                                       # prepare + loss plug-ins; multi-turn rollouts
-    ("generation", "rollout", "rewards", "models", "data", "tasks"),   # engines (rollout: its old name), rewards, models, data
+    ("generation", "rollout", "rewards", "models", "data"),         # engines (rollout: its old name), rewards, models, data
     ("distributed",),                                               # what runs inside a training process
-    ("ops", "losses", "config", "batch", "errors", "checkpoint_files", "usercode", "__init__"),   # pure
+    ("ops", "losses", "config", "batch", "errors", "rundir.files", "usercode", "__init__"),   # pure
 ]
 LAYER_OF = {name: len(LAYERS) - i for i, names in enumerate(LAYERS) for name in names}
 
@@ -101,9 +101,13 @@ def posttrain_imports() -> dict[str, set[str]]:
 
 
 def layer(module: str) -> int:
-    top = module.split(".")[1] if "." in module else "__init__"
-    assert top in LAYER_OF, f"{module}: add posttrain/{top} to a layer of LAYERS (and to docs/architecture.md)"
-    return LAYER_OF[top]
+    """The layer of a module: its longest dotted prefix below posttrain named in LAYERS (`rundir.files` before
+    `rundir`), so a package may keep one pure module beside the ones that compose a run."""
+    parts = module.split(".")[1:] or ["__init__"]
+    for end in range(len(parts), 0, -1):
+        if ".".join(parts[:end]) in LAYER_OF:
+            return LAYER_OF[".".join(parts[:end])]
+    raise AssertionError(f"{module}: add posttrain/{parts[0]} to a layer of LAYERS (and to docs/architecture.md)")
 
 
 def test_no_module_imports_from_a_higher_layer():
@@ -167,3 +171,18 @@ def test_each_layer_may_import_only_its_own_machinery():
     assert forbidden_imports("from vllm import LLM", distributed)
     assert not forbidden_imports("from vllm import LLM", rollout)
     assert forbidden_imports("import torch.distributed as dist", rollout)
+
+
+def folder(module: str) -> str:
+    """The folder (top-level package or loose module) below posttrain a module lives in."""
+    return module.split(".")[1] if "." in module else "__init__"
+
+
+def test_no_folder_imports_a_folder_that_imports_it_back():
+    """Layers allow two folders of one layer to import each other; this forbids it, function-local imports included,
+    so each folder can be read (and moved) knowing which folders it leans on."""
+    edges: dict[str, set[str]] = {}
+    for module, imported in posttrain_imports().items():
+        edges.setdefault(folder(module), set()).update(folder(b) for b in imported if folder(b) != folder(module))
+    loops = sorted(f"{a} <-> {b}" for a, targets in edges.items() for b in targets if a < b and a in edges.get(b, ()))
+    assert not loops, f"folders importing each other: {loops}"

@@ -11,8 +11,8 @@ import pytest
 
 from posttrain.agents import Trajectory
 from posttrain.errors import UserError
-from posttrain.train.engine_link import Sample
-from posttrain.train.in_flight import FILE, InFlight, Sampled, lag_metrics, policy_lag
+from posttrain.online.engine_link import Sample
+from posttrain.online.in_flight import FILE, InFlight, Sampled, lag_metrics, policy_lag
 
 
 def answer(index: int, positions: list[int], group: int = 2, sampled_by: int = 2) -> Sample:
@@ -134,7 +134,7 @@ def test_checkpoint_files_restore_every_value_exactly_under_any_world_size(tmp_p
 ])
 def test_an_edited_in_flight_file_is_named_before_anything_loads(tmp_path, edit, problem):
     """A file edited with its manifest recomputed: IndexError / KeyError deep in the resume before."""
-    from posttrain.train.in_flight import files_problem
+    from posttrain.online.in_flight import files_problem
 
     queue = InFlight(2, 1)
     queue.push(Sampled(4, [8, 9], 3, 2, result=answer(4, [8, 9])))

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from posttrain import checkpoint_files, outputs
+from posttrain.rundir import claim as outputs, files as checkpoint_files
 from posttrain.config.load import load_recipe
 from posttrain.config.schema import SFTAlgoConfig
 from posttrain.errors import UserError

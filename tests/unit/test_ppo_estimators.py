@@ -16,7 +16,7 @@ from posttrain.config.load import load_recipe
 from posttrain.errors import UserError
 from posttrain.ops.advantages import (ADVANTAGE_ESTIMATORS, discounted_advantages, gae, grpo_scores, raw_scores,
                                       rloo_scores)
-from posttrain.train.rollout_source import Rollouts
+from posttrain.online.rollout_source import Rollouts
 
 
 def make_ppo(model_dir, *overrides: str) -> PPO:

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from posttrain.checkpoint import set_config_dtype
+from posttrain.rundir.checkpoint import set_config_dtype
 from posttrain.config.schema import ModelConfig, TrainConfig, saves_final_checkpoint
 from posttrain.errors import UserError
 from posttrain.distributed.precision import (Precision, check_precision, checkpoint_dtype, cpu_has_native_bf16,

@@ -66,7 +66,7 @@ def test_a_cluster_started_for_the_run_keeps_its_session_in_the_run(tmp_path, mo
 
 def test_the_session_folder_does_not_make_output_dir_foreign(tmp_path):
     """The driver starts the cluster (writing output_dir/ray) before the ranks check output_dir."""
-    from posttrain.outputs import check_output_dir, classify
+    from posttrain.rundir.claim import check_output_dir, classify
 
     out = tmp_path / "run"
     (out / "ray" / "session_x").mkdir(parents=True)

@@ -14,7 +14,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from posttrain.generation.base import Completions, GenerationEngine, SamplingParams, stop_ids
+from posttrain.generation.base import Completions, GenerationEngine, SamplingParams
+from posttrain.models.facts import stop_ids
 from posttrain.generation.hf import HFEngine
 from posttrain.generation.vllm_engine import vllm_available
 

@@ -214,7 +214,7 @@ def test_a_second_eos_of_the_generation_config_ends_a_completion_not_truncated(m
     """The stop set is the tokenizer's eos and every eos of generation_config.json (models/load records it): a
     completion that ends on the second one is cut there and finished, not truncated."""
     from posttrain.config.schema import ModelConfig
-    from posttrain.generation.base import stop_ids
+    from posttrain.models.facts import stop_ids
     from posttrain.models.load import load_tokenizer
 
     params = SamplingParams(max_new_tokens=8, temperature=0)

@@ -27,7 +27,8 @@ def test_sampling_params_stop_at_every_eos_of_the_generation_config(eos_ids_mode
     from vllm import SamplingParams as VSamplingParams
 
     from posttrain.config.schema import ModelConfig
-    from posttrain.generation.base import SamplingParams, stop_ids, vllm_sampling, vllm_truncated
+    from posttrain.generation.base import SamplingParams, vllm_sampling, vllm_truncated
+    from posttrain.models.facts import stop_ids
     from posttrain.models.load import load_tokenizer
 
     tokenizer = load_tokenizer(ModelConfig(name_or_path=str(eos_ids_model_dir(7))))

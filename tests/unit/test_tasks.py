@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from posttrain.tasks import carries, forgot_carry, preference_rows, sft_rows, wrong_answer, write_example_data
+from posttrain.demo.tasks import carries, forgot_carry, preference_rows, sft_rows, wrong_answer, write_example_data
 
 
 @pytest.mark.parametrize("a, b, carry, slipped", [(57, 8, True, 55), (51, 8, False, 59), (999, 8, True, 997),

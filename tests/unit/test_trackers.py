@@ -17,8 +17,8 @@ import pytest
 from posttrain.config.load import load_recipe
 from posttrain.config.schema import SFTAlgoConfig, TrainConfig, trackers
 from posttrain.errors import RunStopped, UserError
-from posttrain.logging import MetricsLogger, read_metrics
-from posttrain.trackers import Tracker, TrackedRun, closing_status, open_trackers
+from posttrain.rundir.metrics import MetricsLogger, read_metrics
+from posttrain.report.trackers import Tracker, TrackedRun, closing_status, open_trackers
 
 STREAM = [  # (step, row) as the loop logs them: eval at step 0, train rows, an eval row at a step already logged
     (0, {"eval/accuracy": 0.25}),
@@ -98,7 +98,7 @@ def test_mlflow_database_store_needs_sqlalchemy(monkeypatch):
 
 
 def test_trackers_are_imported_only_when_named():
-    code = ("import sys, posttrain.trackers, posttrain.logging, posttrain.report; from posttrain.config.load import "
+    code = ("import sys, posttrain.report.trackers, posttrain.rundir.metrics, posttrain.report; from posttrain.config.load import "
             "load_recipe; from posttrain.config.schema import SFTAlgoConfig; load_recipe(None, ['data.train=x', "
             "'train.report_to=[tensorboard]'], SFTAlgoConfig); print([m for m in ('wandb', 'mlflow', 'trackio', "
             "'matplotlib') if m in sys.modules])")
@@ -233,9 +233,9 @@ print(json.dumps({{"logs": SQLiteStorage.get_logs("posttrain-test", "run-a"),
 
 def test_the_recipe_checks_name_what_the_higher_layers_have():
     """config/validate.py keeps its own copies of three lists from layers above it (config/ stays torch-free): the
-    trackers posttrain/trackers.py writes to, the dtypes models/load.py loads in and the roles of algorithms/base.py.
+    trackers posttrain/report/trackers.py writes to, the dtypes models/load.py loads in and the roles of algorithms/base.py.
     They must not drift apart."""
-    from posttrain import trackers
+    from posttrain.report import trackers
     from posttrain.algorithms.base import ROLE_NAMES
     from posttrain.config import validate
     from posttrain.models.load import DTYPES
@@ -247,7 +247,7 @@ def test_the_recipe_checks_name_what_the_higher_layers_have():
 
 def test_mlflows_default_store_is_inside_the_run(tmp_path, monkeypatch):
     """MLflow's own default, sqlite:///mlflow.db, is relative to the working directory: a file outside every run."""
-    from posttrain.trackers import tracking_uri
+    from posttrain.report.trackers import tracking_uri
 
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     monkeypatch.chdir(tmp_path)

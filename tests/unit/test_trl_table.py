@@ -107,7 +107,7 @@ def test_the_issue_flags(capsys):
         translate({"optim": "adamw_8bit"}, "cli", grpo)
     assert translate({"loss_type": ["ipo"]}, "cli", ALGORITHMS["dpo"][0]) == [("loss_type", "algo.loss_type", "ipo")]
     assert translate({"max_tool_calling_iterations": 3}, "cli", grpo) == [
-        ("max_tool_calling_iterations", "rollout.max_turns", 4)]
+        ("max_tool_calling_iterations", "agent.max_turns", 4)]
 
 
 @pytest.mark.parametrize("argv, both", [

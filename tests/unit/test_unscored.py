@@ -9,9 +9,9 @@ import torch
 
 from posttrain.ops.advantages import group_advantages, nanstd, zero_std_fraction
 from posttrain.rewards import RewardSet
-from posttrain.train.drawn import Drawn
-from posttrain.train.dynamic_sampling import varied_groups
-from posttrain.train.rollout_source import step_metrics
+from posttrain.online.drawn import Drawn
+from posttrain.online.dynamic_sampling import varied_groups
+from posttrain.online.rollout_source import step_metrics
 
 NAN = math.nan
 G = 4

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from posttrain import outputs
+from posttrain.rundir import claim as outputs
 from posttrain.cli import main
 from posttrain.config.load import load_recipe
 from posttrain.config.schema import ModelConfig, SFTAlgoConfig, TrainConfig
@@ -169,7 +169,7 @@ def test_an_export_dtype_that_cannot_hold_a_weight_stops_before_writing_final():
     """train.export_dtype=float16 on a weight of 1e6 wrote inf into final/ with rc 0."""
     import torch
 
-    from posttrain.checkpoint import check_castable
+    from posttrain.rundir.checkpoint import check_castable
     from posttrain.errors import RunStopped
 
     weights = {"model.layers.0.mlp.down_proj.weight": torch.tensor([[1e6, 1.0]]), "ids": torch.tensor([70000])}

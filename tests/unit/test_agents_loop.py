@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 from transformers import AutoTokenizer
 
-from posttrain.agents import AgentRollout, ToolRunner, load_tools
+from posttrain.agents import AgentLoop, ToolRunner, load_tools
 from posttrain.agents.parsers import pick_parser
 
 from posttrain.usercode import UserCodeError
@@ -88,7 +88,7 @@ def test_three_turn_trajectory_ids_mask_and_logprobs_by_hand(tok):
     eos = tok.eos_token_id
     turn1, turn2, turn3 = [40, 41, eos], [42, eos], [43, 44, 45, eos]
     engine = ScriptedEngine([[turn1], [turn2], [turn3]])
-    agent = AgentRollout(tok, engine, budget=200, max_turns=5, environment=Guess, environment_name="tests:Guess")
+    agent = AgentLoop(tok, engine, budget=200, max_turns=5, environment=Guess, environment_name="tests:Guess")
     [t] = agent.run([{"prompt": "1-9", "columns": {}}], [7], SamplingParams(max_new_tokens=50, seed=11))
 
     # by hand, from ChatML: the prompt, then after each engine turn the "\n" after <|im_end|>, the user turn, the
@@ -116,7 +116,7 @@ def test_trained_ids_are_the_engines_even_where_decode_and_encode_disagree(tok):
     spelled = [tok.convert_tokens_to_ids(c) for c in "the"] + [tok.eos_token_id]
     assert ids(tok, tok.decode(spelled[:-1])) != spelled[:-1]  # the drift is real
     engine = ScriptedEngine([[spelled]])
-    agent = AgentRollout(tok, engine, budget=100, max_turns=1)
+    agent = AgentLoop(tok, engine, budget=100, max_turns=1)
     [t] = agent.run([{"prompt": [{"role": "user", "content": "x"}], "columns": {}}], [0], SamplingParams())
     assert t.completion_ids == spelled and t.completion_mask == [1, 1, 1, 1]
     assert t.final_text == "the"
@@ -127,7 +127,7 @@ def test_budget_cuts_and_flags_the_trajectory(tok):
     engine = ScriptedEngine([[[40, eos]], [[41, 42, 43, 44, 45, 46, 47, 48, 49, 50]]])
     user_no = ids(tok, "\n<|im_start|>user\nno<|im_end|>\n<|im_start|>assistant\n")
     budget = 2 + len(user_no) + 3
-    agent = AgentRollout(tok, engine, budget=budget, max_turns=5, environment=Guess, environment_name="tests:Guess")
+    agent = AgentLoop(tok, engine, budget=budget, max_turns=5, environment=Guess, environment_name="tests:Guess")
     [t] = agent.run([{"prompt": "a", "columns": {}}], [0], SamplingParams())
     assert t.completion_ids == [40, eos] + user_no + [41, 42, 43]
     assert t.completion_mask == [1, 1] + [0] * len(user_no) + [1, 1, 1]
@@ -139,7 +139,7 @@ def test_max_turns_stops_and_the_last_turns_calls_are_not_run(tok, tmp_path):
     tools = load_tools((f"{tmp_path / 'addtool.py'}:add",))
     call = ids(tok, '<tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}}</tool_call>') + [tok.eos_token_id]
     engine = ScriptedEngine([[call, call], [call, call]])
-    agent = AgentRollout(tok, engine, budget=900, max_turns=2, tools=tools, parser=pick_parser("hermes", ""),
+    agent = AgentLoop(tok, engine, budget=900, max_turns=2, tools=tools, parser=pick_parser("hermes", ""),
                          runner=ToolRunner(tools, 5.0, 100, 2))
     out = agent.run([{"prompt": "q", "columns": {}}] * 2, [0, 0], SamplingParams())
     for t in out:
@@ -155,8 +155,8 @@ def test_max_turns_stops_and_the_last_turns_calls_are_not_run(tok, tmp_path):
 
 def test_environment_returning_wrong_types_names_it_and_the_sample(tok):
     engine = ScriptedEngine([[[40, tok.eos_token_id]]])
-    agent = AgentRollout(tok, engine, budget=50, max_turns=3, environment=BadReturn, environment_name="my:BadReturn")
-    with pytest.raises(UserCodeError, match=r"rollout.environment 'my:BadReturn' \(sample: dataset row 12\).step"):
+    agent = AgentLoop(tok, engine, budget=50, max_turns=3, environment=BadReturn, environment_name="my:BadReturn")
+    with pytest.raises(UserCodeError, match=r"agent.environment 'my:BadReturn' \(sample: dataset row 12\).step"):
         agent.run([{"prompt": "a", "columns": {}}], [12], SamplingParams())
 
 
@@ -173,7 +173,7 @@ def test_a_template_that_rewrites_earlier_turns_is_refused(tok):
         def __call__(self, text, add_special_tokens=False):
             return tok(text, add_special_tokens=False)
 
-    agent = AgentRollout(Rewriting(), ScriptedEngine([]), budget=50, max_turns=2)
+    agent = AgentLoop(Rewriting(), ScriptedEngine([]), budget=50, max_turns=2)
     with pytest.raises(UserCodeError, match="renders the earlier turns"):
         agent.delta_ids([{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}],
                         [{"role": "user", "content": "c"}])
@@ -182,7 +182,7 @@ def test_a_template_that_rewrites_earlier_turns_is_refused(tok):
 def test_a_turn_cut_at_max_turn_tokens_is_closed_by_an_untrained_end_of_turn(tok):
     eos = tok.eos_token_id
     engine = ScriptedEngine([[[40, 41]], [[42, eos]], [[43, eos]]])
-    agent = AgentRollout(tok, engine, budget=200, max_turns=5, environment=Guess, environment_name="tests:Guess",
+    agent = AgentLoop(tok, engine, budget=200, max_turns=5, environment=Guess, environment_name="tests:Guess",
                          max_turn_tokens=2)
     [t] = agent.run([{"prompt": "a", "columns": {}}], [0], SamplingParams())
     user_no = ids(tok, "\n<|im_start|>user\nno<|im_end|>\n<|im_start|>assistant\n")
@@ -228,7 +228,7 @@ def test_a_rank_whose_trajectories_ended_keeps_joining_the_engine_calls(tok):
     eos = tok.eos_token_id
     others = iter([1, 1, 1, 0])  # rank B's active trajectories at each turn
     engine = ScriptedEngine([[[40, eos]], [[7]], [[7]]])
-    agent = AgentRollout(tok, engine, budget=50, max_turns=5, active_anywhere=lambda n: n + next(others))
+    agent = AgentLoop(tok, engine, budget=50, max_turns=5, active_anywhere=lambda n: n + next(others))
     [t] = agent.run([{"prompt": "a", "columns": {}}], [0], SamplingParams(max_new_tokens=9))
     assert t.completion_ids == [40, eos] and t.turns == 1
     assert [c[0] for c in engine.calls[1:]] == [[[eos]], [[eos]]]
@@ -241,7 +241,7 @@ def test_a_turn_ending_on_the_generation_configs_second_eos_is_closed(eos_ids_mo
     from posttrain.models.load import load_tokenizer
 
     tok = load_tokenizer(ModelConfig(name_or_path=str(eos_ids_model_dir(7))))
-    agent = AgentRollout(tok, ScriptedEngine([[[40, 7]]]), budget=100, max_turns=1)
+    agent = AgentLoop(tok, ScriptedEngine([[[40, 7]]]), budget=100, max_turns=1)
     [t] = agent.run([{"prompt": [{"role": "user", "content": "x"}], "columns": {}}], [0], SamplingParams())
     assert t.completion_ids == [40, 7] and not t.truncated and t.cut_turns == 0
     assert t.final_text == tok.decode([40])

@@ -49,11 +49,11 @@ from posttrain.ops.logprobs import sequence_mean
 from posttrain.rewards import reward_metrics, trainer_state
 from posttrain.config.schema import total_steps
 from posttrain.batch import Batch
-from posttrain.train.drawn import Drawn
-from posttrain.train.dynamic_sampling import DynamicSampler
-from posttrain.train.engine_link import EngineLink
-from posttrain.train.in_flight import InFlight, Sampled, lag_metrics, policy_lag
-from posttrain.train.scoring import score
+from posttrain.online.drawn import Drawn
+from posttrain.online.dynamic_sampling import DynamicSampler
+from posttrain.online.engine_link import EngineLink
+from posttrain.online.in_flight import InFlight, Sampled, lag_metrics, policy_lag
+from posttrain.online.scoring import score
 from posttrain.train.sources import SampleOrder, Source
 
 logger = logging.getLogger(__name__)

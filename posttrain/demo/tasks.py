@@ -1,7 +1,7 @@
 """The synthetic arithmetic task used by the demo, the example recipes and the tests: addition asked and answered in
 chat, with a checkable answer. Every dataset form the recipes need is written from the same generator.
 
-    python -m posttrain.tasks examples/data     # (re)writes the shipped example data
+    python -m posttrain.demo.tasks examples/data     # (re)writes the shipped example data
 """
 
 from __future__ import annotations

@@ -22,15 +22,15 @@ from typing import Any, Optional
 
 import torch
 
-from posttrain import checkpoint_files as files
+from posttrain.rundir import files
 from posttrain.config.schema import global_batch_size
 from posttrain.distributed.backend import drop_tied_aliases
 from posttrain.distributed.rng_files import rng_problem
-from posttrain.distributed.resume import drop_converted, engine_resume_path, needs_conversion
+from posttrain.rundir.resume import drop_converted, engine_resume_path, needs_conversion
 from posttrain.distributed.wrappers import plain_class
 from posttrain.errors import RunStopped, UserError
 from posttrain.models.load import lora_adapter, merge_lora, merge_lora_state, save_lora_adapter
-from posttrain.train import in_flight
+from posttrain.online import in_flight
 from posttrain.train.guard import require_finite
 from posttrain.train.state import TrainState
 

@@ -17,11 +17,10 @@ import hashlib
 import json
 import os
 import shutil
-import sys
 from pathlib import Path
 from typing import Optional
 
-from posttrain.errors import RunStopped, UserError
+from posttrain.errors import RunStopped, UserError, warn
 
 MANIFEST = "manifest.json"
 DISK_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
@@ -80,12 +79,6 @@ def _manifest_shape(manifest) -> Optional[str]:
         if not (isinstance(want, dict) and type(want.get("size")) is int and isinstance(want.get("sha256"), str)):
             return f"the entry for {name!r} is not {{size: int, sha256: str}}"
     return None
-
-
-def warn(message: str) -> None:
-    """One warning line on stderr, from rank 0 only (every rank checks the same files)."""
-    if os.environ.get("RANK", "0") == "0":
-        print(f"posttrain: warning: {message}", file=sys.stderr, flush=True)
 
 
 def fsync_dir(path: Path) -> None:

@@ -36,7 +36,7 @@ import torch
 
 from posttrain.algorithms.grpo import DynamicSamplingConfig
 from posttrain.errors import RunStopped, UserError
-from posttrain.train.drawn import Drawn
+from posttrain.online.drawn import Drawn
 
 logger = logging.getLogger(__name__)
 

@@ -1,8 +1,5 @@
-"""Held-out evaluation: greedy completions, exact-match accuracy and the recipe's reward for prompt data; the policy's
-own preference accuracy for preference pairs (`preference_accuracy`, also the demo's metric).
-
-    from posttrain.train.evaluation import exact_match_accuracy
-    accuracy = exact_match_accuracy(model, tokenizer, prompt_examples, max_new_tokens=16)   # one process
+"""Held-out evaluation of a sampled run: greedy completions, exact-match accuracy and the recipe's reward for prompt
+data, and pass@k from sampled completions (one process, outside a run: posttrain.demo.metrics).
 
 `prompt_examples` are what `posttrain.data.tokenize_prompts` returns ({"prompt_ids", "prompt", "columns"}); the
 reference answer is the `answer` column, compared by `posttrain.rewards.exact_match`. During a GRPO run the same
@@ -13,19 +10,15 @@ train.eval_pass_k also eval/pass_at_<k>, the unbiased pass@k from sampled comple
 from __future__ import annotations
 
 import math
-from pathlib import Path
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 
-from posttrain.algorithms import preference_logps as pl
-from posttrain.config.schema import DataConfig
-from posttrain.data import collate_preference, load_rows, tokenize_preference
 from posttrain.errors import UserError
 from posttrain.ops.pass_at_k import pass_at_k
 from posttrain.rewards import exact_match
-from posttrain.generation import HFEngine, SamplingParams
-from posttrain.train.scoring import score
+from posttrain.generation import SamplingParams
+from posttrain.online.scoring import score
 
 ANSWER_COLUMN = "answer"
 
@@ -46,14 +39,6 @@ def accuracy_counts(examples: list[dict], texts: list[str]) -> tuple[int, int]:
     scores = exact_match(completions=texts, answer=references)
     counted = [s for s in scores if s is not None]
     return int(sum(counted)), len(counted)
-
-
-def exact_match_accuracy(model, tokenizer, prompt_examples: list[dict], max_new_tokens: int,
-                         batch_size: Optional[int] = 64) -> float:
-    """Share of prompts whose greedy completion's final answer equals the `answer` column (one process)."""
-    texts, _ = greedy_texts(HFEngine(model, tokenizer), tokenizer, prompt_examples, max_new_tokens, batch_size)
-    correct, counted = accuracy_counts(prompt_examples, texts)
-    return correct / counted if counted else 0.0
 
 
 def evaluate_prompts(backend, link, tokenizer, examples: list[dict], rewards, trainer_state=None,
@@ -140,73 +125,3 @@ def evaluate_online(backend, source, tokenizer, eval_examples, rewards, recipe) 
     t = recipe.train
     return evaluate_prompts(backend, source.link, tokenizer, eval_examples, rewards, source.trainer_state(),
                             t.eval_pass_k, t.eval_pass_k_samples)
-
-
-def preference_accuracy(model_or_dir: Any, tokenizer: Any = None, examples: Any = (), *, reference: Any = None,
-                        length_normalised: bool = False, batch_size: int = 16, max_length: int = 512,
-                        device: Optional[str] = None) -> float:
-    """Fraction of pairs whose chosen completion the model prefers: log p(chosen) > log p(rejected) under the policy,
-    or, given a `reference` (model or directory), the implicit reward log-ratio (policy - reference) of chosen >
-    rejected, as DPO's rewards/accuracies.
-
-    model_or_dir: a causal LM or a Hugging Face directory (a run's final/). tokenizer: None loads it from the
-    directory. examples: preference rows (dicts with prompt/chosen/rejected, as in examples/data/pref_eval.jsonl),
-    a path to such a file, or tokenised pairs (prompt_ids, chosen_ids, rejected_ids). Ties count as wrong.
-    """
-    model, tokenizer = _model_and_tokenizer(model_or_dir, tokenizer, device)
-    ref = _model_and_tokenizer(reference, tokenizer, device)[0] if reference is not None else None
-    pairs = _tokenised_pairs(examples, tokenizer, max_length)
-    if not pairs:
-        raise UserError("preference_accuracy: no preference pairs to score")
-    run_device = next(model.parameters()).device
-    correct = 0
-    was_training = model.training
-    model.eval()
-    try:
-        with torch.no_grad():
-            for start in range(0, len(pairs), batch_size):
-                batch = collate_preference(pairs[start : start + batch_size], tokenizer.pad_token_id).to(run_device)
-                sums_B, counts_B = pl.sequence_logps(model, batch)
-                if ref is not None:
-                    sums_B = sums_B - pl.sequence_logps(ref, batch.to(next(ref.parameters()).device))[0].to(run_device)
-                scores_B = pl.reduce_logps(sums_B, counts_B, length_normalised)
-                chosen_P, rejected_P = pl.split_pairs(scores_B, batch.num_pairs)
-                correct += int((chosen_P > rejected_P).sum())
-    finally:
-        model.train(was_training)
-    return correct / len(pairs)
-
-
-def _model_and_tokenizer(model_or_dir: Any, tokenizer: Any, device: Optional[str]):
-    if not isinstance(model_or_dir, (str, Path)):
-        if tokenizer is None:
-            raise UserError("preference_accuracy: pass the tokenizer along with a model object")
-        return model_or_dir, tokenizer
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    path = Path(model_or_dir).expanduser()
-    if not (path / "config.json").is_file():
-        raise UserError(f"preference_accuracy: {model_or_dir} is not a Hugging Face model directory (no config.json)")
-    model = AutoModelForCausalLM.from_pretrained(path)
-    model.to(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    if tokenizer is None:
-        tokenizer = AutoTokenizer.from_pretrained(path)
-        if tokenizer.pad_token is None:
-            tokenizer.pad_token = tokenizer.eos_token
-    return model, tokenizer
-
-
-def _tokenised_pairs(examples: Any, tokenizer, max_length: int) -> list[dict]:
-    if isinstance(examples, (str, Path)):
-        rows = load_rows(str(examples), "train", "preference_accuracy examples")
-    else:
-        examples = list(examples)
-        if examples and "chosen_ids" in examples[0]:
-            return examples
-        import datasets
-
-        rows = datasets.Dataset.from_list(examples) if examples else None
-    if rows is None or len(rows) == 0:
-        return []
-    pairs, _ = tokenize_preference(rows, tokenizer, DataConfig(train="-", max_length=max_length), "preference_accuracy")
-    return pairs

@@ -25,7 +25,7 @@ from typing import Optional
 
 import torch
 
-from posttrain.agents import AgentRollout
+from posttrain.agents import AgentLoop
 from posttrain.generation import SamplingParams, make_engine
 from posttrain.generation.adapter_sync import check_delivery
 
@@ -79,19 +79,19 @@ class EngineLink:
     def __init__(self, recipe, backend, policy, tokenizer, servers=None):
         self.backend, self.policy, self.generation, self.seed = backend, policy, recipe.generation, recipe.seed
         self.engine = make_engine(recipe, backend, policy.model, tokenizer, servers)
-        self.agent: Optional[AgentRollout] = None  # rollout.tools / rollout.environment: multi-turn trajectories
-        if recipe.rollout.enabled:
+        self.agent: Optional[AgentLoop] = None  # agent.tools / agent.environment: multi-turn trajectories
+        if recipe.agent.enabled:
             in_step = None
             if self.engine.collective:  # ranks whose trajectories all ended keep joining the others' calls
                 in_step = lambda n: int(backend.all_reduce_sum(torch.tensor(float(n))).item())  # noqa: E731
-            self.agent = AgentRollout.from_recipe(recipe, tokenizer, self.engine, in_step)
+            self.agent = AgentLoop.from_recipe(recipe, tokenizer, self.engine, in_step)
         self.synced_at: Optional[int] = None
         """The step whose policy the engine last received (None: never synced, or it is the policy itself)."""
         self.sync_seconds = 0.0
         """Seconds spent syncing since the caller last set it to 0."""
 
     @classmethod
-    def over(cls, engine, backend, generation, seed: int = 0, agent: Optional[AgentRollout] = None) -> "EngineLink":
+    def over(cls, engine, backend, generation, seed: int = 0, agent: Optional[AgentLoop] = None) -> "EngineLink":
         """A link over an engine built elsewhere (one-process evaluation, tests): it samples and scores alike, and
         syncs nothing (no policy to take weights from)."""
         link = cls.__new__(cls)

@@ -1,5 +1,5 @@
 """Experiment trackers (`train.report_to`): TensorBoard, Weights & Biases, MLflow and trackio, each through its own
-library and imported only when named. Rank 0 opens them; `posttrain.logging.MetricsLogger` hands each one every row
+library and imported only when named. Rank 0 opens them; `posttrain.rundir.metrics.MetricsLogger` hands each one every row
 it writes to metrics.jsonl.
 
     train:

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from posttrain.errors import UserError
-from posttrain.train.engine_link import Sample
+from posttrain.online.engine_link import Sample
 
 FILE = "rollouts_in_flight_{rank}.json"
 FORMAT = 1

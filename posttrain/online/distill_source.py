@@ -19,7 +19,7 @@ import torch
 
 from posttrain.batch import Batch
 from posttrain.data.collate import collate_padded
-from posttrain.train.engine_link import EngineLink, sampling_seed
+from posttrain.online.engine_link import EngineLink, sampling_seed
 from posttrain.train.sources import DatasetSource, Source
 
 

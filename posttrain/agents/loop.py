@@ -1,6 +1,6 @@
 """The multi-turn rollout: the model's turns from the engine, tool / environment turns from the chat template.
 
-    agent = AgentRollout.from_recipe(recipe, tokenizer, engine)      # any GenerationEngine: hf, vllm, server
+    agent = AgentLoop.from_recipe(recipe, tokenizer, engine)      # any GenerationEngine: hf, vllm, server
     trajectories = agent.run(examples, dataset_rows, SamplingParams(max_new_tokens=..., seed=...))
     t = trajectories[0]
     t.prompt_ids + t.completion_ids          # the trained sequence
@@ -31,7 +31,8 @@ from typing import Callable, Optional
 from posttrain.agents.environment import EnvironmentSession, load_environment
 from posttrain.agents.parsers import pick_parser
 from posttrain.agents.tools import ToolRunner, load_tools
-from posttrain.generation.base import GenerationEngine, SamplingParams, stop_ids
+from posttrain.generation.base import GenerationEngine, SamplingParams
+from posttrain.models.facts import stop_ids
 from posttrain.usercode import UserCodeError
 
 logger = logging.getLogger(__name__)
@@ -64,9 +65,9 @@ class Trajectory:
     tool_timeouts: int = 0
     tool_seconds: float = 0.0
     cut_turns: int = 0
-    """Turns that reached rollout.max_turn_tokens and were closed by the template's end-of-turn token."""
+    """Turns that reached agent.max_turn_tokens and were closed by the template's end-of-turn token."""
     tools: Optional[list] = None
-    """The tool schemas its prompt shows (the row's `tools` and rollout.tools'); every turn is rendered with them."""
+    """The tool schemas its prompt shows (the row's `tools` and agent.tools'); every turn is rendered with them."""
     prompt_truncated: bool = False
     """Its templated prompt was over the prompt limit and lost its first tokens."""
 
@@ -98,7 +99,7 @@ class Trajectory:
                     cut_turns=self.cut_turns, prompt_truncated=self.prompt_truncated)
 
 
-class AgentRollout:
+class AgentLoop:
     """Multi-turn rollouts over any GenerationEngine (see the module docstring)."""
 
     def __init__(self, tokenizer, engine: GenerationEngine, budget: int, max_turns: int, tools=None, parser=None,
@@ -119,8 +120,8 @@ class AgentRollout:
 
     @classmethod
     def from_recipe(cls, recipe, tokenizer, engine: GenerationEngine,
-                    active_anywhere: Optional[Callable[[int], int]] = None) -> "AgentRollout":
-        r = recipe.rollout
+                    active_anywhere: Optional[Callable[[int], int]] = None) -> "AgentLoop":
+        r = recipe.agent
         tools = load_tools(r.tools)
         return cls(tokenizer, engine, budget=recipe.generation.max_completion_length, max_turns=r.max_turns,
                    tools=tools, parser=pick_parser(r.tool_parser, tokenizer.chat_template, r.user_code_timeout)
@@ -128,7 +129,7 @@ class AgentRollout:
                    runner=ToolRunner(tools, r.tool_timeout, r.tool_max_output_chars, r.tool_workers),
                    environment=load_environment(r.environment) if r.environment else None,
                    environment_name=r.environment or "",
-                   # the bound the engines are sized for (a vLLM engine's max_model_len: rollout.base.longest_sequence)
+                   # the bound the engines are sized for (a vLLM engine's max_model_len: models.facts.longest_sequence)
                    max_prompt_length=recipe.data.max_prompt_length or recipe.data.max_length,
                    max_turn_tokens=r.max_turn_tokens, active_anywhere=active_anywhere,
                    user_code_timeout=r.user_code_timeout)
@@ -136,7 +137,7 @@ class AgentRollout:
     # --- tokens ------------------------------------------------------------------------------------------------------
 
     def _encode(self, messages: list[dict], add_generation_prompt: bool, tools: Optional[list] = None) -> list[int]:
-        """tools: the trajectory's schemas (None: rollout.tools')."""
+        """tools: the trajectory's schemas (None: agent.tools')."""
         try:
             text = self.tokenizer.apply_chat_template(messages, tools=tools or self.schemas, tokenize=False,
                                                       add_generation_prompt=add_generation_prompt)
@@ -242,7 +243,7 @@ class AgentRollout:
         t.append(ids, logprobs, self.budget)
         if not ended and t.finished:  # the budget cut it before its end-of-turn token: no further turn
             t.truncated = True
-        elif not ended:  # rollout.max_turn_tokens cut it: the delta closes it with the end-of-turn token
+        elif not ended:  # agent.max_turn_tokens cut it: the delta closes it with the end-of-turn token
             t.cut_turns += 1
         text = self.tokenizer.decode(kept[:-1] if ended else kept, skip_special_tokens=False)
         return {"role": "assistant", "content": text, "closed": ended}

@@ -1,5 +1,5 @@
 """What the user sees while a run trains: a progress bar, metrics.jsonl, and the trackers of train.report_to
-(posttrain/trackers.py). The report drawn from metrics.jsonl at the end is posttrain/report/write.py.
+(posttrain/report/trackers.py). The report drawn from metrics.jsonl at the end is posttrain/report/write.py.
 
 Only rank 0 writes; other ranks get a logger whose methods do nothing.
 """
@@ -17,7 +17,7 @@ from tqdm.auto import tqdm
 
 class MetricsLogger:
     def __init__(self, output_dir: str, total_steps: int, start_step: int, enabled: bool, trackers: Sequence = ()):
-        """trackers: posttrain.trackers.Tracker objects, already open (rank 0); closed by close()."""
+        """trackers: posttrain.report.trackers.Tracker objects, already open (rank 0); closed by close()."""
         self.enabled = enabled
         self.path = Path(output_dir) / "metrics.jsonl"
         self.trackers = list(trackers) if enabled else []

@@ -27,8 +27,8 @@ from typing import Optional
 
 import yaml
 
-from posttrain.checkpoint_files import warn
-from posttrain.distributed.resume import UNIVERSAL_DIR
+from posttrain.errors import warn
+from posttrain.rundir.resume import UNIVERSAL_DIR
 from posttrain.errors import UserError
 
 MARKER = ".posttrain-run"
@@ -51,7 +51,7 @@ def launcher_dirs() -> tuple[str, ...]:
 def check_output_dir(recipe, command: str = "") -> Optional[Path]:
     """Refuse any output_dir a run could lose the user's files in. Returns the checkpoint to resume from, if any.
     command: this run's (sft, dpo, ...); a run of another command is never continued (see check_same_command)."""
-    from posttrain.checkpoint import resolve_resume
+    from posttrain.rundir.checkpoint import resolve_resume
 
     out = Path(recipe.output_dir)  # as run.py writes it (load_recipe expanded a leading ~)
     t = recipe.train
@@ -95,7 +95,7 @@ def check_not_behind(out: Path, resume: Optional[Path], max_steps: int = -1) -> 
     and a max_steps below S put an older model into final/: both refused. From an older checkpoint (the newest one was
     damaged) the steps after it are trained again, as exactly as before: said once. A run stopped before its end
     (max_steps_per_run, a signal, a failure) has no newer final/ and is continued as usual."""
-    from posttrain.checkpoint import read_trainer_state
+    from posttrain.rundir.checkpoint import read_trainer_state
 
     final_step = read_marker(out).get("final_step")
     if type(final_step) is not int or not (out / "final").exists():
@@ -157,7 +157,7 @@ def takeover_reason(out: Path) -> Optional[str]:
         error = f" ({attempt['error']})" if attempt.get("error") else ""
         return ("ended in an error" if status == "failed" else "was stopped") + error
     if status == "running" and attempt.get("host") == socket.gethostname() and not live_attempt(out):
-        from posttrain.logging import read_metrics
+        from posttrain.rundir.metrics import read_metrics
 
         if not any(row.get("step", 0) >= 1 for row in read_metrics(out)):
             return f"ended before step 1 (its process, pid {attempt.get('pid')}, is gone)"
