@@ -13,6 +13,13 @@ Layouts:
   each) and `unpack` scatters the model's outputs back to [B, T]: little compute or activation memory is spent on
   padding, and no loss needs to know. Rows no longer than the longest keep attention at most what the padded batch
   costs where the attention kernel is not varlen (sdpa / eager build a mask over a packed row's whole length).
+- shared prefix (`prefix_group_B` set, train.shared_prefix): the batch keeps the padded layout for the losses, but
+  rows that begin with the same tokens (a prompt's G completions, a pair's chosen and rejected rows) are computed with
+  those tokens once: `model_inputs()` gives one packed row per group, [prefix | own tokens of each member], with a
+  4-D attention mask that lets each member see the prefix and itself (ops/shared_prefix.py); `unpack` reads every
+  token back from its slot, so no loss needs to know. Next-token log-probs need the pairs of
+  `ops.shared_prefix.predictions` (models/forward.py), since the prefix's last slot predicts every member's first
+  token.
 """
 
 from __future__ import annotations
@@ -22,6 +29,8 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
+
+from posttrain.ops.shared_prefix import PrefixLayout, prefix_groups, prefix_layout
 
 
 @dataclass(frozen=True)
@@ -75,6 +84,11 @@ class Batch:
     teacher_topk_ids_BTK: Optional[torch.Tensor] = None
     """The token ids of those k log-probs (int64)."""
     # --- how the micro-batch runs ---
+    prefix_group_B: Optional[torch.Tensor] = None
+    """Shared prefix: rows with the same value (int64) share their first prefix_length_B tokens, which the forwards
+    compute once (see the module docstring); None: every row computed on its own."""
+    prefix_length_B: Optional[torch.Tensor] = None
+    """Shared prefix: how many first tokens each row shares with the rest of its group (its own length alone)."""
     padding_free: bool = False
     """Padded layout whose forwards drop the padding (see the module docstring)."""
     filler: bool = False
@@ -87,6 +101,10 @@ class Batch:
     def model_inputs(self) -> dict:
         """Keyword arguments for a transformers forward pass (padding-free: the real tokens as one packed row; the
         outputs go through `unpack`)."""
+        if self.shares_prefix:
+            layout = self.prefix_layout()
+            return {"input_ids": layout.input_ids_RW, "position_ids": layout.position_ids_RW,
+                    "attention_mask": layout.attention_mask_R1WW()}
         if self.padding_free:
             keep_BT = self.attention_mask_BT.bool()
             slots_N, fill_R, width = _packed_slots(keep_BT)
@@ -103,6 +121,11 @@ class Batch:
     def unpack(self, x_RW: torch.Tensor) -> torch.Tensor:
         """A forward output over `model_inputs()` ([rows, width, ...]) in this batch's [B, T, ...] layout, 0 at
         padding; as it is when the batch is not padding-free."""
+        if self.shares_prefix:  # every token read from its slot: a shared prefix's slots are read by every member
+            slot_BT = self.prefix_layout().slot_BT
+            x_NX = x_RW.reshape(-1, *x_RW.shape[2:])[slot_BT.clamp(min=0)]
+            real = (slot_BT >= 0).view(*slot_BT.shape, *([1] * (x_NX.dim() - 2)))
+            return torch.where(real, x_NX, torch.zeros((), dtype=x_NX.dtype, device=x_NX.device))
         if not self.padding_free:
             return x_RW
         keep_BT = self.attention_mask_BT.bool()
@@ -113,6 +136,11 @@ class Batch:
     def pack(self, x_BT: torch.Tensor) -> torch.Tensor:
         """A [B, T, ...] tensor in the layout of `model_inputs()` ([rows, width, ...], 0 at the filler): the inverse
         of `unpack` (per-token inputs a model's hooks need, e.g. models/moe.py's replayed experts)."""
+        if self.shares_prefix:  # a shared slot takes its value from one of the rows that read it (all hold the same)
+            layout = self.prefix_layout()
+            real_BT, (rows, width) = layout.slot_BT >= 0, layout.input_ids_RW.shape
+            packed_N = x_BT.new_zeros(rows * width, *x_BT.shape[2:])
+            return packed_N.index_put((layout.slot_BT[real_BT],), x_BT[real_BT]).view(rows, width, *x_BT.shape[2:])
         if not self.padding_free:
             return x_BT
         keep_BT = self.attention_mask_BT.bool()
@@ -123,11 +151,37 @@ class Batch:
     def model_rows(self, rows_n: torch.Tensor) -> torch.Tensor:
         """Flat rows (b * T + t) of this batch's [B, T] layout -> the same tokens' flat rows in `model_inputs()`'s
         [rows, width] layout (as they are when the batch is not padding-free). Every row must be a real token."""
+        if self.shares_prefix:
+            return self.prefix_layout().slot_BT.reshape(-1)[rows_n]
         if not self.padding_free:
             return rows_n
         keep_BT = self.attention_mask_BT.bool()
         slots_N, _, _ = _packed_slots(keep_BT)
         return torch.full_like(keep_BT, -1, dtype=torch.long).index_put((keep_BT,), slots_N).reshape(-1)[rows_n]
+
+    @property
+    def shares_prefix(self) -> bool:
+        """Its forwards compute each group's shared prefix once (the module docstring)."""
+        return self.prefix_group_B is not None
+
+    def prefix_layout(self) -> PrefixLayout:
+        """The packed rows a shared-prefix batch's forwards run on (ops/shared_prefix.py)."""
+        return prefix_layout(self.input_ids_BT, self.attention_mask_BT.bool(), self.prefix_group_B,
+                             self.prefix_length_B)
+
+    def forwarded_tokens(self, shared: bool = True) -> int:
+        """Tokens one forward of this batch computes: a shared prefix once per group, padding never where the layout
+        drops it (padding-free, shared prefix), every position of a padded row otherwise. shared=False: what it
+        would compute without its shared prefixes (`shared_prefix/saved_fraction`)."""
+        if self.filler:
+            return 0
+        if self.shares_prefix and shared:
+            return self.prefix_layout().forwarded_tokens()
+        if self.attention_mask_BT is None:
+            return int((self.sequence_index_BT >= 0).sum()) if self.sequence_index_BT is not None else self.input_ids_BT.numel()
+        if self.padding_free or self.shares_prefix:  # a shared-prefix batch drops its padding as padding-free does
+            return int(self.attention_mask_BT.sum())
+        return self.input_ids_BT.numel()
 
     def rows(self, start: int, stop: int) -> "Batch":
         """Rows [start, stop) of a padded batch (for chunked forwards)."""
@@ -139,6 +193,18 @@ class Batch:
         """(field name, tensor) of every field that holds a tensor."""
         values = ((f.name, getattr(self, f.name)) for f in dataclasses.fields(self))
         return [(name, value) for name, value in values if isinstance(value, torch.Tensor)]
+
+
+def share_prefixes(batch: Batch) -> Batch:
+    """The batch with its shared prefixes found (ops.shared_prefix.prefix_groups), when any row shares enough first
+    tokens with another; else as it is (a padded batch only: packed rows have no row structure to share)."""
+    if batch.attention_mask_BT is None or batch.filler:
+        return batch
+    group_B, length_B = prefix_groups(batch.input_ids_BT, batch.attention_mask_BT.bool())
+    if len(set(group_B.tolist())) == group_B.shape[0]:  # nothing shared: the plain layout, no mask to build
+        return dataclasses.replace(batch, prefix_group_B=None, prefix_length_B=None)
+    return dataclasses.replace(batch, prefix_group_B=group_B.to(batch.input_ids_BT.device),
+                               prefix_length_B=length_B.to(batch.input_ids_BT.device))
 
 
 def _packed_slots(keep_BT: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:

@@ -33,6 +33,7 @@ from posttrain.rundir.metrics import MetricsLogger, read_metrics
 from posttrain.models import load
 from posttrain.models.limits import check_position_limit, check_sequence_parallel
 from posttrain.models.packing import check_packing
+from posttrain.models.shared_prefix import resolve_shared_prefix
 from posttrain.models.load import check_model_source, count_parameters, load_tokenizer
 from posttrain.models.moe import check_moe_options
 from posttrain.plan import estimated_peak_mb
@@ -68,10 +69,11 @@ class RunResult:
     metrics: list[dict[str, Any]]
 
 
-def make_source(recipe: Recipe, backend, models, algorithm, examples, collate, servers) -> Source:
+def make_source(recipe: Recipe, backend, models, algorithm, examples, collate, servers,
+                shared_prefix: bool = False) -> Source:
     """The source of the loop's micro-batches, by algorithm.source_kind."""
     if algorithm.source_kind == "rollout":
-        return RolloutSource(recipe, backend, models, algorithm, examples, algorithm.rewards, servers)
+        return RolloutSource(recipe, backend, models, algorithm, examples, algorithm.rewards, servers, shared_prefix)
     if algorithm.source_kind == "distill":
         return DistillSource(recipe, backend, models, examples, algorithm.config.lmbda, servers)
     return DatasetSource.from_recipe(recipe, backend, examples, collate)
@@ -132,6 +134,7 @@ def run_attempt(command: str, recipe: Recipe, launched: Optional[Launched] = Non
     check_moe_options(recipe, algorithm.routing_replay)
     check_token_budget(recipe, algorithm)
     check_sequence_parallel(recipe, algorithm)
+    shared_prefix = resolve_shared_prefix(recipe, algorithm)  # train.shared_prefix: true where it cannot be exact
     resume_from = claim.check_output_dir(recipe, command)
     tokenizer = load_tokenizer(recipe.model)
     launched = launched or Launched()
@@ -164,7 +167,7 @@ def run_attempt(command: str, recipe: Recipe, launched: Optional[Launched] = Non
 
     # 3. data source, schedule, state
     collate = make_collate(recipe, algorithm, tokenizer)
-    source = make_source(recipe, backend, models, algorithm, train_examples, collate, servers)
+    source = make_source(recipe, backend, models, algorithm, train_examples, collate, servers, shared_prefix)
     steps = total_steps(t, source.micro_batches_per_epoch())
     for _, role in models.trained():
         role.start_schedule(steps)
@@ -186,7 +189,8 @@ def run_attempt(command: str, recipe: Recipe, launched: Optional[Launched] = Non
     # 4. train, export, report
     ctx = LoopContext(backend=backend, algorithm=algorithm, models=models, source=source, total_steps=steps,
                       logger=logger, checkpointer=checkpointer, state=state, evaluate=eval_fn,
-                      memory_estimate_mb=summary["estimated_peak_memory_mb"], guard=Guard(t, backend))
+                      memory_estimate_mb=summary["estimated_peak_memory_mb"], guard=Guard(t, backend),
+                      shared_prefix=shared_prefix)
     try:
         with ctx.guard:  # SIGTERM / SIGINT: save at the next step boundary and exit 143 / 130
             state = train(ctx)

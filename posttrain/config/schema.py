@@ -88,6 +88,12 @@ class TrainConfig:
     per_device_train_batch_size x gradient_accumulation_steps x world) are regrouped into as few micro-batches of at
     most this many real tokens as fit, whole rows / preference pairs each; the update is the same as without it.
     None: micro-batches of per_device_train_batch_size rows."""
+    shared_prefix: str = "auto"
+    """Compute the tokens rows share at their start (a prompt's G completions, a preference pair's prompt) once per
+    micro-batch, not once per row: a packed row [prefix | each row's own tokens] under an attention mask that keeps
+    every row's view of its tokens (ops/shared_prefix.py); the same log-probs, losses and update. auto: on where it is
+    exact (sdpa attention, no sliding window, MoE router loss or sequence parallelism; said once when off); true: on,
+    refused where it cannot be exact; false: off. Logged as tokens/forwarded and shared_prefix/saved_fraction."""
     sequence_parallel_size: int = 1
     """Sequence parallelism (DeepSpeed Ulysses / ALST): each row is split into this many contiguous slices, one per
     rank of a group of consecutive ranks that train on the same rows, so one sequence's activations are spread over

@@ -19,6 +19,7 @@ CHOICES = {
     "train.lr_scheduler_type": ("constant", "linear", "cosine"), "train.mixed_precision": ("no", "bf16", "fp16"),
     "generation.engine": ("hf", "vllm"), "generation.placement": ("colocated", "node", "servers", "ray"),
     "generation.lora_sync": ("merged", "adapter"), "train.nonfinite": ("stop", "skip"),
+    "train.shared_prefix": ("auto", "true", "false"),
     "generation.vllm.dtype": ("auto", "float32", "bfloat16", "float16"), "launcher": ("local", "ray"),
 }
 POSITIVE = (

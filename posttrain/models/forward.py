@@ -13,6 +13,10 @@ Under sequence parallelism (distributed/sequence_parallel.py) every forward here
 and gathers the per-token result over the group, so callers see [B, T] as without it. Log-probs are taken per
 slice against the next tokens of the whole row (a slice's last position predicts the next slice's first token),
 so only [B, T] floats are gathered, never logits, on the fused path.
+
+A shared-prefix batch (`Batch.shares_prefix`, train.shared_prefix) runs its groups' packed rows once; its next-token
+log-probs are taken at the distinct (predicting slot, token) pairs of ops.shared_prefix.predictions, so a prefix's
+tokens reach the output layer once per group, not once per row (`_shared_logprobs`).
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from posttrain.distributed.wrappers import plain_class, unwrap_module
 from posttrain.models.lean_activations import lean_activations
 from posttrain.ops.logprobs import (entropy_BT, linear_next_token_logprobs, linear_next_token_logprobs_entropy,
                                    next_token_logprobs, next_tokens, shift_right, token_logprobs)
+from posttrain.ops.shared_prefix import predictions
 
 FUSED_HEAD_MODELS = frozenset({"llama", "qwen2", "qwen3", "mistral", "phi3", "qwen2_moe", "qwen3_moe", "olmo2"})
 """Model types whose causal-LM forward returns `lm_head(hidden)` as the logits, with nothing applied after it."""
@@ -73,6 +78,8 @@ def policy_logprobs_entropy(model, batch: Batch, temperature: float = 1.0) -> tu
     forward, right at the completion positions: with a fusable head (no sequence parallelism) both come from the same
     logits chunks, only of the rows that predict a completion token (0 elsewhere), so the (B, T, V) logits never
     exist and the output layer skips the prompts and the padding; otherwise from the logits, at every position."""
+    if batch.shares_prefix:
+        return _shared_logprobs(model, batch, temperature, batch.completion_mask_BT, with_entropy=True)
     head = fusable_head(model)
     if head is None or sequence_parallel.current() is not None:
         logits_BTV = policy_logits(model, batch)
@@ -108,6 +115,8 @@ def policy_logprobs(model, batch: Batch, temperature: float = 1.0) -> torch.Tens
     """logprobs_BT aligned with input_ids_BT (position 0 is 0): log p(token t | tokens < t). A padding-free batch
     is scored packed (the logits never exist for padding) and unpacked: each row's position 0, which in the packed
     row holds a prediction from the previous row's last token, is set back to 0."""
+    if batch.shares_prefix:
+        return _shared_logprobs(model, batch, temperature, batch.attention_mask_BT, with_entropy=False)[0]
     sp = sequence_parallel.current()
     if sp is not None:
         next_BC = sp.shard(next_tokens(batch.input_ids_BT))
@@ -117,6 +126,45 @@ def policy_logprobs(model, batch: Batch, temperature: float = 1.0) -> torch.Tens
     inputs = batch.model_inputs()
     logprobs = shift_right(_next_token_logprobs(model, inputs, next_tokens(inputs["input_ids"]), temperature))
     return logprobs if not batch.padding_free else _unpacked(batch, logprobs)
+
+
+def _shared_logprobs(model, batch: Batch, temperature: float, want_BT: torch.Tensor,
+                     with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(logprobs_BT, entropy_BT or None) of a shared-prefix batch at the tokens `want_BT` marks (0 elsewhere): one
+    forward over its packed rows, the output layer on each distinct (predicting slot, token) pair once."""
+    inputs, slot_BT = batch.model_inputs(), batch.prefix_layout().slot_BT
+    want_BT = want_BT.bool() & (slot_BT >= 0)
+    want_BT[:, 0] = False  # nothing predicts a row's first token
+    slot_n, target_n, inverse_m = predictions(slot_BT, batch.input_ids_BT, want_BT)
+    head = fusable_head(model)
+    with lean_activations(model):
+        if head is None:
+            logits_NV = model(**inputs, use_cache=False).logits
+            logits_1nV = logits_NV.reshape(-1, logits_NV.shape[-1])[slot_n][None]
+            logprobs_1n = next_token_logprobs(logits_1nV, target_n[None], temperature=temperature)
+            entropy_1n = None
+            if with_entropy:  # entropy_BT scores the row before each position: one dummy row in front
+                with torch.no_grad():
+                    padded = torch.cat([logits_1nV[:, :1], logits_1nV], dim=1).detach()
+                    entropy_1n = entropy_BT(padded, temperature=temperature)[:, 1:]
+        else:
+            entropies = []
+
+            def forward(hidden_RWH: torch.Tensor) -> torch.Tensor:
+                hidden_1nH = hidden_RWH.reshape(-1, hidden_RWH.shape[-1])[slot_n][None]
+                logprobs, entropy = linear_next_token_logprobs_entropy(hidden_1nH, head.weight, target_n[None],
+                                                                       temperature, with_entropy=with_entropy)
+                entropies.append(entropy)
+                return logprobs
+
+            with _head_forward(head, forward):
+                logprobs_1n = model(**inputs, use_cache=False).logits
+            entropy_1n = entropies[0]
+
+    def scatter(values_1n: torch.Tensor) -> torch.Tensor:
+        return values_1n.new_zeros(want_BT.shape).index_put((want_BT,), values_1n[0][inverse_m])
+
+    return scatter(logprobs_1n), (scatter(entropy_1n.detach()) if with_entropy else None)
 
 
 def _next_token_logprobs(model, inputs: dict, next_ids_BT: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -138,7 +186,7 @@ def sequence_scores(model, batch: Batch) -> torch.Tensor:
     the last token that is not the pad token. Padding-free: the score head's per-token output is taken from the
     packed forward (a hook on `model.score`, which every transformers *ForSequenceClassification has) at the same
     tokens, because the model's own pooling would see one row."""
-    if not batch.padding_free:
+    if not (batch.padding_free or batch.shares_prefix):
         return model(**batch.model_inputs()).logits[:, 0].float()
     inner = unwrap_module(model)
     head = getattr(inner, "score", None)

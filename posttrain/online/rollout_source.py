@@ -48,7 +48,7 @@ from posttrain.ops.advantages import zero_std_fraction
 from posttrain.ops.logprobs import sequence_mean
 from posttrain.rewards import reward_metrics, trainer_state
 from posttrain.config.schema import total_steps
-from posttrain.batch import Batch
+from posttrain.batch import Batch, share_prefixes
 from posttrain.online.drawn import Drawn
 from posttrain.online.dynamic_sampling import DynamicSampler
 from posttrain.online.engine_link import EngineLink
@@ -97,8 +97,9 @@ class Generation:
 
 
 class RolloutSource(Source):
-    def __init__(self, recipe, backend, models, algorithm, examples, rewards, servers=None):
+    def __init__(self, recipe, backend, models, algorithm, examples, rewards, servers=None, shared_prefix=False):
         t = recipe.train
+        self.shared_prefix = shared_prefix  # train.shared_prefix as run.py resolved it: the prepare forwards share too
         self.recipe, self.backend, self.models, self.algorithm = recipe, backend, models, algorithm
         self.examples, self.rewards, self.tokenizer = examples, rewards, models.tokenizer
         self.group = algorithm.samples_per_prompt
@@ -326,10 +327,11 @@ class RolloutSource(Source):
             sampler_BT = torch.zeros(batch.input_ids_BT.shape, dtype=torch.float32)
             for row, (p, lps) in enumerate(zip(prompt_ids[start:stop], sampler_logprobs[start:stop])):
                 sampler_BT[row, len(p) : len(p) + len(lps)] = torch.tensor(lps, dtype=torch.float32)
-            batches.append(replace(batch, rewards_B=rewards_B[start:stop].float(), sampler_logprobs_BT=sampler_BT,
-                                   truncated_B=torch.tensor(truncated[start:stop], dtype=torch.bool),
-                                   example_index_B=torch.tensor(dataset_index[start:stop]),
-                                   padding_free=self.recipe.data.packing))
+            batch = replace(batch, rewards_B=rewards_B[start:stop].float(), sampler_logprobs_BT=sampler_BT,
+                            truncated_B=torch.tensor(truncated[start:stop], dtype=torch.bool),
+                            example_index_B=torch.tensor(dataset_index[start:stop]),
+                            padding_free=self.recipe.data.packing)
+            batches.append(share_prefixes(batch) if self.shared_prefix else batch)
         return batches
 
     def _write_samples(self, step: int, prompts, texts, total_B, per_function, advantages_B, truncated,

@@ -27,6 +27,7 @@ import torch
 from posttrain.algorithms.base import Algorithm, Models
 from posttrain.batch import Batch
 from posttrain.config.schema import saves_final_checkpoint
+from posttrain.models.shared_prefix import check_first_forward
 from posttrain.train.guard import Guard
 from posttrain.train.micro_batches import shape
 from posttrain.train.state import TrainState
@@ -48,6 +49,10 @@ class LoopContext:
     memory_estimate_mb: Optional[float] = None
     """`posttrain plan`'s peak estimate, logged beside the measured peak_memory_mb."""
     guard: Optional[Guard] = None  # signals and non-finite steps (train/guard.py); run.py installs it
+    shared_prefix: bool = False
+    """train.shared_prefix as run.py resolved it: micro-batches compute their rows' shared prefixes once."""
+    shared_prefix_checked: bool = False
+    """The run's first step compared the shared forward with the plain one (models/shared_prefix.py)."""
 
 
 def count_tokens(batch: Batch) -> int:
@@ -111,9 +116,13 @@ def train(ctx: LoopContext) -> TrainState:
 
         # 5. reduce once across ranks: [tokens, *losses, *metrics means, *guard flags]
         tokens = sum(count_tokens(b) for b in micro_batches)
+        # tokens one forward of the step's micro-batches computes, and without shared prefixes (logged as
+        # tokens/forwarded and shared_prefix/saved_fraction: a sharing that silently stopped shows here)
+        forwarded = [float(sum(b.forwarded_tokens(shared) for b in micro_batches)) for shared in (True, False)]
         keys = sorted(metric_sums)
         trained_on = sum(not b.filler for b in micro_batches)
-        local = torch.stack([torch.tensor(float(tokens), device=backend.device)] + list(losses.values())
+        local = torch.stack([torch.tensor(float(n), device=backend.device) for n in [tokens, *forwarded]]
+                            + list(losses.values())
                             + [metric_sums[k].to(backend.device) / trained_on for k in keys])
         # a sequence-parallel group's ranks hold the same rows and losses: counted once (data_weight 1 or 0)
         local = local * backend.data_weight
@@ -125,13 +134,14 @@ def train(ctx: LoopContext) -> TrainState:
         state.tokens_seen += global_tokens
         samples = sum(b.num_pairs or b.num_sequences for b in micro_batches if not b.filler)
         state.samples_seen += samples * backend.data_world_size
-        step_metrics = {}
-        for name, value in zip(losses, reduced[1 : 1 + len(losses)]):
+        step_metrics = {"tokens/forwarded": float(reduced[1]) / backend.data_world_size,
+                        "shared_prefix/saved_fraction": 1.0 - float(reduced[1]) / max(float(reduced[2]), 1.0)}
+        for name, value in zip(losses, reduced[3 : 3 + len(losses)]):
             suffix = "" if name == "policy" else f"/{name}"
             step_metrics.update({f"loss{suffix}": float(value), f"grad_norm{suffix}": grad_norms[name],
                                  f"time/update/{name}": update_seconds[name]})
         step_metrics.update({k: float(v) / backend.data_world_size
-                             for k, v in zip(keys, reduced[1 + len(losses) : -2])})
+                             for k, v in zip(keys, reduced[3 + len(losses) : -2])})
         step_metrics.update(ctx.source.last_metrics)
         for key, value in step_metrics.items():
             window[key] = window.get(key, 0.0) + value
@@ -176,8 +186,13 @@ def prepared_micro_batches(ctx: LoopContext, step: int) -> list[Batch]:
     asks), each through algorithm.prepare: the forwards that need no gradient (reference, old policy, rewards)."""
     backend, models = ctx.backend, ctx.models
     micro_batches = shape(ctx.source.step_batches(step), backend.recipe, pad_id(models.tokenizer),
-                          lambda count: max(backend.all_gather_object(count)))
+                          lambda count: max(backend.all_gather_object(count)), ctx.shared_prefix)
     micro_batches = [b.to(backend.device) for b in micro_batches]
+    if ctx.shared_prefix and not ctx.shared_prefix_checked:  # once a run, every rank (ZeRO-3 forwards are collective)
+        with backend.autocast():
+            diff = check_first_forward(models.policy.model, micro_batches[0])
+        ctx.logger.info(f"train.shared_prefix: the first step's shared and plain log-probs agree (max diff {diff:.2g})")
+        ctx.shared_prefix_checked = True
     with torch.no_grad(), backend.autocast():
         return [ctx.algorithm.prepare(b, models) for b in micro_batches]
 

@@ -19,14 +19,17 @@ from typing import Callable, Sequence
 
 import torch
 
-from posttrain.batch import Batch
+from posttrain.batch import Batch, share_prefixes
 from posttrain.data.token_budget import fewest_micro_batches, micro_batches_within_budget
 from posttrain.errors import UserError
 
 
-def shape(batches: Sequence[Batch], recipe, pad_id: int, agree: Callable[[int], int]) -> list[Batch]:
-    """This rank's micro-batches as the recipe asks: padding-free (data.packing) and within the token budget.
-    `agree(count)` returns the largest count any rank asks for (a collective: every rank calls it once a step)."""
+def shape(batches: Sequence[Batch], recipe, pad_id: int, agree: Callable[[int], int],
+          shared_prefix: bool = False) -> list[Batch]:
+    """This rank's micro-batches as the recipe asks: padding-free (data.packing), within the token budget, and with
+    their shared prefixes found (`shared_prefix`: train.shared_prefix as run.py resolved it; found again after the
+    budget regroups rows). `agree(count)` returns the largest count any rank asks for (a collective: every rank
+    calls it once a step)."""
     budget = recipe.train.max_tokens_per_microbatch
     padded = [b for b in batches if b.attention_mask_BT is not None]
     if budget is not None and len(padded) == len(batches):
@@ -39,6 +42,8 @@ def shape(batches: Sequence[Batch], recipe, pad_id: int, agree: Callable[[int], 
     if recipe.data.packing:
         batches = [dataclasses.replace(b, padding_free=True) if b.attention_mask_BT is not None else b
                    for b in batches]
+    if shared_prefix:
+        batches = [share_prefixes(b) for b in batches]
     return list(batches)
 
 
