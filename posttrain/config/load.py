@@ -152,7 +152,10 @@ def coerce(hint: Any, value: Any, where: str, key: str) -> Any:
     if origin in (typing.Union, types.UnionType):
         if value is None and type(None) in args:
             return None
-        return coerce(next(a for a in args if a is not type(None)), value, where, key)
+        if isinstance(value, bool) and bool in args:  # a switch with words beside true / false (auto)
+            return value
+        others = [a for a in args if a is not type(None)]
+        return coerce(next((a for a in others if a is not bool), others[0]), value, where, key)
     if dataclasses.is_dataclass(hint):
         return build(hint, value, where, key + ".")
     if origin is tuple:

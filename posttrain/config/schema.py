@@ -8,7 +8,7 @@ overrides into a `Recipe` and rejects unknown keys with the closest valid name.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 
 @dataclass(frozen=True)
@@ -88,7 +88,7 @@ class TrainConfig:
     per_device_train_batch_size x gradient_accumulation_steps x world) are regrouped into as few micro-batches of at
     most this many real tokens as fit, whole rows / preference pairs each; the update is the same as without it.
     None: micro-batches of per_device_train_batch_size rows."""
-    shared_prefix: str = "auto"
+    shared_prefix: Union[bool, str] = "auto"
     """Compute the tokens rows share at their start (a prompt's G completions, a preference pair's prompt) once per
     micro-batch, not once per row: a packed row [prefix | each row's own tokens] under an attention mask that keeps
     every row's view of its tokens (ops/shared_prefix.py); the same log-probs, losses and update. auto: on where it is

@@ -19,7 +19,6 @@ CHOICES = {
     "train.lr_scheduler_type": ("constant", "linear", "cosine"), "train.mixed_precision": ("no", "bf16", "fp16"),
     "generation.engine": ("hf", "vllm"), "generation.placement": ("colocated", "node", "servers", "ray"),
     "generation.lora_sync": ("merged", "adapter"), "train.nonfinite": ("stop", "skip"),
-    "train.shared_prefix": ("auto", "true", "false"),
     "generation.vllm.dtype": ("auto", "float32", "bfloat16", "float16"), "launcher": ("local", "ray"),
 }
 POSITIVE = (
@@ -75,6 +74,8 @@ def validate(recipe: Recipe) -> None:
         raise UserError(f"train.max_steps must be a positive number of steps or -1 (use num_train_epochs), got {t.max_steps}")
     if t.save_total_limit is not None and t.save_total_limit < 1:
         raise UserError(f"train.save_total_limit must be >= 1 or null, got {t.save_total_limit}")
+    if t.shared_prefix not in (True, False, "auto"):
+        raise UserError(f"train.shared_prefix is {t.shared_prefix!r}; choose auto, true or false")
     if t.max_tokens_per_microbatch is not None and t.max_tokens_per_microbatch <= 0:
         raise UserError(f"train.max_tokens_per_microbatch must be a number of tokens > 0, or null (micro-batches of "
                         f"per_device_train_batch_size rows), got {t.max_tokens_per_microbatch}")

@@ -24,7 +24,6 @@ import torch
 
 from posttrain.errors import UserError, warn
 
-SHARED_PREFIX_MODES = ("auto", "true", "false")
 SHARED_PREFIX_ATTENTION = ("sdpa",)
 """Attention kernels that take the layout's boolean 4-D mask as it is (eager would add it to the scores)."""
 FIRST_STEP_ROWS = 4
@@ -61,7 +60,7 @@ def resolve_shared_prefix(recipe, algorithm) -> bool:
     """train.shared_prefix at start-up: true where it cannot be exact is a UserError naming why; auto is on unless
     something stands in the way (said once, in the log); false is off."""
     mode = recipe.train.shared_prefix
-    if mode == "false":
+    if mode is False:
         return False
     from posttrain.models.limits import model_config_file
 
@@ -69,7 +68,7 @@ def resolve_shared_prefix(recipe, algorithm) -> bool:
     why = blocker(recipe, json.loads(config_file.read_text()) if config_file is not None else None)
     if why is None:
         return True
-    if mode == "true":
+    if mode is True:
         raise UserError(f"train.shared_prefix=true: {why}. Set train.shared_prefix=auto (off where it cannot be "
                         "exact) or false")
     warn(f"train.shared_prefix=auto is off: {why}; every row is computed on its own")

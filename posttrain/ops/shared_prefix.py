@@ -68,7 +68,8 @@ def prefix_groups(input_ids_BT: torch.Tensor, keep_BT: torch.Tensor, min_tokens:
             if common[leader][b] < min_tokens:
                 continue
             members = group_B.count(leader)
-            new_width = width[leader] + (shared[leader] - prefix) * members + length - prefix
+            # the prefix shrinks to `prefix`: each member's own tokens grow by the difference, the prefix is kept once
+            new_width = width[leader] + (shared[leader] - prefix) * (members - 1) + length - prefix
             saving = (layout_cost(width[leader], pairs_per_token) + layout_cost(length, pairs_per_token)
                       - layout_cost(new_width, pairs_per_token))
             if saving > best_saving:
@@ -78,7 +79,7 @@ def prefix_groups(input_ids_BT: torch.Tensor, keep_BT: torch.Tensor, min_tokens:
             common[b] = common_prefix_lengths(input_ids_BT, keep_BT.sum(-1), b).tolist()
             continue
         prefix = min(shared[best], common[best][b])
-        width[best] += (shared[best] - prefix) * group_B.count(best) + length - prefix
+        width[best] += (shared[best] - prefix) * (group_B.count(best) - 1) + length - prefix
         shared[best], group_B[b] = prefix, best
     length_B = torch.tensor([shared[g] for g in group_B])
     return torch.tensor(group_B), length_B
