@@ -3,6 +3,7 @@
     .venv/bin/python bench/compare_trl.py --algo sft --size 20m --bs 4 --seq 256 --steps 12
     .venv/bin/python bench/compare_trl.py --algo dpo --size 20m --bs 2 --seq 256
     .venv/bin/python bench/compare_trl.py --algo grpo --size tiny --bs 8 --gens 4 --completion 32
+    .venv/bin/python bench/compare_trl.py --algo grpo --model smollm2 --prompt 384 --bs 8 --gens 8 --completion 128
     python bench/compare_trl.py --algo sft --size 0.5b --bs 8 --seq 1024 --precision bf16 [--gc] [--packing]  # GPU
     .venv/bin/python bench/compare_trl.py --startup --repeats 3   # cold `posttrain sft` vs `trl sft` (compare_startup.py)
     .venv/bin/python bench/compare_trl.py --algo dpo --model smollm2 --bs 8 --seq 256 --steps 10 --repeats 2
@@ -20,7 +21,11 @@ its error is reported and the exit status is 1.
 
 Each tool runs in a fresh process (clean peak memory, its own start-up cost), one after the other and `--repeats`
 times in alternating order, so neither side always runs on a warmer machine; the best repeat of each side is shown.
-TRL (`pip install trl`) is optional: without it only posttrain's rows print.
+TRL (`pip install trl`) is optional: without it only posttrain's rows print. `posttrain-plain` is posttrain with
+`train.shared_prefix=false` (every row computes its prompt), beside `posttrain` (auto: a prompt's G completions, a
+pair's prompt computed once): `--tools posttrain,posttrain-plain,trl` prints the three. `--prompt N`: GRPO prompts of
+a fixed system prompt and a question, about N tokens in all (default 12), for the realistic shapes of shared
+prefixes (256-512-token prompts, G = 8, 64-256-token completions).
 
 Figures (steady state: the first `--warmup` steps are dropped):
 - s/step: mean seconds between consecutive optimiser steps.
@@ -70,7 +75,7 @@ def length_reward(prompts, completions, **_):
 
 
 # ----------------------------------------------------------------------------------------------------- inputs
-def prepare(work: Path, size: str, seq: int, model: str | None = None) -> None:
+def prepare(work: Path, size: str, seq: int, model: str | None = None, prompt: int = 12) -> None:
     """The model (random weights, local tokenizer; none when `model` names a real one) and the data files, made once
     per work directory (the data once per --seq: SFT rows must be longer than it)."""
     import torch
@@ -93,17 +98,29 @@ def prepare(work: Path, size: str, seq: int, model: str | None = None) -> None:
     files = {
         "sft": [{"prompt": say(16), "completion": say(2 * seq)} for _ in range(2000)],
         "dpo": [{"prompt": say(seq // 8), "chosen": say(seq // 3), "rejected": say(seq // 3)} for _ in range(2000)],
-        "grpo": [{"prompt": say(12), "answer": "yes"} for _ in range(2000)],
+        "grpo": grpo_rows(rng, say, prompt),
         "distill": [{"messages": [{"role": "user", "content": say(16)},  # short enough for TRL's GKD collator
                                   {"role": "assistant", "content": say(seq // 4)}]} for _ in range(2000)],
     }
     for name, rows in files.items():
-        path = data_file(work, name, seq)
+        path = data_file(work, name, seq, prompt)
         if not path.exists():
             path.write_text("".join(json.dumps(r) + "\n" for r in rows))
 
 
-def data_file(work: Path, algo: str, seq: int) -> Path:
+def grpo_rows(rng, say, prompt: int) -> list[dict]:
+    """GRPO prompts of about `prompt` tokens: one system prompt shared by all (three quarters, when long) and a
+    question of their own, as chat messages; 12 keeps the historical short plain-text prompts."""
+    if prompt <= 12:
+        return [{"prompt": say(prompt), "answer": "yes"} for _ in range(2000)]
+    system = say(prompt * 3 // 4)
+    return [{"prompt": [{"role": "system", "content": system}, {"role": "user", "content": say(prompt // 4)}],
+             "answer": "yes"} for _ in range(2000)]
+
+
+def data_file(work: Path, algo: str, seq: int, prompt: int = 12) -> Path:
+    if algo == "grpo" and prompt != 12:
+        return work / f"grpo-prompt{prompt}.jsonl"
     return work / f"{algo}-{seq}.jsonl"
 
 
@@ -164,7 +181,8 @@ def run_posttrain(a, work: Path, started: float) -> dict:
         "train.learning_rate=1e-6", "train.lr_scheduler_type=constant", "train.save_final_model=false",
         "train.report=false", "train.tensorboard=false", "train.save_steps=0",
         f"train.gradient_checkpointing={str(a.gc).lower()}", f"train.mixed_precision={a.precision_value}",
-        f"data.train={data_file(work, a.algo, a.seq)}", "seed=0",
+        f"data.train={data_file(work, a.algo, a.seq, a.prompt)}", "seed=0",
+        f"train.shared_prefix={'false' if a.tool == 'posttrain-plain' else 'auto'}",
     ]
     if a.algo == "sft":
         overrides += [f"data.max_length={a.seq}", f"data.packing={str(a.packing).lower()}"]
@@ -174,7 +192,9 @@ def run_posttrain(a, work: Path, started: float) -> dict:
         overrides += [f"data.max_length={a.seq}", f"algo.teacher_model_name_or_path={a.teacher or model_dir(a, work)}",
                       "algo.lmbda=0.0", "algo.beta=0.5", "algo.temperature=1.0"]
     else:
-        overrides += ["data.max_length=512", "data.max_prompt_length=128", f"algo.num_generations={a.gens}",
+        prompt_tokens = max(128, 2 * a.prompt)
+        overrides += [f"data.max_length={prompt_tokens + a.completion}", f"data.max_prompt_length={prompt_tokens}",
+                      f"algo.num_generations={a.gens}",
                       f"generation.max_completion_length={a.completion}", "algo.beta=0.0",
                       "rewards=[{name: 'compare_trl:length_reward'}]"]
     ends, cpu = [], []
@@ -200,8 +220,9 @@ def run_posttrain(a, work: Path, started: float) -> dict:
         raise SystemExit(f"posttrain {a.algo} exited {code}")
     rows = [json.loads(x) for x in metrics.read_text().splitlines() if '"tokens_per_second"' in x]
     tokens = [rows[0]["num_tokens"]] + [rows[i]["num_tokens"] - rows[i - 1]["num_tokens"] for i in range(1, len(rows))]
+    forwarded = [r["tokens/forwarded"] for r in rows if "tokens/forwarded" in r]
     return {"ends": ends, "cpu": cpu, "tokens": tokens, "started": started, "peak": peak_memory_bytes(),
-            "loss": [r["loss"] for r in rows]}
+            "loss": [r["loss"] for r in rows], "forwarded": sum(forwarded) / len(forwarded) if forwarded else None}
 
 
 def run_trl(a, work: Path, started: float) -> dict:
@@ -224,7 +245,7 @@ def run_trl(a, work: Path, started: float) -> dict:
                   learning_rate=1e-6, lr_scheduler_type="constant", logging_steps=1, save_strategy="no",
                   report_to="none", bf16=a.precision == "bf16", gradient_checkpointing=a.gc, dataloader_num_workers=0,
                   disable_tqdm=True, seed=0, use_cpu=not torch.cuda.is_available())
-    data = load_dataset("json", data_files=str(data_file(work, a.algo, a.seq)), split="train")
+    data = load_dataset("json", data_files=str(data_file(work, a.algo, a.seq, a.prompt)), split="train")
     if a.algo == "sft":
         from trl import SFTConfig, SFTTrainer
 
@@ -268,7 +289,7 @@ def child(a) -> None:
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
     started = float(os.environ["COMPARE_STARTED"])
-    raw = (run_posttrain if a.tool == "posttrain" else run_trl)(a, Path(a.work), started)
+    raw = (run_trl if a.tool == "trl" else run_posttrain)(a, Path(a.work), started)
     print("RESULT " + json.dumps(raw), flush=True)
 
 
@@ -285,7 +306,8 @@ def figures(raw: dict, a, work: Path, probe: float, on_cuda: bool) -> dict:
         step_tokens = None
     cpu = (raw["cpu"][-1] - raw["cpu"][k]) / len(gaps)
     out = {"s/step": sec, "CPU s/step": cpu, "tokens/s": step_tokens / sec if step_tokens and sec > 0 else None,
-           "peak GB": raw["peak"] / 2**30, "start-up s": ends[0] - raw["started"], "first loss": raw["loss"][0]}
+           "peak GB": raw["peak"] / 2**30, "start-up s": ends[0] - raw["started"], "first loss": raw["loss"][0],
+           "forwarded/step": raw.get("forwarded")}
     if out["tokens/s"] and a.algo != "grpo":  # none when steps ended within one poll of metrics.jsonl
         params, layers, hidden = parameters_and_dims(model_dir(a, work))
         seq = a.seq if a.algo == "sft" else step_tokens / (2 * a.bs)
@@ -303,7 +325,7 @@ def check_args(p: argparse.ArgumentParser, a) -> None:
         if value is not None and value not in named and not (Path(value).expanduser() / "config.json").is_file():
             p.error(f"--{flag} {value!r} is not a model directory (no config.json in it): give a Hugging Face model "
                     f"directory{', or smollm2' if named else ''}")
-    for flag in ("bs", "seq", "gens", "completion", "repeats"):
+    for flag in ("bs", "seq", "gens", "completion", "repeats", "prompt"):
         if getattr(a, flag) < 1:
             p.error(f"--{flag} must be >= 1, got {getattr(a, flag)}")
     if a.steps < 2 or a.warmup < 0:
@@ -323,6 +345,8 @@ def main() -> None:
     p.add_argument("--seq", type=int, default=256, help="max_length (SFT, DPO)")
     p.add_argument("--gens", type=int, default=4, help="GRPO completions per prompt")
     p.add_argument("--completion", type=int, default=32, help="GRPO max completion tokens")
+    p.add_argument("--prompt", type=int, default=12, help="GRPO prompt tokens (about): a shared system prompt + a "
+                   "question when > 12")
     p.add_argument("--precision", choices=["fp32", "bf16"], default="fp32", help="fp32, or bf16 autocast")
     p.add_argument("--gc", action="store_true", help="gradient checkpointing")
     p.add_argument("--packing", action="store_true")
@@ -349,7 +373,7 @@ def main() -> None:
     if a.prepare_only:
         if not a.work:
             sys.exit("--prepare-only needs --work DIR (where the model and data are kept)")
-        return prepare(Path(a.work), a.size, a.seq, a.model)
+        return prepare(Path(a.work), a.size, a.seq, a.model, a.prompt)
     on_cuda = torch.cuda.is_available()
     device = torch.cuda.get_device_name() if on_cuda else f"CPU, {torch.get_num_threads()} threads"
     asked = a.tools.split(",")
@@ -360,7 +384,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(a.work or tmp)
         work.mkdir(parents=True, exist_ok=True)
-        prepare(work, a.size, a.seq, a.model)
+        prepare(work, a.size, a.seq, a.model, a.prompt)
         probe = matmul_probe("cuda" if on_cuda else "cpu", a.precision)
         params = parameters_and_dims(model_dir(a, work))[0]
         for r in range(a.repeats):
@@ -386,15 +410,22 @@ def main() -> None:
     print(f"\n{a.algo} | {a.model or 'size ' + a.size} ({params / 1e6:.1f}M params) | bs {a.bs} | seq {a.seq}"
           f" | {a.precision} | gc {a.gc} | packing {a.packing} | {device} | torch {torch.__version__} | best of "
           f"{a.repeats}")
-    keys = ["s/step", "CPU s/step", "tokens/s", "peak GB", "MFU", "start-up s", "first loss"]
+    keys = ["s/step", "CPU s/step", "tokens/s", "forwarded/step", "peak GB", "MFU", "start-up s", "first loss"]
     print("| tool | " + " | ".join(keys) + " |\n" + "|---" * (len(keys) + 1) + "|")
     for tool, row in best.items():
         print(f"| {tool} | " + " | ".join(_fmt(k, row.get(k)) for k in keys) + " |")
-    if len(best) == 2:
+    for ours_name in ("posttrain", "posttrain-plain"):
+        if ours_name in best and "trl" in best:
+            ours, theirs = best[ours_name], best["trl"]
+            print(f"{ours_name} / TRL: speed {theirs['s/step'] / ours['s/step']:.2f}x (CPU time "
+                  f"{ours['CPU s/step'] / theirs['CPU s/step']:.2f}x), memory "
+                  f"{ours['peak GB'] / theirs['peak GB']:.2f}x, start-up {ours['start-up s'] / theirs['start-up s']:.2f}x")
+    if "posttrain" in best and "posttrain-plain" in best:  # what sharing the prefixes bought
+        shared, plain = best["posttrain"], best["posttrain-plain"]
+        print(f"shared / plain prefixes: speed {plain['s/step'] / shared['s/step']:.2f}x, memory "
+              f"{shared['peak GB'] / plain['peak GB']:.2f}x")
+    if "posttrain" in best and "trl" in best:
         ours, theirs = best["posttrain"], best["trl"]
-        print(f"posttrain / TRL: speed {theirs['s/step'] / ours['s/step']:.2f}x (CPU time "
-              f"{ours['CPU s/step'] / theirs['CPU s/step']:.2f}x), memory "
-              f"{ours['peak GB'] / theirs['peak GB']:.2f}x, start-up {ours['start-up s'] / theirs['start-up s']:.2f}x")
         print("\n| run | posttrain / TRL step time | posttrain / TRL peak memory |\n|---|---|---|\n"
               f"| {a.algo}, {a.model or a.size}, bs {a.bs}, {a.steps} steps, {a.precision} | "
               f"{ours['s/step'] / theirs['s/step']:.2f} | {ours['peak GB'] / theirs['peak GB']:.2f} |")
@@ -431,7 +462,7 @@ def _fmt(key: str, value) -> str:
         return "-"
     if key == "MFU":
         return f"{value:.1%}"
-    if key == "tokens/s":
+    if key in ("tokens/s", "forwarded/step"):
         return f"{value:,.0f}"
     return f"{value:.3f}" if key in ("s/step", "CPU s/step", "first loss") else f"{value:.2f}"
 

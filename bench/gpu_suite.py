@@ -163,6 +163,7 @@ def plan_rows(size: str, work: Path, tools: str, model_dir: str | None = None) -
         compare.append(Row(name, "compare", f"{scale.model[model]} {bs}x{length}{' gc' if gc else ''}", command,
                            budget, model == CORE_MODEL, f"{steps} ({warmup} left out)", scale.needs,
                            (f"prepare {model}",)))
+    compare.append(shared_prefix_row(scale, py, work, tools, real))
     sft = next(r for r in compare if r.core and r.name.startswith("sft "))
     from_run = Row(f"plan {sft.name}", "plan", sft.shape,
                    (py, "bench/plan_accuracy.py", "--from-run", str(work / scale.model[CORE_MODEL] / "posttrain-sft"),
@@ -183,6 +184,28 @@ def plan_rows(size: str, work: Path, tools: str, model_dir: str | None = None) -
                                 round(budget), False, str(steps), needs, (f"prepare {CORE_MODEL}",)))
     return [prepare(CORE_MODEL), *(r for r in compare if r.core), from_run,
             prepare("1.5b"), *(r for r in compare if not r.core), *separate]
+
+
+SHARED_PREFIX = {"gpu": (16, 8, 384, 128, 4, 1, 150), "tiny": (8, 4, 48, 8, 3, 1, 300)}
+"""--size -> (completions, G, prompt tokens, completion tokens, steps, warmup, budget s) of the shared-prefix row:
+GRPO with a long shared system prompt, train.shared_prefix auto against false (posttrain-plain), and TRL."""
+
+
+def shared_prefix_row(scale: Scale, py: str, work: Path, tools: str, real: tuple) -> Row:
+    """GRPO on the core model with realistic prompts, each computed once for its G completions (posttrain) and once
+    per completion (posttrain-plain, TRL): a row for the time left."""
+    size = "gpu" if scale is SCALES["gpu"] else "tiny"
+    bs, gens, prompt, completion, steps, warmup, budget = SHARED_PREFIX[size]
+    model = scale.model[CORE_MODEL]
+    shared_tools = ",".join(dict.fromkeys(["posttrain", "posttrain-plain", *tools.split(",")]))
+    command = (py, "bench/compare_trl.py", "--algo", "grpo", "--size", model, "--bs", str(bs), "--gens", str(gens),
+               "--prompt", str(prompt), "--completion", str(completion), "--steps", str(steps), "--warmup",
+               str(warmup), "--precision", "bf16", "--tools", shared_tools, "--work", str(work / model), "--json",
+               "{figures}", *real)
+    named = SHARED_PREFIX["gpu"]  # a row's name is the GPU shape it stands for, at every --size
+    return Row(f"grpo shared-prefix {CORE_MODEL} bs{named[0]} prompt{named[2]}", "compare", f"{model} {bs}x{prompt}+"
+               f"{completion}", command, budget, False, f"{steps} ({warmup} left out)", scale.needs,
+               (f"prepare {CORE_MODEL}",))
 
 
 def plan_text(rows: list[Row], selected: set[str], minutes: float) -> str:

@@ -21,7 +21,7 @@ from posttrain.config.load import load_recipe
 from posttrain.data import collate_padded, collate_preference
 from posttrain.errors import UserError
 from posttrain.models.critic import critic_values
-from posttrain.models.forward import policy_logprobs, policy_logprobs_entropy, sequence_scores
+from posttrain.models.forward import policy_logits_at, policy_logprobs, policy_logprobs_entropy, sequence_scores
 from posttrain.models.shared_prefix import check_first_forward, resolve_shared_prefix
 from posttrain.ops.shared_prefix import prefix_groups
 from posttrain.train.micro_batches import shape
@@ -114,6 +114,20 @@ def test_logprobs_entropy_and_gradients_equal_the_plain_forward(shapes):
     assert_close(loss_s, loss_p)
     for name in grad_p:
         assert_close(grad_s[name], grad_p[name], atol=1e-6, rtol=1e-5)
+
+
+def test_packing_and_a_teachers_rows_compose_with_the_shared_layout():
+    """data.packing: a padding-free batch that shares prefixes runs the shared layout (which drops padding too);
+    a distillation teacher's logits at chosen rows come from the same slots."""
+    model = LlamaForCausalLM(config()).float().eval()
+    plain, shared = plain_and_shared()
+    packed = share_prefixes(dataclasses.replace(plain, padding_free=True))
+    assert packed.shares_prefix and packed.forwarded_tokens() == shared.forwarded_tokens()
+    mask = scored(plain)
+    assert_close(policy_logprobs(model, packed)[mask], policy_logprobs(model, plain)[mask])
+    rows_n = plain.completion_mask_BT.reshape(-1).nonzero().squeeze(-1)
+    assert_close(policy_logits_at(model, shared, rows_n), policy_logits_at(model, plain, rows_n), atol=1e-5,
+                 rtol=1e-5)
 
 
 def test_values_and_scores_equal_the_plain_forward():
