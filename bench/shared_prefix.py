@@ -9,8 +9,8 @@ the completion tokens' log-probs, random weights, fp32):
 - kv: the prompt's forward once with a cache, its keys and values expanded to the G rows, the completions' forward
   on top (the backward sums the G rows' gradients into the prompt's activations): the other way peers take.
 
-Each variant runs in a fresh process (its own peak RSS), `--repeats` times; the best time is printed with the
-tokens it forwarded and its peak memory. Completion lengths vary around --completion (0.5x to 1.5x), as sampled ones do.
+Each variant runs in a fresh process (its own peak RSS), `--repeats` times; the best wall and CPU seconds (the
+latter moves little with a shared machine's load) are printed with the tokens it forwarded and its peak memory. Completion lengths vary around --completion (0.5x to 1.5x), as sampled ones do.
 """
 
 from __future__ import annotations
@@ -87,19 +87,21 @@ def one(args) -> None:
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(**SIZES[args.size], attn_implementation="sdpa")).float()
     plain, lengths = batch(args)
-    times = []
+    times, cpu = [], []
     for _ in range(args.repeats):
         model.zero_grad(set_to_none=True)
-        started = time.perf_counter()
+        started, cpu_started = time.perf_counter(), time.process_time()
         if args.variant == "kv":
             tokens = step_kv(model, plain, lengths, args.prompt)
         else:
             tokens = step_plain_or_mask(model, plain, shared=args.variant == "mask")
         times.append(time.perf_counter() - started)
+        cpu.append(time.process_time() - cpu_started)
     if args.variant == "plain":
         tokens = plain.input_ids_BT.numel()
     peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    print(json.dumps({"variant": args.variant, "seconds": min(times), "tokens": tokens, "peak_mb": peak_mb}))
+    print(json.dumps({"variant": args.variant, "seconds": min(times), "cpu_seconds": min(cpu), "tokens": tokens,
+                      "peak_mb": peak_mb}))
 
 
 def main() -> None:
@@ -115,17 +117,18 @@ def main() -> None:
         return one(args)
     print(f"{args.size}: prompt {args.prompt}, G={args.gens}, completions ~{args.completion} (0.5x-1.5x); "
           "forward + backward of the completion log-probs, best of", args.repeats)
-    print(f"{'variant':8} {'s':>8} {'tokens':>8} {'peak MB':>9} {'speed-up':>9}")
+    print(f"{'variant':8} {'s':>8} {'CPU s':>8} {'tokens':>8} {'peak MB':>9} {'CPU speed-up':>13}")
     base = None
     for variant in ("plain", "mask", "kv"):
         out = subprocess.run([sys.executable, __file__, *sys.argv[1:], "--variant", variant], capture_output=True,
                              text=True)
         if out.returncode:
-            print(f"{variant:8} failed: {out.stderr.strip().splitlines()[-1]}")
+            print(f"{variant:8} failed (exit {out.returncode}): {(out.stderr.strip() or '?').splitlines()[-1]}")
             continue
         r = json.loads(out.stdout.strip().splitlines()[-1])
-        base = base or r["seconds"]
-        print(f"{variant:8} {r['seconds']:8.3f} {r['tokens']:8d} {r['peak_mb']:9.0f} {base / r['seconds']:8.2f}x")
+        base = base or r["cpu_seconds"]
+        print(f"{variant:8} {r['seconds']:8.3f} {r['cpu_seconds']:8.3f} {r['tokens']:8d} {r['peak_mb']:9.0f} "
+              f"{base / r['cpu_seconds']:12.2f}x")
 
 
 if __name__ == "__main__":

@@ -113,36 +113,41 @@ def logprobs_agree(plain_BT: torch.Tensor, shared_BT: torch.Tensor, real_BT: tor
     return bool(torch.allclose(plain_BT[scored_BT].float(), shared_BT[scored_BT].float(), atol=atol, rtol=0))
 
 
-def check_first_forward(model, batch, temperature: float = 1.0) -> float:
+def check_first_forward(model, batch, sequence_classifier: bool = False) -> float:
     """A run's first micro-batch: up to FIRST_STEP_ROWS rows that share a prefix, scored with it computed once and
     per row (no gradient, evaluation mode): they must agree within float rounding of the compute dtype, or the run
     stops here, naming the way out. Every rank runs the same two forwards whatever its rows (ZeRO-3's forwards are
-    collectives). Returns the largest difference."""
+    collectives). A sequence classifier (RM) is compared on its scores. Returns the largest difference."""
     from posttrain.batch import Batch, share_prefixes
-    from posttrain.models.forward import policy_logprobs
+    from posttrain.models.forward import policy_logprobs, sequence_scores
 
     found = share_prefixes(batch)
     group_B = found.prefix_group_B.tolist() if found.shares_prefix else list(range(batch.input_ids_BT.shape[0]))
     rows = [b for b, g in enumerate(group_B) if group_B.count(g) > 1][:FIRST_STEP_ROWS] or [0]
-    plain = Batch(batch.input_ids_BT[rows], batch.completion_mask_BT[rows], attention_mask_BT=batch.attention_mask_BT[rows],
-                  num_sequences=len(rows))
+    plain = Batch(batch.input_ids_BT[rows], batch.completion_mask_BT[rows],
+                  attention_mask_BT=batch.attention_mask_BT[rows], num_sequences=len(rows))
     shared = share_prefixes(plain)
     training = model.training
     model.eval()  # dropout would make the two forwards differ
     try:
         with torch.no_grad():
-            shared_BT, plain_BT = policy_logprobs(model, shared, temperature), policy_logprobs(model, plain, temperature)
+            if sequence_classifier:
+                shared_BT, plain_BT = sequence_scores(model, shared)[:, None], sequence_scores(model, plain)[:, None]
+            else:
+                shared_BT, plain_BT = policy_logprobs(model, shared), policy_logprobs(model, plain)
     finally:
         model.train(training)
     real_BT = plain.attention_mask_BT.bool().clone()
-    real_BT[:, 0] = False
+    real_BT[:, 0] = False  # nothing predicts a row's first token
+    if sequence_classifier:  # one score per row
+        real_BT = torch.ones_like(shared_BT, dtype=torch.bool)
     diff = float((shared_BT - plain_BT)[real_BT].abs().max()) if real_BT.any() else 0.0
     low_precision = torch.is_autocast_enabled(plain.input_ids_BT.device.type) or any(
         p.dtype != torch.float32 for p in model.parameters())
     tolerance = 0.25 if low_precision else 1e-3  # 16-bit matmuls of other shapes round differently
     if not diff <= tolerance:
         raise RuntimeError(f"train.shared_prefix: the first step scored {len(rows)} rows with their shared prefix "
-                           f"computed once and computed per row, and the log-probs differ by {diff:.3g} (more than "
+                           f"computed once and computed per row, and their {'scores' if sequence_classifier else 'log-probs'} differ by {diff:.3g} (more than "
                            f"{tolerance}): this model's attention does not keep the shared layout exact. Set "
                            "train.shared_prefix=false and report the model")
     return diff

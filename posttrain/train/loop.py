@@ -190,7 +190,7 @@ def prepared_micro_batches(ctx: LoopContext, step: int) -> list[Batch]:
     micro_batches = [b.to(backend.device) for b in micro_batches]
     if ctx.shared_prefix and not ctx.shared_prefix_checked:  # once a run, every rank (ZeRO-3 forwards are collective)
         with backend.autocast():
-            diff = check_first_forward(models.policy.model, micro_batches[0])
+            diff = check_first_forward(models.policy.model, micro_batches[0], ctx.algorithm.model_kind == "seq_cls")
         ctx.logger.info(f"train.shared_prefix: the first step's shared and plain log-probs agree (max diff {diff:.2g})")
         ctx.shared_prefix_checked = True
     with torch.no_grad(), backend.autocast():
