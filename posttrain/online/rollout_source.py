@@ -42,7 +42,7 @@ from typing import Callable
 
 import torch
 
-from posttrain.data.collate import collate_padded
+from posttrain.data.collate import collate_padded, pad_id
 from posttrain.agents import Trajectory, agent_metrics
 from posttrain.ops.advantages import zero_std_fraction
 from posttrain.ops.logprobs import sequence_mean
@@ -97,6 +97,10 @@ class Generation:
 
 
 class RolloutSource(Source):
+    """The online batch of any online algorithm (the module docstring gives its phases)."""
+
+    prepares_batches = True  # phase 4: once per generation batch, when it is taken for training
+
     def __init__(self, recipe, backend, models, algorithm, examples, rewards, servers=None):
         t = recipe.train
         self.recipe, self.backend, self.models, self.algorithm = recipe, backend, models, algorithm
@@ -297,17 +301,18 @@ class RolloutSource(Source):
         score_started = time.perf_counter()
 
         # score this rank's completions (multi-turn: every message after the prompt, as TRL's multi-turn GRPO)
-        scored = score(self.rewards, prompts, sample, self.tokenizer, link.with_environment, self.trainer_state(step))
-        for name, values in scored.logged.metrics.items():  # log_metric: averaged over the step, every draw's
+        texts, scores = score(self.rewards, prompts, sample, self.tokenizer, link.with_environment,
+                              self.trainer_state(step))
+        for name, values in scores.logged.metrics.items():  # log_metric: averaged over the step, every draw's
             self._logged.setdefault(name, []).extend(values)
         self._seconds["generate"] += generated - started - synced
         self._seconds["score"] += time.perf_counter() - score_started
         rows, sampled_by = len(sample.completion_ids), sample.sampled_by
         return Drawn(positions, prompts, dataset_index, sample.prompt_ids, sample.completion_ids, sample.logprobs,
-                     sample.truncated, scored.texts, scored.total_B.tolist(),
-                     {k: v.tolist() for k, v in scored.per_function.items()}, [policy_lag(step, sampled_by)] * rows,
-                     [sampled_by] * rows, sample.trajectories, dict(scored.logged.extra),
-                     scored=scored.scored_B.tolist())
+                     sample.truncated, texts, scores.total_B.tolist(),
+                     {k: v.tolist() for k, v in scores.per_function.items()}, [policy_lag(step, sampled_by)] * rows,
+                     [sampled_by] * rows, sample.trajectories, dict(scores.logged.extra),
+                     scored=scores.scored_B.tolist())
 
     def _micro_batches(self, prompt_ids, completion_ids, sampler_logprobs, truncated, rewards_B,
                        dataset_index, masks=None) -> list[Batch]:
@@ -318,11 +323,10 @@ class RolloutSource(Source):
             {"input_ids": p + c, "completion_mask": [0] * len(p) + [m * int(not (masked and cut)) for m in mask]}
             for p, c, cut, mask in zip(prompt_ids, completion_ids, truncated, masks)
         ]
-        pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
         batches = []
         for start in range(0, len(rows), self.micro):
             stop = start + self.micro
-            batch = collate_padded(rows[start:stop], pad_id)
+            batch = collate_padded(rows[start:stop], pad_id(self.tokenizer))
             sampler_BT = torch.zeros(batch.input_ids_BT.shape, dtype=torch.float32)
             for row, (p, lps) in enumerate(zip(prompt_ids[start:stop], sampler_logprobs[start:stop])):
                 sampler_BT[row, len(p) : len(p) + len(lps)] = torch.tensor(lps, dtype=torch.float32)
