@@ -183,16 +183,17 @@ def _next_token_logprobs(model, inputs: dict, next_ids_BT: torch.Tensor, tempera
 
 def sequence_scores(model, batch: Batch) -> torch.Tensor:
     """A sequence-classification model's score of each row -> scores_B (float32), read where transformers pools:
-    the last token that is not the pad token. Padding-free: the score head's per-token output is taken from the
-    packed forward (a hook on `model.score`, which every transformers *ForSequenceClassification has) at the same
-    tokens, because the model's own pooling would see one row."""
+    the last token that is not the pad token. Padding-free or shared-prefix: the score head's per-token output is
+    taken from the packed forward (a hook on `model.score`, which every transformers *ForSequenceClassification
+    has) at the same tokens, because the model's own pooling would see one row."""
     if not (batch.padding_free or batch.shares_prefix):
         return model(**batch.model_inputs()).logits[:, 0].float()
     inner = unwrap_module(model)
     head = getattr(inner, "score", None)
     if head is None:
-        raise RuntimeError(f"padding-free scoring needs the score head of a *ForSequenceClassification model; "
-                           f"{type(inner).__name__} has no `score` module (set data.packing=false)")
+        raise RuntimeError("padding-free or shared-prefix scoring needs the score head of a "
+                           f"*ForSequenceClassification model; {type(inner).__name__} has no `score` module (set "
+                           "data.packing=false and train.shared_prefix=false)")
     captured = []
     handle = head.register_forward_hook(lambda module, args, output: captured.append(output))
     try:
