@@ -36,10 +36,10 @@ size for a Llama-shaped layer (SmolLM2-135M: 3,456; 7B models: ~35,000); the low
 attention would dominate."""
 
 
-def common_prefix_lengths(input_ids_BT: torch.Tensor, lengths_B: torch.Tensor, leader: int) -> torch.Tensor:
-    """How many first tokens each row has in common with row `leader` (at most both rows' real lengths) -> [B]."""
-    same_BT = (input_ids_BT == input_ids_BT[leader]).long().cumprod(-1).sum(-1)
-    return torch.minimum(same_BT, torch.minimum(lengths_B, lengths_B[leader]))
+def common_prefix_lengths(input_ids_BT: torch.Tensor, lengths_B: torch.Tensor) -> torch.Tensor:
+    """How many first tokens each pair of rows has in common (at most both rows' real lengths) -> [B, B]."""
+    same_BBT = (input_ids_BT[:, None, :] == input_ids_BT[None, :, :]).long().cumprod(-1).sum(-1)
+    return torch.minimum(same_BBT, torch.minimum(lengths_B[:, None], lengths_B[None, :]))
 
 
 def layout_cost(tokens: int, pairs_per_token: int = PAIRS_PER_TOKEN) -> int:
@@ -50,39 +50,38 @@ def layout_cost(tokens: int, pairs_per_token: int = PAIRS_PER_TOKEN) -> int:
 
 def prefix_groups(input_ids_BT: torch.Tensor, keep_BT: torch.Tensor, min_tokens: int = MIN_SHARED_TOKENS,
                   pairs_per_token: int = PAIRS_PER_TOKEN) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rows (right padded, `keep_BT` marking real tokens) -> (group_B, length_B): rows with the same group id share
-    their first length_B tokens (the same for all of a group). A row joins the earlier group whose first row it
-    shares at least `min_tokens` with and where it saves the most `layout_cost` (the group's length is then the
-    fewest tokens any member shares with that first row), if joining costs less than computing it alone: a long row
-    sharing a short prefix would make the group's row (and its dense attention) longer than it saves. A row that
-    joins none starts its own group (length: its own length)."""
-    lengths = keep_BT.sum(-1).tolist()
-    group_B = list(range(len(lengths)))
-    shared: dict[int, int] = {}  # leader -> tokens its group shares
-    width: dict[int, int] = {}  # leader -> tokens of its group's row
-    common: dict[int, list[int]] = {}
-    for b, length in enumerate(lengths):
-        best, best_saving = None, 0
-        for leader in shared:
-            prefix = min(shared[leader], common[leader][b])
-            if common[leader][b] < min_tokens:
-                continue
-            members = group_B.count(leader)
-            # the prefix shrinks to `prefix`: each member's own tokens grow by the difference, the prefix is kept once
-            new_width = width[leader] + (shared[leader] - prefix) * (members - 1) + length - prefix
-            saving = (layout_cost(width[leader], pairs_per_token) + layout_cost(length, pairs_per_token)
-                      - layout_cost(new_width, pairs_per_token))
-            if saving > best_saving:
-                best, best_saving = leader, saving
-        if best is None:
-            shared[b], width[b] = length, length
-            common[b] = common_prefix_lengths(input_ids_BT, keep_BT.sum(-1), b).tolist()
+    """Rows (right padded, `keep_BT` marking real tokens) -> (group_B, length_B): rows with the same group id (its
+    first row's index) share their first length_B tokens (the same for all of a group; a row alone: its length).
+
+    Groups are merged pair by pair, the two rows with the longest common prefix first (a pair's chosen and rejected
+    rows before two pairs that share only a system prompt), while at least `min_tokens` are shared and the merged
+    group's row costs less than the two apart (`layout_cost`): a long row sharing a short prefix would make the
+    group's row, and its dense attention, longer than it saves. The tokens all members of a merged group share are
+    the fewest of its two groups' and the pair's own (common prefixes nest: if a, b share k and b, c share k', a and
+    c share at least min(k, k'))."""
+    lengths_B = keep_BT.sum(-1)
+    common_BB = common_prefix_lengths(input_ids_BT, lengths_B).tolist()
+    lengths = lengths_B.tolist()
+    group = list(range(len(lengths)))  # row -> its group's first row
+    shared = {b: n for b, n in enumerate(lengths)}  # group -> tokens its members share
+    width = dict(shared)  # group -> tokens of its packed row
+    pairs = sorted(((common_BB[i][j], i, j) for i in range(len(lengths)) for j in range(i + 1, len(lengths))
+                    if common_BB[i][j] >= min_tokens), key=lambda pair: -pair[0])
+    for common, i, j in pairs:
+        a, b = group[i], group[j]
+        if a == b:
             continue
-        prefix = min(shared[best], common[best][b])
-        width[best] += (shared[best] - prefix) * (group_B.count(best) - 1) + length - prefix
-        shared[best], group_B[b] = prefix, best
-    length_B = torch.tensor([shared[g] for g in group_B])
-    return torch.tensor(group_B), length_B
+        prefix = min(shared[a], shared[b], common)
+        members = [r for r, g in enumerate(group) if g in (a, b)]
+        merged = prefix + sum(lengths[r] - prefix for r in members)
+        if layout_cost(merged, pairs_per_token) >= (layout_cost(width[a], pairs_per_token)
+                                                    + layout_cost(width[b], pairs_per_token)):
+            continue
+        first = min(a, b)
+        for r in members:
+            group[r] = first
+        shared[first], width[first] = prefix, merged
+    return torch.tensor(group), torch.tensor([shared[g] for g in group])
 
 
 class PrefixLayout(NamedTuple):

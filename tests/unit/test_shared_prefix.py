@@ -98,6 +98,19 @@ def test_a_short_prefix_before_long_rows_is_not_shared():
     assert group_B.tolist() == [0, 0] and length_B.tolist() == [150, 150]
 
 
+def test_pairs_share_their_whole_prompt_before_groups_share_a_system_prompt():
+    """Two preference pairs under one 10-token system prompt: each pair's rows share their 30-token prompt (the
+    longest common prefixes merge first); the two pairs are not merged over the system prompt, which would shrink
+    every row's shared part to 10 tokens."""
+    system, g = [7] * 10, torch.Generator().manual_seed(3)
+    prompts = [system + torch.randint(10, VOCAB, (20,), generator=g).tolist() for _ in range(2)]
+    answers = [torch.randint(10, VOCAB, (5,), generator=g).tolist() for _ in range(4)]
+    ids = torch.tensor([prompts[0] + answers[0], prompts[1] + answers[1], prompts[0] + answers[2],
+                        prompts[1] + answers[3]])
+    group_B, length_B = prefix_groups(ids, torch.ones_like(ids, dtype=torch.bool))
+    assert group_B.tolist() == [0, 1, 0, 1] and length_B.tolist() == [30] * 4
+
+
 @pytest.mark.parametrize("shapes", [SHAPES, [(3 * 16, [2, 1, 3]), (8, [60, 45])]])
 def test_logprobs_entropy_and_gradients_equal_the_plain_forward(shapes):
     model = LlamaForCausalLM(config()).float()
