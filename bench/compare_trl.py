@@ -418,8 +418,8 @@ def main() -> None:
         if ours_name in best and "trl" in best:
             ours, theirs = best[ours_name], best["trl"]
             print(f"{ours_name} / TRL: speed {theirs['s/step'] / ours['s/step']:.2f}x (CPU time "
-                  f"{ours['CPU s/step'] / theirs['CPU s/step']:.2f}x), memory "
-                  f"{ours['peak GB'] / theirs['peak GB']:.2f}x, start-up {ours['start-up s'] / theirs['start-up s']:.2f}x")
+                  f"{ours['CPU s/step'] / theirs['CPU s/step']:.2f}x), memory {ours['peak GB'] / theirs['peak GB']:.2f}x, "
+                  f"start-up {ours['start-up s'] / theirs['start-up s']:.2f}x")
     if "posttrain" in best and "posttrain-plain" in best:  # what sharing the prefixes bought
         shared, plain = best["posttrain"], best["posttrain-plain"]
         print(f"shared / plain prefixes: speed {plain['s/step'] / shared['s/step']:.2f}x, memory "

@@ -10,7 +10,8 @@ the completion tokens' log-probs, random weights, fp32):
   on top (the backward sums the G rows' gradients into the prompt's activations): the other way peers take.
 
 Each variant runs in a fresh process (its own peak RSS), `--repeats` times; the best wall and CPU seconds (the
-latter moves little with a shared machine's load) are printed with the tokens it forwarded and its peak memory. Completion lengths vary around --completion (0.5x to 1.5x), as sampled ones do.
+latter moves little with a shared machine's load) are printed with the tokens it forwarded and its peak memory.
+Completion lengths vary around --completion (0.5x to 1.5x), as sampled ones do.
 """
 
 from __future__ import annotations

@@ -177,8 +177,8 @@ class Batch:
             return 0
         if self.shares_prefix and shared:
             return self.prefix_layout().forwarded_tokens()
-        if self.attention_mask_BT is None:
-            return int((self.sequence_index_BT >= 0).sum()) if self.sequence_index_BT is not None else self.input_ids_BT.numel()
+        if self.attention_mask_BT is None:  # packed rows: their filler is computed too
+            return self.input_ids_BT.numel()
         if self.padding_free or self.shares_prefix:  # a shared-prefix batch drops its padding as padding-free does
             return int(self.attention_mask_BT.sum())
         return self.input_ids_BT.numel()

@@ -15,7 +15,6 @@ narrow random model of its config scores a small batch shared and plain; they mu
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import json
 from typing import Optional
@@ -146,8 +145,9 @@ def check_first_forward(model, batch, sequence_classifier: bool = False) -> floa
         p.dtype != torch.float32 for p in model.parameters())
     tolerance = 0.25 if low_precision else 1e-3  # 16-bit matmuls of other shapes round differently
     if not diff <= tolerance:
+        what = "scores" if sequence_classifier else "log-probs"
         raise RuntimeError(f"train.shared_prefix: the first step scored {len(rows)} rows with their shared prefix "
-                           f"computed once and computed per row, and their {'scores' if sequence_classifier else 'log-probs'} differ by {diff:.3g} (more than "
+                           f"computed once and computed per row, and their {what} differ by {diff:.3g} (more than "
                            f"{tolerance}): this model's attention does not keep the shared layout exact. Set "
                            "train.shared_prefix=false and report the model")
     return diff

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -23,7 +24,7 @@ from posttrain.errors import UserError
 from posttrain.models.critic import critic_values
 from posttrain.models.forward import policy_logits_at, policy_logprobs, policy_logprobs_entropy, sequence_scores
 from posttrain.models.shared_prefix import check_first_forward, resolve_shared_prefix
-from posttrain.ops.shared_prefix import prefix_groups
+from posttrain.ops.shared_prefix import PrefixLayout, prefix_groups
 from posttrain.train.micro_batches import shape
 
 PAD, VOCAB = 0, 64
@@ -165,8 +166,8 @@ def one_update(model, loss_fn):
 
 
 def assert_same_update(model, plain, shared, loss_of):
-    (loss_p, norm_p, weights_p), (loss_s, norm_s, weights_s) = (one_update(model, lambda m: loss_of(m, b))
-                                                                for b in (plain, shared))
+    loss_p, norm_p, weights_p = one_update(model, lambda m: loss_of(m, plain))
+    loss_s, norm_s, weights_s = one_update(model, lambda m: loss_of(m, shared))
     assert_close(loss_s, loss_p, rtol=1e-6, atol=1e-7)
     assert_close(norm_s, norm_p, rtol=1e-6, atol=0)
     for name in weights_p:
@@ -195,7 +196,8 @@ def test_dpo_pairs_share_their_prompt_and_update_as_the_plain_batch():
     g = torch.Generator().manual_seed(2)
     pairs = [{"prompt_ids": torch.randint(3, VOCAB, (k,), generator=g).tolist(),
               "chosen_ids": torch.randint(3, VOCAB, (c,), generator=g).tolist(),
-              "rejected_ids": torch.randint(3, VOCAB, (r,), generator=g).tolist()} for k, c, r in ((20, 4, 9), (10, 30, 2))]
+              "rejected_ids": torch.randint(3, VOCAB, (r,), generator=g).tolist()}
+             for k, c, r in ((20, 4, 9), (10, 30, 2))]
     plain = collate_preference(pairs, PAD)
     shared = share_prefixes(plain)
     assert shared.prefix_group_B.tolist() == [0, 1, 0, 1]  # each chosen row with its rejected partner
@@ -208,7 +210,6 @@ def test_dpo_pairs_share_their_prompt_and_update_as_the_plain_batch():
 
 def test_shape_finds_shared_prefixes_again_after_a_token_budget_regroups_rows():
     plain = collate_padded(rows(SHAPES), PAD)
-    from types import SimpleNamespace
     recipe = SimpleNamespace(train=SimpleNamespace(max_tokens_per_microbatch=120), data=SimpleNamespace(packing=False))
     shaped = shape([share_prefixes(plain)], recipe, PAD, agree=lambda count: count, shared_prefix=True)
     assert len(shaped) > 1
@@ -221,12 +222,10 @@ def test_shape_finds_shared_prefixes_again_after_a_token_budget_regroups_rows():
 
 def test_first_step_check_stops_a_run_whose_shared_forward_differs(monkeypatch):
     model = LlamaForCausalLM(config()).float()
-    plain, shared = plain_and_shared()
+    _, shared = plain_and_shared()
     assert check_first_forward(model, shared) < 1e-5
     # a layout whose mask lets every token see every earlier slot (members would read each other)
-    from posttrain.ops import shared_prefix as ops
-
-    monkeypatch.setattr(ops.PrefixLayout, "attention_mask_R1WW",
+    monkeypatch.setattr(PrefixLayout, "attention_mask_R1WW",
                         lambda self: torch.ones(self.group_RW.shape[1], self.group_RW.shape[1],
                                                 dtype=torch.bool).tril().expand(self.group_RW.shape[0], 1, -1, -1))
     with pytest.raises(RuntimeError, match="train.shared_prefix=false"):
