@@ -173,7 +173,7 @@ def run_posttrain(a, work: Path, started: float) -> dict:
     """Through posttrain's own entry point; step ends are read from metrics.jsonl as it is written."""
     from posttrain.cli import main as posttrain_main
 
-    out = work / f"posttrain-{a.algo}"
+    out = work / f"{a.tool}-{a.algo}"  # posttrain-sft, posttrain-plain-grpo, ...
     shutil.rmtree(out, ignore_errors=True)  # the watcher below must see only this run's metrics
     overrides = [
         f"model.name_or_path={model_dir(a, work)}", "model.dtype=float32", f"output_dir={out}",
