@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import json
 from types import SimpleNamespace
 
 import pytest
@@ -23,7 +24,7 @@ from posttrain.data import collate_padded, collate_preference
 from posttrain.errors import UserError
 from posttrain.models.critic import critic_values
 from posttrain.models.forward import policy_logits_at, policy_logprobs, policy_logprobs_entropy, sequence_scores
-from posttrain.models.shared_prefix import check_first_forward, resolve_shared_prefix
+from posttrain.models.shared_prefix import _probe, blocker, check_first_forward, resolve_shared_prefix
 from posttrain.ops.shared_prefix import PrefixLayout, prefix_groups
 from posttrain.train.micro_batches import shape
 
@@ -245,3 +246,14 @@ def test_start_up_refuses_true_where_it_cannot_be_exact_and_auto_falls_back(caps
     assert resolve_shared_prefix(off, None) is False
     with pytest.raises(UserError, match="train.shared_prefix"):
         load_recipe(None, [*common, "train.shared_prefix=sometimes"], DPOAlgoConfig)
+
+
+def test_models_whose_attention_the_mask_cannot_keep_exact_turn_auto_off():
+    """Mixture-of-experts (the router loss counts routed tokens) and sliding windows (the mask ignores them) are named;
+    a dense Llama passes the probe (a narrow random model scored shared and plain)."""
+    recipe = load_recipe(None, ["model.name_or_path=x", "data.train=y.jsonl"], DPOAlgoConfig)
+    assert "mixture of experts" in blocker(recipe, {"model_type": "qwen3_moe"})
+    assert "sliding window" in blocker(recipe, {"model_type": "mistral", "sliding_window": 4096})
+    llama = {**config().to_dict(), "model_type": "llama"}
+    assert blocker(recipe, llama) is None and _probe(json.dumps(llama, sort_keys=True)) is True  # the probe ran
+
