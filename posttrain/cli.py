@@ -100,7 +100,7 @@ def run_command(argv: list[str] | None = None) -> int:
     argv_given = list(argv)
     trl_flags: dict = {}
     if command in ALGORITHM_COMMANDS:
-        from posttrain.config.trl_compat import split_trl_flags
+        from posttrain.config.trl_flags import split_trl_flags
 
         try:
             argv, trl_flags = split_trl_flags(argv)
@@ -125,14 +125,18 @@ def run_command(argv: list[str] | None = None) -> int:
             _, module, _, function = OTHER_COMMANDS[args.command]
             return getattr(importlib.import_module(module), function)(args)
         from posttrain.algorithms import ALGORITHMS
-        from posttrain.config.load import load_recipe
+        from posttrain.config.load import resolve_recipe
         from posttrain.rundir.claim import forget_started
         from posttrain.run import run
 
         forget_started()
         algo_cls = ALGORITHMS[args.command][0]
         overrides = command_line_overrides(args.overrides, trl_flags, algo_cls) + (["launcher=ray"] if args.ray else [])
-        recipe = load_recipe(args.config, overrides, algo_cls)
+        recipe, trl_defaults = resolve_recipe(args.config, overrides, algo_cls, trl_flags=bool(trl_flags))
+        if trl_defaults or (trl_flags and not args.config):
+            from posttrain.config.trl_compat import say_trl_defaults
+
+            say_trl_defaults(algo_cls, trl_defaults)
         if recipe.launcher == "ray":
             from posttrain.launch.ray_launcher import run_on_ray
 
@@ -190,13 +194,15 @@ def continue_command(argv: list[str], overwrite: bool) -> str:
     """The command that continues a stopped run: the one given, without what set overwrite_output_dir or
     resume_from_checkpoint, plus train.resume_from_checkpoint=auto (and overwrite_output_dir=false where the recipe
     file sets it true: the two conflict). Under a launcher (torchrun, accelerate launch) its arguments, to relaunch."""
-    from posttrain.config.trl_compat import split_trl_flags, yaml_text
+    from posttrain.config.trl_flags import split_trl_flag_texts
 
     replaced = ("overwrite_output_dir", "resume_from_checkpoint")
-    rest, flags = split_trl_flags(argv)
+    rest, flags, typed = split_trl_flag_texts(argv)
     kept = [a for a in rest if not a.startswith(tuple(f"train.{key}=" for key in replaced))]
     overwrite_given = "overwrite_output_dir" in flags or "train.overwrite_output_dir=" in " ".join(rest)
-    kept += [f"--{key}={yaml_text(value)}" for key, value in flags.items() if key not in replaced]
+    for key in flags:  # as typed: --reward_funcs a.py:f b.py:g, never a quoted Python list
+        if key not in replaced:
+            kept += [f"--{key}", *typed[key]]
     kept.append("train.resume_from_checkpoint=auto")
     if overwrite and not overwrite_given:
         kept.append("train.overwrite_output_dir=false")

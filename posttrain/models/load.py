@@ -23,7 +23,7 @@ from typing import Any, Iterator, Optional
 
 import torch
 
-from posttrain.config.schema import LoraConfig, ModelConfig
+from posttrain.config.schema import ALL_LINEAR, LoraConfig, ModelConfig
 from posttrain.distributed import sequence_parallel
 from posttrain.distributed.wrappers import unwrap_module
 from posttrain.errors import UserError
@@ -192,11 +192,12 @@ def apply_lora(model, lora_cfg: LoraConfig, task: str = "causal_lm"):
         raise ValueError(f"task must be one of {TASKS}, got {task!r}")
     linear_names = sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules()
                            if isinstance(m, torch.nn.Linear) or type(m).__name__ == "Conv1D"})  # GPT-2's Conv1D too
-    if not set(lora_cfg.target_modules) & set(linear_names):
+    all_linear = tuple(lora_cfg.target_modules) == (ALL_LINEAR,)  # PEFT's shorthand, as TRL passes it
+    if not all_linear and not set(lora_cfg.target_modules) & set(linear_names):
         raise UserError(f"model.lora.target_modules {list(lora_cfg.target_modules)} match no layer of this model; "
                         f"its linear layers are named: {', '.join(linear_names)}")
     config = peft.LoraConfig(r=lora_cfg.r, lora_alpha=lora_cfg.alpha, lora_dropout=lora_cfg.dropout, bias="none",
-                             target_modules=list(lora_cfg.target_modules),
+                             target_modules=ALL_LINEAR if all_linear else list(lora_cfg.target_modules),
                              task_type=peft.TaskType.CAUSAL_LM if task == "causal_lm" else peft.TaskType.SEQ_CLS)
     return peft.get_peft_model(model, config)
 

@@ -15,7 +15,7 @@ import torch
 
 from posttrain.models.forward import FUSED_HEAD_MODELS
 from posttrain.models.lean_activations import lean_kinds
-from posttrain.config.schema import ModelConfig
+from posttrain.config.schema import ALL_LINEAR, ModelConfig
 from posttrain.errors import UserError
 from posttrain.plan.estimate import ModelShape
 from posttrain.plan.known_models import known_config, known_name
@@ -77,9 +77,12 @@ def offline_advice() -> str:
 
 
 def lora_parameters(model, target_modules, r: int) -> int:
-    """Parameters peft adds: r x (in + out) for every linear layer whose name ends in one of target_modules."""
+    """Parameters peft adds: r x (in + out) for every linear layer whose name ends in one of target_modules (all-linear:
+    every one but the output layer, as PEFT reads it)."""
+    heads = {"lm_head", "score", "classifier"}
     return sum(r * (m.in_features + m.out_features) for name, m in model.named_modules()
-               if isinstance(m, torch.nn.Linear) and name.rsplit(".", 1)[-1] in target_modules)
+               if isinstance(m, torch.nn.Linear) and (name.rsplit(".", 1)[-1] in target_modules or (
+                   ALL_LINEAR in target_modules and name.rsplit(".", 1)[-1] not in heads)))
 
 
 @functools.lru_cache(maxsize=8)  # plan asks for the same shape again (with and without LoRA, per engine)
