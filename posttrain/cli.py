@@ -132,7 +132,7 @@ def run_command(argv: list[str] | None = None) -> int:
         forget_started()
         algo_cls = ALGORITHMS[args.command][0]
         overrides = command_line_overrides(args.overrides, trl_flags, algo_cls) + (["launcher=ray"] if args.ray else [])
-        recipe, trl_defaults = resolve_recipe(args.config, overrides, algo_cls, trl_flags=bool(trl_flags))
+        recipe, trl_defaults = resolve_recipe(args.config, overrides, algo_cls, trl_flags)
         if trl_defaults or (trl_flags and not args.config):
             from posttrain.config.trl_compat import say_trl_defaults
 

@@ -19,24 +19,26 @@ import yaml
 from posttrain.config.keys import recipe_key, set_dotted
 from posttrain.config.legacy import upgrade
 from posttrain.config.schema import Recipe
-from posttrain.config.trl_compat import flat_trl_keys, from_trl_file, trl_default_settings
+from posttrain.config.trl_compat import flat_trl_keys, from_trl_file, trl_default_settings, trl_paths
 from posttrain.config.validate import validate
 from posttrain.errors import UserError
 
 
-def load_recipe(path: str | None, overrides: list[str], algo_cls: type, trl_flags: bool = False) -> Recipe:
+def load_recipe(path: str | None, overrides: list[str], algo_cls: type) -> Recipe:
     """Read a recipe file (optional), apply `key.sub=value` overrides, build and validate the dataclasses."""
-    return resolve_recipe(path, overrides, algo_cls, trl_flags)[0]
+    return resolve_recipe(path, overrides, algo_cls)[0]
 
 
 def resolve_recipe(path: str | None, overrides: list[str], algo_cls: type,
-                   trl_flags: bool = False) -> tuple[Recipe, list[tuple[str, str, Any]]]:
-    """load_recipe, and the TRL defaults it took: a run given in TRL's words (`trl_flags`: TRL flags on the command
-    line with no posttrain recipe file; or a file with flat TRL keys) takes TRL's default for every recipe key it
-    leaves out, as [(TRL key, recipe key, value)] (docs/trl.md); a posttrain recipe keeps posttrain's."""
+                   trl_flags: dict | None = None) -> tuple[Recipe, list[tuple[str, str, Any]]]:
+    """load_recipe, and the TRL defaults it took: a run given in TRL's words (`trl_flags`: the TRL flags of a command
+    line with no posttrain recipe file, already among `overrides`; or a file with flat TRL keys) takes TRL's default
+    for every recipe key it leaves out, as [(TRL key, recipe key, value)] (docs/trl.md); a posttrain recipe keeps
+    posttrain's."""
     raw: dict[str, Any] = {}
     where = "defaults"
-    in_trl_words = trl_flags and not path
+    flat: dict = dict(trl_flags or {})
+    in_trl_words = bool(flat) and not path
     if path:
         p = Path(path)
         if not p.is_file():
@@ -48,6 +50,7 @@ def resolve_recipe(path: str | None, overrides: list[str], algo_cls: type,
         if not isinstance(raw, dict):
             raise UserError(f"recipe {path} must be a mapping of sections (model:, data:, train:, ...)")
         where = str(path)
+        flat.update(flat_trl_keys(raw))
         in_trl_words = bool(flat_trl_keys(raw))
         raw = from_trl_file(raw, where, algo_cls)  # a TRL config's flat keys (model_name_or_path, ...) into sections
     for item in overrides:
@@ -55,7 +58,8 @@ def resolve_recipe(path: str | None, overrides: list[str], algo_cls: type,
     taken = []
     if in_trl_words:
         engine = raw.get("generation", {}).get("engine") if isinstance(raw.get("generation"), dict) else None
-        taken = trl_default_settings(algo_cls, set(dotted_paths(raw)), use_vllm=engine in ("vllm", "server"))
+        given = set(dotted_paths(raw)) | trl_paths(flat)  # a TRL key given as false or `steps` sets nothing, yet chose
+        taken = trl_default_settings(algo_cls, given, use_vllm=engine in ("vllm", "server"))
         for _, key, value in taken:
             set_dotted(raw, key, value, f"TRL's default for '{key}'")
     upgrade(raw)  # earlier releases' spellings (config/legacy.py)

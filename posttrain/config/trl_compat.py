@@ -24,7 +24,7 @@ import yaml
 from posttrain.config.keys import recipe_keys, set_dotted
 from posttrain.config.trl_flags import RECIPE_TOP_LEVEL
 from posttrain.config.trl_defaults import COMMON_DEFAULTS, TRAINER_CONFIGS, TRL_DEFAULTS, TRL_VERSION
-from posttrain.config.trl_rewards import rewards_from_trl
+from posttrain.config.trl_rewards import REWARD_KEYS, rewards_from_trl
 from posttrain.config.trl_table import IGNORED, REFUSED, changes_nothing
 from posttrain.errors import UserError
 
@@ -205,6 +205,11 @@ def flat_trl_keys(raw: dict) -> dict:
 def trl_defaults(command: str) -> dict[str, Any]:
     """TRL key -> TRL's default, where it differs from posttrain's, for `command` ({} where TRL has no trainer)."""
     return {**COMMON_DEFAULTS, **TRL_DEFAULTS[command]} if command in TRL_DEFAULTS else {}
+
+
+def trl_paths(flat: dict) -> set[str]:
+    """The recipe keys TRL keys choose, whatever their values (bf16: false chooses train.mixed_precision)."""
+    return {TRL_KEYS[key][0] for key in flat if key in TRL_KEYS} | {"rewards" for key in flat if key in REWARD_KEYS}
 
 
 def trl_default_settings(algo_cls: type, given_paths: set[str], use_vllm: bool) -> list[tuple[str, str, Any]]:

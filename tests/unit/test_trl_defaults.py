@@ -38,7 +38,7 @@ def trl_recipe(command: str, *flags: str, overrides: tuple[str, ...] = ()):
     from posttrain.cli import command_line_overrides
 
     algo_cls = ALGORITHMS[command][0]
-    return resolve_recipe(None, command_line_overrides(rest[1:], parsed, algo_cls), algo_cls, trl_flags=True)
+    return resolve_recipe(None, command_line_overrides(rest[1:], parsed, algo_cls), algo_cls, trl_flags=parsed)
 
 
 def test_the_generated_table_and_docs_match_trl_installed():
@@ -119,7 +119,7 @@ def test_a_flat_trl_file_takes_trls_defaults_a_posttrain_recipe_keeps_posttrains
     assert recipe.data.max_length == 1024 and recipe.train.gradient_checkpointing  # TRL's for the rest
     ours = load_recipe(str(ROOT / "recipes" / "sft.yaml"), [], ALGORITHMS["sft"][0])
     both, taken = resolve_recipe(str(ROOT / "recipes" / "sft.yaml"), ["train.learning_rate=1e-5"],
-                                 ALGORITHMS["sft"][0], trl_flags=True)
+                                 ALGORITHMS["sft"][0], trl_flags={"learning_rate": 1e-5})
     assert taken == [] and both.train.learning_rate == 1e-5
     assert both.train.gradient_checkpointing == ours.train.gradient_checkpointing
     assert both.data.max_length == ours.data.max_length and both.train.report_to == ours.train.report_to
@@ -198,3 +198,9 @@ def test_all_linear_adapts_every_linear_layer_but_the_output_and_plan_counts_wha
     adapted = {name.split(".lora_A")[0].rsplit(".", 1)[-1] for name, _ in model.named_parameters() if "lora_A" in name}
     assert adapted == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
     assert sum(p.numel() for p in model.parameters() if p.requires_grad) == expected > 0
+
+
+def test_a_trl_flag_given_as_false_still_chooses():
+    """--bf16 false is TRL's float32 (not its bf16 default); --use_vllm false keeps the vllm_* defaults out."""
+    recipe, taken = trl_recipe("sft", "--bf16", "false")
+    assert recipe.train.mixed_precision == "no" and "bf16" not in {key for key, _, _ in taken}
