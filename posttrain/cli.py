@@ -100,10 +100,12 @@ def run_command(argv: list[str] | None = None) -> int:
     argv_given = list(argv)
     trl_flags: dict = {}
     if command in ALGORITHM_COMMANDS:
+        from posttrain.config.trl_compat import check_flags_early
         from posttrain.config.trl_flags import split_trl_flags
 
         try:
             argv, trl_flags = split_trl_flags(argv)
+            check_flags_early(trl_flags, command)  # before torch: a typo is refused in a second, not twenty
         except UserError as e:
             print(f"posttrain: error: {e}", file=sys.stderr)
             return 2

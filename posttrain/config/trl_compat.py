@@ -14,6 +14,7 @@ refused naming both.
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import os
 import sys
@@ -139,12 +140,26 @@ TRL_KEYS: dict[str, tuple[str, Callable[[Any], Any] | None]] = {
 
 
 
-def translate(flat: dict[str, Any], where: str, algo_cls: type, shown: str = "") -> list[tuple[str, str, Any]]:
-    """TRL keys and their values -> [(TRL key, recipe key, value)]. Keys with no effect here get one note line each;
-    every key refused, unknown, or landing on a recipe key another key also sets is reported at once, as `shown` +
-    key (shown='--' for command-line flags)."""
+@dataclasses.dataclass(frozen=True)
+class AnyAlgo:
+    """translate's stand-in for an algorithm config not imported yet (check_flags_early): every algo.* key passes."""
+
+
+def check_flags_early(flags: dict[str, Any], command: str) -> None:
+    """Refuse a command line's TRL flags for all that needs no algorithm's own keys (listing those imports torch):
+    unknown and refused keys, bad values, two flags for one key. Quick, so a typo is refused in a second."""
+    translate(flags, "command line", AnyAlgo, "--", command=command, quiet=True)
+
+
+def translate(flat: dict[str, Any], where: str, algo_cls: type, shown: str = "", command: str = "",
+              quiet: bool = False) -> list[tuple[str, str, Any]]:
+    """TRL keys and their values -> [(TRL key, recipe key, value)]. Keys with no effect here get one note line each
+    (none when `quiet`); every key refused, unknown, or landing on a recipe key another key also sets is reported at
+    once, as `shown` + key (shown='--' for command-line flags)."""
     valid_keys = {k.path for k in recipe_keys(algo_cls)}
-    command = command_of(algo_cls)
+    if algo_cls is AnyAlgo:
+        valid_keys |= {path for path, _ in TRL_KEYS.values() if path.startswith("algo.")}
+    command = command or command_of(algo_cls)
     flat = dict(flat)
     rewards, problems = rewards_from_trl(flat, shown)  # reward_funcs, reward_weights, ... make one list together
     out, notes = ([("reward_funcs", "rewards", rewards)] if rewards is not None else []), []
@@ -186,7 +201,7 @@ def translate(flat: dict[str, Any], where: str, algo_cls: type, shown: str = "")
         raise UserError(f"{where}: {len(problems)} key{'s' if len(problems) > 1 else ''} refused:\n  "
                         + "\n  ".join(problems) + f"\n`posttrain {command} --help` lists every key; docs/trl.md "
                         "maps TRL's keys to posttrain's")
-    for note in notes:
+    for note in notes if not quiet else ():
         say(f"{where}: {note}")
     return [item for i, item in enumerate(out) if all(p != item[1] for _, p, _ in out[:i])]
 
