@@ -81,6 +81,17 @@ def build_parser(command: str | None = None, help_wanted: bool = False) -> argpa
     return parser
 
 
+def parse_args(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
+    """parser.parse_args, with `key=value` overrides anywhere among the flags (argparse takes a positional list in one
+    run: `posttrain plan --config r.yaml a=1 --gpus 2 b=2` would refuse b=2)."""
+    args, unknown = parser.parse_known_args(argv)
+    overrides = [a for a in unknown if "=" in a and not a.startswith("-")]
+    if len(overrides) != len(unknown) or not hasattr(args, "overrides"):
+        return parser.parse_args(argv)  # argparse's own message for what is not an override
+    args.overrides = [*(args.overrides or []), *overrides]
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
     code = run_command(argv)
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
@@ -109,7 +120,7 @@ def run_command(argv: list[str] | None = None) -> int:
         except UserError as e:
             print(f"posttrain: error: {e}", file=sys.stderr)
             return 2
-    args = build_parser(command, help_wanted=bool({"-h", "--help"} & set(argv))).parse_args(argv)
+    args = parse_args(build_parser(command, help_wanted=bool({"-h", "--help"} & set(argv))), argv)
     if args.command in ALGORITHM_COMMANDS or args.command == "demo":
         one_thread_unless_asked()
     try:
