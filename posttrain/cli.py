@@ -17,7 +17,7 @@ import shlex
 import sys
 import traceback
 
-from posttrain.console import quiet_healthy_run_warnings
+from posttrain.console import no_library_bars_without_a_terminal, quiet_healthy_run_warnings
 from posttrain.errors import RunStopped, UserError
 from posttrain.usercode import UserCodeError
 
@@ -106,6 +106,7 @@ def main(argv: list[str] | None = None) -> int:
 def run_command(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     quiet_healthy_run_warnings()
+    no_library_bars_without_a_terminal()
     argv = list(sys.argv[1:] if argv is None else argv)
     command = next((a for a in argv if not a.startswith("-")), None)
     argv_given = list(argv)

@@ -179,7 +179,7 @@ def run_attempt(command: str, recipe: Recipe, launched: Optional[Launched] = Non
     trackers = []
     if backend.is_main:
         trackers = open_trackers(tracker_names(t), tracked_run(recipe, command, state.step, summary))
-    logger = MetricsLogger(str(out), steps, state.step, backend.is_main, trackers)
+    logger = MetricsLogger(str(out), steps, state.step, backend.is_main, trackers, algorithm.headline_metrics)
     logger.info("posttrain " + " | ".join(f"{k}={v}" for k, v in summary.items() if v is not None))
     eval_fn = make_evaluation(recipe, backend, algorithm, models, source, tokenizer, eval_examples, collate)
 
