@@ -36,8 +36,8 @@ OTHER_COMMANDS = {  # command -> (its one-line help, its module, the functions t
 ALGORITHM_EPILOG = """TRL-style flags work too: --learning_rate 1e-4, --num_generations=4, --bf16 (docs/trl.md has
 the table), and --config takes a flat TRL config file (model_name_or_path: ..., learning_rate: ...). A run given
 in TRL's words (TRL flags without a posttrain recipe, or a flat TRL config) takes TRL 1.16's defaults for what it
-leaves out, not the defaults below; its first line names them. Online algorithms take TRL's reward functions: --reward_funcs my_rewards.py:accuracy pkg.module.fn runs/rm/final
---reward_weights 1 0.5 0.2 (docs/rewards.md).
+leaves out, not the defaults below; its first line names them. Online algorithms take TRL's reward functions:
+--reward_funcs my_rewards.py:accuracy pkg.module.fn runs/rm/final --reward_weights 1 0.5 0.2 (docs/rewards.md).
 
 Recipe keys (key = default  # what it does); set any with key.sub=value:
 """
