@@ -135,6 +135,7 @@ CONVERSIONS: dict[str, Callable[[Any], Any]] = {
 # Where a command has no such recipe key, these values mean what it does anyway (SFTConfig's loss_type: nll)
 SAME_AS_HERE: dict[str, tuple[Any, ...]] = {"loss_type": ("nll",)}
 NONE_IS_A_VALUE = ("train.save_total_limit",)  # elsewhere TRL's None means "unset": the recipe's default stays
+NONE_MEANS = {"lora_target_modules": []}  # TRL's None: PEFT's modules for the architecture, the recipe's []
 TRL_KEYS: dict[str, tuple[str, Callable[[Any], Any] | None]] = {
     key: (path, CONVERSIONS.get(key)) for key, path in TRL_RENAMES.items()}  # key -> (recipe key, conversion)
 
@@ -183,6 +184,8 @@ def translate(flat: dict[str, Any], where: str, algo_cls: type, shown: str = "",
             if not changes_nothing(value, SAME_AS_HERE.get(key, ())):
                 problems.append(f"{shown}{key}: posttrain's {path}, which `posttrain {command}` does not take")
             continue
+        if value is None and key in NONE_MEANS:
+            value = NONE_MEANS[key]
         try:
             value = convert(value) if convert and value is not None else value
         except NoEffect as e:

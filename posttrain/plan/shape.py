@@ -15,6 +15,7 @@ import torch
 
 from posttrain.models.forward import FUSED_HEAD_MODELS
 from posttrain.models.lean_activations import lean_kinds
+from posttrain.models.load import lora_targets
 from posttrain.config.schema import ALL_LINEAR, ModelConfig
 from posttrain.errors import UserError
 from posttrain.plan.estimate import ModelShape
@@ -103,7 +104,8 @@ def model_shape(model_cfg: ModelConfig, task: str = "causal_lm") -> ModelShape:
     parameters = sum(p.numel() for p in model.parameters())
     trainable = parameters
     if model_cfg.lora.enabled:
-        trainable = lora_parameters(model, set(model_cfg.lora.target_modules), model_cfg.lora.r)
+        targets = lora_targets(model_cfg.lora.target_modules, getattr(config, "model_type", ""))
+        trainable = lora_parameters(model, {targets} if isinstance(targets, str) else set(targets), model_cfg.lora.r)
         if not trainable:
             raise UserError(f"model.lora.target_modules {list(model_cfg.lora.target_modules)} match no linear layer "
                             f"of {model_cfg.name_or_path}")

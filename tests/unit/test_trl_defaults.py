@@ -184,20 +184,30 @@ def test_all_linear_lora(tmp_path):
         trl_recipe("sft", "--use_peft", "--lora_target_modules", "all-linear", "q_proj")
 
 
-def test_all_linear_adapts_every_linear_layer_but_the_output_and_plan_counts_what_peft_adds(tiny_model_dir):
-    """TRL's --lora_target_modules all-linear is PEFT's shorthand; plan's count of the added parameters matches."""
+@pytest.mark.parametrize("targets, adapted", [
+    (("all-linear",), {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}),
+    ((), {"q_proj", "v_proj"}),  # TRL's default (None): PEFT's modules for Llama
+])
+def test_peft_chooses_what_trl_lets_it_and_plan_counts_what_peft_adds(targets, adapted, tiny_model_dir):
+    """--lora_target_modules all-linear (PEFT's shorthand) and TRL's default (PEFT's table for the architecture) adapt
+    what PEFT adapts in TRL; plan's count of the added parameters (model_shape) matches the model's."""
     from transformers import AutoModelForCausalLM
 
-    from posttrain.config.schema import LoraConfig
+    from posttrain.config.schema import LoraConfig, ModelConfig
     from posttrain.models.load import apply_lora
-    from posttrain.plan.shape import lora_parameters
+    from posttrain.plan.shape import model_shape
 
-    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
-    expected = lora_parameters(base, {"all-linear"}, 4)
-    model = apply_lora(base, LoraConfig(enabled=True, r=4, target_modules=("all-linear",)))
-    adapted = {name.split(".lora_A")[0].rsplit(".", 1)[-1] for name, _ in model.named_parameters() if "lora_A" in name}
-    assert adapted == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
-    assert sum(p.numel() for p in model.parameters() if p.requires_grad) == expected > 0
+    lora = LoraConfig(enabled=True, r=4, target_modules=targets)
+    model = apply_lora(AutoModelForCausalLM.from_pretrained(tiny_model_dir), lora)
+    names = {name.split(".lora_A")[0].rsplit(".", 1)[-1] for name, _ in model.named_parameters() if "lora_A" in name}
+    assert names == adapted
+    planned = model_shape(ModelConfig(name_or_path=str(tiny_model_dir), lora=lora)).trainable
+    assert sum(p.numel() for p in model.parameters() if p.requires_grad) == planned > 0
+
+
+def test_use_peft_alone_takes_trls_lora_defaults():
+    recipe, _ = trl_recipe("sft", "--use_peft")
+    assert recipe.model.lora.target_modules == () and recipe.model.lora.dropout == 0.05
 
 
 def test_a_trl_flag_given_as_false_still_chooses():
