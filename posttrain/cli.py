@@ -148,15 +148,17 @@ def run_command(argv: list[str] | None = None) -> int:
         algo_cls = ALGORITHMS[args.command][0]
         overrides = command_line_overrides(args.overrides, trl_flags, algo_cls) + (["launcher=ray"] if args.ray else [])
         recipe, trl_defaults = resolve_recipe(args.config, overrides, algo_cls, trl_flags)
+        header = {}
         if trl_defaults or (trl_flags and not args.config):
-            from posttrain.config.trl_compat import say_trl_defaults
+            from posttrain.config.trl_compat import say_trl_defaults, whose_defaults
 
-            say_trl_defaults(algo_cls, trl_defaults)
+            say_trl_defaults(algo_cls, trl_defaults, recipe.model.lora.enabled)
+            header["defaults"] = whose_defaults(algo_cls)
         if recipe.launcher == "ray":
             from posttrain.launch.ray_launcher import run_on_ray
 
             return run_on_ray(args.command, recipe)
-        result = run(args.command, recipe)
+        result = run(args.command, recipe, header=header)
         if result.final_dir is not None:
             print(f"final model: {result.final_dir}")
         return 0

@@ -222,7 +222,7 @@ def flat_trl_keys(raw: dict) -> dict:
 
 def trl_defaults(command: str) -> dict[str, Any]:
     """TRL key -> TRL's default, where it differs from posttrain's, for `command` ({} where TRL has no trainer)."""
-    return {**COMMON_DEFAULTS, **TRL_DEFAULTS[command]} if command in TRL_DEFAULTS else {}
+    return {**TRL_DEFAULTS[command], **COMMON_DEFAULTS} if command in TRL_DEFAULTS else {}
 
 
 def trl_paths(flat: dict) -> set[str]:
@@ -251,10 +251,18 @@ def trl_defaults_line(algo_cls: type, settings: list[tuple[str, str, Any]]) -> s
             f"out: {said} (docs/trl.md)")
 
 
-def say_trl_defaults(algo_cls: type, settings: list[tuple[str, str, Any]]) -> None:
-    """The header line of trl_defaults_line on stdout, from rank 0 (before the run's own header)."""
+def whose_defaults(algo_cls: type) -> str:
+    """For the run's header: whose defaults filled what a run in TRL's words left out."""
+    command = command_of(algo_cls)
+    return f"TRL {TRL_VERSION} {TRAINER_CONFIGS[command]}" if command in TRAINER_CONFIGS else "posttrain"
+
+
+def say_trl_defaults(algo_cls: type, settings: list[tuple[str, str, Any]], lora: bool) -> None:
+    """The header line of trl_defaults_line on stdout, from rank 0 (before the run's own header); LoRA's settings
+    only for a LoRA run (config.yaml has them all)."""
     if os.environ.get("RANK", "0") == "0":
-        print(trl_defaults_line(algo_cls, settings), flush=True)
+        shown = [item for item in settings if lora or not item[1].startswith("model.lora.")]
+        print(trl_defaults_line(algo_cls, shown), flush=True)
 
 
 def say(message: str) -> None:
