@@ -49,7 +49,7 @@ def _strategy(what: str, key: str, no: str | int) -> Callable[[Any], Any]:
     def convert(value: Any) -> Any:
         if value == "steps":
             return None
-        if value == "no":
+        if value == "no" or value is False:  # a YAML file's bare `no` is false
             if isinstance(no, int):
                 return no
             raise NoEffect(no)
@@ -189,7 +189,7 @@ def translate(flat: dict[str, Any], where: str, algo_cls: type, shown: str = "",
         try:
             value = convert(value) if convert and value is not None else value
         except NoEffect as e:
-            notes.append(f"{shown}{key} {value} has no effect here: {e}")
+            notes.append(f"{shown}{key} {'no' if value is False else value} has no effect here: {e}")
             continue
         except ValueError as e:
             problems.append(f"{shown}{key}: {e}")

@@ -231,3 +231,11 @@ def test_a_refused_flag_is_refused_before_torch_is_imported(argv, message):
             "print(code, 'torch' in sys.modules)")
     done = subprocess.run([sys.executable, "-c", code, "sft", *argv], capture_output=True, text=True, cwd=ROOT)
     assert done.stdout.split() == ["2", "False"] and message in done.stderr, (done.stdout, done.stderr)
+
+
+def test_a_flat_trl_file_with_a_bare_no_strategy(tmp_path, capsys):
+    """YAML reads `save_strategy: no` as false; in a TRL config it can only mean the word."""
+    flat = tmp_path / "trl.yaml"
+    flat.write_text("model_name_or_path: m/\ndataset_name: d.jsonl\nsave_strategy: no\neval_strategy: no\n")
+    recipe, _ = resolve_recipe(str(flat), [], ALGORITHMS["sft"][0])
+    assert recipe.train.save_steps == 0 and "eval_strategy no has no effect here" in capsys.readouterr().err
