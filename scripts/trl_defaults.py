@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import enum
+import functools
 import pprint
 import sys
 from pathlib import Path
@@ -81,6 +82,7 @@ def same(a: Any, b: Any) -> bool:
     return norm(a) == norm(b) and isinstance(a, bool) == isinstance(b, bool)
 
 
+@functools.lru_cache(maxsize=None)  # the module and the page read the same tables
 def differing(command: str) -> tuple[dict[str, Any], list[tuple[str, str, Any, Any]], list[tuple[str, str, Any]]]:
     """(TRL key -> TRL default, for those that set a recipe key to another value than posttrain's default; the rows
     of that table (TRL key, recipe key, TRL's, posttrain's); the TRL keys TRL leaves unset (None) where posttrain
@@ -108,6 +110,7 @@ def differing(command: str) -> tuple[dict[str, Any], list[tuple[str, str, Any, A
     return table, rows, unset
 
 
+@functools.lru_cache(maxsize=None)
 def flag_kinds(command: str) -> tuple[dict[str, str], list[str]]:
     """How `trl <command>` parses each flag (TRL's own parser): field -> bool | int | float | str | list:<kind>, and
     the boolean fields with a `--no_<field>` form (those whose default is True)."""
