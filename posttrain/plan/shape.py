@@ -15,7 +15,8 @@ import torch
 
 from posttrain.models.forward import FUSED_HEAD_MODELS
 from posttrain.models.lean_activations import lean_kinds
-from posttrain.config.schema import ModelConfig
+from posttrain.models.load import lora_targets
+from posttrain.config.schema import ALL_LINEAR, ModelConfig
 from posttrain.errors import UserError
 from posttrain.plan.estimate import ModelShape
 from posttrain.plan.known_models import known_config, known_name
@@ -77,9 +78,12 @@ def offline_advice() -> str:
 
 
 def lora_parameters(model, target_modules, r: int) -> int:
-    """Parameters peft adds: r x (in + out) for every linear layer whose name ends in one of target_modules."""
+    """Parameters peft adds: r x (in + out) for every linear layer whose name ends in one of target_modules (all-linear:
+    every one but the output layer, as PEFT reads it)."""
+    heads = {"lm_head", "score", "classifier"}
     return sum(r * (m.in_features + m.out_features) for name, m in model.named_modules()
-               if isinstance(m, torch.nn.Linear) and name.rsplit(".", 1)[-1] in target_modules)
+               if isinstance(m, torch.nn.Linear) and (name.rsplit(".", 1)[-1] in target_modules or (
+                   ALL_LINEAR in target_modules and name.rsplit(".", 1)[-1] not in heads)))
 
 
 @functools.lru_cache(maxsize=8)  # plan asks for the same shape again (with and without LoRA, per engine)
@@ -100,7 +104,8 @@ def model_shape(model_cfg: ModelConfig, task: str = "causal_lm") -> ModelShape:
     parameters = sum(p.numel() for p in model.parameters())
     trainable = parameters
     if model_cfg.lora.enabled:
-        trainable = lora_parameters(model, set(model_cfg.lora.target_modules), model_cfg.lora.r)
+        targets = lora_targets(model_cfg.lora.target_modules, getattr(config, "model_type", ""))
+        trainable = lora_parameters(model, {targets} if isinstance(targets, str) else set(targets), model_cfg.lora.r)
         if not trainable:
             raise UserError(f"model.lora.target_modules {list(model_cfg.lora.target_modules)} match no linear layer "
                             f"of {model_cfg.name_or_path}")
