@@ -91,10 +91,17 @@ class GRPOAlgoConfig:
     log_samples: int = 2
     """Prompt groups written to output_dir/samples.jsonl at each logging step (0: none)."""
     vllm_is_correction: bool = False
-    """Weight each token's surrogate by min(pi_old / pi_sampler, vllm_is_cap): truncated importance sampling for
-    an engine that samples with other numerics (vllm, server) or an older policy (generation.max_staleness)."""
+    """Weight each token's surrogate by pi_old / pi_sampler, bounded as vllm_importance_sampling_mode says:
+    importance sampling for an engine that samples with other numerics (vllm, server) or an older policy
+    (generation.max_staleness)."""
     vllm_is_cap: float = 2.0
-    """The cap of that weight (>= 1)."""
+    """The upper bound of that weight (>= 1; TRL's vllm_importance_sampling_clip_max): truncated to it, or masked
+    above it, as vllm_importance_sampling_mode says."""
+    vllm_importance_sampling_mode: str = "token_truncate"
+    """How algo.vllm_is_correction bounds pi_old / pi_sampler: token_truncate, token_mask, sequence_truncate,
+    sequence_mask (TRL's modes), geometric_mask (verl) or icepop (losses/sampler_correction.py has the table)."""
+    vllm_is_min: Optional[float] = None
+    """Lower bound of that ratio (TRL's vllm_importance_sampling_clip_min); null: none (icepop: 1 / vllm_is_cap)."""
     routing_replay: str = "none"
     """Mixture-of-experts models: old_policy routes every training forward through the experts the old policy's
     forward chose for each token (R2 routing replay, models/moe.py; needs num_iterations >= 2), logging
