@@ -155,6 +155,10 @@ class GRPO(OnlineAlgorithm):
         self.steps_per_rollout = self.config.num_iterations
         self.routing_replay = self.config.routing_replay == "old_policy"
         self.dynamic_sampling = self.config.dynamic_sampling if self.config.dynamic_sampling.enabled else None
+        # pi_old is taken once per generation batch when it is reused for several steps, and when an engine samples
+        # apart from the trainer (its mismatch is measured against it: online/mismatch.py, as TRL does with vLLM);
+        # otherwise the first step's own forward is pi_old
+        self.takes_old_logprobs = self.config.num_iterations > 1 or recipe.generation.engine != "hf"
 
     # --- the rollout source calls it once per generation batch --------------------------------------------------
 
@@ -169,7 +173,8 @@ class GRPO(OnlineAlgorithm):
     # --- what the loop calls -------------------------------------------------------------------------------------
 
     def prepare(self, batch: Batch, models: Models, training: bool = True) -> Batch:
-        """Old log-probs (num_iterations > 1) and reference log-probs (beta > 0), unless the batch has them.
+        """Old log-probs (num_iterations > 1, or an engine apart) and reference log-probs (beta > 0), unless the batch
+        has them.
 
         The rollout source calls this once per generation batch, when the batch is taken for training (right after
         sampling, or, with generation.max_staleness, when a batch sampled ahead by an older policy comes up), so
@@ -177,7 +182,7 @@ class GRPO(OnlineAlgorithm):
         sampler's own log-probs ride in sampler_logprobs_BT: truncated_importance_weights explains the two.
         """
         updates = {}
-        if self.config.num_iterations > 1 and batch.old_logprobs_BT is None:
+        if self.takes_old_logprobs and batch.old_logprobs_BT is None:
             with models.policy.routing.recording() if self.routing_replay else contextlib.nullcontext() as routed:
                 updates["old_logprobs_BT"] = models.policy.logprobs(batch, self.temperature)
             if self.routing_replay:  # the loop's training forwards of this batch route through these experts
@@ -195,6 +200,9 @@ class GRPO(OnlineAlgorithm):
             return models.reference.logprobs(batch, self.temperature)
         with disable_adapter(models.policy.model) if self.recipe.model.lora.enabled else contextlib.nullcontext():
             return models.policy.logprobs(batch, self.temperature)
+
+    def clip_range(self) -> tuple[float, float]:
+        return self.config.epsilon, self.config.epsilon if self.config.epsilon_high is None else self.config.epsilon_high
 
     def count(self, batch: Batch) -> torch.Tensor:
         return self.aggregation.count(batch.completion_mask_BT, self.recipe.generation.max_completion_length)

@@ -107,6 +107,10 @@ class OnlineAlgorithm(Algorithm):
                    if r.name == "reward_model" and r.kwargs.get("device") is None}
         return len(entries)
 
+    def clip_range(self) -> tuple[float, float]:
+        """(epsilon_low, epsilon_high) of the clipped surrogate: the phantom clipping of online/mismatch.py uses it."""
+        return self.config.epsilon, self.config.epsilon
+
     def surrogate(self, model, batch: Batch, advantages, epsilon_low: float, epsilon_high: float,
                   level: str = "token") -> Surrogate:
         """The forward and clipped surrogate GRPO and PPO share (Schulman et al. 2017), at the sampling temperature;

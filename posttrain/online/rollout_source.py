@@ -23,8 +23,8 @@ made in phases:
 last_metrics (whole step, all ranks): reward/mean|std (scored completions only), rewards/<name>/mean|std,
 rewards/skipped, rewards/unscored (completions no reward scored), frac_reward_zero_std, completion_length/mean|max|min,
 truncated_fraction, policy_lag and rollout/policy_lag_mean|max (optimiser steps from the sampling policy to the
-trained one); and this rank's seconds per phase: time/generate (with max_staleness: the wait for the batch sampled
-ahead), time/sync, time/score (with the gather), time/ref (log-probs, values, advantages), time/train (from handing
+trained one), mismatch/* where an engine samples apart (online/mismatch.py); and this rank's seconds per phase:
+time/generate (with max_staleness: the wait for the batch sampled ahead), time/sync, time/score (with the gather), time/ref (log-probs, values, advantages), time/train (from handing
 the micro-batches over to the loop reading the metrics), and under launcher: ray time/role/<role> for each role
 served apart from the policy (its calls, transfer included).
 """
@@ -53,6 +53,7 @@ from posttrain.online.drawn import Drawn
 from posttrain.online.dynamic_sampling import DynamicSampler
 from posttrain.online.engine_link import EngineLink
 from posttrain.online.in_flight import InFlight, Sampled, lag_metrics, policy_lag
+from posttrain.online.mismatch import engine_mismatch
 from posttrain.online.scoring import score
 from posttrain.train.sources import SampleOrder, Source
 
@@ -247,6 +248,9 @@ class RolloutSource(Source):
             rollouts = Rollouts(batches, global_total_B, step_truncated_B, backend.data_rank * len(total_B), group,
                                 backend.data_all_reduce_sum, global_scored_B)
             batches, advantage_metrics = self.algorithm.advantages(rollouts)
+            if self.link.engine.holds_copy:  # an engine apart: its log-probs against the trainer's (mismatch.py)
+                advantage_metrics.update(engine_mismatch(batches, self.algorithm.clip_range(),
+                                                         backend.data_all_gather_object))
         prepared = time.perf_counter()
 
         metrics = step_metrics(everyone, global_total_B, global_scored_B, group)

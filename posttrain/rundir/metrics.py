@@ -44,7 +44,8 @@ class MetricsLogger:
         for tracker in self.trackers:
             tracker.log(step, numbers)
         if self.bar is not None:
-            keys = ("loss", "reward/mean", "learning_rate", "tokens_per_second") + tuple(k for k in record if k.startswith("eval/"))
+            keys = ("loss", "reward/mean", "mismatch/k3", "learning_rate", "tokens_per_second") + tuple(
+                k for k in record if k.startswith("eval/"))
             shown = {k: f"{record[k]:.4g}" for k in keys if isinstance(record.get(k), (int, float))}
             if self.bar.disable:
                 print(f"step {step}/{self.bar.total} " + " ".join(f"{k}={v}" for k, v in shown.items()), flush=True)
