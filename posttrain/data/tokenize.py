@@ -276,9 +276,11 @@ def _fit_pair(prompt_ids: list[int], chosen_ids: list[int], rejected_ids: list[i
 
 def tokenize_prompts(dataset: datasets.Dataset, tokenizer, data_cfg: DataConfig, what: str = "data.train",
                      rollout_tools: list[dict] | None = None):
-    """Rows -> [{"prompt_ids", "prompt", "tools", "columns"(, "messages")}] (tools: the schemas rendered, or None;
-    columns: the row's other values, for rewards; messages: the opening chat, multi-turn only); stats {rows, tokens, truncated, dropped_empty}. Empty prompts are dropped; long ones
-    keep their last max_prompt_length tokens, counted in `truncated` (the tools turn included).
+    """Rows -> [{"prompt_ids", "prompt", "tools", "columns", "untemplated"(, "messages")}] (tools: the schemas
+    rendered, or None; columns: the row's other values, for rewards; untemplated: plain text tokenised as it is
+    for a tokenizer with a chat template; messages: the opening chat, multi-turn only); stats {rows, tokens,
+    truncated, dropped_empty}. Empty prompts are dropped; long ones keep their last max_prompt_length tokens, counted
+    in `truncated` (the tools turn included).
     rollout_tools: a multi-turn rollout starts from these prompts (not None; a list of the rollout's tool schemas,
     rendered beside the row's own): string prompts open a chat as one user message, and the limit is
     max_prompt_length or else max_length, the prompt posttrain/agents/loop.py continues."""
@@ -288,6 +290,7 @@ def tokenize_prompts(dataset: datasets.Dataset, tokenizer, data_cfg: DataConfig,
     stats = dict(rows=len(dataset), tokens=0, truncated=0, dropped_empty=0)
     examples = []
     tooling = _Tools(tokenizer, rollout_tools)
+    chat_model = getattr(tokenizer, "chat_template", None) is not None  # plain text then skips its chat format
     for i, row in enumerate(dataset):
         prompt = clean_messages(row["prompt"]) if fmt.conversational else row["prompt"]
         if not prompt or (_no_text(prompt) if fmt.conversational else not prompt.strip()):
@@ -306,7 +309,8 @@ def tokenize_prompts(dataset: datasets.Dataset, tokenizer, data_cfg: DataConfig,
             stats["truncated"] += 1
         stats["tokens"] += len(prompt_ids)
         columns = {k: v for k, v in row.items() if k != "prompt"}
-        example = {"prompt_ids": prompt_ids, "prompt": prompt, "tools": tools, "columns": columns}
+        example = {"prompt_ids": prompt_ids, "prompt": prompt, "tools": tools, "columns": columns,
+                   "untemplated": not (fmt.conversational or multi_turn) and chat_model}
         examples.append({**example, "messages": messages} if multi_turn else example)
     if not examples:
         raise UserError(f"{what}: every one of the {stats['rows']} prompts is empty; give rows with a prompt to answer")

@@ -3,9 +3,12 @@
     posttrain plan --config recipes/dpo.yaml --gpus 8 --gpu-memory 80GiB
     torchrun --nproc_per_node 8 -m posttrain doctor --config recipes/dpo.yaml
     posttrain doctor --nnodes 2 --node-rank 1 --nproc-per-node 8 --master-addr node0    # the doctor's own ranks
+    posttrain doctor runs/grpo          # a run (finished or running): is it learning? (rundir/health.py)
 """
 
 from __future__ import annotations
+
+from pathlib import Path
 
 from posttrain.errors import UserError
 from posttrain.launch.doctor_ranks import add_launch_flags, run_ranks
@@ -33,7 +36,8 @@ def add_plan_and_doctor(sub) -> None:
                         "missing (default 30)")
     doctor.add_argument("--build-ops", action="store_true", help="also compile DeepSpeed's CPU Adam (tens of s)")
     add_launch_flags(doctor)
-    doctor.add_argument("overrides", nargs="*", help="key.sub=value overrides of the recipe")
+    doctor.add_argument("overrides", nargs="*", help="key.sub=value overrides of the recipe; or one run directory "
+                        "(its output_dir): the signs in its metrics.jsonl that it is not learning, each with its fix")
 
 
 def run_plan_or_doctor(args) -> int:
@@ -42,6 +46,9 @@ def run_plan_or_doctor(args) -> int:
 
     if args.command == "doctor":
         from posttrain.launch.doctor import run_doctor
+
+        if len(args.overrides) == 1 and "=" not in args.overrides[0]:
+            return run_health(Path(args.overrides[0]))
 
         if args.nproc_per_node is not None:
             return run_ranks(args)
@@ -57,3 +64,24 @@ def run_plan_or_doctor(args) -> int:
     print(run_plan(algorithm, recipe, args.config, overrides, args.gpus, args.nodes, args.gpu_memory, args.json,
                    args.mean_length))
     return 0
+
+
+def run_health(run_dir: Path) -> int:
+    """`posttrain doctor RUN_DIR`: what the run said while it trained (rundir/health.py, over the same rows), one
+    WARN line with its fix per sign. Exit status: 0 none, 1 some."""
+    from posttrain.rundir.health import CHECKS, diagnose
+    from posttrain.rundir.metrics import read_metrics
+
+    if not (run_dir / "metrics.jsonl").is_file():
+        raise UserError(f"{run_dir} is not a run directory (no metrics.jsonl there); pass a run's output_dir, or "
+                        "key=value overrides with --config")
+    rows = read_metrics(run_dir)
+    findings = diagnose(rows)
+    last = max((int(r.get("step", 0)) for r in rows), default=0)
+    for f in findings:
+        subject = f" ({f.subject})" if f.subject else ""
+        print(f"WARN  {f.check}{subject}: step {f.step}: {f.detail}\n      fix: {f.fix}", flush=True)
+    if not findings:
+        print(f"PASS  run health: none of the {len(CHECKS)} signs of a run that is not learning, over {len(rows)} "
+              f"rows up to step {last}", flush=True)
+    return 1 if findings else 0

@@ -224,7 +224,7 @@ class RolloutSource(Source):
         drawn = backend.same_rows(drawn)  # a sequence-parallel group trains on its first rank's completions
         mine = dict(total=drawn.total, scored=drawn.scored, per_function=drawn.per_function, skipped=drawn.skipped,
                     logged=self._logged, lengths=[len(ids) for ids in drawn.completion_ids], truncated=drawn.truncated,
-                    lag=drawn.lags,
+                    lag=drawn.lags, untemplated=[bool(p.get("untemplated")) for p in drawn.prompts],
                     agent=[t.stats() for t in drawn.trajectories] if drawn.trajectories is not None else None)
         gather_started = time.perf_counter()
         everyone = backend.data_all_gather_object(mine)
@@ -381,6 +381,9 @@ def step_metrics(everyone: list[dict], total_B: torch.Tensor, scored_B: torch.Te
                "completion_length/mean": lengths.mean(), "completion_length/max": lengths.max(),
                "completion_length/min": lengths.min(), "truncated_fraction": truncated.mean(),
                **reward_metrics(per_function)}
+    untemplated = [u for part in everyone for u in part.get("untemplated", ())]
+    if any(untemplated):  # plain-text prompts for a chat model (rundir/health.py)
+        metrics["prompts/untemplated_fraction"] = sum(untemplated) / len(untemplated)
     if group > 1:  # samples of one prompt: how many groups carry no signal
         metrics["frac_reward_zero_std"] = zero_std_fraction(total_B, group, scored_B)
     logged: dict[str, list[float]] = {}  # the reward functions' log_metric values, averaged over the step

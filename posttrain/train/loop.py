@@ -132,6 +132,7 @@ def train(ctx: LoopContext) -> TrainState:
                                  f"time/update/{name}": update_seconds[name]})
         step_metrics.update({k: float(v) / backend.data_world_size
                              for k, v in zip(keys, reduced[1 + len(losses) : -2])})
+        step_metrics["trained_tokens"] = float(trained_tokens)  # 0: every token masked (rundir/health.py says so)
         step_metrics.update(ctx.source.last_metrics)
         for key, value in step_metrics.items():
             window[key] = window.get(key, 0.0) + value
