@@ -38,6 +38,7 @@ from posttrain.models.moe import check_moe_options
 from posttrain.plan import estimated_peak_mb
 from posttrain.roles import build_roles
 from posttrain.generation.server import check_servers
+from posttrain.generation.vllm_engine import check_fp32_head_support
 from posttrain.online.evaluation import check_answer_columns, evaluate_online
 from posttrain.train.guard import Guard
 from posttrain.train.loop import LoopContext, evaluate, train
@@ -139,6 +140,8 @@ def run_attempt(command: str, recipe: Recipe, launched: Optional[Launched] = Non
     if servers:  # every server answers, takes the token, serves our vocabulary
         check_servers(recipe, tokenizer, servers)
     check_agent(recipe, tokenizer, command)  # tools import, the template shows them, the environment loads
+    if recipe.model.lm_head_fp32 and recipe.generation.engine == "vllm":
+        check_fp32_head_support()  # the engine's side of model.lm_head_fp32, before any model loads
     train_examples, train_stats = load_examples(recipe, algorithm, tokenizer, "train")
     eval_examples = load_examples(recipe, algorithm, tokenizer, "eval")[0] if recipe.data.eval else None
     check_answer_columns(recipe, algorithm, train_examples, eval_examples)  # dynamic sampling's accuracy, pass@k

@@ -43,6 +43,10 @@ class ModelConfig:
     """Jinja chat template (or path to a .jinja file) overriding the tokenizer's."""
     lora: LoraConfig = field(default_factory=LoraConfig)
     """LoRA adapters (model.lora.*)."""
+    lm_head_fp32: bool = False
+    """The output layer in float32 (TRL's cast_lm_head_to_fp32; ScaleRL): the trainer keeps its weight in float32 and
+    projects float32 hidden states outside autocast, and the in-process vLLM engine computes its logits in float32
+    (vLLM's head_dtype), so both score the sampled tokens alike. Refused where a side cannot (vLLM servers)."""
     router_aux_loss_coef: Optional[float] = None
     """Mixture-of-experts models: weight of the load-balancing loss added to the policy loss (TRL's and transformers'
     name); null: the model config's own (Qwen3-MoE: 0.001; none for a dense model); 0: off (still logged)."""

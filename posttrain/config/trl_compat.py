@@ -95,6 +95,7 @@ TRL_RENAMES: dict[str, str] = {
     "dtype": "model.dtype", "chat_template_path": "model.chat_template", "use_peft": "model.lora.enabled",
     "lora_r": "model.lora.r", "lora_alpha": "model.lora.alpha", "lora_dropout": "model.lora.dropout",
     "lora_target_modules": "model.lora.target_modules", "sft_model_path": "model.name_or_path",
+    "cast_lm_head_to_fp32": "model.lm_head_fp32",
     # data
     "dataset_name": "data.train", "dataset_train_split": "data.train_split", "dataset_test_split": "data.eval_split",
     "dataset_num_proc": "data.num_proc", "max_seq_length": "data.max_length", "padding_free": "data.packing",

@@ -112,7 +112,6 @@ IGNORED: dict[str, tuple[tuple[Any, ...], str]] = {
     "precompute_ref_batch_size": (NONE, "precomputed reference log-probs use train.per_device_eval_batch_size"),
     "ref_model_mixup_alpha": ((0.6,), "sync_ref_model is not implemented here"),
     "ref_model_sync_steps": ((512,), "sync_ref_model is not implemented here"),
-    "cast_lm_head_to_fp32": (FALSE, "log-probs are computed in float32 whatever the weights' dtype"),
     "ds3_gather_for_generation": (TRUE, "weight sync gathers ZeRO-3 parameters a bucket at a time "
                                   "(generation.sync_bucket_mb)"),
     "vllm_model_impl": (("vllm",), "vLLM's own model code is used"),

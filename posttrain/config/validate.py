@@ -92,6 +92,7 @@ def validate(recipe: Recipe) -> None:
     if not 0 < g.vllm.gpu_memory_utilization <= 1:
         raise UserError(f"generation.vllm.gpu_memory_utilization must be in (0, 1], got {g.vllm.gpu_memory_utilization}")
     check_placement(recipe)
+    check_fp32_head(recipe)
     check_servers_listed(g)
     check_lora_sync(recipe)
     if g.max_staleness < 0:
@@ -162,6 +163,23 @@ def check_lora_sync(recipe: Recipe) -> None:
                         f"({VLLM_MAX_LORA_RANK}); lower it, or use generation.lora_sync=merged")
     if not g.lora_check_atol > 0:
         raise UserError(f"generation.lora_check_atol must be > 0, got {g.lora_check_atol}")
+
+
+def check_fp32_head(recipe: Recipe) -> None:
+    """model.lm_head_fp32 on both sides or not at all: the trainer and the in-process vLLM engine (or the policy
+    itself, engine hf) can; a server's output layer is set where it starts, which posttrain cannot check."""
+    g, model = recipe.generation, recipe.model
+    if not model.lm_head_fp32:
+        return
+    if g.engine == "vllm" and g.placement != "colocated":
+        raise UserError(f"model.lm_head_fp32 runs the output layer in float32 on the trainer and in the engine, but "
+                        f"generation.placement={g.placement} generates on vLLM servers whose output layer is set where "
+                        "they start (vllm serve --hf-overrides '{\"head_dtype\": \"float32\"}'), which posttrain "
+                        "cannot check: use generation.placement=colocated, or model.lm_head_fp32=false")
+    if model.lora.enabled and "lm_head" in model.lora.target_modules:
+        raise UserError("model.lm_head_fp32 with lm_head in model.lora.target_modules: the adapter wraps the output "
+                        "layer, which then is no plain float32 layer; remove lm_head from the targets, or set "
+                        "model.lm_head_fp32=false")
 
 
 def check_placement(recipe: Recipe) -> None:

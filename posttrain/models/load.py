@@ -163,10 +163,42 @@ def _from_pretrained(auto_cls, model_cfg: ModelConfig, gradient_checkpointing: b
 
 
 def load_causal_lm(model_cfg: ModelConfig, gradient_checkpointing: bool = False):
-    """AutoModelForCausalLM from the recipe's source, dtype, attention kernel, revision; optional checkpointing."""
+    """AutoModelForCausalLM from the recipe's source, dtype, attention kernel, revision; optional checkpointing;
+    with model.lm_head_fp32 its output layer in float32 (fp32_output_layer)."""
     from transformers import AutoModelForCausalLM
 
-    return _from_pretrained(AutoModelForCausalLM, model_cfg, gradient_checkpointing)
+    model = _from_pretrained(AutoModelForCausalLM, model_cfg, gradient_checkpointing)
+    if model_cfg.lm_head_fp32:
+        fp32_output_layer(model)
+    return model
+
+
+FP32_HEAD = "posttrain_fp32_head"
+"""Set on an output layer that fp32_output_layer made: the fused log-prob path (models/forward.py) feeds it float32."""
+
+
+def _fp32_linear(head: torch.nn.Linear, hidden: torch.Tensor) -> torch.Tensor:
+    with torch.autocast(hidden.device.type, enabled=False):  # autocast would run the matmul in bf16 again
+        return torch.nn.functional.linear(hidden.float(), head.weight.float(),
+                                          None if head.bias is None else head.bias.float())
+
+
+def fp32_output_layer(model) -> None:
+    """model.lm_head_fp32: the output layer's weight in float32 and its forward in float32 whatever the hidden
+    states' dtype and autocast (TRL's cast_lm_head_to_fp32). A tied input embedding shares the float32 weight; its
+    output is cast back to the model's dtype, so the layers after it see what they did before."""
+    inner = unwrap_module(model)
+    head = inner.get_output_embeddings()
+    if type(head) is not torch.nn.Linear:
+        raise UserError(f"model.lm_head_fp32: the output layer of {type(inner).__name__} is a "
+                        f"{type(head).__name__}, not a plain Linear; set model.lm_head_fp32=false")
+    dtype = head.weight.dtype
+    embeddings = inner.get_input_embeddings()
+    head.float()
+    head.forward = _fp32_linear.__get__(head)
+    setattr(head, FP32_HEAD, True)
+    if embeddings is not None and embeddings.weight is head.weight and dtype != torch.float32:
+        embeddings.register_forward_hook(lambda module, args, out: out.to(dtype))
 
 
 def load_sequence_classifier(model_cfg: ModelConfig, gradient_checkpointing: bool = False, pad_token_id=None):
