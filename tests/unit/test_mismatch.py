@@ -33,6 +33,9 @@ def test_figures_by_hand():
     assert figures["mismatch/is_ratio/p50"] == pytest.approx((1 + math.exp(0.1)) / 2, rel=1e-5)
     assert figures["mismatch/is_ratio/p1"] == pytest.approx(ratios[0] + 0.03 * (ratios[1] - ratios[0]), rel=1e-5)
     assert mismatch_figures(torch.zeros(0), torch.zeros(0)) == {}
+    # at a synced engine's 1e-5 nats k3 ~ d^2 / 2 = 5e-11 keeps its digits (exp(d) - 1 - d in float32 would not)
+    tiny = mismatch_figures(torch.tensor([-1.0, -2.0]), torch.tensor([-1.0 - 1e-5, -2.0 + 1e-5]))["mismatch/k3"]
+    assert float(tiny) == pytest.approx(0.5e-10, rel=5e-2)
 
 
 def batch(old_BT, sampler_BT, mask_BT, advantages_B) -> Batch:
