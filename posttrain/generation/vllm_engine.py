@@ -35,9 +35,14 @@ def vllm_available() -> bool:
     return True
 
 
+def check_fp32_head(recipe) -> None:
+    """model.lm_head_fp32 with the in-process vLLM engine needs a vLLM whose model config has head_dtype
+    (hf_overrides), else only the trainer's head would be float32 (plan/preflight.py)."""
+    if recipe.model.lm_head_fp32 and recipe.generation.engine == "vllm":
+        check_fp32_head_support()
+
+
 def check_fp32_head_support() -> None:
-    """model.lm_head_fp32 needs a vLLM whose model config has head_dtype (hf_overrides), else only the trainer's
-    head would be float32."""
     from vllm.config import ModelConfig
 
     if not hasattr(ModelConfig, "head_dtype"):

@@ -3,6 +3,7 @@ stays silent on healthy rows; the live logger and `posttrain doctor RUN_DIR` say
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -12,6 +13,7 @@ from posttrain.cli import main
 from posttrain.config import DataConfig
 from posttrain.data import tokenize_prompts
 from posttrain.errors import UserError
+from posttrain.online.drawn import RankFigures
 from posttrain.online.rollout_source import step_metrics
 from posttrain.rundir.health import CHECKS, PATIENCE, diagnose
 from posttrain.rundir.metrics import MetricsLogger
@@ -101,9 +103,10 @@ def test_plain_prompts_for_a_chat_model_are_counted_per_step():
     tok.chat_template = None  # a base model: plain text is what it reads
     (plain,), _ = tokenize_prompts(rows({"prompt": "2 + 2 =", "answer": "4"}), tok, DataConfig())
     assert plain["untemplated"] is False
-    part = dict(total=[1.0, 0.0], scored=[True, True], per_function={"r": [1.0, 0.0]}, skipped=0, logged={},
-                lengths=[3, 4], truncated=[False, False], lag=[0, 0], untemplated=[True, False], agent=None)
+    part = RankFigures(total=[1.0, 0.0], scored=[True, True], per_function={"r": [1.0, 0.0]}, skipped=0, logged={},
+                       lengths=[3, 4], truncated=[False, False], lags=[0, 0], agent=None, untemplated=[True, False])
     metrics = step_metrics([part], torch.tensor([1.0, 0.0]), torch.tensor([True, True]), 2)
     assert metrics["prompts/untemplated_fraction"] == 0.5
-    assert "prompts/untemplated_fraction" not in step_metrics([{**part, "untemplated": [False, False]}],
-                                                              torch.tensor([1.0, 0.0]), torch.tensor([True, True]), 2)
+    chat = dataclasses.replace(part, untemplated=[False, False])
+    assert "prompts/untemplated_fraction" not in step_metrics([chat], torch.tensor([1.0, 0.0]),
+                                                              torch.tensor([True, True]), 2)
