@@ -3,6 +3,7 @@ stays silent on healthy rows; the live logger and `posttrain doctor RUN_DIR` say
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 
@@ -100,6 +101,7 @@ def test_plain_prompts_for_a_chat_model_are_counted_per_step():
     (plain,), _ = tokenize_prompts(rows({"prompt": "2 + 2 =", "answer": "4"}), tok, DataConfig())
     (chat,), _ = tokenize_prompts(rows({"prompt": CONVERSATION[:1], "answer": "4"}), tok, DataConfig())
     assert (plain["untemplated"], chat["untemplated"]) == (True, False)
+    tok = copy.deepcopy(tok)  # chatml_tokenizer() is shared by the session's tests
     tok.chat_template = None  # a base model: plain text is what it reads
     (plain,), _ = tokenize_prompts(rows({"prompt": "2 + 2 =", "answer": "4"}), tok, DataConfig())
     assert plain["untemplated"] is False
