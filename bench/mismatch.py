@@ -28,11 +28,15 @@ RUNS = {"fp32": ("model.dtype=float32", "generation.vllm.dtype=float32"),
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", required=True)
-    parser.add_argument("--data", default=str(Path(__file__).resolve().parents[1] / "examples/data/prompts_train.jsonl"))
+    parser.add_argument("--data", default=str(Path(__file__).resolve().parents[1] / "examples" / "data"
+                                              / "prompts_train.jsonl"))
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--completion-length", type=int, default=64)
     parser.add_argument("--out", default="runs/bench-mismatch")
     parser.add_argument("--runs", default=",".join(RUNS))
+    parser.add_argument("--reward", default="{name: length_penalty, kwargs: {max_length: 200}}",
+                        help="one reward entry (YAML); the default varies within a group, so advantages are not 0 "
+                        "and phantom clipping can show")
     args = parser.parse_args()
     summary = {}
     for name in args.runs.split(","):
@@ -41,7 +45,7 @@ def main() -> int:
                    f"data.train={args.data}", f"output_dir={out}", f"train.max_steps={args.steps}",
                    "train.per_device_train_batch_size=16", "algo.num_generations=4", "train.logging_steps=1",
                    f"generation.max_completion_length={args.completion_length}", "generation.engine=vllm",
-                   "generation.vllm.kv_cache_gb=2", "rewards=[{name: exact_match}]", "train.learning_rate=1e-6",
+                   "generation.vllm.kv_cache_gb=2", f"rewards=[{args.reward}]", "train.learning_rate=1e-6",
                    "train.report=false", "train.tensorboard=false", "train.overwrite_output_dir=true", *RUNS[name]]
         done = subprocess.run(command, env={**os.environ, "TOKENIZERS_PARALLELISM": "false"}, capture_output=True,
                               text=True)

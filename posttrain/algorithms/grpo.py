@@ -179,7 +179,7 @@ class GRPO(OnlineAlgorithm):
         The rollout source calls this once per generation batch, when the batch is taken for training (right after
         sampling, or, with generation.max_staleness, when a batch sampled ahead by an older policy comes up), so
         reused batches keep pi_old of their first step; the loop's own call then finds them present. The
-        sampler's own log-probs ride in sampler_logprobs_BT: truncated_importance_weights explains the two.
+        sampler's own log-probs ride in sampler_logprobs_BT: losses/sampler_correction.py explains the two.
         """
         updates = {}
         if self.takes_old_logprobs and batch.old_logprobs_BT is None:
@@ -202,7 +202,9 @@ class GRPO(OnlineAlgorithm):
             return models.policy.logprobs(batch, self.temperature)
 
     def clip_range(self) -> tuple[float, float]:
-        return self.config.epsilon, self.config.epsilon if self.config.epsilon_high is None else self.config.epsilon_high
+        """(1 - epsilon, 1 + epsilon_high): DAPO's clip-higher when epsilon_high is set."""
+        cfg = self.config
+        return cfg.epsilon, cfg.epsilon if cfg.epsilon_high is None else cfg.epsilon_high
 
     def count(self, batch: Batch) -> torch.Tensor:
         return self.aggregation.count(batch.completion_mask_BT, self.recipe.generation.max_completion_length)
@@ -210,8 +212,7 @@ class GRPO(OnlineAlgorithm):
     def loss(self, model, batch: Batch, normaliser: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """The shared clipped surrogate (OnlineAlgorithm.surrogate) + beta x k3 KL, aggregated by loss_type."""
         cfg, mask_BT = self.config, batch.completion_mask_BT
-        epsilon_high = cfg.epsilon if cfg.epsilon_high is None else cfg.epsilon_high
-        loss_BT, logprobs_BT, _, metrics = self.surrogate(model, batch, batch.advantages_B, cfg.epsilon, epsilon_high,
+        loss_BT, logprobs_BT, _, metrics = self.surrogate(model, batch, batch.advantages_B, *self.clip_range(),
                                                           level=cfg.importance_sampling_level)
         if batch.sampler_logprobs_BT is not None:  # how far the engine's sampling policy is from the trainer's
             metrics["sampler_logprob_gap"] = masked_mean((logprobs_BT.detach() - batch.sampler_logprobs_BT).abs(),

@@ -26,7 +26,8 @@ def check_is_correction(config, recipe: Recipe) -> None:
     and its bounds must make a weight."""
     mode, low = config.vllm_importance_sampling_mode, config.vllm_is_min
     if mode not in SAMPLER_CORRECTIONS:
-        raise UserError(f"algo.vllm_importance_sampling_mode is {mode!r}; choose one of {', '.join(SAMPLER_CORRECTIONS)}")
+        raise UserError(f"algo.vllm_importance_sampling_mode is {mode!r}; choose one of "
+                        f"{', '.join(SAMPLER_CORRECTIONS)}")
     if config.vllm_is_cap < 1:
         raise UserError(f"algo.vllm_is_cap must be >= 1 (it caps pi_old / pi_sampler), got {config.vllm_is_cap}")
     if low is not None and not 0 <= low < config.vllm_is_cap:

@@ -215,8 +215,7 @@ class PPO(OnlineAlgorithm):
         """The shared clipped surrogate (OnlineAlgorithm.surrogate) on per-token advantages, token mean over the
         step."""
         mask_BT = batch.completion_mask_BT
-        loss_BT, logprobs_BT, old_BT, metrics = self.surrogate(model, batch, batch.advantages_BT, self.config.epsilon,
-                                                               self.config.epsilon)
+        loss_BT, logprobs_BT, old_BT, metrics = self.surrogate(model, batch, batch.advantages_BT, *self.clip_range())
         with torch.no_grad():
             metrics["approx_kl"] = masked_mean(kl_k3(logprobs_BT, old_BT), mask_BT)
         return masked_sum(loss_BT, mask_BT) / normaliser, metrics

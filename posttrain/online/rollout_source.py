@@ -23,10 +23,11 @@ made in phases:
 last_metrics (whole step, all ranks): reward/mean|std (scored completions only), rewards/<name>/mean|std,
 rewards/skipped, rewards/unscored (completions no reward scored), frac_reward_zero_std, completion_length/mean|max|min,
 truncated_fraction, policy_lag and rollout/policy_lag_mean|max (optimiser steps from the sampling policy to the
-trained one), mismatch/* where an engine samples apart (online/mismatch.py); and this rank's seconds per phase:
-time/generate (with max_staleness: the wait for the batch sampled ahead), time/sync, time/score (with the gather), time/ref (log-probs, values, advantages), time/train (from handing
-the micro-batches over to the loop reading the metrics), and under launcher: ray time/role/<role> for each role
-served apart from the policy (its calls, transfer included).
+trained one), mismatch/* where an engine samples apart (online/mismatch.py), prompts/untemplated_fraction where
+plain-text prompts meet a chat template; and this rank's seconds per phase: time/generate (with max_staleness: the
+wait for the batch sampled ahead), time/sync, time/score (with the gather), time/ref (log-probs, values,
+advantages), time/train (from handing the micro-batches over to the loop reading the metrics), and under launcher:
+ray time/role/<role> for each role served apart from the policy (its calls, transfer included).
 """
 
 from __future__ import annotations

@@ -82,8 +82,8 @@ CHECKS: tuple[Check, ...] = (
           "check that the function reads the completions as passed (strings, or message lists for conversational "
           "data) and the dataset columns it needs; a constant reward only shifts the total", PATIENCE),
     Check("clip_fraction", _at_least(
-        "clip_fraction", CLIP_LIMIT, lambda v: f"clip_fraction={v:.2f}: the ratio pi / pi_old is outside the clip range "
-        "on almost every token, which then gets no gradient"),
+        "clip_fraction", CLIP_LIMIT, lambda v: f"clip_fraction={v:.2f}: the ratio pi / pi_old is outside the clip "
+        "range on almost every token, which then gets no gradient"),
         "lower train.learning_rate or algo.num_iterations (PPO: algo.ppo_epochs); with an engine apart see "
         "mismatch/phantom_clip_fraction"),
     Check("zero_grad_norm", _equals("grad_norm", 0.0, "the gradient norm is 0: no weight moved"),

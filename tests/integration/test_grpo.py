@@ -162,9 +162,10 @@ def test_a_run_that_cannot_learn_says_so_once_and_doctor_agrees(tiny_model_dir, 
     prompts.write_text("".join(json.dumps({"prompt": f"What is {i} + 1?", "answer": str(i + 1)}) + "\n"
                                for i in range(16)))
     out = tmp_path / "run"
-    assert run_cli("grpo", *run_overrides(tiny_model_dir, prompts, out, "train.max_steps=3",
-                                          "train.per_device_train_batch_size=8", "generation.max_completion_length=8",
-                                          "algo.num_generations=4", f"rewards=[{{name: '{HERE}:constant_reward'}}]")) == 0
+    overrides = run_overrides(tiny_model_dir, prompts, out, "train.max_steps=3", "train.per_device_train_batch_size=8",
+                              "generation.max_completion_length=8", "algo.num_generations=4",
+                              f"rewards=[{{name: '{HERE}:constant_reward'}}]")
+    assert run_cli("grpo", *overrides) == 0
     err = capsys.readouterr().err
     said = {name: err.count(f"posttrain: warning: step {step}: {what}") for name, step, what in (
         ("untemplated", 1, "100% of the prompts are plain text"), ("zero_std", 3, "frac_reward_zero_std=1.00"),

@@ -84,7 +84,8 @@ def test_truncated_importance_weights_by_hand():
     # the weights scale the surrogate and carry no gradient of their own
     logprobs_BT = logprobs()
     loss_BT, _ = clipped_surrogate(logprobs_BT, OLD_BT, ADVANTAGES_B, MASK_BT, EPS_LOW, EPS_HIGH)
-    weighted_BT = loss_BT * sampler_importance_weights(logprobs_BT.detach(), sampler_BT, MASK_BT, "token_truncate", 2.0)[0]
+    weighted_BT = loss_BT * sampler_importance_weights(logprobs_BT.detach(), sampler_BT, MASK_BT, "token_truncate",
+                                                       2.0)[0]
     (weighted_BT * MASK_BT).sum().backward()
     assert not weights_BT.requires_grad
     # row 0 token 2 (ratio 0.5, unclipped, A = +1): gradient -r A = -0.5 times its weight

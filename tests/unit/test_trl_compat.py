@@ -72,8 +72,9 @@ def test_trl_style_flags_become_overrides():
 
 @pytest.mark.parametrize("command", ["grpo", "ppo"])
 def test_trl_importance_sampling_flags_set_the_correction(command):
-    flags = {"use_vllm": True, "vllm_importance_sampling_correction": True, "vllm_importance_sampling_mode": "token_mask",
-             "vllm_importance_sampling_clip_max": 3.0, "vllm_importance_sampling_clip_min": 0.25}
+    flags = {"use_vllm": True, "vllm_importance_sampling_correction": True,
+             "vllm_importance_sampling_mode": "token_mask", "vllm_importance_sampling_clip_max": 3.0,
+             "vllm_importance_sampling_clip_min": 0.25}
     algo_cls = ALGORITHMS[command][0]
     overrides = command_line_overrides([], flags, algo_cls)
     recipe = load_recipe(None, overrides + ["rewards=[{name: exact_match}]", "data.train=x.jsonl"], algo_cls)
