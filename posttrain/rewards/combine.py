@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import copy
 import logging
 import math
 import numbers
@@ -153,7 +154,7 @@ class RewardSet:
         batch = dict(columns, prompts=prompts, completions=completions, completion_ids=completion_ids,
                      trainer_state=trainer_state)
         started = time.monotonic()
-        futures = [self._start(r.fn, *how.arguments({**batch, "log_extra": log.log_extra,
+        futures = [self._start(r.fn, *how.arguments({**own_copy(batch), "log_extra": log.log_extra,
                                                       "log_metric": log.log_metric}))
                    for r, how, log in zip(self.rewards, self._calling, logs)]
         per_function: dict[str, torch.Tensor] = {}
@@ -222,7 +223,7 @@ class RewardSet:
         def first_failure():
             for i in range(len(batch["completions"])):
                 log = UserLog(reward.name, 1)
-                one = {**batch, **{k: batch[k][i:i + 1] for k in per_sample},
+                one = {**own_copy({**batch, **{k: batch[k][i:i + 1] for k in per_sample}}),
                        "log_extra": log.log_extra, "log_metric": log.log_metric}
                 try:
                     call_blocking(reward.fn, *how.arguments(one))
@@ -257,6 +258,20 @@ class RewardSet:
                                   f"{excerpt(prompts[i])!r}); rewards must be finite numbers, or None for a sample it "
                                   "does not score")
         return torch.tensor(out, dtype=torch.float32)
+
+
+def own_copy(batch: dict) -> dict:
+    """A function's own copy of the batch it is handed: the ids it is given are not the ids that are trained, the
+    completions and columns not those another function (or samples.jsonl) reads, so a function that edits what it is
+    given (`ids[:] = ...`, `completions.clear()`) changes nothing but its own copy. trainer_state is frozen already."""
+    return {k: v if k == "trainer_state" else _copied(v) for k, v in batch.items()}
+
+
+def _copied(value: Any) -> Any:
+    try:
+        return copy.deepcopy(value)
+    except (TypeError, copy.Error):  # a column of objects that cannot be copied (a handle): a new list of them
+        return list(value) if isinstance(value, (list, tuple)) else value
 
 
 async def _call_async(fn: Callable, args: tuple, kwargs: dict) -> Any:

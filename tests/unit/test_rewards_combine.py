@@ -235,3 +235,50 @@ def test_reward_metrics_are_nan_aware():
     assert metrics["rewards/b/mean"].item() == 2.0 and metrics["rewards/b/std"].item() == 0.0
     assert metrics["rewards/c/mean"].isnan() and metrics["rewards/c/std"].isnan()
     assert all(v.dim() == 0 and v.dtype == torch.float32 for v in metrics.values())
+
+
+def test_user_code_gets_copies_so_a_reward_cannot_change_what_is_trained_or_what_others_see():
+    """A reward that edits what it is handed (ids[:] = ..., ids.pop(), completions.clear(), a message's content, a
+    column) changes only its own copy: the trained ids stay the engine's, the next reward sees the batch as sampled."""
+    prompts = [[{"role": "user", "content": p}] for p in PROMPTS]
+    completions = [[{"role": "assistant", "content": c}] for c in COMPLETIONS]
+    ids = [[1, 2, 3], [4, 5], [6]]
+    columns = {"answer": [["4"], ["red"], ["hi"]]}
+    seen = {}
+
+    def vandal(prompts, completions, completion_ids, answer, **kwargs):
+        for row in completion_ids:
+            row[:] = [0] * len(row)
+        completion_ids[0].pop()
+        prompts[0][0]["content"] = "edited"
+        completions[1][0]["content"] = "edited"
+        answer[2].append("extra")
+        completions.clear()
+        return [1.0, 1.0, 1.0]
+
+    def reader(prompts, completions, completion_ids, answer, **kwargs):
+        seen.update(prompts=prompts, completions=completions, ids=completion_ids, answer=answer)
+        return [float(len(c)) for c in completions]
+
+    rewards = RewardSet([Reward("vandal", vandal), Reward("reader", reader)])
+    scores = rewards.score(prompts, completions, columns, ids)
+    assert ids == [[1, 2, 3], [4, 5], [6]]
+    assert prompts[0][0]["content"] == PROMPTS[0] and completions[1][0]["content"] == COMPLETIONS[1]
+    assert columns == {"answer": [["4"], ["red"], ["hi"]]}
+    assert seen == {"prompts": prompts, "completions": completions, "ids": ids, "answer": columns["answer"]}
+    assert scores.per_function["reader"].tolist() == [1.0, 1.0, 1.0]
+
+
+def test_the_one_sample_reruns_that_name_a_failure_get_copies_too():
+    ids = [[1, 2], [3, 4], [5, 6]]
+
+    def pops_then_fails(prompts, completions, completion_ids, **kwargs):
+        for row in completion_ids:
+            row.pop()
+        if any(c == "blue" for c in completions):
+            raise ValueError("cannot score colours")
+        return [1.0] * len(completions)
+
+    with pytest.raises(RewardError, match="on sample 1"):
+        RewardSet([Reward("pops", pops_then_fails)]).score(PROMPTS, COMPLETIONS, None, ids)
+    assert ids == [[1, 2], [3, 4], [5, 6]]
