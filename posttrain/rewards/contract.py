@@ -137,6 +137,38 @@ def calling(fn: Callable, name: str, columns: Sequence[str]) -> Calling:
     return Calling(legacy, frozenset(p.name for p in kept if p.kind is not p.VAR_POSITIONAL), old)
 
 
+def contract_misfit(fn: Callable) -> Optional[str]:
+    """Why fn cannot be a reward function (None when it can), read from its signature at start-up: it must take one
+    of the contract's arguments by name, or **kwargs, or be a Python function of posttrain's earlier contract (prompts
+    and completions by position). Anything else (`def f(*args)`, called with nothing; `os.system`, `eval`) would be
+    handed a data column or nothing at all, so it is refused before any model loads."""
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):  # no signature to read (some C callables): TRL's keyword call, as at run time
+        return None
+    if any(p.kind is p.VAR_KEYWORD for p in params):
+        return None
+    named = {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    if named & set(CONTRACT_ARGS):
+        return None
+    by_position = [p for p in params if p.kind is p.POSITIONAL_OR_KEYWORD]
+    if len(by_position) >= 2 and written_in_python(fn):
+        return None
+    shown = ", ".join(str(p) for p in params) or "no arguments"
+    return (f"it takes ({shown}): none of the reward contract's arguments ({', '.join(CONTRACT_ARGS)}) and no "
+            "**kwargs, so it would be called without the completions to score; write it as "
+            "`def my_reward(completions, **kwargs)` (docs/rewards.md)")
+
+
+def written_in_python(fn: Callable) -> bool:
+    """fn is Python code (a function, a partial of one, an instance whose __call__ is one), not a built-in."""
+    while isinstance(fn, functools.partial):
+        fn = fn.func
+    if not (inspect.isfunction(fn) or inspect.ismethod(fn)):
+        fn = getattr(type(fn), "__call__", None) if not isinstance(fn, type) else fn.__init__
+    return inspect.isfunction(fn) or inspect.ismethod(fn)
+
+
 def tell_message_lists(name: str) -> None:
     """Said once per function of the earlier contract, on its first conversational batch: what changed."""
     logger.warning("reward '%s' is written for posttrain's earlier contract (completions as strings, **columns); "
