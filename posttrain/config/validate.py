@@ -11,7 +11,7 @@ import os
 from urllib.parse import urlsplit
 
 from posttrain.config.schema import Recipe, trackers
-from posttrain.errors import UserError
+from posttrain.errors import UserError, overflows_float32
 
 CHOICES = {
     "model.dtype": ("float32", "bfloat16", "float16", "auto"),
@@ -44,8 +44,10 @@ def get(recipe: Recipe, dotted: str):
 
 
 def check_finite(node, where: str = "") -> None:
-    """Every float of the recipe, at any depth (algo and rewards included), is a number: NaN compares false with
-    every bound (`max_grad_norm: .nan` silently turned clipping off) and inf overflows deadlines and schedules."""
+    """Every number of the recipe, at any depth (algo and rewards included), is a number that float32 holds: NaN compares false with every bound (`max_grad_norm: .nan` silently turned clipping off), inf overflows
+    deadlines and schedules, and 1e39 (finite as a Python float) is inf in the float32 tensors rewards, weights and
+    losses are computed in (`--reward_weights 1e39` zeroed every advantage, rc 0). A reward's kwargs are its own: the
+    built-ins check theirs (rewards/builtin.py)."""
     if dataclasses.is_dataclass(node):
         for f in dataclasses.fields(node):
             check_finite(getattr(node, f.name), f"{where}.{f.name}" if where else f.name)
@@ -54,6 +56,9 @@ def check_finite(node, where: str = "") -> None:
             check_finite(item, f"{where}[{i}]")
     elif isinstance(node, float) and not math.isfinite(node):
         raise UserError(f"{where} is {node}; give a finite number")
+    elif isinstance(node, (int, float)) and not isinstance(node, bool) and overflows_float32(node):
+        raise UserError(f"{where} is {node:.3g}, beyond the largest float32 (3.4e+38): it would be inf in the float32 "
+                        "tensors it is computed in; give a smaller number")
 
 
 def validate(recipe: Recipe) -> None:

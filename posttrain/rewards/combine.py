@@ -37,6 +37,8 @@ from posttrain.usercode import ProcessExitCalled, UserCodeError, awaited_user, u
 logger = logging.getLogger(__name__)
 
 ON_ERROR = ("raise", "skip")
+REWARD_DTYPE = torch.float32
+"""The dtype of every reward tensor (and so of the advantages built from them)."""
 
 
 class RewardError(UserCodeError):
@@ -126,6 +128,9 @@ class RewardSet:
                 raise ValueError(f"reward '{r.name}': on_error must be raise or skip, got {r.on_error!r}")
             if not r.timeout > 0:
                 raise ValueError(f"reward '{r.name}': timeout must be > 0 seconds, got {r.timeout}")
+            if not torch.tensor(float(r.weight), dtype=REWARD_DTYPE).isfinite():
+                raise ValueError(f"reward '{r.name}': weight {r.weight:.3g} is not a finite {REWARD_DTYPE} (the dtype "
+                                 "rewards are summed in, largest 3.4e+38); give a smaller weight")
         self._calling: list[Calling] = []  # how each function is called: read once, on the first batch
         self._told: set[str] = set()
 
@@ -173,7 +178,8 @@ class RewardSet:
                 values = self._check(r, future.result(), prompts)
             per_function[r.name] = values
         total_B = sum((r.weight * torch.nan_to_num(per_function[r.name], nan=0.0) for r in self.rewards),
-                      torch.zeros(size, dtype=torch.float32))
+                      torch.zeros(size, dtype=REWARD_DTYPE))
+        _check_total(total_B, self.rewards, per_function, prompts)
         logged = Logged({}, {})
         for log in logs:
             for name, values in log.metrics.items():
@@ -251,13 +257,20 @@ class RewardSet:
         for i, value in enumerate(values):
             if value is None:
                 out.append(float("nan"))
-            elif isinstance(value, numbers.Real) and math.isfinite(value):
-                out.append(float(value))
+            elif isinstance(value, numbers.Real) and math.isfinite(_as_float(value)):
+                out.append(_as_float(value))
             else:  # NaN too: None says "no reward for this sample" on purpose; NaN is a bug that would count as 0
                 raise RewardError(f"reward '{reward.name}' returned {value!r} for sample {i} (prompt: "
                                   f"{excerpt(prompts[i])!r}); rewards must be finite numbers, or None for a sample it "
                                   "does not score")
-        return torch.tensor(out, dtype=torch.float32)
+        rewards_B = torch.tensor(out, dtype=REWARD_DTYPE)
+        overflow = rewards_B.isinf().nonzero()  # every value was finite as a Python float: these overflowed
+        if len(overflow):
+            i = int(overflow[0])
+            raise RewardError(f"reward '{reward.name}' returned {values[i]!r} for sample {i} (prompt: "
+                              f"{excerpt(prompts[i])!r}), which is inf in {REWARD_DTYPE} (the dtype rewards are "
+                              "computed in, largest 3.4e+38); return a smaller number")
+        return rewards_B
 
 
 def own_copy(batch: dict) -> dict:
@@ -272,6 +285,24 @@ def _copied(value: Any) -> Any:
         return copy.deepcopy(value)
     except (TypeError, copy.Error):  # a column of objects that cannot be copied (a handle): a new list of them
         return list(value) if isinstance(value, (list, tuple)) else value
+
+
+def _as_float(value: numbers.Real) -> float:
+    """float(value); an int too large for a Python float (10**400) is an inf, caught as the overflow it is."""
+    try:
+        return float(value)
+    except OverflowError:
+        return math.copysign(math.inf, value)
+
+
+def _check_total(total_B: torch.Tensor, rewards: list[Reward], per_function: dict, prompts: list) -> None:
+    """The weighted sum is finite in its dtype (each reward and weight is, but 1e20 x weight 1e20 is not)."""
+    bad = (~total_B.isfinite()).nonzero()
+    if len(bad):
+        i = int(bad[0])
+        terms = ", ".join(f"'{r.name}' {float(per_function[r.name][i]):.3g} x weight {r.weight:.3g}" for r in rewards)
+        raise RewardError(f"the weighted reward of sample {i} (prompt: {excerpt(prompts[i])!r}) is {float(total_B[i])} "
+                          f"in {REWARD_DTYPE} ({terms}); scale the rewards or their weights down")
 
 
 async def _call_async(fn: Callable, args: tuple, kwargs: dict) -> Any:

@@ -35,7 +35,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
-from posttrain.errors import UserError
+from posttrain.errors import UserError, overflows_float32
 from posttrain.usercode import awaited_user, run_user_loop
 
 logger = logging.getLogger(__name__)
@@ -198,9 +198,10 @@ class UserLog:
 
     def log_metric(self, name: str, value: float) -> None:
         """A number, averaged over the step (and the ranks) and logged under `name`."""
-        if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+        if (isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value)
+                or overflows_float32(value)):
             raise UserError(f"reward '{self.name}' called log_metric({name!r}, {value!r}); the value must be a "
-                            "finite number")
+                            "finite number that float32 holds (metrics are averaged in float32)")
         with self._lock:
             self.metrics.setdefault(str(name), []).append(float(value))
 

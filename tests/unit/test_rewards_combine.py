@@ -282,3 +282,38 @@ def test_the_one_sample_reruns_that_name_a_failure_get_copies_too():
     with pytest.raises(RewardError, match="on sample 1"):
         RewardSet([Reward("pops", pops_then_fails)]).score(PROMPTS, COMPLETIONS, None, ids)
     assert ids == [[1, 2], [3, 4], [5, 6]]
+
+
+@pytest.mark.parametrize("value", [1e39, -1e39, 10**45, 3.5e38])
+@pytest.mark.parametrize("on_error", ["raise", "skip"])
+def test_a_reward_finite_in_float64_but_inf_in_float32_is_named(value, on_error):
+    """1e39 is a finite Python float and inf in the float32 rewards: its group's advantages would be 0, loss 0."""
+    def huge(prompts, completions, **kwargs):
+        return [1.0, value, 2.0]
+
+    with pytest.raises(RewardError, match=r"reward 'huge' returned .* for sample 1 .* which is inf in torch.float32"):
+        RewardSet([Reward("huge", huge, on_error=on_error)]).score(PROMPTS, COMPLETIONS)
+
+
+def test_the_largest_float32_itself_is_a_reward():
+    total, *_ = RewardSet([Reward("edge", constant(3.4e38))]).score(PROMPTS, COMPLETIONS)
+    assert total.isfinite().all()
+
+
+def test_a_weight_float32_cannot_hold_or_a_weighted_sum_that_overflows_is_named():
+    with pytest.raises(ValueError, match="reward 'one': weight 1e\\+39 is not a finite torch.float32"):
+        RewardSet([Reward("one", constant(1.0), 1e39)])
+    rewards = RewardSet([Reward("big", constant(1e20), 1e20), Reward("one", constant(1.0))])
+    with pytest.raises(RewardError, match=r"weighted reward of sample 0 .* is inf in torch.float32 \('big' 1e\+20 x "
+                                          r"weight 1e\+20, 'one' 1 x weight 1\)"):
+        rewards.score(PROMPTS, COMPLETIONS)
+
+
+def test_log_metric_refuses_a_value_float32_cannot_hold():
+    def logs(prompts, completions, log_metric, **kwargs):
+        log_metric("mine", 1e39)
+        return [1.0] * len(completions)
+
+    with pytest.raises(UserError, match=r"log_metric\('mine', 1e\+39\); the value must be a finite number that "
+                                        "float32 holds"):
+        RewardSet([Reward("logs", logs)]).score(PROMPTS, COMPLETIONS)

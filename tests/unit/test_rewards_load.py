@@ -168,3 +168,13 @@ def test_a_callable_that_takes_none_of_the_contract_is_refused_at_load(user_modu
 @pytest.mark.parametrize("spec", ["{m}:has_word", "{m}:two_args", "{m}:Scorer"])
 def test_contract_functions_and_the_earlier_positional_contract_still_load(user_module, spec):
     assert load_reward(RewardConfig(name=spec.format(m=user_module))).fn is not None
+
+
+@pytest.mark.parametrize("kwargs, key", [({"max_length": 8, "buffer": 4, "penalty_factor": 1e39}, "penalty_factor"),
+                                         ({"max_length": 8, "buffer": 4, "penalty_factor": float("inf")},
+                                          "penalty_factor"),
+                                         ({"target_length": 4, "max_length": 1e39}, "max_length")])
+def test_a_builtins_number_that_float32_cannot_hold_is_refused_at_load(kwargs, key):
+    name = "overlong" if "buffer" in kwargs else "length_penalty"
+    with pytest.raises(UserError, match=f"reward {name}: kwargs.{key} is .*not a finite float32"):
+        load_reward(RewardConfig(name=name, kwargs=kwargs))
