@@ -55,6 +55,7 @@ from posttrain.online.engine_link import EngineLink
 from posttrain.online.in_flight import InFlight, Sampled, lag_metrics, policy_lag
 from posttrain.online.scoring import score
 from posttrain.train.sources import SampleOrder, Source
+from posttrain.usercode import UserCodeError
 
 logger = logging.getLogger(__name__)
 
@@ -383,5 +384,9 @@ def step_metrics(everyone: list[dict], total_B: torch.Tensor, scored_B: torch.Te
     for part in everyone:
         for name, values in part["logged"].items():
             logged.setdefault(name, []).extend(values)
+    clash = sorted(set(logged) & set(metrics))
+    if clash:  # the trainer's figure would be replaced by the user's
+        raise UserCodeError(f"a reward function called log_metric({clash[0]!r}, ...), a metric the trainer logs "
+                            "itself; give yours a name of its own")
     return {**{k: float(v) for k, v in metrics.items()}, **{k: sum(v) / len(v) for k, v in logged.items()},
             "rewards/skipped": float(sum(p["skipped"] for p in everyone))}

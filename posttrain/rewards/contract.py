@@ -198,12 +198,30 @@ class UserLog:
 
     def log_metric(self, name: str, value: float) -> None:
         """A number, averaged over the step (and the ranks) and logged under `name`."""
+        if is_trainer_metric(str(name)):
+            raise UserError(f"reward '{self.name}' called log_metric({name!r}, ...): the trainer logs {name!r} itself "
+                            f"and yours would replace it; give it a name of its own, e.g. '{self.name}/{name}'")
         if (isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value)
                 or overflows_float32(value)):
             raise UserError(f"reward '{self.name}' called log_metric({name!r}, {value!r}); the value must be a "
                             "finite number that float32 holds (metrics are averaged in float32)")
         with self._lock:
             self.metrics.setdefault(str(name), []).append(float(value))
+
+
+TRAINER_METRICS = ("step", "loss", "grad_norm", "learning_rate", "tokens_per_second", "num_tokens", "epoch",
+                   "peak_memory_mb", "estimated_peak_memory_mb")
+"""Names in metrics.jsonl that the loop writes itself; a `<name>/...` beneath one (loss/critic) is the loop's too."""
+TRAINER_FAMILIES = ("reward", "rewards", "time", "completion_length", "rollout")
+"""Names beneath which only the rollout source logs (reward/mean, rewards/<function>/mean, time/generate, ...)."""
+
+
+def is_trainer_metric(name: str) -> bool:
+    """A metric name the trainer writes (or may write), which log_metric must not replace. Names the algorithm or the
+    rollout source log at run time (entropy, frac_reward_zero_std, ...) are checked where they meet the user's
+    (posttrain/online/rollout_source.py, posttrain/train/loop.py)."""
+    top = name.split("/", 1)[0]
+    return top in TRAINER_METRICS or top in TRAINER_FAMILIES
 
 
 _LOOP: Optional[asyncio.AbstractEventLoop] = None
