@@ -31,7 +31,7 @@ import torch
 
 from posttrain.errors import UserError
 from posttrain.rewards.contract import (NOT_COLUMNS, Calling, UserLog, call_blocking, calling, event_loop, is_async,
-                                        tell_message_lists)
+                                        running_for, tell_message_lists)
 from posttrain.usercode import ProcessExitCalled, UserCodeError, awaited_user, user_code, what_it_did
 
 logger = logging.getLogger(__name__)
@@ -66,13 +66,15 @@ def excerpt(value: Any, limit: int = 80) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def _in_thread(fn: Callable, *args, **kwargs) -> concurrent.futures.Future:
-    """Run fn in a daemon thread; its outcome arrives in the returned Future."""
+def _in_thread(fn: Callable, *args, abandon: Optional[threading.Event] = None, **kwargs) -> concurrent.futures.Future:
+    """Run fn in a daemon thread; its outcome arrives in the returned Future. `abandon` is set once its caller stops
+    waiting (contract.abandoned)."""
     future: concurrent.futures.Future = concurrent.futures.Future()
 
     def run():
         if not future.set_running_or_notify_cancel():
             return
+        running_for(abandon or threading.Event())
         try:
             with user_code():  # os._exit in the function is named, not the end of the process
                 result = fn(*args, **kwargs)
@@ -159,9 +161,28 @@ class RewardSet:
         batch = dict(columns, prompts=prompts, completions=completions, completion_ids=completion_ids,
                      trainer_state=trainer_state)
         started = time.monotonic()
+        abandon = threading.Event()  # set when this batch's scoring ends, however it ends
         futures = [self._start(r.fn, *how.arguments({**own_copy(batch), "log_extra": log.log_extra,
-                                                      "log_metric": log.log_metric}))
+                                                      "log_metric": log.log_metric}), abandon)
                    for r, how, log in zip(self.rewards, self._calling, logs)]
+        try:
+            per_function = self._results(futures, batch, prompts, started)
+        finally:
+            abandon.set()  # a function still running (timed out, or its batch failed) takes no new work
+        total_B = sum((r.weight * torch.nan_to_num(per_function[r.name], nan=0.0) for r in self.rewards),
+                      torch.zeros(size, dtype=REWARD_DTYPE))
+        _check_total(total_B, self.rewards, per_function, prompts)
+        logged = Logged({}, {})
+        for log in logs:
+            for name, values in log.metrics.items():
+                logged.metrics.setdefault(name, []).extend(values)
+            logged.extra.update(log.extra)
+        scores = Scores(total_B, per_function, sum(int(v.isnan().sum()) for v in per_function.values()), logged)
+        _warn_unscored(scores.scored_B, batch, list(columns))
+        return scores
+
+    def _results(self, futures: list, batch: dict, prompts: list, started: float) -> dict[str, torch.Tensor]:
+        """Each function's rewards, waited for within its timeout; a failure goes by its on_error."""
         per_function: dict[str, torch.Tensor] = {}
         for r, how, future in zip(self.rewards, self._calling, futures):
             remaining = max(0.0, started + r.timeout - time.monotonic())
@@ -177,25 +198,15 @@ class RewardSet:
             else:
                 values = self._check(r, future.result(), prompts)
             per_function[r.name] = values
-        total_B = sum((r.weight * torch.nan_to_num(per_function[r.name], nan=0.0) for r in self.rewards),
-                      torch.zeros(size, dtype=REWARD_DTYPE))
-        _check_total(total_B, self.rewards, per_function, prompts)
-        logged = Logged({}, {})
-        for log in logs:
-            for name, values in log.metrics.items():
-                logged.metrics.setdefault(name, []).extend(values)
-            logged.extra.update(log.extra)
-        scores = Scores(total_B, per_function, sum(int(v.isnan().sum()) for v in per_function.values()), logged)
-        _warn_unscored(scores.scored_B, batch, list(columns))
-        return scores
+        return per_function
 
     @staticmethod
-    def _start(fn: Callable, args: tuple, kwargs: dict) -> concurrent.futures.Future:
+    def _start(fn: Callable, args: tuple, kwargs: dict, abandon: threading.Event) -> concurrent.futures.Future:
         """An async function's coroutine on the shared event loop (the batch's async functions run together there);
         any other function in a thread of its own."""
         if is_async(fn):
             return asyncio.run_coroutine_threadsafe(_call_async(fn, args, kwargs), event_loop())
-        return _in_thread(call_blocking, fn, args, kwargs)
+        return _in_thread(call_blocking, fn, args, kwargs, abandon=abandon)
 
     def _failed(self, reward: Reward, what: str, batch: dict, error, how) -> torch.Tensor:
         prompts, completions = batch["prompts"], batch["completions"]
@@ -237,8 +248,10 @@ class RewardSet:
                     return i, e
             return None
 
-        future = _in_thread(first_failure)
+        abandon = threading.Event()
+        future = _in_thread(first_failure, abandon=abandon)
         concurrent.futures.wait([future], timeout=reward.timeout)
+        abandon.set()
         return future.result() if future.done() and future.exception() is None else None
 
     @staticmethod

@@ -224,6 +224,22 @@ def is_trainer_metric(name: str) -> bool:
     return top in TRAINER_METRICS or top in TRAINER_FAMILIES
 
 
+_CALL = threading.local()  # the reward call the current thread runs for (RewardSet sets it)
+_NEVER = threading.Event()
+
+
+def abandoned() -> threading.Event:
+    """Set once nobody waits any more for the reward call this thread runs (its timeout passed, or the batch ended
+    otherwise): a reward doing its work in threads of its own (the judge) takes no new work once it is set, so a
+    timed-out batch does not go on sending requests for minutes. Never set outside a RewardSet call."""
+    return getattr(_CALL, "abandoned", _NEVER)
+
+
+def running_for(event: threading.Event) -> None:
+    """This thread now runs a reward call that `event` abandons (RewardSet)."""
+    _CALL.abandoned = event
+
+
 _LOOP: Optional[asyncio.AbstractEventLoop] = None
 _LOOP_LOCK = threading.Lock()
 

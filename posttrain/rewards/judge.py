@@ -25,7 +25,6 @@ counted in rewards/skipped).
 
 from __future__ import annotations
 
-import concurrent.futures
 import json
 import math
 import os
@@ -33,11 +32,13 @@ import re
 import threading
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 from urllib.parse import urlsplit
 
 from posttrain.errors import UserError
 from posttrain.generation.http import BadAnswer, ServerUnavailable
+from posttrain.rewards.contract import abandoned
+from posttrain.usercode import stop_requested
 
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 PARSERS = ("number", "yes_no")
@@ -109,13 +110,13 @@ class Judge:
         headers = {"Authorization": f"Bearer {self.token}"} if self.token else {}
         self._client = httpx.Client(limits=limits, headers=headers, follow_redirects=False,
                                     timeout=httpx.Timeout(request_timeout_s))
-        self._pool = concurrent.futures.ThreadPoolExecutor(concurrency, thread_name_prefix="posttrain-judge")
 
     def __call__(self, prompts, completions, completion_ids=None, **kwargs) -> list[Optional[float]]:
         columns = {k: v for k, v in kwargs.items() if isinstance(v, (list, tuple)) and len(v) == len(completions)}
         texts = [self.template.render(prompt=p, completion=c, **{k: v[i] for k, v in columns.items()})
                  for i, (p, c) in enumerate(zip(prompts, completions))]
-        return [parse_score(answer, self.parse) for answer in self._pool.map(self.ask, texts)]
+        answers = bounded_map(self.ask, texts, self.concurrency, abandoned())
+        return [parse_score(answer, self.parse) for answer in answers]
 
     def ask(self, text: str) -> str:
         """The judge's answer to one rendered prompt, tried again while that can help."""
@@ -124,6 +125,8 @@ class Judge:
         body = {"model": self.model or self._served_model(), "messages": messages, "max_tokens": self.max_tokens,
                 "temperature": self.temperature}
         for attempt in range(self.retries + 1):
+            if stop_requested():  # the run is stopping: no new request (nor another try)
+                raise ServerUnavailable(f"judge {self.url}: not asked, the run is stopping", retry=False)
             try:
                 answer = self._request("/chat/completions", body)
                 break
@@ -183,6 +186,41 @@ class Judge:
             return json.loads(bytes(raw))
         except ValueError as e:
             raise ServerUnavailable(f"the answer is not JSON ({e}): {bytes(raw[:120])!r}", retry=False) from None
+
+
+def bounded_map(fn: Callable[[Any], Any], items: list, workers: int, abandon: threading.Event) -> list:
+    """[fn(item) for item in items], `workers` at a time in daemon threads that take no new item once `abandon` is
+    set (the reward's caller gave up: its timeout passed) or the run is stopping: a timed-out batch stops sending
+    requests after those in flight, and the process never waits for them to exit (a ThreadPoolExecutor's threads
+    are joined at exit: minutes of requests nobody reads)."""
+    results: list = [None] * len(items)
+    errors: list = []
+    pending = iter(range(len(items)))
+    lock = threading.Lock()
+
+    def work():
+        while not (abandon.is_set() or stop_requested() or errors):
+            with lock:
+                index = next(pending, None)
+            if index is None:
+                return
+            try:
+                results[index] = fn(items[index])
+            except BaseException as e:  # noqa: BLE001 - raised in the caller's thread below
+                errors.append(e)
+
+    threads = [threading.Thread(target=work, name="posttrain-judge", daemon=True)
+               for _ in range(min(workers, len(items)))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    if abandon.is_set() or stop_requested():
+        raise ServerUnavailable("the judge's batch was abandoned (its reward timed out, or the run is stopping)",
+                                retry=False)
+    return results
 
 
 def _load_template(path: str):

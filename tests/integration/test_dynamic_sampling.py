@@ -56,7 +56,7 @@ def test_out_of_draws_trains_on_what_there_is(tiny_model_dir, data, tmp_path, ca
     assert (row["dynamic_sampling/groups_drawn"], row["dynamic_sampling/groups_kept"],
             row["dynamic_sampling/filler_groups"], row["dynamic_sampling/batches"]) == (4.0, 0.0, 2.0, 2.0)
     assert row["loss"] == 0.0 and torch.isfinite(torch.tensor(row["grad_norm"]))  # every completion masked
-    assert "0 of 2 prompt groups" in caplog.text
+    assert "0 of the 2 prompt groups" in caplog.text and "this step trains on nothing" in caplog.text
 
 
 @pytest.mark.parametrize("extra, message", [

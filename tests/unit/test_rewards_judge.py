@@ -185,3 +185,33 @@ def test_a_template_with_an_unknown_variable_fails_on_the_first_batch(fake, tmp_
     template.write_text("{{ completoin }}")
     with pytest.raises(Exception, match="completoin"):
         judge(fake, prompt_template=str(template), model="m")(["p"], ["c"])
+
+
+def test_after_the_judge_times_out_it_sends_no_more_requests_and_holds_no_thread_the_exit_waits_for(fake):
+    """A batch of 40 to a judge answering in 2 s, 2 at a time, with a 0.5 s reward timeout: it used to send all 40
+    (and the process waited for them at exit); now only those in flight when the caller gave up."""
+    fake.mode = "slow"
+    rewards = RewardSet([("judge", judge(fake, model="m", concurrency=2, request_timeout_s=5.0, retries=0), 1.0, 0.5,
+                          "skip")])
+    scores = rewards.score(["p"] * 40, ["abc"] * 40, {"answer": ["a"] * 40})
+    assert scores.skipped == 40
+    time.sleep(4.5)  # the two in flight end (2 s); none follows them
+    assert len(fake.requests) <= 4
+    judges = [t for t in threading.enumerate() if t.name == "posttrain-judge"]
+    assert all(t.daemon for t in judges)
+
+
+def test_a_stop_signal_ends_the_judges_requests(fake, monkeypatch):
+    import signal
+
+    from posttrain.usercode import request_stop
+
+    fake.mode = "slow"
+    fn = judge(fake, model="m", concurrency=2, request_timeout_s=5.0, retries=0)
+    threading.Timer(0.3, request_stop, args=(signal.SIGTERM,)).start()
+    try:
+        with pytest.raises(ServerUnavailable, match="abandoned"):
+            fn(["p"] * 20, ["abc"] * 20, answer=["a"] * 20)
+    finally:
+        request_stop(0)
+    assert len(fake.requests) == 2
