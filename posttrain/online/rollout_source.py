@@ -53,7 +53,7 @@ from posttrain.online.drawn import Drawn
 from posttrain.online.dynamic_sampling import DynamicSampler
 from posttrain.online.engine_link import EngineLink
 from posttrain.online.in_flight import InFlight, Sampled, lag_metrics, policy_lag
-from posttrain.online.scoring import score
+from posttrain.online.scoring import UnscoredSteps, score
 from posttrain.train.sources import SampleOrder, Source
 from posttrain.usercode import UserCodeError
 
@@ -112,6 +112,7 @@ class RolloutSource(Source):
         self._generation: Generation | None = None
         self._handed_out = time.perf_counter()
         self._metrics: dict[str, float] = {}
+        self._unscored = UnscoredSteps()  # a run whose rewards score nothing stops
         self._trained_through = 0  # optimiser steps the policy has taken (as far as this source knows)
         # generation.max_staleness: up to k generation batches sampled ahead, in one thread, while this one trains
         self._ahead = InFlight(recipe.generation.max_staleness, self.iterations)
@@ -230,6 +231,9 @@ class RolloutSource(Source):
         everyone = backend.data_all_gather_object(mine)
         global_total_B = torch.tensor([r for part in everyone for r in part["total"]])
         global_scored_B = torch.tensor([s for part in everyone for s in part["scored"]], dtype=torch.bool)
+        self._unscored.check(global_scored_B, {name: sum(math.isnan(v) for part in everyone
+                                                         for v in part["per_function"][name])
+                                               for name in everyone[0]["per_function"]}, step)
         scored = time.perf_counter()
         self._seconds["score"] += scored - gather_started
 

@@ -30,8 +30,8 @@ from typing import Any, Callable, NamedTuple, Optional, Sequence
 import torch
 
 from posttrain.errors import UserError
-from posttrain.rewards.contract import (NOT_COLUMNS, Calling, UserLog, call_blocking, calling, event_loop, is_async,
-                                        running_for, tell_message_lists)
+from posttrain.rewards.contract import (NOT_COLUMNS, Calling, LoopWatch, UserLog, call_blocking, calling, event_loop,
+                                        is_async, running_for, tell_message_lists)
 from posttrain.usercode import ProcessExitCalled, UserCodeError, awaited_user, user_code, what_it_did
 
 logger = logging.getLogger(__name__)
@@ -162,11 +162,12 @@ class RewardSet:
                      trainer_state=trainer_state)
         started = time.monotonic()
         abandon = threading.Event()  # set when this batch's scoring ends, however it ends
-        futures = [self._start(r.fn, *how.arguments({**own_copy(batch), "log_extra": log.log_extra,
-                                                      "log_metric": log.log_metric}), abandon)
+        watch = LoopWatch()  # which async function held the shared event loop
+        futures = [self._start(r, *how.arguments({**own_copy(batch), "log_extra": log.log_extra,
+                                                   "log_metric": log.log_metric}), abandon, watch)
                    for r, how, log in zip(self.rewards, self._calling, logs)]
         try:
-            per_function = self._results(futures, batch, prompts, started)
+            per_function = self._results(futures, batch, prompts, started, watch)
         finally:
             abandon.set()  # a function still running (timed out, or its batch failed) takes no new work
         total_B = sum((r.weight * torch.nan_to_num(per_function[r.name], nan=0.0) for r in self.rewards),
@@ -181,12 +182,20 @@ class RewardSet:
         _warn_unscored(scores.scored_B, batch, list(columns))
         return scores
 
-    def _results(self, futures: list, batch: dict, prompts: list, started: float) -> dict[str, torch.Tensor]:
+    def _results(self, futures: list, batch: dict, prompts: list, started: float,
+                 watch: LoopWatch) -> dict[str, torch.Tensor]:
         """Each function's rewards, waited for within its timeout; a failure goes by its on_error."""
         per_function: dict[str, torch.Tensor] = {}
         for r, how, future in zip(self.rewards, self._calling, futures):
             remaining = max(0.0, started + r.timeout - time.monotonic())
             concurrent.futures.wait([future], timeout=remaining)
+            blocker = watch.holder(r.name, min(1.0, r.timeout / 2)) if is_async(r.fn) else None
+            if not future.done() and blocker is not None:
+                raise RewardError(f"reward '{r.name}' did not return within {r.timeout:g}s because reward "
+                                  f"'{blocker[0]}' held the shared event loop for {blocker[1]:.1f}s without awaiting "
+                                  "(a blocking call, time.sleep or CPU work, inside `async def`), so no other async "
+                                  f"reward could run. Make '{blocker[0]}' await (asyncio.sleep, an async client), move "
+                                  "its blocking work to asyncio.to_thread, or make it a plain def")
             if not future.done():
                 future.cancel()  # an async function's task stops; a thread runs on, unheard
                 values = self._failed(r, f"did not return within {r.timeout:g}s", batch, None, how)
@@ -201,12 +210,14 @@ class RewardSet:
         return per_function
 
     @staticmethod
-    def _start(fn: Callable, args: tuple, kwargs: dict, abandon: threading.Event) -> concurrent.futures.Future:
-        """An async function's coroutine on the shared event loop (the batch's async functions run together there);
-        any other function in a thread of its own."""
-        if is_async(fn):
-            return asyncio.run_coroutine_threadsafe(_call_async(fn, args, kwargs), event_loop())
-        return _in_thread(call_blocking, fn, args, kwargs, abandon=abandon)
+    def _start(reward: Reward, args: tuple, kwargs: dict, abandon: threading.Event,
+               watch: LoopWatch) -> concurrent.futures.Future:
+        """An async function's coroutine on the shared event loop (the batch's async functions run together there,
+        each step timed by `watch`); any other function in a thread of its own."""
+        if is_async(reward.fn):
+            return asyncio.run_coroutine_threadsafe(_call_async(reward.fn, args, kwargs, watch, reward.name),
+                                                    event_loop())
+        return _in_thread(call_blocking, reward.fn, args, kwargs, abandon=abandon)
 
     def _failed(self, reward: Reward, what: str, batch: dict, error, how) -> torch.Tensor:
         prompts, completions = batch["prompts"], batch["completions"]
@@ -318,8 +329,8 @@ def _check_total(total_B: torch.Tensor, rewards: list[Reward], per_function: dic
                           f"in {REWARD_DTYPE} ({terms}); scale the rewards or their weights down")
 
 
-async def _call_async(fn: Callable, args: tuple, kwargs: dict) -> Any:
-    return await awaited_user(fn(*args, **kwargs))
+async def _call_async(fn: Callable, args: tuple, kwargs: dict, watch: LoopWatch, name: str) -> Any:
+    return await awaited_user(watch.timed(name, fn(*args, **kwargs)))
 
 
 def _warn_unscored(scored_B: torch.Tensor, batch: dict, columns: list[str]) -> None:

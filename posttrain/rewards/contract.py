@@ -32,6 +32,7 @@ import logging
 import math
 import numbers
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
@@ -238,6 +239,56 @@ def abandoned() -> threading.Event:
 def running_for(event: threading.Event) -> None:
     """This thread now runs a reward call that `event` abandons (RewardSet)."""
     _CALL.abandoned = event
+
+
+class LoopWatch:
+    """Who held the shared event loop during one batch. Each async function's coroutine is driven one step at a time
+    (from one await to the next) and each step timed: a step that runs long without awaiting (time.sleep, CPU work
+    inside `async def`) blocks every other async function of the batch, which then times out and used to take the
+    blame."""
+
+    def __init__(self):
+        self.longest: dict[str, float] = {}
+        self.holding: Optional[tuple[str, float]] = None
+
+    def timed(self, name: str, awaitable) -> "_Timed":
+        return _Timed(self, name, awaitable)
+
+    def holder(self, besides: str, at_least: float) -> Optional[tuple[str, float]]:
+        """(name, seconds) of the function other than `besides` that held the loop longest in one step (or holds it
+        now), if that is at least `at_least` seconds."""
+        held = dict(self.longest)
+        holding = self.holding
+        if holding is not None:
+            held[holding[0]] = max(held.get(holding[0], 0.0), time.monotonic() - holding[1])
+        found = sorted((seconds, name) for name, seconds in held.items() if name != besides and seconds >= at_least)
+        return (found[-1][1], found[-1][0]) if found else None
+
+
+class _Timed:
+    """An awaitable that runs `awaitable` step by step, timing each step for its LoopWatch."""
+
+    def __init__(self, watch: LoopWatch, name: str, awaitable):
+        self.watch, self.name, self.awaitable = watch, name, awaitable
+
+    def __await__(self):
+        steps = self.awaitable.__await__()
+        sent, thrown = None, None
+        while True:
+            started = time.monotonic()
+            self.watch.holding = (self.name, started)
+            try:
+                yielded = steps.throw(thrown) if thrown is not None else steps.send(sent)
+            except StopIteration as done:
+                return done.value
+            finally:
+                self.watch.holding = None
+                held = time.monotonic() - started
+                self.watch.longest[self.name] = max(self.watch.longest.get(self.name, 0.0), held)
+            try:
+                sent, thrown = (yield yielded), None
+            except BaseException as e:  # noqa: BLE001 - a cancellation (or any error) goes on into the coroutine
+                sent, thrown = None, e
 
 
 _LOOP: Optional[asyncio.AbstractEventLoop] = None

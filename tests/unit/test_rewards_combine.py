@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import sys
 import threading
 import time
@@ -317,3 +318,28 @@ def test_log_metric_refuses_a_value_float32_cannot_hold():
     with pytest.raises(UserError, match=r"log_metric\('mine', 1e\+39\); the value must be a finite number that "
                                         "float32 holds"):
         RewardSet([Reward("logs", logs)]).score(PROMPTS, COMPLETIONS)
+
+
+@pytest.mark.parametrize("order", ["victim_first", "culprit_first"])
+def test_an_async_reward_that_blocks_the_shared_loop_is_named_not_the_one_it_starved(order):
+    import asyncio
+
+    async def polite(completions, **kwargs):
+        await asyncio.sleep(0.05)
+        return [1.0] * len(completions)
+
+    async def blocking(completions, **kwargs):
+        time.sleep(2.0)  # holds the event loop every async reward shares
+        return [1.0] * len(completions)
+
+    rewards = [Reward("polite", polite, timeout=1.0), Reward("blocking", blocking, timeout=5.0)]
+    if order == "culprit_first":  # polite is waited for after blocking returned: it may well have finished by then
+        rewards.reverse()
+    try:
+        RewardSet(rewards).score(PROMPTS, COMPLETIONS)
+    except RewardError as e:  # never "polite did not return" alone: the message names the one that held the loop
+        assert re.search(r"reward 'polite' did not return within 1s because reward 'blocking' held the shared event "
+                         r"loop for \d\.\ds without awaiting", str(e)), e
+    else:
+        assert order == "culprit_first"
+    time.sleep(0.5)  # the loop is free again for the next test
