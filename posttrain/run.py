@@ -142,6 +142,7 @@ def run_attempt(command: str, recipe: Recipe, launched: Optional[Launched] = Non
     train_examples, train_stats = load_examples(recipe, algorithm, tokenizer, "train")
     eval_examples = load_examples(recipe, algorithm, tokenizer, "eval")[0] if recipe.data.eval else None
     check_answer_columns(recipe, algorithm, train_examples, eval_examples)  # dynamic sampling's accuracy, pass@k
+    algorithm.check_data(train_examples, eval_examples)  # the columns the rewards read by name (a judge's template)
 
     # 2. processes and engines; then models
     backend = Backend(recipe)

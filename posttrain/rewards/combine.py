@@ -56,6 +56,9 @@ class Reward(NamedTuple):
     """Seconds the function may take per batch."""
     on_error: str = "raise"
     """raise or skip (see the module docstring)."""
+    columns: tuple = ()
+    """Dataset columns the function reads by name (a judge's template variables), checked against the data at
+    start-up (RewardSet.check_columns)."""
 
 
 def excerpt(value: Any, limit: int = 80) -> str:
@@ -139,6 +142,16 @@ class RewardSet:
     @property
     def names(self) -> list[str]:
         return [r.name for r in self.rewards]
+
+    def check_columns(self, columns: Sequence[str], where: str) -> None:
+        """Every column a function reads by name is in the data (`where`: data.train, data.eval), before any model
+        loads: a judge template's typo used to fail at the first batch."""
+        for r in self.rewards:
+            missing = sorted(set(r.columns) - set(columns))
+            if missing:
+                raise UserError(f"reward '{r.name}' reads {', '.join(missing)}, which is neither prompt, completion "
+                                f"nor a column of {where} (columns: {', '.join(sorted(columns)) or 'none'}); fix the "
+                                "name in the reward (a judge: its kwargs.prompt_template) or add the column")
 
     def score(self, prompts: list, completions: list, columns: Optional[dict[str, list]] = None,
               completion_ids: Optional[list[list[int]]] = None, trainer_state: Any = None) -> Scores:

@@ -40,7 +40,8 @@ def load_reward(cfg: RewardConfig) -> Reward:
         check_builtin_kwargs(cfg.name, kwargs)
         target = BUILTIN_REWARDS[cfg.name]
         fn = target(**kwargs) if isinstance(target, type) else functools.partial(target, **kwargs)
-        return Reward(cfg.name, fn, cfg.weight, cfg.timeout, cfg.on_error)
+        columns = tuple(getattr(fn, "columns", ()))  # a built-in class may read columns by name (the judge)
+        return Reward(cfg.name, fn, cfg.weight, cfg.timeout, cfg.on_error, columns)
     if ":" in cfg.name:
         target = load_callable(cfg.name, "reward")
     elif "." in cfg.name and not cfg.name.endswith(".py") and not is_model_path(cfg.name):  # TRL's 'module.function'
