@@ -22,6 +22,9 @@ from posttrain.errors import RunStopped, UserError
 from posttrain.usercode import UserCodeError
 
 # The commands, listed without importing what runs them (torch, the planner, vLLM): `posttrain --help` stays fast.
+PLAN_OPTIONS = {"config": True, "algorithm": True, "gpus": True, "nodes": True, "gpu_memory": True, "json": False,
+                "bf16": False, "dtype": True, "mean_length": True, "help": False}
+"""`posttrain plan`'s own options (name -> takes a value); any other --flag is a training command's (launch/commands.py)."""
 ALGORITHM_COMMANDS = ("sft", "grpo", "rm", "dpo", "ppo", "distill")  # posttrain.algorithms.ALGORITHMS (a test keeps them equal)
 OTHER_COMMANDS = {  # command -> (its one-line help, its module, the functions there that add its options and run it)
     "plan": ("estimate per-GPU memory for a recipe under each engine; recommend one",
@@ -99,15 +102,16 @@ def run_command(argv: list[str] | None = None) -> int:
     command = next((a for a in argv if not a.startswith("-")), None)
     argv_given = list(argv)
     trl_flags: dict = {}
-    if command in ALGORITHM_COMMANDS:
+    if command in ALGORITHM_COMMANDS or command == "plan":  # plan reads a training command's recipe flags too
         from posttrain.config.trl_compat import split_trl_flags
 
         try:
-            argv, trl_flags = split_trl_flags(argv)
+            argv, trl_flags = split_trl_flags(argv, PLAN_OPTIONS if command == "plan" else None)
         except UserError as e:
             print(f"posttrain: error: {e}", file=sys.stderr)
             return 2
     args = build_parser(command, help_wanted=bool({"-h", "--help"} & set(argv))).parse_args(argv)
+    args.trl_flags = trl_flags
     if args.command in ALGORITHM_COMMANDS or args.command == "demo":
         one_thread_unless_asked()
     try:

@@ -38,7 +38,7 @@ from posttrain.models.moe import check_moe_options
 from posttrain.plan import estimated_peak_mb
 from posttrain.roles import build_roles
 from posttrain.generation.server import check_servers
-from posttrain.online.evaluation import check_answer_columns, evaluate_online
+from posttrain.online.evaluation import check_answer_columns, check_eval_settings, evaluate_online
 from posttrain.train.guard import Guard
 from posttrain.train.loop import LoopContext, evaluate, train
 from posttrain.train.micro_batches import check_token_budget
@@ -125,6 +125,7 @@ def run_attempt(command: str, recipe: Recipe, launched: Optional[Launched] = Non
 
     # 1. the user's input, before anything heavy
     algorithm.preflight()  # its rewards, teacher, critic
+    check_eval_settings(recipe, algorithm)  # eval_pass_k acts only with data.eval on an online algorithm
     check_model_source(recipe.model)
     check_position_limit(recipe, algorithm.data_kind)
     check_packing(recipe)  # data.packing on a model whose attention would mix the packed sequences

@@ -222,17 +222,24 @@ def from_trl_file(raw: dict, where: str, algo_cls: type) -> dict:
     return out
 
 
-def split_trl_flags(argv: list[str]) -> tuple[list[str], dict[str, Any]]:
+def split_trl_flags(argv: list[str], own: dict[str, bool] | None = None) -> tuple[list[str], dict[str, Any]]:
     """TRL-style `--key value`, `--key=value`, `--key v1 v2 ...` (a list) and bare `--flag` (true) out of a command's
-    arguments; the rest back. Values are read as YAML (1e-4, true, [a, b]), as in `key=value` overrides. A flag given
-    twice is refused naming both values, except the reward lists, where a repeated flag adds to the list."""
-    rest, flags, typed, i = [], {}, {}, 0
+    arguments; the rest back, key=value overrides last (so argparse reads them wherever they were typed: `a=1 --ray
+    b=2`). Values are read as YAML (1e-4, true, [a, b]), as in `key=value` overrides. A flag given twice is refused
+    naming both values, except the reward lists, where a repeated flag adds to the list. `own`: the command's own
+    options (name -> takes a value), left for argparse; a training command's are --config, --ray and --help."""
+    own = {"config": True, "ray": False, "help": False} if own is None else own
+    rest, overrides, flags, typed, i = [], [], {}, {}, 0
     while i < len(argv):
         arg = argv[i]
         name = arg[2:].split("=", 1)[0].replace("-", "_")
-        if not arg.startswith("--") or name in ("config", "ray", "help") or arg == "--":
+        if looks_like_override(arg):
+            overrides.append(arg)
+            i += 1
+            continue
+        if not arg.startswith("--") or name in own or arg == "--":
             rest.append(arg)
-            if arg == "--config" and i + 1 < len(argv):
+            if (own.get(name) or arg == "-c") and "=" not in arg and i + 1 < len(argv):
                 rest.append(argv[i + 1])
                 i += 1
             i += 1
@@ -252,7 +259,7 @@ def split_trl_flags(argv: list[str]) -> tuple[list[str], dict[str, Any]]:
         typed[name] = text
         flags[name] = value
         i += 1
-    return rest, flags
+    return rest + overrides, flags
 
 
 def _as_list(value: Any) -> list:

@@ -115,6 +115,7 @@ def validate(recipe: Recipe) -> None:
             raise UserError(f"rewards[{i}].name is empty: name a built-in reward or an import path module:function")
         if r.on_error not in ("raise", "skip"):
             raise UserError(f"rewards[{i}].on_error must be raise or skip, got {r.on_error!r}")
+        check_overlong_reaches(recipe, i)
     validate_placement(recipe.placement)
     check_trackers(t)
     check_pass_k(recipe)
@@ -125,6 +126,21 @@ def validate(recipe: Recipe) -> None:
         raise UserError(f"model.lora.r must be > 0, got {recipe.model.lora.r}")
     if recipe.model.router_aux_loss_coef is not None and recipe.model.router_aux_loss_coef < 0:
         raise UserError(f"model.router_aux_loss_coef must be >= 0, got {recipe.model.router_aux_loss_coef}")
+
+
+def check_overlong_reaches(recipe: Recipe, i: int) -> None:
+    """An `overlong` reward whose penalty starts (kwargs.max_length - buffer tokens) at or beyond the longest
+    completion generation makes (generation.max_completion_length) can never apply: refused. A multi-turn run's
+    completions are bounded elsewhere (agent:), so it is not checked there."""
+    r, cap = recipe.rewards[i], recipe.generation.max_completion_length
+    max_length, buffer = r.kwargs.get("max_length"), r.kwargs.get("buffer")
+    if r.name != "overlong" or recipe.agent.enabled or not all(type(v) is int for v in (max_length, buffer)):
+        return  # the reward's own check names wrong kinds
+    if max_length - buffer >= cap:
+        raise UserError(f"rewards[{i}] overlong: its penalty starts past kwargs.max_length - kwargs.buffer = "
+                        f"{max_length - buffer} tokens, but generation.max_completion_length={cap} ends every "
+                        f"completion before that, so it can never apply; set kwargs.max_length={cap} (the cap it "
+                        "is meant to approach)")
 
 
 def check_pass_k(recipe: Recipe) -> None:

@@ -51,7 +51,12 @@ def run_plan_or_doctor(args) -> int:
     algorithm = args.algorithm or infer_algorithm(args.config, args.overrides)
     if algorithm not in ALGORITHMS:
         raise UserError(f"--algorithm {algorithm!r} is not one of {', '.join(ALGORITHMS)}")
-    overrides = list(args.overrides) + (["train.mixed_precision=bf16"] if args.bf16 else []) + (
+    from posttrain.config.trl_compat import as_override, translate
+
+    # the TRL flags a training command takes (--learning_rate 1e-5) mean the same here
+    flags = [as_override(path, value) for _, path, value in
+             translate(getattr(args, "trl_flags", {}), "command line", ALGORITHMS[algorithm][0], "--")]
+    overrides = flags + list(args.overrides) + (["train.mixed_precision=bf16"] if args.bf16 else []) + (
         [f"model.dtype={args.dtype}"] if args.dtype else [])
     recipe = load_recipe(args.config, overrides, ALGORITHMS[algorithm][0])
     print(run_plan(algorithm, recipe, args.config, overrides, args.gpus, args.nodes, args.gpu_memory, args.json,
