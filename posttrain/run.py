@@ -39,7 +39,9 @@ from posttrain.plan import estimated_peak_mb
 from posttrain.roles import build_roles
 from posttrain.generation.server import check_servers
 from posttrain.online.evaluation import check_answer_columns, check_eval_settings, evaluate_online
+from posttrain.errors import warn
 from posttrain.train.guard import Guard
+from posttrain.train.optim import warmup_trains_nothing
 from posttrain.train.loop import LoopContext, evaluate, train
 from posttrain.train.micro_batches import check_token_budget
 from posttrain.online.rollout_source import RolloutSource
@@ -168,6 +170,8 @@ def run_attempt(command: str, recipe: Recipe, launched: Optional[Launched] = Non
     collate = make_collate(recipe, algorithm, tokenizer)
     source = make_source(recipe, backend, models, algorithm, train_examples, collate, servers)
     steps = total_steps(t, source.micro_batches_per_epoch())
+    if warmup_trains_nothing(t, steps):  # warn() speaks from rank 0 only
+        warn(warmup_trains_nothing(t, steps))
     for _, role in models.trained():
         role.start_schedule(steps)
     checkpointer = Checkpointer(backend, str(out), t.save_total_limit, facts, source)
