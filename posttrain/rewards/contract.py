@@ -273,6 +273,8 @@ class _Timed:
 
     def __await__(self):
         steps = self.awaitable.__await__()
+        if not hasattr(steps, "send"):  # an awaitable whose __await__ is a plain iterator: driven whole, untimed
+            return (yield from steps)
         sent, thrown = None, None
         while True:
             started = time.monotonic()
