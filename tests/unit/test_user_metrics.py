@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from posttrain.errors import UserError
+from posttrain.online.drawn import RankFigures
 from posttrain.online.rollout_source import step_metrics
 from posttrain.rewards.combine import Reward, RewardSet
 from posttrain.rewards.contract import UserLog
@@ -38,12 +39,14 @@ def test_through_a_reward_set_the_reserved_name_stops_the_batch():
 
 
 def test_a_user_metric_named_like_a_rollout_figure_is_refused_where_they_meet():
-    part = {"per_function": {"acc": [1.0, 0.0]}, "lengths": [3, 4], "truncated": [False, False],
-            "logged": {"frac_reward_zero_std": [0.5]}, "skipped": 0}
+    def part(logged):
+        return RankFigures(total=[1.0, 0.0], scored=[True, True], per_function={"acc": [1.0, 0.0]}, skipped=0,
+                           logged=logged, lengths=[3, 4], truncated=[False, False], lags=[0, 0], agent=None)
+
     with pytest.raises(UserCodeError, match="log_metric\\('frac_reward_zero_std', ...\\), a metric the trainer logs"):
-        step_metrics([part], torch.tensor([1.0, 0.0]), torch.tensor([True, True]), 2)
-    part["logged"] = {"acc/frac": [0.5]}
-    assert step_metrics([part], torch.tensor([1.0, 0.0]), torch.tensor([True, True]), 2)["acc/frac"] == 0.5
+        step_metrics([part({"frac_reward_zero_std": [0.5]})], torch.tensor([1.0, 0.0]), torch.tensor([True, True]), 2)
+    figures = step_metrics([part({"acc/frac": [0.5]})], torch.tensor([1.0, 0.0]), torch.tensor([True, True]), 2)
+    assert figures["acc/frac"] == 0.5
 
 
 def test_a_source_figure_named_like_the_algorithms_is_refused_not_swapped_in():
