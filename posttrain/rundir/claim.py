@@ -375,8 +375,9 @@ def check_own_files(out: Path) -> None:
                 return  # a marker from before attempts were recorded: nothing to tell its files by
             mine = stamp == "dir" or stamp / 1e9 >= since
         if not mine:
-            raise UserError(f"output_dir {out}: {name} is not the failed run's own (it was written or changed after "
-                            f"that run ended), and taking the run's place would move it into {FAILED_DIR}/ and "
+            when = "changed after that run ended" if isinstance(recorded, dict) else "older than that run's start"
+            raise UserError(f"output_dir {out}: {name} is not the failed run's own ({when}), and taking the run's "
+                            f"place would move it into {FAILED_DIR}/ and "
                             f"write this run's {name}: move it out of output_dir (a recipe belongs outside it), or "
                             "choose another output_dir")
 
