@@ -333,13 +333,16 @@ def _as_float(value: numbers.Real) -> float:
 
 
 def _check_total(total_B: torch.Tensor, rewards: list[Reward], per_function: dict, prompts: list) -> None:
-    """The weighted sum is finite in its dtype (each reward and weight is, but 1e20 x weight 1e20 is not)."""
-    bad = (~total_B.isfinite()).nonzero()
+    """The weighted sum is finite in its dtype (each reward and weight is, but 1e20 x weight 1e20 is not), and small
+    enough that its square is too: a group's variance squares it, and an inf std made every advantage 0 silently."""
+    largest = torch.finfo(REWARD_DTYPE).max ** 0.5  # 1.8e19
+    bad = (~(total_B.abs() <= largest)).nonzero()
     if len(bad):
         i = int(bad[0])
         terms = ", ".join(f"'{r.name}' {float(per_function[r.name][i]):.3g} x weight {r.weight:.3g}" for r in rewards)
-        raise RewardError(f"the weighted reward of sample {i} (prompt: {excerpt(prompts[i])!r}) is {float(total_B[i])} "
-                          f"in {REWARD_DTYPE} ({terms}); scale the rewards or their weights down")
+        raise RewardError(f"the weighted reward of sample {i} (prompt: {excerpt(prompts[i])!r}) is "
+                          f"{float(total_B[i]):.3g} ({terms}), beyond {largest:.2g}, whose square (the group's "
+                          f"variance) is inf in {REWARD_DTYPE}; scale the rewards or their weights down")
 
 
 async def _call_async(fn: Callable, args: tuple, kwargs: dict, watch: LoopWatch, name: str) -> Any:

@@ -296,18 +296,27 @@ def test_a_reward_finite_in_float64_but_inf_in_float32_is_named(value, on_error)
         RewardSet([Reward("huge", huge, on_error=on_error)]).score(PROMPTS, COMPLETIONS)
 
 
-def test_the_largest_float32_itself_is_a_reward():
-    total, *_ = RewardSet([Reward("edge", constant(3.4e38))]).score(PROMPTS, COMPLETIONS)
-    assert total.isfinite().all()
+def test_a_group_of_rewards_below_the_limit_gets_finite_nonzero_advantages():
+    """1e19 passes the reward checks: the advantages the GRPO family computes from it are finite and not all 0."""
+    from posttrain.ops.advantages import group_advantages
+
+    scores = RewardSet([Reward("edge", by_length, 1e18)]).score(PROMPTS, COMPLETIONS)
+    advantages = group_advantages(scores.total_B, 3)
+    assert advantages.isfinite().all() and advantages.abs().max() > 0.5
 
 
 def test_a_weight_float32_cannot_hold_or_a_weighted_sum_that_overflows_is_named():
     with pytest.raises(ValueError, match="reward 'one': weight 1e\\+39 is not a finite torch.float32"):
         RewardSet([Reward("one", constant(1.0), 1e39)])
     rewards = RewardSet([Reward("big", constant(1e20), 1e20), Reward("one", constant(1.0))])
-    with pytest.raises(RewardError, match=r"weighted reward of sample 0 .* is inf in torch.float32 \('big' 1e\+20 x "
-                                          r"weight 1e\+20, 'one' 1 x weight 1\)"):
+    with pytest.raises(RewardError, match=r"weighted reward of sample 0 .* is inf \('big' 1e\+20 x weight 1e\+20, "
+                                          r"'one' 1 x weight 1\), beyond 1.8e\+19"):
         rewards.score(PROMPTS, COMPLETIONS)
+    # finite in float32, but the group's variance squares it: an inf std made every advantage 0
+    with pytest.raises(RewardError, match=r"is 1e\+20 \('big' 1e\+20 x weight 1\), beyond 1.8e\+19, whose square "
+                                          r"\(the group's variance\) is inf in torch.float32"):
+        RewardSet([Reward("big", constant(1e20))]).score(PROMPTS, COMPLETIONS)
+    assert RewardSet([Reward("fine", constant(1e19))]).score(PROMPTS, COMPLETIONS).total_B.isfinite().all()
 
 
 def test_log_metric_refuses_a_value_float32_cannot_hold():
