@@ -22,6 +22,9 @@ from posttrain.errors import RunStopped, UserError
 from posttrain.usercode import UserCodeError
 
 # The commands, listed without importing what runs them (torch, the planner, vLLM): `posttrain --help` stays fast.
+PLAN_OPTIONS = {"config": True, "algorithm": True, "gpus": True, "nodes": True, "gpu_memory": True, "json": False,
+                "bf16": False, "dtype": True, "mean_length": True, "help": False}
+"""`posttrain plan`'s own options (name -> takes a value); any other --flag is a training command's (launch/commands.py)."""
 ALGORITHM_COMMANDS = ("sft", "grpo", "rm", "dpo", "ppo", "distill")  # posttrain.algorithms.ALGORITHMS (a test keeps them equal)
 OTHER_COMMANDS = {  # command -> (its one-line help, its module, the functions there that add its options and run it)
     "plan": ("estimate per-GPU memory for a recipe under each engine; recommend one",
@@ -112,17 +115,19 @@ def run_command(argv: list[str] | None = None) -> int:
     command = next((a for a in argv if not a.startswith("-")), None)
     argv_given = list(argv)
     trl_flags: dict = {}
-    if command in ALGORITHM_COMMANDS:
+    if command in ALGORITHM_COMMANDS or command == "plan":  # plan reads a training command's recipe flags too
         from posttrain.config.trl_compat import check_flags_early
         from posttrain.config.trl_flags import split_trl_flags
 
         try:
-            argv, trl_flags = split_trl_flags(argv)
-            check_flags_early(trl_flags, command)  # before torch: a typo is refused in a second, not twenty
+            argv, trl_flags = split_trl_flags(argv, PLAN_OPTIONS if command == "plan" else None)
+            if command != "plan":
+                check_flags_early(trl_flags, command)  # before torch: a typo is refused in a second, not twenty
         except UserError as e:
             print(f"posttrain: error: {e}", file=sys.stderr)
             return 2
     args = parse_args(build_parser(command, help_wanted=bool({"-h", "--help"} & set(argv))), argv)
+    args.trl_flags = trl_flags
     if args.command in ALGORITHM_COMMANDS or args.command == "demo":
         one_thread_unless_asked()
     try:

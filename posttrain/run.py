@@ -37,7 +37,9 @@ from posttrain.plan.preflight import check_recipe
 from posttrain.roles import build_roles
 from posttrain.generation.server import check_servers
 from posttrain.online.evaluation import check_answer_columns, evaluate_online
+from posttrain.errors import warn
 from posttrain.train.guard import Guard
+from posttrain.train.optim import warmup_trains_nothing
 from posttrain.train.loop import LoopContext, evaluate, train
 from posttrain.online.rollout_source import RolloutSource
 from posttrain.online.distill_source import DistillSource
@@ -136,6 +138,7 @@ def run_attempt(command: str, recipe: Recipe, launched: Optional[Launched] = Non
     train_examples, train_stats = load_examples(recipe, algorithm, tokenizer, "train")
     eval_examples = load_examples(recipe, algorithm, tokenizer, "eval")[0] if recipe.data.eval else None
     check_answer_columns(recipe, algorithm, train_examples, eval_examples)  # dynamic sampling's accuracy, pass@k
+    algorithm.check_data(train_examples, eval_examples)  # the columns the rewards read by name (a judge's template)
 
     # 2. processes and engines; then models
     backend = Backend(recipe)
@@ -160,6 +163,8 @@ def run_attempt(command: str, recipe: Recipe, launched: Optional[Launched] = Non
     collate = make_collate(recipe, algorithm, tokenizer)
     source = make_source(recipe, backend, models, algorithm, train_examples, collate, servers)
     steps = total_steps(t, source.micro_batches_per_epoch())
+    if warmup_trains_nothing(t, steps):  # warn() speaks from rank 0 only
+        warn(warmup_trains_nothing(t, steps))
     for _, role in models.trained():
         role.start_schedule(steps)
     checkpointer = Checkpointer(backend, str(out), t.save_total_limit, facts, source)

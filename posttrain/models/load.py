@@ -156,8 +156,12 @@ def _from_pretrained(auto_cls, model_cfg: ModelConfig, gradient_checkpointing: b
         raise UserError(f"could not load model.name_or_path '{src}': {type(e).__name__}: {e}") from e
     if gradient_checkpointing:
         # the recomputation in the backward attends as the first forward did (Ulysses under sequence parallelism)
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={
-            "use_reentrant": False, "context_fn": sequence_parallel.checkpoint_context})
+        kwargs = {"use_reentrant": False, "context_fn": sequence_parallel.checkpoint_context}
+        enable = getattr(model, "activation_checkpointing_enable", None)  # transformers >= 5.24, whose old name warns
+        if enable is not None:
+            enable(activation_checkpointing_kwargs=kwargs)
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
         model.config.use_cache = False
     return model
 

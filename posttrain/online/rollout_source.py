@@ -53,8 +53,9 @@ from posttrain.online.drawn import Drawn, RankFigures
 from posttrain.online.dynamic_sampling import DynamicSampler
 from posttrain.online.engine_link import EngineLink
 from posttrain.online.in_flight import InFlight, Sampled, lag_metrics, policy_lag
-from posttrain.online.scoring import score
+from posttrain.online.scoring import UnscoredSteps, score
 from posttrain.train.sources import SampleOrder, Source
+from posttrain.usercode import UserCodeError
 
 logger = logging.getLogger(__name__)
 
@@ -115,6 +116,7 @@ class RolloutSource(Source):
         self._generation: Generation | None = None
         self._handed_out = time.perf_counter()
         self._metrics: dict[str, float] = {}
+        self._unscored = UnscoredSteps()  # a run whose rewards score nothing stops
         self._trained_through = 0  # optimiser steps the policy has taken (as far as this source knows)
         # generation.max_staleness: up to k generation batches sampled ahead, in one thread, while this one trains
         self._ahead = InFlight(recipe.generation.max_staleness, self.iterations)
@@ -229,6 +231,9 @@ class RolloutSource(Source):
         everyone: list[RankFigures] = backend.data_all_gather_object(drawn.figures(self._logged))
         global_total_B = torch.tensor([r for part in everyone for r in part.total])
         global_scored_B = torch.tensor([s for part in everyone for s in part.scored], dtype=torch.bool)
+        self._unscored.check(global_scored_B, {name: sum(math.isnan(v) for part in everyone
+                                                         for v in part.per_function[name])
+                                               for name in everyone[0].per_function}, step)
         scored = time.perf_counter()
         self._seconds["score"] += scored - gather_started
 
@@ -383,5 +388,9 @@ def step_metrics(everyone: list[RankFigures], total_B: torch.Tensor, scored_B: t
     for part in everyone:
         for name, values in part.logged.items():
             logged.setdefault(name, []).extend(values)
+    clash = sorted(set(logged) & set(metrics))
+    if clash:  # the trainer's figure would be replaced by the user's
+        raise UserCodeError(f"a reward function called log_metric({clash[0]!r}, ...), a metric the trainer logs "
+                            "itself; give yours a name of its own")
     return {**{k: float(v) for k, v in metrics.items()}, **{k: sum(v) / len(v) for k, v in logged.items()},
             "rewards/skipped": float(sum(p.skipped for p in everyone))}

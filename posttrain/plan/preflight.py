@@ -19,6 +19,7 @@ from posttrain.models.limits import check_position_limit, check_sequence_paralle
 from posttrain.models.load import check_model_source
 from posttrain.models.moe import check_moe_options
 from posttrain.models.packing import check_packing
+from posttrain.online.evaluation import check_eval_settings
 from posttrain.train.micro_batches import check_token_budget
 
 # name -> check(recipe, algorithm, world); world None: this launch's WORLD_SIZE
@@ -31,6 +32,7 @@ RECIPE_CHECKS: dict[str, Callable[..., None]] = {
     "token budget": lambda recipe, algorithm, world: check_token_budget(recipe, algorithm),
     "sequence parallelism": lambda recipe, algorithm, world: check_sequence_parallel(recipe, algorithm, world=world),
     "LoRA targets": lambda recipe, algorithm, world: check_lora_targets(recipe, algorithm),
+    "pass@k": lambda recipe, algorithm, world: check_eval_settings(recipe, algorithm),  # only where eval samples
 }
 
 
