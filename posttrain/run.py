@@ -35,6 +35,7 @@ from posttrain.models.limits import check_position_limit, check_sequence_paralle
 from posttrain.models.packing import check_packing
 from posttrain.models.load import check_model_source, count_parameters, load_tokenizer
 from posttrain.models.moe import check_moe_options
+from posttrain.models.vision import check_vision_recipe, load_processor
 from posttrain.plan import estimated_peak_mb
 from posttrain.roles import build_roles
 from posttrain.generation.server import check_servers
@@ -77,23 +78,35 @@ def make_source(recipe: Recipe, backend, models, algorithm, examples, collate, s
     return DatasetSource.from_recipe(recipe, backend, examples, collate)
 
 
-def load_examples(recipe: Recipe, algorithm, tokenizer, which: str):
-    """Rows -> tokenised examples for the algorithm's data kind; raises UserError naming the file/row."""
-    rows = data.load_rows(getattr(recipe.data, which), getattr(recipe.data, f"{which}_split"), f"data.{which}")
+def load_examples(recipe: Recipe, algorithm, tokenizer, which: str, processor=None):
+    """Rows -> tokenised examples for the algorithm's data kind; raises UserError naming the file/row. processor: a
+    vision-language model's, which reads the rows' images (data/images.py)."""
+    source = getattr(recipe.data, which)
+    rows = data.load_rows(source, getattr(recipe.data, f"{which}_split"), f"data.{which}")
     rows = data.rename_text_field(rows, recipe.data.text_field, f"data.{which}")
+    images = data.RowImages.of(rows, processor, source, f"data.{which}")
     if algorithm.data_kind == "prompt":  # a multi-turn rollout's prompts show its tools: cut and counted here
-        return data.tokenize_prompts(rows, tokenizer, recipe.data, f"data.{which}", opening_tools(recipe.agent))
+        return data.tokenize_prompts(rows, tokenizer, recipe.data, f"data.{which}", opening_tools(recipe.agent),
+                                     images=images)
     tokenize = {"sft": data.tokenize_sft, "preference": data.tokenize_preference}
-    return tokenize[algorithm.data_kind](rows, tokenizer, recipe.data, f"data.{which}")
+    return tokenize[algorithm.data_kind](rows, tokenizer, recipe.data, f"data.{which}", images=images)
 
 
-def make_collate(recipe: Recipe, algorithm, tokenizer):
+def make_collate(recipe: Recipe, algorithm, tokenizer, processor=None):
+    """examples -> Batch for the algorithm's data kind; with a processor, the rows' images ride along (a preference
+    pair's chosen and rejected rows share theirs)."""
     pad_id = tokenizer.pad_token_id
     if algorithm.data_kind == "preference":
-        return lambda examples: data.collate_preference(examples, pad_id)
-    if recipe.data.packing and recipe.train.max_tokens_per_microbatch is None:  # else padding-free, regrouped
-        return lambda examples: data.collate_packed(examples, row_length=recipe.data.max_length, pad_id=pad_id)
-    return lambda examples: data.collate_padded(examples, pad_id)
+        collate = partial(data.collate_preference, pad_id=pad_id)
+    elif recipe.data.packing and recipe.train.max_tokens_per_microbatch is None:  # else padding-free, regrouped
+        collate = partial(data.collate_packed, row_length=recipe.data.max_length, pad_id=pad_id)
+    else:
+        collate = partial(data.collate_padded, pad_id=pad_id)
+    if processor is None:
+        return collate
+    copies = 2 if algorithm.data_kind == "preference" else 1
+    return lambda examples: data.with_images(collate(examples), [e.get("images", []) for e in examples] * copies,
+                                             processor)
 
 
 def load_policy(recipe: Recipe, algorithm):
@@ -134,13 +147,14 @@ def run_attempt(command: str, recipe: Recipe, launched: Optional[Launched] = Non
     check_sequence_parallel(recipe, algorithm)
     resume_from = claim.check_output_dir(recipe, command)
     tokenizer = load_tokenizer(recipe.model)
+    processor = load_processor(recipe.model, tokenizer) if check_vision_recipe(recipe, algorithm) else None
     launched = launched or Launched()
     servers = launched.servers or recipe.generation.servers
     if servers:  # every server answers, takes the token, serves our vocabulary
         check_servers(recipe, tokenizer, servers)
     check_agent(recipe, tokenizer, command)  # tools import, the template shows them, the environment loads
-    train_examples, train_stats = load_examples(recipe, algorithm, tokenizer, "train")
-    eval_examples = load_examples(recipe, algorithm, tokenizer, "eval")[0] if recipe.data.eval else None
+    train_examples, train_stats = load_examples(recipe, algorithm, tokenizer, "train", processor)
+    eval_examples = load_examples(recipe, algorithm, tokenizer, "eval", processor)[0] if recipe.data.eval else None
     check_answer_columns(recipe, algorithm, train_examples, eval_examples)  # dynamic sampling's accuracy, pass@k
 
     # 2. processes and engines; then models
@@ -163,7 +177,7 @@ def run_attempt(command: str, recipe: Recipe, launched: Optional[Launched] = Non
     models = build_roles(recipe, algorithm, backend, tokenizer, model, eval_examples, launched.roles)
 
     # 3. data source, schedule, state
-    collate = make_collate(recipe, algorithm, tokenizer)
+    collate = make_collate(recipe, algorithm, tokenizer, processor)
     source = make_source(recipe, backend, models, algorithm, train_examples, collate, servers)
     steps = total_steps(t, source.micro_batches_per_epoch())
     for _, role in models.trained():
@@ -197,7 +211,7 @@ def run_attempt(command: str, recipe: Recipe, launched: Optional[Launched] = Non
     logger.close()
     final_dir = None
     if state.step >= steps and t.save_final_model:
-        final_dir = export_final(backend, models.policy.model, tokenizer, str(out),
+        final_dir = export_final(backend, models.policy.model, processor or tokenizer, str(out),
                                  dtype=export_dtype(t, backend.precision))
         for name, role in models.trained():
             if name != "policy":

@@ -163,10 +163,19 @@ def _from_pretrained(auto_cls, model_cfg: ModelConfig, gradient_checkpointing: b
 
 
 def load_causal_lm(model_cfg: ModelConfig, gradient_checkpointing: bool = False):
-    """AutoModelForCausalLM from the recipe's source, dtype, attention kernel, revision; optional checkpointing."""
-    from transformers import AutoModelForCausalLM
+    """AutoModelForCausalLM from the recipe's source, dtype, attention kernel, revision; optional checkpointing. A
+    vision-language model loads as AutoModelForImageTextToText (its forward takes the images and returns logits like
+    a causal LM's), its vision tower and projector frozen as model.freeze_vision_tower / freeze_projector say."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
-    return _from_pretrained(AutoModelForCausalLM, model_cfg, gradient_checkpointing)
+    from posttrain.models.vision import freeze_vision, is_vision_model
+
+    if not is_vision_model(model_cfg):
+        return _from_pretrained(AutoModelForCausalLM, model_cfg, gradient_checkpointing)
+    model = _from_pretrained(AutoModelForImageTextToText, model_cfg, gradient_checkpointing)
+    if model_cfg.freeze_vision_tower or model_cfg.freeze_projector:
+        freeze_vision(model, model_cfg.freeze_vision_tower, model_cfg.freeze_projector)
+    return model
 
 
 def load_sequence_classifier(model_cfg: ModelConfig, gradient_checkpointing: bool = False, pad_token_id=None):
