@@ -6,7 +6,8 @@
     batch = with_images(batch, [refs of each row], processor)  # the processor's pixel tensors, in the Batch
 
 An image is a path (relative to the data file's folder, or absolute), raw bytes, or the `datasets` Image feature
-({"bytes", "path"}, read from parquet / arrow undecoded). A conversation places its images with content parts
+({"bytes", "path"} from parquet / arrow undecoded, or the PIL image it decodes to: kept by its file, else re-encoded
+as PNG bytes). A conversation places its images with content parts
 `{"type": "image"}`, in order; the chat template renders each as the model's placeholder (Qwen2-VL's
 <|vision_start|><|image_pad|><|vision_end|>), and the processor widens the placeholder token to the image's token
 count. Tokenisation opens every image once, to refuse a missing or undecodable one naming its row before any model
@@ -105,6 +106,12 @@ class RowImages:
         return dataclasses.replace(ref, tokens=sum(1 for t in encoded["input_ids"][0] if t == self.token_id))
 
     def _ref(self, value, where: str) -> ImageRef:
+        if hasattr(value, "getpixel"):  # a PIL image, as the datasets Image feature decodes one: kept by its file
+            if getattr(value, "filename", ""):
+                return ImageRef(path=value.filename)
+            buffer = io.BytesIO()
+            value.save(buffer, format="PNG")
+            return ImageRef(data=buffer.getvalue())
         if isinstance(value, dict):  # the datasets Image feature, undecoded
             if value.get("bytes"):
                 return ImageRef(data=bytes(value["bytes"]))

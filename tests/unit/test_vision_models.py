@@ -1,0 +1,101 @@
+"""Vision-language models (models/vision.py, models/tiny_vision.py): the tiny Qwen2-VL loads with transformers' own
+classes, its vision tower and projector freeze apart, what posttrain cannot do with one yet is refused, and the
+images reach the model (a row's loss moves with its image)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import datasets
+import pytest
+import torch
+from PIL import Image
+from transformers import AutoModelForImageTextToText, Qwen2VLProcessor
+
+from posttrain.algorithms import ALGORITHMS
+from posttrain.config.schema import ModelConfig, Recipe
+from posttrain.config import DataConfig
+from posttrain.data import RowImages, collate_padded, tokenize_sft, with_images
+from posttrain.errors import UserError
+from posttrain.models.load import load_causal_lm, load_tokenizer
+from posttrain.models.vision import check_vision_recipe, freeze_vision, is_vision_model, load_processor
+
+
+@pytest.fixture(scope="module")
+def vlm(tiny_vlm_dir):
+    model_cfg = ModelConfig(name_or_path=str(tiny_vlm_dir))
+    tokenizer = load_tokenizer(model_cfg)
+    return model_cfg, load_processor(model_cfg, tokenizer), load_causal_lm(model_cfg)
+
+
+def test_the_tiny_vlm_loads_with_transformers_classes(tiny_vlm_dir, vlm):
+    model_cfg, processor, model = vlm
+    assert is_vision_model(model_cfg) and type(model).__name__ == "Qwen2VLForConditionalGeneration"
+    assert type(AutoModelForImageTextToText.from_pretrained(tiny_vlm_dir)) is type(model)
+    assert isinstance(processor, Qwen2VLProcessor)
+    assert model.config.get_text_config().vocab_size == len(processor.tokenizer)
+    assert model.config.image_token_id == processor.tokenizer.convert_tokens_to_ids(processor.image_token)
+    assert not is_vision_model(dataclasses.replace(model_cfg, name_or_path=str(tiny_vlm_dir.parent / "nothing")))
+
+
+def test_tower_and_projector_freeze_apart(tiny_vlm_dir, vlm):
+    model = AutoModelForImageTextToText.from_pretrained(tiny_vlm_dir)
+    tower = freeze_vision(model, tower=True, projector=False)
+    assert tower and all(".visual." in n and ".merger." not in n for n in tower)
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert any(".merger." in n for n in trainable) and any("language_model" in n for n in trainable)
+    assert not trainable & set(tower)
+    projector = freeze_vision(model, tower=False, projector=True)
+    assert projector and all(".merger." in n for n in projector)
+    assert {n for n, p in model.named_parameters() if p.requires_grad} == trainable - set(projector)
+
+
+def test_freezing_a_text_model_is_refused(tiny_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    with pytest.raises(UserError, match="model.freeze_vision_tower: LlamaForCausalLM has no vision tower"):
+        freeze_vision(AutoModelForCausalLM.from_pretrained(tiny_model_dir), tower=True, projector=False)
+    recipe = Recipe(model=ModelConfig(name_or_path=str(tiny_model_dir), freeze_projector=True))
+    with pytest.raises(UserError, match="model.freeze_projector: .* is a text model"):
+        check_vision_recipe(recipe, ALGORITHMS["sft"][1](recipe))
+
+
+@pytest.mark.parametrize("command, override, message", [
+    ("sft", "data.packing=true", "data.packing=true with the vision-language model"),
+    ("sft", "train.max_tokens_per_microbatch=64", "train.max_tokens_per_microbatch with"),
+    ("sft", "train.sequence_parallel_size=2", "train.sequence_parallel_size > 1 with"),
+    ("dpo", "model.lora.enabled=true", "model.lora.enabled with"),
+    ("rm", "seed=1", "posttrain rm with the vision-language model"),
+])
+def test_what_is_not_done_is_refused(tiny_vlm_dir, command, override, message):
+    from posttrain.config.load import load_recipe
+
+    recipe = load_recipe(None, [f"model.name_or_path={tiny_vlm_dir}", "data.train=x.jsonl", override],
+                         ALGORITHMS[command][0])
+    with pytest.raises(UserError, match=message):
+        check_vision_recipe(recipe, ALGORITHMS[command][1](recipe))
+
+
+def sft_loss(model, batch):
+    algorithm = ALGORITHMS["sft"][1](Recipe())
+    return algorithm.loss(model, batch, algorithm.count(batch))[0]
+
+
+def test_a_rows_image_changes_its_loss(tmp_path, vlm):
+    """The images reach the model: the same text with another image scores differently; the same image the same."""
+    _, processor, model = vlm
+    for name, colour in (("red", (255, 0, 0)), ("red2", (255, 0, 0)), ("blue", (0, 0, 255))):
+        Image.new("RGB", (56, 56), colour).save(tmp_path / f"{name}.png")
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "colour?"}]},
+                {"role": "assistant", "content": [{"type": "text", "text": "red"}]}]
+    file = tmp_path / "d.jsonl"
+    file.write_text("".join(json.dumps({"messages": messages, "images": [f"{n}.png"]}) + "\n"
+                            for n in ("red", "red2", "blue")))
+    dataset = datasets.Dataset.from_json(str(file))
+    examples, _ = tokenize_sft(dataset, processor.tokenizer, DataConfig(max_length=64), "data.train",
+                               images=RowImages.of(dataset, processor, str(file), "data.train"))
+    with torch.no_grad():
+        losses = [sft_loss(model, with_images(collate_padded([e], 0), [e["images"]], processor)).item()
+                  for e in examples]
+    assert losses[0] == losses[1] and abs(losses[0] - losses[2]) > 1e-4
