@@ -83,6 +83,22 @@ class RowImages:
         base = path if path.is_dir() else path.parent if path.is_file() else None
         return cls(processor, columns[0], base)
 
+    def placed(self, row: dict, columns: tuple[str, ...]) -> dict:
+        """`row` with its images placed as TRL places them when no message holds an image part: one
+        {"type": "image"} part per image before the text of the first user message of each of `columns`."""
+        value = row.get(self.column)
+        count = 0 if value is None else len(value) if self.column == "images" else 1
+        if not count or any(image_parts(row.get(c) or []) for c in columns):
+            return row
+        placed = dict(row)
+        for column in columns:
+            messages = [dict(m) for m in row.get(column) or []]
+            first = next((m for m in messages if m.get("role") == "user" and isinstance(m.get("content"), str)), None)
+            if first is not None:
+                first["content"] = [{"type": "image"}] * count + [{"type": "text", "text": first["content"]}]
+                placed[column] = messages
+        return placed
+
     def refs(self, row: dict, messages: list[dict], where: str) -> list[ImageRef]:
         """The row's images, each opened once (it exists and decodes); as many as the messages' image parts."""
         value = row.get(self.column)

@@ -100,6 +100,8 @@ def tokenize_sft(dataset: datasets.Dataset, tokenizer, data_cfg: DataConfig, wha
         if _sft_empty(row, fmt):
             stats["dropped_empty"] += 1
             continue
+        if images is not None:
+            row = images.placed(row, ("messages",) if "messages" in row else ("prompt",))
         input_ids, mask = (_sft_conversation(row, tokenizer, data_cfg, f"{what} row {i}", tooling) if fmt.conversational
                            else _sft_text(row, tokenizer, data_cfg))
         refs = None
@@ -190,6 +192,8 @@ def tokenize_preference(dataset: datasets.Dataset, tokenizer, data_cfg: DataConf
     columns = _read_columns(dataset, fmt, images) + (["margin"] if has_margin else [])
     for i, row in enumerate(dataset.select_columns(columns)):
         where = f"{what} row {i}"
+        if images is not None:
+            row = images.placed(row, ("chosen", "rejected") if fmt.implicit_prompt else ("prompt",))
         split = _split_pair(row, fmt)
         if isinstance(split, str):
             stats[f"dropped_{split}"] += 1
@@ -331,6 +335,7 @@ def tokenize_prompts(dataset: datasets.Dataset, tokenizer, data_cfg: DataConfig,
     examples = []
     tooling = _Tools(tokenizer, rollout_tools)
     for i, row in enumerate(dataset):
+        row = images.placed(row, ("prompt",)) if images is not None else row
         prompt = clean_messages(row["prompt"]) if fmt.conversational else row["prompt"]
         if not prompt or (_no_text(prompt) if fmt.conversational else not prompt.strip()):
             stats["dropped_empty"] += 1  # nothing to answer: the generation would start from nothing

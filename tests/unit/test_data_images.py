@@ -163,3 +163,18 @@ def test_vision_inputs_split_with_their_rows(tmp_path, processor):
     assert last.vision.image_grid_thw.tolist() == [[1, 4, 6]]  # (t, height, width) in patches
     inputs = last.model_inputs()
     assert inputs["mm_token_type_ids"].sum() == 6 and set(inputs) >= {"pixel_values", "image_grid_thw"}
+
+
+def test_string_contents_get_their_images_before_the_first_user_text_as_trl_places_them(tmp_path, processor):
+    image_file(tmp_path / "a.png")
+    explicit = {"messages": [user(1, "colour?"), assistant("red")], "images": ["a.png"]}
+    plain = {"messages": [{"role": "user", "content": "colour?"}, {"role": "assistant", "content": "red"}],
+             "images": ["a.png"]}
+    (tmp_path / "one").mkdir()
+    (tmp_path / "two").mkdir()
+    image_file(tmp_path / "one" / "a.png")
+    image_file(tmp_path / "two" / "a.png")
+    first, _ = tokenize(tmp_path / "one", [explicit], processor)
+    second, _ = tokenize(tmp_path / "two", [plain], processor)
+    assert first[0]["input_ids"] == second[0]["input_ids"]
+    assert first[0]["completion_mask"] == second[0]["completion_mask"]

@@ -1,0 +1,100 @@
+"""Vision-language models end to end on the tiny Qwen2-VL (CPU, fp32) with the shipped shapes image set: SFT with a
+frozen vision tower (the tower bit-identical, the rest trained, final/ loads back with its processor), SFT's loss and
+gradients equal to TRL 1.16's vision collator + transformers' loss on the same rows, DPO trains, and a bad image is
+refused with exit 2 before any model loads."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from PIL import Image
+from safetensors.torch import load_file
+from transformers import AutoModelForImageTextToText
+
+from posttrain.algorithms import ALGORITHMS
+from posttrain.config import DataConfig
+from posttrain.config.schema import ModelConfig, Recipe
+from posttrain.data import RowImages, collate_padded, load_rows, tokenize_sft, with_images
+from posttrain.models.load import load_tokenizer
+from posttrain.models.vision import load_processor
+from tests.integration.helpers import final_weights, metrics, run_cli, run_overrides
+
+
+def test_sft_with_a_frozen_tower_trains_the_rest_and_exports(tiny_vlm_dir, shapes_dir, tmp_path):
+    out = tmp_path / "run"
+    assert run_cli("sft", *run_overrides(tiny_vlm_dir, shapes_dir / "sft_train.jsonl", out, "train.max_steps=3",
+                                         "train.per_device_train_batch_size=4", "data.max_length=128",
+                                         "data.assistant_only_loss=true", "model.freeze_vision_tower=true")) == 0
+    assert [r["step"] for r in metrics(out)] == [1, 2, 3]
+    initial, trained = load_file(str(tiny_vlm_dir / "model.safetensors")), final_weights(out)
+    tower = [k for k in initial if "visual." in k and ".merger." not in k]  # saved as visual.* (Qwen2-VL's hub names)
+    assert tower and all(torch.equal(initial[k], trained[k]) for k in tower)
+    rest = [k for k in initial if k not in tower]
+    assert [k for k in rest if torch.equal(initial[k], trained[k])] == []
+    assert type(AutoModelForImageTextToText.from_pretrained(out / "final")).__name__ == "Qwen2VLForConditionalGeneration"
+    final_cfg = ModelConfig(name_or_path=str(out / "final"))
+    processor = load_processor(final_cfg, load_tokenizer(final_cfg))
+    assert processor.image_processor.size == load_processor(ModelConfig(name_or_path=str(tiny_vlm_dir)),
+                                                            processor.tokenizer).image_processor.size
+
+
+def test_sft_loss_and_gradients_equal_trls(tiny_vlm_dir, shapes_dir):
+    """TRL 1.16's SFTTrainer feeds a vision model DataCollatorForVisionLanguageModeling's batch and minimises the
+    model's own loss (mean cross-entropy over the labels not -100): ours on the same rows must be that loss, with
+    the same gradient, so one optimiser step is the same."""
+    from trl.trainer.sft_trainer import DataCollatorForVisionLanguageModeling
+
+    model_cfg = ModelConfig(name_or_path=str(tiny_vlm_dir))
+    processor = load_processor(model_cfg, load_tokenizer(model_cfg))
+    file = shapes_dir / "sft_train.jsonl"
+    rows = [json.loads(line) for line in file.read_text().splitlines()[:4]]
+    trl_batch = DataCollatorForVisionLanguageModeling(processor, assistant_only_loss=True)(
+        [{"messages": r["messages"], "images": [Image.open(shapes_dir / p) for p in r["images"]]} for r in rows])
+    dataset = load_rows(str(file)).select(range(4))
+    examples, _ = tokenize_sft(dataset, processor.tokenizer, DataConfig(max_length=128, assistant_only_loss=True),
+                               "data.train", images=RowImages.of(dataset, processor, str(file), "data.train"))
+    batch = with_images(collate_padded(examples, processor.tokenizer.pad_token_id), [e["images"] for e in examples],
+                        processor)
+    assert torch.equal(batch.input_ids_BT, trl_batch["input_ids"])
+    assert torch.equal(batch.vision.pixel_values, trl_batch["pixel_values"])
+    assert torch.equal(batch.completion_mask_BT[:, 1:], trl_batch["labels"][:, 1:] != -100)
+
+    def loss_and_grads(loss_of):
+        model = AutoModelForImageTextToText.from_pretrained(tiny_vlm_dir)
+        loss = loss_of(model)
+        loss.backward()
+        return loss.detach(), {n: p.grad for n, p in model.named_parameters()}
+
+    sft = ALGORITHMS["sft"][1](Recipe())
+    ours, our_grads = loss_and_grads(lambda model: sft.loss(model, batch, sft.count(batch))[0])
+    theirs, their_grads = loss_and_grads(lambda model: model(**trl_batch).loss)
+    assert torch.allclose(ours, theirs, rtol=1e-5, atol=1e-6), (ours, theirs)
+    for name, grad in their_grads.items():
+        assert torch.allclose(our_grads[name], grad, rtol=1e-4, atol=1e-7), name
+
+
+def test_dpo_trains_with_images(tiny_vlm_dir, shapes_dir, tmp_path):
+    out = tmp_path / "run"
+    assert run_cli("dpo", *run_overrides(tiny_vlm_dir, shapes_dir / "dpo_train.jsonl", out, "train.max_steps=4",
+                                         "train.per_device_train_batch_size=8", "train.gradient_accumulation_steps=3",
+                                         "data.max_length=128")) == 0
+    losses = [r["loss"] for r in metrics(out)]  # every step is the whole set of 24 pairs
+    assert abs(losses[0] - 0.6931) < 1e-3  # the policy is its reference at step 1: -log sigmoid(0)
+    assert losses[-1] < losses[0] - 0.01, losses
+
+
+def test_a_bad_image_exits_2_naming_the_row_before_any_model_loads(tiny_vlm_dir, shapes_dir, tmp_path, monkeypatch,
+                                                                   capsys):
+    import posttrain.run as run
+
+    rows = (shapes_dir / "sft_train.jsonl").read_text().splitlines()
+    broken = json.loads(rows[2])
+    broken["images"] = ["images/missing.png"]
+    data = tmp_path / "d.jsonl"
+    data.write_text("\n".join(rows[:2] + [json.dumps(broken)]) + "\n")
+    (tmp_path / "images").symlink_to(shapes_dir / "images")
+    monkeypatch.setattr(run, "load_policy", lambda *a: pytest.fail("a model loaded"))
+    assert run_cli("sft", *run_overrides(tiny_vlm_dir, data, tmp_path / "out")) == 2
+    assert "data.train row 2: images 0: image file" in capsys.readouterr().err
