@@ -69,10 +69,10 @@ class RunResult:
     metrics: list[dict[str, Any]]
 
 
-def make_source(recipe: Recipe, backend, models, algorithm, examples, collate, servers) -> Source:
-    """The source of the loop's micro-batches, by algorithm.source_kind."""
+def make_source(recipe: Recipe, backend, models, algorithm, examples, collate, servers, processor=None) -> Source:
+    """The source of the loop's micro-batches, by algorithm.source_kind (processor: a vision-language model's)."""
     if algorithm.source_kind == "rollout":
-        return RolloutSource(recipe, backend, models, algorithm, examples, algorithm.rewards, servers)
+        return RolloutSource(recipe, backend, models, algorithm, examples, algorithm.rewards, servers, processor)
     if algorithm.source_kind == "distill":
         return DistillSource(recipe, backend, models, examples, algorithm.config.lmbda, servers)
     return DatasetSource.from_recipe(recipe, backend, examples, collate)
@@ -178,7 +178,7 @@ def run_attempt(command: str, recipe: Recipe, launched: Optional[Launched] = Non
 
     # 3. data source, schedule, state
     collate = make_collate(recipe, algorithm, tokenizer, processor)
-    source = make_source(recipe, backend, models, algorithm, train_examples, collate, servers)
+    source = make_source(recipe, backend, models, algorithm, train_examples, collate, servers, processor)
     steps = total_steps(t, source.micro_batches_per_epoch())
     for _, role in models.trained():
         role.start_schedule(steps)

@@ -158,12 +158,11 @@ class RowImages:
         return ids_out, mask_out
 
 
-def with_images(batch: Batch, images_B: list[list[ImageRef]], processor) -> Batch:
-    """`batch` with the pixel tensors of each row's images (opened now), from the model's image processor."""
+def vision_inputs(images_B: list[list[ImageRef]], processor) -> Optional[VisionInputs]:
+    """The pixel tensors of each row's images (opened now), from the model's image processor; None without images."""
     flat = [ref for refs in images_B for ref in refs]
-    counts_B = torch.tensor([len(refs) for refs in images_B], dtype=torch.long)
     if not flat:
-        return batch
+        return None
     out = processor.image_processor(images=[ref.open() for ref in flat], return_tensors="pt")
     unknown = sorted(set(out.keys()) - set(PROCESSOR_TENSORS))
     if unknown:
@@ -171,7 +170,23 @@ def with_images(batch: Batch, images_B: list[list[ImageRef]], processor) -> Batc
                         "does not pass to the model yet (it passes pixel_values and image_grid_thw)")
     grid = out.get("image_grid_thw")
     patches_I = grid.prod(-1) if grid is not None else torch.ones(len(flat), dtype=torch.long)
-    image_token_id = processor.tokenizer.convert_tokens_to_ids(processor.image_token)
-    vision = VisionInputs(pixel_values=out["pixel_values"], patches_I=patches_I, images_B=counts_B,
-                          image_grid_thw=grid, image_token_id=image_token_id)
-    return dataclasses.replace(batch, vision=vision)
+    return VisionInputs(pixel_values=out["pixel_values"], patches_I=patches_I,
+                        images_B=torch.tensor([len(refs) for refs in images_B], dtype=torch.long), image_grid_thw=grid,
+                        image_token_id=processor.tokenizer.convert_tokens_to_ids(processor.image_token))
+
+
+class ImageEncoder:
+    """A processor's images -> pixel tensors, for a generation engine: `encoder(images per prompt)` (vision_inputs),
+    and the placeholder token the engine must not sample (a completion's own image token would have no pixels)."""
+
+    def __init__(self, processor):
+        self.processor = processor
+        self.image_token_id = processor.tokenizer.convert_tokens_to_ids(processor.image_token)
+
+    def __call__(self, images_B: list[list[ImageRef]]) -> Optional[VisionInputs]:
+        return vision_inputs(images_B, self.processor)
+
+
+def with_images(batch: Batch, images_B: list[list[ImageRef]], processor) -> Batch:
+    """`batch` with the pixel tensors of each row's images (see vision_inputs)."""
+    return dataclasses.replace(batch, vision=vision_inputs(images_B, processor))

@@ -127,7 +127,7 @@ def freeze_vision(model, tower: bool, projector: bool) -> list[str]:
     return chosen
 
 
-VISION_ALGORITHMS = ("sft", "dpo")
+VISION_ALGORITHMS = ("sft", "dpo", "grpo")
 """What trains a vision-language model with images today; the others are refused before anything loads."""
 
 
@@ -153,6 +153,11 @@ def check_vision_recipe(recipe, algorithm) -> bool:
          "would split image tokens from their pixels across ranks; set it to 1"),
         (model.lora.enabled, "model.lora.enabled", "LoRA on vision-language models is not wired yet; train fully "
          "(freeze the tower with model.freeze_vision_tower=true)"),
+        (algorithm.source_kind == "rollout" and (recipe.generation.placement, recipe.generation.engine)
+         != ("colocated", "hf"), f"generation.engine={recipe.generation.engine} "
+         f"(placement {recipe.generation.placement})", "generates from images with the hf engine only so far "
+         "(vLLM's multi-modal inputs are not wired yet); set generation.engine=hf, generation.placement=colocated"),
+        (recipe.agent.enabled, "agent.*", "runs multi-turn agents on text prompts only so far"),
     )
     for refused, what, why in refusals:
         if refused:

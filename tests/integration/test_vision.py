@@ -98,3 +98,19 @@ def test_a_bad_image_exits_2_naming_the_row_before_any_model_loads(tiny_vlm_dir,
     monkeypatch.setattr(run, "load_policy", lambda *a: pytest.fail("a model loaded"))
     assert run_cli("sft", *run_overrides(tiny_vlm_dir, data, tmp_path / "out")) == 2
     assert "data.train row 2: images 0: image file" in capsys.readouterr().err
+
+
+def test_grpo_generates_and_trains_with_the_images(tiny_vlm_dir, shapes_dir, tmp_path):
+    """The hf engine samples with each prompt's images and the trainer scores the completions with the same images:
+    their log-probs agree (sampler_logprob_gap ~ 0; either side without the pixels would be far off)."""
+    out = tmp_path / "run"
+    assert run_cli("grpo", *run_overrides(tiny_vlm_dir, shapes_dir / "grpo_train.jsonl", out, "train.max_steps=2",
+                                         "train.per_device_train_batch_size=8", "algo.num_generations=4",
+                                         "generation.max_completion_length=6", "data.max_length=64", "algo.beta=0.04",
+                                         "rewards=[{name: format, kwargs: {pattern: '.*e.*'}}]")) == 0
+    rows = metrics(out)
+    assert [r["step"] for r in rows] == [1, 2]
+    assert all(r["sampler_logprob_gap"] < 1e-4 for r in rows), rows
+    assert any(r["reward/std"] > 0 for r in rows)
+    initial, trained = load_file(str(tiny_vlm_dir / "model.safetensors")), final_weights(out)
+    assert sum(not torch.equal(initial[k], trained[k]) for k in initial) > len(initial) // 2

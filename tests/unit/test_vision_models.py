@@ -99,3 +99,31 @@ def test_a_rows_image_changes_its_loss(tmp_path, vlm):
         losses = [sft_loss(model, with_images(collate_padded([e], 0), [e["images"]], processor)).item()
                   for e in examples]
     assert losses[0] == losses[1] and abs(losses[0] - losses[2]) > 1e-4
+
+
+def test_the_hf_engine_generates_from_the_images_and_never_samples_a_placeholder(tmp_path, vlm):
+    from posttrain.data.images import ImageEncoder, ImageRef
+    from posttrain.generation.base import SamplingParams
+    from posttrain.generation.hf import HFEngine
+
+    _, processor, model = vlm
+    refs = []
+    for name, colour in (("red", (255, 0, 0)), ("blue", (0, 0, 255))):
+        Image.new("RGB", (56, 56), colour).save(tmp_path / f"{name}.png")
+        refs.append(ImageRef(path=str(tmp_path / f"{name}.png"), tokens=4))
+    image_id = processor.tokenizer.convert_tokens_to_ids(processor.image_token)
+    prompt = processor.tokenizer("<|im_start|>user\n<|vision_start|>" + processor.image_token * 4 +
+                                 "<|vision_end|>colour?<|im_end|>\n<|im_start|>assistant\n")["input_ids"]
+    engine = HFEngine(model, processor.tokenizer)
+    engine.take_images(ImageEncoder(processor))
+    greedy = SamplingParams(max_new_tokens=4, temperature=0.0)
+    red, blue = (engine.generate([prompt], greedy, images=[[ref]]) for ref in refs)
+    assert red.logprobs[0][0] != blue.logprobs[0][0]
+    model.lm_head.bias = torch.nn.Parameter(torch.zeros(model.lm_head.out_features))  # make the placeholder likeliest
+    with torch.no_grad():
+        model.lm_head.bias[image_id] = 100.0
+    try:
+        sampled = engine.generate([prompt], SamplingParams(max_new_tokens=4, seed=0), images=[[refs[0]]])
+    finally:
+        model.lm_head.bias = None
+    assert image_id not in sampled.completion_ids[0]
