@@ -3,8 +3,9 @@
     python -m posttrain.demo.shapes examples/data/shapes      # what is shipped (seeded: the same files every time)
 
 Writes `images/NN.png` (56 x 56 pixels: 4 image tokens for the tiny Qwen2-VL) and, in TRL's formats with an `images`
-column of paths relative to the data file, `sft_train.jsonl` (messages), `dpo_train.jsonl` (prompt, chosen, rejected:
-the right answer against a wrong one) and `grpo_train.jsonl` (prompt, answer: for an exact-match reward).
+column of paths relative to the data file, `sft_{train,eval}.jsonl` (messages), `dpo_train.jsonl` (prompt, chosen,
+rejected: the right answer against a wrong one) and `grpo_{train,eval}.jsonl` (prompt, answer: for an exact-match
+reward). The eval rows have images of their own.
 """
 
 from __future__ import annotations
@@ -41,13 +42,13 @@ def draw(kind: str, colour: str, count: int):
     return image
 
 
-def write_shapes(out_dir, images: int = 24, seed: int = 0) -> Path:
-    """Write the image set and its three data files under out_dir (see the module docstring)."""
+def write_shapes(out_dir, images: int = 24, eval_images: int = 8, seed: int = 0) -> Path:
+    """Write the image set and its data files under out_dir (see the module docstring)."""
     rng = random.Random(seed)
     out = Path(out_dir)
     (out / "images").mkdir(parents=True, exist_ok=True)
     sft, dpo, grpo = [], [], []
-    for n in range(images):
+    for n in range(images + eval_images):
         kind, colour, count = rng.choice(KINDS), rng.choice(sorted(COLOURS)), rng.randint(1, 3)
         name = f"images/{n:02d}.png"
         draw(kind, colour, count).save(out / name, optimize=True)
@@ -64,8 +65,10 @@ def write_shapes(out_dir, images: int = 24, seed: int = 0) -> Path:
         dpo.append({"prompt": user, "chosen": said(facts[topic]), "rejected": said(rng.choice(wrong[topic])),
                     "images": [name]})
         grpo.append({"prompt": user, "answer": facts[topic], "images": [name]})
-    for file, rows in (("sft_train.jsonl", sft), ("dpo_train.jsonl", dpo), ("grpo_train.jsonl", grpo)):
-        (out / file).write_text("".join(json.dumps(row) + "\n" for row in rows))
+    files = {"sft_train": sft[:images], "sft_eval": sft[images:], "dpo_train": dpo[:images],
+             "grpo_train": grpo[:images], "grpo_eval": grpo[images:]}
+    for name, rows in files.items():
+        (out / f"{name}.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
     return out
 
 
