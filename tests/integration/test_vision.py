@@ -19,14 +19,17 @@ from posttrain.config.schema import ModelConfig, Recipe
 from posttrain.data import RowImages, collate_padded, load_rows, tokenize_sft, with_images
 from posttrain.models.load import load_tokenizer
 from posttrain.models.vision import load_processor
-from tests.integration.helpers import final_weights, metrics, run_cli, run_overrides
+from tests.integration.helpers import (assert_accumulation_is_invisible, final_weights, metrics, run_cli,
+                                       run_overrides)
 
 
 def test_sft_with_a_frozen_tower_trains_the_rest_and_exports(tiny_vlm_dir, shapes_dir, tmp_path):
-    out = tmp_path / "run"
-    assert run_cli("sft", *run_overrides(tiny_vlm_dir, shapes_dir / "sft_train.jsonl", out, "train.max_steps=3",
-                                         "train.per_device_train_batch_size=4", "data.max_length=128",
-                                         "data.assistant_only_loss=true", "model.freeze_vision_tower=true")) == 0
+    """...and 4 rows with their images in one micro-batch give the update of 1 row x 4 accumulation steps (each
+    micro-batch carries its own rows' pixels)."""
+    assert_accumulation_is_invisible("sft", lambda out, *split: run_overrides(
+        tiny_vlm_dir, shapes_dir / "sft_train.jsonl", out, "train.max_steps=3", *split, "data.max_length=128",
+        "data.assistant_only_loss=true", "model.freeze_vision_tower=true"), tmp_path)
+    out = tmp_path / "mb4"
     assert [r["step"] for r in metrics(out)] == [1, 2, 3]
     initial, trained = load_file(str(tiny_vlm_dir / "model.safetensors")), final_weights(out)
     tower = [k for k in initial if "visual." in k and ".merger." not in k]  # saved as visual.* (Qwen2-VL's hub names)
