@@ -117,3 +117,40 @@ def test_grpo_generates_and_trains_with_the_images(tiny_vlm_dir, shapes_dir, tmp
     assert any(r["reward/std"] > 0 for r in rows)
     initial, trained = load_file(str(tiny_vlm_dir / "model.safetensors")), final_weights(out)
     assert sum(not torch.equal(initial[k], trained[k]) for k in initial) > len(initial) // 2
+
+
+def test_dpo_sequence_logprobs_equal_trls(tiny_vlm_dir, shapes_dir):
+    """TRL 1.16's DPOTrainer scores DataCollatorForVisionPreference's batch: prompt + chosen rows then prompt +
+    rejected rows, each with the prompt's images, summing the completion tokens' log-probs. Ours on the same pairs: the
+    same token ids and pixels, and the same chosen / rejected sums (the DPO loss on top is the text one)."""
+    from trl.trainer.dpo_trainer import DataCollatorForVisionPreference
+
+    from posttrain.data import collate_preference, tokenize_preference
+    from posttrain.models.forward import policy_logprobs
+
+    model_cfg = ModelConfig(name_or_path=str(tiny_vlm_dir))
+    processor = load_processor(model_cfg, load_tokenizer(model_cfg))
+    file = shapes_dir / "dpo_train.jsonl"
+    rows = [json.loads(line) for line in file.read_text().splitlines()[:3]]
+    trl_batch = DataCollatorForVisionPreference(processor)(
+        [{**r, "images": [Image.open(shapes_dir / p) for p in r["images"]]} for r in rows])
+    dataset = load_rows(str(file)).select(range(3))
+    examples, _ = tokenize_preference(dataset, processor.tokenizer, DataConfig(max_length=128), "data.train",
+                                      images=RowImages.of(dataset, processor, str(file), "data.train"))
+    batch = with_images(collate_preference(examples, processor.tokenizer.pad_token_id),
+                        [e["images"] for e in examples] * 2, processor)
+    keep_BT = batch.attention_mask_BT.bool()
+    width = keep_BT.shape[1]
+    assert torch.equal(trl_batch["input_ids"][:, :width][keep_BT], batch.input_ids_BT[keep_BT])
+    past_BT = trl_batch["completion_mask"].bool().clone()
+    past_BT[:, :width] &= ~keep_BT
+    newline = processor.tokenizer.convert_tokens_to_ids("Ċ")
+    assert past_BT.sum(-1).tolist() == [1] * 6 and set(trl_batch["input_ids"][past_BT].tolist()) == {newline}
+    assert torch.equal(trl_batch["pixel_values"], batch.vision.pixel_values)
+    model = AutoModelForImageTextToText.from_pretrained(tiny_vlm_dir)
+    with torch.no_grad():
+        ours_B = (policy_logprobs(model, batch) * batch.completion_mask_BT).sum(-1)
+        inputs = {k: v for k, v in trl_batch.items() if k != "completion_mask"}
+        logprobs_BT = model(**inputs).logits[:, :-1].log_softmax(-1).gather(-1, inputs["input_ids"][:, 1:, None])[..., 0]
+        theirs_B = (logprobs_BT * (trl_batch["completion_mask"].bool() & ~past_BT)[:, 1:]).sum(-1)
+    assert torch.allclose(ours_B, theirs_B, rtol=1e-5, atol=1e-4), (ours_B, theirs_B)
