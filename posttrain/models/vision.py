@@ -143,23 +143,23 @@ def check_vision_recipe(recipe, algorithm) -> bool:
         return False
     refusals = (
         (algorithm.name not in VISION_ALGORITHMS, f"posttrain {algorithm.name}",
-         f"trains vision-language models with {' and '.join(VISION_ALGORITHMS)} only so far"),
+         f"posttrain trains vision-language models with {', '.join(VISION_ALGORITHMS)} only so far"),
         (recipe.data.packing, "data.packing=true",
          "packed rows restart their position ids per sequence, which would drop each row's own 3-D rotary positions "
          "(Qwen2-VL's mrope places image tokens on a (t, h, w) grid); set data.packing=false"),
         (recipe.train.max_tokens_per_microbatch is not None, "train.max_tokens_per_microbatch",
-         "regroups rows padding-free (packed), which would drop each row's 3-D rotary positions; leave it unset"),
+         "it regroups rows padding-free (packed), which would drop each row's 3-D rotary positions; leave it unset"),
         (recipe.train.sequence_parallel_size > 1, "train.sequence_parallel_size > 1",
-         "would split image tokens from their pixels across ranks; set it to 1"),
+         "it would split image tokens from their pixels across ranks; set it to 1"),
         (model.lora.enabled, "model.lora.enabled", "LoRA on vision-language models is not wired yet; train fully "
          "(freeze the tower with model.freeze_vision_tower=true)"),
         (algorithm.source_kind == "rollout" and (recipe.generation.placement, recipe.generation.engine)
          != ("colocated", "hf"), f"generation.engine={recipe.generation.engine} "
-         f"(placement {recipe.generation.placement})", "generates from images with the hf engine only so far "
-         "(vLLM's multi-modal inputs are not wired yet); set generation.engine=hf, generation.placement=colocated"),
-        (recipe.agent.enabled, "agent.*", "runs multi-turn agents on text prompts only so far"),
+         f"(placement {recipe.generation.placement})", "posttrain generates from images with the hf engine only so "
+         "far (vLLM's multi-modal inputs are not wired yet); set generation.engine=hf, generation.placement=colocated"),
+        (recipe.agent.enabled, "agent.*", "posttrain runs multi-turn agents on text prompts only so far"),
     )
     for refused, what, why in refusals:
         if refused:
-            raise UserError(f"{what} with the vision-language model {model.name_or_path}: posttrain {why}")
+            raise UserError(f"{what} with the vision-language model {model.name_or_path}: {why}")
     return True

@@ -84,11 +84,16 @@ def lora_parameters(model, target_modules, r: int) -> int:
 
 @functools.lru_cache(maxsize=8)  # plan asks for the same shape again (with and without LoRA, per engine)
 def model_shape(model_cfg: ModelConfig, task: str = "causal_lm") -> ModelShape:
-    """Parameter counts (tied weights once) and the sizes activations depend on, for the recipe's model."""
-    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+    """Parameter counts (tied weights once) and the sizes activations depend on, for the recipe's model. A
+    vision-language model counts its vision tower and projector, trainable unless model.freeze_* says otherwise."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoModelForSequenceClassification
+
+    from posttrain.models.vision import vision_parameters
 
     config = read_config(model_cfg)
-    auto = AutoModelForSequenceClassification if task == "seq_cls" else AutoModelForCausalLM
+    vision = task == "causal_lm" and getattr(config, "vision_config", None) is not None
+    auto = (AutoModelForSequenceClassification if task == "seq_cls" else AutoModelForImageTextToText if vision
+            else AutoModelForCausalLM)
     if task == "seq_cls":
         config.num_labels = 1
     try:
@@ -99,6 +104,11 @@ def model_shape(model_cfg: ModelConfig, task: str = "causal_lm") -> ModelShape:
                         f"from its config.json ({e})") from e
     parameters = sum(p.numel() for p in model.parameters())
     trainable = parameters
+    if vision:
+        tower, projector = vision_parameters(model)
+        sizes = dict((name, p.numel()) for name, p in model.named_parameters())
+        frozen = (tower if model_cfg.freeze_vision_tower else []) + (projector if model_cfg.freeze_projector else [])
+        trainable -= sum(sizes[name] for name in frozen)
     if model_cfg.lora.enabled:
         trainable = lora_parameters(model, set(model_cfg.lora.target_modules), model_cfg.lora.r)
         if not trainable:

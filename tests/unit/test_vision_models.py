@@ -127,3 +127,21 @@ def test_the_hf_engine_generates_from_the_images_and_never_samples_a_placeholder
     finally:
         model.lm_head.bias = None
     assert image_id not in sampled.completion_ids[0]
+
+
+def test_plan_counts_the_vision_tower_and_never_suggests_packing(tiny_vlm_dir, vlm):
+    from posttrain.config.load import load_recipe
+    from posttrain.models.vision import vision_parameters
+    from posttrain.plan import run_plan
+    from posttrain.plan.shape import model_shape
+
+    _, _, model = vlm
+    tower, _ = vision_parameters(model)
+    sizes = dict((name, p.numel()) for name, p in model.named_parameters())
+    full = model_shape(ModelConfig(name_or_path=str(tiny_vlm_dir)))
+    frozen = model_shape(ModelConfig(name_or_path=str(tiny_vlm_dir), freeze_vision_tower=True))
+    assert full.parameters == full.trainable == sum(sizes.values())  # tied embeddings once, as named_parameters
+    assert full.trainable - frozen.trainable == sum(sizes[name] for name in tower)
+    recipe = load_recipe(None, [f"model.name_or_path={tiny_vlm_dir}", "data.train=x.jsonl"], ALGORITHMS["sft"][0])
+    text = run_plan("sft", recipe, None, [], 1, 1, "80GiB", as_json=False)
+    assert "recommended:" in text and "max_tokens_per_microbatch" not in text
