@@ -192,7 +192,9 @@ def load_sequence_classifier(model_cfg: ModelConfig, gradient_checkpointing: boo
 
 
 def apply_lora(model, lora_cfg: LoraConfig, task: str = "causal_lm"):
-    """Wrap the model in peft LoRA adapters; only adapters (and, for seq_cls, the score head) stay trainable."""
+    """Wrap the model in peft LoRA adapters; only adapters (and, for seq_cls, the score head) stay trainable. A
+    vision-language model gets them in its language model only (a CLIP tower's q_proj would match too), its vision
+    tower and projector frozen."""
     try:
         import peft
     except ImportError:
@@ -204,8 +206,11 @@ def apply_lora(model, lora_cfg: LoraConfig, task: str = "causal_lm"):
     if not set(lora_cfg.target_modules) & set(linear_names):
         raise UserError(f"model.lora.target_modules {list(lora_cfg.target_modules)} match no layer of this model; "
                         f"its linear layers are named: {', '.join(linear_names)}")
+    from posttrain.models.vision import vision_modules_pattern
+
     config = peft.LoraConfig(r=lora_cfg.r, lora_alpha=lora_cfg.alpha, lora_dropout=lora_cfg.dropout, bias="none",
                              target_modules=list(lora_cfg.target_modules),
+                             exclude_modules=vision_modules_pattern(model),  # a VLM: the language model only
                              task_type=peft.TaskType.CAUSAL_LM if task == "causal_lm" else peft.TaskType.SEQ_CLS)
     return peft.get_peft_model(model, config)
 

@@ -111,6 +111,16 @@ def vision_parameters(model) -> tuple[list[str], list[str]]:
     return tower, projector
 
 
+def vision_modules_pattern(model) -> Optional[str]:
+    """A regex (peft's exclude_modules) matching every module inside the vision tower or the projector; None for a
+    model without them."""
+    tower, projector = vision_parameters(model)
+    if not tower and not projector:
+        return None
+    names = "|".join(TOWER_NAMES + PROJECTOR_NAMES)
+    return rf"(.*\.)?({names})(\..*)?"
+
+
 def freeze_vision(model, tower: bool, projector: bool) -> list[str]:
     """Turn off gradients of the vision encoder (`tower`) and / or the projector; returns the names frozen. A model
     with none of them (a text model) raises UserError naming the option."""
@@ -151,8 +161,6 @@ def check_vision_recipe(recipe, algorithm) -> bool:
          "it regroups rows padding-free (packed), which would drop each row's 3-D rotary positions; leave it unset"),
         (recipe.train.sequence_parallel_size > 1, "train.sequence_parallel_size > 1",
          "it would split image tokens from their pixels across ranks; set it to 1"),
-        (model.lora.enabled, "model.lora.enabled", "LoRA on vision-language models is not wired yet; train fully "
-         "(freeze the tower with model.freeze_vision_tower=true)"),
         (algorithm.source_kind == "rollout" and (recipe.generation.placement, recipe.generation.engine)
          != ("colocated", "hf"), f"generation.engine={recipe.generation.engine} "
          f"(placement {recipe.generation.placement})", "posttrain generates from images with the hf engine only so "

@@ -154,3 +154,19 @@ def test_dpo_sequence_logprobs_equal_trls(tiny_vlm_dir, shapes_dir):
         logprobs_BT = model(**inputs).logits[:, :-1].log_softmax(-1).gather(-1, inputs["input_ids"][:, 1:, None])[..., 0]
         theirs_B = (logprobs_BT * (trl_batch["completion_mask"].bool() & ~past_BT)[:, 1:]).sum(-1)
     assert torch.allclose(ours_B, theirs_B, rtol=1e-5, atol=1e-4), (ours_B, theirs_B)
+
+
+def test_lora_dpo_adapts_the_language_model_and_merges(tiny_vlm_dir, shapes_dir, tmp_path):
+    """LoRA on a VLM: adapters on the language model only, the reference is the adapter-off policy; final/ holds the
+    merged weights (vision tower and projector exactly as loaded) and the adapter alone."""
+    out = tmp_path / "run"
+    assert run_cli("dpo", *run_overrides(tiny_vlm_dir, shapes_dir / "dpo_train.jsonl", out, "train.max_steps=2",
+                                         "train.per_device_train_batch_size=4", "data.max_length=128",
+                                         "model.lora.enabled=true", "model.lora.r=4", "model.lora.alpha=8")) == 0
+    assert abs(metrics(out)[0]["loss"] - 0.6931) < 1e-3
+    initial, merged = load_file(str(tiny_vlm_dir / "model.safetensors")), final_weights(out)
+    assert merged.keys() == initial.keys()
+    vision = [k for k in initial if "visual." in k]
+    assert vision and all(torch.equal(initial[k], merged[k]) for k in vision)
+    assert any(not torch.equal(initial[k], merged[k]) for k in initial if k.endswith("q_proj.weight"))
+    assert (out / "final" / "adapter" / "adapter_model.safetensors").is_file()

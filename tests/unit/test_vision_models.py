@@ -65,16 +65,27 @@ def test_freezing_a_text_model_is_refused(tiny_model_dir):
     ("sft", "data.packing=true", "data.packing=true with the vision-language model"),
     ("sft", "train.max_tokens_per_microbatch=64", "train.max_tokens_per_microbatch with"),
     ("sft", "train.sequence_parallel_size=2", "train.sequence_parallel_size > 1 with"),
-    ("dpo", "model.lora.enabled=true", "model.lora.enabled with"),
+    ("grpo", "generation.engine=vllm rewards=[{name: exact_match}]", "generation.engine=vllm .placement colocated. with"),
     ("rm", "seed=1", "posttrain rm with the vision-language model"),
 ])
 def test_what_is_not_done_is_refused(tiny_vlm_dir, command, override, message):
     from posttrain.config.load import load_recipe
 
-    recipe = load_recipe(None, [f"model.name_or_path={tiny_vlm_dir}", "data.train=x.jsonl", override],
+    recipe = load_recipe(None, [f"model.name_or_path={tiny_vlm_dir}", "data.train=x.jsonl", *override.split(" ", 1)],
                          ALGORITHMS[command][0])
     with pytest.raises(UserError, match=message):
         check_vision_recipe(recipe, ALGORITHMS[command][1](recipe))
+
+
+def test_lora_goes_to_the_language_model_only(tiny_vlm_dir):
+    from posttrain.config.schema import LoraConfig
+    from posttrain.models.load import apply_lora
+
+    model = apply_lora(AutoModelForImageTextToText.from_pretrained(tiny_vlm_dir),
+                       LoraConfig(enabled=True, target_modules=("q_proj", "v_proj", "qkv", "fc1")))
+    adapted = {n for n, _ in model.named_parameters() if "lora_" in n}
+    assert adapted and all(".language_model." in n for n in adapted)
+    assert {n for n, p in model.named_parameters() if p.requires_grad} == adapted
 
 
 def sft_loss(model, batch):
