@@ -40,12 +40,14 @@ class VisionInputs:
     """Qwen-VL: each image's patch grid (t, h, w), [I, 3]."""
     image_token_id: int = -1
     """The token that stands for one image token in input_ids (the processor's image token)."""
+    marks_image_tokens: bool = False
+    """The model takes `mm_token_type_ids` (1 at image tokens) beside input_ids, as its processor returns them: how
+    transformers' Qwen-VL finds where to place each image on the 3-D rotary grid."""
 
     def model_inputs(self, input_ids_BT: torch.Tensor) -> dict:
-        """The forward's image arguments; `mm_token_type_ids` (1 at image tokens) is how transformers' Qwen-VL finds
-        where to place each image on the 3-D rotary grid, as the processor returns it beside input_ids."""
-        inputs = {"pixel_values": self.pixel_values, "image_grid_thw": self.image_grid_thw,
-                  "mm_token_type_ids": (input_ids_BT == self.image_token_id).long()}
+        """The forward's image arguments."""
+        marks = (input_ids_BT == self.image_token_id).long() if self.marks_image_tokens else None
+        inputs = {"pixel_values": self.pixel_values, "image_grid_thw": self.image_grid_thw, "mm_token_type_ids": marks}
         return {key: value for key, value in inputs.items() if value is not None}
 
     def to(self, device: torch.device) -> "VisionInputs":
@@ -60,7 +62,8 @@ class VisionInputs:
         rows_from, rows_to = int(self.patches_I[:first].sum()), int(self.patches_I[:last].sum())
         grid = self.image_grid_thw[first:last] if self.image_grid_thw is not None else None
         return VisionInputs(pixel_values=self.pixel_values[rows_from:rows_to], patches_I=self.patches_I[first:last],
-                            images_B=self.images_B[start:stop], image_grid_thw=grid, image_token_id=self.image_token_id)
+                            images_B=self.images_B[start:stop], image_grid_thw=grid, image_token_id=self.image_token_id,
+                            marks_image_tokens=self.marks_image_tokens)
 
 
 @dataclass(frozen=True)

@@ -62,9 +62,9 @@ def build_parser(command: str | None = None, help_wanted: bool = False) -> argpa
         p.add_argument("overrides", nargs="*", help="key.sub=value overrides, e.g. train.max_steps=20")
     tiny = sub.add_parser("make-tiny-model", help="write a small random model + locally trained tokenizer")
     tiny.add_argument("--out", required=True, help="directory to write")
-    tiny.add_argument("--arch", default="llama", choices=["llama", "qwen2", "qwen3_moe", "qwen2_vl"],
-                      help="qwen3_moe: a mixture-of-experts model (4 experts, 2 per token); qwen2_vl: a vision-language "
-                      "model with its processor (docs/vision.md)")
+    tiny.add_argument("--arch", default="llama", choices=["llama", "qwen2", "qwen3_moe", "qwen2_vl", "llava"],
+                      help="qwen3_moe: a mixture-of-experts model (4 experts, 2 per token); qwen2_vl, llava: a "
+                      "vision-language model with its processor (docs/vision.md)")
     tiny.add_argument("--seed", type=int, default=0)
     demo = sub.add_parser("demo", help="tiny model, synthetic arithmetic task, SFT -> DPO -> GRPO and PPO on CPU "
                           "(6-10 minutes on 2 CPU cores)")

@@ -45,6 +45,20 @@ def tiny_vlm_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def tiny_llava_dir(tmp_path_factory):
+    """A tiny random LLaVA (CLIP tower, projector, Llama) with its processor (models/tiny_vision.py)."""
+    from posttrain.models.tiny_vision import make_tiny_vlm
+
+    return make_tiny_vlm(tmp_path_factory.mktemp("tiny_llava") / "model", arch="llava", seed=0)
+
+
+@pytest.fixture(scope="session")
+def vlm_dirs(tiny_vlm_dir, tiny_llava_dir):
+    """arch -> the tiny vision-language model directory of that family."""
+    return {"qwen2_vl": tiny_vlm_dir, "llava": tiny_llava_dir}
+
+
+@pytest.fixture(scope="session")
 def shapes_dir(tmp_path_factory):
     """The shipped image set as posttrain.demo.shapes writes it (24 images, sft / dpo / grpo files)."""
     from posttrain.demo.shapes import write_shapes

@@ -172,7 +172,8 @@ def vision_inputs(images_B: list[list[ImageRef]], processor) -> Optional[VisionI
     patches_I = grid.prod(-1) if grid is not None else torch.ones(len(flat), dtype=torch.long)
     return VisionInputs(pixel_values=out["pixel_values"], patches_I=patches_I,
                         images_B=torch.tensor([len(refs) for refs in images_B], dtype=torch.long), image_grid_thw=grid,
-                        image_token_id=processor.tokenizer.convert_tokens_to_ids(processor.image_token))
+                        image_token_id=processor.tokenizer.convert_tokens_to_ids(processor.image_token),
+                        marks_image_tokens="mm_token_type_ids" in processor.model_input_names)
 
 
 class ImageEncoder:

@@ -11,7 +11,7 @@ import datasets
 import pytest
 import torch
 from PIL import Image
-from transformers import AutoModelForImageTextToText, Qwen2VLProcessor
+from transformers import AutoModelForImageTextToText, LlavaProcessor, Qwen2VLProcessor
 
 from posttrain.algorithms import ALGORITHMS
 from posttrain.config.schema import ModelConfig, Recipe
@@ -29,25 +29,32 @@ def vlm(tiny_vlm_dir):
     return model_cfg, load_processor(model_cfg, tokenizer), load_causal_lm(model_cfg)
 
 
-def test_the_tiny_vlm_loads_with_transformers_classes(tiny_vlm_dir, vlm):
-    model_cfg, processor, model = vlm
-    assert is_vision_model(model_cfg) and type(model).__name__ == "Qwen2VLForConditionalGeneration"
-    assert type(AutoModelForImageTextToText.from_pretrained(tiny_vlm_dir)) is type(model)
-    assert isinstance(processor, Qwen2VLProcessor)
+@pytest.mark.parametrize("arch, model_class, processor_class", [
+    ("qwen2_vl", "Qwen2VLForConditionalGeneration", Qwen2VLProcessor),
+    ("llava", "LlavaForConditionalGeneration", LlavaProcessor),
+])
+def test_the_tiny_vlms_load_with_transformers_classes(vlm_dirs, arch, model_class, processor_class):
+    model_cfg = ModelConfig(name_or_path=str(vlm_dirs[arch]))
+    processor, model = load_processor(model_cfg, load_tokenizer(model_cfg)), load_causal_lm(model_cfg)
+    assert is_vision_model(model_cfg) and type(model).__name__ == model_class
+    assert type(AutoModelForImageTextToText.from_pretrained(vlm_dirs[arch])) is type(model)
+    assert isinstance(processor, processor_class)
     assert model.config.get_text_config().vocab_size == len(processor.tokenizer)
     assert model.config.image_token_id == processor.tokenizer.convert_tokens_to_ids(processor.image_token)
-    assert not is_vision_model(dataclasses.replace(model_cfg, name_or_path=str(tiny_vlm_dir.parent / "nothing")))
+    assert not is_vision_model(dataclasses.replace(model_cfg, name_or_path=str(vlm_dirs[arch].parent / "nothing")))
 
 
-def test_tower_and_projector_freeze_apart(tiny_vlm_dir, vlm):
-    model = AutoModelForImageTextToText.from_pretrained(tiny_vlm_dir)
+@pytest.mark.parametrize("arch, tower_name, projector_name", [("qwen2_vl", ".visual.", ".merger."),
+                                                              ("llava", ".vision_tower.", ".multi_modal_projector.")])
+def test_tower_and_projector_freeze_apart(vlm_dirs, arch, tower_name, projector_name):
+    model = AutoModelForImageTextToText.from_pretrained(vlm_dirs[arch])
     tower = freeze_vision(model, tower=True, projector=False)
-    assert tower and all(".visual." in n and ".merger." not in n for n in tower)
+    assert tower and all(tower_name in n and projector_name not in n for n in tower)
     trainable = {n for n, p in model.named_parameters() if p.requires_grad}
-    assert any(".merger." in n for n in trainable) and any("language_model" in n for n in trainable)
+    assert any(projector_name in n for n in trainable) and any("language_model" in n for n in trainable)
     assert not trainable & set(tower)
     projector = freeze_vision(model, tower=False, projector=True)
-    assert projector and all(".merger." in n for n in projector)
+    assert projector and all(projector_name in n for n in projector)
     assert {n for n, p in model.named_parameters() if p.requires_grad} == trainable - set(projector)
 
 
@@ -77,11 +84,13 @@ def test_what_is_not_done_is_refused(tiny_vlm_dir, command, override, message):
         check_vision_recipe(recipe, ALGORITHMS[command][1](recipe))
 
 
-def test_lora_goes_to_the_language_model_only(tiny_vlm_dir):
+@pytest.mark.parametrize("arch", ["qwen2_vl", "llava"])
+def test_lora_goes_to_the_language_model_only(vlm_dirs, arch):
+    """Qwen2-VL's tower names its layers qkv / fc1, LLaVA's CLIP tower q_proj / v_proj / fc1: none gets an adapter."""
     from posttrain.config.schema import LoraConfig
     from posttrain.models.load import apply_lora
 
-    model = apply_lora(AutoModelForImageTextToText.from_pretrained(tiny_vlm_dir),
+    model = apply_lora(AutoModelForImageTextToText.from_pretrained(vlm_dirs[arch]),
                        LoraConfig(enabled=True, target_modules=("q_proj", "v_proj", "qkv", "fc1")))
     adapted = {n for n, _ in model.named_parameters() if "lora_" in n}
     assert adapted and all(".language_model." in n for n in adapted)
@@ -93,9 +102,11 @@ def sft_loss(model, batch):
     return algorithm.loss(model, batch, algorithm.count(batch))[0]
 
 
-def test_a_rows_image_changes_its_loss(tmp_path, vlm):
+@pytest.mark.parametrize("arch", ["qwen2_vl", "llava"])
+def test_a_rows_image_changes_its_loss(tmp_path, vlm_dirs, arch):
     """The images reach the model: the same text with another image scores differently; the same image the same."""
-    _, processor, model = vlm
+    model_cfg = ModelConfig(name_or_path=str(vlm_dirs[arch]))
+    processor, model = load_processor(model_cfg, load_tokenizer(model_cfg)), load_causal_lm(model_cfg)
     for name, colour in (("red", (255, 0, 0)), ("red2", (255, 0, 0)), ("blue", (0, 0, 255))):
         Image.new("RGB", (56, 56), colour).save(tmp_path / f"{name}.png")
     messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "colour?"}]},
