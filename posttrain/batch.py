@@ -134,7 +134,7 @@ class Batch:
         """Keyword arguments for a transformers forward pass (padding-free: the real tokens as one packed row; the
         outputs go through `unpack`)."""
         if self.padding_free:
-            if self.vision is not None:  # refused at start-up (models/vision.check_vision_recipe): packing loses 3-D rope
+            if self.vision is not None:  # refused at start-up (models/vision.check_vision_recipe): 3-D rope
                 raise ValueError("a padding-free forward cannot carry images")
             keep_BT = self.attention_mask_BT.bool()
             slots_N, fill_R, width = _packed_slots(keep_BT)
@@ -144,8 +144,9 @@ class Batch:
             positions_N[slots_N] = (keep_BT.long().cumsum(-1) - 1)[keep_BT]
             ids_N = self.input_ids_BT.new_zeros(rows * width).index_put((slots_N,), self.input_ids_BT[keep_BT])
             return {"input_ids": ids_N.view(rows, width), "position_ids": positions_N.view(rows, width)}
+        images = self.vision.model_inputs(self.input_ids_BT) if self.vision is not None else {}
         inputs = {"input_ids": self.input_ids_BT, "attention_mask": self.attention_mask_BT,
-                  "position_ids": self.position_ids_BT, **(self.vision.model_inputs(self.input_ids_BT) if self.vision else {})}
+                  "position_ids": self.position_ids_BT, **images}
         return {key: value for key, value in inputs.items() if value is not None}
 
     def unpack(self, x_RW: torch.Tensor) -> torch.Tensor:

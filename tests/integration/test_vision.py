@@ -157,7 +157,8 @@ def test_dpo_sequence_logprobs_equal_trls(tiny_vlm_dir, shapes_dir):
     with torch.no_grad():
         ours_B = (policy_logprobs(model, batch) * batch.completion_mask_BT).sum(-1)
         inputs = {k: v for k, v in trl_batch.items() if k != "completion_mask"}
-        logprobs_BT = model(**inputs).logits[:, :-1].log_softmax(-1).gather(-1, inputs["input_ids"][:, 1:, None])[..., 0]
+        logits_BTV = model(**inputs).logits[:, :-1]
+        logprobs_BT = logits_BTV.log_softmax(-1).gather(-1, inputs["input_ids"][:, 1:, None])[..., 0]
         theirs_B = (logprobs_BT * (trl_batch["completion_mask"].bool() & ~past_BT)[:, 1:]).sum(-1)
     assert torch.allclose(ours_B, theirs_B, rtol=1e-5, atol=1e-4), (ours_B, theirs_B)
 

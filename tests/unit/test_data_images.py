@@ -35,8 +35,8 @@ def image_file(path, size=(56, 56), colour=(200, 30, 30)):
     return path
 
 
-def user(*parts):
-    return {"role": "user", "content": [*({"type": "image"} for _ in range(parts[0])), {"type": "text", "text": parts[1]}]}
+def user(images: int, text: str) -> dict:
+    return {"role": "user", "content": [*({"type": "image"} for _ in range(images)), {"type": "text", "text": text}]}
 
 
 def assistant(text):
