@@ -19,8 +19,8 @@ from posttrain.config.schema import ModelConfig, Recipe
 from posttrain.data import RowImages, collate_padded, load_rows, tokenize_sft, with_images
 from posttrain.models.load import load_tokenizer
 from posttrain.models.vision import load_processor
-from tests.integration.helpers import (assert_accumulation_is_invisible, final_weights, metrics, run_cli,
-                                       run_overrides)
+from tests.integration.helpers import (assert_accumulation_is_invisible, final_weights, max_weight_diff, metrics,
+                                       run_cli, run_overrides, step_losses)
 
 
 @pytest.mark.parametrize("arch", ["qwen2_vl", "llava"])
@@ -177,3 +177,20 @@ def test_lora_dpo_adapts_the_language_model_and_merges(tiny_vlm_dir, shapes_dir,
     assert vision and all(torch.equal(initial[k], merged[k]) for k in vision)
     assert any(not torch.equal(initial[k], merged[k]) for k in initial if k.endswith("q_proj.weight"))
     assert (out / "final" / "adapter" / "adapter_model.safetensors").is_file()
+
+
+def test_dpo_with_images_resumes_exactly(tiny_vlm_dir, shapes_dir, tmp_path):
+    """A run stopped at a checkpoint and resumed gives the uninterrupted run's losses and weights (the images of each
+    step's rows are read again from the data position alone)."""
+    full, split = tmp_path / "full", tmp_path / "split"
+    common = [*run_overrides(tiny_vlm_dir, shapes_dir / "dpo_train.jsonl", full, "train.max_steps=4",
+                             "train.per_device_train_batch_size=4", "train.save_steps=2", "data.max_length=128",
+                             "model.freeze_vision_tower=true")]
+    assert run_cli("dpo", *common) == 0
+    common = [o if not o.startswith("output_dir=") else f"output_dir={split}" for o in common]
+    assert run_cli("dpo", *common, "train.max_steps_per_run=2") == 0
+    assert not (split / "final").exists() and (split / "checkpoints" / "step-2").exists()
+    assert run_cli("dpo", *common, "train.resume_from_checkpoint=auto") == 0
+    a, b = step_losses(full), step_losses(split)
+    assert sorted(b) == [1, 2, 3, 4] and all(b[s] == pytest.approx(a[s], abs=1e-6) for s in a), (a, b)
+    assert max_weight_diff(final_weights(full), final_weights(split)) < 1e-6
