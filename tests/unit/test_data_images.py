@@ -178,3 +178,14 @@ def test_string_contents_get_their_images_before_the_first_user_text_as_trl_plac
     second, _ = tokenize(tmp_path / "two", [plain], processor)
     assert first[0]["input_ids"] == second[0]["input_ids"]
     assert first[0]["completion_mask"] == second[0]["completion_mask"]
+
+
+def test_a_single_image_column(tmp_path, processor):
+    image_file(tmp_path / "a.png")
+    examples, _ = tokenize(tmp_path, [{"messages": [user(1, "q"), assistant("a")], "image": "a.png"},
+                                      {"messages": [user(0, "q"), assistant("b")], "image": None}], processor)
+    assert [len(e["images"]) for e in examples] == [1, 0]
+    dataset, source = sft_rows(tmp_path, [{"messages": [user(1, "q"), assistant("a")], "image": "a.png",
+                                           "images": ["a.png"]}])
+    with pytest.raises(UserError, match="has both an 'images' and an 'image' column"):
+        RowImages.of(dataset, processor, source, "data.train")
