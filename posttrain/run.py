@@ -115,12 +115,14 @@ def load_policy(recipe: Recipe, algorithm):
     return model
 
 
-def run(command: str, recipe: Recipe, launched: Optional[Launched] = None) -> RunResult:
+def run(command: str, recipe: Recipe, launched: Optional[Launched] = None,
+        header: Optional[dict[str, Any]] = None) -> RunResult:
     """One run of `command`. `launched`: what the launch wing started for it (launcher: ray): roles served apart
-    (those are not loaded here) and generation engines. How it ended goes into output_dir's marker, so that a run
+    (those are not loaded here) and generation engines. `header`: facts about the recipe the run's header line (and
+    summary, report) adds, such as whose defaults filled it. How it ended goes into output_dir's marker, so that a run
     that failed before its first checkpoint can be rerun in place (posttrain/rundir/claim.py)."""
     try:
-        result = run_attempt(command, recipe, launched)
+        result = run_attempt(command, recipe, launched, header)
     except BaseException as error:
         claim.end_attempt(Path(recipe.output_dir), error)
         raise
@@ -128,7 +130,8 @@ def run(command: str, recipe: Recipe, launched: Optional[Launched] = None) -> Ru
     return result
 
 
-def run_attempt(command: str, recipe: Recipe, launched: Optional[Launched] = None) -> RunResult:
+def run_attempt(command: str, recipe: Recipe, launched: Optional[Launched] = None,
+                header: Optional[dict[str, Any]] = None) -> RunResult:
     started = time.time()
     algorithm = ALGORITHMS[command][1](recipe)
     t = recipe.train
@@ -181,10 +184,11 @@ def run_attempt(command: str, recipe: Recipe, launched: Optional[Launched] = Non
 
     summary = run_summary(command, recipe, backend, facts, train_stats, steps, (total_params, trainable_params),
                           resume_from)
+    summary.update(header or {})
     trackers = []
     if backend.is_main:
         trackers = open_trackers(tracker_names(t), tracked_run(recipe, command, state.step, summary))
-    logger = MetricsLogger(str(out), steps, state.step, backend.is_main, trackers)
+    logger = MetricsLogger(str(out), steps, state.step, backend.is_main, trackers, algorithm.headline_metrics)
     logger.info("posttrain " + " | ".join(f"{k}={v}" for k, v in summary.items() if v is not None))
     eval_fn = make_evaluation(recipe, backend, algorithm, models, source, tokenizer, eval_examples, collate)
 

@@ -193,6 +193,9 @@ class Algorithm:
     routing_replay: bool = False
     """Mixture-of-experts: prepare records the old policy's routing, which the training forward replays
     (models/moe.py)."""
+    headline_metrics: tuple[str, ...] = ()
+    """The metrics the console shows after loss, grad_norm and learning_rate (TRL's console shows its trainer's):
+    what says whether this algorithm is learning."""
     dynamic_sampling = None
     """Online algorithms: a grpo.DynamicSamplingConfig when the rollout source drops prompt groups whose metric does
     not vary and draws more (DAPO); None: every drawn group is trained on."""

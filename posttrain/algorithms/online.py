@@ -69,6 +69,7 @@ class Surrogate(NamedTuple):
 class OnlineAlgorithm(Algorithm):
     source_kind = "rollout"
     data_kind = "prompt"
+    headline_metrics = ("reward/mean",)
     logprobs_only = True  # the surrogate's log-probs and entropy come from the fused head (policy_logprobs_entropy)
 
     def __init__(self, recipe: Recipe):

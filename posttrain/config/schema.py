@@ -11,6 +11,9 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 
+ALL_LINEAR = "all-linear"  # PEFT's and TRL's model.lora.target_modules for every linear layer but the output one
+
+
 @dataclass(frozen=True)
 class LoraConfig:
     enabled: bool = False
@@ -22,7 +25,8 @@ class LoraConfig:
     dropout: float = 0.0
     """Dropout on the adapter input."""
     target_modules: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-    """Module names that get adapters."""
+    """Module names that get adapters; [all-linear]: every linear layer but the output layer (PEFT's shorthand); []:
+    PEFT's choice for the architecture (q_proj and v_proj for Llama and Qwen: TRL's default)."""
 
 
 @dataclass(frozen=True)

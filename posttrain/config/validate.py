@@ -10,7 +10,7 @@ import math
 import os
 from urllib.parse import urlsplit
 
-from posttrain.config.schema import Recipe, trackers
+from posttrain.config.schema import ALL_LINEAR, Recipe, trackers
 from posttrain.errors import UserError
 
 CHOICES = {
@@ -118,6 +118,10 @@ def validate(recipe: Recipe) -> None:
         check_algo(recipe)
     if recipe.model.lora.enabled and recipe.model.lora.r <= 0:
         raise UserError(f"model.lora.r must be > 0, got {recipe.model.lora.r}")
+    targets = recipe.model.lora.target_modules
+    if ALL_LINEAR in targets and len(targets) > 1:
+        raise UserError(f"model.lora.target_modules {list(targets)}: {ALL_LINEAR} names every linear layer already; "
+                        "give it alone or list module names")
     if recipe.model.router_aux_loss_coef is not None and recipe.model.router_aux_loss_coef < 0:
         raise UserError(f"model.router_aux_loss_coef must be >= 0, got {recipe.model.router_aux_loss_coef}")
 

@@ -34,6 +34,7 @@ from packaging.requirements import InvalidRequirement, Requirement
 import posttrain
 from posttrain.config.load import apply_override
 from posttrain.errors import UserError
+from posttrain.launch.doctor_inputs import check_inputs
 
 STORE_PREFIX = "posttrain_doctor/"
 MIN_FREE_DISK = 2**30
@@ -358,6 +359,8 @@ def run_doctor(config: Optional[str], overrides: list[str], timeout: float, buil
         check_versions(report)
         check_gpus(report)
         check_disk(report, output_dir)
+        if config is not None:
+            check_inputs(report, config, overrides)
         check_deepspeed_ops(report, build_ops)
     if world_size > 1:  # even after a local failure: the group's own problems are worth knowing too
         store = join_group(report, rank, world_size, timeout)

@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import Callable, Optional
 
 from posttrain.distributed.precision import check_master_weights
-from posttrain.models.limits import check_position_limit, check_sequence_parallel
+from posttrain.models.limits import check_position_limit, check_sequence_parallel, model_config_file
 from posttrain.models.load import check_model_source
 from posttrain.models.moe import check_moe_options
 from posttrain.models.packing import check_packing
@@ -32,7 +32,19 @@ RECIPE_CHECKS: dict[str, Callable[..., None]] = {
     "mixture of experts": lambda recipe, algorithm, world: check_moe_options(recipe, algorithm.routing_replay),
     "token budget": lambda recipe, algorithm, world: check_token_budget(recipe, algorithm),
     "sequence parallelism": lambda recipe, algorithm, world: check_sequence_parallel(recipe, algorithm, world=world),
+    "LoRA targets": lambda recipe, algorithm, world: check_lora_targets(recipe, algorithm),
 }
+
+
+def check_lora_targets(recipe, algorithm) -> None:
+    """model.lora.target_modules names linear layers of the model (built on the meta device from its config.json,
+    where that is local or cached and needs no remote code), so a typo (or TRL's --lora_target_modules naming
+    another architecture's layers) stops the run before it writes anything."""
+    from posttrain.plan.shape import model_shape
+
+    model = recipe.model
+    if model.lora.enabled and not model.trust_remote_code and model_config_file(model.name_or_path, model.revision):
+        model_shape(model, algorithm.model_kind)  # UserError when they match no linear layer
 
 
 def check_recipe(recipe, algorithm, world: Optional[int] = None) -> None:

@@ -209,12 +209,16 @@ def test_the_continue_command_drops_overwrite_and_runs_as_printed(tmp_path):
     import shlex
 
     from posttrain.cli import continue_command
-    from posttrain.config.trl_compat import split_trl_flags
+    from posttrain.config.trl_flags import split_trl_flags
 
     given = ["sft", "--config", "r.yaml", "--overwrite_output_dir", "--learning_rate", "1e-4", "train.max_steps=3",
              "train.resume_from_checkpoint=null"]
     assert continue_command(given, overwrite=True) == ("posttrain sft --config r.yaml train.max_steps=3 "
-                                                       "--learning_rate=0.0001 train.resume_from_checkpoint=auto")
+                                                       "--learning_rate 1e-4 train.resume_from_checkpoint=auto")
+    rewards = ["grpo", "--reward_funcs", "r.py:a", "--reward_funcs", "b", "--eval_strategy", "no",
+               "--no_remove_unused_columns"]
+    assert continue_command(rewards, overwrite=False) == ("posttrain grpo --reward_funcs r.py:a b --eval_strategy no "
+                                                          "--remove_unused_columns false train.resume_from_checkpoint=auto")
     config = tmp_path / "r.yaml"  # overwrite set by the recipe file (the demo's saved config.yaml does that)
     config.write_text(f"output_dir: {tmp_path / 'run'}\ndata:\n  train: x.jsonl\ntrain:\n  overwrite_output_dir: true\n")
     printed = continue_command(["sft", "--config", str(config)], overwrite=True)

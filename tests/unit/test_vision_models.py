@@ -168,3 +168,15 @@ def test_plan_counts_the_vision_tower_and_never_suggests_packing(tiny_vlm_dir, v
     recipe = load_recipe(None, [f"model.name_or_path={tiny_vlm_dir}", "data.train=x.jsonl"], ALGORITHMS["sft"][0])
     text = run_plan("sft", recipe, None, [], 1, 1, "80GiB", as_json=False)
     assert "recommended:" in text and "max_tokens_per_microbatch" not in text
+
+
+def test_plan_counts_lora_in_the_language_model_only(tiny_llava_dir):
+    """LLaVA's CLIP tower names layers q_proj / v_proj like the Llama: the plan counts the adapters peft makes."""
+    from posttrain.config.schema import LoraConfig
+    from posttrain.models.load import apply_lora
+    from posttrain.plan.shape import model_shape
+
+    lora = LoraConfig(enabled=True, r=4, target_modules=("q_proj", "v_proj"))
+    adapted = apply_lora(AutoModelForImageTextToText.from_pretrained(tiny_llava_dir), lora)
+    made = sum(p.numel() for n, p in adapted.named_parameters() if "lora_" in n)
+    assert model_shape(ModelConfig(name_or_path=str(tiny_llava_dir), lora=lora)).trainable == made
