@@ -66,8 +66,9 @@ def build_parser(command: str | None = None, help_wanted: bool = False) -> argpa
         p.add_argument("overrides", nargs="*", help="key.sub=value overrides, e.g. train.max_steps=20")
     tiny = sub.add_parser("make-tiny-model", help="write a small random model + locally trained tokenizer")
     tiny.add_argument("--out", required=True, help="directory to write")
-    tiny.add_argument("--arch", default="llama", choices=["llama", "qwen2", "qwen3_moe"],
-                      help="qwen3_moe: a mixture-of-experts model (4 experts, 2 per token)")
+    tiny.add_argument("--arch", default="llama", choices=["llama", "qwen2", "qwen3_moe", "qwen2_vl", "llava"],
+                      help="qwen3_moe: a mixture-of-experts model (4 experts, 2 per token); qwen2_vl, llava: a "
+                      "vision-language model with its processor (docs/vision.md)")
     tiny.add_argument("--seed", type=int, default=0)
     demo = sub.add_parser("demo", help="tiny model, synthetic arithmetic task, SFT -> DPO -> GRPO and PPO on CPU "
                           "(6-10 minutes on 2 CPU cores)")
@@ -133,8 +134,10 @@ def run_command(argv: list[str] | None = None) -> int:
     try:
         if args.command == "make-tiny-model":
             from posttrain.models.tiny import make_tiny_model
+            from posttrain.models.tiny_vision import VISION_ARCHS, make_tiny_vlm
 
-            print(f"wrote {make_tiny_model(args.out, arch=args.arch, seed=args.seed)}")
+            make = make_tiny_vlm if args.arch in VISION_ARCHS else make_tiny_model
+            print(f"wrote {make(args.out, arch=args.arch, seed=args.seed)}")
             return 0
         if args.command == "demo":
             from posttrain.demo import run_demo

@@ -50,6 +50,12 @@ class ModelConfig:
     router_aux_loss_coef: Optional[float] = None
     """Mixture-of-experts models: weight of the load-balancing loss added to the policy loss (TRL's and transformers'
     name); null: the model config's own (Qwen3-MoE: 0.001; none for a dense model); 0: off (still logged)."""
+    freeze_vision_tower: bool = False
+    """Vision-language models: keep the vision encoder's weights as loaded (OpenRLHF's freeze_visual_encoder); the
+    projector trains unless model.freeze_projector is also set (docs/vision.md)."""
+    freeze_projector: bool = False
+    """Vision-language models: keep the projector (the layers mapping image features into the language model, Qwen-VL's
+    merger) as loaded."""
 
 
 @dataclass(frozen=True)

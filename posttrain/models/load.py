@@ -167,10 +167,19 @@ def _from_pretrained(auto_cls, model_cfg: ModelConfig, gradient_checkpointing: b
 
 
 def load_causal_lm(model_cfg: ModelConfig, gradient_checkpointing: bool = False):
-    """AutoModelForCausalLM from the recipe's source, dtype, attention kernel, revision; optional checkpointing."""
-    from transformers import AutoModelForCausalLM
+    """AutoModelForCausalLM from the recipe's source, dtype, attention kernel, revision; optional checkpointing. A
+    vision-language model loads as AutoModelForImageTextToText (its forward takes the images and returns logits like
+    a causal LM's), its vision tower and projector frozen as model.freeze_vision_tower / freeze_projector say."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
-    return _from_pretrained(AutoModelForCausalLM, model_cfg, gradient_checkpointing)
+    from posttrain.models.vision import freeze_vision, is_vision_model
+
+    if not is_vision_model(model_cfg):
+        return _from_pretrained(AutoModelForCausalLM, model_cfg, gradient_checkpointing)
+    model = _from_pretrained(AutoModelForImageTextToText, model_cfg, gradient_checkpointing)
+    if model_cfg.freeze_vision_tower or model_cfg.freeze_projector:
+        freeze_vision(model, model_cfg.freeze_vision_tower, model_cfg.freeze_projector)
+    return model
 
 
 def load_sequence_classifier(model_cfg: ModelConfig, gradient_checkpointing: bool = False, pad_token_id=None):
@@ -187,7 +196,9 @@ def load_sequence_classifier(model_cfg: ModelConfig, gradient_checkpointing: boo
 
 
 def apply_lora(model, lora_cfg: LoraConfig, task: str = "causal_lm"):
-    """Wrap the model in peft LoRA adapters; only adapters (and, for seq_cls, the score head) stay trainable."""
+    """Wrap the model in peft LoRA adapters; only adapters (and, for seq_cls, the score head) stay trainable. A
+    vision-language model gets them in its language model only (a CLIP tower's q_proj would match too), its vision
+    tower and projector frozen."""
     try:
         import peft
     except ImportError:
@@ -200,8 +211,11 @@ def apply_lora(model, lora_cfg: LoraConfig, task: str = "causal_lm"):
     if targets != ALL_LINEAR and not set(targets) & set(linear_names):
         raise UserError(f"model.lora.target_modules {list(lora_cfg.target_modules)} match no layer of this model; "
                         f"its linear layers are named: {', '.join(linear_names)}")
+    from posttrain.models.vision import vision_modules_pattern
+
     config = peft.LoraConfig(r=lora_cfg.r, lora_alpha=lora_cfg.alpha, lora_dropout=lora_cfg.dropout, bias="none",
                              target_modules=targets,
+                             exclude_modules=vision_modules_pattern(model),  # a VLM: the language model only
                              task_type=peft.TaskType.CAUSAL_LM if task == "causal_lm" else peft.TaskType.SEQ_CLS)
     return peft.get_peft_model(model, config)
 

@@ -43,6 +43,7 @@ from typing import Callable
 import torch
 
 from posttrain.data.collate import collate_padded, pad_id
+from posttrain.data.images import ImageEncoder, with_images
 from posttrain.agents import Trajectory, agent_metrics
 from posttrain.ops.advantages import zero_std_fraction
 from posttrain.ops.logprobs import sequence_mean
@@ -102,8 +103,10 @@ class RolloutSource(Source):
 
     prepares_batches = True  # phase 4: once per generation batch, when it is taken for training
 
-    def __init__(self, recipe, backend, models, algorithm, examples, rewards, servers=None):
+    def __init__(self, recipe, backend, models, algorithm, examples, rewards, servers=None, processor=None):
+        """processor: a vision-language policy's; the prompts' images go to the engine and into the batches."""
         t = recipe.train
+        self.processor = processor
         self.recipe, self.backend, self.models, self.algorithm = recipe, backend, models, algorithm
         self.examples, self.rewards, self.tokenizer = examples, rewards, models.tokenizer
         self.group = algorithm.samples_per_prompt
@@ -112,7 +115,8 @@ class RolloutSource(Source):
         self.prompts_per_rank = self.micro * t.gradient_accumulation_steps // self.group  # validated: whole
         self.prompts_per_step = self.prompts_per_rank * backend.data_world_size
         self.order = SampleOrder(len(examples), t.dataloader_seed if t.dataloader_seed is not None else recipe.seed)
-        self.link = EngineLink(recipe, backend, models.policy, self.tokenizer, servers)
+        vision = ImageEncoder(processor) if processor is not None else None
+        self.link = EngineLink(recipe, backend, models.policy, self.tokenizer, servers, vision)
         self._generation: Generation | None = None
         self._handed_out = time.perf_counter()
         self._metrics: dict[str, float] = {}
@@ -328,6 +332,9 @@ class RolloutSource(Source):
         for start in range(0, len(rows), self.micro):
             stop = start + self.micro
             batch = collate_padded(rows[start:stop], pad_id(self.tokenizer))
+            if self.processor is not None:  # each completion row sees its prompt's images
+                images = [self.examples[i].get("images", []) for i in dataset_index[start:stop]]
+                batch = with_images(batch, images, self.processor)
             sampler_BT = torch.zeros(batch.input_ids_BT.shape, dtype=torch.float32)
             for row, (p, lps) in enumerate(zip(prompt_ids[start:stop], sampler_logprobs[start:stop])):
                 sampler_BT[row, len(p) : len(p) + len(lps)] = torch.tensor(lps, dtype=torch.float32)
