@@ -75,6 +75,19 @@ def evaluate_prompts(backend, link, tokenizer, examples: list[dict], rewards, tr
     return out
 
 
+def check_eval_settings(recipe, algorithm) -> None:
+    """train.eval_pass_k acts only where completions of data.eval are sampled: an online algorithm with data.eval.
+    Anywhere else it was accepted and did nothing."""
+    if not recipe.train.eval_pass_k:
+        return
+    if algorithm.source_kind != "rollout":
+        raise UserError("train.eval_pass_k samples completions of data.eval's prompts, which only the online "
+                        "algorithms do (grpo, ppo); this command evaluates by its loss: drop train.eval_pass_k")
+    if not recipe.data.eval:
+        raise UserError("train.eval_pass_k evaluates on data.eval, which is not set: nothing would be evaluated; "
+                        "set data.eval (prompts with an 'answer' column) or drop train.eval_pass_k")
+
+
 def check_answer_columns(recipe, algorithm, train_examples: list[dict], eval_examples: Optional[list[dict]]) -> None:
     """What compares completions with the `answer` column finds it, before any model loads: dynamic sampling on
     accuracy (data.train) and train.eval_pass_k (data.eval)."""

@@ -32,7 +32,7 @@ import math
 import re
 from typing import Any, Callable, Optional
 
-from posttrain.errors import UserError
+from posttrain.errors import UserError, overflows_float32
 from posttrain.rewards.contract import CONTRACT_ARGS, completion_text
 from posttrain.rewards.judge import Judge
 from posttrain.rewards.overlong import Overlong
@@ -206,5 +206,10 @@ def check_builtin_kwargs(name: str, kwargs: dict) -> None:
     missing = [n for n, p in named.items() if p.default is inspect.Parameter.empty and n not in kwargs]
     if missing:
         raise UserError(f"reward {name} needs kwargs {', '.join(missing)} (in the recipe: rewards[].kwargs)")
+    for key, value in kwargs.items():  # each ends up in a float32 reward: inf (or 1e39, inf there) zeroes advantages
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and (
+                not math.isfinite(value) or overflows_float32(value)):
+            raise UserError(f"reward {name}: kwargs.{key} is {value:.3g}, which is not a finite float32 (the dtype "
+                            "rewards are computed in, largest 3.4e+38); give a smaller number")
     if name in CHECKS:
         CHECKS[name](kwargs)
