@@ -88,6 +88,15 @@ def completion_text(completion: Any) -> str:
     return content if isinstance(content, str) else str(content or "")
 
 
+def column_values(kwargs: dict, column: str, reward: str) -> list:
+    """The dataset column a reward compares with, or a UserError listing the columns there are."""
+    if column not in kwargs:
+        columns = sorted(k for k in kwargs if k not in CONTRACT_ARGS)
+        raise UserError(f"reward {reward} reads the dataset column '{column}', which the data does not have "
+                        f"(columns: {', '.join(columns) or 'none'}); set kwargs.answer_column")
+    return kwargs[column]
+
+
 def is_async(fn: Callable) -> bool:
     """Calling fn returns a coroutine: an async def, a partial of one, or an instance with an async __call__."""
     while isinstance(fn, functools.partial):
