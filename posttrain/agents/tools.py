@@ -67,9 +67,9 @@ def load_tools(specs: tuple[str, ...]) -> dict[str, Tool]:
     return tools
 
 
-def opening_tools(rollout) -> Optional[list[dict]]:
-    """What tokenize_prompts(rollout_tools=) takes for `rollout` (recipe.agent): the tools' schemas when a multi-turn
-    rollout opens from the dataset's prompts (rollout on, no environment: an environment writes its own opening);
+def opening_tools(agent) -> Optional[list[dict]]:
+    """What tokenize_prompts(rollout_tools=) takes for `agent` (recipe.agent): the tools' schemas when a multi-turn
+    rollout opens from the dataset's prompts (agent on, no environment: an environment writes its own opening);
     None otherwise."""
     if not agent.enabled or agent.environment:
         return None
