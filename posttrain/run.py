@@ -79,7 +79,8 @@ def make_source(recipe: Recipe, backend, models, algorithm, examples, collate, s
 
 def load_examples(recipe: Recipe, algorithm, tokenizer, which: str):
     """Rows -> tokenised examples for the algorithm's data kind; raises UserError naming the file/row."""
-    rows = data.load_rows(getattr(recipe.data, which), getattr(recipe.data, f"{which}_split"), f"data.{which}")
+    rows = data.load_rows(getattr(recipe.data, which), getattr(recipe.data, f"{which}_split"), f"data.{which}",
+                          held_out_from=recipe.data.train if which == "eval" else None)
     rows = data.rename_text_field(rows, recipe.data.text_field, f"data.{which}")
     if algorithm.data_kind == "prompt":  # a multi-turn rollout's prompts show its tools: cut and counted here
         return data.tokenize_prompts(rows, tokenizer, recipe.data, f"data.{which}", opening_tools(recipe.agent))
