@@ -35,7 +35,7 @@ from typing import Any, Callable, Optional
 from posttrain.errors import UserError
 from posttrain.rewards.contract import CONTRACT_ARGS, column_values, completion_text
 from posttrain.rewards.math_answers import MathAccuracy, require_math_verify, think_answer_format
-from posttrain.rewards import reasoning_gym as rg_reward
+from posttrain.rewards import reasoning_gym as rg_reward, verifiers_rubric
 from posttrain.rewards.judge import Judge
 from posttrain.rewards.overlong import Overlong
 from posttrain.rewards.reward_model import load_scorer, reward_model
@@ -168,7 +168,8 @@ BUILTIN_REWARDS: dict[str, Callable[..., list]] = {"exact_match": exact_match, "
                                                    "length_penalty": length_penalty, "reward_model": reward_model,
                                                    "overlong": Overlong, "judge": Judge, "math_accuracy": MathAccuracy,
                                                    "think_answer_format": think_answer_format,
-                                                   "reasoning_gym": rg_reward.reasoning_gym}
+                                                   "reasoning_gym": rg_reward.reasoning_gym,
+                                                   "verifiers": verifiers_rubric.verifiers}
 """A function gets the recipe's kwargs bound; a class is built once with them (its __init__ checks them)."""
 
 
@@ -193,7 +194,8 @@ def _check_length_penalty(kwargs: dict) -> None:
 
 CHECKS: dict[str, Callable[[dict], None]] = {  # reward_model loads now: a bad path fails before any compute
     "format": _check_format, "length_penalty": _check_length_penalty, "reward_model": lambda kw: load_scorer(**kw),
-    "math_accuracy": lambda kw: require_math_verify("reward math_accuracy"), "reasoning_gym": rg_reward.check}
+    "math_accuracy": lambda kw: require_math_verify("reward math_accuracy"), "reasoning_gym": rg_reward.check,
+    "verifiers": verifiers_rubric.check}
 
 
 def check_builtin_kwargs(name: str, kwargs: dict) -> None:

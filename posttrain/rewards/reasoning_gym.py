@@ -17,8 +17,7 @@ from __future__ import annotations
 from typing import Callable, Optional
 
 from posttrain.data.reasoning_gym import dataset_from_key, require_reasoning_gym
-from posttrain.errors import UserError
-from posttrain.rewards.contract import completion_text
+from posttrain.rewards.contract import completion_text, require_source_columns
 
 COLUMNS = ("rg_dataset", "rg_index")
 
@@ -27,11 +26,7 @@ def reasoning_gym(completions: list, log_metric: Optional[Callable[[str, float],
                   tag: str = "answer", **kwargs) -> list[Optional[float]]:
     """The row's task's score of the completion's <tag> answer (see the module docstring); None for a row that is
     not a reasoning-gym row (rg_dataset null)."""
-    missing = [c for c in COLUMNS if c not in kwargs]
-    if missing:
-        raise UserError("reward reasoning_gym scores rows made by a 'reasoning_gym:<task>' data source (their "
-                        f"columns {', '.join(COLUMNS)}); data.train has no {', '.join(missing)}: set data.train to "
-                        "reasoning_gym:<task> (docs/environments.md)")
+    require_source_columns(kwargs, COLUMNS, "reasoning_gym", "reasoning_gym:<task>")
     from reasoning_gym.utils import extract_answer
 
     out = []

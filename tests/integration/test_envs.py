@@ -37,3 +37,43 @@ def test_a_reasoning_gym_task_trains_with_its_scorer_and_math_verify(tiny_model_
                                        "eval/math_accuracy/chain_sum"} <= set(r) for r in held_out)
     samples = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
     assert samples and all("<answer>" in s["prompt"][0]["content"] for s in samples if isinstance(s["prompt"], list))
+
+
+VF = "verifiers:tests.integration.verifiers_envs"
+
+
+def grpo_on(tiny_model_dir, out, train: str, *extra: str) -> list[dict]:
+    assert run_cli("grpo", *run_overrides(
+        tiny_model_dir, train, out, "train.max_steps=1", "train.per_device_train_batch_size=4",
+        "algo.num_generations=2", "generation.max_completion_length=24", "data.max_length=512", *extra)) == 0
+    return [r for r in metrics(out) if "loss" in r]
+
+
+def test_a_verifiers_single_turn_environment_trains_on_its_rubric(tiny_model_dir, tmp_path):
+    pytest.importorskip("verifiers.v1")
+    [row] = grpo_on(tiny_model_dir, tmp_path / "run", f"{VF}:single_turn?num_tasks=4", "rewards=[{name: verifiers}]")
+    assert {"rewards/verifiers/mean", "verifiers/correct", "verifiers/brief"} <= set(row)
+    # the total is the rubric's weighted sum: correct x 1 + brief x 0.5
+    assert row["rewards/verifiers/mean"] == pytest.approx(row["verifiers/correct"] + 0.5 * row["verifiers/brief"])
+
+
+def test_a_verifiers_tool_environment_runs_through_the_agent_loop_token_exact(tiny_model_dir, tmp_path, monkeypatch):
+    pytest.importorskip("verifiers.v1")
+    from posttrain.agents import AgentLoop
+
+    runs = []
+    run = AgentLoop.run
+    monkeypatch.setattr(AgentLoop, "run", lambda self, *a: runs.append(run(self, *a)) or runs[-1])
+    [row] = grpo_on(tiny_model_dir, tmp_path / "run", f"{VF}:with_tools?num_tasks=4", "rewards=[{name: verifiers}]",
+                    "agent.environment=verifiers", "agent.max_turns=3", "agent.max_turn_tokens=4",
+                    "agent.tool_parser=tests.integration.verifiers_envs:every_turn_calls",
+                    "generation.max_completion_length=96")
+    assert row["turns/mean"] == 3 and row["verifiers/used_tool"] == 1.0
+    trajectories = [t for batch in runs for t in batch]
+    assert len(trajectories) == 4
+    for t in trajectories:  # the model's turns are the engine's ids (mask 1), the tool answers appended (mask 0)
+        roles = [m["role"] for m in t.messages[t.opening:]]
+        assert roles == ["assistant", "tool"] * 2 + ["assistant"]
+        assert len(t.completion_ids) == len(t.completion_mask) == len(t.logprobs)
+        assert 0 < sum(t.completion_mask) < len(t.completion_mask)
+        assert all(lp == 0.0 for lp, m in zip(t.logprobs, t.completion_mask) if not m)
