@@ -6,6 +6,7 @@ test_math_answers.py, test_verifiers_env.py and test_openenv_env.py."""
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
 import torch
@@ -77,3 +78,48 @@ def test_a_verifiers_tool_environment_runs_through_the_agent_loop_token_exact(ti
         assert len(t.completion_ids) == len(t.completion_mask) == len(t.logprobs)
         assert 0 < sum(t.completion_mask) < len(t.completion_mask)
         assert all(lp == 0.0 for lp, m in zip(t.logprobs, t.completion_mask) if not m)
+
+
+def test_a_local_openenv_server_is_started_played_through_the_agent_loop_and_stopped(tiny_model_dir, tmp_path,
+                                                                                     monkeypatch):
+    pytest.importorskip("openenv.core")
+    from posttrain.agents import openenv_env
+    from posttrain.agents import AgentLoop
+
+    runs = []
+    run = AgentLoop.run
+    monkeypatch.setattr(AgentLoop, "run", lambda self, *a: runs.append(run(self, *a)) or runs[-1])
+    monkeypatch.setattr(openenv_env, "_SERVERS", {})
+    [row] = grpo_on(tiny_model_dir, tmp_path / "run", TASK, "rewards=[{name: reasoning_gym}]",
+                    "agent.environment=openenv:tests.integration.openenv_envs:app", "agent.max_turns=4",
+                    "agent.max_turn_tokens=4", "agent.user_code_timeout=120", "generation.max_completion_length=96")
+    # the server ends each episode after two turns and rewards a turn by its length / 50
+    assert row["turns/mean"] == 2 and 0 < row["rewards/environment/mean"] <= 2 * 4 * 4 / 50 + 1e-6
+    for t in (t for batch in runs for t in batch):
+        assert [m["content"] for m in t.messages[t.opening - 1:t.opening]] == ["Say something."]
+        assert [m["role"] for m in t.messages[t.opening:]] == ["assistant", "user", "assistant"]
+        assert t.env_reward == pytest.approx(sum(len(m["content"]) for m in t.messages[t.opening::2]) / 50)
+        assert 0 < sum(t.completion_mask) < len(t.completion_mask)
+    [server] = openenv_env._SERVERS.values()
+    assert server.url.startswith("http://127.0.0.1:")
+    server.stop()  # what the run's exit does (atexit)
+    assert server.process.poll() is not None
+
+
+@pytest.mark.parametrize("module, package, overrides", [
+    ("math_verify", "math-verify", ["rewards=[{name: math_accuracy}]"]),
+    ("reasoning_gym", "reasoning-gym", ["rewards=[{name: exact_match}]"]),
+    ("verifiers.v1", "verifiers", ["data.train=verifiers:my-env", "rewards=[{name: exact_match}]"]),
+    ("openenv.core", "openenv-core", ["rewards=[{name: exact_match}]", "agent.environment=openenv:http://127.0.0.1:1"]),
+])
+def test_a_missing_package_is_named_with_its_extra_before_anything_loads(tiny_model_dir, tmp_path, monkeypatch,
+                                                                        capsys, module, package, overrides):
+    from posttrain.models import load
+
+    monkeypatch.setitem(sys.modules, module, None)
+    monkeypatch.setattr(load, "load_causal_lm", lambda *a, **k: pytest.fail("a model loaded"))
+    out = tmp_path / "run"
+    assert run_cli("grpo", *run_overrides(tiny_model_dir, TASK, out, *overrides)) == 2
+    printed = capsys.readouterr().err
+    assert f"needs the '{package}' package" in printed and "pip install 'posttrain[envs]'" in printed
+    assert not (out / "config.yaml").exists()
