@@ -28,20 +28,17 @@ from posttrain.config.load import dump_yaml
 from posttrain.config.schema import Recipe, total_steps, trackers as tracker_names
 from posttrain.data import eval_batches
 from posttrain.distributed.backend import Backend
-from posttrain.distributed.precision import check_master_weights, export_dtype, trained_model_config, upcast_trainable
+from posttrain.distributed.precision import export_dtype, trained_model_config, upcast_trainable
 from posttrain.rundir.metrics import MetricsLogger, read_metrics
 from posttrain.models import load
-from posttrain.models.limits import check_position_limit, check_sequence_parallel
-from posttrain.models.packing import check_packing
-from posttrain.models.load import check_model_source, count_parameters, load_tokenizer
-from posttrain.models.moe import check_moe_options
+from posttrain.models.load import count_parameters, load_tokenizer
 from posttrain.plan import estimated_peak_mb
+from posttrain.plan.preflight import check_recipe
 from posttrain.roles import build_roles
 from posttrain.generation.server import check_servers
 from posttrain.online.evaluation import check_answer_columns, evaluate_online
 from posttrain.train.guard import Guard
 from posttrain.train.loop import LoopContext, evaluate, train
-from posttrain.train.micro_batches import check_token_budget
 from posttrain.online.rollout_source import RolloutSource
 from posttrain.online.distill_source import DistillSource
 from posttrain.train.sources import DatasetSource, Source
@@ -126,13 +123,7 @@ def run_attempt(command: str, recipe: Recipe, launched: Optional[Launched] = Non
 
     # 1. the user's input, before anything heavy
     algorithm.preflight()  # its rewards, teacher, critic
-    check_model_source(recipe.model)
-    check_position_limit(recipe, algorithm.data_kind)
-    check_packing(recipe)  # data.packing on a model whose attention would mix the packed sequences
-    check_master_weights(recipe.model, t)  # master_weights=false on float32 weights means nothing
-    check_moe_options(recipe, algorithm.routing_replay)
-    check_token_budget(recipe, algorithm)
-    check_sequence_parallel(recipe, algorithm)
+    check_recipe(recipe, algorithm)  # the recipe's shapes, as `posttrain plan` checks them (plan/preflight.py)
     resume_from = claim.check_output_dir(recipe, command)
     tokenizer = load_tokenizer(recipe.model)
     launched = launched or Launched()

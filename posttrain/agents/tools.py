@@ -69,8 +69,8 @@ def load_tools(specs: tuple[str, ...]) -> dict[str, Tool]:
 
 def opening_tools(agent) -> Optional[list[dict]]:
     """What tokenize_prompts(rollout_tools=) takes for `agent` (recipe.agent): the tools' schemas when a multi-turn
-    rollout opens from the dataset's prompts (agent on, no environment: an environment writes its own opening);
-    None otherwise."""
+    episode opens from the dataset's prompts (the agent loop on, no environment: an environment writes its own
+    opening); None otherwise."""
     if not agent.enabled or agent.environment:
         return None
     return [t.schema for t in load_tools(agent.tools).values()]

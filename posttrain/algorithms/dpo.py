@@ -18,7 +18,7 @@ once before training and cached in the run directory (the copy is then freed). s
 Metrics: rewards/chosen, rewards/rejected (beta x log-ratio, the implicit reward), rewards/margins,
 rewards/accuracies (chosen reward > rejected), logps/chosen, logps/rejected (the policy's, as the loss sees them),
 logps/accuracies (the policy's own preference: summed log p(chosen) > log p(rejected); at step 0 it is the starting
-model's, where rewards/accuracies is 0 because every pair is a tie). train.evaluation.preference_accuracy computes
+model's, where rewards/accuracies is 0 because every pair is a tie). demo.metrics.preference_accuracy computes
 either outside a run (the demo's before/after number).
 """
 

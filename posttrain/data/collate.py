@@ -1,6 +1,6 @@
 """Examples (lists of token ids) -> `Batch` tensors, padded or packed. See posttrain.batch for the layouts.
 
-    batch = collate_padded(examples, pad_id)      # [B, T], right padding, attention_mask
+    batch = collate_padded(examples, pad_id(tokenizer))   # [B, T], right padding, attention_mask (one pad rule)
     batch = collate_packed(examples)              # [1, sum of lengths], position ids restart per sequence
     batch = collate_preference(pairs, pad_id)     # chosen rows then rejected rows
     input_ids_BT, attention_mask_BT = collate_prompts(prompts, pad_id)   # left padding, for generation
@@ -14,6 +14,16 @@ from typing import Callable, Sequence
 import torch
 
 from posttrain.batch import Batch
+
+
+def pad_id(tokenizer) -> int:
+    """The one id every place pads with (the trainer's regrouped rows, the online batch, the HF engine's prompts): the
+    tokenizer's pad token, else its end of sequence (load_tokenizer gives a tokenizer without one its eos as pad).
+    Padding is masked out of every loss, so any id would do; one rule keeps batches from the same rows identical.
+    0 without a tokenizer (batches of ids built without one)."""
+    if tokenizer is None:
+        return 0
+    return int(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id)
 
 
 def _right_pad(rows: list[list[int]], value: int) -> torch.Tensor:

@@ -70,7 +70,7 @@ def stage(command: str, out: Path, overrides: list[str], seed: int = 0, resume: 
 
 
 def held_out_accuracy(model_dir: Path, prompts_file: Path) -> float:
-    from posttrain.online.evaluation import exact_match_accuracy
+    from posttrain.demo.metrics import exact_match_accuracy
     from posttrain.config.schema import DataConfig, ModelConfig
     from posttrain.data import load_rows, tokenize_prompts
     from posttrain.models.load import load_causal_lm, load_tokenizer
@@ -121,7 +121,7 @@ def run_demo(out_dir: str = "runs/demo", quick: bool = False, seed: int = 0) -> 
 def run_stages(out: Path, size: DemoSize, seed: int, resume: bool) -> dict:
     """The demo's four stages under `out`; resume: continue each from its checkpoint (see `stage`)."""
     from posttrain.models.tiny import make_tiny_model
-    from posttrain.online.evaluation import preference_accuracy
+    from posttrain.demo.metrics import preference_accuracy
 
     quick = size == QUICK
     started = time.time()

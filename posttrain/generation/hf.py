@@ -17,6 +17,7 @@ import torch
 from torch.nn.utils.rnn import pad_sequence
 
 from posttrain.generation.base import Completions, GenerationEngine, SamplingParams, check_prompts
+from posttrain.data.collate import pad_id
 from posttrain.models.facts import stop_ids
 
 # Logits processors transformers would otherwise pick up from the model's generation_config.json.
@@ -43,7 +44,7 @@ class HFEngine(GenerationEngine):
         self.model, self.tokenizer, self.gather, self.batch_size = model, tokenizer, gather, batch_size
         self.collective = collective
         self.stop_ids = stop_ids(tokenizer)
-        self.pad_id = int(tokenizer.pad_token_id) if tokenizer.pad_token_id is not None else self.stop_ids[0]
+        self.pad_id = pad_id(tokenizer)
 
     # --- GenerationEngine ---
 

@@ -22,6 +22,7 @@ from typing import Any
 
 from posttrain.algorithms import ALGORITHMS
 from posttrain.config.schema import Recipe
+from posttrain.plan.preflight import check_recipe
 from posttrain.launch.ray_inputs import absolute_paths, worker_env
 from posttrain.launch.ray_engines import Engines, check_engines, start_engines
 from posttrain.launch.ray_placement import (Plan, RankSlot, fit, node_options, nodes_from_ray, pick_gpu_resource,
@@ -62,6 +63,16 @@ class RankWorker(Worker):
             sys.stderr.flush()
 
 
+def placed_world(recipe: Recipe) -> int:
+    """The policy's training ranks as the recipe places them (placement.policy.num_nodes x num_gpus_per_node); where
+    the cluster decides (either is unset), the sequence-parallel size, so the shape checks pass on the world and the
+    ranks check it again once placed."""
+    p = recipe.placement.policy
+    if p.num_nodes is not None and p.num_gpus_per_node is not None:
+        return p.num_nodes * p.num_gpus_per_node
+    return recipe.train.sequence_parallel_size
+
+
 def run_on_ray(command: str, recipe: Recipe) -> int:
     """Place, start, wait, report. Returns the exit code (0 done, 2 input, 1 failure or a rank's own code)."""
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
@@ -71,6 +82,7 @@ def run_on_ray(command: str, recipe: Recipe) -> int:
     ray = import_ray()
     algorithm = ALGORITHMS[command][1](recipe)
     algorithm.preflight()  # the algorithm's own checks, before a cluster is touched
+    check_recipe(recipe, algorithm, world=placed_world(recipe))  # the recipe's shapes, as a run and the planner
     roles = roles_needed(algorithm, recipe)
     recipe = absolute_paths(recipe)  # a relative path means the same in every actor, on every node
     address = recipe.placement.address or os.environ.get("RAY_ADDRESS") or None

@@ -102,6 +102,14 @@ class Drawn:
         values["filler"] = [False] * (len(values["completion_ids"]) - filler_rows) + [True] * filler_rows
         return cls(**values)
 
+    def figures(self, logged: dict[str, list[float]]) -> "RankFigures":
+        """What this rank contributes to the step's figures (gathered from every rank); `logged`: the reward
+        functions' log_metric values of every draw of the step."""
+        return RankFigures(total=self.total, scored=self.scored, per_function=self.per_function, skipped=self.skipped,
+                           logged=logged, lengths=[len(ids) for ids in self.completion_ids], truncated=self.truncated,
+                           lags=self.lags,
+                           agent=[t.stats() for t in self.trajectories] if self.trajectories is not None else None)
+
     def metric(self, name: str, answer_column: str = "answer") -> torch.Tensor:
         """metric_B for dynamic sampling: accuracy (exact match against the answer column; NaN without a reference)
         or reward (the total); NaN for a completion no reward scored, which trains on advantage 0 whatever it is."""
@@ -113,3 +121,29 @@ class Drawn:
             values = exact_match(completions=self.texts, answer=references)
         return torch.tensor([math.nan if v is None or not scored else v for v, scored in zip(values, self.scored)],
                             dtype=torch.float64)
+
+
+@dataclass
+class RankFigures:
+    """One rank's share of a step's figures, gathered from every rank (rank 0's first) so rewards, advantages and
+    metrics are computed on the whole step; one value per completion unless said."""
+
+    total: list[float]
+    """The weighted total reward."""
+    scored: list[bool]
+    """Some reward scored the completion."""
+    per_function: dict[str, list[float]]
+    """Each reward function's value (NaN: missing)."""
+    skipped: int
+    """(function, completion) values missing, on this rank."""
+    logged: dict[str, list[float]]
+    """The reward functions' log_metric values (name -> every value logged)."""
+    lengths: list[int]
+    """Completion tokens."""
+    truncated: list[bool]
+    """Hit max_completion_length without end of sequence."""
+    lags: list[int]
+    """Optimiser steps from the sampling policy to the one trained."""
+    agent: Optional[list[dict]]
+    """Multi-turn runs: each trajectory's stats (agents.Trajectory.stats); None for single-turn sampling."""
+

@@ -56,12 +56,12 @@ def evaluate_prompts(backend, link, tokenizer, examples: list[dict], rewards, tr
     weights = [1.0] * real + [0.0] * (share - real)
     mine = mine + [examples[0]] * (share - real)
     sample = link.sample(mine, list(range(len(mine))), greedy=True)
-    scored = score(rewards, mine, sample, tokenizer, link.with_environment, trainer_state)
-    correct, counted = accuracy_counts(mine[:real], scored.texts[:real])
-    total_B = scored.total_B
+    texts, scores = score(rewards, mine, sample, tokenizer, link.with_environment, trainer_state)
+    correct, counted = accuracy_counts(mine[:real], texts[:real])
+    total_B = scores.total_B
     weight_B = torch.tensor(weights, dtype=torch.float64)
     length_B = torch.tensor([len(c) for c in sample.completion_ids], dtype=torch.float64)
-    scored_weight_B = weight_B * scored.scored_B.double()  # TRL's nanmean: a completion no reward scored is left out
+    scored_weight_B = weight_B * scores.scored_B.double()  # TRL's nanmean: a completion no reward scored is left out
     local = torch.tensor([correct, counted, (total_B.double() * scored_weight_B).sum(), scored_weight_B.sum(),
                           (length_B * weight_B).sum(), weight_B.sum()], dtype=torch.float64)
     correct, counted, reward_sum, n_scored, length_sum, n = backend.all_reduce_sum(local.to(backend.device)).tolist()

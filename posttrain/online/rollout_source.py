@@ -42,14 +42,14 @@ from typing import Callable
 
 import torch
 
-from posttrain.data.collate import collate_padded
+from posttrain.data.collate import collate_padded, pad_id
 from posttrain.agents import Trajectory, agent_metrics
 from posttrain.ops.advantages import zero_std_fraction
 from posttrain.ops.logprobs import sequence_mean
 from posttrain.rewards import reward_metrics, trainer_state
 from posttrain.config.schema import total_steps
 from posttrain.batch import Batch
-from posttrain.online.drawn import Drawn
+from posttrain.online.drawn import Drawn, RankFigures
 from posttrain.online.dynamic_sampling import DynamicSampler
 from posttrain.online.engine_link import EngineLink
 from posttrain.online.in_flight import InFlight, Sampled, lag_metrics, policy_lag
@@ -97,6 +97,10 @@ class Generation:
 
 
 class RolloutSource(Source):
+    """The online batch of any online algorithm (the module docstring gives its phases)."""
+
+    prepares_batches = True  # phase 4: once per generation batch, when it is taken for training
+
     def __init__(self, recipe, backend, models, algorithm, examples, rewards, servers=None):
         t = recipe.train
         self.recipe, self.backend, self.models, self.algorithm = recipe, backend, models, algorithm
@@ -221,14 +225,10 @@ class RolloutSource(Source):
         else:
             drawn, dynamic_metrics = self.dynamic_sampling.fill(index, step)
         drawn = backend.same_rows(drawn)  # a sequence-parallel group trains on its first rank's completions
-        mine = dict(total=drawn.total, scored=drawn.scored, per_function=drawn.per_function, skipped=drawn.skipped,
-                    logged=self._logged, lengths=[len(ids) for ids in drawn.completion_ids], truncated=drawn.truncated,
-                    lag=drawn.lags,
-                    agent=[t.stats() for t in drawn.trajectories] if drawn.trajectories is not None else None)
         gather_started = time.perf_counter()
-        everyone = backend.data_all_gather_object(mine)
-        global_total_B = torch.tensor([r for part in everyone for r in part["total"]])
-        global_scored_B = torch.tensor([s for part in everyone for s in part["scored"]], dtype=torch.bool)
+        everyone: list[RankFigures] = backend.data_all_gather_object(drawn.figures(self._logged))
+        global_total_B = torch.tensor([r for part in everyone for r in part.total])
+        global_scored_B = torch.tensor([s for part in everyone for s in part.scored], dtype=torch.bool)
         scored = time.perf_counter()
         self._seconds["score"] += scored - gather_started
 
@@ -243,17 +243,17 @@ class RolloutSource(Source):
             batches = [self.algorithm.prepare(b.to(backend.device), self.models) for b in batches]
 
             # 5. advantages over the whole step
-            step_truncated_B = torch.tensor([c for part in everyone for c in part["truncated"]], dtype=torch.bool)
+            step_truncated_B = torch.tensor([c for part in everyone for c in part.truncated], dtype=torch.bool)
             rollouts = Rollouts(batches, global_total_B, step_truncated_B, backend.data_rank * len(total_B), group,
                                 backend.data_all_reduce_sum, global_scored_B)
             batches, advantage_metrics = self.algorithm.advantages(rollouts)
         prepared = time.perf_counter()
 
         metrics = step_metrics(everyone, global_total_B, global_scored_B, group)
-        metrics.update(agent_metrics([part["agent"] for part in everyone]))
+        metrics.update(agent_metrics([part.agent for part in everyone]))
         metrics.update({"time/generate": self._seconds["generate"], "time/score": self._seconds["score"],
                         "time/ref": prepared - scored, "time/sync": self.link.sync_seconds,
-                        **lag_metrics([lag for part in everyone for lag in part["lag"]]), **advantage_metrics,
+                        **lag_metrics([lag for part in everyone for lag in part.lags]), **advantage_metrics,
                         **dynamic_metrics})
         for name in ("reference", "reward_model", "critic"):  # roles served apart: their calls' seconds
             role = getattr(self.models, name)
@@ -297,17 +297,18 @@ class RolloutSource(Source):
         score_started = time.perf_counter()
 
         # score this rank's completions (multi-turn: every message after the prompt, as TRL's multi-turn GRPO)
-        scored = score(self.rewards, prompts, sample, self.tokenizer, link.with_environment, self.trainer_state(step))
-        for name, values in scored.logged.metrics.items():  # log_metric: averaged over the step, every draw's
+        texts, scores = score(self.rewards, prompts, sample, self.tokenizer, link.with_environment,
+                              self.trainer_state(step))
+        for name, values in scores.logged.metrics.items():  # log_metric: averaged over the step, every draw's
             self._logged.setdefault(name, []).extend(values)
         self._seconds["generate"] += generated - started - synced
         self._seconds["score"] += time.perf_counter() - score_started
         rows, sampled_by = len(sample.completion_ids), sample.sampled_by
         return Drawn(positions, prompts, dataset_index, sample.prompt_ids, sample.completion_ids, sample.logprobs,
-                     sample.truncated, scored.texts, scored.total_B.tolist(),
-                     {k: v.tolist() for k, v in scored.per_function.items()}, [policy_lag(step, sampled_by)] * rows,
-                     [sampled_by] * rows, sample.trajectories, dict(scored.logged.extra),
-                     scored=scored.scored_B.tolist())
+                     sample.truncated, texts, scores.total_B.tolist(),
+                     {k: v.tolist() for k, v in scores.per_function.items()}, [policy_lag(step, sampled_by)] * rows,
+                     [sampled_by] * rows, sample.trajectories, dict(scores.logged.extra),
+                     scored=scores.scored_B.tolist())
 
     def _micro_batches(self, prompt_ids, completion_ids, sampler_logprobs, truncated, rewards_B,
                        dataset_index, masks=None) -> list[Batch]:
@@ -318,11 +319,10 @@ class RolloutSource(Source):
             {"input_ids": p + c, "completion_mask": [0] * len(p) + [m * int(not (masked and cut)) for m in mask]}
             for p, c, cut, mask in zip(prompt_ids, completion_ids, truncated, masks)
         ]
-        pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
         batches = []
         for start in range(0, len(rows), self.micro):
             stop = start + self.micro
-            batch = collate_padded(rows[start:stop], pad_id)
+            batch = collate_padded(rows[start:stop], pad_id(self.tokenizer))
             sampler_BT = torch.zeros(batch.input_ids_BT.shape, dtype=torch.float32)
             for row, (p, lps) in enumerate(zip(prompt_ids[start:stop], sampler_logprobs[start:stop])):
                 sampler_BT[row, len(p) : len(p) + len(lps)] = torch.tensor(lps, dtype=torch.float32)
@@ -364,13 +364,13 @@ def sequence_advantages(batches: list[Batch]) -> torch.Tensor:
                       else sequence_mean(b.advantages_BT, b.completion_mask_BT) for b in batches]).cpu()
 
 
-def step_metrics(everyone: list[dict], total_B: torch.Tensor, scored_B: torch.Tensor, group: int) -> dict[str, float]:
+def step_metrics(everyone: list[RankFigures], total_B: torch.Tensor, scored_B: torch.Tensor, group: int) -> dict[str, float]:
     """Reward, length and truncation figures of the whole step from every rank's gathered numbers. reward/* and
     frac_reward_zero_std are over the scored completions only (TRL's nanmean); rewards/unscored counts the others."""
-    per_function = {name: torch.tensor([r for part in everyone for r in part["per_function"][name]])
-                    for name in everyone[0]["per_function"]}
-    lengths = torch.tensor([n for part in everyone for n in part["lengths"]], dtype=torch.float32)
-    truncated = torch.tensor([c for part in everyone for c in part["truncated"]], dtype=torch.float32)
+    per_function = {name: torch.tensor([r for part in everyone for r in part.per_function[name]])
+                    for name in everyone[0].per_function}
+    lengths = torch.tensor([n for part in everyone for n in part.lengths], dtype=torch.float32)
+    truncated = torch.tensor([c for part in everyone for c in part.truncated], dtype=torch.float32)
     scored_total_B = total_B[scored_B]
     metrics = {"reward/mean": scored_total_B.mean(), "reward/std": scored_total_B.std(unbiased=False),
                "rewards/unscored": (~scored_B).sum(),
@@ -381,7 +381,7 @@ def step_metrics(everyone: list[dict], total_B: torch.Tensor, scored_B: torch.Te
         metrics["frac_reward_zero_std"] = zero_std_fraction(total_B, group, scored_B)
     logged: dict[str, list[float]] = {}  # the reward functions' log_metric values, averaged over the step
     for part in everyone:
-        for name, values in part["logged"].items():
+        for name, values in part.logged.items():
             logged.setdefault(name, []).extend(values)
     return {**{k: float(v) for k, v in metrics.items()}, **{k: sum(v) / len(v) for k, v in logged.items()},
-            "rewards/skipped": float(sum(p["skipped"] for p in everyone))}
+            "rewards/skipped": float(sum(p.skipped for p in everyone))}

@@ -1,7 +1,7 @@
-"""Rewards of a `Sample` (train/engine_link.py): the one scoring step of training rollouts and held-out evaluation.
+"""Rewards of a `Sample` (online/engine_link.py): the one scoring step of training rollouts and held-out evaluation.
 
-    scored = score(rewards, prompts, sample, tokenizer, link.with_environment, trainer_state)
-    scored.total_B, scored.scored_B, scored.per_function, scored.skipped, scored.logged, scored.texts
+    texts, scores = score(rewards, prompts, sample, tokenizer, link.with_environment, trainer_state)
+    scores.total_B, scores.scored_B, scores.per_function, scores.skipped, scores.logged   # a rewards.Scores
 
 Each reward function is called on TRL's contract (rewards/combine.py): one prompt per completion (a prompt's G
 samples repeat it), the completions in the dataset's shape (a multi-turn run: every message after the prompt, with
@@ -11,34 +11,15 @@ environment's own reward is added (agents/scoring.py).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-import torch
-
 from posttrain.agents import score_trajectories
-from posttrain.rewards import as_completions
-
-
-@dataclass
-class Scored:
-    texts: list[str]
-    """The completions as the reward functions saw them."""
-    total_B: torch.Tensor
-    """The weighted sum of every reward per completion (a missing value counts 0)."""
-    scored_B: torch.Tensor
-    """bool: some reward scored the completion (else TRL's unscorable completion: advantage 0, out of the metrics)."""
-    per_function: dict[str, torch.Tensor]
-    """Reward name -> its value per completion, NaN where it did not apply."""
-    skipped: int
-    """(function, completion) pairs that gave no value."""
-    logged: object
-    """What the functions logged (rewards.combine.Logged: log_metric figures, log_extra columns)."""
+from posttrain.rewards import Scores, as_completions
 
 
 def score(rewards, prompts: list[dict], sample, tokenizer, with_environment: bool = False,
-          trainer_state=None) -> Scored:
+          trainer_state=None) -> tuple[list[str], Scores]:
     """Score `sample`, whose rows are len(sample.completion_ids) / len(prompts) completions per prompt, in order;
-    `trainer_state` is what the functions get as trainer_state."""
+    `trainer_state` is what the functions get as trainer_state. Returns the completions as the functions saw them
+    (a multi-turn run: the last model turn) and their Scores."""
     group = len(sample.completion_ids) // max(len(prompts), 1)
     columns = {key: [p["columns"][key] for p in prompts for _ in range(group)] for key in prompts[0]["columns"]}
     repeated = [p["prompt"] for p in prompts for _ in range(group)]
@@ -48,4 +29,4 @@ def score(rewards, prompts: list[dict], sample, tokenizer, with_environment: boo
     else:
         scorer = rewards.score
     scores = scorer(repeated, as_completions(repeated, texts), columns, sample.completion_ids, trainer_state)
-    return Scored(texts, scores.total_B, scores.scored_B, scores.per_function, scores.skipped, scores.logged)
+    return texts, scores

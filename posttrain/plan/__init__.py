@@ -40,19 +40,12 @@ def parse_memory(text: str, what: str = "--gpu-memory") -> int:
 
 
 def check_as_run(command: str, recipe, gpus: int) -> None:
-    """What a run of the recipe refuses from its shapes alone, before any model loads, refused here too: else the
-    plan recommends a command that exits 2 (a token budget below one unit, a length past the model's positions,
-    sequence parallelism the algorithm, packing or heads cannot take, master_weights=false on float32 weights)."""
+    """What a run of the recipe refuses before any model loads, refused here too (plan/preflight.py, with --gpus as
+    the world): else the plan recommends a command that exits 2."""
     from posttrain.algorithms import ALGORITHMS
-    from posttrain.distributed.precision import check_master_weights
-    from posttrain.models.limits import check_position_limit, check_sequence_parallel
-    from posttrain.train.micro_batches import check_token_budget
+    from posttrain.plan.preflight import check_recipe
 
-    algorithm = ALGORITHMS[command][1](recipe)
-    check_position_limit(recipe, algorithm.data_kind)
-    check_token_budget(recipe, algorithm)
-    check_sequence_parallel(recipe, algorithm, world=gpus)
-    check_master_weights(recipe.model, recipe.train)
+    check_recipe(recipe, ALGORITHMS[command][1](recipe), world=gpus)
 
 
 def infer_algorithm(config: Optional[str], overrides: list[str]) -> str:

@@ -27,6 +27,7 @@ import torch
 from posttrain.algorithms.base import Algorithm, Models
 from posttrain.batch import Batch
 from posttrain.config.schema import saves_final_checkpoint
+from posttrain.data.collate import pad_id
 from posttrain.train.guard import Guard
 from posttrain.train.micro_batches import shape
 from posttrain.train.state import TrainState
@@ -58,13 +59,6 @@ def count_tokens(batch: Batch) -> int:
     if batch.sequence_index_BT is not None:  # packed rows: filler tokens are not data
         return int((batch.sequence_index_BT >= 0).sum())
     return int(batch.input_ids_BT.numel())
-
-
-def pad_id(tokenizer) -> int:
-    """The id that pads rows the loop regroups (the tokenizer's pad token, else its end of sequence)."""
-    if tokenizer is None:
-        return 0
-    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
 
 def completion_tokens(micro_batches: list[Batch], device) -> torch.Tensor:
@@ -173,11 +167,14 @@ def train(ctx: LoopContext) -> TrainState:
 
 def prepared_micro_batches(ctx: LoopContext, step: int) -> list[Batch]:
     """This rank's micro-batches of `step` on its device (padding-free and within the token budget when the recipe
-    asks), each through algorithm.prepare: the forwards that need no gradient (reference, old policy, rewards)."""
+    asks), each through algorithm.prepare once: the forwards that need no gradient (reference, old policy, rewards),
+    here, or in a source that prepares its own (Source.prepares_batches)."""
     backend, models = ctx.backend, ctx.models
     micro_batches = shape(ctx.source.step_batches(step), backend.recipe, pad_id(models.tokenizer),
                           lambda count: max(backend.all_gather_object(count)))
     micro_batches = [b.to(backend.device) for b in micro_batches]
+    if ctx.source.prepares_batches:
+        return micro_batches
     with torch.no_grad(), backend.autocast():
         return [ctx.algorithm.prepare(b, models) for b in micro_batches]
 

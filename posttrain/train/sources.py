@@ -25,6 +25,11 @@ from posttrain.data.token_budget import balanced_partition
 class Source:
     """Where the loop's micro-batches come from; what it and run.py ask of every source, with defaults."""
 
+    prepares_batches = False
+    """The source hands out batches already through algorithm.prepare (an online batch is prepared once per
+    generation batch, so one reused for several steps keeps the old policy of its first step); the loop then calls
+    prepare only on batches that did not come that way."""
+
     def step_batches(self, step: int) -> list[Batch]:
         """This rank's `gradient_accumulation_steps` micro-batches for optimiser step `step`."""
         raise NotImplementedError

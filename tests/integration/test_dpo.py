@@ -161,7 +161,7 @@ def test_preference_accuracy_matches_the_runs_metric(tiny_model_dir, data, tmp_p
 
 def test_sequence_logps_match_a_naive_log_softmax(tiny_model_dir, data):
     """The memory-light path (one concatenated forward, chunked log-probs) against a full log_softmax per row."""
-    from posttrain.online.evaluation import _tokenised_pairs
+    from posttrain.demo.metrics import _tokenised_pairs
     from posttrain.algorithms.preference_logps import sequence_logps, split_pairs
     from posttrain.data import collate_preference
 

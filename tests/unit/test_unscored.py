@@ -11,6 +11,7 @@ from posttrain.ops.advantages import group_advantages, nanstd, zero_std_fraction
 from posttrain.rewards import RewardSet
 from posttrain.online.drawn import Drawn
 from posttrain.online.dynamic_sampling import varied_groups
+from posttrain.online.drawn import RankFigures
 from posttrain.online.rollout_source import step_metrics
 
 NAN = math.nan
@@ -90,8 +91,9 @@ def test_nanstd_is_trls(trl_nanstd):
 def test_metrics_are_over_scored_completions_as_trls_nanmean(trl_nanstd):
     _, is_std_zero_B, trl_rewards_B = trl_sum_then_normalize(PER_FUNC_BK, WEIGHTS_K, G, "group", trl_nanstd)
     s = scores(PER_FUNC_BK, WEIGHTS_K)
-    part = {"per_function": {k: v.tolist() for k, v in s.per_function.items()}, "lengths": [3] * 12,
-            "truncated": [False] * 12, "logged": {}, "skipped": s.skipped}
+    part = RankFigures(total=s.total_B.tolist(), scored=s.scored_B.tolist(),
+                       per_function={k: v.tolist() for k, v in s.per_function.items()}, skipped=s.skipped, logged={},
+                       lengths=[3] * 12, truncated=[False] * 12, lags=[0] * 12, agent=None)
     metrics = step_metrics([part], s.total_B, s.scored_B, G)
     assert metrics["reward/mean"] == pytest.approx(torch.nanmean(trl_rewards_B).item())
     assert metrics["rewards/unscored"] == 4

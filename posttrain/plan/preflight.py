@@ -1,0 +1,39 @@
+"""The checks every run makes of its recipe before anything heavy, in one list that run.py, the Ray driver and
+`posttrain plan` all call: a check added here for runs is one the planner makes too, so a plan never recommends a
+command that exits 2.
+
+    check_recipe(recipe, algorithm)             # run.py and launch/ray_launcher.py: this launch's world
+    check_recipe(recipe, algorithm, world=8)    # posttrain plan --gpus 8
+
+Each reads the recipe and, where the model is local or cached, its config.json; nothing is loaded or written and no
+user code is imported. What needs more (the algorithm's own preflight: rewards, teacher, critic; the output
+directory, the tokenizer, servers, the agent's tools, the data) stays with the run, in that order (run.py).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+from posttrain.distributed.precision import check_master_weights
+from posttrain.models.limits import check_position_limit, check_sequence_parallel
+from posttrain.models.load import check_model_source
+from posttrain.models.moe import check_moe_options
+from posttrain.models.packing import check_packing
+from posttrain.train.micro_batches import check_token_budget
+
+# name -> check(recipe, algorithm, world); world None: this launch's WORLD_SIZE
+RECIPE_CHECKS: dict[str, Callable[..., None]] = {
+    "model source": lambda recipe, algorithm, world: check_model_source(recipe.model),
+    "position limit": lambda recipe, algorithm, world: check_position_limit(recipe, algorithm.data_kind),
+    "packing": lambda recipe, algorithm, world: check_packing(recipe),  # attention that would mix packed rows
+    "master weights": lambda recipe, algorithm, world: check_master_weights(recipe.model, recipe.train),
+    "mixture of experts": lambda recipe, algorithm, world: check_moe_options(recipe, algorithm.routing_replay),
+    "token budget": lambda recipe, algorithm, world: check_token_budget(recipe, algorithm),
+    "sequence parallelism": lambda recipe, algorithm, world: check_sequence_parallel(recipe, algorithm, world=world),
+}
+
+
+def check_recipe(recipe, algorithm, world: Optional[int] = None) -> None:
+    """Every check of RECIPE_CHECKS, in order; the first bad input raises its UserError (exit 2)."""
+    for check in RECIPE_CHECKS.values():
+        check(recipe, algorithm, world)
