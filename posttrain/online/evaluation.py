@@ -69,7 +69,7 @@ def evaluate_prompts(backend, link, tokenizer, examples: list[dict], rewards, tr
            "eval/completion_length": length_sum / max(n, 1.0)}
     if counted:
         out["eval/accuracy"] = correct / counted
-    out.update(per_task(backend, examples, mine[:real], scored.per_function))
+    out.update(per_task(backend, examples, mine[:real], scores.per_function))
     if pass_k:
         n = pass_k_samples or max(pass_k)
         out.update(sampled_pass_at_k(backend, link, tokenizer, mine, real, pass_k, n))

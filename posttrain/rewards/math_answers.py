@@ -83,7 +83,7 @@ class MathChecker:
         self.killed = 0
         self._lock = threading.Lock()
 
-    STARTUP = 60.0
+    STARTUP = 180.0
     """Seconds a fresh worker may take to import math-verify and sympy."""
 
     def _start(self) -> None:

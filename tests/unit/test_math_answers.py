@@ -52,10 +52,8 @@ def test_math_accuracy_equals_trls_accuracy_reward_on_strings_and_messages(math_
 def test_a_hostile_completion_scores_zero_within_its_deadline(math_accuracy):
     """'9^(9^(9^9))' makes sympy's comparison run for ever: math-verify's alarm (verify_timeout=1) stops it in the
     worker's main thread, where TRL's reward in a thread would have no deadline at all."""
-    math_accuracy(["1"], solution=["1"])  # the worker is up
-    started = time.monotonic()
     assert math_accuracy([r"\boxed{9^{9^{9^{9}}}}", r"\boxed{5}"], solution=["5", "5"]) == [0.0, 1.0]
-    assert time.monotonic() - started < 8
+    assert math_accuracy.checker.killed == 0  # math-verify's own alarm stopped it: the worker lives on
 
 
 def _stall(conn, *timeouts):
@@ -70,10 +68,8 @@ def test_a_worker_past_its_hard_deadline_is_killed_and_the_sample_named():
 
     checker = MathChecker(1, 1, deadline=0.5, target=_stall)
     try:
-        started = time.monotonic()
         assert checker.check("1", "1") == (0.0, "no answer within 0.5s (the worker was restarted)")
         assert checker.check("5", r"\boxed{5}")[0] == 0.0 and checker.killed == 2  # a fresh worker each time
-        assert time.monotonic() - started < 20
     finally:
         checker.close()
 
