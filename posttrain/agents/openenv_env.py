@@ -72,9 +72,9 @@ class LocalServer:
                 time.sleep(0.3)
         self.stop()
         tail = open(self.log.name, encoding="utf-8", errors="replace").read()[-1500:]
+        exited = " (it exited)" if self.process.poll() is not None else ""
         raise UserError(f"agent.environment openenv:{app}: the server did not answer {self.url}/health within "
-                        f"{timeout:g}s (agent.user_code_timeout){' (it exited)' if self.process.poll() is not None else ''}; "
-                        f"its output:\n{tail}")
+                        f"{timeout:g}s (agent.user_code_timeout){exited}; its output:\n{tail}")
 
     def stop(self) -> None:
         if self.process.poll() is None:

@@ -27,7 +27,8 @@ SUFFIXES = (".jsonl", ".json", ".parquet", ".csv")
 def load_rows(source: str, split: str = "train", what: str = "data.train",
               held_out_from: str | None = None) -> datasets.Dataset:
     """One split of rows from a .jsonl/.json/.parquet/.csv file, a save_to_disk directory, a hub dataset name, a
-    verifiers: environment's tasks (data/verifiers_tasks.py) or a reasoning_gym: task (data/reasoning_gym.py; held_out_from: the training source, which its rows never overlap)."""
+    verifiers: environment's tasks (data/verifiers_tasks.py) or a reasoning_gym: task (data/reasoning_gym.py;
+    held_out_from: the training source, which its rows never overlap)."""
     if is_task_spec(source):
         return task_rows(source, what, held_out_from)
     if is_verifiers_spec(source):

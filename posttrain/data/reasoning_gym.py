@@ -133,7 +133,8 @@ def build(spec: TaskSpec, what: str):
     for name, _, _ in spec.tasks:
         if name not in DATASETS:
             close = difflib.get_close_matches(name, list(DATASETS), n=1)
-            hint = f"did you mean '{close[0]}'?" if close else f"there are {len(DATASETS)}: {', '.join(sorted(DATASETS)[:8])}, ..."
+            known = ", ".join(sorted(DATASETS)[:8])
+            hint = f"did you mean '{close[0]}'?" if close else f"there are {len(DATASETS)}: {known}, ..."
             raise UserError(f"{what}: reasoning-gym has no task '{name}'; {hint}")
     if spec.prompt not in SYSTEM_PROMPTS:
         raise UserError(f"{what}: prompt={spec.prompt!r} is not one of reasoning-gym's system prompts "

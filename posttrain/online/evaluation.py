@@ -82,7 +82,8 @@ TASK_COLUMN = "task"
 def per_task(backend, examples: list[dict], mine: list[dict], per_function: dict) -> dict[str, float]:
     """eval/<reward>/<task> for data with a `task` column (a reasoning_gym: source writes it; mixed tasks): each
     reward function's mean over that task's held-out rows, the rows it gave no value left out. The tasks come from
-    the whole eval set, so every rank reduces the same figures; the report draws eval/<reward>/<task> with the training metric <reward>/<task> a reward logs
+    the whole eval set, so every rank reduces the same figures; the report draws eval/<reward>/<task> with the
+    training metric <reward>/<task> a reward logs
     (rewards/reasoning_gym.py)."""
     if not examples or TASK_COLUMN not in examples[0]["columns"]:
         return {}
