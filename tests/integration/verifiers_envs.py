@@ -89,3 +89,41 @@ class BrokenTaskset(vf.Taskset[BrokenTask, AddConfig]):
 
 def broken(num_tasks: int = 4) -> BrokenTaskset:
     return BrokenTaskset(AddConfig(id="broken", num_tasks=num_tasks))
+
+
+class TaskRowData(vf.TaskData):
+    rg_dataset: str = ""
+    rg_index: int = 0
+
+
+class ReasoningGymTask(vf.Task[TaskRowData]):
+    """A reasoning-gym row as a verifiers task, scored by the task's own scorer on the <answer> text."""
+
+    @vf.reward(weight=1.0)
+    async def reasoning_gym(self, trace: vf.Trace) -> float:
+        from reasoning_gym.utils import extract_answer
+
+        from posttrain.data.reasoning_gym import dataset_from_key
+
+        dataset = dataset_from_key(self.data.rg_dataset)
+        answer = extract_answer(trace.last_reply)
+        return 0.0 if answer is None else float(dataset.score_answer(answer, dataset[self.data.rg_index]))
+
+
+class ReasoningGymTaskset(vf.Taskset[ReasoningGymTask, AddConfig]):
+    def __init__(self, config, source: str):
+        super().__init__(config)
+        self.source = source
+
+    def load(self):
+        from posttrain.data import load_rows
+
+        for row in load_rows(self.source, what="verifiers taskset"):
+            system, user = row["prompt"]
+            yield ReasoningGymTask(TaskRowData(prompt=user["content"], system_prompt=system["content"],
+                                               rg_dataset=row["rg_dataset"], rg_index=row["rg_index"]), self.config.task)
+
+
+def reasoning_gym_tasks(task: str = "chain_sum", size: int = 8, seed: int = 3) -> ReasoningGymTaskset:
+    """The rows of reasoning_gym:<task>?size=&seed= wrapped as a verifiers environment."""
+    return ReasoningGymTaskset(AddConfig(id="reasoning-gym"), f"reasoning_gym:{task}?size={size}&seed={seed}")

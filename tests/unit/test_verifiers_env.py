@@ -92,3 +92,20 @@ def test_a_missing_verifiers_names_the_extra(monkeypatch):
     monkeypatch.setitem(sys.modules, "verifiers.v1", None)
     with pytest.raises(UserError, match=r"needs the 'verifiers' package.*pip install 'posttrain\[envs\]'"):
         load_rows("verifiers:some-env", what="data.train")
+
+
+def test_a_verifiers_environment_wrapping_a_reasoning_gym_task_gives_the_same_prompts_and_rewards():
+    """#44: the same task as reasoning_gym: data and as a verifiers environment gives the same rewards for the same
+    completions (both through posttrain's data sources and rewards)."""
+    pytest.importorskip("reasoning_gym")
+    direct = load_rows("reasoning_gym:chain_sum?size=8&seed=3", what="data.train")
+    wrapped = load_rows(f"{ENVS}:reasoning_gym_tasks?task=chain_sum&size=8&seed=3", what="data.train")
+    assert wrapped["prompt"] == direct["prompt"]
+    completions = [f"<answer>{a}</answer>" if i % 3 == 0 else "<answer>7</answer>" if i % 3 == 1 else str(a)
+                   for i, a in enumerate(direct["answer"])]
+    from_task = load_reward(RewardConfig(name="reasoning_gym")).fn(
+        completions, **{k: direct[k] for k in ("rg_dataset", "rg_index", "task")})
+    from_environment = load_reward(RewardConfig(name="verifiers")).fn(
+        prompts=wrapped["prompt"], completions=completions, vf_taskset=wrapped["vf_taskset"],
+        vf_index=wrapped["vf_index"])
+    assert from_environment == from_task and 1.0 in from_task and 0.0 in from_task
