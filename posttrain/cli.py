@@ -17,11 +17,14 @@ import shlex
 import sys
 import traceback
 
-from posttrain.console import quiet_healthy_run_warnings
+from posttrain.console import no_library_bars_without_a_terminal, quiet_healthy_run_warnings
 from posttrain.errors import RunStopped, UserError
 from posttrain.usercode import UserCodeError
 
 # The commands, listed without importing what runs them (torch, the planner, vLLM): `posttrain --help` stays fast.
+PLAN_OPTIONS = {"config": True, "algorithm": True, "gpus": True, "nodes": True, "gpu_memory": True, "json": False,
+                "bf16": False, "dtype": True, "mean_length": True, "help": False}
+"""`posttrain plan`'s own options (name -> takes a value); any other --flag is a training command's (launch/commands.py)."""
 ALGORITHM_COMMANDS = ("sft", "grpo", "rm", "dpo", "ppo", "distill")  # posttrain.algorithms.ALGORITHMS (a test keeps them equal)
 OTHER_COMMANDS = {  # command -> (its one-line help, its module, the functions there that add its options and run it)
     "plan": ("estimate per-GPU memory for a recipe under each engine; recommend one",
@@ -34,9 +37,10 @@ OTHER_COMMANDS = {  # command -> (its one-line help, its module, the functions t
                "add_report", "run_report"),
 }
 ALGORITHM_EPILOG = """TRL-style flags work too: --learning_rate 1e-4, --num_generations=4, --bf16 (docs/trl.md has
-the table), and --config takes a flat TRL config file (model_name_or_path: ..., learning_rate: ...). Online
-algorithms take TRL's reward functions: --reward_funcs my_rewards.py:accuracy pkg.module.fn runs/rm/final
---reward_weights 1 0.5 0.2 (docs/rewards.md).
+the table), and --config takes a flat TRL config file (model_name_or_path: ..., learning_rate: ...). A run given
+in TRL's words (TRL flags without a posttrain recipe, or a flat TRL config) takes TRL 1.16's defaults for what it
+leaves out, not the defaults below; its first line names them. Online algorithms take TRL's reward functions:
+--reward_funcs my_rewards.py:accuracy pkg.module.fn runs/rm/final --reward_weights 1 0.5 0.2 (docs/rewards.md).
 
 Recipe keys (key = default  # what it does); set any with key.sub=value:
 """
@@ -62,8 +66,9 @@ def build_parser(command: str | None = None, help_wanted: bool = False) -> argpa
         p.add_argument("overrides", nargs="*", help="key.sub=value overrides, e.g. train.max_steps=20")
     tiny = sub.add_parser("make-tiny-model", help="write a small random model + locally trained tokenizer")
     tiny.add_argument("--out", required=True, help="directory to write")
-    tiny.add_argument("--arch", default="llama", choices=["llama", "qwen2", "qwen3_moe"],
-                      help="qwen3_moe: a mixture-of-experts model (4 experts, 2 per token)")
+    tiny.add_argument("--arch", default="llama", choices=["llama", "qwen2", "qwen3_moe", "qwen2_vl", "llava"],
+                      help="qwen3_moe: a mixture-of-experts model (4 experts, 2 per token); qwen2_vl, llava: a "
+                      "vision-language model with its processor (docs/vision.md)")
     tiny.add_argument("--seed", type=int, default=0)
     demo = sub.add_parser("demo", help="tiny model, synthetic arithmetic task, SFT -> DPO -> GRPO and PPO on CPU "
                           "(6-10 minutes on 2 CPU cores)")
@@ -81,6 +86,17 @@ def build_parser(command: str | None = None, help_wanted: bool = False) -> argpa
     return parser
 
 
+def parse_args(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
+    """parser.parse_args, with `key=value` overrides anywhere among the flags (argparse takes a positional list in one
+    run: `posttrain plan --config r.yaml a=1 --gpus 2 b=2` would refuse b=2)."""
+    args, unknown = parser.parse_known_args(argv)
+    overrides = [a for a in unknown if "=" in a and not a.startswith("-")]
+    if len(overrides) != len(unknown) or not hasattr(args, "overrides"):
+        return parser.parse_args(argv)  # argparse's own message for what is not an override
+    args.overrides = [*(args.overrides or []), *overrides]
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
     code = run_command(argv)
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
@@ -95,26 +111,33 @@ def main(argv: list[str] | None = None) -> int:
 def run_command(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     quiet_healthy_run_warnings()
+    no_library_bars_without_a_terminal()
     argv = list(sys.argv[1:] if argv is None else argv)
     command = next((a for a in argv if not a.startswith("-")), None)
     argv_given = list(argv)
     trl_flags: dict = {}
-    if command in ALGORITHM_COMMANDS:
-        from posttrain.config.trl_compat import split_trl_flags
+    if command in ALGORITHM_COMMANDS or command == "plan":  # plan reads a training command's recipe flags too
+        from posttrain.config.trl_compat import check_flags_early
+        from posttrain.config.trl_flags import split_trl_flags
 
         try:
-            argv, trl_flags = split_trl_flags(argv)
+            argv, trl_flags = split_trl_flags(argv, PLAN_OPTIONS if command == "plan" else None)
+            if command != "plan":
+                check_flags_early(trl_flags, command)  # before torch: a typo is refused in a second, not twenty
         except UserError as e:
             print(f"posttrain: error: {e}", file=sys.stderr)
             return 2
-    args = build_parser(command, help_wanted=bool({"-h", "--help"} & set(argv))).parse_args(argv)
+    args = parse_args(build_parser(command, help_wanted=bool({"-h", "--help"} & set(argv))), argv)
+    args.trl_flags = trl_flags
     if args.command in ALGORITHM_COMMANDS or args.command == "demo":
         one_thread_unless_asked()
     try:
         if args.command == "make-tiny-model":
             from posttrain.models.tiny import make_tiny_model
+            from posttrain.models.tiny_vision import VISION_ARCHS, make_tiny_vlm
 
-            print(f"wrote {make_tiny_model(args.out, arch=args.arch, seed=args.seed)}")
+            make = make_tiny_vlm if args.arch in VISION_ARCHS else make_tiny_model
+            print(f"wrote {make(args.out, arch=args.arch, seed=args.seed)}")
             return 0
         if args.command == "demo":
             from posttrain.demo import run_demo
@@ -125,19 +148,25 @@ def run_command(argv: list[str] | None = None) -> int:
             _, module, _, function = OTHER_COMMANDS[args.command]
             return getattr(importlib.import_module(module), function)(args)
         from posttrain.algorithms import ALGORITHMS
-        from posttrain.config.load import load_recipe
+        from posttrain.config.load import resolve_recipe
         from posttrain.rundir.claim import forget_started
         from posttrain.run import run
 
         forget_started()
         algo_cls = ALGORITHMS[args.command][0]
         overrides = command_line_overrides(args.overrides, trl_flags, algo_cls) + (["launcher=ray"] if args.ray else [])
-        recipe = load_recipe(args.config, overrides, algo_cls)
+        recipe, trl_defaults = resolve_recipe(args.config, overrides, algo_cls, trl_flags)
+        header = {}
+        if trl_defaults or (trl_flags and not args.config):
+            from posttrain.config.trl_compat import say_trl_defaults, whose_defaults
+
+            say_trl_defaults(algo_cls, trl_defaults, recipe.model.lora.enabled)
+            header["defaults"] = whose_defaults(algo_cls)
         if recipe.launcher == "ray":
             from posttrain.launch.ray_launcher import run_on_ray
 
             return run_on_ray(args.command, recipe)
-        result = run(args.command, recipe)
+        result = run(args.command, recipe, header=header)
         if result.final_dir is not None:
             print(f"final model: {result.final_dir}")
         return 0
@@ -190,13 +219,15 @@ def continue_command(argv: list[str], overwrite: bool) -> str:
     """The command that continues a stopped run: the one given, without what set overwrite_output_dir or
     resume_from_checkpoint, plus train.resume_from_checkpoint=auto (and overwrite_output_dir=false where the recipe
     file sets it true: the two conflict). Under a launcher (torchrun, accelerate launch) its arguments, to relaunch."""
-    from posttrain.config.trl_compat import split_trl_flags, yaml_text
+    from posttrain.config.trl_flags import split_trl_flag_texts
 
     replaced = ("overwrite_output_dir", "resume_from_checkpoint")
-    rest, flags = split_trl_flags(argv)
+    rest, flags, typed = split_trl_flag_texts(argv)
     kept = [a for a in rest if not a.startswith(tuple(f"train.{key}=" for key in replaced))]
     overwrite_given = "overwrite_output_dir" in flags or "train.overwrite_output_dir=" in " ".join(rest)
-    kept += [f"--{key}={yaml_text(value)}" for key, value in flags.items() if key not in replaced]
+    for key in flags:  # as typed: --reward_funcs a.py:f b.py:g, never a quoted Python list
+        if key not in replaced:
+            kept += [f"--{key}", *typed[key]]
     kept.append("train.resume_from_checkpoint=auto")
     if overwrite and not overwrite_given:
         kept.append("train.overwrite_output_dir=false")

@@ -20,7 +20,9 @@ Dropped, each by its own filter (a table, so a new one is one line):
 from __future__ import annotations
 
 import logging
+import os
 import re
+import sys
 
 TIED = ("lm_head.weight", "embed_tokens.weight", "wte.weight", "embed_out.weight")
 
@@ -73,3 +75,14 @@ def quiet_healthy_run_warnings() -> None:
         logger = logging.getLogger(name)
         if not any(isinstance(f, _Drop) for f in logger.filters):
             logger.addFilter(_Drop(is_noise))
+
+
+def no_library_bars_without_a_terminal() -> None:
+    """Where stderr is no terminal (a log file, CI, nohup), the libraries' progress bars (loading weights, writing
+    shards, datasets' map) are redrawn with carriage returns that pile up into long lines; posttrain's own progress is
+    one line per logging step there. Set before the libraries are imported (cli.py does it first); a user's own
+    setting of these variables wins."""
+    if sys.stderr is not None and sys.stderr.isatty():
+        return
+    for variable in ("HF_HUB_DISABLE_PROGRESS_BARS", "HF_DATASETS_DISABLE_PROGRESS_BARS"):  # transformers: the hub's
+        os.environ.setdefault(variable, "1")

@@ -5,6 +5,17 @@ import os
 import sys
 
 
+FLOAT32_MAX = 3.4028234663852886e38
+"""torch.finfo(torch.float32).max. Rewards, weights, advantages and losses are float32 tensors: a number finite as a
+Python float (float64) but larger than this is inf there, and an inf reward silently zeroes its group's advantages."""
+
+
+def overflows_float32(value) -> bool:
+    """A real number (finite as a Python float) that float32 would hold as inf (the pure-Python check, for config
+    and user-code values checked before any tensor is built)."""
+    return abs(value) > FLOAT32_MAX
+
+
 class UserError(Exception):
     """Wrong config, data, paths or options. The message names what and where, and says what to do."""
 

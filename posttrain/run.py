@@ -32,12 +32,15 @@ from posttrain.distributed.precision import export_dtype, trained_model_config, 
 from posttrain.rundir.metrics import MetricsLogger, read_metrics
 from posttrain.models import load
 from posttrain.models.load import count_parameters, load_tokenizer
+from posttrain.models.vision import is_vision_model, load_processor
 from posttrain.plan import estimated_peak_mb
 from posttrain.plan.preflight import check_recipe
 from posttrain.roles import build_roles
 from posttrain.generation.server import check_servers
 from posttrain.online.evaluation import check_answer_columns, evaluate_online
+from posttrain.errors import warn
 from posttrain.train.guard import Guard
+from posttrain.train.optim import warmup_trains_nothing
 from posttrain.train.loop import LoopContext, evaluate, train
 from posttrain.online.rollout_source import RolloutSource
 from posttrain.online.distill_source import DistillSource
@@ -65,33 +68,45 @@ class RunResult:
     metrics: list[dict[str, Any]]
 
 
-def make_source(recipe: Recipe, backend, models, algorithm, examples, collate, servers) -> Source:
-    """The source of the loop's micro-batches, by algorithm.source_kind."""
+def make_source(recipe: Recipe, backend, models, algorithm, examples, collate, servers, processor=None) -> Source:
+    """The source of the loop's micro-batches, by algorithm.source_kind (processor: a vision-language model's)."""
     if algorithm.source_kind == "rollout":
-        return RolloutSource(recipe, backend, models, algorithm, examples, algorithm.rewards, servers)
+        return RolloutSource(recipe, backend, models, algorithm, examples, algorithm.rewards, servers, processor)
     if algorithm.source_kind == "distill":
         return DistillSource(recipe, backend, models, examples, algorithm.config.lmbda, servers)
     return DatasetSource.from_recipe(recipe, backend, examples, collate)
 
 
-def load_examples(recipe: Recipe, algorithm, tokenizer, which: str):
-    """Rows -> tokenised examples for the algorithm's data kind; raises UserError naming the file/row."""
-    rows = data.load_rows(getattr(recipe.data, which), getattr(recipe.data, f"{which}_split"), f"data.{which}",
+def load_examples(recipe: Recipe, algorithm, tokenizer, which: str, processor=None):
+    """Rows -> tokenised examples for the algorithm's data kind; raises UserError naming the file/row. processor: a
+    vision-language model's, which reads the rows' images (data/images.py)."""
+    source = getattr(recipe.data, which)
+    rows = data.load_rows(source, getattr(recipe.data, f"{which}_split"), f"data.{which}",
                           held_out_from=recipe.data.train if which == "eval" else None)
     rows = data.rename_text_field(rows, recipe.data.text_field, f"data.{which}")
+    images = data.RowImages.of(rows, processor, source, f"data.{which}")
     if algorithm.data_kind == "prompt":  # a multi-turn rollout's prompts show its tools: cut and counted here
-        return data.tokenize_prompts(rows, tokenizer, recipe.data, f"data.{which}", opening_tools(recipe.agent))
+        return data.tokenize_prompts(rows, tokenizer, recipe.data, f"data.{which}", opening_tools(recipe.agent),
+                                     images=images)
     tokenize = {"sft": data.tokenize_sft, "preference": data.tokenize_preference}
-    return tokenize[algorithm.data_kind](rows, tokenizer, recipe.data, f"data.{which}")
+    return tokenize[algorithm.data_kind](rows, tokenizer, recipe.data, f"data.{which}", images=images)
 
 
-def make_collate(recipe: Recipe, algorithm, tokenizer):
+def make_collate(recipe: Recipe, algorithm, tokenizer, processor=None):
+    """examples -> Batch for the algorithm's data kind; with a processor, the rows' images ride along (a preference
+    pair's chosen and rejected rows share theirs)."""
     pad_id = tokenizer.pad_token_id
     if algorithm.data_kind == "preference":
-        return lambda examples: data.collate_preference(examples, pad_id)
-    if recipe.data.packing and recipe.train.max_tokens_per_microbatch is None:  # else padding-free, regrouped
-        return lambda examples: data.collate_packed(examples, row_length=recipe.data.max_length, pad_id=pad_id)
-    return lambda examples: data.collate_padded(examples, pad_id)
+        collate = partial(data.collate_preference, pad_id=pad_id)
+    elif recipe.data.packing and recipe.train.max_tokens_per_microbatch is None:  # else padding-free, regrouped
+        collate = partial(data.collate_packed, row_length=recipe.data.max_length, pad_id=pad_id)
+    else:
+        collate = partial(data.collate_padded, pad_id=pad_id)
+    if processor is None:
+        return collate
+    copies = 2 if algorithm.data_kind == "preference" else 1
+    return lambda examples: data.with_images(collate(examples), [e.get("images", []) for e in examples] * copies,
+                                             processor)
 
 
 def load_policy(recipe: Recipe, algorithm):
@@ -103,12 +118,14 @@ def load_policy(recipe: Recipe, algorithm):
     return model
 
 
-def run(command: str, recipe: Recipe, launched: Optional[Launched] = None) -> RunResult:
+def run(command: str, recipe: Recipe, launched: Optional[Launched] = None,
+        header: Optional[dict[str, Any]] = None) -> RunResult:
     """One run of `command`. `launched`: what the launch wing started for it (launcher: ray): roles served apart
-    (those are not loaded here) and generation engines. How it ended goes into output_dir's marker, so that a run
+    (those are not loaded here) and generation engines. `header`: facts about the recipe the run's header line (and
+    summary, report) adds, such as whose defaults filled it. How it ended goes into output_dir's marker, so that a run
     that failed before its first checkpoint can be rerun in place (posttrain/rundir/claim.py)."""
     try:
-        result = run_attempt(command, recipe, launched)
+        result = run_attempt(command, recipe, launched, header)
     except BaseException as error:
         claim.end_attempt(Path(recipe.output_dir), error)
         raise
@@ -116,7 +133,8 @@ def run(command: str, recipe: Recipe, launched: Optional[Launched] = None) -> Ru
     return result
 
 
-def run_attempt(command: str, recipe: Recipe, launched: Optional[Launched] = None) -> RunResult:
+def run_attempt(command: str, recipe: Recipe, launched: Optional[Launched] = None,
+                header: Optional[dict[str, Any]] = None) -> RunResult:
     started = time.time()
     algorithm = ALGORITHMS[command][1](recipe)
     t = recipe.train
@@ -126,14 +144,16 @@ def run_attempt(command: str, recipe: Recipe, launched: Optional[Launched] = Non
     check_recipe(recipe, algorithm)  # the recipe's shapes, as `posttrain plan` checks them (plan/preflight.py)
     resume_from = claim.check_output_dir(recipe, command)
     tokenizer = load_tokenizer(recipe.model)
+    processor = load_processor(recipe.model, tokenizer) if is_vision_model(recipe.model) else None
     launched = launched or Launched()
     servers = launched.servers or recipe.generation.servers
     if servers:  # every server answers, takes the token, serves our vocabulary
         check_servers(recipe, tokenizer, servers)
     check_agent(recipe, tokenizer, command)  # tools import, the template shows them, the environment loads
-    train_examples, train_stats = load_examples(recipe, algorithm, tokenizer, "train")
-    eval_examples = load_examples(recipe, algorithm, tokenizer, "eval")[0] if recipe.data.eval else None
+    train_examples, train_stats = load_examples(recipe, algorithm, tokenizer, "train", processor)
+    eval_examples = load_examples(recipe, algorithm, tokenizer, "eval", processor)[0] if recipe.data.eval else None
     check_answer_columns(recipe, algorithm, train_examples, eval_examples)  # dynamic sampling's accuracy, pass@k
+    algorithm.check_data(train_examples, eval_examples)  # the columns the rewards read by name (a judge's template)
 
     # 2. processes and engines; then models
     backend = Backend(recipe)
@@ -155,9 +175,11 @@ def run_attempt(command: str, recipe: Recipe, launched: Optional[Launched] = Non
     models = build_roles(recipe, algorithm, backend, tokenizer, model, eval_examples, launched.roles)
 
     # 3. data source, schedule, state
-    collate = make_collate(recipe, algorithm, tokenizer)
-    source = make_source(recipe, backend, models, algorithm, train_examples, collate, servers)
+    collate = make_collate(recipe, algorithm, tokenizer, processor)
+    source = make_source(recipe, backend, models, algorithm, train_examples, collate, servers, processor)
     steps = total_steps(t, source.micro_batches_per_epoch())
+    if warmup_trains_nothing(t, steps):  # warn() speaks from rank 0 only
+        warn(warmup_trains_nothing(t, steps))
     for _, role in models.trained():
         role.start_schedule(steps)
     checkpointer = Checkpointer(backend, str(out), t.save_total_limit, facts, source)
@@ -168,10 +190,11 @@ def run_attempt(command: str, recipe: Recipe, launched: Optional[Launched] = Non
 
     summary = run_summary(command, recipe, backend, facts, train_stats, steps, (total_params, trainable_params),
                           resume_from)
+    summary.update(header or {})
     trackers = []
     if backend.is_main:
         trackers = open_trackers(tracker_names(t), tracked_run(recipe, command, state.step, summary))
-    logger = MetricsLogger(str(out), steps, state.step, backend.is_main, trackers)
+    logger = MetricsLogger(str(out), steps, state.step, backend.is_main, trackers, algorithm.headline_metrics)
     logger.info("posttrain " + " | ".join(f"{k}={v}" for k, v in summary.items() if v is not None))
     eval_fn = make_evaluation(recipe, backend, algorithm, models, source, tokenizer, eval_examples, collate)
 
@@ -189,7 +212,7 @@ def run_attempt(command: str, recipe: Recipe, launched: Optional[Launched] = Non
     logger.close()
     final_dir = None
     if state.step >= steps and t.save_final_model:
-        final_dir = export_final(backend, models.policy.model, tokenizer, str(out),
+        final_dir = export_final(backend, models.policy.model, processor or tokenizer, str(out),
                                  dtype=export_dtype(t, backend.precision))
         for name, role in models.trained():
             if name != "policy":

@@ -193,6 +193,9 @@ class Algorithm:
     routing_replay: bool = False
     """Mixture-of-experts: prepare records the old policy's routing, which the training forward replays
     (models/moe.py)."""
+    headline_metrics: tuple[str, ...] = ()
+    """The metrics the console shows after loss, grad_norm and learning_rate (TRL's console shows its trainer's):
+    what says whether this algorithm is learning."""
     dynamic_sampling = None
     """Online algorithms: a grpo.DynamicSamplingConfig when the rollout source drops prompt groups whose metric does
     not vary and draws more (DAPO); None: every drawn group is trained on."""
@@ -227,6 +230,10 @@ class Algorithm:
     def preflight(self) -> None:
         """Input checks that read files, reach servers or import user code (rewards, a teacher's tokenizer, a critic's
         config); run once by run.py and the Ray launcher before any model loads. A bad input is a UserError."""
+
+    def check_data(self, train_examples: list[dict], eval_examples: Optional[list[dict]]) -> None:
+        """Once the data is read, before any model loads: what the algorithm reads from the data's columns is there
+        (online: the columns the rewards read by name). A UserError names the column and the data."""
 
     def setup(self, backend, models: Models, train_examples, collate, out) -> None:
         """After models are prepared and a checkpoint restored (e.g. to precompute reference log-probs)."""

@@ -78,6 +78,7 @@ class DPOAlgoConfig:
 class DPO(Algorithm):
     name = "dpo"
     data_kind = "preference"
+    headline_metrics = ("rewards/accuracies", "rewards/margins")
     logprobs_only = True
 
     def __init__(self, recipe: Recipe):

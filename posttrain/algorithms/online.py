@@ -5,7 +5,7 @@ generating (train/evaluation.py)."""
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -69,6 +69,7 @@ class Surrogate(NamedTuple):
 class OnlineAlgorithm(Algorithm):
     source_kind = "rollout"
     data_kind = "prompt"
+    headline_metrics = ("reward/mean",)
     logprobs_only = True  # the surrogate's log-probs and entropy come from the fused head (policy_logprobs_entropy)
 
     def __init__(self, recipe: Recipe):
@@ -79,6 +80,14 @@ class OnlineAlgorithm(Algorithm):
     def preflight(self) -> None:
         """The rewards import and load here (a bad reward fails before any model is loaded)."""
         self._rewards = load_rewards(self.recipe.rewards)
+
+    def check_data(self, train_examples: list[dict], eval_examples: Optional[list[dict]]) -> None:
+        """The columns the rewards read by name are in data.train and data.eval (a multi-turn run adds
+        `trajectory`)."""
+        added = ["trajectory"] if self.recipe.agent.enabled else []
+        for where, examples in (("data.train", train_examples), ("data.eval", eval_examples)):
+            if examples:
+                self.rewards.check_columns([*examples[0]["columns"], *added], where)
 
     @property
     def rewards(self):

@@ -54,6 +54,7 @@ def pair_scores(model, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
 class RM(Algorithm):
     name = "rm"
     data_kind = "preference"
+    headline_metrics = ("accuracy", "margin")
     model_kind = "seq_cls"
 
     def __init__(self, recipe: Recipe):

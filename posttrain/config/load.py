@@ -19,15 +19,26 @@ import yaml
 from posttrain.config.keys import recipe_key, set_dotted
 from posttrain.config.legacy import upgrade
 from posttrain.config.schema import Recipe
-from posttrain.config.trl_compat import from_trl_file
+from posttrain.config.trl_compat import flat_trl_keys, from_trl_file, trl_default_settings, trl_paths
 from posttrain.config.validate import validate
 from posttrain.errors import UserError
 
 
 def load_recipe(path: str | None, overrides: list[str], algo_cls: type) -> Recipe:
     """Read a recipe file (optional), apply `key.sub=value` overrides, build and validate the dataclasses."""
+    return resolve_recipe(path, overrides, algo_cls)[0]
+
+
+def resolve_recipe(path: str | None, overrides: list[str], algo_cls: type,
+                   trl_flags: dict | None = None) -> tuple[Recipe, list[tuple[str, str, Any]]]:
+    """load_recipe, and the TRL defaults it took: a run given in TRL's words (`trl_flags`: the TRL flags of a command
+    line with no posttrain recipe file, already among `overrides`; or a file with flat TRL keys) takes TRL's default
+    for every recipe key it leaves out, as [(TRL key, recipe key, value)] (docs/trl.md); a posttrain recipe keeps
+    posttrain's."""
     raw: dict[str, Any] = {}
     where = "defaults"
+    flat: dict = dict(trl_flags or {})
+    in_trl_words = bool(flat) and not path
     if path:
         p = Path(path)
         if not p.is_file():
@@ -39,16 +50,35 @@ def load_recipe(path: str | None, overrides: list[str], algo_cls: type) -> Recip
         if not isinstance(raw, dict):
             raise UserError(f"recipe {path} must be a mapping of sections (model:, data:, train:, ...)")
         where = str(path)
+        flat.update(flat_trl_keys(raw))
+        in_trl_words = bool(flat_trl_keys(raw))
         raw = from_trl_file(raw, where, algo_cls)  # a TRL config's flat keys (model_name_or_path, ...) into sections
     for item in overrides:
         apply_override(raw, item)
+    taken = []
+    if in_trl_words:
+        engine = raw.get("generation", {}).get("engine") if isinstance(raw.get("generation"), dict) else None
+        given = set(dotted_paths(raw)) | trl_paths(flat)  # a TRL key given as false or `steps` sets nothing, yet chose
+        taken = trl_default_settings(algo_cls, given, use_vllm=engine in ("vllm", "server"))
+        for _, key, value in taken:
+            set_dotted(raw, key, value, f"TRL's default for '{key}'")
     upgrade(raw)  # earlier releases' spellings (config/legacy.py)
     raw.setdefault("algo", {})  # the command's own algo config, with its defaults, even without an algo: section
     recipe = build(Recipe, raw, where, "", algo_cls)
     if recipe.output_dir.startswith("~"):  # `output_dir=~/x` reaches us unexpanded (no shell does it after '=')
         recipe = dataclasses.replace(recipe, output_dir=str(Path(recipe.output_dir).expanduser()))
     validate(recipe)
-    return recipe
+    return recipe, taken
+
+
+def dotted_paths(raw: dict, prefix: str = "") -> list[str]:
+    """Every key a raw recipe mapping sets, dotted (train.learning_rate), sections included."""
+    out = []
+    for key, value in raw.items():
+        out.append(prefix + str(key))
+        if isinstance(value, dict):
+            out += dotted_paths(value, f"{prefix}{key}.")
+    return out
 
 
 def apply_override(raw: dict, item: str) -> None:

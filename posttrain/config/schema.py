@@ -11,6 +11,9 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 
+ALL_LINEAR = "all-linear"  # PEFT's and TRL's model.lora.target_modules for every linear layer but the output one
+
+
 @dataclass(frozen=True)
 class LoraConfig:
     enabled: bool = False
@@ -22,7 +25,8 @@ class LoraConfig:
     dropout: float = 0.0
     """Dropout on the adapter input."""
     target_modules: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-    """Module names that get adapters."""
+    """Module names that get adapters; [all-linear]: every linear layer but the output layer (PEFT's shorthand); []:
+    PEFT's choice for the architecture (q_proj and v_proj for Llama and Qwen: TRL's default)."""
 
 
 @dataclass(frozen=True)
@@ -46,6 +50,12 @@ class ModelConfig:
     router_aux_loss_coef: Optional[float] = None
     """Mixture-of-experts models: weight of the load-balancing loss added to the policy loss (TRL's and transformers'
     name); null: the model config's own (Qwen3-MoE: 0.001; none for a dense model); 0: off (still logged)."""
+    freeze_vision_tower: bool = False
+    """Vision-language models: keep the vision encoder's weights as loaded (OpenRLHF's freeze_visual_encoder); the
+    projector trains unless model.freeze_projector is also set (docs/vision.md)."""
+    freeze_projector: bool = False
+    """Vision-language models: keep the projector (the layers mapping image features into the language model, Qwen-VL's
+    merger) as loaded."""
 
 
 @dataclass(frozen=True)

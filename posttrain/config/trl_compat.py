@@ -3,6 +3,7 @@ or as `--key value` flags, translated to the recipe keys that mean the same thin
 
     posttrain sft --config trl_sft.yaml                 # model_name_or_path: ..., learning_rate: 2e-5, bf16: true
     posttrain grpo --config recipes/grpo.yaml --learning_rate 1e-6 --num_generations=4 --use_vllm
+    posttrain sft --model_name_or_path Qwen/Qwen2.5-0.5B --dataset_name data.jsonl   # TRL's defaults (docs/trl.md)
 
 Every field of TRL's configs is translated here (TRL_KEYS), or accepted with a line saying why it has no effect, or
 refused with what to do instead (config/trl_table.py). A key that is none of these (a typo) is never dropped: every
@@ -21,9 +22,10 @@ from typing import Any, Callable
 
 import yaml
 
-from posttrain.config.keys import recipe_key, recipe_keys, set_dotted
-from posttrain.config.schema import Recipe
-from posttrain.config.trl_rewards import LIST_KEYS, rewards_from_trl
+from posttrain.config.keys import recipe_keys, set_dotted
+from posttrain.config.trl_flags import RECIPE_TOP_LEVEL
+from posttrain.config.trl_defaults import COMMON_DEFAULTS, TRAINER_CONFIGS, TRL_DEFAULTS, TRL_VERSION
+from posttrain.config.trl_rewards import REWARD_KEYS, rewards_from_trl
 from posttrain.config.trl_table import IGNORED, REFUSED, changes_nothing
 from posttrain.errors import UserError
 
@@ -41,15 +43,17 @@ def _flag(value_if_true: str) -> Callable[[Any], Any]:
     return convert
 
 
-def _strategy(what: str, no: str) -> Callable[[Any], Any]:
-    """TRL's eval/save/logging_strategy: `steps` is how posttrain works (every *_steps), `no` has no effect (`no`
-    says why), `epoch` and `best` do not exist here."""
+def _strategy(what: str, key: str, no: str | int) -> Callable[[Any], Any]:
+    """TRL's eval/save/logging_strategy: `steps` is how posttrain works (every `key` steps), `no` is the value `no`
+    (an int), or has no effect (`no` says why), `epoch` and `best` do not exist here."""
     def convert(value: Any) -> Any:
         if value == "steps":
             return None
-        if value == "no":
+        if value == "no" or value is False:  # a YAML file's bare `no` is false
+            if isinstance(no, int):
+                return no
             raise NoEffect(no)
-        raise ValueError(f"{value!r} is not available: {what} every {what}_steps steps here (set it to the steps of "
+        raise ValueError(f"{value!r} is not available: {what} every train.{key} steps here (set it to the steps of "
                          "an epoch)")
     return convert
 
@@ -121,27 +125,42 @@ TRL_RENAMES: dict[str, str] = {
 CONVERSIONS: dict[str, Callable[[Any], Any]] = {
     "bf16": _flag("bf16"), "fp16": _flag("fp16"), "use_vllm": _flag("vllm"), "padding_free": _flag(True),
     "scale_rewards": lambda value: {True: "group", False: "none"}[value] if isinstance(value, bool) else value,
-    "eval_strategy": _strategy("evaluate", "evaluation runs exactly when data.eval is given: leave it out for none"),
-    "save_strategy": _strategy("save", "with save_steps=0 (the default) no checkpoint is saved, only final/ (and "
-                               "one when a run is stopped, so it can be continued)"),
-    "logging_strategy": _strategy("log", "metrics.jsonl gets a row every logging_steps steps"),
+    "eval_strategy": _strategy("evaluate", "eval_steps", "evaluation runs exactly when data.eval is given: leave it "
+                               "out for none"),
+    "save_strategy": _strategy("save", "save_steps", 0),  # save_steps 0: no checkpoint, only final/ (and one when a
+                                                          # run is stopped, so it can be continued)
+    "logging_strategy": _strategy("log", "logging_steps", "metrics.jsonl gets a row every logging_steps steps"),
     "optim": _optim, "loss_type": _one_loss,
     "max_tool_calling_iterations": lambda value: value + 1 if isinstance(value, int) else value}  # + the answer turn
 # Where a command has no such recipe key, these values mean what it does anyway (SFTConfig's loss_type: nll)
 SAME_AS_HERE: dict[str, tuple[Any, ...]] = {"loss_type": ("nll",)}
 NONE_IS_A_VALUE = ("train.save_total_limit",)  # elsewhere TRL's None means "unset": the recipe's default stays
+NONE_MEANS = {"lora_target_modules": []}  # TRL's None: PEFT's modules for the architecture, the recipe's []
 TRL_KEYS: dict[str, tuple[str, Callable[[Any], Any] | None]] = {
     key: (path, CONVERSIONS.get(key)) for key, path in TRL_RENAMES.items()}  # key -> (recipe key, conversion)
 
-RECIPE_TOP_LEVEL = tuple(recipe_key(f) for f in dataclasses.fields(Recipe))  # the recipe's sections
 
 
-def translate(flat: dict[str, Any], where: str, algo_cls: type, shown: str = "") -> list[tuple[str, str, Any]]:
-    """TRL keys and their values -> [(TRL key, recipe key, value)]. Keys with no effect here get one note line each;
-    every key refused, unknown, or landing on a recipe key another key also sets is reported at once, as `shown` +
-    key (shown='--' for command-line flags)."""
+@dataclasses.dataclass(frozen=True)
+class AnyAlgo:
+    """translate's stand-in for an algorithm config not imported yet (check_flags_early): every algo.* key passes."""
+
+
+def check_flags_early(flags: dict[str, Any], command: str) -> None:
+    """Refuse a command line's TRL flags for all that needs no algorithm's own keys (listing those imports torch):
+    unknown and refused keys, bad values, two flags for one key. Quick, so a typo is refused in a second."""
+    translate(flags, "command line", AnyAlgo, "--", command=command, quiet=True)
+
+
+def translate(flat: dict[str, Any], where: str, algo_cls: type, shown: str = "", command: str = "",
+              quiet: bool = False) -> list[tuple[str, str, Any]]:
+    """TRL keys and their values -> [(TRL key, recipe key, value)]. Keys with no effect here get one note line each
+    (none when `quiet`); every key refused, unknown, or landing on a recipe key another key also sets is reported at
+    once, as `shown` + key (shown='--' for command-line flags)."""
     valid_keys = {k.path for k in recipe_keys(algo_cls)}
-    command = algo_cls.__name__.removesuffix("AlgoConfig").lower()  # GRPOAlgoConfig -> grpo
+    if algo_cls is AnyAlgo:
+        valid_keys |= {path for path, _ in TRL_KEYS.values() if path.startswith("algo.")}
+    command = command or command_of(algo_cls)
     flat = dict(flat)
     rewards, problems = rewards_from_trl(flat, shown)  # reward_funcs, reward_weights, ... make one list together
     out, notes = ([("reward_funcs", "rewards", rewards)] if rewards is not None else []), []
@@ -165,10 +184,12 @@ def translate(flat: dict[str, Any], where: str, algo_cls: type, shown: str = "")
             if not changes_nothing(value, SAME_AS_HERE.get(key, ())):
                 problems.append(f"{shown}{key}: posttrain's {path}, which `posttrain {command}` does not take")
             continue
+        if value is None and key in NONE_MEANS:
+            value = NONE_MEANS[key]
         try:
             value = convert(value) if convert and value is not None else value
         except NoEffect as e:
-            notes.append(f"{shown}{key} {value} has no effect here: {e}")
+            notes.append(f"{shown}{key} {'no' if value is False else value} has no effect here: {e}")
             continue
         except ValueError as e:
             problems.append(f"{shown}{key}: {e}")
@@ -183,9 +204,65 @@ def translate(flat: dict[str, Any], where: str, algo_cls: type, shown: str = "")
         raise UserError(f"{where}: {len(problems)} key{'s' if len(problems) > 1 else ''} refused:\n  "
                         + "\n  ".join(problems) + f"\n`posttrain {command} --help` lists every key; docs/trl.md "
                         "maps TRL's keys to posttrain's")
-    for note in notes:
+    for note in notes if not quiet else ():
         say(f"{where}: {note}")
     return [item for i, item in enumerate(out) if all(p != item[1] for _, p, _ in out[:i])]
+
+
+def command_of(algo_cls: type) -> str:
+    """GRPOAlgoConfig -> grpo: the command an algorithm's config belongs to."""
+    return algo_cls.__name__.removesuffix("AlgoConfig").lower()
+
+
+def flat_trl_keys(raw: dict) -> dict:
+    """A recipe file's flat TRL keys: those that are not recipe sections (none in a posttrain recipe)."""
+    return {k: v for k, v in raw.items()
+            if k not in RECIPE_TOP_LEVEL or (k in ("model", "data", "train") and not isinstance(v, dict))}
+
+
+def trl_defaults(command: str) -> dict[str, Any]:
+    """TRL key -> TRL's default, where it differs from posttrain's, for `command` ({} where TRL has no trainer)."""
+    return {**TRL_DEFAULTS[command], **COMMON_DEFAULTS} if command in TRL_DEFAULTS else {}
+
+
+def trl_paths(flat: dict) -> set[str]:
+    """The recipe keys TRL keys choose, whatever their values (bf16: false chooses train.mixed_precision)."""
+    return {TRL_KEYS[key][0] for key in flat if key in TRL_KEYS} | {"rewards" for key in flat if key in REWARD_KEYS}
+
+
+def trl_default_settings(algo_cls: type, given_paths: set[str], use_vllm: bool) -> list[tuple[str, str, Any]]:
+    """[(TRL key, recipe key, value)]: TRL's default for every recipe key a run given in TRL's words leaves out
+    (`given_paths`: the recipe keys it sets) where TRL's differs from posttrain's. `use_vllm`: whether the run
+    generates with vLLM (TRL reads its vllm_* defaults only then)."""
+    defaults = trl_defaults(command_of(algo_cls))
+    chosen = {key: value for key, value in defaults.items() if TRL_KEYS[key][0] not in given_paths}
+    return [item for item in translate({**chosen, "use_vllm": use_vllm}, "TRL's defaults", algo_cls)
+            if item[1] not in given_paths]
+
+
+def trl_defaults_line(algo_cls: type, settings: list[tuple[str, str, Any]]) -> str:
+    """The run header's line that says which settings came from TRL's defaults (TRL key=value -> recipe key)."""
+    command = command_of(algo_cls)
+    if command not in TRAINER_CONFIGS:
+        return (f"posttrain: `posttrain {command}` has no TRL {TRL_VERSION} trainer: what this run in TRL's words "
+                "leaves out keeps posttrain's defaults (docs/trl.md)")
+    said = ", ".join(f"{key}={yaml_text(trl_defaults(command)[key])}" for key, _, _ in settings) or "none differ"
+    return (f"posttrain: TRL {TRL_VERSION} {TRAINER_CONFIGS[command]} defaults for what this run in TRL's words leaves "
+            f"out: {said} (docs/trl.md)")
+
+
+def whose_defaults(algo_cls: type) -> str:
+    """For the run's header: whose defaults filled what a run in TRL's words left out."""
+    command = command_of(algo_cls)
+    return f"TRL {TRL_VERSION} {TRAINER_CONFIGS[command]}" if command in TRAINER_CONFIGS else "posttrain"
+
+
+def say_trl_defaults(algo_cls: type, settings: list[tuple[str, str, Any]], lora: bool) -> None:
+    """The header line of trl_defaults_line on stdout, from rank 0 (before the run's own header); LoRA's settings
+    only for a LoRA run (config.yaml has them all)."""
+    if os.environ.get("RANK", "0") == "0":
+        shown = [item for item in settings if lora or not item[1].startswith("model.lora.")]
+        print(trl_defaults_line(algo_cls, shown), flush=True)
 
 
 def say(message: str) -> None:
@@ -208,8 +285,7 @@ def from_trl_file(raw: dict, where: str, algo_cls: type) -> dict:
     """A recipe file's mapping with its flat TRL keys (those that are not recipe sections; none in a posttrain recipe)
     translated into sections (unchanged when there are none); a key the file also sets in its own section takes the
     TRL key's value."""
-    flat = {k: v for k, v in raw.items()
-            if k not in RECIPE_TOP_LEVEL or (k in ("model", "data", "train") and not isinstance(v, dict))}
+    flat = flat_trl_keys(raw)
     if not flat:
         return raw
     out = {k: (dict(v) if isinstance(v, dict) else v) for k, v in raw.items() if k not in flat}
@@ -220,63 +296,6 @@ def from_trl_file(raw: dict, where: str, algo_cls: type) -> dict:
             raise UserError(f"{where}: {key} ({value!r}) and {path} ({given[leaf]!r}) both set {path}; keep one")
         set_dotted(out, path, value, f"'{path}'")
     return out
-
-
-def split_trl_flags(argv: list[str]) -> tuple[list[str], dict[str, Any]]:
-    """TRL-style `--key value`, `--key=value`, `--key v1 v2 ...` (a list) and bare `--flag` (true) out of a command's
-    arguments; the rest back. Values are read as YAML (1e-4, true, [a, b]), as in `key=value` overrides. A flag given
-    twice is refused naming both values, except the reward lists, where a repeated flag adds to the list."""
-    rest, flags, typed, i = [], {}, {}, 0
-    while i < len(argv):
-        arg = argv[i]
-        name = arg[2:].split("=", 1)[0].replace("-", "_")
-        if not arg.startswith("--") or name in ("config", "ray", "help") or arg == "--":
-            rest.append(arg)
-            if arg == "--config" and i + 1 < len(argv):
-                rest.append(argv[i + 1])
-                i += 1
-            i += 1
-            continue
-        texts = [arg.split("=", 1)[1]] if "=" in arg else []
-        while "=" not in arg and i + 1 < len(argv) and not argv[i + 1].startswith("--") \
-                and not looks_like_override(argv[i + 1]):  # every value up to the next flag (TRL's nargs='+')
-            texts.append(argv[i + 1])
-            i += 1
-        values = [parse_value(text) for text in texts or ["true"]]
-        value = values[0] if len(values) == 1 else values
-        text = " ".join(texts) or "true"
-        if name in LIST_KEYS and name in flags:  # --reward_funcs a --reward_funcs b: both
-            value = _as_list(flags[name]) + _as_list(value)
-        elif name in typed:
-            raise UserError(f"command line: --{name} is given twice ({typed[name]} and {text}); keep one")
-        typed[name] = text
-        flags[name] = value
-        i += 1
-    return rest, flags
-
-
-def _as_list(value: Any) -> list:
-    return list(value) if isinstance(value, list) else [value]
-
-
-def looks_like_override(arg: str) -> bool:
-    """train.max_steps=20 (a recipe override), as opposed to a flag's value."""
-    key = arg.split("=", 1)[0]
-    return "=" in arg and (key.split(".")[0] in RECIPE_TOP_LEVEL)
-
-
-def parse_value(text: str) -> Any:
-    """A flag's text as YAML reads it, except that 1e-6 is a number (YAML 1.1 wants 1.0e-6)."""
-    try:
-        value = yaml.safe_load(text) if text != "" else ""
-    except yaml.YAMLError:
-        return text
-    if isinstance(value, str):
-        try:
-            return float(value)
-        except ValueError:
-            pass
-    return value
 
 
 def as_override(path: str, value: Any) -> str:

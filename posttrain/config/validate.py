@@ -10,8 +10,8 @@ import math
 import os
 from urllib.parse import urlsplit
 
-from posttrain.config.schema import Recipe, trackers
-from posttrain.errors import UserError
+from posttrain.config.schema import ALL_LINEAR, Recipe, trackers
+from posttrain.errors import UserError, overflows_float32
 
 CHOICES = {
     "model.dtype": ("float32", "bfloat16", "float16", "auto"),
@@ -44,8 +44,10 @@ def get(recipe: Recipe, dotted: str):
 
 
 def check_finite(node, where: str = "") -> None:
-    """Every float of the recipe, at any depth (algo and rewards included), is a number: NaN compares false with
-    every bound (`max_grad_norm: .nan` silently turned clipping off) and inf overflows deadlines and schedules."""
+    """Every number of the recipe, at any depth (algo and rewards included), is a number that float32 holds: NaN compares false with every bound (`max_grad_norm: .nan` silently turned clipping off), inf overflows
+    deadlines and schedules, and 1e39 (finite as a Python float) is inf in the float32 tensors rewards, weights and
+    losses are computed in (`--reward_weights 1e39` zeroed every advantage, rc 0). A reward's kwargs are its own: the
+    built-ins check theirs (rewards/builtin.py)."""
     if dataclasses.is_dataclass(node):
         for f in dataclasses.fields(node):
             check_finite(getattr(node, f.name), f"{where}.{f.name}" if where else f.name)
@@ -54,6 +56,9 @@ def check_finite(node, where: str = "") -> None:
             check_finite(item, f"{where}[{i}]")
     elif isinstance(node, float) and not math.isfinite(node):
         raise UserError(f"{where} is {node}; give a finite number")
+    elif isinstance(node, (int, float)) and not isinstance(node, bool) and overflows_float32(node):
+        raise UserError(f"{where} is {node:.3g}, beyond the largest float32 (3.4e+38): it would be inf in the float32 "
+                        "tensors it is computed in; give a smaller number")
 
 
 def validate(recipe: Recipe) -> None:
@@ -110,6 +115,7 @@ def validate(recipe: Recipe) -> None:
             raise UserError(f"rewards[{i}].name is empty: name a built-in reward or an import path module:function")
         if r.on_error not in ("raise", "skip"):
             raise UserError(f"rewards[{i}].on_error must be raise or skip, got {r.on_error!r}")
+        check_overlong_reaches(recipe, i)
     validate_placement(recipe.placement)
     check_trackers(t)
     check_pass_k(recipe)
@@ -118,8 +124,27 @@ def validate(recipe: Recipe) -> None:
         check_algo(recipe)
     if recipe.model.lora.enabled and recipe.model.lora.r <= 0:
         raise UserError(f"model.lora.r must be > 0, got {recipe.model.lora.r}")
+    targets = recipe.model.lora.target_modules
+    if ALL_LINEAR in targets and len(targets) > 1:
+        raise UserError(f"model.lora.target_modules {list(targets)}: {ALL_LINEAR} names every linear layer already; "
+                        "give it alone or list module names")
     if recipe.model.router_aux_loss_coef is not None and recipe.model.router_aux_loss_coef < 0:
         raise UserError(f"model.router_aux_loss_coef must be >= 0, got {recipe.model.router_aux_loss_coef}")
+
+
+def check_overlong_reaches(recipe: Recipe, i: int) -> None:
+    """An `overlong` reward whose penalty starts (kwargs.max_length - buffer tokens) at or beyond the longest
+    completion generation makes (generation.max_completion_length) can never apply: refused. A multi-turn run's
+    completions are bounded elsewhere (agent:), so it is not checked there."""
+    r, cap = recipe.rewards[i], recipe.generation.max_completion_length
+    max_length, buffer = r.kwargs.get("max_length"), r.kwargs.get("buffer")
+    if r.name != "overlong" or recipe.agent.enabled or not all(type(v) is int for v in (max_length, buffer)):
+        return  # the reward's own check names wrong kinds
+    if max_length - buffer >= cap:
+        raise UserError(f"rewards[{i}] overlong: its penalty starts past kwargs.max_length - kwargs.buffer = "
+                        f"{max_length - buffer} tokens, but generation.max_completion_length={cap} ends every "
+                        f"completion before that, so it can never apply; set kwargs.max_length={cap} (the cap it "
+                        "is meant to approach)")
 
 
 def check_pass_k(recipe: Recipe) -> None:

@@ -26,6 +26,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from posttrain.demo.table import readme_row
 from posttrain.demo.tasks import write_example_data
 
 
@@ -192,4 +193,5 @@ def run_stages(out: Path, size: DemoSize, seed: int, resume: bool) -> dict:
     if quick:
         print("  (--quick: a smoke run; these figures say only that every stage ran. `posttrain demo` learns the task)")
     print(f"  summary: {out / 'demo_results.json'}")
+    print(f"  README row: {readme_row(results)}   (scripts/demo_table.py records a full run in README.md)")
     return results

@@ -28,30 +28,34 @@ def add_plan_and_doctor(sub) -> None:
     plan.add_argument("overrides", nargs="*", help="key.sub=value overrides, e.g. data.max_length=2048")
     doctor = sub.add_parser("doctor", help="check GPUs, versions, the process group and disk before a launch")
     doctor.add_argument("--config", "-c", help="recipe YAML: checks its output_dir's disk and that every rank has it")
-    doctor.add_argument("--timeout", type=float, default=30.0, help="seconds each step of the group check may take "
-                        "(the rendezvous, every rank's arrival, each collective) before it fails naming what is "
-                        "missing (default 30)")
+    doctor.add_argument("--timeout", type=float, default=30.0, help="seconds the rendezvous may take, counted from "
+                        "the process's start (imports and local checks included), and each later step of the group "
+                        "check (each collective), before it fails naming what is missing (default 30)")
     doctor.add_argument("--build-ops", action="store_true", help="also compile DeepSpeed's CPU Adam (tens of s)")
     add_launch_flags(doctor)
     doctor.add_argument("overrides", nargs="*", help="key.sub=value overrides of the recipe")
 
 
 def run_plan_or_doctor(args) -> int:
-    from posttrain.algorithms import ALGORITHMS
-    from posttrain.config.load import load_recipe
-
-    if args.command == "doctor":
+    if args.command == "doctor":  # only what it needs: its deadline counts its own imports (doctor.process_started)
         from posttrain.launch.doctor import run_doctor
 
         if args.nproc_per_node is not None:
             return run_ranks(args)
         return run_doctor(args.config, args.overrides, args.timeout, args.build_ops)
+    from posttrain.algorithms import ALGORITHMS
+    from posttrain.config.load import load_recipe
     from posttrain.plan import infer_algorithm, run_plan
 
     algorithm = args.algorithm or infer_algorithm(args.config, args.overrides)
     if algorithm not in ALGORITHMS:
         raise UserError(f"--algorithm {algorithm!r} is not one of {', '.join(ALGORITHMS)}")
-    overrides = list(args.overrides) + (["train.mixed_precision=bf16"] if args.bf16 else []) + (
+    from posttrain.config.trl_compat import as_override, translate
+
+    # the TRL flags a training command takes (--learning_rate 1e-5) mean the same here
+    flags = [as_override(path, value) for _, path, value in
+             translate(getattr(args, "trl_flags", {}), "command line", ALGORITHMS[algorithm][0], "--")]
+    overrides = flags + list(args.overrides) + (["train.mixed_precision=bf16"] if args.bf16 else []) + (
         [f"model.dtype={args.dtype}"] if args.dtype else [])
     recipe = load_recipe(args.config, overrides, ALGORITHMS[algorithm][0])
     print(run_plan(algorithm, recipe, args.config, overrides, args.gpus, args.nodes, args.gpu_memory, args.json,

@@ -23,7 +23,7 @@ from typing import Any, Iterator, Optional
 
 import torch
 
-from posttrain.config.schema import LoraConfig, ModelConfig
+from posttrain.config.schema import ALL_LINEAR, LoraConfig, ModelConfig
 from posttrain.distributed import sequence_parallel
 from posttrain.distributed.wrappers import unwrap_module
 from posttrain.errors import UserError
@@ -156,17 +156,30 @@ def _from_pretrained(auto_cls, model_cfg: ModelConfig, gradient_checkpointing: b
         raise UserError(f"could not load model.name_or_path '{src}': {type(e).__name__}: {e}") from e
     if gradient_checkpointing:
         # the recomputation in the backward attends as the first forward did (Ulysses under sequence parallelism)
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={
-            "use_reentrant": False, "context_fn": sequence_parallel.checkpoint_context})
+        kwargs = {"use_reentrant": False, "context_fn": sequence_parallel.checkpoint_context}
+        enable = getattr(model, "activation_checkpointing_enable", None)  # transformers >= 5.24, whose old name warns
+        if enable is not None:
+            enable(activation_checkpointing_kwargs=kwargs)
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
         model.config.use_cache = False
     return model
 
 
 def load_causal_lm(model_cfg: ModelConfig, gradient_checkpointing: bool = False):
-    """AutoModelForCausalLM from the recipe's source, dtype, attention kernel, revision; optional checkpointing."""
-    from transformers import AutoModelForCausalLM
+    """AutoModelForCausalLM from the recipe's source, dtype, attention kernel, revision; optional checkpointing. A
+    vision-language model loads as AutoModelForImageTextToText (its forward takes the images and returns logits like
+    a causal LM's), its vision tower and projector frozen as model.freeze_vision_tower / freeze_projector say."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
-    return _from_pretrained(AutoModelForCausalLM, model_cfg, gradient_checkpointing)
+    from posttrain.models.vision import freeze_vision, is_vision_model
+
+    if not is_vision_model(model_cfg):
+        return _from_pretrained(AutoModelForCausalLM, model_cfg, gradient_checkpointing)
+    model = _from_pretrained(AutoModelForImageTextToText, model_cfg, gradient_checkpointing)
+    if model_cfg.freeze_vision_tower or model_cfg.freeze_projector:
+        freeze_vision(model, model_cfg.freeze_vision_tower, model_cfg.freeze_projector)
+    return model
 
 
 def load_sequence_classifier(model_cfg: ModelConfig, gradient_checkpointing: bool = False, pad_token_id=None):
@@ -183,7 +196,9 @@ def load_sequence_classifier(model_cfg: ModelConfig, gradient_checkpointing: boo
 
 
 def apply_lora(model, lora_cfg: LoraConfig, task: str = "causal_lm"):
-    """Wrap the model in peft LoRA adapters; only adapters (and, for seq_cls, the score head) stay trainable."""
+    """Wrap the model in peft LoRA adapters; only adapters (and, for seq_cls, the score head) stay trainable. A
+    vision-language model gets them in its language model only (a CLIP tower's q_proj would match too), its vision
+    tower and projector frozen."""
     try:
         import peft
     except ImportError:
@@ -192,13 +207,32 @@ def apply_lora(model, lora_cfg: LoraConfig, task: str = "causal_lm"):
         raise ValueError(f"task must be one of {TASKS}, got {task!r}")
     linear_names = sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules()
                            if isinstance(m, torch.nn.Linear) or type(m).__name__ == "Conv1D"})  # GPT-2's Conv1D too
-    if not set(lora_cfg.target_modules) & set(linear_names):
+    targets = lora_targets(lora_cfg.target_modules, getattr(model.config, "model_type", ""))
+    if targets != ALL_LINEAR and not set(targets) & set(linear_names):
         raise UserError(f"model.lora.target_modules {list(lora_cfg.target_modules)} match no layer of this model; "
                         f"its linear layers are named: {', '.join(linear_names)}")
+    from posttrain.models.vision import vision_modules_pattern
+
     config = peft.LoraConfig(r=lora_cfg.r, lora_alpha=lora_cfg.alpha, lora_dropout=lora_cfg.dropout, bias="none",
-                             target_modules=list(lora_cfg.target_modules),
+                             target_modules=targets,
+                             exclude_modules=vision_modules_pattern(model),  # a VLM: the language model only
                              task_type=peft.TaskType.CAUSAL_LM if task == "causal_lm" else peft.TaskType.SEQ_CLS)
     return peft.get_peft_model(model, config)
+
+
+def lora_targets(target_modules: tuple[str, ...], model_type: str) -> list[str] | str:
+    """What peft.LoraConfig(target_modules=) gets: the names, PEFT's "all-linear", or for [] PEFT's modules for the
+    architecture (TRL's default: it passes None)."""
+    if tuple(target_modules) == (ALL_LINEAR,):
+        return ALL_LINEAR
+    if target_modules:
+        return list(target_modules)
+    from peft.utils.constants import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING as BY_ARCHITECTURE
+
+    if model_type not in BY_ARCHITECTURE:
+        raise UserError(f"model.lora.target_modules=[] takes PEFT's modules for the architecture, and PEFT has none "
+                        f"for {model_type!r}: name the modules (or all-linear)")
+    return list(BY_ARCHITECTURE[model_type])
 
 
 def is_peft_model(model) -> bool:

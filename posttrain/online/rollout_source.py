@@ -43,6 +43,7 @@ from typing import Callable
 import torch
 
 from posttrain.data.collate import collate_padded, pad_id
+from posttrain.data.images import ImageEncoder, with_images
 from posttrain.agents import Trajectory, agent_metrics
 from posttrain.ops.advantages import zero_std_fraction
 from posttrain.ops.logprobs import sequence_mean
@@ -53,8 +54,9 @@ from posttrain.online.drawn import Drawn, RankFigures
 from posttrain.online.dynamic_sampling import DynamicSampler
 from posttrain.online.engine_link import EngineLink
 from posttrain.online.in_flight import InFlight, Sampled, lag_metrics, policy_lag
-from posttrain.online.scoring import score
+from posttrain.online.scoring import UnscoredSteps, score
 from posttrain.train.sources import SampleOrder, Source
+from posttrain.usercode import UserCodeError
 
 logger = logging.getLogger(__name__)
 
@@ -101,8 +103,10 @@ class RolloutSource(Source):
 
     prepares_batches = True  # phase 4: once per generation batch, when it is taken for training
 
-    def __init__(self, recipe, backend, models, algorithm, examples, rewards, servers=None):
+    def __init__(self, recipe, backend, models, algorithm, examples, rewards, servers=None, processor=None):
+        """processor: a vision-language policy's; the prompts' images go to the engine and into the batches."""
         t = recipe.train
+        self.processor = processor
         self.recipe, self.backend, self.models, self.algorithm = recipe, backend, models, algorithm
         self.examples, self.rewards, self.tokenizer = examples, rewards, models.tokenizer
         self.group = algorithm.samples_per_prompt
@@ -111,10 +115,12 @@ class RolloutSource(Source):
         self.prompts_per_rank = self.micro * t.gradient_accumulation_steps // self.group  # validated: whole
         self.prompts_per_step = self.prompts_per_rank * backend.data_world_size
         self.order = SampleOrder(len(examples), t.dataloader_seed if t.dataloader_seed is not None else recipe.seed)
-        self.link = EngineLink(recipe, backend, models.policy, self.tokenizer, servers)
+        vision = ImageEncoder(processor) if processor is not None else None
+        self.link = EngineLink(recipe, backend, models.policy, self.tokenizer, servers, vision)
         self._generation: Generation | None = None
         self._handed_out = time.perf_counter()
         self._metrics: dict[str, float] = {}
+        self._unscored = UnscoredSteps()  # a run whose rewards score nothing stops
         self._trained_through = 0  # optimiser steps the policy has taken (as far as this source knows)
         # generation.max_staleness: up to k generation batches sampled ahead, in one thread, while this one trains
         self._ahead = InFlight(recipe.generation.max_staleness, self.iterations)
@@ -229,6 +235,9 @@ class RolloutSource(Source):
         everyone: list[RankFigures] = backend.data_all_gather_object(drawn.figures(self._logged))
         global_total_B = torch.tensor([r for part in everyone for r in part.total])
         global_scored_B = torch.tensor([s for part in everyone for s in part.scored], dtype=torch.bool)
+        self._unscored.check(global_scored_B, {name: sum(math.isnan(v) for part in everyone
+                                                         for v in part.per_function[name])
+                                               for name in everyone[0].per_function}, step)
         scored = time.perf_counter()
         self._seconds["score"] += scored - gather_started
 
@@ -323,6 +332,9 @@ class RolloutSource(Source):
         for start in range(0, len(rows), self.micro):
             stop = start + self.micro
             batch = collate_padded(rows[start:stop], pad_id(self.tokenizer))
+            if self.processor is not None:  # each completion row sees its prompt's images
+                images = [self.examples[i].get("images", []) for i in dataset_index[start:stop]]
+                batch = with_images(batch, images, self.processor)
             sampler_BT = torch.zeros(batch.input_ids_BT.shape, dtype=torch.float32)
             for row, (p, lps) in enumerate(zip(prompt_ids[start:stop], sampler_logprobs[start:stop])):
                 sampler_BT[row, len(p) : len(p) + len(lps)] = torch.tensor(lps, dtype=torch.float32)
@@ -383,5 +395,9 @@ def step_metrics(everyone: list[RankFigures], total_B: torch.Tensor, scored_B: t
     for part in everyone:
         for name, values in part.logged.items():
             logged.setdefault(name, []).extend(values)
+    clash = sorted(set(logged) & set(metrics))
+    if clash:  # the trainer's figure would be replaced by the user's
+        raise UserCodeError(f"a reward function called log_metric({clash[0]!r}, ...), a metric the trainer logs "
+                            "itself; give yours a name of its own")
     return {**{k: float(v) for k, v in metrics.items()}, **{k: sum(v) / len(v) for k, v in logged.items()},
             "rewards/skipped": float(sum(p.skipped for p in everyone))}

@@ -32,10 +32,15 @@ import math
 import re
 from typing import Any, Callable, Optional
 
+<<<<<<< HEAD
 from posttrain.errors import UserError
 from posttrain.rewards.contract import CONTRACT_ARGS, column_values, completion_text
 from posttrain.rewards.math_answers import MathAccuracy, require_math_verify, think_answer_format
 from posttrain.rewards import reasoning_gym as rg_reward, verifiers_rubric
+=======
+from posttrain.errors import UserError, overflows_float32
+from posttrain.rewards.contract import CONTRACT_ARGS, completion_text
+>>>>>>> main
 from posttrain.rewards.judge import Judge
 from posttrain.rewards.overlong import Overlong
 from posttrain.rewards.reward_model import load_scorer, reward_model
@@ -210,5 +215,10 @@ def check_builtin_kwargs(name: str, kwargs: dict) -> None:
     missing = [n for n, p in named.items() if p.default is inspect.Parameter.empty and n not in kwargs]
     if missing:
         raise UserError(f"reward {name} needs kwargs {', '.join(missing)} (in the recipe: rewards[].kwargs)")
+    for key, value in kwargs.items():  # each ends up in a float32 reward: inf (or 1e39, inf there) zeroes advantages
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and (
+                not math.isfinite(value) or overflows_float32(value)):
+            raise UserError(f"reward {name}: kwargs.{key} is {value:.3g}, which is not a finite float32 (the dtype "
+                            "rewards are computed in, largest 3.4e+38); give a smaller number")
     if name in CHECKS:
         CHECKS[name](kwargs)

@@ -15,10 +15,16 @@ from typing import Any, Optional, Sequence
 from tqdm.auto import tqdm
 
 
+CONSOLE = ("loss", "grad_norm", "learning_rate")  # then the algorithm's headline metrics, as TRL's console shows
+
+
 class MetricsLogger:
-    def __init__(self, output_dir: str, total_steps: int, start_step: int, enabled: bool, trackers: Sequence = ()):
-        """trackers: posttrain.report.trackers.Tracker objects, already open (rank 0); closed by close()."""
+    def __init__(self, output_dir: str, total_steps: int, start_step: int, enabled: bool, trackers: Sequence = (),
+                 headline: Sequence[str] = ()):
+        """trackers: posttrain.report.trackers.Tracker objects, already open (rank 0); closed by close(). headline:
+        the algorithm's own metrics the console shows beside loss, grad_norm and learning_rate."""
         self.enabled = enabled
+        self.console = (*CONSOLE, *headline, "tokens_per_second")
         self.path = Path(output_dir) / "metrics.jsonl"
         self.trackers = list(trackers) if enabled else []
         self.bar = None
@@ -44,7 +50,7 @@ class MetricsLogger:
         for tracker in self.trackers:
             tracker.log(step, numbers)
         if self.bar is not None:
-            keys = ("loss", "reward/mean", "learning_rate", "tokens_per_second") + tuple(k for k in record if k.startswith("eval/"))
+            keys = self.console + tuple(k for k in record if k.startswith("eval/"))
             shown = {k: f"{record[k]:.4g}" for k in keys if isinstance(record.get(k), (int, float))}
             if self.bar.disable:
                 print(f"step {step}/{self.bar.total} " + " ".join(f"{k}={v}" for k, v in shown.items()), flush=True)

@@ -12,6 +12,7 @@ import pytest
 
 from posttrain.algorithms.sft import SFT
 from posttrain.cli import main
+from posttrain.demo.table import readme_row
 
 
 def test_quick_demo_writes_reports_and_results(tmp_path, monkeypatch, capsys):
@@ -32,9 +33,11 @@ def test_quick_demo_writes_reports_and_results(tmp_path, monkeypatch, capsys):
     printed = re.search(r"continue with `([^`]+)`", err)
     assert printed and "resume_from_checkpoint" not in err, err
     assert main(shlex.split(printed.group(1))[1:]) == 0
+    printed_row = capsys.readouterr().out
     steps = [json.loads(line)["step"] for line in (out / "sft" / "metrics.jsonl").read_text().splitlines()]
     assert steps == sorted(steps) and steps[-1] == 20  # continued, never restarted
     results = json.loads((out / "demo_results.json").read_text())
+    assert f"README row: {readme_row(results)}" in printed_row  # the row scripts/demo_table.py puts in the README
     for key in ("sft_accuracy", "dpo_accuracy", "grpo_accuracy", "ppo_accuracy", "dpo_pref_accuracy_before",
                 "dpo_pref_accuracy_after"):
         assert 0.0 <= results[key] <= 1.0, key

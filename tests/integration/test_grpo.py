@@ -184,7 +184,7 @@ def test_skipped_and_unscored_rewards_continue(tiny_model_dir, data, tmp_path):
     assert any(s["advantage"] != 0.0 for s in samples if s["reward"] is not None)
 
 
-def test_trl_reward_file_through_reward_funcs(tiny_model_dir, data, tmp_path):
+def test_trl_reward_file_through_reward_funcs(tiny_model_dir, data, tmp_path, capsys):
     """A TRL-style reward file (examples/rewards/trl_rewards.py: message-list completions, a dataset column,
     trainer_state, log_metric) passed with TRL's --reward_funcs / --reward_weights trains on conversational data."""
     out, rewards = tmp_path / "run", str(ROOT / "examples" / "rewards" / "trl_rewards.py")
@@ -192,6 +192,9 @@ def test_trl_reward_file_through_reward_funcs(tiny_model_dir, data, tmp_path):
              "--reward_weights", "0.2", "1.0", "1.0"]
     overrides = [o for o in base(tiny_model_dir, data, out, "train.max_steps=2") if not o.startswith("rewards=")]
     assert run_cli("grpo", *flags, *overrides) == 0
+    header = capsys.readouterr().out  # a run in TRL's words: TRL's GRPO defaults for what it leaves out, said
+    assert "TRL 1.16.0 GRPOConfig defaults for what this run in TRL's words leaves out: num_train_epochs=3.0" in header
+    assert "| defaults=TRL 1.16.0 GRPOConfig" in header and "lora_dropout" not in header
     rows = metrics(out)
     assert [r["step"] for r in rows] == [1, 2]
     for r in rows:

@@ -201,6 +201,7 @@ def test_recipe_header_commands_run(name, workdir, request, capfd):
     assert (workdir.root / out_dir / "final" / "config.json").is_file(), f"recipes/{name} wrote no {out_dir}/final"
     console = capfd.readouterr()
     if name in ("grpo.yaml", "ppo.yaml", "ppo_rm.yaml"):  # online runs in this process: the reward on the progress line
-        assert re.search(r"step 1/1 loss=\S+ reward/mean=", console.out), console.out[-2000:]
+        assert re.search(r"step 1/1 loss=\S+ grad_norm=\S+ learning_rate=\S+ reward/mean=", console.out), \
+            console.out[-2000:]
     for noise in ("Setting accelerator to CPU", "LOAD REPORT", "Removed shared tensor"):  # a healthy run's console
         assert noise not in console.out + console.err, noise

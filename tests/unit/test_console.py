@@ -62,3 +62,28 @@ def test_a_lone_process_takes_one_thread_unless_the_user_set_a_count(monkeypatch
         assert torch.get_num_threads() == 1 and __import__("os").environ["OMP_NUM_THREADS"] == "1"
     finally:
         torch.set_num_threads(before)
+
+
+def test_without_a_terminal_the_console_is_one_line_per_logging_step(tmp_path, capsys, monkeypatch):
+    """As TRL's console: loss, grad norm, learning rate and the algorithm's headline metrics (DPO's accuracies and
+    margins); no progress bar redrawn into a log file, the libraries' bars switched off too."""
+    import subprocess
+    import sys
+
+    from posttrain.algorithms import ALGORITHMS
+    from posttrain.rundir.metrics import MetricsLogger
+
+    dpo = ALGORITHMS["dpo"][1]
+    logger = MetricsLogger(str(tmp_path), 3, 0, True, headline=dpo.headline_metrics)  # pytest: stderr no terminal
+    logger.log(1, {"loss": 0.69, "grad_norm": 1.5, "learning_rate": 1e-6, "rewards/accuracies": 0.5,
+                   "rewards/margins": 0.01, "logps/chosen": -20.0, "tokens_per_second": 100.0})
+    logger.close()
+    out, err = capsys.readouterr()
+    assert out == ("step 1/3 loss=0.69 grad_norm=1.5 learning_rate=1e-06 rewards/accuracies=0.5 "
+                   "rewards/margins=0.01 tokens_per_second=100\n") and "\r" not in err
+    code = ("import os, sys\nfrom posttrain.console import no_library_bars_without_a_terminal\n"
+            "no_library_bars_without_a_terminal()\n"
+            "print(os.environ.get('HF_HUB_DISABLE_PROGRESS_BARS'), os.environ.get('HF_DATASETS_DISABLE_PROGRESS_BARS'))")
+    env = {k: v for k, v in __import__("os").environ.items() if "PROGRESS_BARS" not in k}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
+    assert done.stdout.split() == ["1", "1"]

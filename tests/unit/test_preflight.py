@@ -49,5 +49,20 @@ def test_the_same_check_stops_the_ray_driver_before_a_cluster_starts(sentinel, t
 
 
 def test_the_list_holds_every_shape_check_a_run_made_before_it_was_one_list():
-    assert list(preflight.RECIPE_CHECKS) == ["model source", "position limit", "packing", "master weights",
-                                             "mixture of experts", "token budget", "sequence parallelism"]
+    assert list(preflight.RECIPE_CHECKS) == ["model source", "vision-language model", "position limit", "packing",
+                                             "master weights", "mixture of experts", "token budget",
+                                             "sequence parallelism", "LoRA targets", "pass@k"]
+
+
+def test_lora_targets_that_match_no_layer_stop_the_run_before_it_writes(tmp_path, tiny_model_dir):
+    """TRL's --lora_target_modules naming another architecture's layers (c_attn on a Llama) is refused, not found
+    once the run folder is written."""
+    from posttrain.run import run_attempt
+
+    (tmp_path / "train.jsonl").write_text('{"prompt": "a", "completion": "b"}\n')
+    recipe = load_recipe(None, [f"data.train={tmp_path / 'train.jsonl'}", f"model.name_or_path={tiny_model_dir}",
+                                f"output_dir={tmp_path / 'out'}", "model.lora.enabled=true",
+                                "model.lora.target_modules=[c_attn]"], ALGORITHMS["sft"][0])
+    with pytest.raises(UserError, match=r"model.lora.target_modules \['c_attn'\] match no linear layer"):
+        run_attempt("sft", recipe)
+    assert not (tmp_path / "out").exists()

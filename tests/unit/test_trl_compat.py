@@ -14,7 +14,8 @@ from posttrain.algorithms import ALGORITHMS
 from posttrain.cli import ALGORITHM_COMMANDS, command_line_overrides, main
 from posttrain.config.keys import recipe_keys
 from posttrain.config.load import load_recipe
-from posttrain.config.trl_compat import TRL_KEYS, split_trl_flags
+from posttrain.config.trl_compat import TRL_KEYS
+from posttrain.config.trl_flags import split_trl_flags
 from posttrain.errors import UserError
 
 ROOT = Path(__file__).resolve().parents[2]

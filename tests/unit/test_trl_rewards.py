@@ -8,7 +8,7 @@ import pytest
 from posttrain.algorithms import ALGORITHMS
 from posttrain.cli import command_line_overrides, main
 from posttrain.config.load import load_recipe
-from posttrain.config.trl_compat import split_trl_flags
+from posttrain.config.trl_flags import split_trl_flags
 from posttrain.rewards import load_rewards
 
 GRPO = ALGORITHMS["grpo"][0]
@@ -81,7 +81,7 @@ def test_flat_trl_config_file(reward_module):
     (["--reward_funcs", "a.py:f", "b.py:g", "--reward_weights", "1.0"],
      "--reward_weights: 1 weights for 2 rewards (a.py:f, b.py:g); give one weight per reward"),
     (["--reward_weights", "1.0"], "--reward_weights: weights with no --reward_funcs beside them"),
-    (["--reward_funcs", "exact_match", "--reward_weights", "heavy"], "--reward_weights: 'heavy' is not a number"),
+    (["--reward_funcs", "exact_match", "--reward_weights", "heavy"], "--reward_weights heavy: expected a number"),
     (["--reward_funcs", "no_such_module_xyz.fn"], "reward 'no_such_module_xyz.fn': cannot import module "
                                                    "'no_such_module_xyz'"),
     (["--reward_funcs", "my_rewards.acuracy"], "reward 'my_rewards.acuracy': my_rewards has no attribute 'acuracy'; "
@@ -90,6 +90,10 @@ def test_flat_trl_config_file(reward_module):
     (["--reward_funcs", "accuracy_reward"], "reward 'accuracy_reward' is a TRL built-in; with trl installed pass it "
                                             "as 'trl.rewards.accuracy_reward'"),
     (["--reward_funcs", "runs/no/model"], "reward_model kwargs.path: local path 'runs/no/model' does not exist"),
+    (["--reward_funcs", "exact_match", "--reward_weights", "1e39"],
+     "rewards[0].weight is 1e+39, beyond the largest float32 (3.4e+38)"),
+    (["--reward_funcs", "os:system"], "reward 'os:system' cannot be a reward function: it takes (command)"),
+    (["--reward_funcs", "subprocess:getoutput"], "reward 'subprocess:getoutput' cannot be a reward function"),
 ])
 def test_bad_rewards_exit_2_with_one_message_before_any_model_loads(reward_module, capsys, argv, message):
     # the model path does not exist either: the reward is checked first, so its message is the one printed

@@ -95,7 +95,7 @@ def test_the_issue_flags(capsys):
     grpo = ALGORITHMS["grpo"][0]
     assert translate({"eval_strategy": "steps", "eval_steps": 50}, "cli", grpo, "--") == [
         ("eval_steps", "train.eval_steps", 50)]
-    with pytest.raises(UserError, match="--eval_strategy: 'epoch' is not available: evaluate every evaluate_steps"):
+    with pytest.raises(UserError, match="--eval_strategy: 'epoch' is not available: evaluate every train.eval_steps"):
         translate({"eval_strategy": "epoch"}, "cli", grpo, "--")
     assert translate({"dataset_text_field": "content"}, "cli", ALGORITHMS["sft"][0], "--") == [
         ("dataset_text_field", "data.text_field", "content")]
