@@ -76,7 +76,6 @@ def evaluate_prompts(backend, link, tokenizer, examples: list[dict], rewards, tr
     return out
 
 
-<<<<<<< HEAD
 TASK_COLUMN = "task"
 
 
@@ -100,7 +99,8 @@ def per_task(backend, examples: list[dict], mine: list[dict], per_function: dict
     totals = backend.all_reduce_sum(local.to(backend.device)).cpu()
     return {f"eval/{name}/{task}": float(totals[i, j, 0] / totals[i, j, 1])
             for i, task in enumerate(tasks) for j, name in enumerate(names) if totals[i, j, 1] > 0}
-=======
+
+
 def check_eval_settings(recipe, algorithm) -> None:
     """train.eval_pass_k acts only where completions of data.eval are sampled: an online algorithm with data.eval.
     Anywhere else it was accepted and did nothing."""
@@ -112,7 +112,6 @@ def check_eval_settings(recipe, algorithm) -> None:
     if not recipe.data.eval:
         raise UserError("train.eval_pass_k evaluates on data.eval, which is not set: nothing would be evaluated; "
                         "set data.eval (prompts with an 'answer' column) or drop train.eval_pass_k")
->>>>>>> main
 
 
 def check_answer_columns(recipe, algorithm, train_examples: list[dict], eval_examples: Optional[list[dict]]) -> None:

@@ -32,15 +32,10 @@ import math
 import re
 from typing import Any, Callable, Optional
 
-<<<<<<< HEAD
-from posttrain.errors import UserError
+from posttrain.errors import UserError, overflows_float32
 from posttrain.rewards.contract import CONTRACT_ARGS, column_values, completion_text
 from posttrain.rewards.math_answers import MathAccuracy, require_math_verify, think_answer_format
 from posttrain.rewards import reasoning_gym as rg_reward, verifiers_rubric
-=======
-from posttrain.errors import UserError, overflows_float32
-from posttrain.rewards.contract import CONTRACT_ARGS, completion_text
->>>>>>> main
 from posttrain.rewards.judge import Judge
 from posttrain.rewards.overlong import Overlong
 from posttrain.rewards.reward_model import load_scorer, reward_model
