@@ -41,3 +41,15 @@ def warn(message: str) -> None:
     """One warning line on stderr, from rank 0 only (every rank checks the same files)."""
     if os.environ.get("RANK", "0") == "0":
         print(f"posttrain: warning: {message}", file=sys.stderr, flush=True)
+
+
+def require_package(module: str, what: str, package: str, extra: str = "envs"):
+    """Import an optional dependency, or stop with exit 2 naming the package and the extra that installs it (called
+    at start-up, so a recipe that needs a missing one fails before any model loads)."""
+    import importlib
+
+    try:
+        return importlib.import_module(module)
+    except ImportError as e:
+        raise UserError(f"{what} needs the '{package}' package, which is not installed here ({e}); install it with "
+                        f"pip install 'posttrain[{extra}]' (or pip install {package})") from None

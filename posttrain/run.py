@@ -81,7 +81,8 @@ def load_examples(recipe: Recipe, algorithm, tokenizer, which: str, processor=No
     """Rows -> tokenised examples for the algorithm's data kind; raises UserError naming the file/row. processor: a
     vision-language model's, which reads the rows' images (data/images.py)."""
     source = getattr(recipe.data, which)
-    rows = data.load_rows(source, getattr(recipe.data, f"{which}_split"), f"data.{which}")
+    rows = data.load_rows(source, getattr(recipe.data, f"{which}_split"), f"data.{which}",
+                          held_out_from=recipe.data.train if which == "eval" else None)
     rows = data.rename_text_field(rows, recipe.data.text_field, f"data.{which}")
     images = data.RowImages.of(rows, processor, source, f"data.{which}")
     if algorithm.data_kind == "prompt":  # a multi-turn rollout's prompts show its tools: cut and counted here

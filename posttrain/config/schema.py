@@ -262,7 +262,8 @@ class GenerationConfig:
 @dataclass(frozen=True)
 class RewardConfig:
     name: str = ""
-    """Built-in reward (exact_match, format, length_penalty, overlong, judge, reward_model), an import path
+    """Built-in reward (exact_match, format, length_penalty, overlong, judge, reward_model, math_accuracy,
+    think_answer_format, reasoning_gym), an import path
     ('module.function', 'module:function', 'file.py:function') or a reward model directory / hub id (docs/rewards.md)."""
     weight: float = 1.0
     """Weight of this reward in the total."""

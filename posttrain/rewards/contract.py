@@ -89,6 +89,26 @@ def completion_text(completion: Any) -> str:
     return content if isinstance(content, str) else str(content or "")
 
 
+def column_values(kwargs: dict, column: str, reward: str) -> list:
+    """The dataset column a reward compares with, or a UserError listing the columns there are."""
+    if column not in kwargs:
+        columns = sorted(k for k in kwargs if k not in CONTRACT_ARGS)
+        raise UserError(f"reward {reward} reads the dataset column '{column}', which the data does not have "
+                        f"(columns: {', '.join(columns) or 'none'}); set kwargs.answer_column")
+    return kwargs[column]
+
+
+
+def require_source_columns(kwargs: dict, columns: tuple[str, ...], reward: str, source: str) -> None:
+    """A UserError when the batch lacks the columns a data source writes for its own reward (reasoning_gym:,
+    verifiers:), saying which source makes them."""
+    missing = [c for c in columns if c not in kwargs]
+    if missing:
+        raise UserError(f"reward {reward} scores rows made by a '{source}' data source (their columns "
+                        f"{', '.join(columns)}); the data has no {', '.join(missing)}: set data.train to {source} "
+                        "(docs/environments.md)")
+
+
 def is_async(fn: Callable) -> bool:
     """Calling fn returns a coroutine: an async def, a partial of one, or an instance with an async __call__."""
     while isinstance(fn, functools.partial):
