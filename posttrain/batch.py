@@ -34,6 +34,48 @@ from posttrain.ops.shared_prefix import PrefixLayout, prefix_groups, prefix_layo
 
 
 @dataclass(frozen=True)
+class VisionInputs:
+    """A micro-batch's images as the model's image processor gives them (data/images.py builds it), and which batch
+    row each belongs to. Rows carry their images in order; `pixel_values` holds every image's leading rows in turn
+    (Qwen-VL: one row per vision patch, `image_grid_thw` the (t, h, w) patch grid of each image)."""
+
+    pixel_values: torch.Tensor
+    """The image processor's pixel tensor, images concatenated along dim 0."""
+    patches_I: torch.Tensor
+    """How many leading rows of pixel_values each image holds (int64, one per image)."""
+    images_B: torch.Tensor
+    """How many images each batch row has (int64)."""
+    image_grid_thw: Optional[torch.Tensor] = None
+    """Qwen-VL: each image's patch grid (t, h, w), [I, 3]."""
+    image_token_id: int = -1
+    """The token that stands for one image token in input_ids (the processor's image token)."""
+    marks_image_tokens: bool = False
+    """The model takes `mm_token_type_ids` (1 at image tokens) beside input_ids, as its processor returns them: how
+    transformers' Qwen-VL finds where to place each image on the 3-D rotary grid."""
+
+    def model_inputs(self, input_ids_BT: torch.Tensor) -> dict:
+        """The forward's image arguments."""
+        marks = (input_ids_BT == self.image_token_id).long() if self.marks_image_tokens else None
+        inputs = {"pixel_values": self.pixel_values, "image_grid_thw": self.image_grid_thw, "mm_token_type_ids": marks}
+        return {key: value for key, value in inputs.items() if value is not None}
+
+    def to(self, device: torch.device) -> "VisionInputs":
+        return dataclasses.replace(self, **{f.name: getattr(self, f.name).to(device) for f in dataclasses.fields(self)
+                                            if isinstance(getattr(self, f.name), torch.Tensor)})
+
+    def rows(self, start: int, stop: int) -> Optional["VisionInputs"]:
+        """The images of batch rows [start, stop) (None when they have none)."""
+        first, last = int(self.images_B[:start].sum()), int(self.images_B[:stop].sum())
+        if first == last:
+            return None
+        rows_from, rows_to = int(self.patches_I[:first].sum()), int(self.patches_I[:last].sum())
+        grid = self.image_grid_thw[first:last] if self.image_grid_thw is not None else None
+        return VisionInputs(pixel_values=self.pixel_values[rows_from:rows_to], patches_I=self.patches_I[first:last],
+                            images_B=self.images_B[start:stop], image_grid_thw=grid, image_token_id=self.image_token_id,
+                            marks_image_tokens=self.marks_image_tokens)
+
+
+@dataclass(frozen=True)
 class Batch:
     input_ids_BT: torch.Tensor
     """Token ids, int64."""
@@ -83,6 +125,9 @@ class Batch:
     """The teacher's k largest log-probs (temperature 1) of the distribution predicting token t, at position t."""
     teacher_topk_ids_BTK: Optional[torch.Tensor] = None
     """The token ids of those k log-probs (int64)."""
+    # --- vision-language models ---
+    vision: Optional[VisionInputs] = None
+    """The rows' images, for the model's forward (pixel tensors beside the widened image placeholder tokens)."""
     # --- how the micro-batch runs ---
     prefix_group_B: Optional[torch.Tensor] = None
     """Shared prefix: rows with the same value (int64) share their first prefix_length_B tokens, which the forwards
@@ -96,7 +141,8 @@ class Batch:
     token-budget micro-batches than another: its forward and backward run, its loss and counts weigh 0."""
 
     def to(self, device: torch.device) -> "Batch":
-        return dataclasses.replace(self, **{name: value.to(device) for name, value in self._tensors()})
+        vision = self.vision.to(device) if self.vision is not None else None
+        return dataclasses.replace(self, vision=vision, **{name: value.to(device) for name, value in self._tensors()})
 
     def model_inputs(self) -> dict:
         """Keyword arguments for a transformers forward pass (padding-free: the real tokens as one packed row; the
@@ -106,6 +152,8 @@ class Batch:
             return {"input_ids": layout.input_ids_RW, "position_ids": layout.position_ids_RW,
                     "attention_mask": layout.attention_mask_R1WW()}
         if self.padding_free:
+            if self.vision is not None:  # refused at start-up (models/vision.check_vision_recipe): 3-D rope
+                raise ValueError("a padding-free forward cannot carry images")
             keep_BT = self.attention_mask_BT.bool()
             slots_N, fill_R, width = _packed_slots(keep_BT)
             rows = fill_R.shape[0]
@@ -114,8 +162,9 @@ class Batch:
             positions_N[slots_N] = (keep_BT.long().cumsum(-1) - 1)[keep_BT]
             ids_N = self.input_ids_BT.new_zeros(rows * width).index_put((slots_N,), self.input_ids_BT[keep_BT])
             return {"input_ids": ids_N.view(rows, width), "position_ids": positions_N.view(rows, width)}
+        images = self.vision.model_inputs(self.input_ids_BT) if self.vision is not None else {}
         inputs = {"input_ids": self.input_ids_BT, "attention_mask": self.attention_mask_BT,
-                  "position_ids": self.position_ids_BT}
+                  "position_ids": self.position_ids_BT, **images}
         return {key: value for key, value in inputs.items() if value is not None}
 
     def unpack(self, x_RW: torch.Tensor) -> torch.Tensor:
@@ -187,7 +236,8 @@ class Batch:
         """Rows [start, stop) of a padded batch (for chunked forwards)."""
         size = self.input_ids_BT.shape[0]
         sliced = {name: value[start:stop] for name, value in self._tensors() if value.dim() and value.shape[0] == size}
-        return dataclasses.replace(self, num_sequences=stop - start, **sliced)
+        vision = self.vision.rows(start, stop) if self.vision is not None else None
+        return dataclasses.replace(self, num_sequences=stop - start, vision=vision, **sliced)
 
     def _tensors(self) -> list[tuple[str, torch.Tensor]]:
         """(field name, tensor) of every field that holds a tensor."""
@@ -198,7 +248,7 @@ class Batch:
 def share_prefixes(batch: Batch) -> Batch:
     """The batch with its shared prefixes found (ops.shared_prefix.prefix_groups), when any row shares enough first
     tokens with another; else as it is (a padded batch only: packed rows have no row structure to share)."""
-    if batch.attention_mask_BT is None or batch.filler:
+    if batch.attention_mask_BT is None or batch.filler or batch.vision is not None:  # images are per row
         return batch
     group_B, length_B = prefix_groups(batch.input_ids_BT, batch.attention_mask_BT.bool())
     if len(set(group_B.tolist())) == group_B.shape[0]:  # nothing shared: the plain layout, no mask to build

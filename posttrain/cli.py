@@ -22,6 +22,9 @@ from posttrain.errors import RunStopped, UserError
 from posttrain.usercode import UserCodeError
 
 # The commands, listed without importing what runs them (torch, the planner, vLLM): `posttrain --help` stays fast.
+PLAN_OPTIONS = {"config": True, "algorithm": True, "gpus": True, "nodes": True, "gpu_memory": True, "json": False,
+                "bf16": False, "dtype": True, "mean_length": True, "help": False}
+"""`posttrain plan`'s own options (name -> takes a value); any other --flag is a training command's (launch/commands.py)."""
 ALGORITHM_COMMANDS = ("sft", "grpo", "rm", "dpo", "ppo", "distill")  # posttrain.algorithms.ALGORITHMS (a test keeps them equal)
 OTHER_COMMANDS = {  # command -> (its one-line help, its module, the functions there that add its options and run it)
     "plan": ("estimate per-GPU memory for a recipe under each engine; recommend one",
@@ -63,8 +66,9 @@ def build_parser(command: str | None = None, help_wanted: bool = False) -> argpa
         p.add_argument("overrides", nargs="*", help="key.sub=value overrides, e.g. train.max_steps=20")
     tiny = sub.add_parser("make-tiny-model", help="write a small random model + locally trained tokenizer")
     tiny.add_argument("--out", required=True, help="directory to write")
-    tiny.add_argument("--arch", default="llama", choices=["llama", "qwen2", "qwen3_moe"],
-                      help="qwen3_moe: a mixture-of-experts model (4 experts, 2 per token)")
+    tiny.add_argument("--arch", default="llama", choices=["llama", "qwen2", "qwen3_moe", "qwen2_vl", "llava"],
+                      help="qwen3_moe: a mixture-of-experts model (4 experts, 2 per token); qwen2_vl, llava: a "
+                      "vision-language model with its processor (docs/vision.md)")
     tiny.add_argument("--seed", type=int, default=0)
     demo = sub.add_parser("demo", help="tiny model, synthetic arithmetic task, SFT -> DPO -> GRPO and PPO on CPU "
                           "(6-10 minutes on 2 CPU cores)")
@@ -112,24 +116,28 @@ def run_command(argv: list[str] | None = None) -> int:
     command = next((a for a in argv if not a.startswith("-")), None)
     argv_given = list(argv)
     trl_flags: dict = {}
-    if command in ALGORITHM_COMMANDS:
+    if command in ALGORITHM_COMMANDS or command == "plan":  # plan reads a training command's recipe flags too
         from posttrain.config.trl_compat import check_flags_early
         from posttrain.config.trl_flags import split_trl_flags
 
         try:
-            argv, trl_flags = split_trl_flags(argv)
-            check_flags_early(trl_flags, command)  # before torch: a typo is refused in a second, not twenty
+            argv, trl_flags = split_trl_flags(argv, PLAN_OPTIONS if command == "plan" else None)
+            if command != "plan":
+                check_flags_early(trl_flags, command)  # before torch: a typo is refused in a second, not twenty
         except UserError as e:
             print(f"posttrain: error: {e}", file=sys.stderr)
             return 2
     args = parse_args(build_parser(command, help_wanted=bool({"-h", "--help"} & set(argv))), argv)
+    args.trl_flags = trl_flags
     if args.command in ALGORITHM_COMMANDS or args.command == "demo":
         one_thread_unless_asked()
     try:
         if args.command == "make-tiny-model":
             from posttrain.models.tiny import make_tiny_model
+            from posttrain.models.tiny_vision import VISION_ARCHS, make_tiny_vlm
 
-            print(f"wrote {make_tiny_model(args.out, arch=args.arch, seed=args.seed)}")
+            make = make_tiny_vlm if args.arch in VISION_ARCHS else make_tiny_model
+            print(f"wrote {make(args.out, arch=args.arch, seed=args.seed)}")
             return 0
         if args.command == "demo":
             from posttrain.demo import run_demo

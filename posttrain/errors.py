@@ -5,6 +5,17 @@ import os
 import sys
 
 
+FLOAT32_MAX = 3.4028234663852886e38
+"""torch.finfo(torch.float32).max. Rewards, weights, advantages and losses are float32 tensors: a number finite as a
+Python float (float64) but larger than this is inf there, and an inf reward silently zeroes its group's advantages."""
+
+
+def overflows_float32(value) -> bool:
+    """A real number (finite as a Python float) that float32 would hold as inf (the pure-Python check, for config
+    and user-code values checked before any tensor is built)."""
+    return abs(value) > FLOAT32_MAX
+
+
 class UserError(Exception):
     """Wrong config, data, paths or options. The message names what and where, and says what to do."""
 
@@ -30,3 +41,15 @@ def warn(message: str) -> None:
     """One warning line on stderr, from rank 0 only (every rank checks the same files)."""
     if os.environ.get("RANK", "0") == "0":
         print(f"posttrain: warning: {message}", file=sys.stderr, flush=True)
+
+
+def require_package(module: str, what: str, package: str, extra: str = "envs"):
+    """Import an optional dependency, or stop with exit 2 naming the package and the extra that installs it (called
+    at start-up, so a recipe that needs a missing one fails before any model loads)."""
+    import importlib
+
+    try:
+        return importlib.import_module(module)
+    except ImportError as e:
+        raise UserError(f"{what} needs the '{package}' package, which is not installed here ({e}); install it with "
+                        f"pip install 'posttrain[{extra}]' (or pip install {package})") from None

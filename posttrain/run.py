@@ -33,12 +33,15 @@ from posttrain.rundir.metrics import MetricsLogger, read_metrics
 from posttrain.models import load
 from posttrain.models.load import count_parameters, load_tokenizer
 from posttrain.models.shared_prefix import resolve_shared_prefix
+from posttrain.models.vision import is_vision_model, load_processor
 from posttrain.plan import estimated_peak_mb
 from posttrain.plan.preflight import check_recipe
 from posttrain.roles import build_roles
 from posttrain.generation.server import check_servers
 from posttrain.online.evaluation import check_answer_columns, evaluate_online
+from posttrain.errors import warn
 from posttrain.train.guard import Guard
+from posttrain.train.optim import warmup_trains_nothing
 from posttrain.train.loop import LoopContext, evaluate, train
 from posttrain.online.rollout_source import RolloutSource
 from posttrain.online.distill_source import DistillSource
@@ -66,33 +69,47 @@ class RunResult:
     metrics: list[dict[str, Any]]
 
 
-def make_source(recipe: Recipe, backend, models, algorithm, examples, collate, servers,
+def make_source(recipe: Recipe, backend, models, algorithm, examples, collate, servers, processor=None,
                 shared_prefix: bool = False) -> Source:
-    """The source of the loop's micro-batches, by algorithm.source_kind."""
+    """The source of the loop's micro-batches, by algorithm.source_kind (processor: a vision-language model's)."""
     if algorithm.source_kind == "rollout":
-        return RolloutSource(recipe, backend, models, algorithm, examples, algorithm.rewards, servers, shared_prefix)
+        return RolloutSource(recipe, backend, models, algorithm, examples, algorithm.rewards, servers, processor,
+                             shared_prefix)
     if algorithm.source_kind == "distill":
         return DistillSource(recipe, backend, models, examples, algorithm.config.lmbda, servers)
     return DatasetSource.from_recipe(recipe, backend, examples, collate)
 
 
-def load_examples(recipe: Recipe, algorithm, tokenizer, which: str):
-    """Rows -> tokenised examples for the algorithm's data kind; raises UserError naming the file/row."""
-    rows = data.load_rows(getattr(recipe.data, which), getattr(recipe.data, f"{which}_split"), f"data.{which}")
+def load_examples(recipe: Recipe, algorithm, tokenizer, which: str, processor=None):
+    """Rows -> tokenised examples for the algorithm's data kind; raises UserError naming the file/row. processor: a
+    vision-language model's, which reads the rows' images (data/images.py)."""
+    source = getattr(recipe.data, which)
+    rows = data.load_rows(source, getattr(recipe.data, f"{which}_split"), f"data.{which}",
+                          held_out_from=recipe.data.train if which == "eval" else None)
     rows = data.rename_text_field(rows, recipe.data.text_field, f"data.{which}")
+    images = data.RowImages.of(rows, processor, source, f"data.{which}")
     if algorithm.data_kind == "prompt":  # a multi-turn rollout's prompts show its tools: cut and counted here
-        return data.tokenize_prompts(rows, tokenizer, recipe.data, f"data.{which}", opening_tools(recipe.agent))
+        return data.tokenize_prompts(rows, tokenizer, recipe.data, f"data.{which}", opening_tools(recipe.agent),
+                                     images=images)
     tokenize = {"sft": data.tokenize_sft, "preference": data.tokenize_preference}
-    return tokenize[algorithm.data_kind](rows, tokenizer, recipe.data, f"data.{which}")
+    return tokenize[algorithm.data_kind](rows, tokenizer, recipe.data, f"data.{which}", images=images)
 
 
-def make_collate(recipe: Recipe, algorithm, tokenizer):
+def make_collate(recipe: Recipe, algorithm, tokenizer, processor=None):
+    """examples -> Batch for the algorithm's data kind; with a processor, the rows' images ride along (a preference
+    pair's chosen and rejected rows share theirs)."""
     pad_id = tokenizer.pad_token_id
     if algorithm.data_kind == "preference":
-        return lambda examples: data.collate_preference(examples, pad_id)
-    if recipe.data.packing and recipe.train.max_tokens_per_microbatch is None:  # else padding-free, regrouped
-        return lambda examples: data.collate_packed(examples, row_length=recipe.data.max_length, pad_id=pad_id)
-    return lambda examples: data.collate_padded(examples, pad_id)
+        collate = partial(data.collate_preference, pad_id=pad_id)
+    elif recipe.data.packing and recipe.train.max_tokens_per_microbatch is None:  # else padding-free, regrouped
+        collate = partial(data.collate_packed, row_length=recipe.data.max_length, pad_id=pad_id)
+    else:
+        collate = partial(data.collate_padded, pad_id=pad_id)
+    if processor is None:
+        return collate
+    copies = 2 if algorithm.data_kind == "preference" else 1
+    return lambda examples: data.with_images(collate(examples), [e.get("images", []) for e in examples] * copies,
+                                             processor)
 
 
 def load_policy(recipe: Recipe, algorithm):
@@ -131,14 +148,16 @@ def run_attempt(command: str, recipe: Recipe, launched: Optional[Launched] = Non
     shared_prefix = resolve_shared_prefix(recipe, algorithm)  # train.shared_prefix: true where it cannot be exact
     resume_from = claim.check_output_dir(recipe, command)
     tokenizer = load_tokenizer(recipe.model)
+    processor = load_processor(recipe.model, tokenizer) if is_vision_model(recipe.model) else None
     launched = launched or Launched()
     servers = launched.servers or recipe.generation.servers
     if servers:  # every server answers, takes the token, serves our vocabulary
         check_servers(recipe, tokenizer, servers)
     check_agent(recipe, tokenizer, command)  # tools import, the template shows them, the environment loads
-    train_examples, train_stats = load_examples(recipe, algorithm, tokenizer, "train")
-    eval_examples = load_examples(recipe, algorithm, tokenizer, "eval")[0] if recipe.data.eval else None
+    train_examples, train_stats = load_examples(recipe, algorithm, tokenizer, "train", processor)
+    eval_examples = load_examples(recipe, algorithm, tokenizer, "eval", processor)[0] if recipe.data.eval else None
     check_answer_columns(recipe, algorithm, train_examples, eval_examples)  # dynamic sampling's accuracy, pass@k
+    algorithm.check_data(train_examples, eval_examples)  # the columns the rewards read by name (a judge's template)
 
     # 2. processes and engines; then models
     backend = Backend(recipe)
@@ -160,9 +179,12 @@ def run_attempt(command: str, recipe: Recipe, launched: Optional[Launched] = Non
     models = build_roles(recipe, algorithm, backend, tokenizer, model, eval_examples, launched.roles)
 
     # 3. data source, schedule, state
-    collate = make_collate(recipe, algorithm, tokenizer)
-    source = make_source(recipe, backend, models, algorithm, train_examples, collate, servers, shared_prefix)
+    collate = make_collate(recipe, algorithm, tokenizer, processor)
+    source = make_source(recipe, backend, models, algorithm, train_examples, collate, servers, processor,
+                         shared_prefix)
     steps = total_steps(t, source.micro_batches_per_epoch())
+    if warmup_trains_nothing(t, steps):  # warn() speaks from rank 0 only
+        warn(warmup_trains_nothing(t, steps))
     for _, role in models.trained():
         role.start_schedule(steps)
     checkpointer = Checkpointer(backend, str(out), t.save_total_limit, facts, source)
@@ -196,7 +218,7 @@ def run_attempt(command: str, recipe: Recipe, launched: Optional[Launched] = Non
     logger.close()
     final_dir = None
     if state.step >= steps and t.save_final_model:
-        final_dir = export_final(backend, models.policy.model, tokenizer, str(out),
+        final_dir = export_final(backend, models.policy.model, processor or tokenizer, str(out),
                                  dtype=export_dtype(t, backend.precision))
         for name, role in models.trained():
             if name != "policy":

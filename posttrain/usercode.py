@@ -58,6 +58,14 @@ def request_stop(signum: int) -> None:
     """The run received `signum` (train/guard.py; 0: a run starts, none yet): a wait on user code
     (call_with_deadline) ends now instead of at its deadline, since the step it is in cannot finish anyway."""
     _stop_signal[0] = signum
+
+
+def stop_requested() -> int:
+    """The stop signal the run received (0: none): a loop that may run long (dynamic sampling's draws) ends between
+    two iterations instead of at the step boundary it may not reach for a long time."""
+    return _stop_signal[0]
+
+
 _exit_guard: dict = {}  # the process that installed the guard -> the real os._exit
 
 

@@ -37,6 +37,36 @@ def tiny_model_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def tiny_vlm_dir(tmp_path_factory):
+    """A tiny random Qwen2-VL with its processor (models/tiny_vision.py)."""
+    from posttrain.models.tiny_vision import make_tiny_vlm
+
+    return make_tiny_vlm(tmp_path_factory.mktemp("tiny_vl") / "model", seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_llava_dir(tmp_path_factory):
+    """A tiny random LLaVA (CLIP tower, projector, Llama) with its processor (models/tiny_vision.py)."""
+    from posttrain.models.tiny_vision import make_tiny_vlm
+
+    return make_tiny_vlm(tmp_path_factory.mktemp("tiny_llava") / "model", arch="llava", seed=0)
+
+
+@pytest.fixture(scope="session")
+def vlm_dirs(tiny_vlm_dir, tiny_llava_dir):
+    """arch -> the tiny vision-language model directory of that family."""
+    return {"qwen2_vl": tiny_vlm_dir, "llava": tiny_llava_dir}
+
+
+@pytest.fixture(scope="session")
+def shapes_dir(tmp_path_factory):
+    """The shipped image set as posttrain.demo.shapes writes it (24 images, sft / dpo / grpo files)."""
+    from posttrain.demo.shapes import write_shapes
+
+    return write_shapes(tmp_path_factory.mktemp("shapes"))
+
+
+@pytest.fixture(scope="session")
 def eos_ids_model_dir(tiny_model_dir, tmp_path_factory):
     """make(*extra): a copy of the tiny model whose generation_config.json lists `extra` eos ids after the tokenizer's,
     as Llama-3.1-Instruct's ([128001, 128008, 128009]) and Qwen2.5-Instruct's do."""

@@ -3,7 +3,7 @@ tools to the model and renders tool messages, the parser and the environment loa
 
 from __future__ import annotations
 
-from posttrain.agents.environment import load_environment
+from posttrain.agents.loop import environment_class
 from posttrain.agents.parsers import pick_parser
 from posttrain.agents.tools import load_tools
 from posttrain.errors import UserError
@@ -23,7 +23,7 @@ def check_agent(recipe, tokenizer, command: str) -> None:
         raise UserError("agent.tools / agent.environment need a chat template to format the turns; set "
                         "model.chat_template")
     if r.environment:
-        load_environment(r.environment)
+        environment_class(recipe, tokenizer)
     tools = load_tools(r.tools)
     if not tools:
         return

@@ -29,6 +29,8 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 from posttrain.agents.environment import EnvironmentSession, load_environment
+from posttrain.agents.openenv_env import is_openenv_spec, openenv_environment
+from posttrain.agents.verifiers_env import NAME as VERIFIERS, check_verifiers_environment, verifiers_environment
 from posttrain.agents.parsers import pick_parser
 from posttrain.agents.tools import ToolRunner, load_tools
 from posttrain.generation.base import GenerationEngine, SamplingParams
@@ -99,6 +101,19 @@ class Trajectory:
                     cut_turns=self.cut_turns, prompt_truncated=self.prompt_truncated)
 
 
+def environment_class(recipe, tokenizer) -> Optional[type]:
+    """agent.environment -> the class made per sample: the user's 'module:Class', `verifiers`: the data's verifiers
+    tasks (agents/verifiers_env.py), reading tool calls with agent.tool_parser, or `openenv:<where>`: an OpenEnv
+    server, started here when local (agents/openenv_env.py)."""
+    r = recipe.agent
+    if r.environment == VERIFIERS:
+        parse = pick_parser(r.tool_parser, tokenizer.chat_template, r.user_code_timeout)
+        return verifiers_environment(check_verifiers_environment(recipe), parse)
+    if is_openenv_spec(r.environment):
+        return openenv_environment(r.environment, r.user_code_timeout)
+    return load_environment(r.environment) if r.environment else None
+
+
 class AgentLoop:
     """Multi-turn rollouts over any GenerationEngine (see the module docstring)."""
 
@@ -127,7 +142,7 @@ class AgentLoop:
                    tools=tools, parser=pick_parser(r.tool_parser, tokenizer.chat_template, r.user_code_timeout)
                    if tools else None,
                    runner=ToolRunner(tools, r.tool_timeout, r.tool_max_output_chars, r.tool_workers),
-                   environment=load_environment(r.environment) if r.environment else None,
+                   environment=environment_class(recipe, tokenizer),
                    environment_name=r.environment or "",
                    # the bound the engines are sized for (a vLLM engine's max_model_len: models.facts.longest_sequence)
                    max_prompt_length=recipe.data.max_prompt_length or recipe.data.max_length,

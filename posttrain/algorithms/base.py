@@ -231,6 +231,10 @@ class Algorithm:
         """Input checks that read files, reach servers or import user code (rewards, a teacher's tokenizer, a critic's
         config); run once by run.py and the Ray launcher before any model loads. A bad input is a UserError."""
 
+    def check_data(self, train_examples: list[dict], eval_examples: Optional[list[dict]]) -> None:
+        """Once the data is read, before any model loads: what the algorithm reads from the data's columns is there
+        (online: the columns the rewards read by name). A UserError names the column and the data."""
+
     def setup(self, backend, models: Models, train_examples, collate, out) -> None:
         """After models are prepared and a checkpoint restored (e.g. to precompute reference log-probs)."""
 

@@ -91,10 +91,17 @@ class GRPOAlgoConfig:
     log_samples: int = 2
     """Prompt groups written to output_dir/samples.jsonl at each logging step (0: none)."""
     vllm_is_correction: bool = False
-    """Weight each token's surrogate by min(pi_old / pi_sampler, vllm_is_cap): truncated importance sampling for
-    an engine that samples with other numerics (vllm, server) or an older policy (generation.max_staleness)."""
+    """Weight each token's surrogate by pi_old / pi_sampler, bounded as vllm_importance_sampling_mode says:
+    importance sampling for an engine that samples with other numerics (vllm, server) or an older policy
+    (generation.max_staleness)."""
     vllm_is_cap: float = 2.0
-    """The cap of that weight (>= 1)."""
+    """The upper bound of that weight (>= 1; TRL's vllm_importance_sampling_clip_max): truncated to it, or masked
+    above it, as vllm_importance_sampling_mode says."""
+    vllm_importance_sampling_mode: str = "token_truncate"
+    """How algo.vllm_is_correction bounds pi_old / pi_sampler: token_truncate, token_mask, sequence_truncate,
+    sequence_mask (TRL's modes), geometric_mask (verl) or icepop (losses/sampler_correction.py has the table)."""
+    vllm_is_min: Optional[float] = None
+    """Lower bound of that ratio (TRL's vllm_importance_sampling_clip_min); null: none (icepop: 1 / vllm_is_cap)."""
     routing_replay: str = "none"
     """Mixture-of-experts models: old_policy routes every training forward through the experts the old policy's
     forward chose for each token (R2 routing replay, models/moe.py; needs num_iterations >= 2), logging
@@ -148,6 +155,10 @@ class GRPO(OnlineAlgorithm):
         self.steps_per_rollout = self.config.num_iterations
         self.routing_replay = self.config.routing_replay == "old_policy"
         self.dynamic_sampling = self.config.dynamic_sampling if self.config.dynamic_sampling.enabled else None
+        # pi_old is taken once per generation batch when it is reused for several steps, and when an engine samples
+        # apart from the trainer (its mismatch is measured against it: online/mismatch.py, as TRL does with vLLM);
+        # otherwise the first step's own forward is pi_old
+        self.takes_old_logprobs = self.config.num_iterations > 1 or recipe.generation.engine != "hf"
 
     # --- the rollout source calls it once per generation batch --------------------------------------------------
 
@@ -162,15 +173,16 @@ class GRPO(OnlineAlgorithm):
     # --- what the loop calls -------------------------------------------------------------------------------------
 
     def prepare(self, batch: Batch, models: Models, training: bool = True) -> Batch:
-        """Old log-probs (num_iterations > 1) and reference log-probs (beta > 0), unless the batch has them.
+        """Old log-probs (num_iterations > 1, or an engine apart) and reference log-probs (beta > 0), unless the batch
+        has them.
 
         The rollout source calls this once per generation batch, when the batch is taken for training (right after
         sampling, or, with generation.max_staleness, when a batch sampled ahead by an older policy comes up), so
         reused batches keep pi_old of their first step; the loop's own call then finds them present. The
-        sampler's own log-probs ride in sampler_logprobs_BT: truncated_importance_weights explains the two.
+        sampler's own log-probs ride in sampler_logprobs_BT: losses/sampler_correction.py explains the two.
         """
         updates = {}
-        if self.config.num_iterations > 1 and batch.old_logprobs_BT is None:
+        if self.takes_old_logprobs and batch.old_logprobs_BT is None:
             with models.policy.routing.recording() if self.routing_replay else contextlib.nullcontext() as routed:
                 updates["old_logprobs_BT"] = models.policy.logprobs(batch, self.temperature)
             if self.routing_replay:  # the loop's training forwards of this batch route through these experts
@@ -189,14 +201,18 @@ class GRPO(OnlineAlgorithm):
         with disable_adapter(models.policy.model) if self.recipe.model.lora.enabled else contextlib.nullcontext():
             return models.policy.logprobs(batch, self.temperature)
 
+    def clip_range(self) -> tuple[float, float]:
+        """(1 - epsilon, 1 + epsilon_high): DAPO's clip-higher when epsilon_high is set."""
+        cfg = self.config
+        return cfg.epsilon, cfg.epsilon if cfg.epsilon_high is None else cfg.epsilon_high
+
     def count(self, batch: Batch) -> torch.Tensor:
         return self.aggregation.count(batch.completion_mask_BT, self.recipe.generation.max_completion_length)
 
     def loss(self, model, batch: Batch, normaliser: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """The shared clipped surrogate (OnlineAlgorithm.surrogate) + beta x k3 KL, aggregated by loss_type."""
         cfg, mask_BT = self.config, batch.completion_mask_BT
-        epsilon_high = cfg.epsilon if cfg.epsilon_high is None else cfg.epsilon_high
-        loss_BT, logprobs_BT, _, metrics = self.surrogate(model, batch, batch.advantages_B, cfg.epsilon, epsilon_high,
+        loss_BT, logprobs_BT, _, metrics = self.surrogate(model, batch, batch.advantages_B, *self.clip_range(),
                                                           level=cfg.importance_sampling_level)
         if batch.sampler_logprobs_BT is not None:  # how far the engine's sampling policy is from the trainer's
             metrics["sampler_logprob_gap"] = masked_mean((logprobs_BT.detach() - batch.sampler_logprobs_BT).abs(),

@@ -5,14 +5,15 @@ generating (train/evaluation.py)."""
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import NamedTuple, Optional
 
 import torch
 
 from posttrain.algorithms.base import Algorithm
 from posttrain.config.schema import Recipe
 from posttrain.errors import UserError
-from posttrain.losses.policy import clipped_surrogate, truncated_importance_weights
+from posttrain.losses.policy import clipped_surrogate
+from posttrain.losses.sampler_correction import SAMPLER_CORRECTIONS, sampler_importance_weights
 from posttrain.models.forward import policy_logprobs_entropy
 from posttrain.ops.logprobs import masked_mean
 from posttrain.rewards import load_rewards
@@ -21,9 +22,16 @@ from posttrain.batch import Batch
 
 
 def check_is_correction(config, recipe: Recipe) -> None:
-    """algo.vllm_is_correction needs an engine that reports its own log-probs apart from the trainer's."""
+    """algo.vllm_is_correction needs an engine that reports its own log-probs apart from the trainer's; the mode
+    and its bounds must make a weight."""
+    mode, low = config.vllm_importance_sampling_mode, config.vllm_is_min
+    if mode not in SAMPLER_CORRECTIONS:
+        raise UserError(f"algo.vllm_importance_sampling_mode is {mode!r}; choose one of "
+                        f"{', '.join(SAMPLER_CORRECTIONS)}")
     if config.vllm_is_cap < 1:
         raise UserError(f"algo.vllm_is_cap must be >= 1 (it caps pi_old / pi_sampler), got {config.vllm_is_cap}")
+    if low is not None and not 0 <= low < config.vllm_is_cap:
+        raise UserError(f"algo.vllm_is_min must be >= 0 and below algo.vllm_is_cap ({config.vllm_is_cap}), got {low}")
     if config.vllm_is_correction and recipe.generation.engine == "hf":
         raise UserError("algo.vllm_is_correction corrects for an engine that samples apart from the trainer; "
                         "generation.engine=hf samples with the policy itself. Use generation.engine=vllm or server, "
@@ -81,6 +89,14 @@ class OnlineAlgorithm(Algorithm):
         """The rewards import and load here (a bad reward fails before any model is loaded)."""
         self._rewards = load_rewards(self.recipe.rewards)
 
+    def check_data(self, train_examples: list[dict], eval_examples: Optional[list[dict]]) -> None:
+        """The columns the rewards read by name are in data.train and data.eval (a multi-turn run adds
+        `trajectory`)."""
+        added = ["trajectory"] if self.recipe.agent.enabled else []
+        for where, examples in (("data.train", train_examples), ("data.eval", eval_examples)):
+            if examples:
+                self.rewards.check_columns([*examples[0]["columns"], *added], where)
+
     @property
     def rewards(self):
         """The recipe's RewardSet (loaded by preflight, or on first use)."""
@@ -101,10 +117,15 @@ class OnlineAlgorithm(Algorithm):
                    if r.name == "reward_model" and r.kwargs.get("device") is None}
         return len(entries)
 
+    def clip_range(self) -> tuple[float, float]:
+        """(epsilon_low, epsilon_high) of the clipped surrogate: the phantom clipping of online/mismatch.py uses it."""
+        return self.config.epsilon, self.config.epsilon
+
     def surrogate(self, model, batch: Batch, advantages, epsilon_low: float, epsilon_high: float,
                   level: str = "token") -> Surrogate:
         """The forward and clipped surrogate GRPO and PPO share (Schulman et al. 2017), at the sampling temperature;
-        with algo.vllm_is_correction each token is weighted by min(pi_old / pi_sampler, algo.vllm_is_cap)."""
+        with algo.vllm_is_correction each token is weighted by pi_old / pi_sampler bounded as
+        algo.vllm_importance_sampling_mode says (losses/sampler_correction.py)."""
         cfg, mask_BT = self.config, batch.completion_mask_BT
         # a fusable output layer gives both without making the (B, T, V) logits (models/forward.py)
         logprobs_BT, entropy_BT = policy_logprobs_entropy(model, batch, self.temperature)
@@ -117,8 +138,9 @@ class OnlineAlgorithm(Algorithm):
                                                    epsilon_high, level=level)
         metrics = {"clip_fraction": clip_fraction}
         if cfg.vllm_is_correction:
-            weights_BT, is_metrics = truncated_importance_weights(old_BT, batch.sampler_logprobs_BT, mask_BT,
-                                                                  cfg.vllm_is_cap)
+            weights_BT, is_metrics = sampler_importance_weights(old_BT, batch.sampler_logprobs_BT, mask_BT,
+                                                                cfg.vllm_importance_sampling_mode, cfg.vllm_is_cap,
+                                                                cfg.vllm_is_min)
             loss_BT = loss_BT * weights_BT
             metrics.update(is_metrics)
         metrics["entropy"] = masked_mean(entropy_BT, mask_BT)

@@ -83,9 +83,16 @@ class PPOAlgoConfig:
     log_samples: int = 2
     """Prompt groups written to output_dir/samples.jsonl at each logging step (0: none)."""
     vllm_is_correction: bool = False
-    """Truncated importance sampling: weight each token's surrogate by min(pi_old / pi_sampler, vllm_is_cap)."""
+    """Importance sampling: weight each token's surrogate by pi_old / pi_sampler, bounded as
+    vllm_importance_sampling_mode says."""
     vllm_is_cap: float = 2.0
-    """The cap of that weight (>= 1)."""
+    """The upper bound of that weight (>= 1; TRL's vllm_importance_sampling_clip_max): truncated to it, or masked
+    above it, as vllm_importance_sampling_mode says."""
+    vllm_importance_sampling_mode: str = "token_truncate"
+    """How algo.vllm_is_correction bounds pi_old / pi_sampler: token_truncate, token_mask, sequence_truncate,
+    sequence_mask (TRL's modes), geometric_mask (verl) or icepop (losses/sampler_correction.py has the table)."""
+    vllm_is_min: Optional[float] = None
+    """Lower bound of that ratio (TRL's vllm_importance_sampling_clip_min); null: none (icepop: 1 / vllm_is_cap)."""
 
     def validate(self, recipe: Recipe) -> None:
         for key, value, table in (("advantage_estimator", self.advantage_estimator, ADVANTAGE_ESTIMATORS),
@@ -208,8 +215,7 @@ class PPO(OnlineAlgorithm):
         """The shared clipped surrogate (OnlineAlgorithm.surrogate) on per-token advantages, token mean over the
         step."""
         mask_BT = batch.completion_mask_BT
-        loss_BT, logprobs_BT, old_BT, metrics = self.surrogate(model, batch, batch.advantages_BT, self.config.epsilon,
-                                                               self.config.epsilon)
+        loss_BT, logprobs_BT, old_BT, metrics = self.surrogate(model, batch, batch.advantages_BT, *self.clip_range())
         with torch.no_grad():
             metrics["approx_kl"] = masked_mean(kl_k3(logprobs_BT, old_BT), mask_BT)
         return masked_sum(loss_BT, mask_BT) / normaliser, metrics

@@ -47,9 +47,19 @@ class ModelConfig:
     """Jinja chat template (or path to a .jinja file) overriding the tokenizer's."""
     lora: LoraConfig = field(default_factory=LoraConfig)
     """LoRA adapters (model.lora.*)."""
+    lm_head_fp32: bool = False
+    """The output layer in float32 (TRL's cast_lm_head_to_fp32; ScaleRL): the trainer keeps its weight in float32 and
+    projects float32 hidden states outside autocast, and the in-process vLLM engine computes its logits in float32
+    (vLLM's head_dtype), so both score the sampled tokens alike. Refused where a side cannot (vLLM servers)."""
     router_aux_loss_coef: Optional[float] = None
     """Mixture-of-experts models: weight of the load-balancing loss added to the policy loss (TRL's and transformers'
     name); null: the model config's own (Qwen3-MoE: 0.001; none for a dense model); 0: off (still logged)."""
+    freeze_vision_tower: bool = False
+    """Vision-language models: keep the vision encoder's weights as loaded (OpenRLHF's freeze_visual_encoder); the
+    projector trains unless model.freeze_projector is also set (docs/vision.md)."""
+    freeze_projector: bool = False
+    """Vision-language models: keep the projector (the layers mapping image features into the language model, Qwen-VL's
+    merger) as loaded."""
 
 
 @dataclass(frozen=True)
@@ -258,7 +268,8 @@ class GenerationConfig:
 @dataclass(frozen=True)
 class RewardConfig:
     name: str = ""
-    """Built-in reward (exact_match, format, length_penalty, overlong, judge, reward_model), an import path
+    """Built-in reward (exact_match, format, length_penalty, overlong, judge, reward_model, math_accuracy,
+    think_answer_format, reasoning_gym), an import path
     ('module.function', 'module:function', 'file.py:function') or a reward model directory / hub id (docs/rewards.md)."""
     weight: float = 1.0
     """Weight of this reward in the total."""

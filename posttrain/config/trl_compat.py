@@ -87,7 +87,7 @@ SAME_NAMES = {
     "generation": "max_completion_length temperature top_p top_k",
     "algo": "beta loss_type label_smoothing rpo_alpha simpo_gamma center_rewards_coefficient num_generations epsilon "
             "epsilon_high scale_rewards num_iterations importance_sampling_level mask_truncated_completions kl_coef "
-            "kl_estimator gamma lam missing_eos_penalty",
+            "kl_estimator gamma lam missing_eos_penalty vllm_importance_sampling_mode",
 }
 # TRL key -> recipe key. A key whose recipe key an algorithm lacks (num_generations for SFT) has no meaning for
 # that algorithm and is reported as such. max_seq_length is TRL < 0.20's max_length; response_length is PPOConfig's.
@@ -99,6 +99,7 @@ TRL_RENAMES: dict[str, str] = {
     "dtype": "model.dtype", "chat_template_path": "model.chat_template", "use_peft": "model.lora.enabled",
     "lora_r": "model.lora.r", "lora_alpha": "model.lora.alpha", "lora_dropout": "model.lora.dropout",
     "lora_target_modules": "model.lora.target_modules", "sft_model_path": "model.name_or_path",
+    "cast_lm_head_to_fp32": "model.lm_head_fp32",
     # data
     "dataset_name": "data.train", "dataset_train_split": "data.train_split", "dataset_test_split": "data.eval_split",
     "dataset_num_proc": "data.num_proc", "max_seq_length": "data.max_length", "padding_free": "data.packing",
@@ -117,6 +118,7 @@ TRL_RENAMES: dict[str, str] = {
     "vllm_importance_sampling_correction": "algo.vllm_is_correction",
     "vllm_importance_sampling_cap": "algo.vllm_is_cap", "precompute_ref_log_probs": "algo.precompute_ref_logprobs",
     "vllm_importance_sampling_clip_max": "algo.vllm_is_cap", "max_tool_calling_iterations": "agent.max_turns",
+    "vllm_importance_sampling_clip_min": "algo.vllm_is_min",
     "cliprange": "algo.epsilon", "cliprange_value": "algo.value_clip", "num_ppo_epochs": "algo.ppo_epochs",
     "value_model_path": "algo.critic_model_name_or_path",
 }

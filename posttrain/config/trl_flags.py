@@ -75,24 +75,31 @@ def read_one(name: str, text: str, kind: str) -> Any:
         raise UserError(f"command line: --{name} {text}: expected {expected}, as TRL reads it") from None
 
 
-def split_trl_flags(argv: list[str]) -> tuple[list[str], dict[str, Any]]:
+TRAINING_OPTIONS = {"config": True, "ray": False, "help": False}
+"""A training command's own options (name -> takes a value), left for argparse; every other --flag is TRL's."""
+
+
+def split_trl_flags(argv: list[str], own: dict[str, bool] | None = None) -> tuple[list[str], dict[str, Any]]:
     """TRL-style `--key value`, `--key=value`, `--key v1 v2 ...` (a list), bare `--flag` (true) and `--no_flag`
     (false, for TRL's booleans that default to true) out of a command's arguments; the rest back. A flag given twice
-    is refused naming both values, except the reward lists, where a repeated flag adds to the list."""
-    rest, flags, _ = split_trl_flag_texts(argv)
+    is refused naming both values, except the reward lists, where a repeated flag adds to the list. `own`: the
+    command's own options (TRAINING_OPTIONS unless given: `posttrain plan` has its own)."""
+    rest, flags, _ = split_trl_flag_texts(argv, own)
     return rest, flags
 
 
-def split_trl_flag_texts(argv: list[str]) -> tuple[list[str], dict[str, Any], dict[str, list[str]]]:
+def split_trl_flag_texts(argv: list[str], own: dict[str, bool] | None = None
+                         ) -> tuple[list[str], dict[str, Any], dict[str, list[str]]]:
     """split_trl_flags, and each flag's words as typed (to write the flag back unchanged)."""
+    own = TRAINING_OPTIONS if own is None else own
     command = next((a for a in argv if not a.startswith("-")), "")
     rest, flags, typed, i = [], {}, {}, 0
     while i < len(argv):
         arg = argv[i]
         name = arg[2:].split("=", 1)[0].replace("-", "_")
-        if not arg.startswith("--") or name in ("config", "ray", "help") or arg == "--":
+        if not arg.startswith("--") or name in own or arg == "--":
             rest.append(arg)
-            if arg == "--config" and i + 1 < len(argv):
+            if (own.get(name) or arg == "-c") and "=" not in arg and i + 1 < len(argv):
                 rest.append(argv[i + 1])
                 i += 1
             i += 1

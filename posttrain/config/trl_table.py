@@ -112,12 +112,9 @@ IGNORED: dict[str, tuple[tuple[Any, ...], str]] = {
     "precompute_ref_batch_size": (NONE, "precomputed reference log-probs use train.per_device_eval_batch_size"),
     "ref_model_mixup_alpha": ((0.6,), "sync_ref_model is not implemented here"),
     "ref_model_sync_steps": ((512,), "sync_ref_model is not implemented here"),
-    "cast_lm_head_to_fp32": (FALSE, "log-probs are computed in float32 whatever the weights' dtype"),
     "ds3_gather_for_generation": (TRUE, "weight sync gathers ZeRO-3 parameters a bucket at a time "
                                   "(generation.sync_bucket_mb)"),
     "vllm_model_impl": (("vllm",), "vLLM's own model code is used"),
-    "vllm_importance_sampling_mode": (("sequence_mask", "token_truncate"), "the correction here weights each token "
-                                      "by min(ratio, algo.vllm_is_cap) (token_truncate)"),
     "log_completions": (FALSE, "samples.jsonl holds algo.log_samples prompt groups at every logging step"),
     "log_multimodal": (TRUE, "posttrain trains text models"),
     "num_completions_to_print": (NONE, "samples.jsonl holds algo.log_samples prompt groups at every logging step"),
@@ -186,8 +183,6 @@ REFUSED: dict[str, tuple[tuple[Any, ...], str]] = {
     "vllm_server_port": ((8000,), VLLM_SERVER),
     "vllm_server_timeout": ((240, 240.0), VLLM_SERVER + "; generation.request_timeout_s bounds each request"),
     "vllm_group_port": ((51216,), VLLM_SERVER),
-    "vllm_importance_sampling_clip_min": (NONE, "the correction here caps the weight from above only "
-                                          "(algo.vllm_is_cap)"),
     "delta": (NONE, GRPO_VARIANT),
     "sapo_temperature_neg": ((1.05,), GRPO_VARIANT),
     "sapo_temperature_pos": ((1.0,), GRPO_VARIANT),

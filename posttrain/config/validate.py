@@ -11,7 +11,7 @@ import os
 from urllib.parse import urlsplit
 
 from posttrain.config.schema import ALL_LINEAR, Recipe, trackers
-from posttrain.errors import UserError
+from posttrain.errors import UserError, overflows_float32
 
 CHOICES = {
     "model.dtype": ("float32", "bfloat16", "float16", "auto"),
@@ -44,8 +44,10 @@ def get(recipe: Recipe, dotted: str):
 
 
 def check_finite(node, where: str = "") -> None:
-    """Every float of the recipe, at any depth (algo and rewards included), is a number: NaN compares false with
-    every bound (`max_grad_norm: .nan` silently turned clipping off) and inf overflows deadlines and schedules."""
+    """Every number of the recipe, at any depth (algo and rewards included), is a number that float32 holds: NaN compares false with every bound (`max_grad_norm: .nan` silently turned clipping off), inf overflows
+    deadlines and schedules, and 1e39 (finite as a Python float) is inf in the float32 tensors rewards, weights and
+    losses are computed in (`--reward_weights 1e39` zeroed every advantage, rc 0). A reward's kwargs are its own: the
+    built-ins check theirs (rewards/builtin.py)."""
     if dataclasses.is_dataclass(node):
         for f in dataclasses.fields(node):
             check_finite(getattr(node, f.name), f"{where}.{f.name}" if where else f.name)
@@ -54,6 +56,9 @@ def check_finite(node, where: str = "") -> None:
             check_finite(item, f"{where}[{i}]")
     elif isinstance(node, float) and not math.isfinite(node):
         raise UserError(f"{where} is {node}; give a finite number")
+    elif isinstance(node, (int, float)) and not isinstance(node, bool) and overflows_float32(node):
+        raise UserError(f"{where} is {node:.3g}, beyond the largest float32 (3.4e+38): it would be inf in the float32 "
+                        "tensors it is computed in; give a smaller number")
 
 
 def validate(recipe: Recipe) -> None:
@@ -94,6 +99,7 @@ def validate(recipe: Recipe) -> None:
     if not 0 < g.vllm.gpu_memory_utilization <= 1:
         raise UserError(f"generation.vllm.gpu_memory_utilization must be in (0, 1], got {g.vllm.gpu_memory_utilization}")
     check_placement(recipe)
+    check_fp32_head(recipe)
     check_servers_listed(g)
     check_lora_sync(recipe)
     if g.max_staleness < 0:
@@ -112,6 +118,7 @@ def validate(recipe: Recipe) -> None:
             raise UserError(f"rewards[{i}].name is empty: name a built-in reward or an import path module:function")
         if r.on_error not in ("raise", "skip"):
             raise UserError(f"rewards[{i}].on_error must be raise or skip, got {r.on_error!r}")
+        check_overlong_reaches(recipe, i)
     validate_placement(recipe.placement)
     check_trackers(t)
     check_pass_k(recipe)
@@ -126,6 +133,21 @@ def validate(recipe: Recipe) -> None:
                         "give it alone or list module names")
     if recipe.model.router_aux_loss_coef is not None and recipe.model.router_aux_loss_coef < 0:
         raise UserError(f"model.router_aux_loss_coef must be >= 0, got {recipe.model.router_aux_loss_coef}")
+
+
+def check_overlong_reaches(recipe: Recipe, i: int) -> None:
+    """An `overlong` reward whose penalty starts (kwargs.max_length - buffer tokens) at or beyond the longest
+    completion generation makes (generation.max_completion_length) can never apply: refused. A multi-turn run's
+    completions are bounded elsewhere (agent:), so it is not checked there."""
+    r, cap = recipe.rewards[i], recipe.generation.max_completion_length
+    max_length, buffer = r.kwargs.get("max_length"), r.kwargs.get("buffer")
+    if r.name != "overlong" or recipe.agent.enabled or not all(type(v) is int for v in (max_length, buffer)):
+        return  # the reward's own check names wrong kinds
+    if max_length - buffer >= cap:
+        raise UserError(f"rewards[{i}] overlong: its penalty starts past kwargs.max_length - kwargs.buffer = "
+                        f"{max_length - buffer} tokens, but generation.max_completion_length={cap} ends every "
+                        f"completion before that, so it can never apply; set kwargs.max_length={cap} (the cap it "
+                        "is meant to approach)")
 
 
 def check_pass_k(recipe: Recipe) -> None:
@@ -168,6 +190,23 @@ def check_lora_sync(recipe: Recipe) -> None:
                         f"({VLLM_MAX_LORA_RANK}); lower it, or use generation.lora_sync=merged")
     if not g.lora_check_atol > 0:
         raise UserError(f"generation.lora_check_atol must be > 0, got {g.lora_check_atol}")
+
+
+def check_fp32_head(recipe: Recipe) -> None:
+    """model.lm_head_fp32 on both sides or not at all: the trainer and the in-process vLLM engine (or the policy
+    itself, engine hf) can; a server's output layer is set where it starts, which posttrain cannot check."""
+    g, model = recipe.generation, recipe.model
+    if not model.lm_head_fp32:
+        return
+    if g.engine == "vllm" and g.placement != "colocated":
+        raise UserError(f"model.lm_head_fp32 runs the output layer in float32 on the trainer and in the engine, but "
+                        f"generation.placement={g.placement} generates on vLLM servers whose output layer is set where "
+                        "they start (vllm serve --hf-overrides '{\"head_dtype\": \"float32\"}'), which posttrain "
+                        "cannot check: use generation.placement=colocated, or model.lm_head_fp32=false")
+    if model.lora.enabled and "lm_head" in model.lora.target_modules:
+        raise UserError("model.lm_head_fp32 with lm_head in model.lora.target_modules: the adapter wraps the output "
+                        "layer, which then is no plain float32 layer; remove lm_head from the targets, or set "
+                        "model.lm_head_fp32=false")
 
 
 def check_placement(recipe: Recipe) -> None:

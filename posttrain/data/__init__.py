@@ -7,8 +7,9 @@
 
 from posttrain.data.collate import collate_packed, collate_padded, collate_preference, collate_prompts, eval_batches
 from posttrain.data.formats import DataFormat, detect_format
+from posttrain.data.images import ImageRef, RowImages, vision_inputs, with_images
 from posttrain.data.io import load_rows, rename_text_field
 from posttrain.data.tokenize import tokenize_preference, tokenize_prompts, tokenize_sft
 
-__all__ = ["eval_batches", "DataFormat", "collate_packed", "collate_padded", "collate_preference", "collate_prompts",
+__all__ = ["ImageRef", "RowImages", "vision_inputs", "with_images", "eval_batches", "DataFormat", "collate_packed", "collate_padded", "collate_preference", "collate_prompts",
            "detect_format", "load_rows", "rename_text_field", "tokenize_preference", "tokenize_prompts", "tokenize_sft"]

@@ -36,27 +36,33 @@ def known_roles(tokenizer) -> set[str]:
     return set(STANDARD_ROLES) | set(re.findall(r"""['"]([A-Za-z_][\w-]*)['"]""", text))
 
 
-def content_problem(content) -> str:
-    """Why a message's content cannot be trained on by a text model, or '': a string, None (a turn of tool calls) or a
-    list of text parts only (the template joins them). An image part used to end in the template's TypeError."""
+def content_problem(content, images: bool = False) -> str:
+    """Why a message's content cannot be trained on, or '': a string, None (a turn of tool calls) or a list of text
+    parts (the template joins them), and image parts when the dataset has images (data/images.py). An image part
+    for a text model used to end in the template's TypeError."""
     if content is None or isinstance(content, str):
         return ""
     if not isinstance(content, list):
         return f"has content of type {type(content).__name__}; give a string"
     kinds = [part.get("type") if isinstance(part, dict) else type(part).__name__ for part in content]
-    other = [kind for kind in kinds if kind != "text"]
-    return (f"holds a {other[0]!r} part; posttrain trains text-only models: remove the non-text parts, or give the "
-            "content as a string") if other else ""
+    other = [kind for kind in kinds if kind not in (("text", "image") if images else ("text",))]
+    if not other:
+        return ""
+    if other[0] == "image":
+        return ("holds an 'image' part but the dataset has no 'images' column: give each row's images in one, for a "
+                "vision-language model (docs/vision.md), or remove the image parts")
+    return (f"holds a {other[0]!r} part; posttrain trains text and image parts only: remove the others, or give the "
+            "content as a string")
 
 
-def check_roles(rows, columns, tokenizer, what: str) -> None:
-    """Every message's role must be one the chat template knows, and its content text; a UserError names the row,
-    column and message."""
+def check_roles(rows, columns, tokenizer, what: str, images: bool = False) -> None:
+    """Every message's role must be one the chat template knows, and its content text (or images, with `images`); a
+    UserError names the row, column and message."""
     known = known_roles(tokenizer)
     for i, row in enumerate(rows):
         for column in columns:
             for j, message in enumerate(row[column] or []):
-                problem = content_problem(message.get("content"))
+                problem = content_problem(message.get("content"), images)
                 if problem:
                     raise UserError(f"{what} row {i}: column {column!r} message {j} {problem}")
                 if message["role"] not in known:

@@ -17,13 +17,22 @@ from pathlib import Path
 
 import datasets
 
+from posttrain.data.reasoning_gym import is_task_spec, task_rows
+from posttrain.data.verifiers_tasks import is_verifiers_spec, verifiers_rows
 from posttrain.errors import UserError
 
 SUFFIXES = (".jsonl", ".json", ".parquet", ".csv")
 
 
-def load_rows(source: str, split: str = "train", what: str = "data.train") -> datasets.Dataset:
-    """One split of rows from a .jsonl/.json/.parquet/.csv file, a save_to_disk directory or a hub dataset name."""
+def load_rows(source: str, split: str = "train", what: str = "data.train",
+              held_out_from: str | None = None) -> datasets.Dataset:
+    """One split of rows from a .jsonl/.json/.parquet/.csv file, a save_to_disk directory, a hub dataset name, a
+    verifiers: environment's tasks (data/verifiers_tasks.py) or a reasoning_gym: task (data/reasoning_gym.py;
+    held_out_from: the training source, which its rows never overlap)."""
+    if is_task_spec(source):
+        return task_rows(source, what, held_out_from)
+    if is_verifiers_spec(source):
+        return verifiers_rows(source, what)
     path = Path(source).expanduser()
     is_file = path.suffix.lower() in SUFFIXES or path.is_file()
     if is_file:

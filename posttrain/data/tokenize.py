@@ -23,6 +23,7 @@ from posttrain.config import DataConfig
 from posttrain.data.chat import (assistant_spans, check_roles, mask_from_spans, render, require_chat_template,
                                  split_rendered)
 from posttrain.data.formats import DataFormat, clean_messages, detect_format
+from posttrain.data.images import RowImages, image_parts
 from posttrain.data.tools import check_tool_calls_rendered, check_tools_rendered, row_tools, tool_name
 from posttrain.errors import UserError
 
@@ -36,19 +37,28 @@ def _with_eos(tokenizer, ids: list[int]) -> list[int]:
     return ids + [eos] if eos is not None and (not ids or ids[-1] != eos) else ids
 
 
-def _detect(dataset, tokenizer, what: str, accepts, needs: str) -> DataFormat:
+def _detect(dataset, tokenizer, what: str, accepts, needs: str, images: RowImages | None = None) -> DataFormat:
     fmt = detect_format(dataset, what)
     if not accepts(fmt):
         raise UserError(f"{what}: {needs}; this dataset is {fmt.kind} data (columns {dataset.column_names})")
+    if images is not None and not fmt.conversational:
+        raise UserError(f"{what}: has an {images.column!r} column beside string rows; images go with conversational "
+                        "rows whose contents place them with {'type': 'image'} parts (docs/vision.md)")
     if fmt.conversational:
         require_chat_template(tokenizer, what)
-        check_roles(dataset.select_columns(list(fmt.columns())), fmt.columns(), tokenizer, what)
+        check_roles(dataset.select_columns(list(fmt.columns())), fmt.columns(), tokenizer, what, images is not None)
     return fmt
 
 
-def _read_columns(dataset, fmt: DataFormat) -> list[str]:
-    """The columns a tokenizer reads: the format's, and `tools` beside conversational ones."""
-    return list(fmt.columns()) + (["tools"] if fmt.conversational and "tools" in dataset.column_names else [])
+def _image_stats(images: RowImages | None) -> dict:
+    """The count of rows dropped because a cut to the length limit would split an image's tokens (with images)."""
+    return {} if images is None else {"dropped_image_cut": 0}
+
+
+def _read_columns(dataset, fmt: DataFormat, images: RowImages | None = None) -> list[str]:
+    """The columns a tokenizer reads: the format's, and `tools` (and the image column) beside conversational ones."""
+    extra = ["tools"] if fmt.conversational and "tools" in dataset.column_names else []
+    return list(fmt.columns()) + extra + ([images.column] if images is not None else [])
 
 
 class _Tools:
@@ -74,22 +84,34 @@ class _Tools:
 # --- SFT --------------------------------------------------------------------------------------------------------------
 
 
-def tokenize_sft(dataset: datasets.Dataset, tokenizer, data_cfg: DataConfig, what: str = "data.train"):
-    """Rows -> [{"input_ids", "completion_mask"}], stats {rows, examples, tokens, completion_tokens, truncated,
-    dropped_no_completion, dropped_empty (see _sft_empty)}. Sequences are cut to data_cfg.max_length, keeping their
-    start."""
+def tokenize_sft(dataset: datasets.Dataset, tokenizer, data_cfg: DataConfig, what: str = "data.train",
+                 images: RowImages | None = None):
+    """Rows -> [{"input_ids", "completion_mask"(, "images")}], stats {rows, examples, tokens, completion_tokens,
+    truncated, dropped_no_completion, dropped_empty (see _sft_empty), dropped_image_cut}. Sequences are cut to
+    data_cfg.max_length, keeping their start; a row whose cut would split an image's tokens is dropped instead.
+    images: the dataset's image column (data/images.py): each image's placeholder widened, out of the loss."""
     fmt = _detect(dataset, tokenizer, what, lambda f: f.kind in ("language_modeling", "prompt_completion"),
-                  "SFT needs text, messages or prompt + completion rows")
+                  "SFT needs text, messages or prompt + completion rows", images)
     stats = dict(rows=len(dataset), examples=0, tokens=0, completion_tokens=0, truncated=0, dropped_no_completion=0,
-                 dropped_empty=0)
+                 dropped_empty=0, **_image_stats(images))
     examples = []
     tooling = _Tools(tokenizer)
-    for i, row in enumerate(dataset.select_columns(_read_columns(dataset, fmt))):
+    for i, row in enumerate(dataset.select_columns(_read_columns(dataset, fmt, images))):
         if _sft_empty(row, fmt):
             stats["dropped_empty"] += 1
             continue
+        if images is not None:
+            row = images.placed(row, ("messages",) if "messages" in row else ("prompt",))
         input_ids, mask = (_sft_conversation(row, tokenizer, data_cfg, f"{what} row {i}", tooling) if fmt.conversational
                            else _sft_text(row, tokenizer, data_cfg))
+        refs = None
+        if images is not None:
+            messages = [m for column in ("messages", "prompt", "completion") for m in row.get(column) or []]
+            refs = images.refs(row, messages, f"{what} row {i}")
+            input_ids, mask = images.widen(input_ids, mask, refs)
+            if refs and images.token_id in input_ids[data_cfg.max_length:]:
+                stats["dropped_image_cut"] += 1
+                continue
         if len(input_ids) > data_cfg.max_length:
             input_ids, mask = input_ids[: data_cfg.max_length], mask[: data_cfg.max_length]
             stats["truncated"] += 1
@@ -97,14 +119,15 @@ def tokenize_sft(dataset: datasets.Dataset, tokenizer, data_cfg: DataConfig, wha
         if not any(mask):
             stats["dropped_no_completion"] += 1
             continue
-        examples.append({"input_ids": input_ids, "completion_mask": mask})
+        examples.append({"input_ids": input_ids, "completion_mask": mask, **({"images": refs} if images else {})})
         stats["tokens"] += len(input_ids)
         stats["completion_tokens"] += sum(mask)
     stats["examples"] = len(examples)
     if not examples:
+        cut = f", {stats['dropped_image_cut']} whose images did not fit" if "dropped_image_cut" in stats else ""
         raise UserError(f"{what}: no row has a token to train on within data.max_length={data_cfg.max_length} "
                         f"({stats['rows']} rows, {stats['dropped_empty']} with an empty text, completion or assistant "
-                        f"turn, {stats['truncated']} truncated); raise data.max_length or check that rows have "
+                        f"turn, {stats['truncated']} truncated{cut}); raise data.max_length or check that rows have "
                         "completions / assistant turns")
     return examples, stats
 
@@ -153,20 +176,24 @@ def _sft_conversation(row: dict, tokenizer, data_cfg: DataConfig, where: str,
 # --- preference pairs -------------------------------------------------------------------------------------------------
 
 
-def tokenize_preference(dataset: datasets.Dataset, tokenizer, data_cfg: DataConfig, what: str = "data.train"):
+def tokenize_preference(dataset: datasets.Dataset, tokenizer, data_cfg: DataConfig, what: str = "data.train",
+                        images: RowImages | None = None):
     """Rows -> [{"prompt_ids", "chosen_ids", "rejected_ids"(, "margin")}], stats {rows, pairs, tokens (of both
     sequences of each pair), truncated, dropped_prompt_mismatch, dropped_identical, dropped_empty}.
     Completions end with the end-of-turn / EOS token. Implicit prompts: the shared string prefix (standard) or the
     messages before the last assistant turn, which must be equal in chosen and rejected (conversational)."""
     fmt = _detect(dataset, tokenizer, what, lambda f: f.kind == "preference",
-                  "preference training needs prompt + chosen + rejected (or chosen + rejected) rows")
+                  "preference training needs prompt + chosen + rejected (or chosen + rejected) rows", images)
     has_margin = "margin" in dataset.column_names
     stats = dict(rows=len(dataset), pairs=0, tokens=0, truncated=0,
-                 dropped_prompt_mismatch=0, dropped_identical=0, dropped_empty=0)
+                 dropped_prompt_mismatch=0, dropped_identical=0, dropped_empty=0, **_image_stats(images))
     examples = []
     tooling = _Tools(tokenizer)
-    for i, row in enumerate(dataset.select_columns(_read_columns(dataset, fmt) + (["margin"] if has_margin else []))):
+    columns = _read_columns(dataset, fmt, images) + (["margin"] if has_margin else [])
+    for i, row in enumerate(dataset.select_columns(columns)):
         where = f"{what} row {i}"
+        if images is not None:
+            row = images.placed(row, ("chosen", "rejected") if fmt.implicit_prompt else ("prompt",))
         split = _split_pair(row, fmt)
         if isinstance(split, str):
             stats[f"dropped_{split}"] += 1
@@ -183,7 +210,15 @@ def tokenize_preference(dataset: datasets.Dataset, tokenizer, data_cfg: DataConf
         else:
             prompt_ids = _ids(tokenizer, prompt, True)
             chosen_ids, rejected_ids = (_with_eos(tokenizer, _ids(tokenizer, c, False)) for c in (chosen, rejected))
+        refs = None
+        if images is not None:  # the prompt's images, shared by chosen and rejected
+            refs, prompt_ids = _prompt_images(images, row, prompt, (chosen, rejected), prompt_ids, where)
         example, truncated = _fit_pair(prompt_ids, chosen_ids, rejected_ids, data_cfg.max_length)
+        if refs and example["prompt_ids"].count(images.token_id) != sum(ref.tokens for ref in refs):
+            stats["dropped_image_cut"] += 1
+            continue
+        if refs is not None:
+            example["images"] = refs
         stats["truncated"] += truncated
         if has_margin:
             example["margin"] = _margin(row["margin"], where)
@@ -196,6 +231,16 @@ def tokenize_preference(dataset: datasets.Dataset, tokenizer, data_cfg: DataConf
                         f"{stats['dropped_identical']} had chosen == rejected, {stats['dropped_empty']} had an empty "
                         "chosen or rejected")
     return examples, stats
+
+
+def _prompt_images(images: RowImages, row: dict, prompt: list[dict], completions, prompt_ids: list[int], where: str):
+    """(the row's images, prompt_ids with their placeholders widened): images are placed by the prompt's image parts;
+    a completion holding one is refused."""
+    if any(image_parts(completion) for completion in completions):
+        raise UserError(f"{where}: an image part in a completion; images go in the prompt (chosen and rejected, or "
+                        "the generated completions, answer it)")
+    refs = images.refs(row, prompt, where)
+    return refs, images.widen(prompt_ids, [0] * len(prompt_ids), refs)[0]
 
 
 def _margin(value, where: str) -> float:
@@ -275,20 +320,25 @@ def _fit_pair(prompt_ids: list[int], chosen_ids: list[int], rejected_ids: list[i
 
 
 def tokenize_prompts(dataset: datasets.Dataset, tokenizer, data_cfg: DataConfig, what: str = "data.train",
-                     rollout_tools: list[dict] | None = None):
-    """Rows -> [{"prompt_ids", "prompt", "tools", "columns"(, "messages")}] (tools: the schemas rendered, or None;
-    columns: the row's other values, for rewards; messages: the opening chat, multi-turn only); stats {rows, tokens, truncated, dropped_empty}. Empty prompts are dropped; long ones
-    keep their last max_prompt_length tokens, counted in `truncated` (the tools turn included).
+                     rollout_tools: list[dict] | None = None, images: RowImages | None = None):
+    """Rows -> [{"prompt_ids", "prompt", "tools", "columns", "untemplated"(, "messages")}] (tools: the schemas
+    rendered, or None; columns: the row's other values, for rewards; untemplated: plain text tokenised as it is
+    for a tokenizer with a chat template; messages: the opening chat, multi-turn only); stats {rows, tokens,
+    truncated, dropped_empty}. Empty prompts are dropped; long ones keep their last max_prompt_length tokens, counted
+    in `truncated` (the tools turn included).
     rollout_tools: a multi-turn rollout starts from these prompts (not None; a list of the rollout's tool schemas,
     rendered beside the row's own): string prompts open a chat as one user message, and the limit is
     max_prompt_length or else max_length, the prompt posttrain/agents/loop.py continues."""
-    fmt = _detect(dataset, tokenizer, what, lambda f: "prompt" in f.columns(), "generation needs a 'prompt' column")
+    fmt = _detect(dataset, tokenizer, what, lambda f: "prompt" in f.columns(), "generation needs a 'prompt' column",
+                  images)
     multi_turn = rollout_tools is not None
     limit = data_cfg.max_prompt_length or (data_cfg.max_length if multi_turn else None)
-    stats = dict(rows=len(dataset), tokens=0, truncated=0, dropped_empty=0)
+    stats = dict(rows=len(dataset), tokens=0, truncated=0, dropped_empty=0, **_image_stats(images))
     examples = []
     tooling = _Tools(tokenizer, rollout_tools)
+    chat_model = getattr(tokenizer, "chat_template", None) is not None  # plain text then skips its chat format
     for i, row in enumerate(dataset):
+        row = images.placed(row, ("prompt",)) if images is not None else row
         prompt = clean_messages(row["prompt"]) if fmt.conversational else row["prompt"]
         if not prompt or (_no_text(prompt) if fmt.conversational else not prompt.strip()):
             stats["dropped_empty"] += 1  # nothing to answer: the generation would start from nothing
@@ -301,13 +351,24 @@ def tokenize_prompts(dataset: datasets.Dataset, tokenizer, data_cfg: DataConfig,
             prompt_ids = _ids(tokenizer, render(tokenizer, messages, add_generation_prompt=True, tools=tools), False)
         else:
             prompt_ids = _ids(tokenizer, prompt, True)
+        refs = None
+        if images is not None:
+            refs, prompt_ids = _prompt_images(images, row, messages, (), prompt_ids, f"{what} row {i}")
         if limit is not None and len(prompt_ids) > limit:
+            if refs and images.token_id in prompt_ids[:len(prompt_ids) - limit]:
+                stats["dropped_image_cut"] += 1
+                continue
             prompt_ids = prompt_ids[len(prompt_ids) - limit:]
             stats["truncated"] += 1
         stats["tokens"] += len(prompt_ids)
         columns = {k: v for k, v in row.items() if k != "prompt"}
-        example = {"prompt_ids": prompt_ids, "prompt": prompt, "tools": tools, "columns": columns}
+        example = {"prompt_ids": prompt_ids, "prompt": prompt, "tools": tools, "columns": columns,
+                   "untemplated": not (fmt.conversational or multi_turn) and chat_model,
+                   **({"images": refs} if refs is not None else {})}
         examples.append({**example, "messages": messages} if multi_turn else example)
     if not examples:
+        if stats.get("dropped_image_cut"):
+            raise UserError(f"{what}: no prompt keeps its images within data.max_prompt_length={limit} "
+                            f"({stats['dropped_image_cut']} of {stats['rows']} would be cut inside an image); raise it")
         raise UserError(f"{what}: every one of the {stats['rows']} prompts is empty; give rows with a prompt to answer")
     return examples, stats

@@ -129,10 +129,21 @@ class GenerationEngine:
     collective: bool = False
     """Its generate is a collective over the training ranks (hf under ZeRO-3 / FSDP2 gathers the parameters): every
     rank must make the same calls, even one with nothing left to generate."""
+    takes_images: bool = False
+    """Its generate takes each prompt's images (`images=`), after `take_images`: hf, on a vision-language policy."""
 
     def generate(self, prompt_ids: list[list[int]], params: SamplingParams) -> Completions:
-        """Sample one completion per prompt (prompts are unpadded token-id lists, any lengths)."""
+        """Sample one completion per prompt (prompts are unpadded token-id lists, any lengths). An engine that
+        `takes_images` also takes `images=`: each prompt's images (data.images.ImageRef lists), whose placeholder
+        tokens the prompt ids already hold widened."""
         raise NotImplementedError
+
+    def take_images(self, vision) -> None:
+        """Generate from prompts with images from now on; `vision(images per prompt)` gives their pixel tensors
+        (batch.VisionInputs) and `vision.image_token_id` is the placeholder token never to sample
+        (data.images.ImageEncoder)."""
+        raise UserError(f"the {type(self).__name__} cannot generate from images yet; use generation.engine=hf "
+                        "(generation.placement=colocated) for a vision-language model")
 
     def load_weights(self, buckets: Iterable[list[tuple[str, "torch.Tensor"]]]) -> None:
         """Make the engine sample from these weights: the backend's buckets (`Backend.weight_buckets`: lists of

@@ -36,7 +36,8 @@ def _hf(recipe, backend, policy, tokenizer, servers) -> GenerationEngine:
 
 def _in_process(recipe, backend, policy, tokenizer, servers) -> GenerationEngine:
     return VLLMEngine(model_dir=recipe.model.name_or_path, tokenizer=tokenizer, config=recipe.generation.vllm,
-                      seed=recipe.seed + backend.rank, max_model_len=longest_sequence(recipe))
+                      seed=recipe.seed + backend.rank, max_model_len=longest_sequence(recipe),
+                      fp32_head=recipe.model.lm_head_fp32)
 
 
 def _node(recipe, backend, policy, tokenizer, servers) -> GenerationEngine:

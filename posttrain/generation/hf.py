@@ -43,18 +43,24 @@ class HFEngine(GenerationEngine):
             raise ValueError(f"batch_size must be >= 1 or None, got {batch_size}")
         self.model, self.tokenizer, self.gather, self.batch_size = model, tokenizer, gather, batch_size
         self.collective = collective
+        self.vision = None  # take_images: each prompt's images -> batch.VisionInputs
         self.stop_ids = stop_ids(tokenizer)
         self.pad_id = pad_id(tokenizer)
 
     # --- GenerationEngine ---
 
-    def generate(self, prompt_ids: list[list[int]], params: SamplingParams) -> Completions:
+    def take_images(self, vision) -> None:
+        self.vision, self.takes_images = vision, True
+
+    def generate(self, prompt_ids: list[list[int]], params: SamplingParams, images: Optional[list] = None
+                 ) -> Completions:
         check_prompts(prompt_ids)
         if not prompt_ids:
             return Completions([], [], [])
         step = self.batch_size or len(prompt_ids)
         with self._generation_mode(), self._rng(params.seed):
-            chunks = [self._generate_chunk(prompt_ids[start : start + step], params)
+            chunks = [self._generate_chunk(prompt_ids[start : start + step], params,
+                                           images[start : start + step] if images is not None else None)
                       for start in range(0, len(prompt_ids), step)]
         return Completions([r for c in chunks for r in c.completion_ids], [r for c in chunks for r in c.logprobs],
                            [r for c in chunks for r in c.truncated])
@@ -77,15 +83,18 @@ class HFEngine(GenerationEngine):
 
     # --- internals ---
 
-    def _generate_chunk(self, prompts: list[list[int]], params: SamplingParams) -> Completions:
+    def _generate_chunk(self, prompts: list[list[int]], params: SamplingParams,
+                        images: Optional[list] = None) -> Completions:
         device = _device_of(self.model)
         rows = [torch.tensor(p, dtype=torch.long) for p in prompts]  # left padded: every prompt ends in one column
         input_ids = pad_sequence(rows, batch_first=True, padding_value=self.pad_id, padding_side="left")
         attention_mask = pad_sequence([torch.ones_like(r) for r in rows], batch_first=True, padding_side="left")
         width = input_ids.shape[1]
+        vision = self.vision(images) if images is not None else None  # the prompts' pixels, for the first forward
+        extra = vision.to(device).model_inputs(input_ids.to(device)) if vision is not None else {}
         # under ZeRO-3 / FSDP transformers keeps the ranks stepping together until the last completion ends
         out = self.model.generate(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
-                                  generation_config=self._generation_config(params))
+                                  generation_config=self._generation_config(params), **extra)
         new_BN = out.sequences[:, width:].cpu()
         # Raw logits, one (B, V) tensor per new token; processed `scores` would carry top-k/top-p masking.
         temperature = params.logprob_temperature
@@ -109,6 +118,8 @@ class HFEngine(GenerationEngine):
             sampling = dict(temperature=params.temperature, top_p=params.top_p, top_k=params.top_k)
             if getattr(getattr(self.model, "generation_config", None), "min_p", None) is not None:
                 sampling["min_p"] = 0.0  # a model default would otherwise apply
+        if self.vision is not None:  # an image placeholder in a completion would have no pixels to stand for
+            sampling["suppress_tokens"] = [self.vision.image_token_id]
         return GenerationConfig(max_new_tokens=params.max_new_tokens, do_sample=not params.greedy, use_cache=True,
                                 eos_token_id=list(self.stop_ids), pad_token_id=self.pad_id, return_dict_in_generate=True,
                                 output_logits=True, **NEUTRAL_GENERATION, **sampling)

@@ -35,17 +35,36 @@ def vllm_available() -> bool:
     return True
 
 
+def check_fp32_head(recipe) -> None:
+    """model.lm_head_fp32 with the in-process vLLM engine needs a vLLM whose model config has head_dtype
+    (hf_overrides), else only the trainer's head would be float32 (plan/preflight.py)."""
+    if recipe.model.lm_head_fp32 and recipe.generation.engine == "vllm":
+        check_fp32_head_support()
+
+
+def check_fp32_head_support() -> None:
+    from vllm.config import ModelConfig
+
+    if not hasattr(ModelConfig, "head_dtype"):
+        import vllm
+
+        raise UserError(f"model.lm_head_fp32: vLLM {vllm.__version__} cannot run its output layer in float32 "
+                        "(no head_dtype); upgrade vLLM, or set model.lm_head_fp32=false")
+
+
 class VLLMEngine(GenerationEngine):
     """`GenerationEngine` over an in-process vLLM `LLM` holding its own copy of the policy's weights.
 
     model_dir: the policy's starting weights (a HF model directory or hub id). tokenizer: gives the ids that stop
     a completion (models.facts.stop_ids, as in the HF engine; vLLM's own eos handling is off). config: `generation.vllm`. seed: the engine's
-    seed. max_model_len: longest prompt + completion (None: config's, or vLLM's default).
+    seed. max_model_len: longest prompt + completion (None: config's, or vLLM's default). fp32_head
+    (model.lm_head_fp32): the logits in float32 whatever the weights' dtype (vLLM's head_dtype).
     """
 
     holds_copy = True  # its weights must be synced from the trainer after each optimiser step
 
-    def __init__(self, model_dir, tokenizer, config=None, seed: int = 0, max_model_len: Optional[int] = None):
+    def __init__(self, model_dir, tokenizer, config=None, seed: int = 0, max_model_len: Optional[int] = None,
+                 fp32_head: bool = False):
         from posttrain.config.schema import VLLMConfig
 
         cfg = config or VLLMConfig()
@@ -60,6 +79,8 @@ class VLLMEngine(GenerationEngine):
             os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(cfg.kv_cache_gb)
         if not self.on_gpu:
             check_cpu_head_dim(model_dir)
+        if fp32_head:
+            check_fp32_head_support()
         from vllm import LLM
 
         dtype = cfg.dtype if cfg.dtype != "auto" or self.on_gpu else "float32"
@@ -69,6 +90,7 @@ class VLLMEngine(GenerationEngine):
                        enforce_eager=cfg.enforce_eager, enable_sleep_mode=self.sleep_mode,
                        logprobs_mode="processed_logprobs",
                        enable_prefix_caching=False,  # cached prefixes would outlive a weight sync
+                       **({"hf_overrides": {"head_dtype": "float32"}} if fp32_head else {}),
                        **({} if self.on_gpu else {"enable_chunked_prefill": False}))
         self._asleep = False
 

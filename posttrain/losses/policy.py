@@ -6,12 +6,13 @@ A GRPO micro-batch loss is built in three steps:
 
     loss_BT, clip_fraction = clipped_surrogate(logprobs_BT, old_logprobs_BT, advantages_B, completion_mask_BT,
                                                epsilon_low, epsilon_high, level="token")
-    loss_BT = loss_BT * truncated_importance_weights(old_BT, sampler_BT, completion_mask_BT, cap)[0]  # optional
+    loss_BT = loss_BT * sampler_importance_weights(old_BT, sampler_BT, completion_mask_BT, mode, cap)[0]  # optional
     loss_BT, kl_BT = add_kl_penalty(loss_BT, logprobs_BT, ref_logprobs_BT, beta)          # when beta > 0
     loss = LOSS_AGGREGATIONS[loss_type].aggregate(loss_BT, completion_mask_BT, normaliser)
 
 where `normaliser` is the sum, over the step's micro-batches and all ranks, of
 `LOSS_AGGREGATIONS[loss_type].count(completion_mask_BT, max_completion_length)`: the loop computes it once per step.
+The engine's importance correction (sampler_importance_weights, every mode) is in losses/sampler_correction.py.
 """
 
 from __future__ import annotations
@@ -60,33 +61,6 @@ def clipped_surrogate(logprobs_BT: torch.Tensor, old_logprobs_BT: torch.Tensor, 
     loss_BT = -torch.minimum(unclipped_BT, clipped_BT)
     clip_fraction = masked_mean((clipped_BT < unclipped_BT).float(), completion_mask_BT).detach()
     return loss_BT, clip_fraction
-
-
-def truncated_importance_weights(
-    old_logprobs_BT: torch.Tensor, sampler_logprobs_BT: torch.Tensor, completion_mask_BT: torch.Tensor, cap: float
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Truncated importance sampling (TIS, Yao et al. 2025) -> (weights_BT, metrics), all detached.
-
-    A generation engine samples from pi_sampler, not exactly from the trainer's pi_old: other kernels and precision
-    (vLLM), or an older policy (generation.max_staleness). The surrogate's gradient is an expectation under pi_old,
-    so each completion token's loss is weighted by min(pi_old(y_t) / pi_sampler(y_t), cap). Outside the completion
-    the weight is 1 (the sampler log-probs are 0 there). metrics: is_ratio (mean ratio before the cap) and
-    is_capped_fraction (share of tokens the cap changed), over completion tokens.
-
-    Any policy lag: pi_old is the trainer's policy when the batch is first trained, pi_sampler whichever version
-    sampled it (its log-probs carried with the batch), so the ratio pi / pi_old stays a trust region around the
-    current policy and this weight alone carries the whole distance to the sampler (the decoupled objective of Hilton
-    et al. 2022 and AReaL, Fu et al. 2025; docs/generation.md); a larger lag spreads the weights wider, which the cap
-    bounds at the price of bias.
-    """
-    with torch.no_grad():
-        ratio_BT = torch.exp(old_logprobs_BT.float() - sampler_logprobs_BT.float())
-        inside_BT = completion_mask_BT.bool()
-        weights_BT = torch.where(inside_BT, ratio_BT.clamp(max=cap), torch.ones_like(ratio_BT))
-        ratio_BT = torch.where(inside_BT, ratio_BT, torch.zeros_like(ratio_BT))  # an overflow outside stays out
-        metrics = {"is_ratio": masked_mean(ratio_BT, completion_mask_BT),
-                   "is_capped_fraction": masked_mean((ratio_BT > cap).float(), completion_mask_BT)}
-    return weights_BT.to(old_logprobs_BT.dtype), metrics
 
 
 def add_kl_penalty(loss_BT: torch.Tensor, logprobs_BT: torch.Tensor, ref_logprobs_BT: torch.Tensor,

@@ -29,6 +29,7 @@ from posttrain.batch import Batch
 from posttrain.distributed import sequence_parallel
 from posttrain.distributed.wrappers import plain_class, unwrap_module
 from posttrain.models.lean_activations import lean_activations
+from posttrain.models.load import FP32_HEAD
 from posttrain.ops.logprobs import (entropy_BT, linear_next_token_logprobs, linear_next_token_logprobs_entropy,
                                    next_token_logprobs, next_tokens, shift_right, token_logprobs)
 from posttrain.ops.shared_prefix import predictions
@@ -221,9 +222,20 @@ def fusable_head(model) -> torch.nn.Linear | None:
 @contextlib.contextmanager
 def _head_forward(head: torch.nn.Linear, forward):
     """The output layer runs `forward(hidden_BTH)` instead of its own inside the block (on the instance, so engine
-    hooks around the module still run), and is itself again after it."""
-    head.forward = forward
+    hooks around the module still run), and is itself again after it (model.lm_head_fp32's forward included). A
+    float32 head (models/load.fp32_output_layer) gets float32 hidden states outside autocast, as its own forward."""
+    previous = head.__dict__.get("forward")
+    if getattr(head, FP32_HEAD, False):
+        def fp32_forward(hidden_BTH: torch.Tensor) -> torch.Tensor:
+            with torch.autocast(hidden_BTH.device.type, enabled=False):
+                return forward(hidden_BTH.float())
+        head.forward = fp32_forward
+    else:
+        head.forward = forward
     try:
         yield
     finally:
-        del head.forward
+        if previous is None:
+            del head.forward
+        else:
+            head.forward = previous

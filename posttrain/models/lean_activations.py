@@ -97,12 +97,19 @@ def _norm_forward(module):
 FORWARDS = {"mlp": _mlp_forward, "norm": _norm_forward}
 
 
+def checkpointing(model: torch.nn.Module) -> bool:
+    """Gradient (activation) checkpointing is on in some layer: what transformers' `is_gradient_checkpointing`
+    answered, read from the layers' own flag, since transformers 5.24 deprecates that property with a FutureWarning
+    on every read (every step of a healthy run) in favour of `is_activation_checkpointing`, absent before."""
+    return any(getattr(m, "gradient_checkpointing", False) is True for m in model.modules())
+
+
 @contextlib.contextmanager
 def lean_activations(model):
     """For the duration of the block, the model's gated MLPs and RMSNorms keep only what their backward cannot
     cheaply remake (module docstring). A no-op without gradients or under gradient checkpointing."""
     inner = unwrap_module(model)
-    if not torch.is_grad_enabled() or not inner.training or getattr(inner, "is_gradient_checkpointing", False):
+    if not torch.is_grad_enabled() or not inner.training or checkpointing(inner):
         yield
         return
     swapped = []

@@ -156,17 +156,62 @@ def _from_pretrained(auto_cls, model_cfg: ModelConfig, gradient_checkpointing: b
         raise UserError(f"could not load model.name_or_path '{src}': {type(e).__name__}: {e}") from e
     if gradient_checkpointing:
         # the recomputation in the backward attends as the first forward did (Ulysses under sequence parallelism)
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={
-            "use_reentrant": False, "context_fn": sequence_parallel.checkpoint_context})
+        kwargs = {"use_reentrant": False, "context_fn": sequence_parallel.checkpoint_context}
+        enable = getattr(model, "activation_checkpointing_enable", None)  # transformers >= 5.24, whose old name warns
+        if enable is not None:
+            enable(activation_checkpointing_kwargs=kwargs)
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
         model.config.use_cache = False
     return model
 
 
 def load_causal_lm(model_cfg: ModelConfig, gradient_checkpointing: bool = False):
-    """AutoModelForCausalLM from the recipe's source, dtype, attention kernel, revision; optional checkpointing."""
-    from transformers import AutoModelForCausalLM
+    """AutoModelForCausalLM from the recipe's source, dtype, attention kernel, revision; optional checkpointing. A
+    vision-language model loads as AutoModelForImageTextToText (its forward takes the images and returns logits like
+    a causal LM's), its vision tower and projector frozen as model.freeze_vision_tower / freeze_projector say. With
+    model.lm_head_fp32 its output layer runs in float32 (fp32_output_layer)."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
-    return _from_pretrained(AutoModelForCausalLM, model_cfg, gradient_checkpointing)
+    from posttrain.models.vision import freeze_vision, is_vision_model
+
+    if not is_vision_model(model_cfg):
+        model = _from_pretrained(AutoModelForCausalLM, model_cfg, gradient_checkpointing)
+    else:
+        model = _from_pretrained(AutoModelForImageTextToText, model_cfg, gradient_checkpointing)
+        if model_cfg.freeze_vision_tower or model_cfg.freeze_projector:
+            freeze_vision(model, model_cfg.freeze_vision_tower, model_cfg.freeze_projector)
+    if model_cfg.lm_head_fp32:
+        fp32_output_layer(model)
+    return model
+
+
+FP32_HEAD = "posttrain_fp32_head"
+"""Set on an output layer that fp32_output_layer made: the fused log-prob path (models/forward.py) feeds it float32."""
+
+
+def _fp32_linear(head: torch.nn.Linear, hidden: torch.Tensor) -> torch.Tensor:
+    with torch.autocast(hidden.device.type, enabled=False):  # autocast would run the matmul in bf16 again
+        return torch.nn.functional.linear(hidden.float(), head.weight.float(),
+                                          None if head.bias is None else head.bias.float())
+
+
+def fp32_output_layer(model) -> None:
+    """model.lm_head_fp32: the output layer's weight in float32 and its forward in float32 whatever the hidden
+    states' dtype and autocast (TRL's cast_lm_head_to_fp32). A tied input embedding shares the float32 weight; its
+    output is cast back to the model's dtype, so the layers after it see what they did before."""
+    inner = unwrap_module(model)
+    head = inner.get_output_embeddings()
+    if type(head) is not torch.nn.Linear:
+        raise UserError(f"model.lm_head_fp32: the output layer of {type(inner).__name__} is a "
+                        f"{type(head).__name__}, not a plain Linear; set model.lm_head_fp32=false")
+    dtype = head.weight.dtype
+    embeddings = inner.get_input_embeddings()
+    head.float()
+    head.forward = _fp32_linear.__get__(head)
+    setattr(head, FP32_HEAD, True)
+    if embeddings is not None and embeddings.weight is head.weight and dtype != torch.float32:
+        embeddings.register_forward_hook(lambda module, args, out: out.to(dtype))
 
 
 def load_sequence_classifier(model_cfg: ModelConfig, gradient_checkpointing: bool = False, pad_token_id=None):
@@ -183,7 +228,9 @@ def load_sequence_classifier(model_cfg: ModelConfig, gradient_checkpointing: boo
 
 
 def apply_lora(model, lora_cfg: LoraConfig, task: str = "causal_lm"):
-    """Wrap the model in peft LoRA adapters; only adapters (and, for seq_cls, the score head) stay trainable."""
+    """Wrap the model in peft LoRA adapters; only adapters (and, for seq_cls, the score head) stay trainable. A
+    vision-language model gets them in its language model only (a CLIP tower's q_proj would match too), its vision
+    tower and projector frozen."""
     try:
         import peft
     except ImportError:
@@ -196,8 +243,11 @@ def apply_lora(model, lora_cfg: LoraConfig, task: str = "causal_lm"):
     if targets != ALL_LINEAR and not set(targets) & set(linear_names):
         raise UserError(f"model.lora.target_modules {list(lora_cfg.target_modules)} match no layer of this model; "
                         f"its linear layers are named: {', '.join(linear_names)}")
+    from posttrain.models.vision import vision_modules_pattern
+
     config = peft.LoraConfig(r=lora_cfg.r, lora_alpha=lora_cfg.alpha, lora_dropout=lora_cfg.dropout, bias="none",
                              target_modules=targets,
+                             exclude_modules=vision_modules_pattern(model),  # a VLM: the language model only
                              task_type=peft.TaskType.CAUSAL_LM if task == "causal_lm" else peft.TaskType.SEQ_CLS)
     return peft.get_peft_model(model, config)
 

@@ -44,6 +44,9 @@ def blocker(recipe, config_dict: Optional[dict]) -> Optional[str]:
         return None
     from posttrain.models.moe import MOE_MODEL_TYPES
 
+    if isinstance(config_dict.get("vision_config"), dict):
+        return (f"{config_dict.get('model_type')} is a vision-language model: its image features and 3-D rope "
+                "positions are per row (not covered yet)")
     if config_dict.get("model_type") in MOE_MODEL_TYPES:
         return (f"{config_dict.get('model_type')} is a mixture of experts: its load-balancing loss counts routed "
                 "tokens, and a shared prefix's tokens are routed once")

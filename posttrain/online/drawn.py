@@ -108,7 +108,8 @@ class Drawn:
         return RankFigures(total=self.total, scored=self.scored, per_function=self.per_function, skipped=self.skipped,
                            logged=logged, lengths=[len(ids) for ids in self.completion_ids], truncated=self.truncated,
                            lags=self.lags,
-                           agent=[t.stats() for t in self.trajectories] if self.trajectories is not None else None)
+                           agent=[t.stats() for t in self.trajectories] if self.trajectories is not None else None,
+                           untemplated=[bool(p.get("untemplated")) for p in self.prompts])
 
     def metric(self, name: str, answer_column: str = "answer") -> torch.Tensor:
         """metric_B for dynamic sampling: accuracy (exact match against the answer column; NaN without a reference)
@@ -146,4 +147,6 @@ class RankFigures:
     """Optimiser steps from the sampling policy to the one trained."""
     agent: Optional[list[dict]]
     """Multi-turn runs: each trajectory's stats (agents.Trajectory.stats); None for single-turn sampling."""
+    untemplated: list[bool] = field(default_factory=list)
+    """Per prompt: plain text tokenised as it is for a tokenizer with a chat template (rundir/health.py)."""
 

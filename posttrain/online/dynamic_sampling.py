@@ -28,6 +28,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import signal
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional, Sequence, TypeVar
@@ -37,6 +38,7 @@ import torch
 from posttrain.algorithms.grpo import DynamicSamplingConfig
 from posttrain.errors import RunStopped, UserError
 from posttrain.online.drawn import Drawn
+from posttrain.usercode import stop_requested
 
 logger = logging.getLogger(__name__)
 
@@ -74,18 +76,19 @@ class Refilled:
 def refill(need: int, draw: Callable[[], tuple[Sequence[Group], torch.Tensor]],
            keep: Callable[[torch.Tensor, int], torch.Tensor], group: int, max_batches: int,
            short_anywhere: Callable[[int], bool] = lambda short: short > 0,
-           batches_per_pass: Optional[int] = None) -> Refilled:
+           batches_per_pass: Optional[int] = None, stop_signal: Callable[[], int] = stop_requested) -> Refilled:
     """Draw generation batches until `need` kept groups are in hand (on every rank: `short_anywhere(this rank's
-    shortfall)` is true while any rank is short) or `max_batches` were drawn. With max_batches 0 (no limit) a step
-    still short after `batches_per_pass` draws (every prompt of the data once; None: unbounded) stops the run: more
-    draws would only repeat the prompts that did not vary (it used to draw forever).
+    shortfall)` is true while any rank is short) or `max_batches` were drawn, and never more than `batches_per_pass`
+    (every prompt of the data once; None: unbounded): more draws would only repeat the prompts that did not vary (a
+    high max_batches drew for hours). With max_batches 0 (no limit) a step still short after a pass stops the run.
+    A stop signal (SIGTERM, SIGINT: `stop_signal()`, agreed by every rank) stops the run between two draws.
 
     draw() -> (groups, metric_B): the next generation batch's groups, in prompt order, and the metric of each of
     their completions (group consecutive values per group). keep(metric_B, group) -> bool_P picks the groups."""
     kept: list = []
     dropped: list = []
     drawn = batches = 0
-    limit = max_batches or batches_per_pass or math.inf
+    limit = min(max_batches or math.inf, batches_per_pass or math.inf)
     while True:
         groups, metric_B = draw()
         batches += 1
@@ -96,6 +99,11 @@ def refill(need: int, draw: Callable[[], tuple[Sequence[Group], torch.Tensor]],
         short = short_anywhere(max(0, need - len(kept)))
         if not short or batches >= limit:
             break
+        signum = stop_signal()
+        if signum:  # the step cannot finish soon: stop now, its last checkpoint intact
+            raise RunStopped(f"{signal.Signals(signum).name} while dynamic sampling drew for a step ({batches} "
+                             f"generation batches, {len(kept)} of the {need} prompt groups vary): stopped without "
+                             "saving this step, the last checkpoint is intact", 128 + signum, resumable=True)
     if short and not max_batches:  # every rank knows `short` alike: all stop together
         raise RunStopped(f"dynamic sampling drew every prompt of the data once for this step ({batches} generation "
                          f"batches) and {len(kept)} of the {need} prompt groups this process needs vary: the metric "
@@ -104,9 +112,13 @@ def refill(need: int, draw: Callable[[], tuple[Sequence[Group], torch.Tensor]],
                          "on the groups that vary (max_batches=0 never trains on fewer)")
     fillers = max(0, need - len(kept))
     if fillers:
-        logger.warning("dynamic sampling: %d of %d prompt groups of this step vary after %d generation batches "
-                       "(algo.dynamic_sampling.max_batches); training on them, the other %d groups masked out of the "
-                       "loss. Raise max_batches, or use easier / harder data", len(kept), need, batches, fillers)
+        why = (f"algo.dynamic_sampling.max_batches={max_batches}" if batches < (batches_per_pass or math.inf)
+               else "one pass over the data, the most a step draws")
+        trains = (f"training on those {len(kept)}, the other {fillers} masked out of the loss" if kept else
+                  "this step trains on nothing: every completion is masked out of the loss")
+        logger.warning("dynamic sampling: %d of the %d prompt groups this step needs vary after %d generation "
+                       "batches (%s); %s. Raise max_batches, or use easier / harder data", len(kept), need, batches,
+                       why, trains)
     return Refilled(kept[:need] + dropped[:fillers], fillers, drawn, len(kept), batches)
 
 
@@ -140,14 +152,23 @@ class DynamicSampler:
             rewards.extend(drawn.total)
             return drawn.groups(), drawn.metric(self.config.metric)
 
+        agreed = [0]  # the stop signal some rank received, agreed in the shortfall's all-reduce (one collective)
+
         def short_anywhere(short: int) -> bool:
-            return float(self._sum(torch.tensor([float(short)]))[0]) > 0
+            short_sum, signals = self._sum(torch.tensor([float(short), float(stop_requested())])).tolist()
+            agreed[0] = stop_requested() or (int(signal.SIGTERM) if signals else 0)  # a peer's: launchers send TERM
+            return short_sum > 0
 
         out = refill(self.need, draw, varied_groups, self.group, self.config.max_batches, short_anywhere,
-                     self.batches_per_pass)
+                     self.batches_per_pass, lambda: agreed[0])
         counts = self._sum(torch.tensor([out.drawn, out.kept, out.fillers, sum(rewards), len(rewards)],
                                         dtype=torch.float64)).tolist()
         drawn, kept, fillers, reward_sum, completions = counts
+        if not kept and out.batches >= self.batches_per_pass:  # every rank alike: the counts are summed
+            raise RunStopped(f"dynamic sampling drew every prompt of the data once for step {step + 1} ({out.batches} "
+                             "generation batches) and no prompt group varies: no step of this run can train. Check "
+                             "the reward and the data's answers (algo.dynamic_sampling.metric="
+                             f"{self.config.metric})")
         metrics = {"dynamic_sampling/groups_drawn": drawn, "dynamic_sampling/groups_kept": kept,
                    "dynamic_sampling/groups_dropped": drawn - kept, "dynamic_sampling/kept_fraction": kept / drawn,
                    "dynamic_sampling/filler_groups": fillers, "dynamic_sampling/batches": float(out.batches),

@@ -76,9 +76,13 @@ class Sample:
 class EngineLink:
     """The trainer's side of its generation engine (see the module docstring)."""
 
-    def __init__(self, recipe, backend, policy, tokenizer, servers=None):
+    def __init__(self, recipe, backend, policy, tokenizer, servers=None, vision=None):
+        """vision: a vision-language policy's data.images.ImageEncoder (prompts' images -> pixel tensors), which the
+        engine then takes with the prompts."""
         self.backend, self.policy, self.generation, self.seed = backend, policy, recipe.generation, recipe.seed
         self.engine = make_engine(recipe, backend, policy.model, tokenizer, servers)
+        if vision is not None:
+            self.engine.take_images(vision)
         self.agent: Optional[AgentLoop] = None  # agent.tools / agent.environment: multi-turn trajectories
         if recipe.agent.enabled:
             in_step = None
@@ -143,7 +147,8 @@ class EngineLink:
             with self.backend.autocast():
                 if self.agent is None:
                     prompt_ids = [p["prompt_ids"] for p in chunk]
-                    completions = self.engine.generate(prompt_ids, params)
+                    images = {"images": [p.get("images", []) for p in chunk]} if self.engine.takes_images else {}
+                    completions = self.engine.generate(prompt_ids, params, **images)
                     completion_ids, logprobs, truncated = (completions.completion_ids, completions.logprobs,
                                                            completions.truncated)
                 else:  # multi-turn: the trajectories' own prompt and completion tokens

@@ -69,10 +69,49 @@ def evaluate_prompts(backend, link, tokenizer, examples: list[dict], rewards, tr
            "eval/completion_length": length_sum / max(n, 1.0)}
     if counted:
         out["eval/accuracy"] = correct / counted
+    out.update(per_task(backend, examples, mine[:real], scores.per_function))
     if pass_k:
         n = pass_k_samples or max(pass_k)
         out.update(sampled_pass_at_k(backend, link, tokenizer, mine, real, pass_k, n))
     return out
+
+
+TASK_COLUMN = "task"
+
+
+def per_task(backend, examples: list[dict], mine: list[dict], per_function: dict) -> dict[str, float]:
+    """eval/<reward>/<task> for data with a `task` column (a reasoning_gym: source writes it; mixed tasks): each
+    reward function's mean over that task's held-out rows, the rows it gave no value left out. The tasks come from
+    the whole eval set, so every rank reduces the same figures; the report draws eval/<reward>/<task> with the
+    training metric <reward>/<task> a reward logs
+    (rewards/reasoning_gym.py)."""
+    if not examples or TASK_COLUMN not in examples[0]["columns"]:
+        return {}
+    tasks = sorted({str(e["columns"][TASK_COLUMN]) for e in examples})
+    names = sorted(per_function)
+    mine_tasks = [str(e["columns"][TASK_COLUMN]) for e in mine]
+    local = torch.zeros(len(tasks), len(names), 2, dtype=torch.float64)  # (sum, count) per task and reward
+    for j, name in enumerate(names):
+        values_B = per_function[name][: len(mine)].double()
+        for i, task in enumerate(tasks):
+            take_B = torch.tensor([t == task for t in mine_tasks], dtype=torch.bool) & ~values_B.isnan()
+            local[i, j] = torch.stack([values_B[take_B].sum(), take_B.sum().double()])
+    totals = backend.all_reduce_sum(local.to(backend.device)).cpu()
+    return {f"eval/{name}/{task}": float(totals[i, j, 0] / totals[i, j, 1])
+            for i, task in enumerate(tasks) for j, name in enumerate(names) if totals[i, j, 1] > 0}
+
+
+def check_eval_settings(recipe, algorithm) -> None:
+    """train.eval_pass_k acts only where completions of data.eval are sampled: an online algorithm with data.eval.
+    Anywhere else it was accepted and did nothing."""
+    if not recipe.train.eval_pass_k:
+        return
+    if algorithm.source_kind != "rollout":
+        raise UserError("train.eval_pass_k samples completions of data.eval's prompts, which only the online "
+                        "algorithms do (grpo, ppo); this command evaluates by its loss: drop train.eval_pass_k")
+    if not recipe.data.eval:
+        raise UserError("train.eval_pass_k evaluates on data.eval, which is not set: nothing would be evaluated; "
+                        "set data.eval (prompts with an 'answer' column) or drop train.eval_pass_k")
 
 
 def check_answer_columns(recipe, algorithm, train_examples: list[dict], eval_examples: Optional[list[dict]]) -> None:

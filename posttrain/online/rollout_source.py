@@ -23,10 +23,11 @@ made in phases:
 last_metrics (whole step, all ranks): reward/mean|std (scored completions only), rewards/<name>/mean|std,
 rewards/skipped, rewards/unscored (completions no reward scored), frac_reward_zero_std, completion_length/mean|max|min,
 truncated_fraction, policy_lag and rollout/policy_lag_mean|max (optimiser steps from the sampling policy to the
-trained one); and this rank's seconds per phase: time/generate (with max_staleness: the wait for the batch sampled
-ahead), time/sync, time/score (with the gather), time/ref (log-probs, values, advantages), time/train (from handing
-the micro-batches over to the loop reading the metrics), and under launcher: ray time/role/<role> for each role
-served apart from the policy (its calls, transfer included).
+trained one), mismatch/* where an engine samples apart (online/mismatch.py), prompts/untemplated_fraction where
+plain-text prompts meet a chat template; and this rank's seconds per phase: time/generate (with max_staleness: the
+wait for the batch sampled ahead), time/sync, time/score (with the gather), time/ref (log-probs, values,
+advantages), time/train (from handing the micro-batches over to the loop reading the metrics), and under launcher:
+ray time/role/<role> for each role served apart from the policy (its calls, transfer included).
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ from typing import Callable
 import torch
 
 from posttrain.data.collate import collate_padded, pad_id
+from posttrain.data.images import ImageEncoder, with_images
 from posttrain.agents import Trajectory, agent_metrics
 from posttrain.ops.advantages import zero_std_fraction
 from posttrain.ops.logprobs import sequence_mean
@@ -53,8 +55,10 @@ from posttrain.online.drawn import Drawn, RankFigures
 from posttrain.online.dynamic_sampling import DynamicSampler
 from posttrain.online.engine_link import EngineLink
 from posttrain.online.in_flight import InFlight, Sampled, lag_metrics, policy_lag
-from posttrain.online.scoring import score
+from posttrain.online.mismatch import engine_mismatch
+from posttrain.online.scoring import UnscoredSteps, score
 from posttrain.train.sources import SampleOrder, Source
+from posttrain.usercode import UserCodeError
 
 logger = logging.getLogger(__name__)
 
@@ -101,9 +105,13 @@ class RolloutSource(Source):
 
     prepares_batches = True  # phase 4: once per generation batch, when it is taken for training
 
-    def __init__(self, recipe, backend, models, algorithm, examples, rewards, servers=None, shared_prefix=False):
+    def __init__(self, recipe, backend, models, algorithm, examples, rewards, servers=None, processor=None,
+                 shared_prefix=False):
+        """processor: a vision-language policy's; the prompts' images go to the engine and into the batches.
+        shared_prefix: train.shared_prefix as run.py resolved it (the prepare forwards share too)."""
         t = recipe.train
-        self.shared_prefix = shared_prefix  # train.shared_prefix as run.py resolved it: the prepare forwards share too
+        self.processor = processor
+        self.shared_prefix = shared_prefix
         self.recipe, self.backend, self.models, self.algorithm = recipe, backend, models, algorithm
         self.examples, self.rewards, self.tokenizer = examples, rewards, models.tokenizer
         self.group = algorithm.samples_per_prompt
@@ -112,10 +120,12 @@ class RolloutSource(Source):
         self.prompts_per_rank = self.micro * t.gradient_accumulation_steps // self.group  # validated: whole
         self.prompts_per_step = self.prompts_per_rank * backend.data_world_size
         self.order = SampleOrder(len(examples), t.dataloader_seed if t.dataloader_seed is not None else recipe.seed)
-        self.link = EngineLink(recipe, backend, models.policy, self.tokenizer, servers)
+        vision = ImageEncoder(processor) if processor is not None else None
+        self.link = EngineLink(recipe, backend, models.policy, self.tokenizer, servers, vision)
         self._generation: Generation | None = None
         self._handed_out = time.perf_counter()
         self._metrics: dict[str, float] = {}
+        self._unscored = UnscoredSteps()  # a run whose rewards score nothing stops
         self._trained_through = 0  # optimiser steps the policy has taken (as far as this source knows)
         # generation.max_staleness: up to k generation batches sampled ahead, in one thread, while this one trains
         self._ahead = InFlight(recipe.generation.max_staleness, self.iterations)
@@ -230,6 +240,9 @@ class RolloutSource(Source):
         everyone: list[RankFigures] = backend.data_all_gather_object(drawn.figures(self._logged))
         global_total_B = torch.tensor([r for part in everyone for r in part.total])
         global_scored_B = torch.tensor([s for part in everyone for s in part.scored], dtype=torch.bool)
+        self._unscored.check(global_scored_B, {name: sum(math.isnan(v) for part in everyone
+                                                         for v in part.per_function[name])
+                                               for name in everyone[0].per_function}, step)
         scored = time.perf_counter()
         self._seconds["score"] += scored - gather_started
 
@@ -248,6 +261,9 @@ class RolloutSource(Source):
             rollouts = Rollouts(batches, global_total_B, step_truncated_B, backend.data_rank * len(total_B), group,
                                 backend.data_all_reduce_sum, global_scored_B)
             batches, advantage_metrics = self.algorithm.advantages(rollouts)
+            if self.link.engine.holds_copy:  # an engine apart: its log-probs against the trainer's (mismatch.py)
+                advantage_metrics.update(engine_mismatch(batches, self.algorithm.clip_range(),
+                                                         backend.data_all_gather_object))
         prepared = time.perf_counter()
 
         metrics = step_metrics(everyone, global_total_B, global_scored_B, group)
@@ -324,6 +340,9 @@ class RolloutSource(Source):
         for start in range(0, len(rows), self.micro):
             stop = start + self.micro
             batch = collate_padded(rows[start:stop], pad_id(self.tokenizer))
+            if self.processor is not None:  # each completion row sees its prompt's images
+                images = [self.examples[i].get("images", []) for i in dataset_index[start:stop]]
+                batch = with_images(batch, images, self.processor)
             sampler_BT = torch.zeros(batch.input_ids_BT.shape, dtype=torch.float32)
             for row, (p, lps) in enumerate(zip(prompt_ids[start:stop], sampler_logprobs[start:stop])):
                 sampler_BT[row, len(p) : len(p) + len(lps)] = torch.tensor(lps, dtype=torch.float32)
@@ -379,11 +398,18 @@ def step_metrics(everyone: list[RankFigures], total_B: torch.Tensor, scored_B: t
                "completion_length/mean": lengths.mean(), "completion_length/max": lengths.max(),
                "completion_length/min": lengths.min(), "truncated_fraction": truncated.mean(),
                **reward_metrics(per_function)}
+    untemplated = [u for part in everyone for u in part.untemplated]
+    if any(untemplated):  # plain-text prompts for a chat model (rundir/health.py)
+        metrics["prompts/untemplated_fraction"] = sum(untemplated) / len(untemplated)
     if group > 1:  # samples of one prompt: how many groups carry no signal
         metrics["frac_reward_zero_std"] = zero_std_fraction(total_B, group, scored_B)
     logged: dict[str, list[float]] = {}  # the reward functions' log_metric values, averaged over the step
     for part in everyone:
         for name, values in part.logged.items():
             logged.setdefault(name, []).extend(values)
+    clash = sorted(set(logged) & set(metrics))
+    if clash:  # the trainer's figure would be replaced by the user's
+        raise UserCodeError(f"a reward function called log_metric({clash[0]!r}, ...), a metric the trainer logs "
+                            "itself; give yours a name of its own")
     return {**{k: float(v) for k, v in metrics.items()}, **{k: sum(v) / len(v) for k, v in logged.items()},
             "rewards/skipped": float(sum(p.skipped for p in everyone))}

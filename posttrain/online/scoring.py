@@ -11,7 +11,10 @@ environment's own reward is added (agents/scoring.py).
 
 from __future__ import annotations
 
+import torch
+
 from posttrain.agents import score_trajectories
+from posttrain.errors import RunStopped
 from posttrain.rewards import Scores, as_completions
 
 
@@ -30,3 +33,28 @@ def score(rewards, prompts: list[dict], sample, tokenizer, with_environment: boo
         scorer = rewards.score
     scores = scorer(repeated, as_completions(repeated, texts), columns, sample.completion_ids, trainer_state)
     return texts, scores
+
+
+class UnscoredSteps:
+    """A step none of whose completions any reward scored (every function skipped its batch, on_error: skip, or
+    returned None) trains on nothing: every advantage is 0. One such step after scored ones is an outage the recipe
+    chose to ride out; a run whose every step so far is unscored, or `limit` such steps in a row, stops (it used to
+    train at loss 0 to exit 0)."""
+
+    def __init__(self, limit: int = 3):
+        self.limit, self.scored_once, self.in_a_row = limit, False, 0
+
+    def check(self, scored_B: torch.Tensor, skipped: dict[str, int], step: int) -> None:
+        """scored_B: the step's completions on every rank (the same on all, so all stop alike); skipped: reward
+        name -> completions it gave no value."""
+        if scored_B.numel() == 0 or scored_B.any():
+            self.scored_once, self.in_a_row = True, 0
+            return
+        self.in_a_row += 1
+        if self.scored_once and self.in_a_row < self.limit:
+            return
+        what = ", ".join(f"'{name}' {count} of {len(scored_B)}" for name, count in skipped.items())
+        since = f"the last {self.in_a_row} steps" if self.scored_once else f"every step so far (to step {step + 1})"
+        raise RunStopped(f"no reward scored any completion of {since} ({what} missing): those steps train on nothing "
+                         "(every advantage is 0). The warnings above say why each reward gave none (on_error: skip "
+                         "hides a failing reward, None means 'not applicable'); fix the reward and rerun")

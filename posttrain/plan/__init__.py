@@ -19,6 +19,7 @@ import torch
 import yaml
 
 from posttrain.errors import UserError
+from posttrain.models.vision import is_vision_model
 from posttrain.plan.estimate import ENGINES, GIB, Breakdown, estimate
 from posttrain.plan.recommend import format_table, launch_command, make_plan, to_json
 from posttrain.plan.shape import config_and_source, model_shape, read_config, shape_from_config
@@ -165,6 +166,8 @@ def run_plan(command: str, recipe, config: Optional[str], overrides: list[str], 
     workload_for = functools.partial(workload_from_recipe, command, recipe, mean_length=mean_length)
     plan = make_plan(shape, workload_for, t.per_device_train_batch_size, t.gradient_accumulation_steps, gpus,
                      gpu_bytes, nodes, lora_shape, recipe.data.max_length, shortest_budget(command, recipe))
+    if is_vision_model(recipe.model):  # a token budget packs rows, which a vision-language model refuses
+        plan = dataclasses.replace(plan, token_budget=None)
     line = (launch_command(plan.recommended, command, config, overrides, gpus, nodes,
                            (t.per_device_train_batch_size, t.gradient_accumulation_steps), sp, recipe.data.packing)
             if plan.recommended is not None else None)

@@ -15,15 +15,19 @@ from __future__ import annotations
 from typing import Callable, Optional
 
 from posttrain.distributed.precision import check_master_weights
+from posttrain.generation.vllm_engine import check_fp32_head
 from posttrain.models.limits import check_position_limit, check_sequence_parallel, model_config_file
 from posttrain.models.load import check_model_source
 from posttrain.models.moe import check_moe_options
 from posttrain.models.packing import check_packing
+from posttrain.models.vision import check_vision_recipe
+from posttrain.online.evaluation import check_eval_settings
 from posttrain.train.micro_batches import check_token_budget
 
 # name -> check(recipe, algorithm, world); world None: this launch's WORLD_SIZE
 RECIPE_CHECKS: dict[str, Callable[..., None]] = {
     "model source": lambda recipe, algorithm, world: check_model_source(recipe.model),
+    "vision-language model": lambda recipe, algorithm, world: check_vision_recipe(recipe, algorithm) and None,
     "position limit": lambda recipe, algorithm, world: check_position_limit(recipe, algorithm.data_kind),
     "packing": lambda recipe, algorithm, world: check_packing(recipe),  # attention that would mix packed rows
     "master weights": lambda recipe, algorithm, world: check_master_weights(recipe.model, recipe.train),
@@ -31,6 +35,8 @@ RECIPE_CHECKS: dict[str, Callable[..., None]] = {
     "token budget": lambda recipe, algorithm, world: check_token_budget(recipe, algorithm),
     "sequence parallelism": lambda recipe, algorithm, world: check_sequence_parallel(recipe, algorithm, world=world),
     "LoRA targets": lambda recipe, algorithm, world: check_lora_targets(recipe, algorithm),
+    "pass@k": lambda recipe, algorithm, world: check_eval_settings(recipe, algorithm),  # only where eval samples
+    "float32 output layer": lambda recipe, algorithm, world: check_fp32_head(recipe),  # vLLM's side of it
 }
 
 

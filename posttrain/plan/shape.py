@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import functools
 import os
+import re
 import socket
+from typing import Optional
 from urllib.parse import urlparse
 
 import torch
@@ -77,22 +79,29 @@ def offline_advice() -> str:
             "run once where the hub is reachable to cache it (HF_ENDPOINT names a mirror)")
 
 
-def lora_parameters(model, target_modules, r: int) -> int:
+def lora_parameters(model, target_modules, r: int, exclude: Optional[str] = None) -> int:
     """Parameters peft adds: r x (in + out) for every linear layer whose name ends in one of target_modules (all-linear:
-    every one but the output layer, as PEFT reads it)."""
+    every one but the output layer, as PEFT reads it), none whose name fully matches `exclude` (peft's
+    exclude_modules: a VLM's vision tower and projector)."""
     heads = {"lm_head", "score", "classifier"}
     return sum(r * (m.in_features + m.out_features) for name, m in model.named_modules()
                if isinstance(m, torch.nn.Linear) and (name.rsplit(".", 1)[-1] in target_modules or (
-                   ALL_LINEAR in target_modules and name.rsplit(".", 1)[-1] not in heads)))
+                   ALL_LINEAR in target_modules and name.rsplit(".", 1)[-1] not in heads))
+               and not (exclude and re.fullmatch(exclude, name)))
 
 
 @functools.lru_cache(maxsize=8)  # plan asks for the same shape again (with and without LoRA, per engine)
 def model_shape(model_cfg: ModelConfig, task: str = "causal_lm") -> ModelShape:
-    """Parameter counts (tied weights once) and the sizes activations depend on, for the recipe's model."""
-    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+    """Parameter counts (tied weights once) and the sizes activations depend on, for the recipe's model. A
+    vision-language model counts its vision tower and projector, trainable unless model.freeze_* says otherwise."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoModelForSequenceClassification
+
+    from posttrain.models.vision import vision_modules_pattern, vision_parameters
 
     config = read_config(model_cfg)
-    auto = AutoModelForSequenceClassification if task == "seq_cls" else AutoModelForCausalLM
+    vision = task == "causal_lm" and getattr(config, "vision_config", None) is not None
+    auto = (AutoModelForSequenceClassification if task == "seq_cls" else AutoModelForImageTextToText if vision
+            else AutoModelForCausalLM)
     if task == "seq_cls":
         config.num_labels = 1
     try:
@@ -103,9 +112,15 @@ def model_shape(model_cfg: ModelConfig, task: str = "causal_lm") -> ModelShape:
                         f"from its config.json ({e})") from e
     parameters = sum(p.numel() for p in model.parameters())
     trainable = parameters
+    if vision:
+        tower, projector = vision_parameters(model)
+        sizes = dict((name, p.numel()) for name, p in model.named_parameters())
+        frozen = (tower if model_cfg.freeze_vision_tower else []) + (projector if model_cfg.freeze_projector else [])
+        trainable -= sum(sizes[name] for name in frozen)
     if model_cfg.lora.enabled:
         targets = lora_targets(model_cfg.lora.target_modules, getattr(config, "model_type", ""))
-        trainable = lora_parameters(model, {targets} if isinstance(targets, str) else set(targets), model_cfg.lora.r)
+        trainable = lora_parameters(model, {targets} if isinstance(targets, str) else set(targets), model_cfg.lora.r,
+                                    vision_modules_pattern(model))
         if not trainable:
             raise UserError(f"model.lora.target_modules {list(model_cfg.lora.target_modules)} match no linear layer "
                             f"of {model_cfg.name_or_path}")

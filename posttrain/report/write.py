@@ -26,6 +26,9 @@ from posttrain.report.html import (config_section, constants_table, esc, facts_s
 # train.eval_pass_k: the held-out greedy accuracy and the unbiased pass@k of each k on one chart
 PASS_AT_K = ("held-out accuracy (greedy) and pass@k (sampled)", ("eval/accuracy", "eval/pass_at_?", "eval/pass_at_??",
                                                                   "eval/pass_at_???"))
+# where an engine samples apart from the trainer (vllm, server): how far its log-probs are (online/mismatch.py)
+MISMATCH = ("trainer vs engine log-probs", ("mismatch/logprob_diff/mean", "mismatch/logprob_diff/p99", "mismatch/k3",
+                                             "mismatch/phantom_clip_fraction"))
 # The curves a person reads first, per command: (title, metric patterns); eval/<metric> joins its train metric
 KEY_CURVES: dict[str, tuple[tuple[str, tuple[str, ...]], ...]] = {
     "sft": (("loss", ("loss",)), ("mean token log-prob", ("mean_token_logprob",))),
@@ -36,10 +39,10 @@ KEY_CURVES: dict[str, tuple[tuple[str, tuple[str, ...]], ...]] = {
             ("log-probs", ("logps/chosen", "logps/rejected"))),
     "grpo": (("reward", ("reward/mean",)), PASS_AT_K, ("KL to the reference", ("kl",)), ("entropy", ("entropy",)),
              ("clip fraction", ("clip_fraction",)), ("loss", ("loss",)),
-             ("completion length", ("completion_length/mean",))),
+             ("completion length", ("completion_length/mean",)), MISMATCH),
     "ppo": (("reward", ("reward/mean",)), PASS_AT_K, ("KL to the reference", ("kl",)), ("entropy", ("entropy",)),
             ("clip fraction", ("clip_fraction", "value_clip_fraction")), ("policy loss", ("loss",)),
-            ("value loss", ("loss/critic",)), ("completion length", ("completion_length/mean",))),
+            ("value loss", ("loss/critic",)), ("completion length", ("completion_length/mean",)), MISMATCH),
 }
 THROUGHPUT = (("tokens per second", ("tokens_per_second",)),
               ("peak memory (MB)", ("peak_memory_mb", "peak_memory_mb/rank*", "estimated_peak_memory_mb")),

@@ -32,8 +32,10 @@ import math
 import re
 from typing import Any, Callable, Optional
 
-from posttrain.errors import UserError
-from posttrain.rewards.contract import CONTRACT_ARGS, completion_text
+from posttrain.errors import UserError, overflows_float32
+from posttrain.rewards.contract import CONTRACT_ARGS, column_values, completion_text
+from posttrain.rewards.math_answers import MathAccuracy, require_math_verify, think_answer_format
+from posttrain.rewards import reasoning_gym as rg_reward, verifiers_rubric
 from posttrain.rewards.judge import Judge
 from posttrain.rewards.overlong import Overlong
 from posttrain.rewards.reward_model import load_scorer, reward_model
@@ -115,12 +117,9 @@ def exact_match(completions: list, answer_column: str = "answer", **kwargs) -> l
     is reduced to its marked answer. Numbers compare by value ('1,000' == '1000.0'); text ignores case, spaces,
     surrounding '$' and a final '.'.
     """
-    if answer_column not in kwargs:
-        columns = sorted(k for k in kwargs if k not in CONTRACT_ARGS)
-        raise UserError(f"reward exact_match reads the dataset column '{answer_column}', which the data does not have "
-                        f"(columns: {', '.join(columns) or 'none'}); set kwargs.answer_column")
+    references = column_values(kwargs, answer_column, "exact_match")
     return [None if reference is None else float(answers_match(completion_text(completion), reference))
-            for completion, reference in zip(completions, kwargs[answer_column])]
+            for completion, reference in zip(completions, references)]
 
 
 def format_reward(completions: list, pattern: str, fullmatch: bool = True, **kwargs) -> list[float]:
@@ -167,7 +166,10 @@ def length_penalty(completions: list, max_length: int, target_length: int = 0, u
 
 BUILTIN_REWARDS: dict[str, Callable[..., list]] = {"exact_match": exact_match, "format": format_reward,
                                                    "length_penalty": length_penalty, "reward_model": reward_model,
-                                                   "overlong": Overlong, "judge": Judge}
+                                                   "overlong": Overlong, "judge": Judge, "math_accuracy": MathAccuracy,
+                                                   "think_answer_format": think_answer_format,
+                                                   "reasoning_gym": rg_reward.reasoning_gym,
+                                                   "verifiers": verifiers_rubric.verifiers}
 """A function gets the recipe's kwargs bound; a class is built once with them (its __init__ checks them)."""
 
 
@@ -191,7 +193,9 @@ def _check_length_penalty(kwargs: dict) -> None:
 
 
 CHECKS: dict[str, Callable[[dict], None]] = {  # reward_model loads now: a bad path fails before any compute
-    "format": _check_format, "length_penalty": _check_length_penalty, "reward_model": lambda kw: load_scorer(**kw)}
+    "format": _check_format, "length_penalty": _check_length_penalty, "reward_model": lambda kw: load_scorer(**kw),
+    "math_accuracy": lambda kw: require_math_verify("reward math_accuracy"), "reasoning_gym": rg_reward.check,
+    "verifiers": verifiers_rubric.check}
 
 
 def check_builtin_kwargs(name: str, kwargs: dict) -> None:
@@ -206,5 +210,10 @@ def check_builtin_kwargs(name: str, kwargs: dict) -> None:
     missing = [n for n, p in named.items() if p.default is inspect.Parameter.empty and n not in kwargs]
     if missing:
         raise UserError(f"reward {name} needs kwargs {', '.join(missing)} (in the recipe: rewards[].kwargs)")
+    for key, value in kwargs.items():  # each ends up in a float32 reward: inf (or 1e39, inf there) zeroes advantages
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and (
+                not math.isfinite(value) or overflows_float32(value)):
+            raise UserError(f"reward {name}: kwargs.{key} is {value:.3g}, which is not a finite float32 (the dtype "
+                            "rewards are computed in, largest 3.4e+38); give a smaller number")
     if name in CHECKS:
         CHECKS[name](kwargs)

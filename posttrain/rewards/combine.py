@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import copy
 import logging
 import math
 import numbers
@@ -29,13 +30,15 @@ from typing import Any, Callable, NamedTuple, Optional, Sequence
 import torch
 
 from posttrain.errors import UserError
-from posttrain.rewards.contract import (NOT_COLUMNS, Calling, UserLog, call_blocking, calling, event_loop, is_async,
-                                        tell_message_lists)
+from posttrain.rewards.contract import (NOT_COLUMNS, Calling, LoopWatch, UserLog, call_blocking, calling, event_loop,
+                                        is_async, running_for, tell_message_lists)
 from posttrain.usercode import ProcessExitCalled, UserCodeError, awaited_user, user_code, what_it_did
 
 logger = logging.getLogger(__name__)
 
 ON_ERROR = ("raise", "skip")
+REWARD_DTYPE = torch.float32
+"""The dtype of every reward tensor (and so of the advantages built from them)."""
 
 
 class RewardError(UserCodeError):
@@ -53,6 +56,9 @@ class Reward(NamedTuple):
     """Seconds the function may take per batch."""
     on_error: str = "raise"
     """raise or skip (see the module docstring)."""
+    columns: tuple = ()
+    """Dataset columns the function reads by name (a judge's template variables), checked against the data at
+    start-up (RewardSet.check_columns)."""
 
 
 def excerpt(value: Any, limit: int = 80) -> str:
@@ -63,13 +69,15 @@ def excerpt(value: Any, limit: int = 80) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def _in_thread(fn: Callable, *args, **kwargs) -> concurrent.futures.Future:
-    """Run fn in a daemon thread; its outcome arrives in the returned Future."""
+def _in_thread(fn: Callable, *args, abandon: Optional[threading.Event] = None, **kwargs) -> concurrent.futures.Future:
+    """Run fn in a daemon thread; its outcome arrives in the returned Future. `abandon` is set once its caller stops
+    waiting (contract.abandoned)."""
     future: concurrent.futures.Future = concurrent.futures.Future()
 
     def run():
         if not future.set_running_or_notify_cancel():
             return
+        running_for(abandon or threading.Event())
         try:
             with user_code():  # os._exit in the function is named, not the end of the process
                 result = fn(*args, **kwargs)
@@ -125,12 +133,25 @@ class RewardSet:
                 raise ValueError(f"reward '{r.name}': on_error must be raise or skip, got {r.on_error!r}")
             if not r.timeout > 0:
                 raise ValueError(f"reward '{r.name}': timeout must be > 0 seconds, got {r.timeout}")
+            if not torch.tensor(float(r.weight), dtype=REWARD_DTYPE).isfinite():
+                raise ValueError(f"reward '{r.name}': weight {r.weight:.3g} is not a finite {REWARD_DTYPE} (the dtype "
+                                 "rewards are summed in, largest 3.4e+38); give a smaller weight")
         self._calling: list[Calling] = []  # how each function is called: read once, on the first batch
         self._told: set[str] = set()
 
     @property
     def names(self) -> list[str]:
         return [r.name for r in self.rewards]
+
+    def check_columns(self, columns: Sequence[str], where: str) -> None:
+        """Every column a function reads by name is in the data (`where`: data.train, data.eval), before any model
+        loads: a judge template's typo used to fail at the first batch."""
+        for r in self.rewards:
+            missing = sorted(set(r.columns) - set(columns))
+            if missing:
+                raise UserError(f"reward '{r.name}' reads {', '.join(missing)}, which is neither prompt, completion "
+                                f"nor a column of {where} (columns: {', '.join(sorted(columns)) or 'none'}); fix the "
+                                "name in the reward (a judge: its kwargs.prompt_template) or add the column")
 
     def score(self, prompts: list, completions: list, columns: Optional[dict[str, list]] = None,
               completion_ids: Optional[list[list[int]]] = None, trainer_state: Any = None) -> Scores:
@@ -153,13 +174,41 @@ class RewardSet:
         batch = dict(columns, prompts=prompts, completions=completions, completion_ids=completion_ids,
                      trainer_state=trainer_state)
         started = time.monotonic()
-        futures = [self._start(r.fn, *how.arguments({**batch, "log_extra": log.log_extra,
-                                                      "log_metric": log.log_metric}))
+        abandon = threading.Event()  # set when this batch's scoring ends, however it ends
+        watch = LoopWatch()  # which async function held the shared event loop
+        futures = [self._start(r, *how.arguments({**own_copy(batch), "log_extra": log.log_extra,
+                                                   "log_metric": log.log_metric}), abandon, watch)
                    for r, how, log in zip(self.rewards, self._calling, logs)]
+        try:
+            per_function = self._results(futures, batch, prompts, started, watch)
+        finally:
+            abandon.set()  # a function still running (timed out, or its batch failed) takes no new work
+        total_B = sum((r.weight * torch.nan_to_num(per_function[r.name], nan=0.0) for r in self.rewards),
+                      torch.zeros(size, dtype=REWARD_DTYPE))
+        _check_total(total_B, self.rewards, per_function, prompts)
+        logged = Logged({}, {})
+        for log in logs:
+            for name, values in log.metrics.items():
+                logged.metrics.setdefault(name, []).extend(values)
+            logged.extra.update(log.extra)
+        scores = Scores(total_B, per_function, sum(int(v.isnan().sum()) for v in per_function.values()), logged)
+        _warn_unscored(scores.scored_B, batch, list(columns))
+        return scores
+
+    def _results(self, futures: list, batch: dict, prompts: list, started: float,
+                 watch: LoopWatch) -> dict[str, torch.Tensor]:
+        """Each function's rewards, waited for within its timeout; a failure goes by its on_error."""
         per_function: dict[str, torch.Tensor] = {}
         for r, how, future in zip(self.rewards, self._calling, futures):
             remaining = max(0.0, started + r.timeout - time.monotonic())
             concurrent.futures.wait([future], timeout=remaining)
+            blocker = watch.holder(r.name, min(1.0, r.timeout / 2)) if is_async(r.fn) else None
+            if not future.done() and blocker is not None:
+                raise RewardError(f"reward '{r.name}' did not return within {r.timeout:g}s because reward "
+                                  f"'{blocker[0]}' held the shared event loop for {blocker[1]:.1f}s without awaiting "
+                                  "(a blocking call, time.sleep or CPU work, inside `async def`), so no other async "
+                                  f"reward could run. Make '{blocker[0]}' await (asyncio.sleep, an async client), move "
+                                  "its blocking work to asyncio.to_thread, or make it a plain def")
             if not future.done():
                 future.cancel()  # an async function's task stops; a thread runs on, unheard
                 values = self._failed(r, f"did not return within {r.timeout:g}s", batch, None, how)
@@ -171,24 +220,17 @@ class RewardSet:
             else:
                 values = self._check(r, future.result(), prompts)
             per_function[r.name] = values
-        total_B = sum((r.weight * torch.nan_to_num(per_function[r.name], nan=0.0) for r in self.rewards),
-                      torch.zeros(size, dtype=torch.float32))
-        logged = Logged({}, {})
-        for log in logs:
-            for name, values in log.metrics.items():
-                logged.metrics.setdefault(name, []).extend(values)
-            logged.extra.update(log.extra)
-        scores = Scores(total_B, per_function, sum(int(v.isnan().sum()) for v in per_function.values()), logged)
-        _warn_unscored(scores.scored_B, batch, list(columns))
-        return scores
+        return per_function
 
     @staticmethod
-    def _start(fn: Callable, args: tuple, kwargs: dict) -> concurrent.futures.Future:
-        """An async function's coroutine on the shared event loop (the batch's async functions run together there);
-        any other function in a thread of its own."""
-        if is_async(fn):
-            return asyncio.run_coroutine_threadsafe(_call_async(fn, args, kwargs), event_loop())
-        return _in_thread(call_blocking, fn, args, kwargs)
+    def _start(reward: Reward, args: tuple, kwargs: dict, abandon: threading.Event,
+               watch: LoopWatch) -> concurrent.futures.Future:
+        """An async function's coroutine on the shared event loop (the batch's async functions run together there,
+        each step timed by `watch`); any other function in a thread of its own."""
+        if is_async(reward.fn):
+            return asyncio.run_coroutine_threadsafe(_call_async(reward.fn, args, kwargs, watch, reward.name),
+                                                    event_loop())
+        return _in_thread(call_blocking, reward.fn, args, kwargs, abandon=abandon)
 
     def _failed(self, reward: Reward, what: str, batch: dict, error, how) -> torch.Tensor:
         prompts, completions = batch["prompts"], batch["completions"]
@@ -222,7 +264,7 @@ class RewardSet:
         def first_failure():
             for i in range(len(batch["completions"])):
                 log = UserLog(reward.name, 1)
-                one = {**batch, **{k: batch[k][i:i + 1] for k in per_sample},
+                one = {**own_copy({**batch, **{k: batch[k][i:i + 1] for k in per_sample}}),
                        "log_extra": log.log_extra, "log_metric": log.log_metric}
                 try:
                     call_blocking(reward.fn, *how.arguments(one))
@@ -230,8 +272,10 @@ class RewardSet:
                     return i, e
             return None
 
-        future = _in_thread(first_failure)
+        abandon = threading.Event()
+        future = _in_thread(first_failure, abandon=abandon)
         concurrent.futures.wait([future], timeout=reward.timeout)
+        abandon.set()
         return future.result() if future.done() and future.exception() is None else None
 
     @staticmethod
@@ -250,17 +294,59 @@ class RewardSet:
         for i, value in enumerate(values):
             if value is None:
                 out.append(float("nan"))
-            elif isinstance(value, numbers.Real) and math.isfinite(value):
-                out.append(float(value))
+            elif isinstance(value, numbers.Real) and math.isfinite(_as_float(value)):
+                out.append(_as_float(value))
             else:  # NaN too: None says "no reward for this sample" on purpose; NaN is a bug that would count as 0
                 raise RewardError(f"reward '{reward.name}' returned {value!r} for sample {i} (prompt: "
                                   f"{excerpt(prompts[i])!r}); rewards must be finite numbers, or None for a sample it "
                                   "does not score")
-        return torch.tensor(out, dtype=torch.float32)
+        rewards_B = torch.tensor(out, dtype=REWARD_DTYPE)
+        overflow = rewards_B.isinf().nonzero()  # every value was finite as a Python float: these overflowed
+        if len(overflow):
+            i = int(overflow[0])
+            raise RewardError(f"reward '{reward.name}' returned {values[i]!r} for sample {i} (prompt: "
+                              f"{excerpt(prompts[i])!r}), which is inf in {REWARD_DTYPE} (the dtype rewards are "
+                              "computed in, largest 3.4e+38); return a smaller number")
+        return rewards_B
 
 
-async def _call_async(fn: Callable, args: tuple, kwargs: dict) -> Any:
-    return await awaited_user(fn(*args, **kwargs))
+def own_copy(batch: dict) -> dict:
+    """A function's own copy of the batch it is handed: the ids it is given are not the ids that are trained, the
+    completions and columns not those another function (or samples.jsonl) reads, so a function that edits what it is
+    given (`ids[:] = ...`, `completions.clear()`) changes nothing but its own copy. trainer_state is frozen already."""
+    return {k: v if k == "trainer_state" else _copied(v) for k, v in batch.items()}
+
+
+def _copied(value: Any) -> Any:
+    try:
+        return copy.deepcopy(value)
+    except (TypeError, copy.Error):  # a column of objects that cannot be copied (a handle): a new list of them
+        return list(value) if isinstance(value, (list, tuple)) else value
+
+
+def _as_float(value: numbers.Real) -> float:
+    """float(value); an int too large for a Python float (10**400) is an inf, caught as the overflow it is."""
+    try:
+        return float(value)
+    except OverflowError:
+        return math.copysign(math.inf, value)
+
+
+def _check_total(total_B: torch.Tensor, rewards: list[Reward], per_function: dict, prompts: list) -> None:
+    """The weighted sum is finite in its dtype (each reward and weight is, but 1e20 x weight 1e20 is not), and small
+    enough that its square is too: a group's variance squares it, and an inf std made every advantage 0 silently."""
+    largest = torch.finfo(REWARD_DTYPE).max ** 0.5  # 1.8e19
+    bad = (~(total_B.abs() <= largest)).nonzero()
+    if len(bad):
+        i = int(bad[0])
+        terms = ", ".join(f"'{r.name}' {float(per_function[r.name][i]):.3g} x weight {r.weight:.3g}" for r in rewards)
+        raise RewardError(f"the weighted reward of sample {i} (prompt: {excerpt(prompts[i])!r}) is "
+                          f"{float(total_B[i]):.3g} ({terms}), beyond {largest:.2g}, whose square (the group's "
+                          f"variance) is inf in {REWARD_DTYPE}; scale the rewards or their weights down")
+
+
+async def _call_async(fn: Callable, args: tuple, kwargs: dict, watch: LoopWatch, name: str) -> Any:
+    return await awaited_user(watch.timed(name, fn(*args, **kwargs)))
 
 
 def _warn_unscored(scored_B: torch.Tensor, batch: dict, columns: list[str]) -> None:

@@ -32,10 +32,11 @@ import logging
 import math
 import numbers
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
-from posttrain.errors import UserError
+from posttrain.errors import UserError, overflows_float32
 from posttrain.usercode import awaited_user, run_user_loop
 
 logger = logging.getLogger(__name__)
@@ -88,6 +89,26 @@ def completion_text(completion: Any) -> str:
     return content if isinstance(content, str) else str(content or "")
 
 
+def column_values(kwargs: dict, column: str, reward: str) -> list:
+    """The dataset column a reward compares with, or a UserError listing the columns there are."""
+    if column not in kwargs:
+        columns = sorted(k for k in kwargs if k not in CONTRACT_ARGS)
+        raise UserError(f"reward {reward} reads the dataset column '{column}', which the data does not have "
+                        f"(columns: {', '.join(columns) or 'none'}); set kwargs.answer_column")
+    return kwargs[column]
+
+
+
+def require_source_columns(kwargs: dict, columns: tuple[str, ...], reward: str, source: str) -> None:
+    """A UserError when the batch lacks the columns a data source writes for its own reward (reasoning_gym:,
+    verifiers:), saying which source makes them."""
+    missing = [c for c in columns if c not in kwargs]
+    if missing:
+        raise UserError(f"reward {reward} scores rows made by a '{source}' data source (their columns "
+                        f"{', '.join(columns)}); the data has no {', '.join(missing)}: set data.train to {source} "
+                        "(docs/environments.md)")
+
+
 def is_async(fn: Callable) -> bool:
     """Calling fn returns a coroutine: an async def, a partial of one, or an instance with an async __call__."""
     while isinstance(fn, functools.partial):
@@ -137,6 +158,38 @@ def calling(fn: Callable, name: str, columns: Sequence[str]) -> Calling:
     return Calling(legacy, frozenset(p.name for p in kept if p.kind is not p.VAR_POSITIONAL), old)
 
 
+def contract_misfit(fn: Callable) -> Optional[str]:
+    """Why fn cannot be a reward function (None when it can), read from its signature at start-up: it must take one
+    of the contract's arguments by name, or **kwargs, or be a Python function of posttrain's earlier contract (prompts
+    and completions by position). Anything else (`def f(*args)`, called with nothing; `os.system`, `eval`) would be
+    handed a data column or nothing at all, so it is refused before any model loads."""
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):  # no signature to read (some C callables): TRL's keyword call, as at run time
+        return None
+    if any(p.kind is p.VAR_KEYWORD for p in params):
+        return None
+    named = {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    if named & set(CONTRACT_ARGS):
+        return None
+    by_position = [p for p in params if p.kind is p.POSITIONAL_OR_KEYWORD]
+    if len(by_position) >= 2 and written_in_python(fn):
+        return None
+    shown = ", ".join(str(p) for p in params) or "no arguments"
+    return (f"it takes ({shown}): none of the reward contract's arguments ({', '.join(CONTRACT_ARGS)}) and no "
+            "**kwargs, so it would be called without the completions to score; write it as "
+            "`def my_reward(completions, **kwargs)` (docs/rewards.md)")
+
+
+def written_in_python(fn: Callable) -> bool:
+    """fn is Python code (a function, a partial of one, an instance whose __call__ is one), not a built-in."""
+    while isinstance(fn, functools.partial):
+        fn = fn.func
+    if not (inspect.isfunction(fn) or inspect.ismethod(fn)):
+        fn = getattr(type(fn), "__call__", None) if not isinstance(fn, type) else fn.__init__
+    return inspect.isfunction(fn) or inspect.ismethod(fn)
+
+
 def tell_message_lists(name: str) -> None:
     """Said once per function of the earlier contract, on its first conversational batch: what changed."""
     logger.warning("reward '%s' is written for posttrain's earlier contract (completions as strings, **columns); "
@@ -166,11 +219,98 @@ class UserLog:
 
     def log_metric(self, name: str, value: float) -> None:
         """A number, averaged over the step (and the ranks) and logged under `name`."""
-        if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+        if is_trainer_metric(str(name)):
+            raise UserError(f"reward '{self.name}' called log_metric({name!r}, ...): the trainer logs {name!r} itself "
+                            f"and yours would replace it; give it a name of its own, e.g. '{self.name}/{name}'")
+        if (isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value)
+                or overflows_float32(value)):
             raise UserError(f"reward '{self.name}' called log_metric({name!r}, {value!r}); the value must be a "
-                            "finite number")
+                            "finite number that float32 holds (metrics are averaged in float32)")
         with self._lock:
             self.metrics.setdefault(str(name), []).append(float(value))
+
+
+TRAINER_METRICS = ("step", "loss", "grad_norm", "learning_rate", "tokens_per_second", "num_tokens", "epoch",
+                   "peak_memory_mb", "estimated_peak_memory_mb")
+"""Names in metrics.jsonl that the loop writes itself; a `<name>/...` beneath one (loss/critic) is the loop's too."""
+TRAINER_FAMILIES = ("reward", "rewards", "time", "completion_length", "rollout")
+"""Names beneath which only the rollout source logs (reward/mean, rewards/<function>/mean, time/generate, ...)."""
+
+
+def is_trainer_metric(name: str) -> bool:
+    """A metric name the trainer writes (or may write), which log_metric must not replace. Names the algorithm or the
+    rollout source log at run time (entropy, frac_reward_zero_std, ...) are checked where they meet the user's
+    (posttrain/online/rollout_source.py, posttrain/train/loop.py)."""
+    top = name.split("/", 1)[0]
+    return top in TRAINER_METRICS or top in TRAINER_FAMILIES
+
+
+_CALL = threading.local()  # the reward call the current thread runs for (RewardSet sets it)
+_NEVER = threading.Event()
+
+
+def abandoned() -> threading.Event:
+    """Set once nobody waits any more for the reward call this thread runs (its timeout passed, or the batch ended
+    otherwise): a reward doing its work in threads of its own (the judge) takes no new work once it is set, so a
+    timed-out batch does not go on sending requests for minutes. Never set outside a RewardSet call."""
+    return getattr(_CALL, "abandoned", _NEVER)
+
+
+def running_for(event: threading.Event) -> None:
+    """This thread now runs a reward call that `event` abandons (RewardSet)."""
+    _CALL.abandoned = event
+
+
+class LoopWatch:
+    """Who held the shared event loop during one batch. Each async function's coroutine is driven one step at a time
+    (from one await to the next) and each step timed: a step that runs long without awaiting (time.sleep, CPU work
+    inside `async def`) blocks every other async function of the batch, which then times out and used to take the
+    blame."""
+
+    def __init__(self):
+        self.longest: dict[str, float] = {}
+        self.holding: Optional[tuple[str, float]] = None
+
+    def timed(self, name: str, awaitable) -> "_Timed":
+        return _Timed(self, name, awaitable)
+
+    def holder(self, besides: str, at_least: float) -> Optional[tuple[str, float]]:
+        """(name, seconds) of the function other than `besides` that held the loop longest in one step (or holds it
+        now), if that is at least `at_least` seconds."""
+        held = dict(self.longest)
+        holding = self.holding
+        if holding is not None:
+            held[holding[0]] = max(held.get(holding[0], 0.0), time.monotonic() - holding[1])
+        found = sorted((seconds, name) for name, seconds in held.items() if name != besides and seconds >= at_least)
+        return (found[-1][1], found[-1][0]) if found else None
+
+
+class _Timed:
+    """An awaitable that runs `awaitable` step by step, timing each step for its LoopWatch."""
+
+    def __init__(self, watch: LoopWatch, name: str, awaitable):
+        self.watch, self.name, self.awaitable = watch, name, awaitable
+
+    def __await__(self):
+        steps = self.awaitable.__await__()
+        if not hasattr(steps, "send"):  # an awaitable whose __await__ is a plain iterator: driven whole, untimed
+            return (yield from steps)
+        sent, thrown = None, None
+        while True:
+            started = time.monotonic()
+            self.watch.holding = (self.name, started)
+            try:
+                yielded = steps.throw(thrown) if thrown is not None else steps.send(sent)
+            except StopIteration as done:
+                return done.value
+            finally:
+                self.watch.holding = None
+                held = time.monotonic() - started
+                self.watch.longest[self.name] = max(self.watch.longest.get(self.name, 0.0), held)
+            try:
+                sent, thrown = (yield yielded), None
+            except BaseException as e:  # noqa: BLE001 - a cancellation (or any error) goes on into the coroutine
+                sent, thrown = None, e
 
 
 _LOOP: Optional[asyncio.AbstractEventLoop] = None

@@ -25,6 +25,7 @@ from posttrain.config.trl_rewards import TRL_BUILTINS, is_model_path
 from posttrain.errors import UserError
 from posttrain.rewards.builtin import BUILTIN_REWARDS, check_builtin_kwargs
 from posttrain.rewards.combine import ON_ERROR, Reward, RewardSet
+from posttrain.rewards.contract import contract_misfit
 from posttrain.usercode import UserCodeError, call_user, load_callable
 
 
@@ -39,7 +40,8 @@ def load_reward(cfg: RewardConfig) -> Reward:
         check_builtin_kwargs(cfg.name, kwargs)
         target = BUILTIN_REWARDS[cfg.name]
         fn = target(**kwargs) if isinstance(target, type) else functools.partial(target, **kwargs)
-        return Reward(cfg.name, fn, cfg.weight, cfg.timeout, cfg.on_error)
+        columns = tuple(getattr(fn, "columns", ()))  # a built-in class may read columns by name (the judge)
+        return Reward(cfg.name, fn, cfg.weight, cfg.timeout, cfg.on_error, columns)
     if ":" in cfg.name:
         target = load_callable(cfg.name, "reward")
     elif "." in cfg.name and not cfg.name.endswith(".py") and not is_model_path(cfg.name):  # TRL's 'module.function'
@@ -48,7 +50,11 @@ def load_reward(cfg: RewardConfig) -> Reward:
     else:
         raise UserError(_unknown(cfg.name))
     name = cfg.name.rpartition(":")[2].rsplit(".", 1)[-1]
-    return Reward(name, _bind(cfg.name, target, kwargs), cfg.weight, cfg.timeout, cfg.on_error)
+    fn = _bind(cfg.name, target, kwargs)
+    misfit = contract_misfit(fn)
+    if misfit:
+        raise UserError(f"reward '{cfg.name}' cannot be a reward function: {misfit}")
+    return Reward(name, fn, cfg.weight, cfg.timeout, cfg.on_error)
 
 
 def _unknown(name: str) -> str:

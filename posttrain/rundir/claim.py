@@ -65,6 +65,8 @@ def check_output_dir(recipe, command: str = "") -> Optional[Path]:
         raise UserError(f"output_dir {out} is not empty ({shown}) and no posttrain run made it (it has no {MARKER}); "
                         "a run writes only into an empty directory or its own: choose another output_dir")
     refuse_links(out)
+    if kind == "run" and not t.overwrite_output_dir and takeover_reason(out) is not None:
+        check_own_files(out)  # a takeover moves them into failed-attempts/
     for left in sorted(out.glob(ASIDE_PREFIX + "*")) if out.is_dir() else ():
         warn(f"{left} holds the files of a run that overwrite_output_dir was replacing when it stopped; nothing "
              "removes it: move back what you need, then delete it")
@@ -235,7 +237,10 @@ def classify(out: Path) -> str:
 
 
 def is_unmarked_run(out: Path) -> bool:
-    """A run written before the marker existed: its config.yaml is a posttrain recipe dump."""
+    """A run written before the marker existed: its config.yaml is a posttrain recipe dump, beside another of a run's
+    files (a recipe alone is the user's own, kept in the folder they mean to run into: never taken for a run)."""
+    if not any(os.path.lexists(out / name) for name in RUN_ARTIFACTS if name != "config.yaml"):
+        return False
     config = out / "config.yaml"
     if not config.is_file() or config.is_symlink() or config.stat().st_size > 2**20:
         return False
@@ -251,7 +256,7 @@ def refuse_links(out: Path) -> None:
     points to."""
     if not out.is_dir():
         return
-    entries = [out / name for name in RUN_ARTIFACTS]
+    entries = [out / name for name in (*RUN_ARTIFACTS, FAILED_DIR, *launcher_dirs())]
     if (out / "checkpoints").is_dir() and not (out / "checkpoints").is_symlink():
         entries += sorted((out / "checkpoints").iterdir())
     for entry in entries:
@@ -274,6 +279,7 @@ def begin_run(out: Path, overwrite: bool, command: str = "") -> Optional[Path]:
         warn(f"output_dir {out}: the previous run there {reason}, before any checkpoint; this run takes its place"
              + (f" (its files are in {kept})" if kept else ""))
     previous = {} if overwrite else read_marker(out)  # a replaced run's marker named the command that wrote it
+    previous.pop("files", None)  # the previous attempt's; this one records its own when it ends
     record = {"created": now, **previous, "command": command or previous.get("command", ""), "by": "posttrain"}
     record["attempt"] = {"pid": os.getpid(), "host": socket.gethostname(), "started": now, "status": "running"}
     write_marker(out, record)
@@ -329,13 +335,51 @@ def keep_failed_attempt(out: Path, stamp: str) -> Optional[Path]:
         return None
     kept = out / FAILED_DIR / stamp.replace(":", "")
     suffix = 0
-    while kept.exists():  # two takeovers within a second
+    while os.path.lexists(kept):  # two takeovers within a second (a link there is never followed)
         suffix += 1
         kept = out / FAILED_DIR / f"{stamp.replace(':', '')}-{suffix}"
     kept.mkdir(parents=True)
     for name in present:
         os.rename(out / name, kept / name)  # a link is moved as a link, never followed
     return kept
+
+
+def own_files(out: Path) -> dict[str, object]:
+    """The run's files present now, as end_attempt records them: a file's mtime (ns), 'dir' for a folder."""
+    found = {}
+    for name in RUN_ARTIFACTS:
+        try:
+            info = os.lstat(out / name)
+        except OSError:
+            continue
+        found[name] = "dir" if os.path.isdir(out / name) else info.st_mtime_ns
+    return found
+
+
+def check_own_files(out: Path) -> None:
+    """Before a takeover moves a failed attempt's files into failed-attempts/: each is the attempt's own. One the
+    user put there since (a summary.json of their own, their recipe saved over config.yaml) would be moved, and then
+    replaced by the new run's: refused, naming it. The attempt's end recorded its files (end_attempt); an attempt
+    whose process died recorded nothing, so its files must be no older than its start."""
+    record = read_marker(out)
+    recorded = record.get("files")
+    started = (record.get("attempt") or {}).get("started")
+    now = own_files(out)
+    for name, stamp in now.items():
+        if isinstance(recorded, dict):
+            mine = name in recorded and (stamp == "dir" or recorded[name] == stamp)
+        else:
+            try:
+                since = datetime.datetime.fromisoformat(started).timestamp() - 1
+            except (TypeError, ValueError):
+                return  # a marker from before attempts were recorded: nothing to tell its files by
+            mine = stamp == "dir" or stamp / 1e9 >= since
+        if not mine:
+            when = "changed after that run ended" if isinstance(recorded, dict) else "older than that run's start"
+            raise UserError(f"output_dir {out}: {name} is not the failed run's own ({when}), and taking the run's "
+                            f"place would move it into {FAILED_DIR}/ and "
+                            f"write this run's {name}: move it out of output_dir (a recipe belongs outside it), or "
+                            "choose another output_dir")
 
 
 def write_marker(out: Path, record: dict) -> None:
@@ -369,6 +413,7 @@ def record_end(out: Path, error: Optional[BaseException], final_step: Optional[i
         attempt["error"] = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"[:300]
     if final_step is not None:
         record["final_step"] = final_step
+    record["files"] = own_files(out)  # what the run wrote: only these may move when a later run takes its place
     attempt["ended"] = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     try:
         write_marker(out, record)

@@ -1,5 +1,6 @@
-"""What the user sees while a run trains: a progress bar, metrics.jsonl, and the trackers of train.report_to
-(posttrain/report/trackers.py). The report drawn from metrics.jsonl at the end is posttrain/report/write.py.
+"""What the user sees while a run trains: a progress bar, metrics.jsonl, the trackers of train.report_to
+(posttrain/report/trackers.py), and a warning with its fix the first time a row shows the run is not learning
+(rundir/health.py). The report drawn from metrics.jsonl at the end is posttrain/report/write.py.
 
 Only rank 0 writes; other ranks get a logger whose methods do nothing.
 """
@@ -14,6 +15,8 @@ from typing import Any, Optional, Sequence
 
 from tqdm.auto import tqdm
 
+from posttrain.rundir.health import Health
+
 
 CONSOLE = ("loss", "grad_norm", "learning_rate")  # then the algorithm's headline metrics, as TRL's console shows
 
@@ -24,16 +27,19 @@ class MetricsLogger:
         """trackers: posttrain.report.trackers.Tracker objects, already open (rank 0); closed by close(). headline:
         the algorithm's own metrics the console shows beside loss, grad_norm and learning_rate."""
         self.enabled = enabled
-        self.console = (*CONSOLE, *headline, "tokens_per_second")
+        self.console = (*CONSOLE, *headline, "mismatch/k3", "tokens_per_second")  # k3: where an engine samples apart
         self.path = Path(output_dir) / "metrics.jsonl"
         self.trackers = list(trackers) if enabled else []
         self.bar = None
+        self.health = Health()
         if not enabled:
             return
         if self.path.exists():  # a resumed run rewrites history after its checkpoint: never two versions of a step
             kept = [line for line in self.path.read_text().splitlines()
                     if (row := parse_row(line)) is not None and row.get("step", 0) <= start_step]
             self.path.write_text("".join(line + "\n" for line in kept))
+            for line in kept:  # what the interrupted run said is not said again
+                self.health.observe(parse_row(line))
         # disable=None: a live bar on a terminal; in a log file (CI, nohup) one plain line per logging step instead
         self.bar = tqdm(total=total_steps, initial=start_step, desc="train", dynamic_ncols=True, file=sys.stderr,
                         disable=None)
@@ -49,6 +55,8 @@ class MetricsLogger:
         numbers = {k: v for k, v in record.items() if k != "step" and finite(v)}
         for tracker in self.trackers:
             tracker.log(step, numbers)
+        for finding in self.health.observe(record):
+            self.warn(finding.text())
         if self.bar is not None:
             keys = self.console + tuple(k for k in record if k.startswith("eval/"))
             shown = {k: f"{record[k]:.4g}" for k in keys if isinstance(record.get(k), (int, float))}
@@ -69,6 +77,13 @@ class MetricsLogger:
             self.bar.write(message)
         elif self.enabled:
             print(message, flush=True)
+
+    def warn(self, message: str) -> None:
+        """A warning on stderr, above the bar."""
+        if self.bar is not None and not self.bar.disable:
+            self.bar.write(f"posttrain: warning: {message}", file=sys.stderr)
+        elif self.enabled:
+            print(f"posttrain: warning: {message}", file=sys.stderr, flush=True)
 
     def close(self, status: str = "finished") -> None:
         """status (for the trackers): finished, failed or killed. A second call does nothing."""

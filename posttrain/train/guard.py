@@ -12,7 +12,7 @@ rank shares (the flags travel in the step's metrics all-reduce, so no collective
 half-entered): each rank saves the same checkpoint, says so, and the process exits 128 + the signal number. Where an
 online algorithm reuses one generation batch for several steps (PPO's ppo_epochs, GRPO's num_iterations), the stop
 waits for the end of that batch, the only place a checkpoint resumes exactly. A second signal gets the handler that
-was there before (by default: exit at once).
+was there before, whichever of the two it is (by default: exit at once).
 
 A non-finite step is agreed the same way (the summed loss flag, and the gradient norm, which is global). With
 train.nonfinite=stop (the default) the run stops before that step is logged or saved, so every checkpoint and final/
@@ -55,7 +55,8 @@ class Guard:
     def _on_signal(self, signum, frame) -> None:
         self.signal = signum
         request_stop(signum)  # a wait on user code that hangs ends now (usercode.call_with_deadline)
-        signal.signal(signum, self._previous.get(signum, signal.SIG_DFL))  # a second one acts at once
+        for sig in STOP_SIGNALS:  # a second one, of either kind (TERM then Ctrl-C), acts at once
+            signal.signal(sig, self._previous.get(sig, signal.SIG_DFL))
 
     def __exit__(self, kind, error, tb) -> None:
         for sig, handler in self._previous.items():

@@ -32,6 +32,7 @@ from posttrain.models.shared_prefix import check_first_forward
 from posttrain.train.guard import Guard
 from posttrain.train.micro_batches import shape
 from posttrain.train.state import TrainState
+from posttrain.usercode import UserCodeError
 
 
 @dataclass
@@ -136,7 +137,8 @@ def train(ctx: LoopContext) -> TrainState:
                                  f"time/update/{name}": update_seconds[name]})
         step_metrics.update({k: float(v) / backend.data_world_size
                              for k, v in zip(keys, reduced[3 + len(losses) : -2])})
-        step_metrics.update(ctx.source.last_metrics)
+        step_metrics["trained_tokens"] = float(trained_tokens)  # 0: every token masked (rundir/health.py says so)
+        step_metrics.update(source_metrics(step_metrics, ctx.source.last_metrics))
         for key, value in step_metrics.items():
             window[key] = window.get(key, 0.0) + value
         window_steps += 1
@@ -204,6 +206,16 @@ def step_normalisers(backend, objectives: list, micro_batches: list[Batch]) -> t
     local_counts.append(completion_tokens(micro_batches, backend.device))
     counts = backend.data_all_reduce_sum(torch.stack(local_counts))
     return counts[:-1].clamp(min=1.0), int(counts[-1])
+
+
+def source_metrics(step_metrics: dict[str, float], source: dict[str, float]) -> dict[str, float]:
+    """The source's figures for the step, which never share a name with the loss's: one that does is a reward
+    function's log_metric (the source passes those on) and would replace the algorithm's figure (entropy, kl)."""
+    clash = sorted(set(step_metrics) & set(source))
+    if clash:
+        raise UserCodeError(f"the metric {clash[0]!r} is the trainer's ({sorted(step_metrics)}) and is also logged "
+                            "by the step's source: a reward function's log_metric? give yours a name of its own")
+    return source
 
 
 def logged_record(ctx: LoopContext, means: dict[str, float], tokens_per_second: float) -> dict[str, float]:

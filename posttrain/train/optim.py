@@ -31,6 +31,17 @@ def warmup_steps(t: TrainConfig, total_steps: int) -> int:
     return t.warmup_steps if t.warmup_steps > 0 else math.ceil(t.warmup_ratio * total_steps)
 
 
+def warmup_trains_nothing(t: TrainConfig, total_steps: int) -> str:
+    """Warmup starts at learning rate 0 (transformers' schedules, as TRL's): step 1 of a run with warmup does not move
+    the weights. A one-step run with warmup (a smoke test of a recipe with warmup_ratio, say) then trains nothing,
+    and used to say nothing: the warning for it, or ''."""
+    if total_steps != 1 or not warmup_steps(t, total_steps):
+        return ""
+    given = f"train.warmup_steps={t.warmup_steps}" if t.warmup_steps > 0 else f"train.warmup_ratio={t.warmup_ratio}"
+    return (f"{given} gives step 1, the run's only step, learning rate 0 (warmup starts from 0): this run trains "
+            "nothing. Set train.warmup_steps=0 and train.warmup_ratio=0, or train more steps")
+
+
 def make_scheduler(optimizer: torch.optim.Optimizer, t: TrainConfig, total_steps: int):
     return get_scheduler(SCHEDULES[t.lr_scheduler_type], optimizer=optimizer,
                          num_warmup_steps=warmup_steps(t, total_steps), num_training_steps=total_steps)

@@ -55,8 +55,8 @@ def test_a_collective_that_never_completes_is_named_within_the_timeout():
     import os
     import signal
 
-    port = free_port()
-    stuck, waiting = _doctor_alone(rank=1, port=port, timeout=5), _doctor_alone(rank=0, port=port, timeout=5)
+    port = free_port()  # the rendezvous must fit in the timeout from each process's start, imports included
+    stuck, waiting = _doctor_alone(rank=1, port=port, timeout=30), _doctor_alone(rank=0, port=port, timeout=30)
     try:
         for line in stuck.stdout:  # rank 1 says it joined: stop it before it takes part in anything else
             if "PASS  rendezvous" in line:
@@ -64,10 +64,10 @@ def test_a_collective_that_never_completes_is_named_within_the_timeout():
                 break
         started = time.perf_counter()
         out = waiting.communicate(timeout=120)[0]
-        assert time.perf_counter() - started < 30, out[-3000:]
+        assert time.perf_counter() - started < 60, out[-3000:]
     finally:
         os.kill(stuck.pid, signal.SIGKILL)
         stuck.wait()
     assert waiting.returncode == 1, out[-3000:]
-    assert "did not complete within 5 s: a rank is stuck or gone" in out, out[-3000:]
+    assert "did not complete within 30 s: a rank is stuck or gone" in out, out[-3000:]
 

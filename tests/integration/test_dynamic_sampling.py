@@ -56,7 +56,7 @@ def test_out_of_draws_trains_on_what_there_is(tiny_model_dir, data, tmp_path, ca
     assert (row["dynamic_sampling/groups_drawn"], row["dynamic_sampling/groups_kept"],
             row["dynamic_sampling/filler_groups"], row["dynamic_sampling/batches"]) == (4.0, 0.0, 2.0, 2.0)
     assert row["loss"] == 0.0 and torch.isfinite(torch.tensor(row["grad_norm"]))  # every completion masked
-    assert "0 of 2 prompt groups" in caplog.text
+    assert "0 of the 2 prompt groups" in caplog.text and "this step trains on nothing" in caplog.text
 
 
 @pytest.mark.parametrize("extra, message", [
@@ -72,3 +72,20 @@ def test_a_missing_answer_column_stops_before_any_model_loads(tiny_model_dir, tm
     assert run_cli("grpo", *base(tiny_model_dir, {"prompts_train": rows}, tmp_path / "run", *extra)) == 2
     assert message in capsys.readouterr().err
     assert not (tmp_path / "run" / "config.yaml").exists()  # stopped before the run began
+
+
+def always_fails(completions, **kwargs):
+    raise ConnectionError("the judge is down")
+
+
+def test_a_run_whose_every_batch_is_unscored_stops_instead_of_training_at_loss_0(tiny_model_dir, data, tmp_path,
+                                                                                 capsys):
+    """Issue 48 class 5: with on_error: skip a reward that always fails left every completion unscored, and the run
+    trained at loss 0 to exit 0."""
+    out = tmp_path / "run"
+    assert run_cli("grpo", *base(tiny_model_dir, data, out, "algo.dynamic_sampling.enabled=false", "train.max_steps=2",
+                                 f"rewards=[{{name: '{HERE}:always_fails', on_error: skip}}]",
+                                 "train.save_final_model=false")) == 1
+    err = capsys.readouterr().err
+    assert "no reward scored any completion of every step so far (to step 1) ('always_fails' 8 of 8 missing)" in err, err[-600:]
+    assert not (out / "final").exists()

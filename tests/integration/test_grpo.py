@@ -11,6 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from posttrain.cli import main
 from posttrain.demo.tasks import write_example_data
 from tests.integration.helpers import (ONE_PROCESS_SPLITS, assert_resume_is_exact, final_weights, max_weight_diff,
                                        metrics, run_cli, run_overrides, step_losses)
@@ -28,6 +29,11 @@ def length_reward(completions, **kwargs):
 def every_other_length_reward(completions, **kwargs):
     """length_reward for even-numbered completions, None ("not applicable") for the others."""
     return [None if i % 2 else r for i, r in enumerate(length_reward(completions))]
+
+
+def constant_reward(completions, **kwargs):
+    """A reward that never varies (a bug users meet: it reads the wrong column, or the wrong shape)."""
+    return [1.0] * len(completions)
 
 
 def raising_reward(prompts, completions, **kwargs):
@@ -146,6 +152,30 @@ def test_eval_logs_held_out_accuracy(tiny_model_dir, data, tmp_path):
     evals = [r for r in metrics(out) if "eval/accuracy" in r]
     assert [r["step"] for r in evals] == [0, 1]
     assert all(0.0 <= r["eval/accuracy"] <= 1.0 and "eval/reward" in r for r in evals)
+
+
+def test_a_run_that_cannot_learn_says_so_once_and_doctor_agrees(tiny_model_dir, tmp_path, capsys):
+    """Plain-text prompts for a chat-template tokenizer and a constant reward: every group's rewards are equal, the
+    gradient is 0, and the run says each sign once with its fix (rundir/health.py); `posttrain doctor RUN_DIR` reads
+    metrics.jsonl and prints the same diagnosis."""
+    prompts = tmp_path / "plain.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"What is {i} + 1?", "answer": str(i + 1)}) + "\n"
+                               for i in range(16)))
+    out = tmp_path / "run"
+    overrides = run_overrides(tiny_model_dir, prompts, out, "train.max_steps=3", "train.per_device_train_batch_size=8",
+                              "generation.max_completion_length=8", "algo.num_generations=4",
+                              f"rewards=[{{name: '{HERE}:constant_reward'}}]")
+    assert run_cli("grpo", *overrides) == 0
+    err = capsys.readouterr().err
+    said = {name: err.count(f"posttrain: warning: step {step}: {what}") for name, step, what in (
+        ("untemplated", 1, "100% of the prompts are plain text"), ("zero_std", 3, "frac_reward_zero_std=1.00"),
+        ("constant", 3, "reward function constant_reward gave every completion the same value (1)"),
+        ("grad", 3, "the gradient norm is 0"))}
+    assert said == {"untemplated": 1, "zero_std": 1, "constant": 1, "grad": 1}, err
+    assert main(["doctor", str(out)]) == 1
+    printed = capsys.readouterr().out
+    for check in ("untemplated_prompts", "reward_zero_std", "constant_reward (constant_reward)", "zero_grad_norm"):
+        assert f"WARN  {check}: step" in printed, printed
 
 
 def test_batch_that_splits_a_group_exits_2(tiny_model_dir, data, tmp_path, capsys):

@@ -45,8 +45,18 @@ def test_vllm_engine_without_syncs_drifts_from_the_policy(tiny_vllm_model_dir, d
     stale = run_grpo(tiny_vllm_model_dir, data, tmp_path / "stale", "generation.sync_every=100")
     assert stale.returncode == 0, stale.stderr[-3000:]
     assert "Traceback" not in stale.stderr, stale.stderr[-3000:]  # vLLM is torn down before the process groups
-    gaps = [r["sampler_logprob_gap"] for r in metrics(tmp_path / "stale")]
+    rows = metrics(tmp_path / "stale")
+    gaps = [r["sampler_logprob_gap"] for r in rows]
     assert gaps[0] < 2e-3 and gaps[2] > 10 * max(gaps[0], 1e-4), gaps  # the engine still samples from step 0
+    # the mismatch figures, every step an engine samples (online/mismatch.py): one generation batch per step, so
+    # pi_old is the step's own forward and their mean is the loss's gap; they grow with the drift, in the console too
+    for r in rows:
+        assert r["mismatch/logprob_diff/mean"] == pytest.approx(r["sampler_logprob_gap"], rel=1e-3, abs=1e-6), r
+        assert r["mismatch/logprob_diff/p50"] <= r["mismatch/logprob_diff/p99"] <= r["mismatch/logprob_diff/max"]
+        assert r["mismatch/is_ratio/p1"] <= r["mismatch/is_ratio/p50"] <= r["mismatch/is_ratio/p99"], r
+        assert 0 <= r["mismatch/phantom_clip_fraction"] <= 1 and r["mismatch/k3"] >= 0, r
+    assert rows[2]["mismatch/k3"] > 10 * max(rows[0]["mismatch/k3"], 1e-8), rows
+    assert "mismatch/k3=" in stale.stdout + stale.stderr
 
 
 def test_vllm_engine_async_multi_turn_samples_the_next_batch_during_training(tiny_vllm_model_dir, data, tmp_path):

@@ -107,8 +107,8 @@ CASES = {
     "config.json vocab text": (a_model_vocab_that_is_text, "vocab_size is 'lots'; it must be a whole number > 0"),
     "mixed content names the row": (mixed_content, "chat.jsonl line 4: a field holds values of different shapes"),
     "packing a model that cannot pack": (packing_an_opt_model, "data.packing=true: OPTConfig"),
-    "an image in SFT messages": (images, "data.train row 0: column 'messages' message 0 holds a 'image' part; "
-                                 "posttrain trains text-only models"),
+    "an image in SFT messages": (images, "data.train row 0: column 'messages' message 0 holds an 'image' part but "
+                                 "the dataset has no 'images' column"),
 }
 
 

@@ -3,7 +3,8 @@ run in order from a fresh copy of the repository's recipes/ and examples/ per re
 own, and a header and its recipe cannot drift apart).
 
 The commands run as typed, with a few overrides appended to keep them cheap (one or two steps, no eval, no report)
-and `make-tiny-model --out tiny/` answered by the session's tiny model (the same default shape a user gets). vLLM and Ray commands
+and `make-tiny-model --out tiny/` answered by the session's tiny model (the same default shape a user gets), which
+also stands in for SmolLM2-135M-Instruct in a recipe that names it (REAL_MODEL). vLLM and Ray commands
 run in a subprocess (one vLLM engine, one Ray driver per process) where those extras are installed, as in CI;
 `posttrain serve` lines are answered by the session's `vllm_server`. Multi-process launch lines (`accelerate launch`,
 `torchrun`), GPU lines and lines for a cluster that is not there (`placement.address=<head>:6379`) are left to
@@ -33,6 +34,7 @@ RECIPES = sorted(p.name for p in (ROOT / "recipes").glob("*.yaml"))
 CHEAP = ["train.max_steps=1", "data.eval=null", "train.logging_steps=1", "train.save_steps=0", "train.report=false",
          "train.tensorboard=false"]
 ONLINE_CHEAP = ["generation.max_completion_length=4"]  # grpo and ppo: the samples are what a step costs
+REAL_MODEL = "~/.cache/posttrain/smollm2-135m-instruct"  # recipes for SmolLM2-135M-Instruct (bench/real_model.py)
 LEFT_TO_DISTRIBUTED = ("accelerate launch", "torchrun", "<head>", "$NODE", "CUDA_VISIBLE_DEVICES")  # and GPU lines
 
 
@@ -99,6 +101,8 @@ class Workdir:
             config.write_text(config.read_text().replace("http://127.0.0.1:8000", server.url))
         recipe_text = (self.root / argv[argv.index("--config") + 1]).read_text()
         argv = argv[1:] + CHEAP + (ONLINE_CHEAP if argv[1] in ("grpo", "ppo") else [])
+        if REAL_MODEL in recipe_text:  # the real model is tests/real's (built from a GGUF): here the tiny one
+            argv.append("model.name_or_path=tiny/")
         extra = needs(argv, recipe_text)
         started = time.perf_counter()
         if extra is None:

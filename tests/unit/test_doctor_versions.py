@@ -77,3 +77,40 @@ def test_the_rendezvous_probe_never_outlasts_its_deadline_even_in_dns(monkeypatc
     error = doctor._probe("node0.cluster", 29500, time.monotonic() + 1.0)
     assert time.monotonic() - started < 3
     assert error == "the name node0.cluster did not resolve in time (DNS)"
+
+
+def closed_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_the_process_start_is_read_from_the_system():
+    import time
+
+    age = time.monotonic() - doctor.process_started()
+    assert 0 < age < 3600  # this test process started before the test, not at the import of doctor
+
+
+def test_the_rendezvous_deadline_counts_from_the_process_start_not_from_the_rendezvous(monkeypatch, capsys):
+    """The start-up (imports, the local checks) is inside --timeout: an unreachable master is named by then (73 s
+    with --timeout 30 on a loaded 2-core machine, when the 30 s came after the start-up)."""
+    import time
+
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(closed_port()))
+    for name, env in {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "0"}.items():
+        monkeypatch.setenv(name, env)
+    began = time.monotonic()
+    monkeypatch.setattr(doctor, "process_started", lambda: began)
+    monkeypatch.setattr(doctor, "check_versions", lambda report: time.sleep(1.5))  # a slow start-up
+    for check in ("check_gpus", "check_disk", "check_deepspeed_ops"):
+        monkeypatch.setattr(doctor, check, lambda *args: None)
+    assert doctor.run_doctor(None, [], timeout=3.0, build_ops=False) == 1
+    assert time.monotonic() - began < 3.8  # 3 s from the start, not 1.5 + 3
+    assert "not reachable from rank 1" in capsys.readouterr().out
+    began = time.monotonic() - 10  # a start-up longer than the timeout: the probe still gets its floor, no more
+    assert doctor.run_doctor(None, [], timeout=3.0, build_ops=False) == 1
+    assert doctor.RENDEZVOUS_FLOOR <= time.monotonic() - began - 10 < 1.5 + doctor.RENDEZVOUS_FLOOR + 1.0

@@ -4,6 +4,7 @@ out below from its description, not copied), and the refill loop against hand-ma
 from __future__ import annotations
 
 import collections
+import signal
 
 import numpy as np
 import pytest
@@ -91,7 +92,7 @@ def test_max_batches_trains_on_what_there_is_with_fillers_and_says_so(caplog):
                   (["d", "e", "f"], torch.tensor([1.0, 1.0, 0.0, 0.0, 0.0, 0.0]))])  # none does
     out = refill(3, lambda: next(draws), varied_groups, group, max_batches=2)
     assert out.groups == ["a", "b", "c"] and out.fillers == 2 and (out.kept, out.drawn, out.batches) == (1, 6, 2)
-    assert "1 of 3 prompt groups" in caplog.text and "max_batches" in caplog.text
+    assert "1 of the 3 prompt groups" in caplog.text and "max_batches" in caplog.text
 
 
 def test_no_limit_stops_the_run_once_every_prompt_was_drawn():
@@ -118,3 +119,67 @@ def test_every_rank_draws_while_any_is_short():
     out = refill(2, lambda: next(draws), varied_groups, 2, max_batches=0,
                  short_anywhere=lambda short: calls.append(short) or next(answers))
     assert calls == [0, 0] and out.batches == 2 and out.groups == ["a", "b"] and out.kept == 4
+
+
+def constant_draws(count):
+    def draw():
+        count.append(1)
+        return ["a", "b"], torch.tensor([1.0] * 4)
+    return draw
+
+
+def test_a_high_max_batches_draws_at_most_one_pass_and_says_so_without_contradiction(caplog):
+    """max_batches far above a pass with a metric that never varies drew for hours; now one pass, and the warning
+    does not claim to train on groups it has none of."""
+    count = []
+    out = refill(2, constant_draws(count), varied_groups, 2, max_batches=10**9, batches_per_pass=3)
+    assert len(count) == 3 and out.batches == 3 and out.kept == 0 and out.fillers == 2
+    assert "0 of the 2 prompt groups" in caplog.text and "one pass over the data" in caplog.text
+    assert "this step trains on nothing" in caplog.text and "training on them" not in caplog.text
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+@pytest.mark.parametrize("max_batches", [0, 10**9])
+def test_a_stop_signal_ends_the_draws_between_two_batches(signum, max_batches):
+    count = []
+    signals = iter([0, 0, signum])
+    with pytest.raises(RunStopped, match=f"{signal.Signals(signum).name} while dynamic sampling drew") as stopped:
+        refill(2, constant_draws(count), varied_groups, 2, max_batches=max_batches, batches_per_pass=None,
+               stop_signal=lambda: next(signals))
+    assert len(count) == 3 and stopped.value.exit_code == 128 + signum
+
+
+def test_a_sampler_whose_whole_pass_varies_nowhere_stops_the_run():
+    from posttrain.algorithms.grpo import DynamicSamplingConfig
+    from posttrain.online.dynamic_sampling import DynamicSampler
+    from posttrain.online.drawn import Drawn
+
+    def draw(index, step):
+        return Drawn(list(range(2)), [{"prompt": "p", "columns": {}}] * 2, [0, 1], [[1]] * 2, [[2]] * 4,
+                     [[0.0]] * 4, [False] * 4, ["x"] * 4, [1.0] * 4, {}, [0] * 4, [None] * 4)
+
+    sampler = DynamicSampler(DynamicSamplingConfig(enabled=True, metric="reward", max_batches=50), 2, 2, draw,
+                             lambda t: t, batches_per_pass=2)
+    with pytest.raises(RunStopped, match="no prompt group varies: no step of this run can train"):
+        sampler.fill(0, 0)
+
+
+def test_a_second_signal_of_the_other_kind_acts_at_once():
+    """SIGTERM, then Ctrl-C: the second gets the handler from before the run (it used to be recorded again)."""
+    from types import SimpleNamespace
+
+    from posttrain.train.guard import Guard
+
+    seen = []
+    before = {s: signal.signal(s, lambda n, f: seen.append(n)) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        with Guard(SimpleNamespace(nonfinite="stop", max_nonfinite_skips=0), SimpleNamespace(can_skip_steps=False)):
+            signal.raise_signal(signal.SIGTERM)
+            signal.raise_signal(signal.SIGINT)
+            assert seen == [signal.SIGINT]
+            raise KeyboardInterrupt  # leave without the after-the-last-step stop
+    except KeyboardInterrupt:
+        pass
+    finally:
+        for s, handler in before.items():
+            signal.signal(s, handler)

@@ -83,3 +83,27 @@ def test_only_while_gradients_are_recorded_and_restored_after(model):
             assert "forward" not in vars(mlp)
     finally:
         model.gradient_checkpointing_disable()
+
+
+def test_reading_whether_checkpointing_is_on_warns_nothing_under_transformers_5_24(model, monkeypatch):
+    """transformers 5.24 made PreTrainedModel.is_gradient_checkpointing a deprecated alias that warns FutureWarning
+    on every read: every Llama-family step of a healthy run printed it. Its property is put in here as 5.24 has it."""
+    import warnings
+
+    def deprecated(self):
+        warnings.warn("`is_gradient_checkpointing` is deprecated and will be removed in v6. Use "
+                      "`is_activation_checkpointing` instead.", FutureWarning)
+        return any(getattr(m, "gradient_checkpointing", False) for m in self.modules())
+
+    monkeypatch.setattr(type(model), "is_gradient_checkpointing", property(deprecated), raising=False)
+    mlp = model.model.layers[0].mlp
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with lean_activations(model):
+            assert "forward" in vars(mlp)
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        try:
+            with lean_activations(model):
+                assert "forward" not in vars(mlp)  # still off under checkpointing
+        finally:
+            model.gradient_checkpointing_disable()

@@ -5,7 +5,8 @@ import math
 import pytest
 import torch
 
-from posttrain.losses.policy import LOSS_AGGREGATIONS, add_kl_penalty, clipped_surrogate, truncated_importance_weights
+from posttrain.losses.policy import LOSS_AGGREGATIONS, add_kl_penalty, clipped_surrogate
+from posttrain.losses.sampler_correction import sampler_importance_weights
 from posttrain.ops.logprobs import sequence_mean
 
 # two sequences, position 0 is the prompt; row 1's last token is padding.
@@ -76,14 +77,15 @@ def test_truncated_importance_weights_by_hand():
     sampler_BT = torch.tensor([[0.0, -1.0 - math.log(0.5), -2.0 - math.log(3.0)], [0.0, -0.5 - math.log(1.25), 0.0]])
     old_BT = OLD_BT.clone()
     old_BT[1, 2] = 500.0  # padding: exp would overflow; it must stay out of the weights and the metrics
-    weights_BT, metrics = truncated_importance_weights(old_BT, sampler_BT, MASK_BT, cap=2.0)
+    weights_BT, metrics = sampler_importance_weights(old_BT, sampler_BT, MASK_BT, "token_truncate", 2.0)
     assert weights_BT.flatten().tolist() == pytest.approx([1.0, 0.5, 2.0, 1.0, 1.25, 1.0], rel=1e-6)
     assert metrics["is_ratio"].item() == pytest.approx((0.5 + 3.0 + 1.25) / 3, rel=1e-6)
     assert metrics["is_capped_fraction"].item() == pytest.approx(1 / 3)
     # the weights scale the surrogate and carry no gradient of their own
     logprobs_BT = logprobs()
     loss_BT, _ = clipped_surrogate(logprobs_BT, OLD_BT, ADVANTAGES_B, MASK_BT, EPS_LOW, EPS_HIGH)
-    weighted_BT = loss_BT * truncated_importance_weights(logprobs_BT.detach(), sampler_BT, MASK_BT, 2.0)[0]
+    weighted_BT = loss_BT * sampler_importance_weights(logprobs_BT.detach(), sampler_BT, MASK_BT, "token_truncate",
+                                                       2.0)[0]
     (weighted_BT * MASK_BT).sum().backward()
     assert not weights_BT.requires_grad
     # row 0 token 2 (ratio 0.5, unclipped, A = +1): gradient -r A = -0.5 times its weight

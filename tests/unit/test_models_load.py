@@ -275,3 +275,27 @@ def test_missing_peft_is_user_error(cfg, monkeypatch):
     monkeypatch.setitem(sys.modules, "peft", None)
     with pytest.raises(UserError, match=r"pip install posttrain\[peft\]"):
         apply_lora(load_causal_lm(cfg), LORA)
+
+
+def test_checkpointing_is_turned_on_by_the_name_newer_transformers_do_not_deprecate(cfg, monkeypatch):
+    """transformers 5.24 renamed gradient_checkpointing_enable to activation_checkpointing_enable and made the old
+    name warn FutureWarning; where the new one exists it is the one called (5.24's split, put in here)."""
+    import warnings
+
+    from transformers import LlamaForCausalLM
+
+    original = LlamaForCausalLM.gradient_checkpointing_enable
+
+    def deprecated(self, gradient_checkpointing_kwargs=None):
+        warnings.warn("`gradient_checkpointing_enable` is deprecated", FutureWarning)
+        return original(self, gradient_checkpointing_kwargs=gradient_checkpointing_kwargs)
+
+    def renamed(self, activation_checkpointing_kwargs=None):
+        return original(self, gradient_checkpointing_kwargs=activation_checkpointing_kwargs)
+
+    monkeypatch.setattr(LlamaForCausalLM, "gradient_checkpointing_enable", deprecated)
+    monkeypatch.setattr(LlamaForCausalLM, "activation_checkpointing_enable", renamed, raising=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model = load_causal_lm(cfg, gradient_checkpointing=True)
+    assert checkpointing(model)

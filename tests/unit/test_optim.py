@@ -47,3 +47,18 @@ def test_fused_step_equals_the_unfused_step_within_rounding():
     for a, b, s in zip(fused.parameters(), plain.parameters(), start.parameters()):
         assert (a - s).abs().max() > 1e-3  # both moved
         torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+
+
+def test_a_one_step_run_with_warmup_trains_nothing_and_is_told_so():
+    """The schedule really gives the only step learning rate 0; the run says so (it used to end at exit 0 silently)."""
+    from posttrain.train.optim import make_scheduler, warmup_trains_nothing
+
+    model = torch.nn.Linear(2, 2)
+    for t in (TrainConfig(warmup_ratio=0.05), TrainConfig(warmup_steps=3, lr_scheduler_type="constant")):
+        scheduler = make_scheduler(make_optimizer(model, t), t, total_steps=1)
+        assert scheduler.get_last_lr()[0] == 0.0  # what step 1 trains with
+        message = warmup_trains_nothing(t, 1)
+        assert "learning rate 0" in message and "this run trains nothing" in message
+        assert ("warmup_ratio=0.05" if t.warmup_ratio else "warmup_steps=3") in message
+        assert warmup_trains_nothing(t, 2) == ""  # step 2 moves: a warmup, not a run of nothing
+    assert warmup_trains_nothing(TrainConfig(), 1) == ""

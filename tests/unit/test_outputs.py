@@ -273,3 +273,56 @@ def test_a_second_run_started_into_the_same_directory_at_once_is_refused(tmp_pat
         fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)  # released when the attempt ended
     finally:
         os.close(other)
+
+
+def test_a_folder_holding_only_the_users_recipe_is_not_taken_for_a_run(tmp_path):
+    """The user's own recipe (every section of one) in the folder they mean to run into: no marker, nothing else of a
+    run's: refused as theirs, not overwritten (comments and all)."""
+    out = tmp_path / "mine"
+    out.mkdir()
+    (out / "config.yaml").write_text("# my recipe\noutput_dir: mine\nmodel: {}\ndata: {}\ntrain: {}\n")
+    before = snapshot(out)
+    assert outputs.classify(out) == "foreign"
+    for flags in ([], ["train.resume_from_checkpoint=auto"], ["train.overwrite_output_dir=true"]):
+        with pytest.raises(UserError, match="no posttrain run made it"):
+            outputs.check_output_dir(recipe(out, *flags))
+    assert snapshot(out) == before
+
+
+def test_a_linked_failed_attempts_folder_is_refused_and_nothing_moves_outside(tmp_path):
+    out = failed_run(tmp_path)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (out / outputs.FAILED_DIR).symlink_to(elsewhere)
+    before = snapshot(tmp_path)
+    with pytest.raises(UserError, match="failed-attempts is a symbolic link"):
+        outputs.check_output_dir(recipe(out))
+    assert snapshot(tmp_path) == before and not list(elsewhere.iterdir())
+
+
+@pytest.mark.parametrize("name", ["summary.json", "config.yaml"])
+def test_a_users_file_named_like_a_run_file_is_never_moved_by_a_takeover(tmp_path, name):
+    """After the failure the user adds a summary.json of theirs, or saves their recipe over config.yaml: the next
+    run would move it into failed-attempts/ and write its own; refused, naming it, nothing moved."""
+    out = failed_run(tmp_path)
+    os.utime(out / "config.yaml", ns=(1, 1))  # written well before: only a changed stamp tells
+    record = outputs.read_marker(out)
+    record["files"]["config.yaml"] = 1
+    outputs.write_marker(out, record)
+    (out / name).write_text("mine")
+    before = snapshot(out)
+    with pytest.raises(UserError, match=f"{name} is not the failed run's own"):
+        outputs.check_output_dir(recipe(out))
+    assert snapshot(out) == before
+
+
+def test_a_takeover_after_a_crash_moves_only_files_written_since_the_attempt_began(tmp_path):
+    out = failed_run(tmp_path)
+    record = outputs.read_marker(out)
+    del record["files"]  # killed -9: its end was never recorded
+    outputs.write_marker(out, record)
+    os.utime(out / "metrics.jsonl", (0, 0))  # a file from long before the attempt: not its own
+    with pytest.raises(UserError, match="metrics.jsonl is not the failed run's own"):
+        outputs.check_output_dir(recipe(out))
+    os.utime(out / "metrics.jsonl")
+    assert outputs.check_output_dir(recipe(out)) is None

@@ -59,3 +59,14 @@ def test_plan_offline_says_its_dtypes_and_launches_with_absolute_paths(model, fl
     launch = shlex.split(next(line for line in out if line.startswith("  accelerate launch") or " torchrun " in line))
     paths = [word for word in launch if word.endswith(".yaml")]
     assert paths and all(Path(p).is_absolute() and Path(p).is_file() for p in paths), launch
+
+
+def test_plan_takes_what_a_training_command_takes_in_any_order(no_cache, capsys):
+    """`key=value` after an option, and a training command's TRL flags: plan refused both (unrecognized arguments)."""
+    model_shape.cache_clear()
+    recipe = ROOT / "recipes" / "sft.yaml"
+    assert main(["plan", "--config", str(recipe), "model.name_or_path=Qwen/Qwen2.5-7B", "--gpus", "8",
+                 "train.max_steps=3", "--per_device_train_batch_size", "3", "--gpu-memory", "80GiB", "--json"]) == 0
+    out = capsys.readouterr().out
+    assert "train.per_device_train_batch_size=3" in out and "train.max_steps=3" in out
+    assert '"per_device_train_batch_size": 3' in out

@@ -49,9 +49,10 @@ def test_the_same_check_stops_the_ray_driver_before_a_cluster_starts(sentinel, t
 
 
 def test_the_list_holds_every_shape_check_a_run_made_before_it_was_one_list():
-    assert list(preflight.RECIPE_CHECKS) == ["model source", "position limit", "packing", "master weights",
-                                             "mixture of experts", "token budget", "sequence parallelism",
-                                             "LoRA targets"]
+    assert list(preflight.RECIPE_CHECKS) == ["model source", "vision-language model", "position limit", "packing",
+                                             "master weights", "mixture of experts", "token budget",
+                                             "sequence parallelism", "LoRA targets", "pass@k",
+                                             "float32 output layer"]
 
 
 def test_lora_targets_that_match_no_layer_stop_the_run_before_it_writes(tmp_path, tiny_model_dir):

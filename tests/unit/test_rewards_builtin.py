@@ -104,7 +104,9 @@ def test_length_penalty_in_tokens(tiny_model_dir):
 
 
 def test_builtin_table():
-    assert set(BUILTIN_REWARDS) == {"exact_match", "format", "length_penalty", "reward_model", "overlong", "judge"}
+    assert set(BUILTIN_REWARDS) == {"exact_match", "format", "length_penalty", "reward_model", "overlong", "judge",
+                                    "math_accuracy", "think_answer_format", "reasoning_gym",
+                                    "verifiers"}
 
 
 @pytest.mark.parametrize(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import sys
 import threading
 import time
@@ -235,3 +236,119 @@ def test_reward_metrics_are_nan_aware():
     assert metrics["rewards/b/mean"].item() == 2.0 and metrics["rewards/b/std"].item() == 0.0
     assert metrics["rewards/c/mean"].isnan() and metrics["rewards/c/std"].isnan()
     assert all(v.dim() == 0 and v.dtype == torch.float32 for v in metrics.values())
+
+
+def test_user_code_gets_copies_so_a_reward_cannot_change_what_is_trained_or_what_others_see():
+    """A reward that edits what it is handed (ids[:] = ..., ids.pop(), completions.clear(), a message's content, a
+    column) changes only its own copy: the trained ids stay the engine's, the next reward sees the batch as sampled."""
+    prompts = [[{"role": "user", "content": p}] for p in PROMPTS]
+    completions = [[{"role": "assistant", "content": c}] for c in COMPLETIONS]
+    ids = [[1, 2, 3], [4, 5], [6]]
+    columns = {"answer": [["4"], ["red"], ["hi"]]}
+    seen = {}
+
+    def vandal(prompts, completions, completion_ids, answer, **kwargs):
+        for row in completion_ids:
+            row[:] = [0] * len(row)
+        completion_ids[0].pop()
+        prompts[0][0]["content"] = "edited"
+        completions[1][0]["content"] = "edited"
+        answer[2].append("extra")
+        completions.clear()
+        return [1.0, 1.0, 1.0]
+
+    def reader(prompts, completions, completion_ids, answer, **kwargs):
+        seen.update(prompts=prompts, completions=completions, ids=completion_ids, answer=answer)
+        return [float(len(c)) for c in completions]
+
+    rewards = RewardSet([Reward("vandal", vandal), Reward("reader", reader)])
+    scores = rewards.score(prompts, completions, columns, ids)
+    assert ids == [[1, 2, 3], [4, 5], [6]]
+    assert prompts[0][0]["content"] == PROMPTS[0] and completions[1][0]["content"] == COMPLETIONS[1]
+    assert columns == {"answer": [["4"], ["red"], ["hi"]]}
+    assert seen == {"prompts": prompts, "completions": completions, "ids": ids, "answer": columns["answer"]}
+    assert scores.per_function["reader"].tolist() == [1.0, 1.0, 1.0]
+
+
+def test_the_one_sample_reruns_that_name_a_failure_get_copies_too():
+    ids = [[1, 2], [3, 4], [5, 6]]
+
+    def pops_then_fails(prompts, completions, completion_ids, **kwargs):
+        for row in completion_ids:
+            row.pop()
+        if any(c == "blue" for c in completions):
+            raise ValueError("cannot score colours")
+        return [1.0] * len(completions)
+
+    with pytest.raises(RewardError, match="on sample 1"):
+        RewardSet([Reward("pops", pops_then_fails)]).score(PROMPTS, COMPLETIONS, None, ids)
+    assert ids == [[1, 2], [3, 4], [5, 6]]
+
+
+@pytest.mark.parametrize("value", [1e39, -1e39, 10**45, 3.5e38])
+@pytest.mark.parametrize("on_error", ["raise", "skip"])
+def test_a_reward_finite_in_float64_but_inf_in_float32_is_named(value, on_error):
+    """1e39 is a finite Python float and inf in the float32 rewards: its group's advantages would be 0, loss 0."""
+    def huge(prompts, completions, **kwargs):
+        return [1.0, value, 2.0]
+
+    with pytest.raises(RewardError, match=r"reward 'huge' returned .* for sample 1 .* which is inf in torch.float32"):
+        RewardSet([Reward("huge", huge, on_error=on_error)]).score(PROMPTS, COMPLETIONS)
+
+
+def test_a_group_of_rewards_below_the_limit_gets_finite_nonzero_advantages():
+    """1e19 passes the reward checks: the advantages the GRPO family computes from it are finite and not all 0."""
+    from posttrain.ops.advantages import group_advantages
+
+    scores = RewardSet([Reward("edge", by_length, 1e18)]).score(PROMPTS, COMPLETIONS)
+    advantages = group_advantages(scores.total_B, 3)
+    assert advantages.isfinite().all() and advantages.abs().max() > 0.5
+
+
+def test_a_weight_float32_cannot_hold_or_a_weighted_sum_that_overflows_is_named():
+    with pytest.raises(ValueError, match="reward 'one': weight 1e\\+39 is not a finite torch.float32"):
+        RewardSet([Reward("one", constant(1.0), 1e39)])
+    rewards = RewardSet([Reward("big", constant(1e20), 1e20), Reward("one", constant(1.0))])
+    with pytest.raises(RewardError, match=r"weighted reward of sample 0 .* is inf \('big' 1e\+20 x weight 1e\+20, "
+                                          r"'one' 1 x weight 1\), beyond 1.8e\+19"):
+        rewards.score(PROMPTS, COMPLETIONS)
+    # finite in float32, but the group's variance squares it: an inf std made every advantage 0
+    with pytest.raises(RewardError, match=r"is 1e\+20 \('big' 1e\+20 x weight 1\), beyond 1.8e\+19, whose square "
+                                          r"\(the group's variance\) is inf in torch.float32"):
+        RewardSet([Reward("big", constant(1e20))]).score(PROMPTS, COMPLETIONS)
+    assert RewardSet([Reward("fine", constant(1e19))]).score(PROMPTS, COMPLETIONS).total_B.isfinite().all()
+
+
+def test_log_metric_refuses_a_value_float32_cannot_hold():
+    def logs(prompts, completions, log_metric, **kwargs):
+        log_metric("mine", 1e39)
+        return [1.0] * len(completions)
+
+    with pytest.raises(UserError, match=r"log_metric\('mine', 1e\+39\); the value must be a finite number that "
+                                        "float32 holds"):
+        RewardSet([Reward("logs", logs)]).score(PROMPTS, COMPLETIONS)
+
+
+@pytest.mark.parametrize("order", ["victim_first", "culprit_first"])
+def test_an_async_reward_that_blocks_the_shared_loop_is_named_not_the_one_it_starved(order):
+    import asyncio
+
+    async def polite(completions, **kwargs):
+        await asyncio.sleep(0.05)
+        return [1.0] * len(completions)
+
+    async def blocking(completions, **kwargs):
+        time.sleep(2.0)  # holds the event loop every async reward shares
+        return [1.0] * len(completions)
+
+    rewards = [Reward("polite", polite, timeout=1.0), Reward("blocking", blocking, timeout=5.0)]
+    if order == "culprit_first":  # polite is waited for after blocking returned: it may well have finished by then
+        rewards.reverse()
+    try:
+        RewardSet(rewards).score(PROMPTS, COMPLETIONS)
+    except RewardError as e:  # never "polite did not return" alone: the message names the one that held the loop
+        assert re.search(r"reward 'polite' did not return within 1s because reward 'blocking' held the shared event "
+                         r"loop for \d\.\ds without awaiting", str(e)), e
+    else:
+        assert order == "culprit_first"
+    time.sleep(0.5)  # the loop is free again for the next test

@@ -185,3 +185,84 @@ def test_a_template_with_an_unknown_variable_fails_on_the_first_batch(fake, tmp_
     template.write_text("{{ completoin }}")
     with pytest.raises(Exception, match="completoin"):
         judge(fake, prompt_template=str(template), model="m")(["p"], ["c"])
+
+
+def test_after_the_judge_times_out_it_sends_no_more_requests_and_holds_no_thread_the_exit_waits_for(fake):
+    """A batch of 40 to a judge answering in 2 s, 2 at a time, with a 0.5 s reward timeout: it used to send all 40
+    (and the process waited for them at exit); now only those in flight when the caller gave up."""
+    fake.mode = "slow"
+    rewards = RewardSet([("judge", judge(fake, model="m", concurrency=2, request_timeout_s=5.0, retries=0), 1.0, 0.5,
+                          "skip")])
+    scores = rewards.score(["p"] * 40, ["abc"] * 40, {"answer": ["a"] * 40})
+    assert scores.skipped == 40
+    time.sleep(4.5)  # the two in flight end (2 s); none follows them
+    assert len(fake.requests) <= 4
+    judges = [t for t in threading.enumerate() if t.name == "posttrain-judge"]
+    assert all(t.daemon for t in judges)
+
+
+def test_a_stop_signal_ends_the_judges_requests(fake, monkeypatch):
+    import signal
+
+    from posttrain.usercode import request_stop
+
+    fake.mode = "slow"
+    fn = judge(fake, model="m", concurrency=2, request_timeout_s=5.0, retries=0)
+    threading.Timer(0.3, request_stop, args=(signal.SIGTERM,)).start()
+    try:
+        with pytest.raises(ServerUnavailable, match="abandoned"):
+            fn(["p"] * 20, ["abc"] * 20, answer=["a"] * 20)
+    finally:
+        request_stop(0)
+    assert len(fake.requests) == 2
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"retries": 1.5}, r"kwargs.retries is 1.5 \(float\); give a whole number"),
+    ({"concurrency": "8"}, r"kwargs.concurrency is '8' \(str\); give a whole number"),
+    ({"max_tokens": True}, r"kwargs.max_tokens is True"),
+    ({"request_timeout_s": "60"}, r"kwargs.request_timeout_s is '60' \(str\); give a number"),
+    ({"token_env": "NO_SUCH_JUDGE_TOKEN_XYZ"}, r"kwargs.token_env names \$NO_SUCH_JUDGE_TOKEN_XYZ, which is not set"),
+    ({"url": "http://127.0.0.1:9/v1"}, r"kwargs.url http://127.0.0.1:9/v1 does not answer"),
+    ({"score_range": [10, 0]}, r"kwargs.score_range is \[10, 0\]"),
+])
+def test_judge_settings_are_checked_at_load_naming_the_key(fake, kwargs, message):
+    """Each of these was found mid-run (after the model loaded), or was a traceback, or did not name the key."""
+    with pytest.raises(UserError, match=message):
+        judge(fake, **kwargs)
+
+
+def test_a_server_that_wants_a_token_is_refused_at_load_naming_the_variable(fake, monkeypatch):
+    def refuse(handler):
+        handler._send(401, {"error": "unauthorized"})
+
+    monkeypatch.setattr(FakeJudge, "do_GET", refuse)
+    monkeypatch.delenv("POSTTRAIN_JUDGE_TOKEN", raising=False)
+    with pytest.raises(UserError, match=r"refused the request \(HTTP 401\): it needs an API token "
+                                        r"\(\$POSTTRAIN_JUDGE_TOKEN is not set\)"):
+        judge(fake, model="m")
+
+
+def test_a_template_variable_that_is_no_column_is_refused_before_any_model_loads(fake, tmp_path):
+    from posttrain.rewards.load import load_rewards
+
+    template = tmp_path / "typo.jinja"
+    template.write_text("{{ prompt }} {{ completoin }} {{ answer }}")
+    rewards = load_rewards([RewardConfig(name="judge", kwargs={"url": fake.url, "prompt_template": str(template),
+                                                               "model": "m"})])
+    with pytest.raises(UserError, match=r"reward 'judge' reads completoin, which is neither prompt, completion nor a "
+                                        r"column of data.train \(columns: answer\)"):
+        rewards.check_columns(["answer"], "data.train")
+    rewards.check_columns(["answer", "completoin"], "data.train")
+
+
+@pytest.mark.parametrize("answer, declared", [("Score: " + "9" * 45, None), ("Score: " + "9" * 400, None),
+                                              ("Score: 11", [0, 10])])
+def test_a_score_outside_the_declared_range_or_float32_is_refused(fake, monkeypatch, answer, declared):
+    from posttrain.rewards import judge as judge_module
+
+    monkeypatch.setattr(judge_module.Judge, "ask", lambda self, text: answer)
+    fn = judge(fake, model="m", **({"score_range": declared} if declared else {}))
+    with pytest.raises(BadAnswer, match="is outside " + ("kwargs.score_range" if declared else "float32")):
+        fn(["p"], ["c"], answer=["a"])
+    assert judge(fake, model="m", score_range=[0, 10]).in_range(7.0, "7") == 7.0

@@ -41,6 +41,16 @@ class Quits:
         sys.exit(0)
 
 NOT_CALLABLE = 3
+
+def star_args(*args):
+    return [1.0] * 3
+
+def column_only(answer):
+    return [1.0] * len(answer)
+
+class StarCall:
+    def __call__(self, *args, flag=False):
+        return [1.0]
 """
 
 
@@ -143,3 +153,28 @@ def test_load_rewards_makes_names_unique_and_scores(user_module):
 def test_sys_exit_in_user_code_at_load_is_an_input_error_not_a_silent_exit(user_module, spec, message):
     with pytest.raises(UserError, match=message):
         load_reward(RewardConfig(name=spec.format(m=user_module)))
+
+
+@pytest.mark.parametrize("spec", ["subprocess:getoutput", "os:system", "builtins:eval", "builtins:exec", "os.system",
+                                  "builtins:open", "{m}:star_args", "{m}:column_only", "{m}:StarCall"])
+def test_a_callable_that_takes_none_of_the_contract_is_refused_at_load(user_module, spec):
+    """A callable that takes none of prompts / completions / completion_ids / ... and no **kwargs is refused when the
+    rewards load (preflight, before any model), naming it; it is never called (os.system would run a column)."""
+    with pytest.raises(UserError, match=r"reward '.*' cannot be a reward function: it takes \(.*\): none of the "
+                                        r"reward contract's arguments .* and no \*\*kwargs"):
+        load_reward(RewardConfig(name=spec.format(m=user_module)))
+
+
+@pytest.mark.parametrize("spec", ["{m}:has_word", "{m}:two_args", "{m}:Scorer"])
+def test_contract_functions_and_the_earlier_positional_contract_still_load(user_module, spec):
+    assert load_reward(RewardConfig(name=spec.format(m=user_module))).fn is not None
+
+
+@pytest.mark.parametrize("kwargs, key", [({"max_length": 8, "buffer": 4, "penalty_factor": 1e39}, "penalty_factor"),
+                                         ({"max_length": 8, "buffer": 4, "penalty_factor": float("inf")},
+                                          "penalty_factor"),
+                                         ({"target_length": 4, "max_length": 1e39}, "max_length")])
+def test_a_builtins_number_that_float32_cannot_hold_is_refused_at_load(kwargs, key):
+    name = "overlong" if "buffer" in kwargs else "length_penalty"
+    with pytest.raises(UserError, match=f"reward {name}: kwargs.{key} is .*not a finite float32"):
+        load_reward(RewardConfig(name=name, kwargs=kwargs))

@@ -36,3 +36,34 @@ def test_sampling_params_stop_at_every_eos_of_the_generation_config(eos_ids_mode
     vparams = VSamplingParams(**vllm_sampling(SamplingParams(max_new_tokens=4), stops, 0))
     assert vparams.stop_token_ids == [tokenizer.eos_token_id, 7]
     assert not vllm_truncated("length", [5, 7], stops) and vllm_truncated("length", [5, 6], stops)
+
+
+def test_in_process_engine_is_asked_for_a_float32_head_with_model_lm_head_fp32(monkeypatch, tiny_model_dir):
+    """model.lm_head_fp32: vLLM computes the logits in float32 (its head_dtype), as the trainer does."""
+    import dataclasses
+
+    import torch
+    import vllm
+    from vllm.config.model import _get_head_dtype
+
+    from posttrain.config.schema import ModelConfig
+    from posttrain.generation import vllm_engine
+    from posttrain.models.load import load_tokenizer
+
+    asked = {}
+
+    class FakeLLM:
+        def __init__(self, **kwargs):
+            asked.update(kwargs)
+
+    monkeypatch.setattr(vllm, "LLM", FakeLLM)
+    monkeypatch.setattr(vllm_engine, "check_cpu_head_dim", lambda model_dir: None)  # no engine starts here
+    tokenizer = load_tokenizer(ModelConfig(name_or_path=str(tiny_model_dir)))
+    vllm_engine.VLLMEngine(tiny_model_dir, tokenizer, fp32_head=True)
+    assert asked["hf_overrides"] == {"head_dtype": "float32"}
+    asked.clear()
+    vllm_engine.VLLMEngine(tiny_model_dir, tokenizer)
+    assert "hf_overrides" not in asked
+    # and vLLM reads it off the model config it overrides: a bf16 generation model gets a float32 head
+    config = dataclasses.make_dataclass("Config", [("head_dtype", str)])("float32")
+    assert _get_head_dtype(config, torch.bfloat16, "generate") == torch.float32

@@ -254,6 +254,7 @@ def test_models_whose_attention_the_mask_cannot_keep_exact_turn_auto_off():
     recipe = load_recipe(None, ["model.name_or_path=x", "data.train=y.jsonl"], DPOAlgoConfig)
     assert "mixture of experts" in blocker(recipe, {"model_type": "qwen3_moe"})
     assert "sliding window" in blocker(recipe, {"model_type": "mistral", "sliding_window": 4096})
+    assert "vision-language" in blocker(recipe, {"model_type": "qwen2_5_vl", "vision_config": {}})
     llama = {**config().to_dict(), "model_type": "llama"}
     assert blocker(recipe, llama) is None and _probe(json.dumps(llama, sort_keys=True)) is True  # the probe ran
 

@@ -71,6 +71,25 @@ def test_trl_style_flags_become_overrides():
     assert recipe.generation.engine == "vllm" and recipe.algo.beta == 0.0 and recipe.train.max_steps == 3
 
 
+@pytest.mark.parametrize("command", ["grpo", "ppo"])
+def test_trl_importance_sampling_flags_set_the_correction(command):
+    flags = {"use_vllm": True, "vllm_importance_sampling_correction": True,
+             "vllm_importance_sampling_mode": "token_mask", "vllm_importance_sampling_clip_max": 3.0,
+             "vllm_importance_sampling_clip_min": 0.25}
+    algo_cls = ALGORITHMS[command][0]
+    overrides = command_line_overrides([], flags, algo_cls)
+    recipe = load_recipe(None, overrides + ["rewards=[{name: exact_match}]", "data.train=x.jsonl"], algo_cls)
+    algo = recipe.algo
+    assert (algo.vllm_is_correction, algo.vllm_importance_sampling_mode, algo.vllm_is_cap, algo.vllm_is_min) == \
+        (True, "token_mask", 3.0, 0.25)
+    with pytest.raises(UserError, match="vllm_importance_sampling_mode is 'token_clip'; choose one of token_truncate"):
+        load_recipe(None, command_line_overrides([], {**flags, "vllm_importance_sampling_mode": "token_clip"}, algo_cls)
+                    + ["rewards=[{name: exact_match}]", "data.train=x.jsonl"], algo_cls)
+    with pytest.raises(UserError, match="algo.vllm_is_min must be >= 0 and below algo.vllm_is_cap"):
+        load_recipe(None, command_line_overrides([], {**flags, "vllm_importance_sampling_clip_min": 3.0}, algo_cls)
+                    + ["rewards=[{name: exact_match}]", "data.train=x.jsonl"], algo_cls)
+
+
 def test_unknown_flags_all_reported_as_flags(capsys):
     assert main(["sft", "--lerning_rate", "3", "--warmup_stepz=2", "--bf16"]) == 2
     err = capsys.readouterr().err

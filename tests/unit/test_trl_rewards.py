@@ -90,6 +90,10 @@ def test_flat_trl_config_file(reward_module):
     (["--reward_funcs", "accuracy_reward"], "reward 'accuracy_reward' is a TRL built-in; with trl installed pass it "
                                             "as 'trl.rewards.accuracy_reward'"),
     (["--reward_funcs", "runs/no/model"], "reward_model kwargs.path: local path 'runs/no/model' does not exist"),
+    (["--reward_funcs", "exact_match", "--reward_weights", "1e39"],
+     "rewards[0].weight is 1e+39, beyond the largest float32 (3.4e+38)"),
+    (["--reward_funcs", "os:system"], "reward 'os:system' cannot be a reward function: it takes (command)"),
+    (["--reward_funcs", "subprocess:getoutput"], "reward 'subprocess:getoutput' cannot be a reward function"),
 ])
 def test_bad_rewards_exit_2_with_one_message_before_any_model_loads(reward_module, capsys, argv, message):
     # the model path does not exist either: the reward is checked first, so its message is the one printed

@@ -115,3 +115,22 @@ def test_dynamic_sampling_leaves_unscored_completions_out_of_the_filter():
     assert varied_groups(drawn.metric("accuracy"), G).tolist() == [False, True, False]
     assert [g.scored for g in drawn.groups()][1] == scored[4:8]
     assert Drawn.join(drawn.groups()).scored == scored
+
+
+def test_a_run_whose_every_step_is_unscored_stops_and_one_outage_does_not():
+    from posttrain.errors import RunStopped
+    from posttrain.online.scoring import UnscoredSteps
+
+    none, some = torch.zeros(4, dtype=torch.bool), torch.tensor([True, False, False, False])
+    with pytest.raises(RunStopped, match=r"no reward scored any completion of every step so far \(to step 1\) "
+                                         r"\('judge' 4 of 4 missing\)"):
+        UnscoredSteps().check(none, {"judge": 4}, 0)
+    guard = UnscoredSteps(limit=3)
+    guard.check(some, {"judge": 3}, 0)
+    guard.check(none, {"judge": 4}, 1)  # an outage after scored steps: ridden out (on_error: skip)
+    guard.check(none, {"judge": 4}, 2)
+    with pytest.raises(RunStopped, match="of the last 3 steps"):
+        guard.check(none, {"judge": 4}, 3)
+    guard = UnscoredSteps(limit=2)
+    for step in range(5):  # scored again in between: the count starts over
+        guard.check(some if step % 2 else none, {"judge": 4}, step) if step else guard.check(some, {}, 0)

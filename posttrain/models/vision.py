@@ -1,0 +1,173 @@
+"""Vision-language models: which recipes name one, their processor, and which of their parameters see images.
+
+    if is_vision_model(recipe.model):                       # config.json has a vision_config
+        processor = load_processor(recipe.model, tokenizer)   # the model's AutoProcessor, around our tokenizer
+    frozen = freeze_vision(model, tower=True, projector=False)  # names of the parameters now frozen
+
+A processor of the Qwen-VL family also holds a video processor, which transformers builds only with torchvision;
+without torchvision `load_processor` builds the same processor class minus its video half (images only), since
+posttrain trains on images and never on videos. The result answers `processor(text=..., images=...)` exactly as the
+full processor does (tests/unit/test_vision_models.py checks it against the image processor's own grid).
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import json
+from pathlib import Path
+from typing import Optional
+
+from posttrain.config.schema import ModelConfig
+from posttrain.errors import UserError
+
+TOWER_NAMES = ("visual", "vision_tower", "vision_model")
+"""Module names of the vision encoder (Qwen-VL, LLaVA / Gemma 3, Idefics3 / SmolVLM)."""
+PROJECTOR_NAMES = ("merger", "deepstack_merger_list", "multi_modal_projector", "connector")
+"""Module names of the layers that map image features into the language model's space (Qwen-VL keeps its merger
+inside the vision module: freezing the tower leaves it to `model.freeze_projector`)."""
+
+
+def _local_config(model_cfg: ModelConfig) -> Optional[dict]:
+    path = Path(model_cfg.name_or_path).expanduser() / "config.json"
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def is_vision_model(model_cfg: ModelConfig) -> bool:
+    """True when the recipe's model is a vision-language model (its config has a vision_config): read from the local
+    config.json, or the hub config otherwise."""
+    config = _local_config(model_cfg)
+    if config is None:
+        config = _hub_config(model_cfg.name_or_path, model_cfg.revision)
+    return isinstance(config, dict) and isinstance(config.get("vision_config"), dict)
+
+
+@functools.lru_cache(maxsize=8)
+def _hub_config(name: str, revision: Optional[str]) -> Optional[dict]:
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(name, revision=revision).to_dict()
+    except (OSError, ValueError):
+        return None
+
+
+def load_processor(model_cfg: ModelConfig, tokenizer):
+    """The model's processor, holding `tokenizer` (load_tokenizer's: pad token, chat template override). Where
+    transformers cannot build its video processor (no torchvision, or no video processor saved), the same class
+    images-only."""
+    from transformers import AutoImageProcessor, AutoProcessor
+
+    src = str(Path(model_cfg.name_or_path).expanduser()) if _local_config(model_cfg) else model_cfg.name_or_path
+    kwargs = dict(revision=model_cfg.revision, trust_remote_code=model_cfg.trust_remote_code)
+    try:
+        processor = AutoProcessor.from_pretrained(src, **kwargs)
+    except (ImportError, OSError, ValueError) as e:
+        cls = _processor_class(src, kwargs)
+        if cls is None or "video_processor" not in inspect.signature(cls.__init__).parameters:
+            raise UserError(f"could not load the processor of '{src}': {type(e).__name__}: {e}") from e
+        processor = images_only(cls)(AutoImageProcessor.from_pretrained(src, **kwargs), tokenizer,
+                                      chat_template=tokenizer.chat_template)
+    processor.tokenizer = tokenizer
+    if getattr(processor, "image_token", None) is None:
+        raise UserError(f"the processor of '{src}' ({type(processor).__name__}) names no image token; posttrain "
+                        "trains processors that mark each image with one")
+    return processor
+
+
+def _processor_class(src: str, kwargs: dict):
+    """The processor class a model directory names (processor_config.json, else preprocessor_config.json), or None."""
+    from transformers.image_processing_base import ImageProcessingMixin
+    from transformers.models.auto.processing_auto import processor_class_from_name
+    from transformers.processing_utils import ProcessorMixin
+
+    try:
+        name = ProcessorMixin.get_processor_dict(src, **kwargs)[0].get("processor_class")
+        name = name or ImageProcessingMixin.get_image_processor_dict(src, **kwargs)[0].get("processor_class")
+    except (OSError, ValueError):
+        return None
+    return processor_class_from_name(name) if name else None
+
+
+@functools.lru_cache(maxsize=None)
+def images_only(cls):
+    """`cls` (a processor class taking image_processor, tokenizer, video_processor) without its video processor:
+    transformers asks for the sub-processors its __init__ names, so this __init__ names only the first two."""
+    def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
+        cls.__init__(self, image_processor, tokenizer, None, chat_template=chat_template, **kwargs)
+
+    return type(cls.__name__, (cls,), {"__init__": __init__, "__doc__": f"{cls.__name__} for images only."})
+
+
+def vision_parameters(model) -> tuple[list[str], list[str]]:
+    """(names of the vision encoder's parameters, names of the projector's), the projector's out of the first."""
+    tower, projector = [], []
+    for name, _ in model.named_parameters():
+        parts = name.split(".")
+        if any(part in PROJECTOR_NAMES for part in parts):
+            projector.append(name)
+        elif any(part in TOWER_NAMES for part in parts):
+            tower.append(name)
+    return tower, projector
+
+
+def vision_modules_pattern(model) -> Optional[str]:
+    """A regex (peft's exclude_modules) matching every module inside the vision tower or the projector; None for a
+    model without them."""
+    tower, projector = vision_parameters(model)
+    if not tower and not projector:
+        return None
+    names = "|".join(TOWER_NAMES + PROJECTOR_NAMES)
+    return rf"(.*\.)?({names})(\..*)?"
+
+
+def freeze_vision(model, tower: bool, projector: bool) -> list[str]:
+    """Turn off gradients of the vision encoder (`tower`) and / or the projector; returns the names frozen. A model
+    with none of them (a text model) raises UserError naming the option."""
+    tower_names, projector_names = vision_parameters(model)
+    chosen = (tower_names if tower else []) + (projector_names if projector else [])
+    for option, on, names in (("model.freeze_vision_tower", tower, tower_names),
+                              ("model.freeze_projector", projector, projector_names)):
+        if on and not names:
+            raise UserError(f"{option}: {type(model).__name__} has no {option.split('_', 1)[1].replace('_', ' ')} "
+                            f"(no module named {' / '.join(TOWER_NAMES if 'tower' in option else PROJECTOR_NAMES)})")
+    parameters = dict(model.named_parameters())
+    for name in chosen:
+        parameters[name].requires_grad_(False)
+    return chosen
+
+
+VISION_ALGORITHMS = ("sft", "dpo", "grpo")
+"""What trains a vision-language model with images today; the others are refused before anything loads."""
+
+
+def check_vision_recipe(recipe, algorithm) -> bool:
+    """Whether the recipe trains a vision-language model; a UserError for what posttrain cannot do with one yet (or
+    freeze options on a text model), before anything loads."""
+    model = recipe.model
+    if not is_vision_model(model):
+        for option in ("freeze_vision_tower", "freeze_projector"):
+            if getattr(model, option):
+                raise UserError(f"model.{option}: {model.name_or_path} is a text model (its config.json has no "
+                                "vision_config); drop the option")
+        return False
+    refusals = (
+        (algorithm.name not in VISION_ALGORITHMS, f"posttrain {algorithm.name}",
+         f"posttrain trains vision-language models with {', '.join(VISION_ALGORITHMS)} only so far"),
+        (recipe.data.packing, "data.packing=true",
+         "packed rows restart their position ids per sequence, which would drop each row's own 3-D rotary positions "
+         "(Qwen2-VL's mrope places image tokens on a (t, h, w) grid); set data.packing=false"),
+        (recipe.train.max_tokens_per_microbatch is not None, "train.max_tokens_per_microbatch",
+         "it regroups rows padding-free (packed), which would drop each row's 3-D rotary positions; leave it unset"),
+        (recipe.train.sequence_parallel_size > 1, "train.sequence_parallel_size > 1",
+         "it would split image tokens from their pixels across ranks; set it to 1"),
+        (algorithm.source_kind == "rollout" and (recipe.generation.placement, recipe.generation.engine)
+         != ("colocated", "hf"), f"generation.engine={recipe.generation.engine} "
+         f"(placement {recipe.generation.placement})", "posttrain generates from images with the hf engine only so "
+         "far (vLLM's multi-modal inputs are not wired yet); set generation.engine=hf, generation.placement=colocated"),
+        (recipe.agent.enabled, "agent.*", "posttrain runs multi-turn agents on text prompts only so far"),
+    )
+    for refused, what, why in refusals:
+        if refused:
+            raise UserError(f"{what} with the vision-language model {model.name_or_path}: {why}")
+    return True
