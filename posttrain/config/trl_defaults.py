@@ -28,6 +28,7 @@ TRL_DEFAULTS = {'sft': {'learning_rate': 2e-05, 'max_length': 1024, 'assistant_o
  'grpo': {'learning_rate': 1e-06,
           'max_completion_length': 512,
           'vllm_importance_sampling_correction': True,
+          'vllm_importance_sampling_mode': 'sequence_mask',
           'vllm_importance_sampling_clip_max': 3.0},
  'rm': {'max_length': 1024},
  'distill': {'learning_rate': 1e-06, 'max_completion_length': 512, 'beta': 1.0}}
