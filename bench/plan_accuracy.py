@@ -134,7 +134,8 @@ def bench_recipe(algorithm: str, model: str, data: Path, output_dir: Path, steps
 
     fixed = [f"model.name_or_path={model}", f"data.train={data}", "data.eval=null", f"output_dir={output_dir}",
              f"train.max_steps={steps}", "train.report=false", "train.tensorboard=false",
-             "train.save_final_model=false", "train.save_steps=0", f"train.logging_steps={steps}", "data.packing=false"]
+             "train.save_final_model=false", "train.save_steps=0", f"train.logging_steps={steps}", "data.packing=false",
+             "train.shared_prefix=false"]  # the planner does not count shared prefixes yet: measure what it estimates
     if algorithm == "dpo":
         fixed.append("algo.precompute_ref_logprobs=false")  # keep the frozen reference copy: it is estimated
     if algorithm == "grpo":

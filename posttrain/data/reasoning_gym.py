@@ -58,8 +58,9 @@ class TaskSpec:
                            "seed": self.seed}, sort_keys=True)
 
 
-def is_task_spec(source: str | None) -> bool:
-    return bool(source) and source.startswith(PREFIX)
+def is_task_spec(source) -> bool:
+    """`reasoning_gym:...` names tasks; anything else (a path, a Path object, None) is data on disk or a hub name."""
+    return isinstance(source, str) and source.startswith(PREFIX)
 
 
 def require_reasoning_gym(what: str):

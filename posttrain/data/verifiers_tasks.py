@@ -33,8 +33,8 @@ PREFIX = "verifiers:"
 COLUMNS = ("vf_taskset", "vf_index")
 
 
-def is_verifiers_spec(source: str | None) -> bool:
-    return bool(source) and source.startswith(PREFIX)
+def is_verifiers_spec(source) -> bool:
+    return isinstance(source, str) and source.startswith(PREFIX)  # a Path object is data on disk
 
 
 def require_verifiers(what: str):

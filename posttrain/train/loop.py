@@ -185,9 +185,11 @@ def prepared_micro_batches(ctx: LoopContext, step: int) -> list[Batch]:
     micro_batches = shape(ctx.source.step_batches(step), backend.recipe, pad_id(models.tokenizer),
                           lambda count: max(backend.all_gather_object(count)), ctx.shared_prefix)
     micro_batches = [b.to(backend.device) for b in micro_batches]
-    if ctx.shared_prefix and not ctx.shared_prefix_checked:  # once a run, every rank (ZeRO-3 forwards are collective)
+    first = micro_batches[0]  # packed rows (data.packing's collate) have no rows to share: nothing to check there
+    if ctx.shared_prefix and not ctx.shared_prefix_checked and first.attention_mask_BT is not None:
+        # once a run, on every rank (ZeRO-3's forwards are collective)
         with backend.autocast():
-            diff = check_first_forward(models.policy.model, micro_batches[0], ctx.algorithm.model_kind == "seq_cls")
+            diff = check_first_forward(models.policy.model, first, ctx.algorithm.model_kind == "seq_cls")
         ctx.logger.info(f"train.shared_prefix: the first step's shared and plain forwards agree (max diff {diff:.2g})")
         ctx.shared_prefix_checked = True
     if ctx.source.prepares_batches:

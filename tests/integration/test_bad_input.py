@@ -365,7 +365,7 @@ def test_rows_that_train_on_nothing_are_dropped_and_counted_or_refused(tiny_mode
 def test_a_sys_exit_0_anywhere_inside_a_run_never_exits_0(monkeypatch, capsys):
     import posttrain.run
 
-    def quits(command, recipe):
+    def quits(command, recipe, **kwargs):
         raise SystemExit(0)  # what a library or user code called in the main thread would do
 
     monkeypatch.setattr(posttrain.run, "run", quits)

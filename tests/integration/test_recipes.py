@@ -100,7 +100,12 @@ class Workdir:
             config = self.root / argv[argv.index("--config") + 1]
             config.write_text(config.read_text().replace("http://127.0.0.1:8000", server.url))
         recipe_text = (self.root / argv[argv.index("--config") + 1]).read_text()
-        argv = argv[1:] + CHEAP + (ONLINE_CHEAP if argv[1] in ("grpo", "ppo") else [])
+        # grpo and ppo sample fewer tokens, except beside DAPO's overlong reward, whose cap the recipe sets to the
+        # completion length (a shorter completion would make it a setting that cannot act, refused at start-up)
+        cheap_online = argv[1] in ("grpo", "ppo") and "name: overlong" not in recipe_text
+        argv = argv[1:] + CHEAP + (ONLINE_CHEAP if cheap_online else [])
+        if "eval_pass_k" in recipe_text:  # CHEAP drops data.eval, so pass@k would have nothing to evaluate (refused)
+            argv.append("train.eval_pass_k=[]")
         if REAL_MODEL in recipe_text:  # the real model is tests/real's (built from a GGUF): here the tiny one
             argv.append("model.name_or_path=tiny/")
         extra = needs(argv, recipe_text)
