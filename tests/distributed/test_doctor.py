@@ -8,9 +8,10 @@ import time
 from tests.distributed.launch import ROOT, free_port, launch, worker_env
 
 
-def test_doctor_passes_on_two_gloo_processes(tmp_path):
-    r = launch(2, "doctor", [f"output_dir={tmp_path / 'run'}", "--timeout", "60"], config="recipes/sft.yaml",
-               timeout=180)
+def test_doctor_passes_on_two_gloo_processes(tmp_path, tiny_model_dir):
+    """doctor --config checks the recipe's model and data exist too: the recipe's tiny/ is the session's model."""
+    r = launch(2, "doctor", [f"output_dir={tmp_path / 'run'}", f"model.name_or_path={tiny_model_dir}", "--timeout",
+                             "60"], config="recipes/sft.yaml", timeout=180)
     assert r.returncode == 0, r.output[-4000:]
     for rank in (0, 1):
         assert f"[rank {rank}] PASS  rendezvous: 2 ranks joined" in r.output, r.output[-4000:]
