@@ -37,7 +37,7 @@ import torch
 
 from posttrain.algorithms.grpo import DynamicSamplingConfig
 from posttrain.errors import RunStopped, UserError
-from posttrain.online.drawn import Drawn
+from posttrain.online.engine_link import Sample
 from posttrain.usercode import stop_requested
 
 logger = logging.getLogger(__name__)
@@ -126,12 +126,12 @@ class DynamicSampler:
     """The rollout source's dynamic sampling: where the next draw starts in the prompt order (saved in checkpoints),
     and one step's refill.
 
-    draw(d, step) -> Drawn: generation batch d of the prompt order (this rank's slice), sampled and scored.
+    draw(d, step) -> Sample: generation batch d of the prompt order (this rank's slice), sampled and scored.
     all_reduce_sum: sums a tensor over ranks (the shortfall, the step's counts)."""
 
     FILE = "dynamic_sampling.json"
 
-    def __init__(self, config: DynamicSamplingConfig, need: int, group: int, draw: Callable[[int, int], Drawn],
+    def __init__(self, config: DynamicSamplingConfig, need: int, group: int, draw: Callable[[int, int], Sample],
                  all_reduce_sum: Callable[[torch.Tensor], torch.Tensor], batches_per_pass: int):
         self.config, self.need, self.group, self._draw, self._sum = config, need, group, draw, all_reduce_sum
         self.batches_per_pass = batches_per_pass
@@ -139,7 +139,7 @@ class DynamicSampler:
         self.next_draw: Optional[int] = None
         """The generation batch of the prompt order the next draw takes (None: the first step's own)."""
 
-    def fill(self, index: int, step: int) -> tuple[Drawn, dict[str, float]]:
+    def fill(self, index: int, step: int) -> tuple[Sample, dict[str, float]]:
         """This rank's `need` groups for generation batch `index` (trained from `step`) and the step's
         dynamic_sampling/* figures (all ranks)."""
         rewards: list[float] = []
@@ -147,10 +147,10 @@ class DynamicSampler:
             self.next_draw = index
 
         def draw():
-            drawn = self._draw(self.next_draw, step)
+            sample = self._draw(self.next_draw, step)
             self.next_draw += 1
-            rewards.extend(drawn.total)
-            return drawn.groups(), drawn.metric(self.config.metric)
+            rewards.extend(sample.total)
+            return sample.groups(), sample.metric(self.config.metric)
 
         agreed = [0]  # the stop signal some rank received, agreed in the shortfall's all-reduce (one collective)
 
@@ -173,7 +173,7 @@ class DynamicSampler:
                    "dynamic_sampling/groups_dropped": drawn - kept, "dynamic_sampling/kept_fraction": kept / drawn,
                    "dynamic_sampling/filler_groups": fillers, "dynamic_sampling/batches": float(out.batches),
                    "dynamic_sampling/drawn_reward_mean": reward_sum / max(completions, 1.0)}
-        return Drawn.join(out.groups, out.fillers), metrics
+        return Sample.join(out.groups, out.fillers), metrics
 
     def save(self, directory: Path, is_main: bool) -> None:
         if is_main:

@@ -19,8 +19,9 @@ prompt), so resume and any accumulation split reproduce it; greedy calls (evalua
 
 from __future__ import annotations
 
+import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, replace
 from typing import Optional
 
 import torch
@@ -28,6 +29,7 @@ import torch
 from posttrain.agents import AgentLoop
 from posttrain.generation import SamplingParams, make_engine
 from posttrain.generation.adapter_sync import check_delivery
+from posttrain.rewards import exact_match
 
 
 def sampling_seed(seed: int, position: int) -> int:
@@ -35,9 +37,16 @@ def sampling_seed(seed: int, position: int) -> int:
     return (seed * 1_000_003 + position) % (2**62)
 
 
+PER_PROMPT = ("prompts", "positions", "dataset_index")
+PER_NAME = ("per_function", "extra")  # name -> one value per row
+
+
 @dataclass
 class Sample:
-    """What the engine answered for a list of prompts, G rows per prompt in prompt order."""
+    """What the engine answered for a list of prompts, G rows per prompt in prompt order; the one record from the
+    engine to the batch. The engine fills the rows; the rollout source adds the prompts it asked (`asked`) and what
+    the rewards said (`take_scores`); dynamic sampling keeps or drops whole prompt groups (`groups`, `join`).
+    Per-prompt fields hold one value per prompt, the others one per row."""
 
     prompt_ids: list[list[int]] = field(default_factory=list)
     """Each row's prompt tokens (multi-turn: the trajectory's opening, templated with the tools)."""
@@ -49,16 +58,50 @@ class Sample:
     """The row hit generation.max_completion_length without an end of sequence."""
     trajectories: Optional[list] = None
     """Multi-turn runs: each row's agents.Trajectory (messages, tool figures); None for single-turn sampling."""
-    sampled_by: Optional[int] = None
-    """The policy version (optimiser step) the engine's weights were from; None: the policy itself (hf)."""
+    sampled_by: list[Optional[int]] = field(default_factory=list)
+    """Each row's policy version (optimiser step) the engine's weights were from; None: the policy itself (hf)."""
+    # the prompts asked, one per prompt (the rollout source's `asked`)
+    prompts: list[dict] = field(default_factory=list)
+    """The tokenised examples ({"prompt_ids", "prompt", "columns"})."""
+    positions: list[int] = field(default_factory=list)
+    """Each prompt's position in the seeded global prompt order."""
+    dataset_index: list[int] = field(default_factory=list)
+    """Each prompt's row in the dataset."""
+    # what the rewards said, one per row (`take_scores`)
+    texts: list[str] = field(default_factory=list)
+    """What the rewards scored (a multi-turn trajectory's last model turn)."""
+    total: list[float] = field(default_factory=list)
+    """The weighted total reward."""
+    per_function: dict[str, list[float]] = field(default_factory=dict)
+    """Each reward function's value (NaN: missing)."""
+    scored: list[bool] = field(default_factory=list)
+    """Some reward scored the row (False: every function returned None; advantage 0, out of the metrics)."""
+    extra: dict[str, list] = field(default_factory=dict)
+    """What the reward functions logged through log_extra: column -> one value per row."""
+    filler: list[bool] = field(default_factory=list)
+    """Rows standing in for missing groups (dynamic sampling out of draws): masked out of the loss."""
+
+    @property
+    def group(self) -> int:
+        """Rows per prompt."""
+        return len(self.completion_ids) // max(len(self.prompts), 1)
+
+    @property
+    def skipped(self) -> int:
+        """(function, row) values missing (a reward skipped or returned None)."""
+        return sum(math.isnan(v) for values in self.per_function.values() for v in values)
 
     def completion_masks(self) -> list[list[int]]:
-        """1 at the tokens the model produced (trained), 0 at tokens appended by tools or an environment."""
+        """1 at the tokens the model produced (trained), 0 at tokens appended by tools or an environment and at every
+        token of a filler row."""
         if self.trajectories is not None:
-            return [t.completion_mask for t in self.trajectories]
-        return [[1] * len(ids) for ids in self.completion_ids]
+            masks = [t.completion_mask for t in self.trajectories]
+        else:
+            masks = [[1] * len(ids) for ids in self.completion_ids]
+        fillers = self.filler or [False] * len(masks)
+        return [[0] * len(m) if filler else m for m, filler in zip(masks, fillers)]
 
-    def texts(self, tokenizer) -> list[str]:
+    def completion_texts(self, tokenizer) -> list[str]:
         """What rewards score as each row's completion: the model's last turn, or the decoded completion."""
         if self.trajectories is not None:
             return [t.final_text for t in self.trajectories]
@@ -71,6 +114,64 @@ class Sample:
                                                                           for m in mask]}
                 for p, c, cut, mask in zip(self.prompt_ids, self.completion_ids, self.truncated,
                                            self.completion_masks())]
+
+    # --- what the rollout source adds ------------------------------------------------------------------------------
+
+    def asked(self, prompts: list[dict], positions: list[int], dataset_index: list[int]) -> "Sample":
+        """The sample with the prompts it answers (their examples, prompt-order positions and dataset rows)."""
+        return replace(self, prompts=prompts, positions=positions, dataset_index=dataset_index)
+
+    def take_scores(self, texts: list[str], scores) -> "Sample":
+        """The sample with what its rewards said (online/scoring.score's texts and rewards.Scores)."""
+        return replace(self, texts=texts, total=scores.total_B.tolist(),
+                       per_function={k: v.tolist() for k, v in scores.per_function.items()},
+                       scored=scores.scored_B.tolist(), extra=dict(scores.logged.extra))
+
+    def groups(self) -> list["Sample"]:
+        """One Sample per prompt, in order."""
+        g = self.group
+        return [self._rows(p, slice(p * g, (p + 1) * g)) for p in range(len(self.prompts))]
+
+    def _rows(self, prompt: int, rows: slice) -> "Sample":
+        values = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.name in PER_PROMPT:
+                values[f.name] = value[prompt : prompt + 1]
+            elif f.name in PER_NAME:
+                values[f.name] = {k: v[rows] for k, v in value.items()}
+            else:
+                values[f.name] = None if value is None else value[rows]
+        return Sample(**values)
+
+    @classmethod
+    def join(cls, parts: list["Sample"], fillers: int = 0) -> "Sample":
+        """The parts, in order, as one; the rows of the last `fillers` parts are marked as fillers."""
+        values = {}
+        for f in fields(cls):
+            if f.name in PER_NAME:  # a name one part lacks (a log_extra column logged sometimes) is None there
+                names = dict.fromkeys(k for p in parts for k in getattr(p, f.name))
+                values[f.name] = {k: [v for p in parts for v in getattr(p, f.name).get(k, [None] * len(p.texts))]
+                                  for k in names}
+            elif f.name == "trajectories":
+                values[f.name] = None if parts[0].trajectories is None else [t for p in parts for t in p.trajectories]
+            elif f.name != "filler":
+                values[f.name] = [v for p in parts for v in getattr(p, f.name)]
+        filler_rows = sum(len(p.completion_ids) for p in parts[len(parts) - fillers :]) if fillers else 0
+        values["filler"] = [False] * (len(values["completion_ids"]) - filler_rows) + [True] * filler_rows
+        return cls(**values)
+
+    def metric(self, name: str, answer_column: str = "answer") -> torch.Tensor:
+        """metric_B for dynamic sampling: accuracy (exact match against the answer column; NaN without a reference)
+        or reward (the total); NaN for a row no reward scored, which trains on advantage 0 whatever it is."""
+        if name == "reward":
+            values = self.total
+        else:
+            g = self.group
+            references = [p["columns"].get(answer_column) for p in self.prompts for _ in range(g)]
+            values = exact_match(completions=self.texts, answer=references)
+        return torch.tensor([math.nan if v is None or not scored else v for v, scored in zip(values, self.scored)],
+                            dtype=torch.float64)
 
 
 class EngineLink:
@@ -137,7 +238,7 @@ class EngineLink:
         number of calls (equal prompts per rank), as ZeRO-3's parameter gathering needs."""
         gen, rows = self.generation, rows if rows is not None else positions
         per_call = gen.batch_size or len(prompts)
-        out = Sample(trajectories=[] if self.agent is not None else None, sampled_by=self.synced_at)
+        out = Sample(trajectories=[] if self.agent is not None else None)
         for start in range(0, len(prompts), per_call):
             chunk = [p for p in prompts[start : start + per_call] for _ in range(group)]
             if greedy:
@@ -161,6 +262,7 @@ class EngineLink:
             out.completion_ids += completion_ids
             out.logprobs += logprobs
             out.truncated += truncated
+        out.sampled_by = [self.synced_at] * len(out.completion_ids)
         return out
 
     def sleep(self) -> None:

@@ -144,7 +144,7 @@ def sampled_pass_at_k(backend, link, tokenizer, examples: list[dict], real: int,
     (EVAL_POSITIONS), so evaluation never repeats a training draw and does not move the training stream."""
     share_start = EVAL_POSITIONS + backend.rank * len(examples)
     sample = link.sample(examples, [share_start + i for i in range(len(examples))], group=n)
-    texts = sample.texts(tokenizer)
+    texts = sample.completion_texts(tokenizer)
     references = [e["columns"].get(ANSWER_COLUMN) for e in examples for _ in range(n)]
     scores = exact_match(completions=texts, answer=references)
     correct = [-1 if scores[i] is None else int(sum(scores[i : i + n])) for i in range(0, len(texts), n)]

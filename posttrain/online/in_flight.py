@@ -32,8 +32,9 @@ from posttrain.online.engine_link import Sample
 
 FILE = "rollouts_in_flight_{rank}.json"
 FORMAT = 1
-FIELDS = ("prompt_ids", "completion_ids", "logprobs", "truncated", "trajectories")
-"""The per-row fields of a Sample kept in the file (trajectories: None but multi-turn)."""
+FIELDS = ("prompt_ids", "completion_ids", "logprobs", "truncated", "trajectories", "sampled_by")
+"""The per-row fields of a Sample kept in the file (trajectories: None but multi-turn; sampled_by: one version for the
+whole batch in files written before versions were kept per row, still read)."""
 
 
 def files_problem(directory: Path) -> Optional[str]:
@@ -60,7 +61,7 @@ def _whole(value, least: int = 0) -> bool:
 def _record_problem(record) -> str:
     if not isinstance(record, dict):
         return "not an object"
-    missing = [k for k in ("index", "positions", "submitted_at", "sampled_by", *FIELDS) if k not in record]
+    missing = [k for k in ("index", "positions", "submitted_at", *FIELDS) if k not in record]
     if missing:
         return f"no {', '.join(missing)}"
     positions, rows = record["positions"], record["prompt_ids"]
@@ -74,7 +75,7 @@ def _record_problem(record) -> str:
         return f"{len(rows) if isinstance(rows, list) else rows!r:.40} rows for {len(positions)} prompt positions"
     for key in FIELDS:
         value = record[key]
-        if value is None and key != "prompt_ids":
+        if (value is None and key != "prompt_ids") or (key == "sampled_by" and _whole(value)):
             continue
         if not isinstance(value, list) or len(value) != len(rows):
             return f"{key} must be a list of {len(rows)} rows"
@@ -175,7 +176,7 @@ class InFlight:
         """Write this rank's batches in flight (waiting for them) to `directory`/rollouts_in_flight_<rank>.json."""
         self.settle()
         records = [{"index": b.index, "positions": b.positions, "submitted_at": b.submitted_at,
-                    "sampled_by": b.result.sampled_by, **{k: getattr(b.result, k) for k in FIELDS},
+                    **{k: getattr(b.result, k) for k in FIELDS},
                     "trajectories": None if b.result.trajectories is None
                     else [dataclasses.asdict(t) for t in b.result.trajectories]}
                    for b in self.batches]
@@ -199,6 +200,8 @@ class InFlight:
                 raise UserError(f"{path} is not a file of generation batches in flight of format {FORMAT} (written "
                                 "by another posttrain release?): resume from an earlier checkpoint")
             for record in data["batches"]:
+                if not isinstance(record["sampled_by"], list):  # one version for the batch (an earlier file)
+                    record["sampled_by"] = [record["sampled_by"]] * len(record["prompt_ids"])
                 batch = saved.setdefault(record["index"], {"meta": record, "rows": {}})
                 group = len(record["prompt_ids"]) // max(len(record["positions"]), 1)
                 for i, position in enumerate(record["positions"]):
@@ -221,5 +224,5 @@ class InFlight:
                     raise UserError(f"{directory}: a saved trajectory of generation batch {index} cannot be "
                                     f"rebuilt ({e}): resume from an earlier checkpoint") from None
             self.batches.append(Sampled(index, positions, meta["submitted_at"],
-                                        result=Sample(**columns, sampled_by=meta["sampled_by"])))
+                                        result=Sample(**columns)))
         return []

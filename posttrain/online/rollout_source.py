@@ -51,12 +51,11 @@ from posttrain.ops.logprobs import sequence_mean
 from posttrain.rewards import reward_metrics, trainer_state
 from posttrain.config.schema import total_steps
 from posttrain.batch import Batch, share_prefixes
-from posttrain.online.drawn import Drawn, RankFigures
 from posttrain.online.dynamic_sampling import DynamicSampler
-from posttrain.online.engine_link import EngineLink
+from posttrain.online.engine_link import EngineLink, Sample
 from posttrain.online.in_flight import InFlight, Sampled, lag_metrics, policy_lag
 from posttrain.online.mismatch import engine_mismatch
-from posttrain.online.scoring import UnscoredSteps, score
+from posttrain.online.scoring import RankFigures, UnscoredSteps, score
 from posttrain.train.sources import SampleOrder, Source
 from posttrain.usercode import UserCodeError
 
@@ -232,12 +231,13 @@ class RolloutSource(Source):
         self.link.sync_seconds, self._seconds, self._logged = 0.0, {"generate": 0.0, "score": 0.0}, {}
         # 1-3. this rank's prompt groups, generated and scored; dynamic sampling draws until enough of them vary
         if self.dynamic_sampling is None:
-            drawn, dynamic_metrics = self._draw(index, step), {}
+            sample, dynamic_metrics = self._draw(index, step), {}
         else:
-            drawn, dynamic_metrics = self.dynamic_sampling.fill(index, step)
-        drawn = backend.same_rows(drawn)  # a sequence-parallel group trains on its first rank's completions
+            sample, dynamic_metrics = self.dynamic_sampling.fill(index, step)
+        sample = backend.same_rows(sample)  # a sequence-parallel group trains on its first rank's completions
         gather_started = time.perf_counter()
-        everyone: list[RankFigures] = backend.data_all_gather_object(drawn.figures(self._logged))
+        lags = [policy_lag(step, version) for version in sample.sampled_by]
+        everyone: list[RankFigures] = backend.data_all_gather_object(RankFigures.of(sample, self._logged, lags))
         global_total_B = torch.tensor([r for part in everyone for r in part.total])
         global_scored_B = torch.tensor([s for part in everyone for s in part.scored], dtype=torch.bool)
         self._unscored.check(global_scored_B, {name: sum(math.isnan(v) for part in everyone
@@ -247,18 +247,13 @@ class RolloutSource(Source):
         self._seconds["score"] += scored - gather_started
 
         # 4. micro-batches, with old / reference log-probs and values taken once
-        total_B = torch.tensor(drawn.total, dtype=torch.float32)
-        masks = ([t.completion_mask for t in drawn.trajectories] if drawn.trajectories is not None
-                 else [[1] * len(c) for c in drawn.completion_ids])
-        masks = [[0] * len(m) if filler else m for m, filler in zip(masks, drawn.filler)]
-        batches = self._micro_batches(drawn.prompt_ids, drawn.completion_ids, drawn.logprobs, drawn.truncated,
-                                      total_B, [i for i in drawn.dataset_index for _ in range(group)], masks)
+        batches = self._micro_batches(sample)
         with torch.no_grad(), backend.autocast():
             batches = [self.algorithm.prepare(b.to(backend.device), self.models) for b in batches]
 
             # 5. advantages over the whole step
             step_truncated_B = torch.tensor([c for part in everyone for c in part.truncated], dtype=torch.bool)
-            rollouts = Rollouts(batches, global_total_B, step_truncated_B, backend.data_rank * len(total_B), group,
+            rollouts = Rollouts(batches, global_total_B, step_truncated_B, backend.data_rank * len(sample.total), group,
                                 backend.data_all_reduce_sum, global_scored_B)
             batches, advantage_metrics = self.algorithm.advantages(rollouts)
             if self.link.engine.holds_copy:  # an engine apart: its log-probs against the trainer's (mismatch.py)
@@ -267,7 +262,8 @@ class RolloutSource(Source):
         prepared = time.perf_counter()
 
         metrics = step_metrics(everyone, global_total_B, global_scored_B, group)
-        metrics.update(agent_metrics([part.agent for part in everyone]))
+        if sample.trajectories is not None:
+            metrics.update(agent_metrics([part.agent for part in everyone]))
         metrics.update({"time/generate": self._seconds["generate"], "time/score": self._seconds["score"],
                         "time/ref": prepared - scored, "time/sync": self.link.sync_seconds,
                         **lag_metrics([lag for part in everyone for lag in part.lags]), **advantage_metrics,
@@ -278,13 +274,11 @@ class RolloutSource(Source):
             if seconds is not None:
                 metrics[f"time/role/{name}"] = seconds
         if backend.is_main:
-            self._write_samples(step, drawn.prompts, drawn.texts, total_B.where(torch.tensor(drawn.scored), torch.nan),
-                                drawn.per_function, sequence_advantages(batches), drawn.truncated, drawn.extra,
-                                drawn.trajectories)
-        versions = [v for v in drawn.sampled_by if v is not None]
+            self._write_samples(step, sample, sequence_advantages(batches))
+        versions = [v for v in sample.sampled_by if v is not None]
         return Generation(index, batches, metrics, min(versions) if versions else None)
 
-    def _draw(self, draw: int, step: int) -> Drawn:
+    def _draw(self, draw: int, step: int) -> Sample:
         """Generation batch `draw` of the prompt order (this rank's slice), sampled and scored for `step`."""
         group = self.group
         positions, dataset_index, prompts = self._prompts(draw)
@@ -320,22 +314,15 @@ class RolloutSource(Source):
             self._logged.setdefault(name, []).extend(values)
         self._seconds["generate"] += generated - started - synced
         self._seconds["score"] += time.perf_counter() - score_started
-        rows, sampled_by = len(sample.completion_ids), sample.sampled_by
-        return Drawn(positions, prompts, dataset_index, sample.prompt_ids, sample.completion_ids, sample.logprobs,
-                     sample.truncated, texts, scores.total_B.tolist(),
-                     {k: v.tolist() for k, v in scores.per_function.items()}, [policy_lag(step, sampled_by)] * rows,
-                     [sampled_by] * rows, sample.trajectories, dict(scores.logged.extra),
-                     scored=scores.scored_B.tolist())
+        return sample.asked(prompts, positions, dataset_index).take_scores(texts, scores)
 
-    def _micro_batches(self, prompt_ids, completion_ids, sampler_logprobs, truncated, rewards_B,
-                       dataset_index, masks=None) -> list[Batch]:
-        """masks: multi-turn, 1 at the model's tokens of each completion (None: every completion token)."""
-        masked = self.recipe.algo.mask_truncated_completions
-        masks = masks or [[1] * len(c) for c in completion_ids]
-        rows = [
-            {"input_ids": p + c, "completion_mask": [0] * len(p) + [m * int(not (masked and cut)) for m in mask]}
-            for p, c, cut, mask in zip(prompt_ids, completion_ids, truncated, masks)
-        ]
+    def _micro_batches(self, sample: Sample) -> list[Batch]:
+        """The scored sample's prompt + completion rows, right padded, in micro-batches with the sampler's log-probs,
+        rewards and truncation attached (a filler row, and with algo.mask_truncated_completions a truncated one,
+        carries no loss)."""
+        rows = sample.rows(self.recipe.algo.mask_truncated_completions)
+        dataset_index = [i for i in sample.dataset_index for _ in range(sample.group)]
+        rewards_B = torch.tensor(sample.total, dtype=torch.float32)
         batches = []
         for start in range(0, len(rows), self.micro):
             stop = start + self.micro
@@ -344,17 +331,16 @@ class RolloutSource(Source):
                 images = [self.examples[i].get("images", []) for i in dataset_index[start:stop]]
                 batch = with_images(batch, images, self.processor)
             sampler_BT = torch.zeros(batch.input_ids_BT.shape, dtype=torch.float32)
-            for row, (p, lps) in enumerate(zip(prompt_ids[start:stop], sampler_logprobs[start:stop])):
+            for row, (p, lps) in enumerate(zip(sample.prompt_ids[start:stop], sample.logprobs[start:stop])):
                 sampler_BT[row, len(p) : len(p) + len(lps)] = torch.tensor(lps, dtype=torch.float32)
-            batch = replace(batch, rewards_B=rewards_B[start:stop].float(), sampler_logprobs_BT=sampler_BT,
-                            truncated_B=torch.tensor(truncated[start:stop], dtype=torch.bool),
+            batch = replace(batch, rewards_B=rewards_B[start:stop], sampler_logprobs_BT=sampler_BT,
+                            truncated_B=torch.tensor(sample.truncated[start:stop], dtype=torch.bool),
                             example_index_B=torch.tensor(dataset_index[start:stop]),
                             padding_free=self.recipe.data.packing)
             batches.append(share_prefixes(batch) if self.shared_prefix else batch)
         return batches
 
-    def _write_samples(self, step: int, prompts, texts, total_B, per_function, advantages_B, truncated,
-                       extra: dict, trajectories=None) -> None:
+    def _write_samples(self, step: int, sample: Sample, advantages_B: torch.Tensor) -> None:
         """Every logging step: a few prompt groups of rank 0, appended to output_dir/samples.jsonl (with what the
         reward functions logged through log_extra). Multi-turn: each record's `trajectory` holds every message after
         the opening ones (the model's text with its tool calls as written, each tool's output or error, the
@@ -363,13 +349,13 @@ class RolloutSource(Source):
         due = [s + 1 for s in range(step, step + self.iterations) if (s + 1) % t.logging_steps == 0]
         if not due or not groups:
             return
-        records = [{"step": due[0], "prompt": prompts[i // self.group]["prompt"], "completion": texts[i],
-                    "reward": None if math.isnan(total_B[i]) else float(total_B[i]),
-                    "rewards": {k: (None if math.isnan(v[i]) else float(v[i])) for k, v in per_function.items()},
-                    "advantage": float(advantages_B[i]), "truncated": bool(truncated[i]),
-                    **({"extra": {k: v[i] for k, v in extra.items()}} if extra else {}),
-                    **(trajectory_record(trajectories[i]) if trajectories is not None else {})}
-                   for i in range(min(groups, len(prompts)) * self.group)]
+        records = [{"step": due[0], "prompt": sample.prompts[i // self.group]["prompt"], "completion": sample.texts[i],
+                    "reward": float(sample.total[i]) if sample.scored[i] else None,
+                    "rewards": {k: (None if math.isnan(v[i]) else float(v[i])) for k, v in sample.per_function.items()},
+                    "advantage": float(advantages_B[i]), "truncated": bool(sample.truncated[i]),
+                    **({"extra": {k: v[i] for k, v in sample.extra.items()}} if sample.extra else {}),
+                    **(trajectory_record(sample.trajectories[i]) if sample.trajectories is not None else {})}
+                   for i in range(min(groups, len(sample.prompts)) * self.group)]
         with (Path(self.recipe.output_dir) / "samples.jsonl").open("a") as f:
             f.writelines(json.dumps(r, default=str) + "\n" for r in records)
 

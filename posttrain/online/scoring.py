@@ -2,6 +2,7 @@
 
     texts, scores = score(rewards, prompts, sample, tokenizer, link.with_environment, trainer_state)
     scores.total_B, scores.scored_B, scores.per_function, scores.skipped, scores.logged   # a rewards.Scores
+    figures = RankFigures.of(sample.take_scores(texts, scores), logged, lags)   # this rank's share of a step's figures
 
 Each reward function is called on TRL's contract (rewards/combine.py): one prompt per completion (a prompt's G
 samples repeat it), the completions in the dataset's shape (a multi-turn run: every message after the prompt, with
@@ -10,6 +11,9 @@ environment's own reward is added (agents/scoring.py).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
 
 import torch
 
@@ -26,7 +30,7 @@ def score(rewards, prompts: list[dict], sample, tokenizer, with_environment: boo
     group = len(sample.completion_ids) // max(len(prompts), 1)
     columns = {key: [p["columns"][key] for p in prompts for _ in range(group)] for key in prompts[0]["columns"]}
     repeated = [p["prompt"] for p in prompts for _ in range(group)]
-    texts = sample.texts(tokenizer)
+    texts = sample.completion_texts(tokenizer)
     if sample.trajectories is not None:
         scorer = score_trajectories(rewards, sample.trajectories, with_environment)
     else:
@@ -58,3 +62,40 @@ class UnscoredSteps:
         raise RunStopped(f"no reward scored any completion of {since} ({what} missing): those steps train on nothing "
                          "(every advantage is 0). The warnings above say why each reward gave none (on_error: skip "
                          "hides a failing reward, None means 'not applicable'); fix the reward and rerun")
+
+
+@dataclass
+class RankFigures:
+    """One rank's share of a step's figures, gathered from every rank (rank 0's first) so rewards, advantages and
+    metrics are computed on the whole step; one value per completion unless said."""
+
+    total: list[float]
+    """The weighted total reward."""
+    scored: list[bool]
+    """Some reward scored the completion."""
+    per_function: dict[str, list[float]]
+    """Each reward function's value (NaN: missing)."""
+    skipped: int
+    """(function, completion) values missing, on this rank."""
+    logged: dict[str, list[float]]
+    """The reward functions' log_metric values (name -> every value logged)."""
+    lengths: list[int]
+    """Completion tokens."""
+    truncated: list[bool]
+    """Hit max_completion_length without end of sequence."""
+    lags: list[int]
+    """Optimiser steps from the sampling policy to the one trained."""
+    agent: Optional[list[dict]]
+    """Multi-turn runs: each trajectory's stats (agents.Trajectory.stats); None for single-turn sampling."""
+    untemplated: list[bool] = field(default_factory=list)
+    """Per prompt: plain text tokenised as it is for a tokenizer with a chat template (rundir/health.py)."""
+
+    @classmethod
+    def of(cls, sample, logged: dict[str, list[float]], lags: list[int]) -> "RankFigures":
+        """A scored Sample's figures; `logged`: the reward functions' log_metric values of every draw of the step;
+        `lags`: each completion's policy lag at the step trained."""
+        return cls(total=sample.total, scored=sample.scored, per_function=sample.per_function,
+                   skipped=sample.skipped, logged=logged, lengths=[len(ids) for ids in sample.completion_ids],
+                   truncated=sample.truncated, lags=lags,
+                   agent=[t.stats() for t in sample.trajectories] if sample.trajectories is not None else None,
+                   untemplated=[bool(p.get("untemplated")) for p in sample.prompts])

@@ -152,11 +152,12 @@ def test_a_stop_signal_ends_the_draws_between_two_batches(signum, max_batches):
 def test_a_sampler_whose_whole_pass_varies_nowhere_stops_the_run():
     from posttrain.algorithms.grpo import DynamicSamplingConfig
     from posttrain.online.dynamic_sampling import DynamicSampler
-    from posttrain.online.drawn import Drawn
+    from posttrain.online.engine_link import Sample
 
     def draw(index, step):
-        return Drawn(list(range(2)), [{"prompt": "p", "columns": {}}] * 2, [0, 1], [[1]] * 2, [[2]] * 4,
-                     [[0.0]] * 4, [False] * 4, ["x"] * 4, [1.0] * 4, {}, [0] * 4, [None] * 4)
+        return Sample([[1]] * 4, [[2]] * 4, [[0.0]] * 4, [False] * 4, sampled_by=[None] * 4,
+                      prompts=[{"prompt": "p", "columns": {}}] * 2, positions=[0, 1], dataset_index=[0, 1],
+                      texts=["x"] * 4, total=[1.0] * 4, scored=[True] * 4)
 
     sampler = DynamicSampler(DynamicSamplingConfig(enabled=True, metric="reward", max_batches=50), 2, 2, draw,
                              lambda t: t, batches_per_pass=2)

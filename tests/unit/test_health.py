@@ -14,7 +14,7 @@ from posttrain.cli import main
 from posttrain.config import DataConfig
 from posttrain.data import tokenize_prompts
 from posttrain.errors import UserError
-from posttrain.online.drawn import RankFigures
+from posttrain.online.scoring import RankFigures
 from posttrain.online.rollout_source import step_metrics
 from posttrain.rundir.health import CHECKS, PATIENCE, diagnose
 from posttrain.rundir.metrics import MetricsLogger

@@ -20,7 +20,7 @@ def answer(index: int, positions: list[int], group: int = 2, sampled_by: int = 2
     rows = [(index, p, g) for p in positions for g in range(group)]
     return Sample([[p] for _, p, _ in rows], [[index, p, g] for index, p, g in rows],
                   [[-0.1 * (index + 1), math.nextafter(-1 / 3, 0)] for _ in rows], [g == 1 for _, _, g in rows],
-                  sampled_by=sampled_by)
+                  sampled_by=[sampled_by] * len(rows))
 
 
 def drive(queue: InFlight, batches: int, iterations: int = 1) -> list[tuple[int, int, str]]:
@@ -38,7 +38,7 @@ def drive(queue: InFlight, batches: int, iterations: int = 1) -> list[tuple[int,
             for j in queue.wanted(index):
                 queue.push(Sampled(j, [j], step, pool.submit(answer, j, [j], sampled_by=step)))
             for s in range(step, step + iterations):
-                trained.append((s, policy_lag(s, result.sampled_by), result.completion_ids[0][0]))
+                trained.append((s, policy_lag(s, result.sampled_by[0]), result.completion_ids[0][0]))
     return trained
 
 
@@ -101,7 +101,7 @@ def test_checkpoint_files_restore_every_value_exactly_under_any_world_size(tmp_p
 
     one = InFlight(2, 1)  # resumed on one process: it takes all four prompts of each batch, rows gathered by position
     assert one.load(tmp_path, lambda index: [p + 10 * (index - 4) for p in (8, 9, 10, 11)], Trajectory) == []
-    assert [(b.index, b.submitted_at, b.result.sampled_by) for b in one.batches] == [(4, 3, 2), (5, 3, 2)]
+    assert [(b.index, b.submitted_at, b.result.sampled_by) for b in one.batches] == [(4, 3, [2] * 8), (5, 3, [2] * 8)]
     restored = one.batches[1].wait()
     ids, completions, logprobs, truncated, trajectories = (restored.prompt_ids, restored.completion_ids,
                                                            restored.logprobs, restored.truncated,

@@ -9,9 +9,9 @@ import torch
 
 from posttrain.ops.advantages import group_advantages, nanstd, zero_std_fraction
 from posttrain.rewards import RewardSet
-from posttrain.online.drawn import Drawn
+from posttrain.online.engine_link import Sample
 from posttrain.online.dynamic_sampling import varied_groups
-from posttrain.online.drawn import RankFigures
+from posttrain.online.scoring import RankFigures
 from posttrain.online.rollout_source import step_metrics
 
 NAN = math.nan
@@ -107,14 +107,14 @@ def test_dynamic_sampling_leaves_unscored_completions_out_of_the_filter():
     total = [1.0, 1.0, 0.0, 1.0, 0.0, 0.0, 1.0, 0.0, 1.0, 0.0, 0.0, 0.0]
     scored = [True, True, False, True, True, False, True, True, True, False, False, False]
     prompts = [{"prompt": "p", "columns": {"answer": "a"}}] * 3
-    drawn = Drawn(list(range(3)), prompts, list(range(3)), [[1]] * 3, [[2]] * 12, [[0.0]] * 12, [False] * 12,
-                  ["a", "a", "b", "a", "a", "b", "b", "b", "a", "b", "b", "b"], total, {}, [0] * 12, [None] * 12,
-                  scored=scored)
+    drawn = Sample([[1]] * 12, [[2]] * 12, [[0.0]] * 12, [False] * 12, sampled_by=[None] * 12, prompts=prompts,
+                   positions=list(range(3)), dataset_index=list(range(3)),
+                   texts=["a", "a", "b", "a", "a", "b", "b", "b", "a", "b", "b", "b"], total=total, scored=scored)
     assert varied_groups(drawn.metric("reward"), G).tolist() == [False, True, False]
     # accuracy: group 0's unscored completion is the only wrong one; group 1 varies among the scored
     assert varied_groups(drawn.metric("accuracy"), G).tolist() == [False, True, False]
     assert [g.scored for g in drawn.groups()][1] == scored[4:8]
-    assert Drawn.join(drawn.groups()).scored == scored
+    assert Sample.join(drawn.groups()).scored == scored
 
 
 def test_a_run_whose_every_step_is_unscored_stops_and_one_outage_does_not():

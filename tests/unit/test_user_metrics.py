@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from posttrain.errors import UserError
-from posttrain.online.drawn import RankFigures
+from posttrain.online.scoring import RankFigures
 from posttrain.online.rollout_source import step_metrics
 from posttrain.rewards.combine import Reward, RewardSet
 from posttrain.rewards.contract import UserLog
