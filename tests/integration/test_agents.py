@@ -81,7 +81,8 @@ def test_multi_turn_grpo_trains_on_the_models_tokens(tiny_model_dir, data, tmp_p
     built = []
     real = RolloutSource._micro_batches
     monkeypatch.setattr(RolloutSource, "_micro_batches",
-                        lambda self, *a: built.append((a[1], a[6], real(self, *a))) or built[-1][2])
+                        lambda self, sample: built.append((sample.completion_ids, sample.completion_masks(),
+                                                           real(self, sample))) or built[-1][2])
     out = tmp_path / "run"
     assert run_cli("grpo", *base(tiny_model_dir, data, out, f"data.eval={data['prompts_eval']}")) == 0
     rows = [r for r in metrics(out) if "loss" in r]
@@ -174,7 +175,8 @@ def test_multi_turn_grpo_on_the_vllm_server_trains_the_servers_tokens(vllm_serve
                         calls[-1][1])
     monkeypatch.setattr(AgentLoop, "run", lambda self, *a: runs.append(run(self, *a)) or runs[-1])
     monkeypatch.setattr(RolloutSource, "_micro_batches",
-                        lambda self, *a: built.append((a[1], micro_batches(self, *a))) or built[-1][1])
+                        lambda self, sample: built.append((sample.completion_ids, micro_batches(self, sample)))
+                        or built[-1][1])
     out = tmp_path / "run"
     assert run_cli("grpo", *base(vllm_server.model_dir, data, out, "generation.engine=vllm",
                                  "generation.placement=servers", f"generation.servers=[{vllm_server.url}]")) == 0
