@@ -1,6 +1,6 @@
 """What `posttrain report` reads and where it writes, with the user's files treated as hostile input.
 
-    rows = read_rows(run / "metrics.jsonl", needs_step=True)     # UserError naming the file and line, or rows
+    rows = read_rows(run / "metrics.jsonl", needs_step=True)     # rundir/metrics.py: UserError naming the line, or rows
     out = report_path(paths, out_arg)                             # never a page the user wrote, never a non-run
 
 A report is drawn from files anyone may have edited: every line of metrics.jsonl / samples.jsonl is a JSON object
@@ -19,42 +19,9 @@ from typing import Optional
 
 import yaml
 
-from posttrain.errors import warn
 from posttrain.errors import UserError
 
 GENERATOR = "<meta name='generator' content='posttrain report'>"  # in every page: marks it as ours to redraw
-
-
-def read_rows(path: Path, needs_step: bool) -> list[dict]:
-    """The JSON objects of a .jsonl file (none when it is absent); UserError naming the file and line otherwise."""
-    if not path.is_file():
-        return []
-    try:
-        lines = path.read_bytes().decode("utf-8").splitlines()
-    except UnicodeDecodeError as e:
-        line = path.read_bytes()[: e.start].count(b"\n") + 1
-        raise UserError(f"{path} line {line} is not UTF-8 text; this is not a file a posttrain run wrote") from None
-    rows = []
-    for number, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except (ValueError, RecursionError) as e:
-            if number == len(lines):  # only the last line can be cut by a kill while writing it
-                warn(f"{path} line {number} is cut short (the run was stopped while writing it); it is left out")
-                continue
-            raise UserError(f"{path} line {number} is not JSON ({e}); fix or remove that line") from None
-        if not isinstance(row, dict):
-            raise UserError(f"{path} line {number} is {type(row).__name__} {line[:60]!r}, not a JSON object; fix or "
-                            "remove that line")
-        step = row.get("step")
-        if needs_step and (not isinstance(step, int) or isinstance(step, bool) or step < 0):
-            raise UserError(f"{path} line {number} has step {step!r:.60}; every row needs a whole step >= 0")
-        if "step" in row and not needs_step and (not isinstance(step, int) or isinstance(step, bool)):
-            raise UserError(f"{path} line {number} has step {step!r:.60}; it must be a whole number")
-        rows.append(row)
-    return rows
 
 
 def read_mapping(path: Path, what: str) -> dict:

@@ -17,9 +17,9 @@ from pathlib import Path
 from typing import Any, Optional
 
 from posttrain.errors import UserError
-from posttrain.rundir.metrics import finite
+from posttrain.rundir.metrics import finite, read_rows
 from posttrain.report.charts import COLORS, LINESTYLES, Series, draw, is_constant
-from posttrain.report.files import read_mapping, read_rows, report_path
+from posttrain.report.files import read_mapping, report_path
 from posttrain.report.html import (config_section, constants_table, esc, facts_section, fmt, headline_single,
                                    headline_table, page, samples_section)
 

@@ -15,6 +15,7 @@ from typing import Any, Optional, Sequence
 
 from tqdm.auto import tqdm
 
+from posttrain.errors import UserError, warn
 from posttrain.rundir.health import Health
 
 
@@ -35,11 +36,10 @@ class MetricsLogger:
         if not enabled:
             return
         if self.path.exists():  # a resumed run rewrites history after its checkpoint: never two versions of a step
-            kept = [line for line in self.path.read_text().splitlines()
-                    if (row := parse_row(line)) is not None and row.get("step", 0) <= start_step]
-            self.path.write_text("".join(line + "\n" for line in kept))
-            for line in kept:  # what the interrupted run said is not said again
-                self.health.observe(parse_row(line))
+            kept = [row for row in read_rows(self.path, needs_step=True) if row["step"] <= start_step]
+            self.path.write_text("".join(json.dumps(row) + "\n" for row in kept))
+            for row in kept:  # what the interrupted run said is not said again
+                self.health.observe(row)
         # disable=None: a live bar on a terminal; in a log file (CI, nohup) one plain line per logging step instead
         self.bar = tqdm(total=total_steps, initial=start_step, desc="train", dynamic_ncols=True, file=sys.stderr,
                         disable=None)
@@ -96,18 +96,44 @@ class MetricsLogger:
 
 
 def read_metrics(output_dir: str | Path) -> list[dict[str, Any]]:
-    path = Path(output_dir) / "metrics.jsonl"
-    rows = map(parse_row, path.read_text().splitlines()) if path.exists() else ()
-    return [row for row in rows if row is not None]
+    """A run's metrics.jsonl rows (none when it has none); UserError naming the line that is not a row."""
+    return read_rows(Path(output_dir) / "metrics.jsonl", needs_step=True)
 
 
-def parse_row(line: str) -> Optional[dict[str, Any]]:
-    """One JSON row (metrics.jsonl, samples.jsonl), or None for a blank line or one a kill cut short (only the last
-    line can be)."""
+def read_rows(path: Path, needs_step: bool) -> list[dict]:
+    """The JSON objects of a run's .jsonl file (metrics.jsonl, samples.jsonl; none when it is absent): the one
+    reader of them, for the run resuming, the report, `posttrain doctor RUN_DIR` and the summary. Anyone may have
+    edited the file: a line that is not a JSON object (with a whole `step` >= 0 where `needs_step`) is a UserError
+    naming the file and line; only the last line may be cut short (a run killed while writing it), and it is left
+    out with a warning."""
+    if not path.is_file():
+        return []
     try:
-        return json.loads(line) if line.strip() else None
-    except json.JSONDecodeError:
-        return None
+        lines = path.read_bytes().decode("utf-8").splitlines()
+    except UnicodeDecodeError as e:
+        line = path.read_bytes()[: e.start].count(b"\n") + 1
+        raise UserError(f"{path} line {line} is not UTF-8 text; this is not a file a posttrain run wrote") from None
+    rows = []
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except (ValueError, RecursionError) as e:
+            if number == len(lines):  # only the last line can be cut by a kill while writing it
+                warn(f"{path} line {number} is cut short (the run was stopped while writing it); it is left out")
+                continue
+            raise UserError(f"{path} line {number} is not JSON ({e}); fix or remove that line") from None
+        if not isinstance(row, dict):
+            raise UserError(f"{path} line {number} is {type(row).__name__} {line[:60]!r}, not a JSON object; fix or "
+                            "remove that line")
+        step = row.get("step")
+        if needs_step and (not isinstance(step, int) or isinstance(step, bool) or step < 0):
+            raise UserError(f"{path} line {number} has step {step!r:.60}; every row needs a whole step >= 0")
+        if "step" in row and not needs_step and (not isinstance(step, int) or isinstance(step, bool)):
+            raise UserError(f"{path} line {number} has step {step!r:.60}; it must be a whole number")
+        rows.append(row)
+    return rows
 
 
 def finite(value: Any) -> bool:

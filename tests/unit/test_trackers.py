@@ -254,3 +254,17 @@ def test_mlflows_default_store_is_inside_the_run(tmp_path, monkeypatch):
     assert tracking_uri(Path("runs/a")) == f"sqlite:///{tmp_path / 'runs' / 'a' / 'mlflow.db'}"
     monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://127.0.0.1:5000")
     assert tracking_uri(Path("runs/a")) == "http://127.0.0.1:5000"
+
+
+def test_a_resumed_run_reads_metrics_jsonl_as_the_report_does(tmp_path, capsys):
+    """One reader of metrics.jsonl (rundir/metrics.read_rows): a resumed run keeps the rows up to its checkpoint and
+    drops a last line a kill cut short, as the report does; a line edited into something else mid-file stops it
+    naming the line, where it used to be dropped without a word."""
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1, "loss": 2.0}\n{"step": 2, "loss": 1.5}\n{"step": 3, "loss": 1.')
+    MetricsLogger(str(tmp_path), 5, 2, True).close("finished")
+    assert "metrics.jsonl line 3 is cut short" in capsys.readouterr().err
+    assert read_metrics(tmp_path) == [{"step": 1, "loss": 2.0}, {"step": 2, "loss": 1.5}]
+    path.write_text('{"step": 1, "loss": 2.0}\n[1, 2]\n{"step": 2, "loss": 1.5}\n')
+    with pytest.raises(UserError, match=r"metrics.jsonl line 2 is list"):
+        MetricsLogger(str(tmp_path), 5, 2, True)
