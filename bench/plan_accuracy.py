@@ -8,9 +8,11 @@
 
 Data are synthetic and long, so every row is cut at data.max_length (every completion runs to
 generation.max_completion_length as far as sampling allows): the estimate assumes full-length rows, and so the run
-must have them. Packing is off (a packed micro-batch's token count depends on the data), except with `--mixed`:
-preference pairs of a chosen row cut at data.max_length and a short rejected row, planned with the data's mean row
-length (`posttrain plan --mean-length`), padded, packed (data.packing=true) or within a token budget.
+must have them. train.shared_prefix is the recipe's (auto): GRPO forwards each prompt once per group, as the plan
+counts it (`saved_fraction` in the output says how much it saved). Packing is off (a packed micro-batch's token count
+depends on the data), except with `--mixed`: preference pairs of a chosen row cut at data.max_length and a short
+rejected row, planned with the data's mean row length (`posttrain plan --mean-length`), padded, packed
+(data.packing=true) or within a token budget.
 
 "Measured peak":
 - GPU: torch.cuda.max_memory_allocated over the whole run (what the caching allocator handed out; the CUDA context
@@ -134,8 +136,7 @@ def bench_recipe(algorithm: str, model: str, data: Path, output_dir: Path, steps
 
     fixed = [f"model.name_or_path={model}", f"data.train={data}", "data.eval=null", f"output_dir={output_dir}",
              f"train.max_steps={steps}", "train.report=false", "train.tensorboard=false",
-             "train.save_final_model=false", "train.save_steps=0", f"train.logging_steps={steps}", "data.packing=false",
-             "train.shared_prefix=false"]  # the planner does not count shared prefixes yet: measure what it estimates
+             "train.save_final_model=false", "train.save_steps=0", f"train.logging_steps={steps}", "data.packing=false"]
     if algorithm == "dpo":
         fixed.append("algo.precompute_ref_logprobs=false")  # keep the frozen reference copy: it is estimated
     if algorithm == "grpo":
@@ -198,6 +199,7 @@ def measure(algorithm: str, model: str = "tiny", steps: int = 3, overrides: tupl
     shutil.rmtree(work, ignore_errors=True)
     return {"estimate": breakdown.peak_bytes, "measured": measured, "breakdown": breakdown.parts(), "engine": engine,
             "device": "cuda" if cuda else "cpu", "rows": rows, "length": length, "mean_length": mean_length,
+            "saved_fraction": (result.metrics[-1] if result.metrics else {}).get("shared_prefix/saved_fraction"),
             "logged_peak_memory_mb": (result.metrics[-1] if result.metrics else {}).get("peak_memory_mb"),
             "logged_estimate_mb": (result.metrics[-1] if result.metrics else {}).get("estimated_peak_memory_mb")}
 

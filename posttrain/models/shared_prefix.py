@@ -58,16 +58,25 @@ def blocker(recipe, config_dict: Optional[dict]) -> Optional[str]:
     return None
 
 
+def why_not_shared(recipe) -> Optional[str]:
+    """Why a run of this recipe computes every row on its own, in words (None: it computes shared prefixes once):
+    train.shared_prefix=false, or the `blocker` of its model, read from the config.json the run loads. `posttrain
+    plan` asks it too, so the plan counts the tokens the run forwards."""
+    if recipe.train.shared_prefix is False:
+        return "train.shared_prefix=false"
+    from posttrain.models.limits import model_config_file
+
+    config_file = model_config_file(recipe.model.name_or_path, getattr(recipe.model, "revision", None))
+    return blocker(recipe, json.loads(config_file.read_text()) if config_file is not None else None)
+
+
 def resolve_shared_prefix(recipe, algorithm) -> bool:
     """train.shared_prefix at start-up: true where it cannot be exact is a UserError naming why; auto is on unless
     something stands in the way (said once, in the log); false is off."""
     mode = recipe.train.shared_prefix
     if mode is False:
         return False
-    from posttrain.models.limits import model_config_file
-
-    config_file = model_config_file(recipe.model.name_or_path, getattr(recipe.model, "revision", None))
-    why = blocker(recipe, json.loads(config_file.read_text()) if config_file is not None else None)
+    why = why_not_shared(recipe)
     if why is None:
         return True
     if mode is True:

@@ -44,9 +44,13 @@ def check_as_run(command: str, recipe, gpus: int) -> None:
     """What a run of the recipe refuses before any model loads, refused here too (plan/preflight.py, with --gpus as
     the world): else the plan recommends a command that exits 2."""
     from posttrain.algorithms import ALGORITHMS
+    from posttrain.models.shared_prefix import resolve_shared_prefix
     from posttrain.plan.preflight import check_recipe
 
-    check_recipe(recipe, ALGORITHMS[command][1](recipe), world=gpus)
+    algorithm = ALGORITHMS[command][1](recipe)
+    check_recipe(recipe, algorithm, world=gpus)
+    if recipe.train.shared_prefix is True:  # true where it cannot be exact is refused (auto: the plan counts it off)
+        resolve_shared_prefix(recipe, algorithm)
 
 
 def infer_algorithm(config: Optional[str], overrides: list[str]) -> str:
@@ -129,6 +133,7 @@ def micro_batch_words(command: str, recipe, mean_length: Optional[int]) -> str:
     said = (f"{how}{f' within {budget} tokens' if budget else ''}: {w.sequences} row(s) of up to {w.sequence_length} "
             f"tokens, mean {min(mean_length or w.sequence_length, w.sequence_length)}: {w.tokens} tokens a micro-batch, "
             f"{w.real_tokens} of them data")
+    said += ", each prompt forwarded once for its group (train.shared_prefix)" if w.mask_elements else ""
     return said + (f" over {w.sequence_parallel} SP ranks" if w.sequence_parallel > 1 else "")
 
 

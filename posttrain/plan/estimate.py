@@ -71,6 +71,10 @@ class Workload:
     """Of `tokens`, those of the data (not padding or packing filler); 0: all of them."""
     token_budget: Optional[int] = None
     """train.max_tokens_per_microbatch that cut the step into these micro-batches (None: rows cut it)."""
+    mask_elements: int = 0
+    """Entries of the 4-D attention mask the forward takes (train.shared_prefix: packed rows x width^2; 0: causal
+    attention, no mask). SDPA turns the boolean mask into the compute dtype in every attention layer, and each layer
+    keeps its copy for the backward (plan/workload.py counts the rows)."""
     sequence_parallel: int = 1
     """train.sequence_parallel_size: N ranks each hold 1/N of every sequence's tokens (DeepSpeed Ulysses)."""
     weight_bytes: int = 4
@@ -233,7 +237,8 @@ def activation_bytes(shape: ModelShape, w: Workload) -> int:
 
     Sequence parallelism (Ulysses) shards every token-wise tensor; the attention runs on the full sequence for 1/N of
     the heads, which is the same element count, except replicated key/value heads (replicated_kv_elements) and eager
-    attention's scores, which stay quadratic in the full length (heads/N x T^2)."""
+    attention's scores, which stay quadratic in the full length (heads/N x T^2). A shared-prefix forward's 4-D mask is
+    quadratic in its rows' width too (`Workload.mask_elements`)."""
     tokens, local, n = micro_batch_tokens(w), local_tokens(w), w.sequence_parallel
     per_token = activation_elements_per_token(shape, w.gradient_checkpointing)
     attention_layers = 1 if w.gradient_checkpointing else shape.num_layers  # recomputed: one layer at a time
@@ -245,7 +250,8 @@ def activation_bytes(shape: ModelShape, w: Workload) -> int:
     if w.eager_attention:  # softmax(QK^T) per row kept per layer, each rank for its heads over the whole row
         rows = -(-tokens // w.sequence_length)
         total += attention_layers * rows * (shape.num_heads // n) * w.sequence_length**2 * w.compute_bytes
-    return total
+    # a shared-prefix forward's boolean mask (1 B an entry), and the compute-dtype copy each attention layer keeps
+    return total + w.mask_elements * (1 + attention_layers * w.compute_bytes)
 
 
 def logits_bytes(shape: ModelShape, w: Workload) -> int:

@@ -7,9 +7,11 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Optional
 
 from posttrain.config.schema import Recipe
+from posttrain.data.token_budget import fewest_micro_batches
 from posttrain.distributed.precision import resolve_precision, trained_model_config
 from posttrain.generation.cpu_memory import DTYPE_BYTES
 from posttrain.plan.estimate import Workload
@@ -111,7 +113,74 @@ def workload_from_recipe(command: str, recipe: Recipe, per_device_batch: Optiona
                                    generation_length=prompt_length + g.max_completion_length,
                                    vllm_fraction=g.vllm.gpu_memory_utilization if vllm else 0.0,
                                    vllm_weight_bytes=vllm_weight_bytes, vllm_kv_cache_bytes=kv_cache)
+    if generations > 1 and workload.sequence_parallel == 1 and shares_prefixes(recipe):
+        step_rows = t.per_device_train_batch_size * t.gradient_accumulation_steps
+        shared = with_shared_prompts(workload, generations, step_rows, prompt_length, g.max_completion_length,
+                                     mean_length, packing[1])
+        if shared is not None:
+            return shared
     return with_tokens(workload, facts["rows_per_unit"], mean_length, *packing)
+
+
+def shares_prefixes(recipe: Recipe) -> bool:
+    """Whether a run of the recipe computes its rows' shared prefixes once (train.shared_prefix, resolved as the run
+    resolves it: models/shared_prefix.why_not_shared, from the same config.json)."""
+    from posttrain.models.shared_prefix import why_not_shared
+
+    return why_not_shared(recipe) is None
+
+
+def prompt_groups(rows: int, generations: int, step_rows: int) -> list[int]:
+    """Rows of each prompt's group in the micro-batch of `rows` that holds the most groups: the rollout source cuts a
+    step's `step_rows` rows, `generations` a prompt in order, into consecutive micro-batches of `rows`
+    (online/rollout_source.py), so a micro-batch can hold the tail of one group and the head of another."""
+    most: list[int] = []
+    for start in range(0, max(step_rows, rows), rows):
+        stop = start + rows
+        members = [min(stop, (g + 1) * generations) - max(start, g * generations)
+                   for g in range(start // generations, -(-stop // generations))]
+        most = members if len(members) > len(most) else most
+    return most
+
+
+def shared_layout(members: list[int], prompt: int, completion: int, fraction: float) -> tuple[int, int, int]:
+    """(tokens computed, real tokens, mask entries) of a shared-prefix micro-batch whose prompt groups have `members`
+    rows each: a group is one row [prompt | each member's completion] (ops/shared_prefix.prefix_layout), `fraction`
+    of its full length (the data's mean row over the longest), and the groups are laid first-fit-decreasing in rows as
+    wide as the longest group at full length; the mask is rows x width^2."""
+    width = prompt + max(members) * completion
+    sizes = [math.ceil((prompt + k * completion) * fraction) for k in members]
+    rows = fewest_micro_batches(sizes, width)
+    return rows * width, sum(sizes), rows * width * width
+
+
+def with_shared_prompts(workload: Workload, generations: int, step_rows: int, prompt: int, completion: int,
+                        mean_length: Optional[int], budget: Optional[int]) -> Optional[Workload]:
+    """The micro-batch of a run that computes each prompt once per group (train.shared_prefix): a group of G rows
+    forwards P + G x C tokens, not G x (P + C). Without a budget the micro-batch's rows are the source's (its groups
+    from `prompt_groups`); a token budget B (which counts a group's real tokens, train/micro_batches.py) holds whole
+    groups, or runs of k = (B - P) // C rows of one when a group is over B, as many as B takes. The rows' mean length
+    m (default: full) scales prompt and completions alike. None where no two rows of a micro-batch share a prompt
+    (the forward is then the plain one)."""
+    fraction = min(mean_length or workload.sequence_length, workload.sequence_length) / workload.sequence_length
+    rows, accumulation = workload.sequences, workload.accumulation
+    if budget is None:
+        members = prompt_groups(rows, generations, step_rows)
+    else:
+        per_unit = max(1, min(generations, (budget - prompt) // max(completion, 1)))
+        chunks = [min(per_unit, generations - start) for start in range(0, generations, per_unit)]
+        unit_real = [math.ceil((prompt + k * completion) * fraction) for k in chunks]
+        # runs of the longest length, at most the step's: the micro-batch with the most rows
+        units = max(1, min(budget // max(unit_real), len(chunks) * (step_rows // generations)))
+        members = [per_unit] * units
+        accumulation = max(1, -(-sum(unit_real) * (step_rows // generations) // budget))
+    if max(members) < 2:
+        return None
+    tokens, real, mask = shared_layout(members, prompt, completion, fraction)
+    rows = sum(members)
+    return dataclasses.replace(workload, sequences=rows, tokens=tokens, real_tokens=real, mask_elements=mask,
+                               scored_tokens=rows * completion if workload.scored_tokens else 0,
+                               accumulation=accumulation, token_budget=budget)
 
 
 def with_tokens(workload: Workload, unit_rows: int, mean_length: Optional[int], packed: bool,

@@ -8,7 +8,9 @@ chosen and rejected rows the loss needs together), the units are spread over the
 `budget` real tokens that every rank can agree on (data/token_budget.py), and each micro-batch is trimmed to its own
 longest row. A rank that needs fewer micro-batches than another runs fillers (`Batch.filler`: a copy of one unit that
 weighs 0), so ZeRO-3 and FSDP, whose forwards are collectives, stay in step. GRPO groups need not stay together:
-their advantages are attached per row before the split. The update does not change with the split because the loop
+their advantages are attached per row before the split; but with shared prefixes (train.shared_prefix) a prompt's
+rows are one unit (as many of them as the budget holds), counted by the tokens their forward computes, the prompt
+once, so the budget holds the rows it really has room for. The update does not change with the split because the loop
 counts the normaliser over all micro-batches of the step afterwards, once (train/loop.py, phase 3).
 """
 
@@ -22,6 +24,7 @@ import torch
 from posttrain.batch import Batch, share_prefixes
 from posttrain.data.token_budget import fewest_micro_batches, micro_batches_within_budget
 from posttrain.errors import UserError
+from posttrain.ops.shared_prefix import prefix_groups
 
 
 def shape(batches: Sequence[Batch], recipe, pad_id: int, agree: Callable[[int], int],
@@ -34,7 +37,9 @@ def shape(batches: Sequence[Batch], recipe, pad_id: int, agree: Callable[[int], 
     padded = [b for b in batches if b.attention_mask_BT is not None]
     if budget is not None and len(padded) == len(batches):
         units = [unit for batch in batches for unit in split_units(batch)]
-        tokens = [unit_tokens(unit) for unit in units]
+        if shared_prefix:  # a prompt's rows go together, so the micro-batch computes the prompt once
+            units = prompt_units(units, budget, pad_id)
+        tokens = [unit_tokens(unit, shared_prefix) for unit in units]
         count = agree(fewest_micro_batches(tokens, budget))
         parts = micro_batches_within_budget(tokens, budget, count)
         batches = [concat([units[i] for i in part], pad_id) if part else
@@ -81,9 +86,44 @@ def split_units(batch: Batch) -> list[Batch]:
     return [_select(batch, [b], None) for b in range(batch.input_ids_BT.shape[0])]
 
 
-def unit_tokens(unit: Batch) -> int:
-    """Real tokens of a unit: what its padding-free forward computes."""
-    return int(unit.attention_mask_BT.sum())
+def unit_tokens(unit: Batch, shared_prefix: bool = False) -> int:
+    """Real tokens of a unit: what its padding-free forward computes (`shared_prefix`: its rows' shared prefix once,
+    as its shared-prefix forward computes it)."""
+    shared = share_prefixes(unit) if shared_prefix else unit
+    return shared.prefix_layout().forwarded_tokens() if shared.shares_prefix else int(unit.attention_mask_BT.sum())
+
+
+def prompt_units(units: Sequence[Batch], budget: int, pad_id: int) -> list[Batch]:
+    """Row units -> units of the rows that share a prefix (rows with the same tokens before their first completion
+    token: a prompt's G completions), each as many of those rows as `budget` holds when their shared prefix is
+    counted once: P + sum of the rows' own tokens, not G x P + ... (ops/shared_prefix.prefix_groups decides which of
+    them share, and how much). Preference pairs and rows that share nothing stay as they are."""
+    by_prompt: dict[tuple, list[Batch]] = {}
+    for index, unit in enumerate(units):
+        completion = unit.completion_mask_BT[0].nonzero()
+        if unit.num_pairs or not len(completion):  # a pair already shares its prompt; a row trained on nowhere alone
+            by_prompt[("unit", index)] = [unit]
+            continue
+        by_prompt.setdefault(tuple(unit.input_ids_BT[0, : int(completion[0])].tolist()), []).append(unit)
+    out = []
+    for rows in by_prompt.values():
+        if len(rows) == 1:
+            out += rows
+            continue
+        group = concat(rows, pad_id)
+        group_B, shared_B = prefix_groups(group.input_ids_BT, group.attention_mask_BT.bool())
+        lengths = group.attention_mask_BT.sum(-1).tolist()
+        for g in dict.fromkeys(group_B.tolist()):  # each set of rows that does share, in order
+            members = [b for b, of in enumerate(group_B.tolist()) if of == g]
+            shared, chunk, used = int(shared_B[members[0]]), [], 0
+            for b in members:
+                if chunk and used + lengths[b] - shared > budget:
+                    out.append(concat([rows[r] for r in chunk], pad_id))
+                    chunk, used = [], 0
+                chunk.append(b)
+                used += lengths[b] - shared + (shared if len(chunk) == 1 else 0)
+            out.append(concat([rows[r] for r in chunk], pad_id))
+    return out
 
 
 def concat(units: Sequence[Batch], pad_id: int) -> Batch:

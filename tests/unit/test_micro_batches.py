@@ -153,3 +153,30 @@ def test_balanced_shares_cover_the_global_batch_once():
         i for micro in DatasetSource(examples, lambda e: e, 2, 4, 1, 0, seed=1).step_indices(0) for i in micro)
     sums = [sum(len(examples[i]["input_ids"]) for i in s[0]) for s in shares]
     assert abs(sums[0] - sums[1]) <= 10, sums
+
+
+def grpo_rows(prompts=2, generations=4, prompt=12):
+    """`prompts` prompts of `prompt` tokens, `generations` completions each of 3 tokens (the completions differ from
+    their first token)."""
+    return [{"input_ids": [3 + p] * prompt + [20 + g, 30, 31], "completion_mask": [0] * prompt + [1, 1, 1]}
+            for p in range(prompts) for g in range(generations)]
+
+
+@pytest.mark.parametrize("budget, micro_batches", [(24, 2), (18, 4)])
+def test_a_budget_counts_a_shared_prompt_once(budget, micro_batches):
+    """2 prompts of 12 tokens, 4 completions of 3 tokens each: a prompt's group forwards 12 + 4 x 3 = 24 tokens
+    shared (4 x 15 = 60 row by row). Budget 24: one group a micro-batch (row by row 24 holds one 15-token row, 8
+    micro-batches); 18: two rows of a group each (12 + 2 x 3). The summed loss and gradients equal the plain step."""
+    model = LlamaForCausalLM(config("sdpa")).float()
+    rows = grpo_rows()
+    padded = [collate_padded(rows[:3], PAD), collate_padded(rows[3:], PAD)]  # the source cut a group in two
+    total = sum(int(b.completion_mask_BT.sum()) for b in padded)
+    shaped = shape(padded, recipe(budget=budget), PAD, agree=lambda count: count, shared_prefix=True)
+    assert len(shaped) == micro_batches and all(b.shares_prefix for b in shaped)
+    assert [b.forwarded_tokens() for b in shaped] == [budget] * micro_batches
+    assert sum(b.num_sequences for b in shaped) == 8
+
+    def step_loss(batches):
+        return sum(-sequence_sum(policy_logprobs(model, b), b.completion_mask_BT).sum() / total for b in batches)
+
+    assert_same(grads(model, lambda: step_loss(padded)), grads(model, lambda: step_loss(shaped)))
