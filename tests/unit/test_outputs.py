@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from posttrain.rundir import claim as outputs, files as checkpoint_files
+from posttrain.rundir import attempts, claim as outputs, files as checkpoint_files
 from posttrain.config.load import load_recipe
 from posttrain.config.schema import SFTAlgoConfig
 from posttrain.errors import UserError
@@ -163,17 +163,17 @@ def test_a_run_that_failed_before_any_checkpoint_is_taken_over_and_its_files_kep
     outputs.begin_run(out, overwrite=False, command="grpo")
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "ended in an error (ValueError: reward 'acc' raised)" in err, err
-    kept = next((out / outputs.FAILED_DIR).iterdir())
+    kept = next((out / attempts.FAILED_DIR).iterdir())
     assert str(kept) in err
     assert (kept / "metrics.jsonl").read_text() == '{"step": 0, "eval/reward": 0.1}\n'
     assert sorted(p.name for p in kept.iterdir()) == ["config.yaml", "metrics.jsonl", "tensorboard"]
     assert (out / "notes.txt").read_text() == "mine"
     assert not (out / "metrics.jsonl").exists()
-    assert outputs.read_marker(out)["attempt"]["status"] == "running"
+    assert attempts.read_marker(out)["attempt"]["status"] == "running"
     outputs.end_attempt(out, KeyboardInterrupt())  # stopped before anything was saved: taken over again
     outputs.begin_run(out, overwrite=False, command="grpo")
     assert "was stopped" in capsys.readouterr().err
-    assert len(list((out / outputs.FAILED_DIR).iterdir())) == 1  # that attempt left no run files to keep
+    assert len(list((out / attempts.FAILED_DIR).iterdir())) == 1  # that attempt left no run files to keep
 
 
 @pytest.mark.parametrize("saved", ["checkpoints/step-2", "final"])
@@ -189,17 +189,17 @@ def test_a_run_whose_process_died_is_taken_over_only_before_step_1(tmp_path):
     import sys
 
     out = failed_run(tmp_path)
-    record = outputs.read_marker(out)
+    record = attempts.read_marker(out)
     gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     record["attempt"] = {**record["attempt"], "status": "running", "pid": int(gone.stdout)}  # killed -9
-    outputs.write_marker(out, record)
-    assert outputs.takeover_reason(out).startswith("ended before step 1")
+    attempts.write_marker(out, record)
+    assert attempts.takeover_reason(out).startswith("ended before step 1")
     with (out / "metrics.jsonl").open("a") as f:
         f.write('{"step": 1, "loss": 2.0}\n')
     with pytest.raises(UserError, match="already holds a run"):
         outputs.check_output_dir(recipe(out))
     record["attempt"]["pid"] = os.getpid()  # the attempt is still going: never taken over
-    outputs.write_marker(out, record)
+    attempts.write_marker(out, record)
     (out / "metrics.jsonl").write_text("")
     with pytest.raises(UserError, match=f"in use by a run still going \\(pid {os.getpid()}"):
         outputs.check_output_dir(recipe(out))
@@ -239,7 +239,7 @@ def test_a_checkpoint_of_another_commands_run_is_not_continued_and_overwrite_ren
     with pytest.raises(UserError, match="output_dir: .* holds a `posttrain sft` run"):
         outputs.check_output_dir(recipe(sft_run, "train.resume_from_checkpoint=auto"), "dpo")
     outputs.end_overwrite(outputs.begin_run(sft_run, overwrite=True, command="dpo"))  # replaced: now a dpo run
-    assert '"command": "dpo"' in (sft_run / outputs.MARKER).read_text()
+    assert '"command": "dpo"' in (sft_run / attempts.MARKER).read_text()
 
 
 @pytest.mark.parametrize("overwrite", [False, True])
@@ -293,7 +293,7 @@ def test_a_linked_failed_attempts_folder_is_refused_and_nothing_moves_outside(tm
     out = failed_run(tmp_path)
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
-    (out / outputs.FAILED_DIR).symlink_to(elsewhere)
+    (out / attempts.FAILED_DIR).symlink_to(elsewhere)
     before = snapshot(tmp_path)
     with pytest.raises(UserError, match="failed-attempts is a symbolic link"):
         outputs.check_output_dir(recipe(out))
@@ -306,9 +306,9 @@ def test_a_users_file_named_like_a_run_file_is_never_moved_by_a_takeover(tmp_pat
     run would move it into failed-attempts/ and write its own; refused, naming it, nothing moved."""
     out = failed_run(tmp_path)
     os.utime(out / "config.yaml", ns=(1, 1))  # written well before: only a changed stamp tells
-    record = outputs.read_marker(out)
+    record = attempts.read_marker(out)
     record["files"]["config.yaml"] = 1
-    outputs.write_marker(out, record)
+    attempts.write_marker(out, record)
     (out / name).write_text("mine")
     before = snapshot(out)
     with pytest.raises(UserError, match=f"{name} is not the failed run's own"):
@@ -318,9 +318,9 @@ def test_a_users_file_named_like_a_run_file_is_never_moved_by_a_takeover(tmp_pat
 
 def test_a_takeover_after_a_crash_moves_only_files_written_since_the_attempt_began(tmp_path):
     out = failed_run(tmp_path)
-    record = outputs.read_marker(out)
+    record = attempts.read_marker(out)
     del record["files"]  # killed -9: its end was never recorded
-    outputs.write_marker(out, record)
+    attempts.write_marker(out, record)
     os.utime(out / "metrics.jsonl", (0, 0))  # a file from long before the attempt: not its own
     with pytest.raises(UserError, match="metrics.jsonl is not the failed run's own"):
         outputs.check_output_dir(recipe(out))
