@@ -297,5 +297,9 @@ def run_report(args) -> int:
     runs = load_runs(args.runs)
     out = report_path([run.path for run in runs], args.out)
     out.write_text(render(runs))
+    if len(runs) == 1 and out == runs[0].path / "report.html":  # still the run's own file
+        from posttrain.rundir.attempts import record_rewritten
+
+        record_rewritten(runs[0].path, out.name)
     print(f"report: {out}")
     return 0

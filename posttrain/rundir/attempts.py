@@ -101,37 +101,59 @@ def own_files(out: Path) -> dict[str, object]:
     return found
 
 
-def check_own_files(out: Path) -> None:
-    """Before a takeover moves a failed attempt's files into failed-attempts/: each is the attempt's own. One the
-    user put there since (a summary.json of their own, their recipe saved over config.yaml) would be moved, and then
-    replaced by the new run's: refused, naming it. The attempt's end recorded its files (end_attempt); an attempt
-    whose process died recorded nothing, so its files must be no older than its start."""
+TAKEOVER, OVERWRITE = "takeover", "overwrite"
+"""check_own_files' two callers: a failed attempt's files move to failed-attempts/; overwrite_output_dir deletes the
+run's files."""
+
+
+def check_own_files(out: Path, action: str = TAKEOVER) -> None:
+    """Before a run's files move (a takeover puts a failed attempt's into failed-attempts/, overwrite_output_dir
+    deletes them): each is the run's own. One the user put there since (a summary.json of their own, their recipe
+    saved over config.yaml) would be moved, then replaced by the new run's: refused, naming it, before anything is
+    written. An attempt's end recorded the run's files (record_end; an attempt keeps the record of the one before it);
+    an attempt whose process died recorded nothing, so a file it wrote is one no older than its start."""
     record = read_marker(out)
-    recorded = record.get("files")
-    started = (record.get("attempt") or {}).get("started")
-    now = own_files(out)
-    for name, stamp in now.items():
-        if isinstance(recorded, dict):
-            mine = name in recorded and (stamp == "dir" or recorded[name] == stamp)
-        else:
-            try:
-                since = datetime.datetime.fromisoformat(started).timestamp() - 1
-            except (TypeError, ValueError):
-                return  # a marker from before attempts were recorded: nothing to tell its files by
-            mine = stamp == "dir" or stamp / 1e9 >= since
-        if not mine:
-            when = "changed after that run ended" if isinstance(recorded, dict) else "older than that run's start"
+    attempt = record.get("attempt") or {}
+    recorded = record.get("files") if isinstance(record.get("files"), dict) else None
+    since = None
+    if attempt.get("status") == "running" or recorded is None:  # its process died (a live one is refused earlier)
+        try:
+            since = datetime.datetime.fromisoformat(attempt.get("started")).timestamp() - 1
+        except (TypeError, ValueError):
+            pass
+    if recorded is None and since is None:
+        return  # a marker from before attempts were recorded: nothing to tell its files by
+    for name, stamp in own_files(out).items():
+        mine = stamp == "dir" or (recorded or {}).get(name) == stamp or (since is not None and stamp / 1e9 >= since)
+        if mine:
+            continue
+        when = "older than that run's start" if since is not None else "changed after that run ended"
+        if action == TAKEOVER:
             raise UserError(f"output_dir {out}: {name} is not the failed run's own ({when}), and taking the run's "
-                            f"place would move it into {FAILED_DIR}/ and "
-                            f"write this run's {name}: move it out of output_dir (a recipe belongs outside it), or "
-                            "choose another output_dir")
+                            f"place would move it into {FAILED_DIR}/ and write this run's {name}: move it out of "
+                            "output_dir (a recipe belongs outside it), or choose another output_dir")
+        raise UserError(f"output_dir {out}: {name} is not the run's own ({when}), and train.overwrite_output_dir "
+                        f"would delete it with the run's files and write this run's {name}: move it out of "
+                        "output_dir (a recipe belongs outside it), or choose another output_dir")
 
 
-def start_attempt(out: Path, command: str, now: str, replaced: bool) -> None:
+def record_rewritten(out: Path, name: str) -> None:
+    """A run's file posttrain wrote again after the run (`posttrain report` redraws report.html): the record of the
+    run's files takes its new stamp, so the file stays the run's own (check_own_files)."""
+    record = read_marker(out)
+    files = record.get("files")
+    if isinstance(files, dict) and name in files and name in own_files(out):
+        files[name] = own_files(out)[name]
+        write_marker(out, record)
+
+
+def start_attempt(out: Path, command: str, now: str, replaced: bool, taken_over: bool = False) -> None:
     """Record this process's attempt in the marker (status running), keeping the run's earlier record (its command,
-    when it was created) unless the run is `replaced` (overwrite_output_dir)."""
+    when it was created, the files the attempt before wrote: if this one dies, those are still the run's own) unless
+    the run is `replaced` (overwrite_output_dir); `taken_over`: the failed attempt's files were moved away."""
     previous = {} if replaced else read_marker(out)  # a replaced run's marker named the command that wrote it
-    previous.pop("files", None)  # the previous attempt's; this one records its own when it ends
+    if taken_over:
+        previous.pop("files", None)  # those moved to failed-attempts/; this attempt records its own when it ends
     record = {"created": now, **previous, "command": command or previous.get("command", ""), "by": "posttrain"}
     record["attempt"] = {"pid": os.getpid(), "host": socket.gethostname(), "started": now, "status": "running"}
     write_marker(out, record)

@@ -27,8 +27,9 @@ from typing import Optional
 import yaml
 
 from posttrain.errors import UserError, warn
-from posttrain.rundir.attempts import (FAILED_DIR, MARKER, RUN_ARTIFACTS, check_own_files, keep_failed_attempt,
-                                       live_attempt, read_marker, record_end, start_attempt, takeover_reason)
+from posttrain.rundir.attempts import (FAILED_DIR, MARKER, OVERWRITE, RUN_ARTIFACTS, TAKEOVER, check_own_files,
+                                       keep_failed_attempt, live_attempt, read_marker, record_end, start_attempt,
+                                       takeover_reason)
 
 ASIDE_PREFIX = ".posttrain-replaced-"  # overwrite_output_dir: the old run's files until the new run is set up
 RECIPE_SECTIONS = ("output_dir", "model", "data", "train")  # what every config.yaml a run wrote holds
@@ -60,8 +61,10 @@ def check_output_dir(recipe, command: str = "") -> Optional[Path]:
         raise UserError(f"output_dir {out} is not empty ({shown}) and no posttrain run made it (it has no {MARKER}); "
                         "a run writes only into an empty directory or its own: choose another output_dir")
     refuse_links(out)
-    if kind == "run" and not t.overwrite_output_dir and takeover_reason(out) is not None:
-        check_own_files(out)  # a takeover moves them into failed-attempts/
+    if kind == "run" and t.overwrite_output_dir:
+        check_own_files(out, OVERWRITE)  # overwrite deletes the run's files
+    elif kind == "run" and takeover_reason(out) is not None:
+        check_own_files(out, TAKEOVER)  # a takeover moves them into failed-attempts/
     for left in sorted(out.glob(ASIDE_PREFIX + "*")) if out.is_dir() else ():
         warn(f"{left} holds the files of a run that overwrite_output_dir was replacing when it stopped; nothing "
              "removes it: move back what you need, then delete it")
@@ -230,7 +233,7 @@ def begin_run(out: Path, overwrite: bool, command: str = "") -> Optional[Path]:
         kept = keep_failed_attempt(out, now)
         warn(f"output_dir {out}: the previous run there {reason}, before any checkpoint; this run takes its place"
              + (f" (its files are in {kept})" if kept else ""))
-    start_attempt(out, command, now, replaced=overwrite)
+    start_attempt(out, command, now, replaced=overwrite, taken_over=reason is not None)
     present = [name for name in RUN_ARTIFACTS if os.path.lexists(out / name)] if overwrite else []
     if not present:
         return None

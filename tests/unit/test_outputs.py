@@ -326,3 +326,79 @@ def test_a_takeover_after_a_crash_moves_only_files_written_since_the_attempt_beg
         outputs.check_output_dir(recipe(out))
     os.utime(out / "metrics.jsonl")
     assert outputs.check_output_dir(recipe(out)) is None
+
+
+def finished_run(tmp_path) -> Path:
+    """What a run that finished leaves (as far as the checks read it): the marker, with the files its end recorded."""
+    out = tmp_path / "run"
+    outputs.begin_run(out, overwrite=False, command="sft")
+    texts = {"config.yaml": "output_dir: run\n", "metrics.jsonl": "", "summary.json": '{"command": "sft"}\n',
+             "report.html": "<html>the run's</html>"}
+    for name, text in texts.items():
+        (out / name).write_text(text)
+    (out / "final").mkdir()
+    outputs.end_attempt(out, final_step=3)
+    return out
+
+
+@pytest.mark.parametrize("name", ["summary.json", "config.yaml", "report.html"])
+def test_overwrite_refuses_a_users_file_named_like_a_run_file_and_moves_nothing(tmp_path, name):
+    """After the run the user saves their recipe over config.yaml, or a summary.json / report.html of theirs:
+    overwrite_output_dir deleted it with the run's files. Refused, naming it, before anything is written."""
+    out = finished_run(tmp_path)
+    (out / name).write_text("mine")
+    os.utime(out / name, ns=(1, 1))  # whatever its age: only the stamp the run recorded makes it the run's
+    before = snapshot(out)
+    with pytest.raises(UserError, match=f"{name} is not the run's own .*overwrite_output_dir would delete it"):
+        outputs.check_output_dir(recipe(out, "train.overwrite_output_dir=true"))
+    assert snapshot(out) == before
+
+
+def test_overwrite_after_a_crash_refuses_a_file_older_than_the_attempt(tmp_path):
+    """A run killed -9 recorded no files at its end: a file from before its start is not its own."""
+    out = tmp_path / "run"
+    outputs.begin_run(out, overwrite=False, command="sft")
+    outputs.release(out)  # the process "died": its lock went with it
+    (out / "config.yaml").write_text("the run's")
+    (out / "summary.json").write_text("mine")
+    os.utime(out / "summary.json", (0, 0))
+    record = attempts.read_marker(out)
+    record["attempt"]["pid"] = 2**22 + 1  # no such process
+    attempts.write_marker(out, record)
+    with pytest.raises(UserError, match="summary.json is not the run's own \\(older than that run's start\\)"):
+        outputs.check_output_dir(recipe(out, "train.overwrite_output_dir=true"))
+    os.utime(out / "summary.json")  # written during the attempt: the run's
+    assert outputs.check_output_dir(recipe(out, "train.overwrite_output_dir=true")) is None
+
+
+def test_overwrite_replaces_a_resumed_run_that_died_with_the_files_of_its_earlier_attempt(tmp_path):
+    """An attempt keeps the record of the one before it: a continued run killed -9 before it rewrote summary.json
+    still owns the first attempt's summary.json, so overwrite replaces the run rather than refusing its own file."""
+    out = finished_run(tmp_path)
+    outputs.begin_run(out, overwrite=False, command="sft")  # continued; then killed -9 (no end recorded)
+    outputs.release(out)
+    record = attempts.read_marker(out)
+    record["attempt"].update(pid=2**22 + 1, started="2099-01-01T00:00:00+00:00")  # every file predates it
+    attempts.write_marker(out, record)
+    assert outputs.check_output_dir(recipe(out, "train.overwrite_output_dir=true")) is None
+    aside = outputs.begin_run(out, overwrite=True, command="sft")
+    (out / "config.yaml").write_text("new")
+    outputs.end_overwrite(aside)
+    assert sorted(p.name for p in out.iterdir()) == [".posttrain-run", "config.yaml"]
+
+
+def test_a_report_redrawn_by_posttrain_report_stays_the_runs_own(tmp_path):
+    import argparse
+
+    from posttrain.report.write import run_report
+
+    out = finished_run(tmp_path)
+    (out / "metrics.jsonl").write_text('{"step": 1, "loss": 2.0}\n')
+    record = attempts.read_marker(out)
+    record["files"]["metrics.jsonl"] = attempts.own_files(out)["metrics.jsonl"]
+    attempts.write_marker(out, record)
+    before = (out / "report.html").stat().st_mtime_ns
+    os.utime(out / "report.html", ns=(before - 10**9, before - 10**9))
+    assert run_report(argparse.Namespace(runs=[str(out)], out=None)) == 0
+    assert "<html" in (out / "report.html").read_text().lower()
+    assert outputs.check_output_dir(recipe(out, "train.overwrite_output_dir=true")) is None
