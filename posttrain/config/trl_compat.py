@@ -136,7 +136,8 @@ CONVERSIONS: dict[str, Callable[[Any], Any]] = {
     "max_tool_calling_iterations": lambda value: value + 1 if isinstance(value, int) else value}  # + the answer turn
 # Where a command has no such recipe key, these values mean what it does anyway (SFTConfig's loss_type: nll)
 SAME_AS_HERE: dict[str, tuple[Any, ...]] = {"loss_type": ("nll",)}
-NONE_IS_A_VALUE = ("train.save_total_limit",)  # elsewhere TRL's None means "unset": the recipe's default stays
+# elsewhere TRL's None means "unset": the recipe's default stays (max_tool_calling_iterations None: no turn limit)
+NONE_IS_A_VALUE = ("train.save_total_limit", "agent.max_turns")
 NONE_MEANS = {"lora_target_modules": []}  # TRL's None: PEFT's modules for the architecture, the recipe's []
 TRL_KEYS: dict[str, tuple[str, Callable[[Any], Any] | None]] = {
     key: (path, CONVERSIONS.get(key)) for key, path in TRL_RENAMES.items()}  # key -> (recipe key, conversion)
@@ -230,6 +231,22 @@ def trl_defaults(command: str) -> dict[str, Any]:
 def trl_paths(flat: dict) -> set[str]:
     """The recipe keys TRL keys choose, whatever their values (bf16: false chooses train.mixed_precision)."""
     return {TRL_KEYS[key][0] for key in flat if key in TRL_KEYS} | {"rewards" for key in flat if key in REWARD_KEYS}
+
+
+def eval_every_logging_step(flat: dict, raw: dict, where: str) -> None:
+    """TRL's `eval_strategy steps` with eval_steps unset (or 0) evaluates every logging_steps (transformers'
+    TrainingArguments.__post_init__): so here, when no key of the run sets train.eval_steps (a recipe's 0 included)."""
+    from posttrain.config.schema import TrainConfig
+
+    train = raw.get("train")
+    if flat.get("eval_strategy") != "steps" or not isinstance(train if train is not None else {}, dict):
+        return
+    train = raw.setdefault("train", {})
+    if train.get("eval_steps"):
+        return
+    train["eval_steps"] = train.get("logging_steps", TrainConfig.logging_steps)
+    say(f"{where}: eval_strategy steps without eval_steps: evaluation every logging_steps "
+        f"({train['eval_steps']}) steps, as in TRL")
 
 
 def trl_default_settings(algo_cls: type, given_paths: set[str], use_vllm: bool) -> list[tuple[str, str, Any]]:
