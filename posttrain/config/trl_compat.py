@@ -121,6 +121,10 @@ TRL_RENAMES: dict[str, str] = {
     "vllm_importance_sampling_clip_min": "algo.vllm_is_min",
     "cliprange": "algo.epsilon", "cliprange_value": "algo.value_clip", "num_ppo_epochs": "algo.ppo_epochs",
     "value_model_path": "algo.critic_model_name_or_path",
+    # distillation (DistillationConfig; GKDConfig of trl.experimental.gkd: lmbda, max_new_tokens)
+    "teacher_model_name_or_path": "algo.teacher_model_name_or_path",
+    "teacher_model_revision": "algo.teacher_model_revision", "lmbda": "algo.lmbda",
+    "max_new_tokens": "generation.max_completion_length",
 }
 # TRL values spelled otherwise here (a lone report_to: wandb needs none: a recipe's list key takes one string);
 # scale_rewards is true/false in older TRL, group/batch/none in newer
