@@ -31,7 +31,8 @@ MISMATCH = ("trainer vs engine log-probs", ("mismatch/logprob_diff/mean", "misma
                                              "mismatch/phantom_clip_fraction"))
 # The curves a person reads first, per command: (title, metric patterns); eval/<metric> joins its train metric
 KEY_CURVES: dict[str, tuple[tuple[str, tuple[str, ...]], ...]] = {
-    "sft": (("loss", ("loss",)), ("mean token log-prob", ("mean_token_logprob",))),
+    "sft": (("loss", ("loss",)), ("mean token accuracy", ("mean_token_accuracy",)),
+            ("mean token log-prob", ("mean_token_logprob",))),
     "rm": (("loss", ("loss",)), ("accuracy (chosen scored higher)", ("accuracy",)), ("margin", ("margin",)),
            ("scores", ("rewards/chosen", "rewards/rejected"))),
     "dpo": (("loss", ("loss",)), ("reward accuracy", ("rewards/accuracies",)),
