@@ -213,6 +213,7 @@ def run_attempt(command: str, recipe: Recipe, launched: Optional[Launched] = Non
             state = train(ctx)
         source.close(state.step)  # engines that outlive the run get the final policy
     except BaseException as e:  # the trackers record the run as failed (or killed), not as running forever
+        source.abandon()  # no work queued ahead runs on (generation batches sampled ahead)
         logger.close(closing_status(e))
         raise
     logger.close()

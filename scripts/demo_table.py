@@ -17,20 +17,18 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+sys.path[:0] = [str(ROOT), str(Path(__file__).resolve().parent)]
 
 from posttrain.demo.table import BEGIN, END, readme_block  # noqa: E402
+from readme_block import README, check, readme_text as readme_block_text  # noqa: E402
 
 RECORD = ROOT / "docs" / "demo_results.json"
-README = ROOT / "README.md"
 KEYS = ("seed", "held_out_prompts", "minutes", "sft_accuracy", "dpo_pref_accuracy_before", "dpo_pref_accuracy_after",
         "dpo_accuracy", "grpo_accuracy", "ppo_accuracy")
 
 
 def readme_text(record: dict) -> str:
-    page = README.read_text()
-    start, end = page.index(BEGIN), page.index(END) + len(END)
-    return page[:start] + readme_block(record) + page[end:]
+    return readme_block_text(BEGIN, END, readme_block(record))
 
 
 def main() -> int:
@@ -41,11 +39,7 @@ def main() -> int:
     parser.add_argument("--check", action="store_true")
     args = parser.parse_args()
     if args.check:
-        stale = README.read_text() != readme_text(json.loads(RECORD.read_text()))
-        if stale:
-            print("README.md's demo table is not docs/demo_results.json's: run python scripts/demo_table.py",
-                  file=sys.stderr)
-        return 1 if stale else 0
+        return check(RECORD, readme_block, BEGIN, END, "python scripts/demo_table.py")
     if not args.results:
         parser.error("give a demo_results.json, or --check")
     results = json.loads(Path(args.results).read_text())

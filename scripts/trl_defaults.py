@@ -45,10 +45,13 @@ NOT_LISTED = ("dataset_name", "model_name_or_path", "vllm_importance_sampling_ca
 NOTES = {"bf16": "TRL's field is None, made true unless fp16 (its `__post_init__`)",
          "lora_target_modules": "None: PEFT's modules for the architecture (`q_proj v_proj` for Llama and Qwen); "
                                 "`[]` in a recipe",
+         "max_tool_calling_iterations": "None: no turn limit (`agent.max_turns: null`); a trajectory ends when a turn "
+                                        "calls no tool or its completion budget is used up",
          "vllm_importance_sampling_correction": "with `use_vllm` only", "vllm_importance_sampling_clip_max":
          "with `use_vllm` only", "report_to": "no trackers: `--report_to tensorboard` for TensorBoard's events"}
-UNSET_MEANS = {"eval_steps": "with `eval_strategy steps`, TRL evaluates every `logging_steps`",
-               "max_tool_calling_iterations": "no limit"}
+UNSET_MEANS = {"eval_steps": "with `eval_strategy steps`, evaluate every `logging_steps` steps (here too: "
+                             "`train.eval_steps` takes `train.logging_steps`); else posttrain's 0: at step 0 and the "
+                             "end, when `data.eval` is given"}
 
 
 def script_classes(command: str) -> tuple[type, ...]:
@@ -195,8 +198,8 @@ def doc_table() -> str:
         lines += [f"| `{command}` ({config}) | `{key}` | `{path}` | `{value!r}` | `{here!r}` | {NOTES.get(key, '')} |"
                   for key, path, value, here in rows]
         unset_rows += [(command, key, path, here) for key, path, here in unset]
-    lines += ["", "TRL leaves these unset (None) and decides later; a run in TRL's words keeps posttrain's default "
-              "for them (give the TRL key to choose):", "",
+    lines += ["", "TRL leaves these unset (None) and decides later; a run in TRL's words decides as TRL does (give "
+              "the TRL key to choose):", "",
               "| command | TRL key | recipe key | posttrain's default | TRL's None means |", "|---|---|---|---|---|"]
     lines += [f"| `{command}` | `{key}` | `{path}` | `{here!r}` | {UNSET_MEANS[key]} |"
               for command, key, path, here in unset_rows]

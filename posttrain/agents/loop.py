@@ -117,8 +117,9 @@ def environment_class(recipe, tokenizer) -> Optional[type]:
 class AgentLoop:
     """Multi-turn rollouts over any GenerationEngine (see the module docstring)."""
 
-    def __init__(self, tokenizer, engine: GenerationEngine, budget: int, max_turns: int, tools=None, parser=None,
-                 runner: Optional[ToolRunner] = None, environment: Optional[type] = None, environment_name: str = "",
+    def __init__(self, tokenizer, engine: GenerationEngine, budget: int, max_turns: Optional[int], tools=None,
+                 parser=None, runner: Optional[ToolRunner] = None, environment: Optional[type] = None,
+                 environment_name: str = "",
                  max_prompt_length: Optional[int] = None, max_turn_tokens: Optional[int] = None,
                  active_anywhere: Optional[Callable[[int], int]] = None, user_code_timeout: float = 60.0):
         """active_anywhere: sums this rank's count of active trajectories over the ranks, for an engine whose
@@ -197,7 +198,9 @@ class AgentLoop:
         sessions = [EnvironmentSession(self.environment, self.environment_name, row, self.user_code_timeout)
                     if self.environment else None for row in rows]
         trajectories = [self._open(e, s) for e, s in zip(examples, sessions)]
-        for turn in range(self.max_turns):
+        # no turn limit of its own (TRL's): each turn takes at least one token of the budget, so `budget` turns at most
+        max_turns = self.max_turns if self.max_turns is not None else self.budget
+        for turn in range(max_turns):
             active = [i for i, t in enumerate(trajectories) if not t.finished]
             if not (self.active_anywhere(len(active)) if self.active_anywhere else active):
                 break
@@ -210,7 +213,7 @@ class AgentLoop:
                                               seed=None if params.seed is None else (params.seed + turn) % 2**62)
             out = self.engine.generate([trajectories[i].prompt_ids + trajectories[i].completion_ids for i in active],
                                        turn_params)
-            last = turn == self.max_turns - 1
+            last = turn == max_turns - 1
             replies = [self._take_turn(trajectories[i], out.completion_ids[k], out.logprobs[k])
                        for k, i in enumerate(active)]
             self._run_tools([trajectories[i] for i in active], replies, skip=last)

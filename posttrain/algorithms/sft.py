@@ -4,6 +4,10 @@
 
 The loss of a step is (sum of -log p over completion tokens of all micro-batches and ranks) / (their count): the
 loop passes that global count as `normaliser`, so accumulation and world size do not change the update.
+
+Metrics: `mean_token_logprob`, and TRL's `mean_token_accuracy` (the fraction of loss tokens that are the argmax of
+the distribution predicting them), from the same forward: with the fused output layer the argmax is taken inside
+its logits chunks (models/forward.policy_logprobs_top1), so it costs no (B, T, V) tensor.
 """
 
 from __future__ import annotations
@@ -11,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from posttrain.algorithms.base import Algorithm
-from posttrain.models.forward import policy_logprobs
+from posttrain.models.forward import policy_logprobs_top1
 from posttrain.config.schema import Recipe, SFTAlgoConfig
 from posttrain.losses.sft import sft_loss_sum
 from posttrain.batch import Batch
@@ -20,6 +24,7 @@ from posttrain.batch import Batch
 class SFT(Algorithm):
     name = "sft"
     logprobs_only = True
+    headline_metrics = ("mean_token_accuracy",)  # as TRL's SFT console
 
     def __init__(self, recipe: Recipe):
         self.config: SFTAlgoConfig = recipe.algo
@@ -28,9 +33,10 @@ class SFT(Algorithm):
         return batch.completion_mask_BT.sum()
 
     def loss(self, model, batch: Batch, normaliser: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        logprobs_BT = policy_logprobs(model, batch)
+        logprobs_BT, top1_BT = policy_logprobs_top1(model, batch)
         mask_BT = batch.completion_mask_BT
         loss = sft_loss_sum(logprobs_BT, mask_BT) / normaliser
         n = mask_BT.sum().clamp(min=1)
-        metrics = {"mean_token_logprob": (logprobs_BT.detach() * mask_BT).sum() / n}
+        metrics = {"mean_token_logprob": (logprobs_BT.detach() * mask_BT).sum() / n,
+                   "mean_token_accuracy": (top1_BT & mask_BT.bool()).sum() / n}
         return loss, metrics

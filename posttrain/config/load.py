@@ -19,7 +19,8 @@ import yaml
 from posttrain.config.keys import recipe_key, set_dotted
 from posttrain.config.legacy import upgrade
 from posttrain.config.schema import Recipe
-from posttrain.config.trl_compat import flat_trl_keys, from_trl_file, trl_default_settings, trl_paths
+from posttrain.config.trl_compat import (eval_every_logging_step, flat_trl_keys, from_trl_file,
+                                          trl_default_settings, trl_paths)
 from posttrain.config.validate import validate
 from posttrain.errors import UserError
 
@@ -62,6 +63,7 @@ def resolve_recipe(path: str | None, overrides: list[str], algo_cls: type,
         taken = trl_default_settings(algo_cls, given, use_vllm=engine in ("vllm", "server"))
         for _, key, value in taken:
             set_dotted(raw, key, value, f"TRL's default for '{key}'")
+    eval_every_logging_step(flat, raw, where if path else "command line")
     upgrade(raw)  # earlier releases' spellings (config/legacy.py)
     raw.setdefault("algo", {})  # the command's own algo config, with its defaults, even without an algo: section
     recipe = build(Recipe, raw, where, "", algo_cls)

@@ -294,8 +294,10 @@ class AgentConfig:
     environment: Optional[str] = None
     """A class 'module:Class' with reset(row) -> messages and step(assistant_message) -> (messages, reward, done),
     one instance per sample."""
-    max_turns: int = 4
-    """Most model turns per trajectory (>= 1)."""
+    max_turns: Optional[int] = 4
+    """Most model turns per trajectory (>= 1); null: no limit of its own (TRL's unset max_tool_calling_iterations): a
+    trajectory ends when a turn calls no tool, or when generation.max_completion_length is used up (every turn takes at
+    least one of its tokens, so there are at most that many turns)."""
     max_turn_tokens: Optional[int] = None
     """Most new tokens per model turn (None: what is left of generation.max_completion_length); a turn cut there is
     closed with the template's end-of-turn token, which is not trained, and counted in turns/cut."""

@@ -121,6 +121,10 @@ TRL_RENAMES: dict[str, str] = {
     "vllm_importance_sampling_clip_min": "algo.vllm_is_min",
     "cliprange": "algo.epsilon", "cliprange_value": "algo.value_clip", "num_ppo_epochs": "algo.ppo_epochs",
     "value_model_path": "algo.critic_model_name_or_path",
+    # distillation (DistillationConfig; GKDConfig of trl.experimental.gkd: lmbda, max_new_tokens)
+    "teacher_model_name_or_path": "algo.teacher_model_name_or_path",
+    "teacher_model_revision": "algo.teacher_model_revision", "lmbda": "algo.lmbda",
+    "max_new_tokens": "generation.max_completion_length",
 }
 # TRL values spelled otherwise here (a lone report_to: wandb needs none: a recipe's list key takes one string);
 # scale_rewards is true/false in older TRL, group/batch/none in newer
@@ -136,7 +140,8 @@ CONVERSIONS: dict[str, Callable[[Any], Any]] = {
     "max_tool_calling_iterations": lambda value: value + 1 if isinstance(value, int) else value}  # + the answer turn
 # Where a command has no such recipe key, these values mean what it does anyway (SFTConfig's loss_type: nll)
 SAME_AS_HERE: dict[str, tuple[Any, ...]] = {"loss_type": ("nll",)}
-NONE_IS_A_VALUE = ("train.save_total_limit",)  # elsewhere TRL's None means "unset": the recipe's default stays
+# elsewhere TRL's None means "unset": the recipe's default stays (max_tool_calling_iterations None: no turn limit)
+NONE_IS_A_VALUE = ("train.save_total_limit", "agent.max_turns")
 NONE_MEANS = {"lora_target_modules": []}  # TRL's None: PEFT's modules for the architecture, the recipe's []
 TRL_KEYS: dict[str, tuple[str, Callable[[Any], Any] | None]] = {
     key: (path, CONVERSIONS.get(key)) for key, path in TRL_RENAMES.items()}  # key -> (recipe key, conversion)
@@ -230,6 +235,22 @@ def trl_defaults(command: str) -> dict[str, Any]:
 def trl_paths(flat: dict) -> set[str]:
     """The recipe keys TRL keys choose, whatever their values (bf16: false chooses train.mixed_precision)."""
     return {TRL_KEYS[key][0] for key in flat if key in TRL_KEYS} | {"rewards" for key in flat if key in REWARD_KEYS}
+
+
+def eval_every_logging_step(flat: dict, raw: dict, where: str) -> None:
+    """TRL's `eval_strategy steps` with eval_steps unset (or 0) evaluates every logging_steps (transformers'
+    TrainingArguments.__post_init__): so here, when no key of the run sets train.eval_steps (a recipe's 0 included)."""
+    from posttrain.config.schema import TrainConfig
+
+    train = raw.get("train")
+    if flat.get("eval_strategy") != "steps" or not isinstance(train if train is not None else {}, dict):
+        return
+    train = raw.setdefault("train", {})
+    if train.get("eval_steps"):
+        return
+    train["eval_steps"] = train.get("logging_steps", TrainConfig.logging_steps)
+    say(f"{where}: eval_strategy steps without eval_steps: evaluation every logging_steps "
+        f"({train['eval_steps']}) steps, as in TRL")
 
 
 def trl_default_settings(algo_cls: type, given_paths: set[str], use_vllm: bool) -> list[tuple[str, str, Any]]:

@@ -27,11 +27,15 @@ TRL_DEFAULTS = {'sft': {'learning_rate': 2e-05, 'max_length': 1024, 'assistant_o
  'dpo': {'learning_rate': 1e-06, 'max_length': 1024},
  'grpo': {'learning_rate': 1e-06,
           'max_completion_length': 512,
+          'max_tool_calling_iterations': None,
           'vllm_importance_sampling_correction': True,
           'vllm_importance_sampling_mode': 'sequence_mask',
           'vllm_importance_sampling_clip_max': 3.0},
  'rm': {'max_length': 1024},
- 'distill': {'learning_rate': 1e-06, 'max_completion_length': 512, 'beta': 1.0}}
+ 'distill': {'learning_rate': 1e-06,
+             'max_completion_length': 512,
+             'beta': 1.0,
+             'max_tool_calling_iterations': None}}
 FLAG_KINDS = {'bool': 'activation_offloading assistant_only_loss auto_find_batch_size average_tokens_across_devices '
          'batch_eval_metrics bf16 bf16_full_eval cast_lm_head_to_fp32 completion_only_loss dataloader_drop_last '
          'dataloader_in_order dataloader_persistent_workers dataloader_pin_memory dataset_streaming '

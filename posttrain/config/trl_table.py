@@ -1,8 +1,9 @@
 """TRL's config fields that have no recipe key of their own, each with what it means here.
 
-TRL 1.16's `SFTConfig`, `DPOConfig`, `GRPOConfig`, `RewardConfig` (transformers' `TrainingArguments` included) and the
-script arguments of TRL's CLI (`ModelConfig`, `ScriptArguments`, `GRPOScriptArguments`, `DatasetMixtureConfig`): every
-field is either translated (`trl_compat.TRL_KEYS`), or listed here as
+TRL 1.16's `SFTConfig`, `DPOConfig`, `GRPOConfig`, `RewardConfig`, `DistillationConfig` and trl.experimental's
+`GKDConfig` (transformers' `TrainingArguments` included) and the script arguments of TRL's CLI (`ModelConfig`,
+`ScriptArguments`, `GRPOScriptArguments`, `DatasetMixtureConfig`): every field is either translated
+(`trl_compat.TRL_KEYS`), or listed here as
 
 - IGNORED: accepted; it has no effect here, and a value other than TRL's default gets one line saying why;
 - REFUSED: a value other than TRL's default stops the run (exit 2) with what to do instead.
@@ -202,6 +203,12 @@ REFUSED: dict[str, tuple[tuple[Any, ...], str]] = {
     "off_policy_mask_threshold": (NONE, GRPO_VARIANT + "; algo.vllm_is_correction weights stale samples"),
     "use_bias_correction_kl": (TRUE, "the KL term here is algo.beta's k3 estimator (docs/algorithms.md)"),
     "log_completions_hub_repo": (NONE, UPLOAD),
+    "teacher_model_init_kwargs": ((None, {}), "the teacher loads as the student does (model.dtype, "
+                                  "model.attn_implementation, model.trust_remote_code); algo.teacher_model_revision "
+                                  "picks its revision"),
+    "seq_kd": (FALSE, "sequence-level KD (training on the teacher's own generations) is not implemented here: "
+               "sample the teacher's completions into a dataset and train on it with posttrain sft, or distill on "
+               "the student's own samples with algo.lmbda"),
     # TRL's ModelConfig
     "lora_target_parameters": (NONE, "LoRA here targets modules: model.lora.target_modules"),
     "lora_modules_to_save": (NONE, "LoRA here trains only the adapters"),

@@ -26,9 +26,10 @@ POSITIVE = (
     "train.learning_rate", "train.logging_steps", "train.num_train_epochs", "data.max_length",
     "generation.max_completion_length", "train.ddp_timeout", "generation.sync_every", "generation.sync_bucket_mb",
     "generation.vllm.tensor_parallel_size", "generation.request_timeout_s", "generation.sync_timeout_s",
-    "placement.cpus_per_worker", "placement.generation.tensor_parallel_size", "agent.max_turns",
+    "placement.cpus_per_worker", "placement.generation.tensor_parallel_size",
     "agent.tool_timeout", "agent.tool_max_output_chars", "agent.tool_workers", "agent.user_code_timeout",
 )
+POSITIVE_OR_NULL = ("agent.max_turns",)  # null: no limit of its own (agent.max_turns: the completion budget bounds it)
 NON_NEGATIVE = ("train.weight_decay", "train.warmup_steps", "train.max_grad_norm", "train.save_steps", "train.eval_steps",
                 "train.max_nonfinite_skips", "generation.request_retries", "placement.generation.num_engines")
 PLACED_ROLES = ("policy", "reference", "critic", "reward_model", "teacher")  # algorithms.base.ROLE_NAMES; config stays torch-free
@@ -69,6 +70,9 @@ def validate(recipe: Recipe) -> None:
     for key in POSITIVE:
         if not get(recipe, key) > 0:
             raise UserError(f"{key} must be > 0, got {get(recipe, key)!r}")
+    for key in POSITIVE_OR_NULL:
+        if get(recipe, key) is not None and not get(recipe, key) > 0:
+            raise UserError(f"{key} must be > 0, got {get(recipe, key)!r} (null: no limit of its own)")
     for key in NON_NEGATIVE:
         if get(recipe, key) < 0:
             raise UserError(f"{key} must be >= 0, got {get(recipe, key)!r}")

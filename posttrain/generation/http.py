@@ -14,19 +14,22 @@ says whether trying again can help (a refused connection, a missed deadline, HTT
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import math
 import os
 import socket
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from http.client import HTTPConnection, HTTPException, HTTPSConnection
-from typing import Callable, Optional
+from typing import Callable, Optional, TypeVar
 from urllib.parse import urlsplit
 
 from posttrain.errors import RunStopped
 
 TOKEN_ENV = "POSTTRAIN_SERVER_TOKEN"
+T, R = TypeVar("T"), TypeVar("R")
 MAX_ANSWER_BYTES = 32 * 2**20  # a control call's answer; a completion's is sized from its max_tokens
 ERROR_DETAIL_BYTES = 4096  # how much of an error answer is read to quote it
 
@@ -96,16 +99,48 @@ def call(url: str, path: str, body: Optional[dict] = None, timeout: float = 60.0
 
 
 def call_with_retries(url: str, path: str, body: dict, *, timeout: float, token: Optional[str], retries: int,
-                      failed: Callable[[ServerUnavailable, int], str], max_bytes: int = MAX_ANSWER_BYTES):
+                      failed: Callable[[ServerUnavailable, int], str], max_bytes: int = MAX_ANSWER_BYTES,
+                      abandon: Optional[threading.Event] = None):
     """`call`, tried again up to `retries` times (1, 2, 4 ... at most 10 s apart) while another try may help; then
-    RunStopped with the message `failed(error, tries)`."""
+    RunStopped with the message `failed(error, tries)`. Once `abandon` is set (the batch this request belongs to
+    failed or was given up: request_all), no further try goes out."""
+    abandon = abandon or threading.Event()
     for attempt in range(retries + 1):
         try:
             return call(url, path, body, timeout=timeout, token=token, max_bytes=max_bytes)
         except ServerUnavailable as e:
-            if not e.retry or attempt == retries:
+            if not e.retry or attempt == retries or abandon.wait(min(2.0 ** attempt, 10.0)):
                 raise RunStopped(failed(e, attempt + 1), shared=False) from None
-            time.sleep(min(2.0 ** attempt, 10.0))
+
+
+def request_all(pool: ThreadPoolExecutor, request: Callable[[T, threading.Event], R], items: list[T]) -> list[R]:
+    """request(item, abandon) for every item on `pool` (bounded: its workers), the answers in order. The first
+    failure, or whatever else ends the wait (a second Ctrl-C's KeyboardInterrupt), cancels every request not started
+    and sets `abandon`, so those in flight try no more: no request goes out once the call has ended. (A pool's queued
+    requests used to run on after a failure, and the process waited for all of them before it could exit.)"""
+    abandon = threading.Event()
+
+    def run(item: T) -> R:
+        if abandon.is_set():  # a worker freed at the moment of a failure takes no new request
+            raise concurrent.futures.CancelledError()
+        try:
+            return request(item, abandon)
+        except BaseException:
+            abandon.set()  # at once, from the worker: the others may finish before the waiting thread wakes
+            raise
+
+    futures = [pool.submit(run, item) for item in items]
+    try:
+        concurrent.futures.wait(futures, return_when=concurrent.futures.FIRST_EXCEPTION)
+        for f in futures:  # the failure itself, not a request skipped because of it
+            if f.done() and not f.cancelled() and not isinstance(f.exception(), concurrent.futures.CancelledError):
+                f.result()
+        return [f.result() for f in futures]
+    except BaseException:
+        abandon.set()
+        for f in futures:
+            f.cancel()
+        raise
 
 
 def _read(response, max_bytes: int, expired: threading.Event, truncate: bool = False) -> bytes:

@@ -6,9 +6,9 @@ backend (docs/generation.md).
     export POSTTRAIN_SERVER_TOKEN=...                              # the same token on both sides
     posttrain grpo --config recipes/grpo_server.yaml generation.servers='[http://gpu7:8000, http://gpu8:8000]'
 
-Each completion is one request to vLLM's token-in / token-out `/inference/v1/generate`, all in flight at once, a
+Each completion is one request to vLLM's token-in / token-out `/inference/v1/generate`, up to 64 in flight at once, a
 prompt's group of samples on one server (`assign`); a request still failing after generation.request_retries stops
-the run naming the server. A weight sync drives vLLM's weight-transfer API (`load_weights`) and stamps the policy
+the run naming the server, and no request of that batch goes out after it (http.request_all). A weight sync drives vLLM's weight-transfer API (`load_weights`) and stamps the policy
 version on every server; a completion stamped with another version (a server that restarted, a sync that did not
 land) stops the run. `check_servers` checks every server at start-up, before any model is loaded.
 """
@@ -16,6 +16,7 @@ land) stops the run. `check_servers` checks every server at start-up, before any
 from __future__ import annotations
 
 import os
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from itertools import accumulate
 from typing import Iterable, Optional
@@ -27,7 +28,7 @@ from posttrain.generation.adapter_sync import PROBE_PROMPT, PROBE_TOKENS, Adapte
 from posttrain.generation.base import Completions, GenerationEngine, SamplingParams, check_prompts, vllm_sampling, vllm_truncated
 from posttrain.models.facts import stop_ids, longest_sequence
 from posttrain.generation.http import (TOKEN_ENV, BadAnswer, ServerUnavailable, call, call_with_retries,  # noqa: F401
-                                    completion_bytes, read_completion)
+                                    completion_bytes, read_completion, request_all)
 from posttrain.generation.weight_transfer import GlooTrainerEngine, GlooTrainerInitInfo, ServersClient
 
 TOKENIZER_PROBE = "posttrain vocabulary probe: What is 12 + 7? Answer: 19."
@@ -66,9 +67,9 @@ class ServerEngine(GenerationEngine):
     def generate(self, prompt_ids: list[list[int]], params: SamplingParams) -> Completions:
         check_prompts(prompt_ids)
         servers = self.assign(prompt_ids, len(self.servers))
-        futures = [self._pool.submit(self._generate_one, self.servers[s], ids, params, i)
-                   for i, (ids, s) in enumerate(zip(prompt_ids, servers))]
-        rows = [f.result() for f in futures]
+        rows = request_all(self._pool, lambda row, abandon: self._generate_one(self.servers[servers[row]],
+                                                                               prompt_ids[row], params, row, abandon),
+                           list(range(len(prompt_ids))))
         return Completions([r[0] for r in rows], [r[1] for r in rows], [r[2] for r in rows])
 
     @staticmethod
@@ -78,12 +79,13 @@ class ServerEngine(GenerationEngine):
         group_B = list(accumulate(int(i > 0 and ids != prompt_ids[i - 1]) for i, ids in enumerate(prompt_ids)))
         return [g * n_servers // (group_B[-1] + 1) for g in group_B]
 
-    def _generate_one(self, url: str, ids: list[int], params: SamplingParams, row: int):
+    def _generate_one(self, url: str, ids: list[int], params: SamplingParams, row: int,
+                      abandon: Optional[threading.Event] = None):
         adapter = {"model": self._names.current} if self._names and self._names.current else {}
         body = {"token_ids": list(ids), **adapter, "sampling_params": vllm_sampling(params, self.stop_ids, row)}
         answer = call_with_retries(
             url, "/inference/v1/generate", body, timeout=self.timeout, token=self.token, retries=self.retries,
-            max_bytes=completion_bytes(params.max_new_tokens),
+            max_bytes=completion_bytes(params.max_new_tokens), abandon=abandon,
             failed=lambda e, tries: f"{self.name(url)} failed: {e} ({tries} tries, generation.request_timeout_s="
                                     f"{self.timeout:g} each). Check that it is running (posttrain serve ...) and "
                                     "reachable; checkpoints already saved are complete: continue with "

@@ -16,15 +16,15 @@ server and the field, before the teacher's numbers reach the loss.
 
 from __future__ import annotations
 
+import math
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Optional
-
-import math
 
 import torch
 
 from posttrain.errors import RunStopped, UserError
-from posttrain.generation.http import BadAnswer
+from posttrain.generation.http import BadAnswer, request_all
 from posttrain.generation.server import (TOKEN_ENV, TOKENIZER_PROBE, ServerUnavailable, call, call_with_retries,
                                          model_vocabulary)
 
@@ -109,15 +109,19 @@ class TeacherServer:
 
     def topk(self, rows: list[list[int]]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """The teacher's top-k (logprobs_TK, ids_TK) for each row of token ids, all requests in flight at once."""
-        with ThreadPoolExecutor(max_workers=max(1, min(len(rows), 64))) as pool:
-            answers = list(pool.map(self._one, rows))
+        pool = ThreadPoolExecutor(max_workers=max(1, min(len(rows), 64)), thread_name_prefix="posttrain-teacher")
+        try:  # a failure ends the batch at once: no request of it goes out after (http.request_all)
+            answers = request_all(pool, self._one, rows)
+        finally:
+            pool.shutdown(wait=False, cancel_futures=True)
         return [a[0] for a in answers], [a[1] for a in answers]
 
-    def _one(self, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    def _one(self, ids: list[int], abandon: Optional[threading.Event] = None) -> tuple[torch.Tensor, torch.Tensor]:
         body = {"model": self.model, "prompt": ids, "max_tokens": 1, "temperature": 1.0,
                 "prompt_logprobs": self.top_k}
         answer = call_with_retries(
             self.url, "/v1/completions", body, timeout=self.timeout, token=self.token, retries=self.retries,
+            abandon=abandon,
             failed=lambda e, tries: f"the teacher server {self.url} failed: {e} ({tries} tries, "
                                     f"generation.request_timeout_s={self.timeout:g} each); checkpoints already saved "
                                     "are complete: continue with train.resume_from_checkpoint=auto")

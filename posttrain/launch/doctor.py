@@ -179,18 +179,12 @@ def check_deepspeed_ops(report: Report, build: bool) -> None:
 def _resolve(host: str, port: int, deadline: float):
     """getaddrinfo bounded by the deadline (it takes no timeout: a name a slow or unreachable DNS server has to answer
     blocks for as long as the resolver retries); the first TCP address, or the error as text."""
-    answer: list = []
+    from posttrain.models.hub import resolve_within
 
-    def look_up() -> None:
-        try:
-            answer.append(socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][4])
-        except OSError as e:
-            answer.append(f"{type(e).__name__}: {e}")
-
-    worker = threading.Thread(target=look_up, daemon=True)
-    worker.start()
-    worker.join(max(0.0, deadline - time.monotonic()))
-    return answer[0] if answer else f"the name {host} did not resolve in time (DNS)"
+    answer = resolve_within(host, port, deadline - time.monotonic())
+    if answer is None:
+        return f"the name {host} did not resolve in time (DNS)"
+    return f"{type(answer).__name__}: {answer}" if isinstance(answer, OSError) else answer
 
 
 def _probe(host: str, port: int, deadline: float) -> Optional[str]:

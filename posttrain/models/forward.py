@@ -30,7 +30,7 @@ from posttrain.distributed import sequence_parallel
 from posttrain.distributed.wrappers import plain_class, unwrap_module
 from posttrain.models.lean_activations import lean_activations
 from posttrain.models.load import FP32_HEAD
-from posttrain.ops.logprobs import (entropy_BT, linear_next_token_logprobs, linear_next_token_logprobs_entropy,
+from posttrain.ops.logprobs import (entropy_BT, linear_next_token_logprobs_entropy, linear_next_token_stats,
                                    next_token_logprobs, next_tokens, shift_right, token_logprobs)
 from posttrain.ops.shared_prefix import predictions
 
@@ -118,15 +118,36 @@ def policy_logprobs(model, batch: Batch, temperature: float = 1.0) -> torch.Tens
     row holds a prediction from the previous row's last token, is set back to 0."""
     if batch.shares_prefix:
         return _shared_logprobs(model, batch, temperature, batch.attention_mask_BT, with_entropy=False)[0]
+    return _logprobs_top1(model, batch, temperature, with_top1=False)[0]
+
+
+def policy_logprobs_top1(model, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+    """policy_logprobs (temperature 1) and top1_BT: whether token t is the argmax of the distribution that predicts
+    it (bool; position 0 False), TRL's is_top1, whose mean over the loss tokens is SFT's mean_token_accuracy. One
+    forward; with a fusable head the argmax comes from the same logits chunks as the log-probs, so no (B, T, V) tensor
+    exists, as for policy_logprobs. Batches without shared prefixes (SFT's)."""
+    if batch.shares_prefix:
+        raise ValueError("policy_logprobs_top1 scores batches without shared prefixes")
+    return _logprobs_top1(model, batch, 1.0, with_top1=True)
+
+
+def _logprobs_top1(model, batch: Batch, temperature: float, with_top1: bool):
+    """(logprobs_BT, top1_BT or None) of a batch without shared prefixes (see policy_logprobs)."""
     sp = sequence_parallel.current()
     if sp is not None:
         next_BC = sp.shard(next_tokens(batch.input_ids_BT))
         with sp.attention():
-            logprobs_BC = _next_token_logprobs(model, sp.shard_inputs(batch.input_ids_BT), next_BC, temperature)
-        return shift_right(sp.gather(logprobs_BC, batch.input_ids_BT.shape[1]))
+            logprobs_BC, top1_BC = _next_token_logprobs(model, sp.shard_inputs(batch.input_ids_BT), next_BC,
+                                                        temperature, with_top1)
+        length = batch.input_ids_BT.shape[1]
+        logprobs = shift_right(sp.gather(logprobs_BC, length))
+        return logprobs, (shift_right(sp.gather(top1_BC.float(), length)).bool() if with_top1 else None)
     inputs = batch.model_inputs()
-    logprobs = shift_right(_next_token_logprobs(model, inputs, next_tokens(inputs["input_ids"]), temperature))
-    return logprobs if not batch.padding_free else _unpacked(batch, logprobs)
+    logprobs, top1 = _next_token_logprobs(model, inputs, next_tokens(inputs["input_ids"]), temperature, with_top1)
+    if not batch.padding_free:
+        return shift_right(logprobs), (shift_right(top1) if with_top1 else None)
+    return (_unpacked(batch, shift_right(logprobs)),
+            _unpacked(batch, shift_right(top1.float())).bool() if with_top1 else None)
 
 
 def _shared_logprobs(model, batch: Batch, temperature: float, want_BT: torch.Tensor,
@@ -168,18 +189,26 @@ def _shared_logprobs(model, batch: Batch, temperature: float, want_BT: torch.Ten
     return scatter(logprobs_1n), (scatter(entropy_1n.detach()) if with_entropy else None)
 
 
-def _next_token_logprobs(model, inputs: dict, next_ids_BT: torch.Tensor, temperature: float) -> torch.Tensor:
-    """log p(next_ids[t] | the tokens up to t) at each position of `inputs` (unshifted)."""
+def _next_token_logprobs(model, inputs: dict, next_ids_BT: torch.Tensor, temperature: float,
+                         with_top1: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """log p(next_ids[t] | the tokens up to t) at each position of `inputs` (unshifted), and with `with_top1` whether
+    next_ids[t] is the argmax there (else None)."""
     head = fusable_head(model)
     with lean_activations(model):
         if head is None:
-            return next_token_logprobs(model(**inputs, use_cache=False).logits, next_ids_BT, temperature=temperature)
+            logits = model(**inputs, use_cache=False).logits
+            top1 = logits.detach().argmax(-1) == next_ids_BT if with_top1 else None  # (B, T) ids: no (B, T, V) copy
+            return next_token_logprobs(logits, next_ids_BT, temperature=temperature), top1
+        top1s = []
 
         def forward(hidden_BTH: torch.Tensor) -> torch.Tensor:
-            return linear_next_token_logprobs(hidden_BTH, head.weight, next_ids_BT, temperature)
+            logprobs, _, top1 = linear_next_token_stats(hidden_BTH, head.weight, next_ids_BT, temperature,
+                                                        with_top1=with_top1)
+            top1s.append(top1)
+            return logprobs
 
         with _head_forward(head, forward):
-            return model(**inputs, use_cache=False).logits
+            return model(**inputs, use_cache=False).logits, top1s[0]
 
 
 def sequence_scores(model, batch: Batch) -> torch.Tensor:

@@ -43,6 +43,18 @@ def check_model_source(model_cfg: ModelConfig, what: str = "model.name_or_path")
         _check_source(model_cfg.tokenizer_name_or_path, key, ("tokenizer_config.json", "tokenizer.json"))
 
 
+def check_hub_sources(model_cfg: ModelConfig, what: str = "model.name_or_path") -> None:
+    """Before a hub id of the recipe loads (model, tokenizer): a hub that cannot be reached is found out in seconds,
+    a cached model is then read from the cache and an uncached one refused saying how to get it (models/hub.py)."""
+    from posttrain.models.hub import check_hub_model
+
+    tokenizer_key = what.rsplit(".", 1)[0] + ".tokenizer_name_or_path" if "." in what else "tokenizer_name_or_path"
+    for source, key, revision in ((model_cfg.name_or_path, what, model_cfg.revision),
+                                  (model_cfg.tokenizer_name_or_path, tokenizer_key, None)):
+        if source and not _looks_local(source):
+            check_hub_model(source, revision, key)
+
+
 def _looks_local(source: str) -> bool:
     return (Path(source).expanduser().exists() or source.startswith(("./", "../", "/", "~")) or source.endswith("/")
             or _HUB_ID.match(source) is None)
@@ -106,6 +118,7 @@ def load_tokenizer(model_cfg: ModelConfig):
     from transformers import AutoTokenizer
 
     check_model_source(model_cfg)
+    check_hub_sources(model_cfg)
     if model_cfg.tokenizer_name_or_path:  # model.revision names a commit of the model's repository, not this one
         src, revision = _resolve(model_cfg.tokenizer_name_or_path), None
     else:
@@ -145,6 +158,7 @@ def _read_chat_template(value: str) -> str:
 
 def _from_pretrained(auto_cls, model_cfg: ModelConfig, gradient_checkpointing: bool, **extra):
     check_model_source(model_cfg)
+    check_hub_sources(model_cfg)
     src = _resolve(model_cfg.name_or_path)
     if model_cfg.dtype not in DTYPES:
         raise UserError(f"model.dtype must be one of {', '.join(DTYPES)}, got '{model_cfg.dtype}'")

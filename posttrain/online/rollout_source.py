@@ -156,6 +156,12 @@ class RolloutSource(Source):
             self._pool.shutdown(wait=True)
         self.link.close(step)
 
+    def abandon(self) -> None:
+        """The run failed or was stopped: the batches queued ahead are cancelled (the one sampling now ends on its
+        own); a queued batch otherwise ran on, and the process waited for all of them at its exit."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+
     def end(self) -> None:
         """After the run's last collective: an engine with a runtime of its own in this process tears it down."""
         self.link.end()

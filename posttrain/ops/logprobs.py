@@ -101,32 +101,36 @@ def next_token_logprobs(logits_BTV: torch.Tensor, next_ids_BT: torch.Tensor, tem
 class _LinearTokenLogprobs(torch.autograd.Function):
     """log_softmax((hidden @ weight.T) / temperature)[target], `chunk_size` rows at a time: the (N, V) logits exist
     one chunk at a time, forward and backward (which recomputes them). Matmuls run in the autocast state of the
-    forward, as the model's own lm_head would; softmax math is float32."""
+    forward, as the model's own lm_head would; softmax math is float32. From the same chunks, on request, two
+    detached metrics: the entropy, and whether the target is the argmax (`top1`: TRL's mean_token_accuracy)."""
 
     @staticmethod
-    def forward(ctx, hidden_NH, weight_VH, targets_N, temperature, chunk_size, with_entropy=False):
+    def forward(ctx, hidden_NH, weight_VH, targets_N, temperature, chunk_size, with_entropy=False, with_top1=False):
         device_type = hidden_NH.device.type
         autocast = device_type, torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type)
         n, dtype = hidden_NH.shape[0], _compute_dtype(hidden_NH)
         logprobs_N = torch.empty(n, dtype=dtype, device=hidden_NH.device)
         logsumexp_N = torch.empty(n, dtype=dtype, device=hidden_NH.device)
         entropy_N = torch.empty(n if with_entropy else 0, dtype=dtype, device=hidden_NH.device)
+        top1_N = torch.empty(n if with_top1 else 0, dtype=torch.bool, device=hidden_NH.device)
         for start in range(0, n, chunk_size):
             stop = min(start + chunk_size, n)
             scaled_nV = _scaled_logits(hidden_NH[start:stop], weight_VH, dtype, temperature)
             logsumexp_N[start:stop] = torch.logsumexp(scaled_nV, dim=-1)
             logprobs_N[start:stop] = scaled_nV.gather(-1, targets_N[start:stop, None]).squeeze(-1) - logsumexp_N[start:stop]
+            if with_top1:  # argmax's first index on ties, as TRL's is_top1: n ids, no (n, V) tensor
+                top1_N[start:stop] = scaled_nV.argmax(-1) == targets_N[start:stop]
             if with_entropy:  # H = -sum p log p from the same chunk: the logits are not made again for the metric
                 logp_nV = scaled_nV.sub_(logsumexp_N[start:stop, None])
                 entropy_N[start:stop] = -(torch.exp(logp_nV) * logp_nV).sum(-1)
         ctx.save_for_backward(hidden_NH, weight_VH, targets_N, logsumexp_N)
         ctx.temperature, ctx.chunk_size, ctx.autocast = temperature, chunk_size, autocast
-        ctx.mark_non_differentiable(entropy_N)
-        return logprobs_N, entropy_N
+        ctx.mark_non_differentiable(entropy_N, top1_N)
+        return logprobs_N, entropy_N, top1_N
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    def backward(ctx, grad_N, _grad_entropy_N):
+    def backward(ctx, grad_N, _grad_entropy_N, _grad_top1_N):
         hidden_NH, weight_VH, targets_N, logsumexp_N = ctx.saved_tensors
         device_type, enabled, autocast_dtype = ctx.autocast
         grad_hidden_NH = torch.empty_like(hidden_NH) if ctx.needs_input_grad[0] else None
@@ -150,7 +154,7 @@ class _LinearTokenLogprobs(torch.autograd.Function):
                     grad_weight_VH += (dlogits_nV.t() @ hidden_nH).float()
         if grad_weight_VH is not None:
             grad_weight_VH = grad_weight_VH.to(weight_VH.dtype)
-        return grad_hidden_NH, grad_weight_VH, None, None, None, None
+        return grad_hidden_NH, grad_weight_VH, None, None, None, None, None
 
 
 def _scaled_logits(hidden_nH: torch.Tensor, weight_VH: torch.Tensor, dtype: torch.dtype, temperature: float):
@@ -200,6 +204,16 @@ def linear_next_token_logprobs_entropy(hidden_BTH: torch.Tensor, weight_VH: torc
                                        with_entropy: bool = True, next_mask_BT: torch.Tensor | None = None):
     """`linear_token_logprobs_entropy` unshifted: `next_ids_BT` and `next_mask_BT` are about the token each position
     predicts (see `next_token_logprobs`)."""
+    return linear_next_token_stats(hidden_BTH, weight_VH, next_ids_BT, temperature, chunk_size, with_entropy,
+                                   next_mask_BT=next_mask_BT)[:2]
+
+
+def linear_next_token_stats(hidden_BTH: torch.Tensor, weight_VH: torch.Tensor, next_ids_BT: torch.Tensor,
+                            temperature: float = 1.0, chunk_size: int | None = None, with_entropy: bool = False,
+                            with_top1: bool = False, next_mask_BT: torch.Tensor | None = None):
+    """(logprobs_BT, entropy_BT or None, top1_BT or None), unshifted, from the same logits chunks: top1 says whether
+    the token each position predicts is the argmax of its distribution (bool; TRL's is_top1, the numerator of its
+    mean_token_accuracy). With `next_mask_BT`, only the positions it marks are scored (0 / False elsewhere)."""
     batch, length, hidden = hidden_BTH.shape
     chunk_size = chunk_size or max(1, LINEAR_CHUNK_ELEMENTS // weight_VH.shape[0])
     _check(temperature, chunk_size)
@@ -207,12 +221,14 @@ def linear_next_token_logprobs_entropy(hidden_BTH: torch.Tensor, weight_VH: torc
     if next_mask_BT is not None:  # the rows whose logits predict a marked token
         rows_n = next_mask_BT.reshape(-1).bool().nonzero().squeeze(-1)
         hidden_NH, targets_N = hidden_NH[rows_n], targets_N[rows_n]
-    logprobs_N, entropy_N = _LinearTokenLogprobs.apply(hidden_NH, weight_VH, targets_N, temperature, chunk_size,
-                                                       with_entropy)
+    outputs = _LinearTokenLogprobs.apply(hidden_NH, weight_VH, targets_N, temperature, chunk_size, with_entropy,
+                                         with_top1)
+    wanted = (True, with_entropy, with_top1)
     if next_mask_BT is not None:
-        scatter = lambda x_n: x_n.new_zeros(batch * length).index_put((rows_n,), x_n)  # noqa: E731
-        logprobs_N, entropy_N = scatter(logprobs_N), scatter(entropy_N) if with_entropy else entropy_N
-    return logprobs_N.view(batch, length), (entropy_N.view(batch, length) if with_entropy else None)
+        outputs = [x_n.new_zeros(batch * length).index_put((rows_n,), x_n) if want else x_n
+                   for x_n, want in zip(outputs, wanted)]
+    return tuple(x_N.view(batch, length) if want else None for x_N, want in zip(outputs, wanted))
+
 
 
 def entropy_BT(logits_BTV: torch.Tensor, chunk_size: int = 1024, temperature: float = 1.0) -> torch.Tensor:

@@ -7,15 +7,13 @@ allocated (a 70B config counts in seconds).
 from __future__ import annotations
 
 import functools
-import os
 import re
-import socket
 from typing import Optional
-from urllib.parse import urlparse
 
 import torch
 
 from posttrain.models.forward import FUSED_HEAD_MODELS
+from posttrain.models.hub import hub_unreachable, offline_by_choice
 from posttrain.models.lean_activations import lean_kinds
 from posttrain.models.load import lora_targets
 from posttrain.config.schema import ALL_LINEAR, ModelConfig
@@ -47,7 +45,7 @@ def config_and_source(model_cfg: ModelConfig) -> tuple:
             known = known_config(src)
             if known is not None:
                 return known, f"built-in shape of {known_name(src)}, no download"
-            if not hub_reachable_for(src):
+            if offline_by_choice() or hub_unreachable() is not None:
                 raise UserError(f"model.name_or_path '{src}' is neither a local directory nor in the Hugging Face "
                                 f"cache. {offline_advice()}") from None
             return AutoConfig.from_pretrained(src, **kwargs), "config.json"
@@ -56,24 +54,9 @@ def config_and_source(model_cfg: ModelConfig) -> tuple:
                         f"{offline_advice()}") from e
 
 
-def hub_reachable_for(src: str) -> bool:
-    """Whether fetching `src` from the hub can work now: not offline by choice, and the hub answers a connection
-    within 3 s (a proxy is trusted to answer). huggingface_hub would otherwise retry 5 times (~40 s) first."""
-    if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on"):
-        return False
-    if any(os.environ.get(k) for k in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")):
-        return True
-    endpoint = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co"))
-    try:
-        socket.create_connection((endpoint.hostname or "huggingface.co", endpoint.port or 443), timeout=3).close()
-        return True
-    except OSError:
-        return False
-
-
 def offline_advice() -> str:
     """What to do about a model config that is neither local nor cached, true to why it could not be fetched."""
-    if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on"):
+    if offline_by_choice():
         return "HF_HUB_OFFLINE is set: unset it to fetch config.json from the hub, or give a local model directory"
     return ("The hub could not be reached (no network?): give a local model directory (one with config.json), or "
             "run once where the hub is reachable to cache it (HF_ENDPOINT names a mirror)")

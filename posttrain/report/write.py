@@ -31,7 +31,8 @@ MISMATCH = ("trainer vs engine log-probs", ("mismatch/logprob_diff/mean", "misma
                                              "mismatch/phantom_clip_fraction"))
 # The curves a person reads first, per command: (title, metric patterns); eval/<metric> joins its train metric
 KEY_CURVES: dict[str, tuple[tuple[str, tuple[str, ...]], ...]] = {
-    "sft": (("loss", ("loss",)), ("mean token log-prob", ("mean_token_logprob",))),
+    "sft": (("loss", ("loss",)), ("mean token accuracy", ("mean_token_accuracy",)),
+            ("mean token log-prob", ("mean_token_logprob",))),
     "rm": (("loss", ("loss",)), ("accuracy (chosen scored higher)", ("accuracy",)), ("margin", ("margin",)),
            ("scores", ("rewards/chosen", "rewards/rejected"))),
     "dpo": (("loss", ("loss",)), ("reward accuracy", ("rewards/accuracies",)),
@@ -297,5 +298,9 @@ def run_report(args) -> int:
     runs = load_runs(args.runs)
     out = report_path([run.path for run in runs], args.out)
     out.write_text(render(runs))
+    if len(runs) == 1 and out == runs[0].path / "report.html":  # still the run's own file
+        from posttrain.rundir.attempts import record_rewritten
+
+        record_rewritten(runs[0].path, out.name)
     print(f"report: {out}")
     return 0

@@ -12,7 +12,8 @@
           request_timeout_s: 60
           retries: 2
           token_env: POSTTRAIN_JUDGE_TOKEN        # the API token is read from this environment variable
-          score_range: [0, 10]                    # the scores the template asks for: any other answer is refused
+          score_range: [0, 10]                    # the scores the template asks for (required but for yes_no):
+                                                  # any other answer is refused
         timeout: 600                              # seconds the whole batch may take
 
 At start-up, before any model loads, every setting is checked by kind and range, a token_env named on purpose must
@@ -40,7 +41,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 from urllib.parse import urlsplit
 
-from posttrain.errors import FLOAT32_MAX, UserError, overflows_float32
+from posttrain.errors import UserError, overflows_float32
 from posttrain.generation.http import BadAnswer, ServerUnavailable
 from posttrain.rewards.contract import abandoned
 from posttrain.usercode import stop_requested
@@ -94,7 +95,6 @@ class Judge:
                             f"{url!r}")
         check_types(max_tokens=max_tokens, concurrency=concurrency, retries=retries, max_answer_bytes=max_answer_bytes,
                     temperature=temperature, request_timeout_s=request_timeout_s)
-        self.score_range = check_range(score_range)
         checks = {"concurrency": concurrency >= 1, "max_tokens": max_tokens >= 1, "retries": retries >= 0,
                   "request_timeout_s": request_timeout_s > 0, "temperature": temperature >= 0,
                   "max_answer_bytes": max_answer_bytes >= 1024}
@@ -109,6 +109,7 @@ class Judge:
             except re.error as e:
                 raise UserError(f"reward judge: kwargs.parse is {parse!r}: neither number, yes_no nor a regular "
                                 f"expression with a group around the score ({e})") from None
+        self.score_range = check_range(score_range, parse)
         self.template, self.columns = _load_template(prompt_template)
         self.url, self.model, self.parse, self.system = str(url).rstrip("/"), model, parse, system
         self.max_tokens, self.temperature, self.retries = max_tokens, temperature, retries
@@ -155,12 +156,12 @@ class Judge:
         return [self.in_range(parse_score(answer, self.parse), answer) for answer in answers]
 
     def in_range(self, score: Optional[float], answer: str) -> Optional[float]:
-        """The score, when it is one the judge may give: within kwargs.score_range when declared, and always a number
-        float32 holds (a 45-digit answer is not a score)."""
-        low, high = self.score_range or (-FLOAT32_MAX, FLOAT32_MAX)
+        """The score, when it is one the judge may give: within kwargs.score_range (which float32 holds: a 45-digit
+        answer is never a score)."""
+        low, high = self.score_range
         if score is not None and not low <= score <= high:
-            declared = f"kwargs.score_range {[low, high]}" if self.score_range else "float32 (declare kwargs.score_range)"
-            raise BadAnswer(f"judge {self.url} answered {answer[:80]!r}: score {score:.6g} is outside {declared}")
+            raise BadAnswer(f"judge {self.url} answered {answer[:80]!r}: score {score:.6g} is outside kwargs."
+                            f"score_range {[low, high]}")
         return score
 
     def ask(self, text: str) -> str:
@@ -280,10 +281,16 @@ def check_types(**values) -> None:
             raise UserError(f"reward judge: kwargs.{key} is {value!r} ({type(value).__name__}); give {kind}")
 
 
-def check_range(score_range) -> Optional[tuple[float, float]]:
-    """kwargs.score_range [low, high]: the scores the template asks for; None when not declared."""
+def check_range(score_range, parse: str) -> tuple[float, float]:
+    """kwargs.score_range [low, high]: the scores the template asks for. Required unless parse is yes_no (1 or 0):
+    an answer is otherwise read as any number at all, so a judge that strays from its template's scale (11 on a
+    0-10 scale, 45 digits) would be trained on as if that were the scale."""
     if score_range is None:
-        return None
+        if parse == "yes_no":
+            return 0.0, 1.0
+        raise UserError("reward judge: kwargs.score_range is not set; declare the scores the template asks for, as "
+                        "[low, high] (score_range: [0, 10] for 'a number from 0 to 10'): an answer outside it is then "
+                        "refused, never trained on (parse: yes_no needs none: its scores are 1 and 0)")
     if (not isinstance(score_range, (list, tuple)) or len(score_range) != 2
             or not all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
                        and not overflows_float32(v) for v in score_range) or score_range[0] > score_range[1]):

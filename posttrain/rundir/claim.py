@@ -10,33 +10,29 @@
 A run that failed before its first checkpoint (or died before step 1) is taken over by the next run without a flag:
 nothing of it could be resumed, and its files are kept under failed-attempts/ (docs/reliability.md).
 
-The rules, each with its reason, are in docs/reliability.md ("Output directories: nothing of yours is lost").
+What the marker records (the command, each attempt, the run's own files) and what those records allow are in
+posttrain/rundir/attempts.py. The rules, each with its reason, are in docs/reliability.md ("Output directories: nothing of yours is lost").
 """
 
 from __future__ import annotations
 
 import datetime
 import fcntl
-import json
 import os
 import shutil
-import socket
 import tempfile
 from pathlib import Path
 from typing import Optional
 
 import yaml
 
-from posttrain.errors import warn
-from posttrain.rundir.resume import UNIVERSAL_DIR
-from posttrain.errors import UserError
+from posttrain.errors import UserError, warn
+from posttrain.rundir.attempts import (FAILED_DIR, MARKER, OVERWRITE, RUN_ARTIFACTS, TAKEOVER, check_own_files,
+                                       keep_failed_attempt, live_attempt, read_marker, record_end, start_attempt,
+                                       takeover_reason)
 
-MARKER = ".posttrain-run"
-RUN_ARTIFACTS = ("config.yaml", "metrics.jsonl", "tensorboard", "checkpoints", "final", "final-critic", "report.html",
-                 "curves.png", "summary.json", "samples.jsonl", "ref_logprobs.safetensors", "mlflow.db", UNIVERSAL_DIR)
 ASIDE_PREFIX = ".posttrain-replaced-"  # overwrite_output_dir: the old run's files until the new run is set up
 RECIPE_SECTIONS = ("output_dir", "model", "data", "train")  # what every config.yaml a run wrote holds
-FAILED_DIR = "failed-attempts"  # a failed attempt's files, moved here when the next run takes its place
 RAY_SESSION_DIR = "ray"  # the session (logs, sockets) of a Ray cluster the launcher started for the run
 
 
@@ -65,8 +61,10 @@ def check_output_dir(recipe, command: str = "") -> Optional[Path]:
         raise UserError(f"output_dir {out} is not empty ({shown}) and no posttrain run made it (it has no {MARKER}); "
                         "a run writes only into an empty directory or its own: choose another output_dir")
     refuse_links(out)
-    if kind == "run" and not t.overwrite_output_dir and takeover_reason(out) is not None:
-        check_own_files(out)  # a takeover moves them into failed-attempts/
+    if kind == "run" and t.overwrite_output_dir:
+        check_own_files(out, OVERWRITE)  # overwrite deletes the run's files
+    elif kind == "run" and takeover_reason(out) is not None:
+        check_own_files(out, TAKEOVER)  # a takeover moves them into failed-attempts/
     for left in sorted(out.glob(ASIDE_PREFIX + "*")) if out.is_dir() else ():
         warn(f"{left} holds the files of a run that overwrite_output_dir was replacing when it stopped; nothing "
              "removes it: move back what you need, then delete it")
@@ -121,49 +119,6 @@ def check_not_behind(out: Path, resume: Optional[Path], max_steps: int = -1) -> 
                         f"{max_steps}. {fix}")
     warn(f"resuming {out} from step {resumed}, behind its final/ (step {final_step}): steps {resumed + 1}-{final_step} "
          "are trained again and final/ is replaced at the end")
-
-
-def read_marker(out: Path) -> dict:
-    """The marker's record ({} for a marker from before records, or one that cannot be read)."""
-    try:
-        record = json.loads((out / MARKER).read_text())
-    except (OSError, ValueError):
-        return {}
-    return record if isinstance(record, dict) else {}
-
-
-def live_attempt(out: Path) -> str:
-    """'pid N on HOST' when the marker's attempt is running in a process alive on this host, else ''."""
-    attempt = read_marker(out).get("attempt") or {}
-    pid = attempt.get("pid")
-    if attempt.get("status") != "running" or attempt.get("host") != socket.gethostname() or not isinstance(pid, int):
-        return ""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return ""
-    except OSError:  # alive, owned by someone else
-        pass
-    return f"pid {pid} on {attempt['host']}"
-
-
-def takeover_reason(out: Path) -> Optional[str]:
-    """Why the run in `out` may be replaced without a flag, or None. Only a run with nothing to resume or keep (no
-    checkpoint, no final/) whose attempt ended in an error, or whose process died before step 1 (a crash, kill -9,
-    out of memory): rerunning the same command after fixing the cause is then all a user wants."""
-    if any((out / name).exists() for name in ("final", "checkpoints")):
-        return None
-    attempt = read_marker(out).get("attempt") or {}
-    status = attempt.get("status")
-    if status in ("failed", "stopped"):
-        error = f" ({attempt['error']})" if attempt.get("error") else ""
-        return ("ended in an error" if status == "failed" else "was stopped") + error
-    if status == "running" and attempt.get("host") == socket.gethostname() and not live_attempt(out):
-        from posttrain.rundir.metrics import read_metrics
-
-        if not any(row.get("step", 0) >= 1 for row in read_metrics(out)):
-            return f"ended before step 1 (its process, pid {attempt.get('pid')}, is gone)"
-    return None
 
 
 def check_same_command(run: Path, command: str, key: str) -> None:
@@ -278,11 +233,7 @@ def begin_run(out: Path, overwrite: bool, command: str = "") -> Optional[Path]:
         kept = keep_failed_attempt(out, now)
         warn(f"output_dir {out}: the previous run there {reason}, before any checkpoint; this run takes its place"
              + (f" (its files are in {kept})" if kept else ""))
-    previous = {} if overwrite else read_marker(out)  # a replaced run's marker named the command that wrote it
-    previous.pop("files", None)  # the previous attempt's; this one records its own when it ends
-    record = {"created": now, **previous, "command": command or previous.get("command", ""), "by": "posttrain"}
-    record["attempt"] = {"pid": os.getpid(), "host": socket.gethostname(), "started": now, "status": "running"}
-    write_marker(out, record)
+    start_attempt(out, command, now, replaced=overwrite, taken_over=reason is not None)
     present = [name for name in RUN_ARTIFACTS if os.path.lexists(out / name)] if overwrite else []
     if not present:
         return None
@@ -328,68 +279,6 @@ def release(out: Path) -> None:
         os.close(fd)
 
 
-def keep_failed_attempt(out: Path, stamp: str) -> Optional[Path]:
-    """Move a failed attempt's own files to failed-attempts/<when it was replaced>/ (None when it left none)."""
-    present = [name for name in RUN_ARTIFACTS if os.path.lexists(out / name)]
-    if not present:
-        return None
-    kept = out / FAILED_DIR / stamp.replace(":", "")
-    suffix = 0
-    while os.path.lexists(kept):  # two takeovers within a second (a link there is never followed)
-        suffix += 1
-        kept = out / FAILED_DIR / f"{stamp.replace(':', '')}-{suffix}"
-    kept.mkdir(parents=True)
-    for name in present:
-        os.rename(out / name, kept / name)  # a link is moved as a link, never followed
-    return kept
-
-
-def own_files(out: Path) -> dict[str, object]:
-    """The run's files present now, as end_attempt records them: a file's mtime (ns), 'dir' for a folder."""
-    found = {}
-    for name in RUN_ARTIFACTS:
-        try:
-            info = os.lstat(out / name)
-        except OSError:
-            continue
-        found[name] = "dir" if os.path.isdir(out / name) else info.st_mtime_ns
-    return found
-
-
-def check_own_files(out: Path) -> None:
-    """Before a takeover moves a failed attempt's files into failed-attempts/: each is the attempt's own. One the
-    user put there since (a summary.json of their own, their recipe saved over config.yaml) would be moved, and then
-    replaced by the new run's: refused, naming it. The attempt's end recorded its files (end_attempt); an attempt
-    whose process died recorded nothing, so its files must be no older than its start."""
-    record = read_marker(out)
-    recorded = record.get("files")
-    started = (record.get("attempt") or {}).get("started")
-    now = own_files(out)
-    for name, stamp in now.items():
-        if isinstance(recorded, dict):
-            mine = name in recorded and (stamp == "dir" or recorded[name] == stamp)
-        else:
-            try:
-                since = datetime.datetime.fromisoformat(started).timestamp() - 1
-            except (TypeError, ValueError):
-                return  # a marker from before attempts were recorded: nothing to tell its files by
-            mine = stamp == "dir" or stamp / 1e9 >= since
-        if not mine:
-            when = "changed after that run ended" if isinstance(recorded, dict) else "older than that run's start"
-            raise UserError(f"output_dir {out}: {name} is not the failed run's own ({when}), and taking the run's "
-                            f"place would move it into {FAILED_DIR}/ and "
-                            f"write this run's {name}: move it out of output_dir (a recipe belongs outside it), or "
-                            "choose another output_dir")
-
-
-def write_marker(out: Path, record: dict) -> None:
-    """Replace the marker whole (a temporary file renamed), so a reader never sees half of it."""
-    fd, tmp = tempfile.mkstemp(prefix=MARKER + ".", dir=out)
-    with os.fdopen(fd, "w") as f:
-        f.write(json.dumps(record) + "\n")
-    os.replace(tmp, out / MARKER)
-
-
 def end_attempt(out: Path, error: Optional[BaseException] = None, final_step: Optional[int] = None) -> None:
     """Record how this process's attempt ended: finished, stopped (a signal, Ctrl-C) or failed (with the error's
     first line), and the step final/ holds when it wrote one (check_not_behind). Only the process that began it
@@ -398,27 +287,6 @@ def end_attempt(out: Path, error: Optional[BaseException] = None, final_step: Op
         record_end(out, error, final_step)
     finally:
         release(out)
-
-
-def record_end(out: Path, error: Optional[BaseException], final_step: Optional[int] = None) -> None:
-    record = read_marker(out)
-    attempt = record.get("attempt") or {}
-    if attempt.get("pid") != os.getpid() or attempt.get("status") != "running":
-        return
-    from posttrain.errors import RunStopped
-
-    stopped = isinstance(error, (KeyboardInterrupt, RunStopped))
-    attempt["status"] = "finished" if error is None else "stopped" if stopped else "failed"
-    if error is not None:
-        attempt["error"] = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"[:300]
-    if final_step is not None:
-        record["final_step"] = final_step
-    record["files"] = own_files(out)  # what the run wrote: only these may move when a later run takes its place
-    attempt["ended"] = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
-    try:
-        write_marker(out, record)
-    except OSError:  # a full or vanished disk: the run's own error is the news
-        pass
 
 
 def end_overwrite(aside: Optional[Path]) -> None:

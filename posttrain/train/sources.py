@@ -58,6 +58,10 @@ class Source:
     def close(self, step: int) -> None:
         """After the loop, before export: engines that outlive the run get the final policy."""
 
+    def abandon(self) -> None:
+        """The run failed or was stopped before close: work the source queued (generation batches sampled ahead)
+        never starts, so nothing of it keeps the process from exiting."""
+
     def end(self) -> None:
         """After the run's last collective."""
 

@@ -22,13 +22,15 @@ MB1_ACC4 = ONE_PROCESS_SPLITS["mb1_acc4"]  # the shared one-process SFT run's sp
 
 
 def check_same_steps(one: list[dict], two: list[dict], loss_tol: float = 1e-5) -> None:
-    """Per-step loss and grad norm of an SP=2 run against one process."""
+    """Per-step loss and grad norm (and SFT's mean_token_accuracy) of an SP=2 run against one process."""
     one = {r["step"]: r for r in one if "loss" in r}
     two = {r["step"]: r for r in two if "loss" in r}
     assert one.keys() == two.keys() and one
     for step, expected in one.items():
         assert two[step]["loss"] == pytest.approx(expected["loss"], abs=loss_tol), step
         assert two[step]["grad_norm"] == pytest.approx(expected["grad_norm"], rel=1e-4), step
+        if "mean_token_accuracy" in expected:  # SFT: the argmax of each slice's rows, gathered over the group
+            assert two[step]["mean_token_accuracy"] == pytest.approx(expected["mean_token_accuracy"], abs=1e-6), step
 
 
 @pytest.fixture(scope="module")

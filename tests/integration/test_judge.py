@@ -17,7 +17,8 @@ def test_the_tiny_model_judges_a_batch_over_the_session_server(vllm_server, tmp_
     for concurrency in (1, 8):
         reward = load_reward(RewardConfig(name="judge", kwargs={
             "url": f"{vllm_server.url}/v1", "prompt_template": str(template), "parse": "number", "max_tokens": 8,
-            "concurrency": concurrency, "request_timeout_s": 120, "token_env": "POSTTRAIN_SERVER_TOKEN"}))
+            "concurrency": concurrency, "request_timeout_s": 120, "token_env": "POSTTRAIN_SERVER_TOKEN",
+            "score_range": [-1e30, 1e30]}))  # the random tiny model writes any number: this measures throughput
         started = time.perf_counter()
         scores = reward.fn(prompts=[f"What is {i} + 1?" for i in range(n)],
                            completions=[str(i + 1) for i in range(n)], completion_ids=None,

@@ -245,3 +245,23 @@ def test_a_turn_ending_on_the_generation_configs_second_eos_is_closed(eos_ids_mo
     [t] = agent.run([{"prompt": [{"role": "user", "content": "x"}], "columns": {}}], [0], SamplingParams())
     assert t.completion_ids == [40, 7] and not t.truncated and t.cut_turns == 0
     assert t.final_text == tok.decode([40])
+
+
+def test_no_turn_limit_runs_until_a_turn_calls_no_tool_or_the_budget_is_used(tok, tmp_path):
+    """agent.max_turns null (TRL's unset max_tool_calling_iterations): six rounds of tool calls then an answer is
+    seven turns, more than the default limit of 4; with calls only, the completion budget ends it."""
+    (tmp_path / "addtool.py").write_text(TOOL_FILE)
+    tools = load_tools((f"{tmp_path / 'addtool.py'}:add",))
+    call = ids(tok, '<tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}}</tool_call>') + [tok.eos_token_id]
+    answer = [40, tok.eos_token_id]
+    engine = ScriptedEngine([[call]] * 6 + [[answer]])
+    agent = AgentLoop(tok, engine, budget=2000, max_turns=None, tools=tools, parser=pick_parser("hermes", ""),
+                      runner=ToolRunner(tools, 5.0, 100, 2))
+    [t] = agent.run([{"prompt": "q", "columns": {}}], [0], SamplingParams())
+    assert t.turns == 7 and t.tool_calls == 6 and not t.truncated and t.completion_ids[-2:] == answer
+    engine = ScriptedEngine([[call]] * 100)
+    budget = 4 * len(call)
+    agent = AgentLoop(tok, engine, budget=budget, max_turns=None, tools=tools, parser=pick_parser("hermes", ""),
+                      runner=ToolRunner(tools, 5.0, 100, 2))
+    [t] = agent.run([{"prompt": "q", "columns": {}}], [0], SamplingParams())
+    assert t.truncated and len(t.completion_ids) == budget and len(engine.calls) <= 4  # of 100 scripted turns

@@ -35,3 +35,21 @@ def test_recording_a_quick_run_is_refused(tmp_path):
     done = subprocess.run([sys.executable, str(ROOT / "scripts" / "demo_table.py"), str(quick)], cwd=ROOT,
                           capture_output=True, text=True)
     assert done.returncode == 2 and "--quick run" in done.stderr
+
+
+def test_readme_make_test_duration_is_the_recorded_ci_run():
+    """The README's `make test` duration is docs/ci_run.json's (recorded by scripts/ci_duration.py from a CI run),
+    and says it covers the whole .ci/run, install included."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("ci_duration", ROOT / "scripts" / "ci_duration.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    record = json.loads((ROOT / "docs" / "ci_run.json").read_text())
+    page = (ROOT / "README.md").read_text()
+    block = page[page.index(script.BEGIN):page.index(script.END) + len(script.END)]
+    assert block == script.readme_block(record)
+    assert f"({record['seconds']} s)" in block and ".ci/run" in block and "not timed apart" in block
+    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "ci_duration.py"), "--check"], cwd=ROOT,
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr

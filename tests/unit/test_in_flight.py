@@ -144,3 +144,33 @@ def test_an_edited_in_flight_file_is_named_before_anything_loads(tmp_path, edit,
     edit(data["batches"][0])
     (tmp_path / FILE.format(rank=0)).write_text(json.dumps(data))
     assert files_problem(tmp_path).startswith(f"{FILE.format(rank=0)} batch 0: {problem}")
+
+
+def test_a_failed_run_abandons_the_batches_queued_ahead():
+    """run.py calls source.abandon() when the run fails or is stopped: the rollout source's one worker finishes the
+    batch it is sampling and never starts those queued behind it, then ends (they used to be sampled one after the
+    other after the run had failed, and the process waited for them at its exit)."""
+    import threading
+    import time
+    import types
+
+    from posttrain.online.rollout_source import RolloutSource
+    from posttrain.train.sources import Source
+
+    sampled = []
+
+    def sample(index):
+        time.sleep(0.2)
+        sampled.append(index)
+        return answer(index, [index])
+
+    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="posttrain-async-test")
+    queue = InFlight(3, 1)
+    for j in (1, 2, 3):
+        queue.push(Sampled(j, [j], 0, pool.submit(sample, j)))
+    time.sleep(0.05)  # batch 1 is sampling
+    RolloutSource.abandon(types.SimpleNamespace(_pool=pool))
+    time.sleep(0.6)
+    assert sampled == [1] and [b.future.cancelled() for b in queue.batches] == [False, True, True]
+    assert not any(t.name.startswith("posttrain-async-test") for t in threading.enumerate())
+    Source().abandon()  # every source answers (an offline one has nothing queued)

@@ -184,3 +184,117 @@ def test_policy_logits_at_projects_only_the_asked_rows_with_the_same_values_and_
     torch.testing.assert_close(got_nV, want_nV, atol=1e-5, rtol=1e-5)
     for name, param in model.named_parameters():
         torch.testing.assert_close(got_grads[name], param.grad, atol=1e-5, rtol=1e-4, msg=name)
+
+
+def test_top1_from_the_chunks_is_trls_is_top1_ties_included():
+    """linear_next_token_stats' top1 against the argmax of the full logits and TRL 1.16's own chunked kernel
+    (trl.kernels.chunked_logprob, its torch path): equal, a tie between two vocabulary rows included (the first index
+    wins, so a target tied with an earlier token is not top-1)."""
+    from posttrain.ops.logprobs import linear_next_token_stats
+
+    kernel = pytest.importorskip("trl.kernels.chunked_logprob")
+    hidden_BTH, weight_VH, _ = hidden_batch(B=4, T=6, H=6, V=11, seed=3)
+    weight_VH[7] = weight_VH[2]  # tokens 2 and 7 always tie
+    logits_BTV = hidden_BTH @ weight_VH.t()
+    next_ids_BT = logits_BTV.argmax(-1)  # every target top-1 ...
+    next_ids_BT[0] = torch.randint(0, 11, (6,), generator=torch.Generator().manual_seed(0))  # ... but row 0's
+    next_ids_BT[1, :] = torch.where(logits_BTV[1].argmax(-1) == 2, 7, next_ids_BT[1])  # tied, later index
+    for chunk_size in (1, 5, 100):
+        _, _, top1_BT = linear_next_token_stats(hidden_BTH, weight_VH, next_ids_BT, chunk_size=chunk_size,
+                                                with_top1=True)
+        assert top1_BT.dtype == torch.bool
+        assert torch.equal(top1_BT, logits_BTV.argmax(-1) == next_ids_BT)
+        outputs = kernel.ChunkedLogProbFunction.apply(hidden_BTH.reshape(-1, 6), weight_VH, None,
+                                                      next_ids_BT.reshape(-1), 1.0, 4, None, 1.0, ("is_top1",))
+        assert torch.equal(top1_BT.reshape(-1), outputs[-1])
+    assert 0 < top1_BT.float().mean() < 1 and not top1_BT[1][logits_BTV[1].argmax(-1) == 2].any()
+
+
+def greedy_batch(model, padding_free: bool):
+    """Row 0: a prompt and the model's own greedy continuation (its tokens are mostly top-1); row 1: random ids,
+    right-padded. Every real token after the first in the completion mask."""
+    from posttrain.batch import Batch
+
+    vocab = model.config.vocab_size
+    prompt = torch.randint(3, vocab, (1, 3), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        greedy = model.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=False, max_new_tokens=9,
+                                min_new_tokens=9, pad_token_id=0)[:, :12]
+    rows = torch.cat([greedy, torch.randint(3, vocab, (1, 12), generator=torch.Generator().manual_seed(6))])
+    attention_mask_BT = torch.ones_like(rows)
+    attention_mask_BT[1, 9:] = 0
+    completion_mask_BT = attention_mask_BT.bool().clone()
+    completion_mask_BT[:, :1] = False
+    return Batch(input_ids_BT=rows, completion_mask_BT=completion_mask_BT, attention_mask_BT=attention_mask_BT,
+                 num_sequences=2, padding_free=padding_free)
+
+
+@pytest.mark.parametrize("padding_free", [False, True])
+@pytest.mark.parametrize("fused", [True, False])
+def test_sft_mean_token_accuracy_is_trls_formula(tiny_model_dir, padding_free, fused):
+    """SFT's mean_token_accuracy against TRL's formula on the full logits of the tiny model (its SFTTrainer before
+    the fused head: shift, argmax, compare with the labels where they are not -100, divide by their count)."""
+    from transformers import AutoModelForCausalLM
+
+    from posttrain.algorithms.sft import SFT
+    from posttrain.config.load import load_recipe
+    from posttrain.config.schema import SFTAlgoConfig
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    batch = greedy_batch(model, padding_free)
+    if not fused:
+        model.config.model_type = "gemma2"  # not fusable: the logits path
+    sft = SFT(load_recipe(None, ["data.train=x.jsonl"], SFTAlgoConfig))
+    loss, metrics = sft.loss(model, batch, batch.completion_mask_BT.sum())
+    with torch.no_grad():
+        logits = model(input_ids=batch.input_ids_BT, attention_mask=batch.attention_mask_BT).logits
+    labels = torch.where(batch.completion_mask_BT, batch.input_ids_BT, -100)[:, 1:]
+    predictions, mask = logits[:, :-1].argmax(dim=-1), labels != -100
+    trl_accuracy = ((predictions == labels) & mask).sum() / mask.sum()
+    assert 0.2 < float(trl_accuracy) < 0.9  # greedy row mostly right, random row mostly wrong
+    assert float(metrics["mean_token_accuracy"]) == pytest.approx(float(trl_accuracy), abs=1e-7)
+    assert not metrics["mean_token_accuracy"].requires_grad and loss.requires_grad
+
+
+def test_the_accuracy_makes_no_full_vocabulary_tensor(tiny_model_dir, monkeypatch):
+    """Every tensor the SFT loss makes, forward and backward, with the fused output layer in chunks of 4 rows: none has
+    the vocabulary as its last dimension over more rows than a chunk, with the accuracy as without it; the logits
+    path, checked the same way, does make one (the check can see it)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from transformers import AutoModelForCausalLM
+
+    from posttrain.algorithms.sft import SFT
+    from posttrain.config.load import load_recipe
+    from posttrain.config.schema import SFTAlgoConfig
+    from posttrain.models.forward import policy_logprobs
+    from posttrain.ops import logprobs as ops
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    vocab = model.config.vocab_size
+    monkeypatch.setattr(ops, "LINEAR_CHUNK_ELEMENTS", 4 * vocab)
+    batch = greedy_batch(model, padding_free=False)
+    sft = SFT(load_recipe(None, ["data.train=x.jsonl"], SFTAlgoConfig))
+
+    class VocabRows(TorchDispatchMode):
+        """The most rows of any tensor made whose last dimension is the vocabulary (views, such as the output layer's
+        weight transposed for its matmul, make no memory)."""
+        most = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in () if func.is_view else out if isinstance(out, (tuple, list)) else (out,):
+                if isinstance(t, torch.Tensor) and t.dim() >= 2 and t.shape[-1] == vocab:
+                    self.most = max(self.most, t.numel() // vocab)
+            return out
+
+    def rows_of(loss_fn):
+        with VocabRows() as seen:
+            loss_fn().backward()
+        model.zero_grad()
+        return seen.most
+
+    with_accuracy = rows_of(lambda: sft.loss(model, batch, batch.completion_mask_BT.sum())[0])
+    without = rows_of(lambda: (policy_logprobs(model, batch) * batch.completion_mask_BT).sum())
+    assert with_accuracy == without == 4 < batch.input_ids_BT.numel()
+    model.config.model_type = "gemma2"  # the logits path: (B, T, V) logits
+    assert rows_of(lambda: sft.loss(model, batch, batch.completion_mask_BT.sum())[0]) >= batch.input_ids_BT.numel()

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from posttrain.rundir import claim as outputs, files as checkpoint_files
+from posttrain.rundir import attempts, claim as outputs, files as checkpoint_files
 from posttrain.config.load import load_recipe
 from posttrain.config.schema import SFTAlgoConfig
 from posttrain.errors import UserError
@@ -163,17 +163,17 @@ def test_a_run_that_failed_before_any_checkpoint_is_taken_over_and_its_files_kep
     outputs.begin_run(out, overwrite=False, command="grpo")
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "ended in an error (ValueError: reward 'acc' raised)" in err, err
-    kept = next((out / outputs.FAILED_DIR).iterdir())
+    kept = next((out / attempts.FAILED_DIR).iterdir())
     assert str(kept) in err
     assert (kept / "metrics.jsonl").read_text() == '{"step": 0, "eval/reward": 0.1}\n'
     assert sorted(p.name for p in kept.iterdir()) == ["config.yaml", "metrics.jsonl", "tensorboard"]
     assert (out / "notes.txt").read_text() == "mine"
     assert not (out / "metrics.jsonl").exists()
-    assert outputs.read_marker(out)["attempt"]["status"] == "running"
+    assert attempts.read_marker(out)["attempt"]["status"] == "running"
     outputs.end_attempt(out, KeyboardInterrupt())  # stopped before anything was saved: taken over again
     outputs.begin_run(out, overwrite=False, command="grpo")
     assert "was stopped" in capsys.readouterr().err
-    assert len(list((out / outputs.FAILED_DIR).iterdir())) == 1  # that attempt left no run files to keep
+    assert len(list((out / attempts.FAILED_DIR).iterdir())) == 1  # that attempt left no run files to keep
 
 
 @pytest.mark.parametrize("saved", ["checkpoints/step-2", "final"])
@@ -189,17 +189,17 @@ def test_a_run_whose_process_died_is_taken_over_only_before_step_1(tmp_path):
     import sys
 
     out = failed_run(tmp_path)
-    record = outputs.read_marker(out)
+    record = attempts.read_marker(out)
     gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     record["attempt"] = {**record["attempt"], "status": "running", "pid": int(gone.stdout)}  # killed -9
-    outputs.write_marker(out, record)
-    assert outputs.takeover_reason(out).startswith("ended before step 1")
+    attempts.write_marker(out, record)
+    assert attempts.takeover_reason(out).startswith("ended before step 1")
     with (out / "metrics.jsonl").open("a") as f:
         f.write('{"step": 1, "loss": 2.0}\n')
     with pytest.raises(UserError, match="already holds a run"):
         outputs.check_output_dir(recipe(out))
     record["attempt"]["pid"] = os.getpid()  # the attempt is still going: never taken over
-    outputs.write_marker(out, record)
+    attempts.write_marker(out, record)
     (out / "metrics.jsonl").write_text("")
     with pytest.raises(UserError, match=f"in use by a run still going \\(pid {os.getpid()}"):
         outputs.check_output_dir(recipe(out))
@@ -239,7 +239,7 @@ def test_a_checkpoint_of_another_commands_run_is_not_continued_and_overwrite_ren
     with pytest.raises(UserError, match="output_dir: .* holds a `posttrain sft` run"):
         outputs.check_output_dir(recipe(sft_run, "train.resume_from_checkpoint=auto"), "dpo")
     outputs.end_overwrite(outputs.begin_run(sft_run, overwrite=True, command="dpo"))  # replaced: now a dpo run
-    assert '"command": "dpo"' in (sft_run / outputs.MARKER).read_text()
+    assert '"command": "dpo"' in (sft_run / attempts.MARKER).read_text()
 
 
 @pytest.mark.parametrize("overwrite", [False, True])
@@ -293,7 +293,7 @@ def test_a_linked_failed_attempts_folder_is_refused_and_nothing_moves_outside(tm
     out = failed_run(tmp_path)
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
-    (out / outputs.FAILED_DIR).symlink_to(elsewhere)
+    (out / attempts.FAILED_DIR).symlink_to(elsewhere)
     before = snapshot(tmp_path)
     with pytest.raises(UserError, match="failed-attempts is a symbolic link"):
         outputs.check_output_dir(recipe(out))
@@ -306,9 +306,9 @@ def test_a_users_file_named_like_a_run_file_is_never_moved_by_a_takeover(tmp_pat
     run would move it into failed-attempts/ and write its own; refused, naming it, nothing moved."""
     out = failed_run(tmp_path)
     os.utime(out / "config.yaml", ns=(1, 1))  # written well before: only a changed stamp tells
-    record = outputs.read_marker(out)
+    record = attempts.read_marker(out)
     record["files"]["config.yaml"] = 1
-    outputs.write_marker(out, record)
+    attempts.write_marker(out, record)
     (out / name).write_text("mine")
     before = snapshot(out)
     with pytest.raises(UserError, match=f"{name} is not the failed run's own"):
@@ -318,11 +318,87 @@ def test_a_users_file_named_like_a_run_file_is_never_moved_by_a_takeover(tmp_pat
 
 def test_a_takeover_after_a_crash_moves_only_files_written_since_the_attempt_began(tmp_path):
     out = failed_run(tmp_path)
-    record = outputs.read_marker(out)
+    record = attempts.read_marker(out)
     del record["files"]  # killed -9: its end was never recorded
-    outputs.write_marker(out, record)
+    attempts.write_marker(out, record)
     os.utime(out / "metrics.jsonl", (0, 0))  # a file from long before the attempt: not its own
     with pytest.raises(UserError, match="metrics.jsonl is not the failed run's own"):
         outputs.check_output_dir(recipe(out))
     os.utime(out / "metrics.jsonl")
     assert outputs.check_output_dir(recipe(out)) is None
+
+
+def finished_run(tmp_path) -> Path:
+    """What a run that finished leaves (as far as the checks read it): the marker, with the files its end recorded."""
+    out = tmp_path / "run"
+    outputs.begin_run(out, overwrite=False, command="sft")
+    texts = {"config.yaml": "output_dir: run\n", "metrics.jsonl": "", "summary.json": '{"command": "sft"}\n',
+             "report.html": "<html>the run's</html>"}
+    for name, text in texts.items():
+        (out / name).write_text(text)
+    (out / "final").mkdir()
+    outputs.end_attempt(out, final_step=3)
+    return out
+
+
+@pytest.mark.parametrize("name", ["summary.json", "config.yaml", "report.html"])
+def test_overwrite_refuses_a_users_file_named_like_a_run_file_and_moves_nothing(tmp_path, name):
+    """After the run the user saves their recipe over config.yaml, or a summary.json / report.html of theirs:
+    overwrite_output_dir deleted it with the run's files. Refused, naming it, before anything is written."""
+    out = finished_run(tmp_path)
+    (out / name).write_text("mine")
+    os.utime(out / name, ns=(1, 1))  # whatever its age: only the stamp the run recorded makes it the run's
+    before = snapshot(out)
+    with pytest.raises(UserError, match=f"{name} is not the run's own .*overwrite_output_dir would delete it"):
+        outputs.check_output_dir(recipe(out, "train.overwrite_output_dir=true"))
+    assert snapshot(out) == before
+
+
+def test_overwrite_after_a_crash_refuses_a_file_older_than_the_attempt(tmp_path):
+    """A run killed -9 recorded no files at its end: a file from before its start is not its own."""
+    out = tmp_path / "run"
+    outputs.begin_run(out, overwrite=False, command="sft")
+    outputs.release(out)  # the process "died": its lock went with it
+    (out / "config.yaml").write_text("the run's")
+    (out / "summary.json").write_text("mine")
+    os.utime(out / "summary.json", (0, 0))
+    record = attempts.read_marker(out)
+    record["attempt"]["pid"] = 2**22 + 1  # no such process
+    attempts.write_marker(out, record)
+    with pytest.raises(UserError, match="summary.json is not the run's own \\(older than that run's start\\)"):
+        outputs.check_output_dir(recipe(out, "train.overwrite_output_dir=true"))
+    os.utime(out / "summary.json")  # written during the attempt: the run's
+    assert outputs.check_output_dir(recipe(out, "train.overwrite_output_dir=true")) is None
+
+
+def test_overwrite_replaces_a_resumed_run_that_died_with_the_files_of_its_earlier_attempt(tmp_path):
+    """An attempt keeps the record of the one before it: a continued run killed -9 before it rewrote summary.json
+    still owns the first attempt's summary.json, so overwrite replaces the run rather than refusing its own file."""
+    out = finished_run(tmp_path)
+    outputs.begin_run(out, overwrite=False, command="sft")  # continued; then killed -9 (no end recorded)
+    outputs.release(out)
+    record = attempts.read_marker(out)
+    record["attempt"].update(pid=2**22 + 1, started="2099-01-01T00:00:00+00:00")  # every file predates it
+    attempts.write_marker(out, record)
+    assert outputs.check_output_dir(recipe(out, "train.overwrite_output_dir=true")) is None
+    aside = outputs.begin_run(out, overwrite=True, command="sft")
+    (out / "config.yaml").write_text("new")
+    outputs.end_overwrite(aside)
+    assert sorted(p.name for p in out.iterdir()) == [".posttrain-run", "config.yaml"]
+
+
+def test_a_report_redrawn_by_posttrain_report_stays_the_runs_own(tmp_path):
+    import argparse
+
+    from posttrain.report.write import run_report
+
+    out = finished_run(tmp_path)
+    (out / "metrics.jsonl").write_text('{"step": 1, "loss": 2.0}\n')
+    record = attempts.read_marker(out)
+    record["files"]["metrics.jsonl"] = attempts.own_files(out)["metrics.jsonl"]
+    attempts.write_marker(out, record)
+    before = (out / "report.html").stat().st_mtime_ns
+    os.utime(out / "report.html", ns=(before - 10**9, before - 10**9))
+    assert run_report(argparse.Namespace(runs=[str(out)], out=None)) == 0
+    assert "<html" in (out / "report.html").read_text().lower()
+    assert outputs.check_output_dir(recipe(out, "train.overwrite_output_dir=true")) is None

@@ -99,8 +99,10 @@ def fake(tmp_path):
 
 
 def judge(fake, **kwargs):
-    return load_reward(RewardConfig(name="judge", kwargs={"url": fake.url, "prompt_template": fake.template,
-                                                          "request_timeout_s": 1.0, "retries": 1, **kwargs})).fn
+    """The fake's judge (it scores a completion's length: 0-100 declared); score_range=None: none declared."""
+    kwargs = {"url": fake.url, "prompt_template": fake.template, "request_timeout_s": 1.0, "retries": 1,
+              "score_range": [0, 100], **kwargs}
+    return load_reward(RewardConfig(name="judge", kwargs={k: v for k, v in kwargs.items() if v is not None})).fn
 
 
 def test_scores_concurrently_over_pooled_connections_with_the_token(fake, monkeypatch):
@@ -249,20 +251,33 @@ def test_a_template_variable_that_is_no_column_is_refused_before_any_model_loads
     template = tmp_path / "typo.jinja"
     template.write_text("{{ prompt }} {{ completoin }} {{ answer }}")
     rewards = load_rewards([RewardConfig(name="judge", kwargs={"url": fake.url, "prompt_template": str(template),
-                                                               "model": "m"})])
+                                                               "model": "m", "score_range": [0, 10]})])
     with pytest.raises(UserError, match=r"reward 'judge' reads completoin, which is neither prompt, completion nor a "
                                         r"column of data.train \(columns: answer\)"):
         rewards.check_columns(["answer"], "data.train")
     rewards.check_columns(["answer", "completoin"], "data.train")
 
 
-@pytest.mark.parametrize("answer, declared", [("Score: " + "9" * 45, None), ("Score: " + "9" * 400, None),
-                                              ("Score: 11", [0, 10])])
-def test_a_score_outside_the_declared_range_or_float32_is_refused(fake, monkeypatch, answer, declared):
+@pytest.mark.parametrize("answer", ["Score: " + "9" * 45, "Score: " + "9" * 400, "Score: 11", "Score: -1"])
+def test_a_score_outside_the_declared_range_is_refused(fake, monkeypatch, answer):
     from posttrain.rewards import judge as judge_module
 
     monkeypatch.setattr(judge_module.Judge, "ask", lambda self, text: answer)
-    fn = judge(fake, model="m", **({"score_range": declared} if declared else {}))
-    with pytest.raises(BadAnswer, match="is outside " + ("kwargs.score_range" if declared else "float32")):
+    fn = judge(fake, model="m", score_range=[0, 10])
+    with pytest.raises(BadAnswer, match=r"is outside kwargs.score_range \[0.0, 10.0\]"):
         fn(["p"], ["c"], answer=["a"])
     assert judge(fake, model="m", score_range=[0, 10]).in_range(7.0, "7") == 7.0
+
+
+@pytest.mark.parametrize("parse", ["number", r"Score: (\d+)"])
+def test_a_judge_that_reads_numbers_needs_a_declared_range(fake, parse):
+    """Without one, an answer of 11 to a template that asks for 0-10 (or 45 digits) was trained on as it came."""
+    with pytest.raises(UserError, match=r"kwargs.score_range is not set; declare the scores the template asks for"):
+        judge(fake, model="m", parse=parse, score_range=None)
+
+
+def test_a_yes_no_judge_needs_no_range(fake, monkeypatch):
+    from posttrain.rewards import judge as judge_module
+
+    monkeypatch.setattr(judge_module.Judge, "ask", lambda self, text: "Yes.")
+    assert judge(fake, model="m", parse="yes_no", score_range=None)(["p"], ["c"], answer=["a"]) == [1.0]

@@ -341,3 +341,55 @@ def test_the_request_carries_every_stop_id_and_a_completion_ending_on_one_is_fin
         [[1, 2, 3]], SamplingParams(max_new_tokens=3, temperature=1.0))
     assert bodies[0]["sampling_params"]["stop_token_ids"] == [tokenizer.eos_token_id, 7]
     assert out.completion_ids == [[5, 6, 7]] and out.truncated == [False]
+
+
+def refuse_slowly(handler):
+    """Every request: HTTP 400 (nothing to retry) a moment after it arrives."""
+    time.sleep(0.3)
+    send(handler, b'{"error": "bad request"}', status=400, headers=[("Content-Type", "application/json")])
+
+
+@pytest.mark.parametrize("client", ["generation", "teacher"])
+def test_a_failed_request_ends_its_batch_and_no_request_goes_out_after(fake, client):
+    """200 requests over a pool of 64, every one refused: the call stops at the first failure, and the ~136 requests
+    still queued are never sent (the pool used to send every one of them after the call had failed, and the process
+    could not exit until they were done: issue 48, class 3)."""
+    from posttrain.generation.teacher_server import TeacherServer
+
+    server = fake(refuse_slowly)
+    with pytest.raises(RunStopped, match="HTTP 400"):
+        if client == "generation":
+            engine(server.url).generate([[1, 2, i] for i in range(200)], SamplingParams(max_new_tokens=4))
+        else:
+            TeacherServer(server.url, top_k=2, timeout=3.0, retries=0, token="s3cret").topk([[1, 2, i]
+                                                                                         for i in range(200)])
+    stopped, count = time.monotonic(), len(server.requests)
+    time.sleep(1.5)  # long enough for several more waves of 0.3 s requests, had they gone out
+    assert len(server.requests) <= 64 + 8, (count, len(server.requests))  # a few may start before the cancel
+    assert time.monotonic() - stopped >= 1.5
+
+
+def test_request_all_cancels_the_queue_and_stops_retries_on_a_failure():
+    """The helper alone: items run two at a time; item 0 fails, so items not started never run, and a retry loop
+    watching `abandon` is told at once."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from posttrain.generation.http import request_all
+
+    ran, told = [], []
+
+    def request(item, abandon):
+        ran.append(item)
+        if item == 0:
+            time.sleep(0.05)
+            raise RuntimeError("item 0 failed")
+        told.append(abandon.wait(2.0))  # a request in flight, waiting to retry
+        return item
+
+    pool = ThreadPoolExecutor(max_workers=2)
+    started = time.monotonic()
+    with pytest.raises(RuntimeError, match="item 0 failed"):
+        request_all(pool, request, list(range(20)))
+    pool.shutdown(wait=True)
+    assert sorted(ran) in ([0, 1], [0, 1, 2]) and all(told) and time.monotonic() - started < 1.5
+    assert request_all(ThreadPoolExecutor(max_workers=3), lambda item, abandon: item * 2, [1, 2, 3]) == [2, 4, 6]

@@ -239,3 +239,35 @@ def test_a_flat_trl_file_with_a_bare_no_strategy(tmp_path, capsys):
     flat.write_text("model_name_or_path: m/\ndataset_name: d.jsonl\nsave_strategy: no\neval_strategy: no\n")
     recipe, _ = resolve_recipe(str(flat), [], ALGORITHMS["sft"][0])
     assert recipe.train.save_steps == 0 and "eval_strategy no has no effect here" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flags", [(), ("--logging_steps", "7"), ("--logging_steps", "7", "--eval_steps", "0")])
+def test_eval_strategy_steps_without_eval_steps_evaluates_every_logging_step_as_trl(flags, capsys):
+    """TRL (transformers' TrainingArguments) gives eval_steps the logging_steps when eval_strategy is steps and
+    eval_steps is unset or 0: read from TRL's own config, not from our table."""
+    trl_eval_steps = trl.SFTConfig(output_dir="x", use_cpu=True, eval_strategy="steps",
+                                   **{flags[i][2:]: int(flags[i + 1]) for i in range(0, len(flags), 2)}).eval_steps
+    recipe, _ = trl_recipe("sft", "--eval_strategy", "steps", *flags)
+    assert recipe.train.eval_steps == trl_eval_steps == (7 if flags else 10)
+    assert f"evaluation every logging_steps ({trl_eval_steps}) steps, as in TRL" in capsys.readouterr().err
+    given, _ = trl_recipe("sft", "--eval_strategy", "steps", "--eval_steps", "3")
+    assert given.train.eval_steps == 3
+    unset, _ = trl_recipe("sft")  # TRL's eval_strategy no: no periodic evaluation (posttrain's 0)
+    assert unset.train.eval_steps == 0
+    ours, _ = resolve_recipe(str(ROOT / "recipes" / "sft.yaml"), [], ALGORITHMS["sft"][0],
+                             trl_flags={"eval_strategy": "steps"})
+    assert ours.train.eval_steps == 100  # recipes/sft.yaml sets it: kept
+
+
+def test_max_tool_calling_iterations_means_what_it_means_in_trl():
+    """TRL's GRPOTrainer runs `while idxs_with_tool and iteration_num < max_tool_calling_iterations` after the first
+    generation, with None as no limit (sys.maxsize): N rounds of tool calls are N + 1 model turns, None no limit."""
+    assert trl.GRPOConfig(output_dir="x", use_cpu=True).max_tool_calling_iterations is None
+    unset, taken = trl_recipe("grpo", "--reward_funcs", "exact_match")
+    assert unset.agent.max_turns is None and ("max_tool_calling_iterations", "agent.max_turns", None) in taken
+    two, _ = trl_recipe("grpo", "--reward_funcs", "exact_match", "--max_tool_calling_iterations", "2")
+    assert two.agent.max_turns == 3
+    none, _ = trl_recipe("grpo", "--reward_funcs", "exact_match", "--max_tool_calling_iterations", "none")
+    assert none.agent.max_turns is None
+    ours = load_recipe(str(ROOT / "recipes" / "grpo.yaml"), [], ALGORITHMS["grpo"][0])
+    assert ours.agent.max_turns == 4  # a posttrain recipe keeps posttrain's limit

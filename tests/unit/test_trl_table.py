@@ -5,6 +5,7 @@ of defaults translates; two keys for one recipe key are refused naming both."""
 from __future__ import annotations
 
 import dataclasses
+import os
 from pathlib import Path
 
 import pytest
@@ -23,9 +24,14 @@ trl = pytest.importorskip("trl")
 from trl.scripts.grpo import GRPOScriptArguments  # noqa: E402
 from trl.scripts.utils import DatasetMixtureConfig  # noqa: E402
 
+os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+from trl.experimental.gkd import GKDConfig  # noqa: E402
+
 TRAINER_CONFIGS = {"sft": trl.SFTConfig, "dpo": trl.DPOConfig, "grpo": trl.GRPOConfig, "rm": trl.RewardConfig}
 SCRIPT_CONFIGS = (trl.ModelConfig, trl.ScriptArguments, GRPOScriptArguments, DatasetMixtureConfig)
-ALL_FIELDS = sorted({f.name for cls in (*TRAINER_CONFIGS.values(), *SCRIPT_CONFIGS) for f in dataclasses.fields(cls)})
+DISTILL_CONFIGS = (trl.DistillationConfig, GKDConfig)  # TRL's distillation trainer, and GKD's (trl.experimental)
+ALL_FIELDS = sorted({f.name for cls in (*TRAINER_CONFIGS.values(), *SCRIPT_CONFIGS, *DISTILL_CONFIGS)
+                     for f in dataclasses.fields(cls)})
 
 
 def default(f: dataclasses.Field):
@@ -52,18 +58,18 @@ def test_docs_trl_md_lists_every_trl_field():
     assert [key for key in ALL_FIELDS if f"`{key}`" not in page] == []
 
 
-@pytest.mark.parametrize("command", TRAINER_CONFIGS)
-def test_a_whole_trl_config_of_defaults_translates(command, tmp_path, capsys):
+@pytest.mark.parametrize("command, cls", [*TRAINER_CONFIGS.items(), *(("distill", c) for c in DISTILL_CONFIGS)])
+def test_a_whole_trl_config_of_defaults_translates(command, cls, tmp_path, capsys):
     """TRL's defaults change nothing they should not: every ignored or refused field's default is harmless, and the
     file (trainer config + the CLI's script arguments) loads as a recipe."""
-    cls = TRAINER_CONFIGS[command]
     flat = defaults(cls, *SCRIPT_CONFIGS)
     for f in dataclasses.fields(cls):
         if (f.name in IGNORED or f.name in REFUSED) and f.name != "disable_dropout":  # said: TRL's differs
             harmless = (IGNORED.get(f.name) or REFUSED[f.name])[0]
             assert changes_nothing(default(f), harmless), (cls.__name__, f.name, default(f))
     config = tmp_path / "trl.yaml"
-    extra = {"data": {"train": "x.jsonl"}} | ({"rewards": [{"name": "exact_match"}]} if command == "grpo" else {})
+    extra = {"data": {"train": "x.jsonl"}} | ({"rewards": [{"name": "exact_match"}]} if command == "grpo" else {}) \
+        | ({"algo": {"teacher_model_name_or_path": "t/"}} if command == "distill" else {})
     config.write_text(yaml.safe_dump({**flat, "output_dir": str(tmp_path / "run"), **extra}))
     recipe = load_recipe(str(config), [], ALGORITHMS[command][0])
     trl_config = {f.name: default(f) for f in dataclasses.fields(cls)}
@@ -75,6 +81,10 @@ def test_a_whole_trl_config_of_defaults_translates(command, tmp_path, capsys):
     notes = [line for line in capsys.readouterr().err.splitlines() if line.startswith("posttrain: note:")]
     said = {line.split(": ")[3].split()[0] for line in notes}
     assert said <= {"eval_strategy", "disable_dropout"}, notes  # TRL's "no eval" default, DPO/RM's dropout
+    if cls is GKDConfig:  # GKD's own keys mean what they mean there
+        assert (recipe.algo.lmbda, recipe.algo.beta) == (trl_config["lmbda"], trl_config["beta"])
+        assert recipe.generation.max_completion_length == trl_config["max_new_tokens"]
+        assert recipe.generation.temperature == recipe.algo.loss_temperature(recipe) == trl_config["temperature"]
 
 
 @pytest.mark.parametrize("key", sorted(REFUSED))
@@ -138,3 +148,30 @@ def test_text_field_names_the_column_read_as_text():
     both = datasets.Dataset.from_list([{"content": "a", "text": "b"}])
     with pytest.raises(UserError, match="also hold a 'text' column"):
         rename_text_field(both, "content", "data.train")
+
+
+def test_distillation_keys_of_trl_and_gkd_map_or_are_refused_saying_what_to_use():
+    """GKDConfig (trl.experimental.gkd) and DistillationConfig keys, as flags of `posttrain distill`: lmbda, beta,
+    temperature (the sampling and the loss's), max_new_tokens and the teacher mean the same here; seq_kd and the
+    teacher's model_init_kwargs are refused with what to do instead; under another command, a distillation key is
+    refused as one that command does not take."""
+    from posttrain.cli import command_line_overrides
+    from posttrain.config.load import resolve_recipe
+    from posttrain.config.trl_flags import split_trl_flags
+
+    algo_cls = ALGORITHMS["distill"][0]
+    rest, flags = split_trl_flags(["distill", "--model_name_or_path", "m/", "--dataset_name", "d.jsonl",
+                                   "--teacher_model_name_or_path", "t/", "--teacher_model_revision", "v2",
+                                   "--lmbda", "0.25", "--beta", "0.2", "--temperature", "0.7",
+                                   "--max_new_tokens", "32"])
+    recipe, _ = resolve_recipe(None, command_line_overrides(rest[1:], flags, algo_cls), algo_cls, trl_flags=flags)
+    assert (recipe.algo.teacher_model_name_or_path, recipe.algo.teacher_model_revision) == ("t/", "v2")
+    assert (recipe.algo.lmbda, recipe.algo.beta, recipe.generation.max_completion_length) == (0.25, 0.2, 32)
+    assert recipe.algo.loss_temperature(recipe) == recipe.generation.temperature == 0.7
+    with pytest.raises(UserError, match="--seq_kd: sequence-level KD .* posttrain sft"):
+        translate({"seq_kd": True}, "command line", algo_cls, "--")
+    with pytest.raises(UserError, match="--teacher_model_init_kwargs: the teacher loads as the student does"):
+        translate({"teacher_model_init_kwargs": {"dtype": "float16"}}, "command line", algo_cls, "--")
+    assert translate({"seq_kd": False, "teacher_model_init_kwargs": None}, "command line", algo_cls, "--") == []
+    with pytest.raises(UserError, match="--lmbda: posttrain's algo.lmbda, which `posttrain sft` does not take"):
+        translate({"lmbda": 0.5}, "command line", ALGORITHMS["sft"][0], "--")

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from posttrain.rundir import claim as outputs
+from posttrain.rundir import attempts, claim as outputs
 from posttrain.cli import main
 from posttrain.config.load import load_recipe
 from posttrain.config.schema import ModelConfig, SFTAlgoConfig, TrainConfig
@@ -102,7 +102,7 @@ def test_resume_of_a_finished_run_from_behind_its_final_is_refused_where_it_woul
     0; from an older checkpoint with a lower max_steps it put that older model into final/. From an older checkpoint
     (the newest damaged) at the same max_steps the steps are trained again exactly: said, not refused."""
     out = finished_run(tmp_path, final_step=4)
-    assert outputs.read_marker(out)["final_step"] == 4
+    assert attempts.read_marker(out)["final_step"] == 4
     with pytest.raises(UserError, match=r"finished at step 4 \(final/\) but saved no checkpoint .* from step 0"):
         outputs.check_output_dir(load_recipe(None, [f"output_dir={out}", "data.train=x.jsonl",
                                                     "train.resume_from_checkpoint=auto"], SFTAlgoConfig), "sft")
@@ -123,9 +123,9 @@ def test_an_attempt_that_wrote_no_final_keeps_the_step_final_holds(tmp_path):
     out = finished_run(tmp_path, final_step=4)
     outputs.begin_run(out, overwrite=False, command="sft")
     outputs.end_attempt(out)
-    assert outputs.read_marker(out)["final_step"] == 4
+    assert attempts.read_marker(out)["final_step"] == 4
     outputs.begin_run(out, overwrite=True, command="sft")  # a replaced run's final/ is gone with it
-    assert "final_step" not in outputs.read_marker(out)
+    assert "final_step" not in attempts.read_marker(out)
 
 
 def test_two_trl_flags_for_one_key_are_called_a_conflict(capsys):
