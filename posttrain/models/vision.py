@@ -111,6 +111,24 @@ def vision_parameters(model) -> tuple[list[str], list[str]]:
     return tower, projector
 
 
+def sync_note(model) -> str:
+    """What weight syncs carry of a vision-language model's tower and projector: frozen ones go with the first sync
+    only (online/engine_link.py), trained ones with every sync."""
+    tower, projector = vision_parameters(model)
+    trains = {name for name, p in model.named_parameters() if p.requires_grad}
+    parts = [(what, bool(set(names) & trains)) for what, names in (("vision tower", tower), ("projector", projector))
+             if names]
+    frozen = [what for what, trained in parts if not trained]
+    trained = [what for what, trained in parts if trained]
+    said = []
+    if frozen:
+        said.append(f"the {' and '.join(frozen)} {'is' if len(frozen) == 1 else 'are'} frozen: sent with the first "
+                    "sync only")
+    if trained:
+        said.append(f"the {' and '.join(trained)} {'trains' if len(trained) == 1 else 'train'}: sent with every sync")
+    return "; ".join(said) or "the model has no vision tower or projector"
+
+
 def vision_modules_pattern(model) -> Optional[str]:
     """A regex (peft's exclude_modules) matching every module inside the vision tower or the projector; None for a
     model without them."""
@@ -137,6 +155,18 @@ def freeze_vision(model, tower: bool, projector: bool) -> list[str]:
     return chosen
 
 
+@functools.lru_cache(maxsize=1)
+def vllm_vision_problem() -> Optional[str]:
+    """Why vLLM cannot load a vision-language model in this environment, or None. vLLM 0.32's model code for them
+    imports transformers' image processors that need torchvision, which posttrain's CPU installs go without
+    (scripts/setup.sh: PyPI has no torchvision built for torch's CPU wheels)."""
+    try:
+        import torchvision.transforms.v2.functional  # noqa: F401
+    except Exception as e:  # a torchvision built for another torch fails with RuntimeError, not ImportError
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
 VISION_ALGORITHMS = ("sft", "dpo", "grpo")
 """What trains a vision-language model with images today; the others are refused before anything loads."""
 
@@ -151,6 +181,9 @@ def check_vision_recipe(recipe, algorithm) -> bool:
                 raise UserError(f"model.{option}: {model.name_or_path} is a text model (its config.json has no "
                                 "vision_config); drop the option")
         return False
+    gen = recipe.generation
+    local_vllm = algorithm.source_kind == "rollout" and gen.engine == "vllm" and gen.placement in ("colocated", "node")
+    vllm_problem = vllm_vision_problem() if local_vllm else None  # servers elsewhere: posttrain serve checks there
     refusals = (
         (algorithm.name not in VISION_ALGORITHMS, f"posttrain {algorithm.name}",
          f"posttrain trains vision-language models with {', '.join(VISION_ALGORITHMS)} only so far"),
@@ -161,10 +194,12 @@ def check_vision_recipe(recipe, algorithm) -> bool:
          "it regroups rows padding-free (packed), which would drop each row's 3-D rotary positions; leave it unset"),
         (recipe.train.sequence_parallel_size > 1, "train.sequence_parallel_size > 1",
          "it would split image tokens from their pixels across ranks; set it to 1"),
-        (algorithm.source_kind == "rollout" and (recipe.generation.placement, recipe.generation.engine)
-         != ("colocated", "hf"), f"generation.engine={recipe.generation.engine} "
-         f"(placement {recipe.generation.placement})", "posttrain generates from images with the hf engine only so "
-         "far (vLLM's multi-modal inputs are not wired yet); set generation.engine=hf, generation.placement=colocated"),
+        (vllm_problem is not None, f"generation.engine=vllm (placement {recipe.generation.placement})",
+         f"vLLM's code for vision-language models imports transformers' image processors, which need torchvision, and "
+         f"torchvision does not import here ({vllm_problem}); install the torchvision built for this torch, or set "
+         "generation.engine=hf"),
+        (algorithm.source_kind == "rollout" and gen.lora_sync == "adapter", "generation.lora_sync=adapter",
+         "adapter-only syncs into vLLM are not tested on a vision-language model; set generation.lora_sync=merged"),
         (recipe.agent.enabled, "agent.*", "posttrain runs multi-turn agents on text prompts only so far"),
     )
     for refused, what, why in refusals:

@@ -72,8 +72,6 @@ def test_freezing_a_text_model_is_refused(tiny_model_dir):
     ("sft", "data.packing=true", "data.packing=true with the vision-language model"),
     ("sft", "train.max_tokens_per_microbatch=64", "train.max_tokens_per_microbatch with"),
     ("sft", "train.sequence_parallel_size=2", "train.sequence_parallel_size > 1 with"),
-    ("grpo", "generation.engine=vllm rewards=[{name: exact_match}]",
-     "generation.engine=vllm .placement colocated. with"),
     ("rm", "seed=1", "posttrain rm with the vision-language model"),
 ])
 def test_what_is_not_done_is_refused(tiny_vlm_dir, command, override, message):
