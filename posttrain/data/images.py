@@ -30,6 +30,8 @@ from posttrain.errors import UserError
 
 COLUMNS = ("images", "image")
 """TRL's image columns: a list of images per row, or one."""
+SAMPLE_IMAGES = "sample_images"
+"""The run directory's folder of sampled prompts' images given as bytes (samples.jsonl names them by path)."""
 PROCESSOR_TENSORS = ("pixel_values", "image_grid_thw")
 """The image processor outputs a VisionInputs carries (Qwen-VL's; others are refused when they appear)."""
 
@@ -182,6 +184,25 @@ def vision_inputs(images_B: list[list[ImageRef]], processor) -> Optional[VisionI
                         images_B=torch.tensor([len(refs) for refs in images_B], dtype=torch.long), image_grid_thw=grid,
                         image_token_id=processor.tokenizer.convert_tokens_to_ids(processor.image_token),
                         marks_image_tokens="mm_token_type_ids" in processor.model_input_names)
+
+
+def image_names(refs: list[ImageRef], directory: Path) -> list[str]:
+    """How samples.jsonl names a sample's images: a file by its absolute path; an image given as bytes is written
+    once to `directory`/<sha256 prefix>.png and named by that path, so every sample's images can be opened (report.html
+    shows them)."""
+    import hashlib
+
+    names = []
+    for ref in refs:
+        if ref.path is not None:
+            names.append(str(Path(ref.path).resolve()))
+            continue
+        path = directory / f"{hashlib.sha256(ref.data).hexdigest()[:16]}.png"
+        if not path.is_file():
+            directory.mkdir(parents=True, exist_ok=True)
+            ref.open().save(path, format="PNG")
+        names.append(str(path.resolve()))
+    return names
 
 
 def narrowed(input_ids: list[int], refs: list[ImageRef], image_token_id: int) -> list[int]:

@@ -33,7 +33,8 @@ from posttrain.errors import UserError
 
 MARKER = ".posttrain-run"
 RUN_ARTIFACTS = ("config.yaml", "metrics.jsonl", "tensorboard", "checkpoints", "final", "final-critic", "report.html",
-                 "curves.png", "summary.json", "samples.jsonl", "ref_logprobs.safetensors", "mlflow.db", UNIVERSAL_DIR)
+                 "curves.png", "summary.json", "samples.jsonl", "sample_images", "ref_logprobs.safetensors", "mlflow.db",
+                 UNIVERSAL_DIR)
 ASIDE_PREFIX = ".posttrain-replaced-"  # overwrite_output_dir: the old run's files until the new run is set up
 RECIPE_SECTIONS = ("output_dir", "model", "data", "train")  # what every config.yaml a run wrote holds
 FAILED_DIR = "failed-attempts"  # a failed attempt's files, moved here when the next run takes its place
