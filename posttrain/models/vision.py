@@ -28,6 +28,39 @@ PROJECTOR_NAMES = ("merger", "deepstack_merger_list", "multi_modal_projector", "
 inside the vision module: freezing the tower leaves it to `model.freeze_projector`)."""
 
 
+# vision-language models: hub id -> (model_type, text_config, vision_config, image tokens of the largest image the
+# model's processor makes: its max_pixels / (patch_size x spatial_merge_size)^2 = 16384 for both)
+VISION_MODELS: dict[str, tuple[str, dict, dict, int]] = {
+    "Qwen/Qwen2.5-VL-7B-Instruct": (
+        "qwen2_5_vl",
+        dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
+             num_key_value_heads=4, vocab_size=152064, max_position_embeddings=128000,
+             rope_parameters={"rope_type": "default", "mrope_section": [16, 24, 24], "rope_theta": 1e6}),
+        dict(depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16, out_hidden_size=3584, patch_size=14,
+             spatial_merge_size=2, temporal_patch_size=2, window_size=112, fullatt_block_indexes=[7, 15, 23, 31],
+             hidden_act="silu"),
+        12845056 // 28**2),
+    "Qwen/Qwen3-VL-8B-Instruct": (
+        "qwen3_vl",
+        dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
+             num_key_value_heads=8, head_dim=128, vocab_size=151936, max_position_embeddings=262144,
+             tie_word_embeddings=False, rope_parameters={"rope_type": "default", "mrope_section": [24, 20, 20],
+                                                         "mrope_interleaved": True, "rope_theta": 5e6}),
+        dict(depth=27, hidden_size=1152, intermediate_size=4304, num_heads=16, out_hidden_size=4096, patch_size=16,
+             spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=2304,
+             deepstack_visual_indexes=[8, 16, 24], hidden_act="gelu_pytorch_tanh"),
+        16777216 // 32**2),
+}
+
+
+def built_in_config(name: str):
+    """transformers' config of a VISION_MODELS entry (exact hub id), built without a download."""
+    from transformers import AutoConfig
+
+    model_type, text, vision, _ = VISION_MODELS[name]
+    return AutoConfig.for_model(model_type, text_config=text, vision_config=vision, tie_word_embeddings=False)
+
+
 def _local_config(model_cfg: ModelConfig) -> Optional[dict]:
     path = Path(model_cfg.name_or_path).expanduser() / "config.json"
     return json.loads(path.read_text()) if path.is_file() else None
@@ -49,7 +82,8 @@ def _hub_config(name: str, revision: Optional[str]) -> Optional[dict]:
     try:
         return AutoConfig.from_pretrained(name, revision=revision).to_dict()
     except (OSError, ValueError):
-        return None
+        known = {k.lower(): k for k in VISION_MODELS}.get(name.lower())  # offline: the built-in shapes
+        return built_in_config(known).to_dict() if known else None
 
 
 def load_processor(model_cfg: ModelConfig, tokenizer):
