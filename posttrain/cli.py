@@ -23,7 +23,7 @@ from posttrain.usercode import UserCodeError
 
 # The commands, listed without importing what runs them (torch, the planner, vLLM): `posttrain --help` stays fast.
 PLAN_OPTIONS = {"config": True, "algorithm": True, "gpus": True, "nodes": True, "gpu_memory": True, "json": False,
-                "bf16": False, "dtype": True, "mean_length": True, "help": False}
+                "bf16": False, "dtype": True, "mean_length": True, "image_tokens": True, "help": False}
 """`posttrain plan`'s own options (name -> takes a value); any other --flag is a training command's (launch/commands.py)."""
 ALGORITHM_COMMANDS = ("sft", "grpo", "rm", "dpo", "ppo", "distill")  # posttrain.algorithms.ALGORITHMS (a test keeps them equal)
 OTHER_COMMANDS = {  # command -> (its one-line help, its module, the functions there that add its options and run it)

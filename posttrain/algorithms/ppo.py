@@ -235,4 +235,5 @@ def _vocab_size(name_or_path: str) -> int:
     from transformers import AutoConfig
 
     path = Path(name_or_path).expanduser()
-    return AutoConfig.from_pretrained(str(path) if path.exists() else name_or_path).vocab_size
+    config = AutoConfig.from_pretrained(str(path) if path.exists() else name_or_path)
+    return config.get_text_config().vocab_size  # a vision-language model's is its language model's

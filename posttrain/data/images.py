@@ -30,6 +30,8 @@ from posttrain.errors import UserError
 
 COLUMNS = ("images", "image")
 """TRL's image columns: a list of images per row, or one."""
+SAMPLE_IMAGES = "sample_images"
+"""The run directory's folder of sampled prompts' images given as bytes (samples.jsonl names them by path)."""
 PROCESSOR_TENSORS = ("pixel_values", "image_grid_thw")
 """The image processor outputs a VisionInputs carries (Qwen-VL's; others are refused when they appear)."""
 
@@ -49,6 +51,14 @@ class ImageRef:
 
         with Image.open(io.BytesIO(self.data) if self.data is not None else self.path) as image:
             return image.convert("RGB")
+
+    def data_url(self) -> str:
+        """The image as a PNG data URL (what an HTTP server takes in a request)."""
+        import base64
+
+        buffer = io.BytesIO()
+        self.open().save(buffer, format="PNG")
+        return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode("ascii")
 
     def __str__(self) -> str:
         return repr(self.path) if self.path is not None else f"<{len(self.data)} bytes>"
@@ -176,6 +186,49 @@ def vision_inputs(images_B: list[list[ImageRef]], processor) -> Optional[VisionI
                         marks_image_tokens="mm_token_type_ids" in processor.model_input_names)
 
 
+def image_names(refs: list[ImageRef], directory: Path) -> list[str]:
+    """How samples.jsonl names a sample's images: a file by its absolute path; an image given as bytes is written
+    once to `directory`/<sha256 prefix>.png and named by that path, so every sample's images can be opened (report.html
+    shows them)."""
+    import hashlib
+
+    names = []
+    for ref in refs:
+        if ref.path is not None:
+            names.append(str(Path(ref.path).resolve()))
+            continue
+        path = directory / f"{hashlib.sha256(ref.data).hexdigest()[:16]}.png"
+        if not path.is_file():
+            directory.mkdir(parents=True, exist_ok=True)
+            ref.open().save(path, format="PNG")
+        names.append(str(path.resolve()))
+    return names
+
+
+def narrowed(input_ids: list[int], refs: list[ImageRef], image_token_id: int) -> list[int]:
+    """The inverse of RowImages.widen: each image's run of `ref.tokens` placeholder tokens back to one placeholder,
+    as a prompt is written before the processor widens it (what vLLM takes with the images: it widens them itself).
+    ValueError where the runs do not match the images (a prompt not widened from these refs)."""
+    out, k, i = [], 0, 0
+    while i < len(input_ids):
+        token = input_ids[i]
+        if token != image_token_id:
+            out.append(token)
+            i += 1
+            continue
+        if k == len(refs):
+            raise ValueError(f"the prompt holds image tokens at position {i} past its {len(refs)} images")
+        if input_ids[i : i + refs[k].tokens] != [image_token_id] * refs[k].tokens:
+            raise ValueError(f"the prompt's image tokens at position {i} are not image {k}'s {refs[k].tokens} "
+                             "widened placeholder tokens")
+        out.append(token)
+        i += refs[k].tokens
+        k += 1
+    if k != len(refs):
+        raise ValueError(f"the prompt holds the placeholders of {k} images, but {len(refs)} images came with it")
+    return out
+
+
 class ImageEncoder:
     """A processor's images -> pixel tensors, for a generation engine: `encoder(images per prompt)` (vision_inputs),
     and the placeholder token the engine must not sample (a completion's own image token would have no pixels)."""
@@ -186,6 +239,10 @@ class ImageEncoder:
 
     def __call__(self, images_B: list[list[ImageRef]]) -> Optional[VisionInputs]:
         return vision_inputs(images_B, self.processor)
+
+    def narrow(self, input_ids: list[int], refs: list[ImageRef]) -> list[int]:
+        """The prompt with one placeholder per image, as vLLM takes it (`narrowed`)."""
+        return narrowed(input_ids, refs, self.image_token_id)
 
 
 def with_images(batch: Batch, images_B: list[list[ImageRef]], processor) -> Batch:

@@ -43,7 +43,7 @@ from posttrain.distributed.offload import Offloaded
 from posttrain.distributed.precision import announce_precision, check_precision, resolve_precision
 from posttrain.distributed.process_exit import settle_at_exit
 from posttrain.distributed.sequence_parallel import SequenceParallel
-from posttrain.distributed.weight_sync import adapter_units, sync_buckets, sync_units
+from posttrain.distributed.weight_sync import adapter_units, frozen_in, sync_buckets, sync_units
 
 # DeepSpeed still calls the torch collectives that torch 2.x deprecates; one warning per call buries the log.
 warnings.filterwarnings("ignore", message=r".*torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor).*")
@@ -310,14 +310,17 @@ class Backend:
         state = self._gather_zero3(model) if self.zero_stage == 3 else self.accelerator.get_state_dict(model)
         return drop_tied_aliases(self.unwrap(model), state) if self.is_main else {}
 
-    def weight_buckets(self, model, bucket_mb: float, adapter: bool = False
+    def weight_buckets(self, model, bucket_mb: float, adapter: bool = False, frozen_out: tuple[str, ...] = ()
                        ) -> Iterator[list[tuple[str, torch.Tensor]]]:
         """The policy's full parameters for a weight sync in ~`bucket_mb` MiB buckets, named as the plain model names
         them (LoRA folded in, a tied weight once); with `adapter`, a LoRA model's adapter tensors alone, named as peft
-        saves them. Every rank iterates to the end (each bucket is a collective under ZeRO-3 / FSDP2); a bucket's
-        tensors are valid until the next one is asked for."""
+        saves them; without the frozen tensors of the modules named in `frozen_out` (weight_sync.frozen_in). Every
+        rank iterates to the end (each bucket is a collective under ZeRO-3 / FSDP2); a bucket's tensors are valid
+        until the next one is asked for."""
         zero3 = self.zero_stage == 3
-        for units in sync_buckets((adapter_units if adapter else sync_units)(self.unwrap(model)), bucket_mb):
+        units = (adapter_units if adapter else sync_units)(self.unwrap(model))
+        left_out = {id(u) for u in frozen_in(units, frozen_out)}
+        for units in sync_buckets([u for u in units if id(u) not in left_out], bucket_mb):
             params = [p for u in units for p in u.params]
             with _zero3_gathered(params) if zero3 else contextlib.nullcontext(), torch.no_grad():
                 # an FSDP2 parameter is a DTensor shard: full_tensor() gathers it

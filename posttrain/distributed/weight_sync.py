@@ -66,6 +66,12 @@ def adapter_units(model) -> list[SyncUnit]:
             for name, param in model.named_parameters() if ".lora_A." in name or ".lora_B." in name]
 
 
+def frozen_in(units: list[SyncUnit], modules: tuple[str, ...]) -> list[SyncUnit]:
+    """The units inside a module named in `modules` (a dotted part of the name) whose parameters are all frozen: a
+    frozen vision tower, which never changes, so an engine that has it once need not get it again."""
+    return [u for u in units if not any(p.requires_grad for p in u.params) and set(u.name.split(".")) & set(modules)]
+
+
 def sync_buckets(units: list[SyncUnit], bucket_mb: float) -> Iterator[list[SyncUnit]]:
     """`units` in order, grouped into buckets of about `bucket_mb` MiB (a unit larger than that is a bucket alone)."""
     limit = max(1, int(bucket_mb * 2**20))

@@ -72,12 +72,14 @@ def check_prompts(prompt_ids: list[list[int]]) -> None:
             raise ValueError(f"prompt {i} is empty; every prompt needs at least one token")
 
 
-def vllm_sampling(params: SamplingParams, stops: tuple[int, ...], row: int) -> dict:
+def vllm_sampling(params: SamplingParams, stops: tuple[int, ...], row: int, never: Optional[int] = None) -> dict:
     """vLLM's sampling parameters for row `row` of a call (in-process engine and servers alike): a seeded call gives
-    row i the seed `seed + i`, so a sample depends neither on the rest of the batch nor on the server that drew it."""
+    row i the seed `seed + i`, so a sample depends neither on the rest of the batch nor on the server that drew it.
+    `never`: a token never to sample (a VLM's image placeholder), biased by -100 (vLLM's floor: e^-100 ~ 4e-44)."""
     return dict(n=1, max_tokens=params.max_new_tokens, temperature=params.temperature, top_p=params.top_p,
                 top_k=params.top_k if params.top_k > 0 else -1,
                 **({} if params.seed is None else {"seed": (params.seed + row) % 2**63}),
+                **({} if never is None else {"logit_bias": {never: -100.0}}),
                 logprobs=0,  # the sampled token's own log-prob
                 ignore_eos=True,  # our stop ids (`stop_ids`) end a completion, as in the HF engine
                 stop_token_ids=list(stops), detokenize=False)
@@ -130,7 +132,7 @@ class GenerationEngine:
     """Its generate is a collective over the training ranks (hf under ZeRO-3 / FSDP2 gathers the parameters): every
     rank must make the same calls, even one with nothing left to generate."""
     takes_images: bool = False
-    """Its generate takes each prompt's images (`images=`), after `take_images`: hf, on a vision-language policy."""
+    """Its generate takes each prompt's images (`images=`), after `take_images` (hf, vllm, servers)."""
 
     def generate(self, prompt_ids: list[list[int]], params: SamplingParams) -> Completions:
         """Sample one completion per prompt (prompts are unpadded token-id lists, any lengths). An engine that
@@ -143,7 +145,7 @@ class GenerationEngine:
         (batch.VisionInputs) and `vision.image_token_id` is the placeholder token never to sample
         (data.images.ImageEncoder)."""
         raise UserError(f"the {type(self).__name__} cannot generate from images yet; use generation.engine=hf "
-                        "(generation.placement=colocated) for a vision-language model")
+                        "(generation.placement=colocated) or a vLLM engine for a vision-language model")
 
     def load_weights(self, buckets: Iterable[list[tuple[str, "torch.Tensor"]]]) -> None:
         """Make the engine sample from these weights: the backend's buckets (`Backend.weight_buckets`: lists of

@@ -22,6 +22,7 @@ from typing import Callable, Optional, Sequence
 from posttrain.generation.adapter_sync import adapter_config
 from posttrain.generation.base import GenerationEngine
 from posttrain.models.facts import longest_sequence
+from posttrain.models.vision import is_vision_model
 from posttrain.generation.hf import HFEngine
 from posttrain.generation.server import ServerEngine
 from posttrain.generation.vllm_engine import VLLMEngine
@@ -37,7 +38,7 @@ def _hf(recipe, backend, policy, tokenizer, servers) -> GenerationEngine:
 def _in_process(recipe, backend, policy, tokenizer, servers) -> GenerationEngine:
     return VLLMEngine(model_dir=recipe.model.name_or_path, tokenizer=tokenizer, config=recipe.generation.vllm,
                       seed=recipe.seed + backend.rank, max_model_len=longest_sequence(recipe),
-                      fp32_head=recipe.model.lm_head_fp32)
+                      fp32_head=recipe.model.lm_head_fp32, vision=is_vision_model(recipe.model))
 
 
 def _node(recipe, backend, policy, tokenizer, servers) -> GenerationEngine:

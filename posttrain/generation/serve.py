@@ -33,7 +33,9 @@ from posttrain.generation.cpu_memory import serve_kv_cache_option
 from posttrain.generation.http import TOKEN_ENV, ServerUnavailable, call
 from posttrain.generation.vllm_engine import check_cpu_head_dim
 from posttrain.generation.weight_transfer import BACKEND
+from posttrain.config.schema import ModelConfig
 from posttrain.models.limits import config_problem
+from posttrain.models.vision import is_vision_model, vllm_vision_problem
 
 EXTENSION = "posttrain.generation.vllm_weight_transfer.WeightSyncExtension"
 MIDDLEWARE = "posttrain.generation.server_worker.TokenGuard"
@@ -107,6 +109,10 @@ def check_serve_args(args) -> None:
     problem = config_problem(model.expanduser() / "config.json") if looks_local else None
     if problem:
         raise UserError(f"--model {args.model}: config.json is damaged: {problem}; export the model again")
+    if looks_local and is_vision_model(ModelConfig(name_or_path=args.model)) and vllm_vision_problem():
+        raise UserError(f"--model {args.model} is a vision-language model: vLLM's code for those imports "
+                        "transformers' image processors, which need torchvision, and torchvision does not import here "
+                        f"({vllm_vision_problem()}); install the torchvision built for this torch")
     check_vllm_args(args)
     if getattr(args, "kv_cache_gb", None) is not None and not args.kv_cache_gb > 0:
         raise UserError(f"--kv-cache-gb must be > 0, got {args.kv_cache_gb}")

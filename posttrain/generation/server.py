@@ -6,11 +6,13 @@ backend (docs/generation.md).
     export POSTTRAIN_SERVER_TOKEN=...                              # the same token on both sides
     posttrain grpo --config recipes/grpo_server.yaml generation.servers='[http://gpu7:8000, http://gpu8:8000]'
 
-Each completion is one request to vLLM's token-in / token-out `/inference/v1/generate`, up to 64 in flight at once, a
-prompt's group of samples on one server (`assign`); a request still failing after generation.request_retries stops
-the run naming the server, and no request of that batch goes out after it (http.request_all). A weight sync drives vLLM's weight-transfer API (`load_weights`) and stamps the policy
-version on every server; a completion stamped with another version (a server that restarted, a sync that did not
-land) stops the run. `check_servers` checks every server at start-up, before any model is loaded.
+Each completion is one request to vLLM's token-in / token-out `/inference/v1/generate` (a vision-language policy's
+prompt with one placeholder per image and the images as PNG data URLs in `content_parts`: the server widens them), up
+to 64 in flight at once, a prompt's group of samples on one server (`assign`); a request still failing after
+generation.request_retries stops the run naming the server, and no request of that batch goes out after it
+(http.request_all). A weight sync drives vLLM's weight-transfer API (`load_weights`) and stamps the policy version on
+every server; a completion stamped with another version (a server that restarted, a sync that did not land) stops the
+run. `check_servers` checks every server at start-up, before any model is loaded.
 """
 
 from __future__ import annotations
@@ -61,15 +63,20 @@ class ServerEngine(GenerationEngine):
         self._adapter_config: Optional[dict] = None  # lora_sync=adapter: the adapter's adapter_config.json
         self._names = None  # lora_sync=adapter: the run's adapter names (AdapterNames)
         self._pool = ThreadPoolExecutor(max_workers=64, thread_name_prefix="posttrain-server")
+        self.vision = None  # take_images: data.images.ImageEncoder
 
     # --- GenerationEngine ---
 
-    def generate(self, prompt_ids: list[list[int]], params: SamplingParams) -> Completions:
+    def take_images(self, vision) -> None:
+        self.vision, self.takes_images = vision, True
+
+    def generate(self, prompt_ids: list[list[int]], params: SamplingParams, images: Optional[list] = None
+                 ) -> Completions:
         check_prompts(prompt_ids)
         servers = self.assign(prompt_ids, len(self.servers))
-        rows = request_all(self._pool, lambda row, abandon: self._generate_one(self.servers[servers[row]],
-                                                                               prompt_ids[row], params, row, abandon),
-                           list(range(len(prompt_ids))))
+        rows = request_all(self._pool, lambda row, abandon: self._generate_one(
+            self.servers[servers[row]], prompt_ids[row], params, row, images[row] if images is not None else (),
+            abandon), list(range(len(prompt_ids))))
         return Completions([r[0] for r in rows], [r[1] for r in rows], [r[2] for r in rows])
 
     @staticmethod
@@ -79,10 +86,12 @@ class ServerEngine(GenerationEngine):
         group_B = list(accumulate(int(i > 0 and ids != prompt_ids[i - 1]) for i, ids in enumerate(prompt_ids)))
         return [g * n_servers // (group_B[-1] + 1) for g in group_B]
 
-    def _generate_one(self, url: str, ids: list[int], params: SamplingParams, row: int,
+    def _generate_one(self, url: str, ids: list[int], params: SamplingParams, row: int, refs=(),
                       abandon: Optional[threading.Event] = None):
         adapter = {"model": self._names.current} if self._names and self._names.current else {}
-        body = {"token_ids": list(ids), **adapter, "sampling_params": vllm_sampling(params, self.stop_ids, row)}
+        never = self.vision.image_token_id if self.vision is not None else None
+        body = {"token_ids": list(ids), **adapter, "sampling_params": vllm_sampling(params, self.stop_ids, row, never),
+                **(image_parts(self.vision, ids, refs) if refs else {})}
         answer = call_with_retries(
             url, "/inference/v1/generate", body, timeout=self.timeout, token=self.token, retries=self.retries,
             max_bytes=completion_bytes(params.max_new_tokens), abandon=abandon,
@@ -132,6 +141,15 @@ class ServerEngine(GenerationEngine):
         self._transfer.send_weights(adapter)
         for url in self.servers:  # prefixes cached before the sync hold keys and values of the old weights
             self._rpc(url, "/reset_prefix_cache", {}, phase="finish")
+        if self.vision is not None:
+            self._reset_image_caches()
+
+    def _reset_image_caches(self) -> None:
+        """After a sync: each server's encoder cache holds image embeddings computed with the old vision weights, its
+        multi-modal cache the processed inputs of past prompts; both are emptied (vLLM's dev routes)."""
+        for url in self.servers:
+            for path in ("/reset_encoder_cache", "/reset_mm_cache"):
+                self._rpc(url, path, {}, phase="finish")
 
     # --- lora_sync=adapter ---
 
@@ -182,6 +200,13 @@ class ServerEngine(GenerationEngine):
             self._transfer.shutdown()
             self._transfer = None
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def image_parts(vision, ids: list[int], refs) -> dict:
+    """A prompt's images for /inference/v1/generate: its token ids with one placeholder per image (the server widens
+    them, as the in-process engine does) and each image as a PNG data URL in `content_parts`."""
+    return {"token_ids": vision.narrow(ids, list(refs)),
+            "content_parts": [{"type": "image_url", "url": ref.data_url()} for ref in refs]}
 
 
 def model_vocabulary(tokenizer) -> Optional[int]:

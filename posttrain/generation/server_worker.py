@@ -81,7 +81,11 @@ def tensor_digest(tensor) -> str:
 
 def repack_tied_lm_head(model) -> None:
     """A tied lm_head gets no tensor of its own (it is the embedding), so its platform-processed copy (oneDNN on a CPU)
-    is redone from the reloaded embedding."""
+    is redone from the reloaded embedding. A vision-language model's head is its language model's."""
+    from vllm.model_executor.models.interfaces import supports_multimodal
+
+    if supports_multimodal(model):
+        model = model.get_language_model()
     lm_head = getattr(model, "lm_head", None)
     embed = getattr(getattr(model, "model", None), "embed_tokens", None)
     if lm_head is not None and embed is not None and getattr(lm_head, "weight", None) is embed.weight:

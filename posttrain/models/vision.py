@@ -28,6 +28,39 @@ PROJECTOR_NAMES = ("merger", "deepstack_merger_list", "multi_modal_projector", "
 inside the vision module: freezing the tower leaves it to `model.freeze_projector`)."""
 
 
+# vision-language models: hub id -> (model_type, text_config, vision_config, image tokens of the largest image the
+# model's processor makes: its max_pixels / (patch_size x spatial_merge_size)^2 = 16384 for both)
+VISION_MODELS: dict[str, tuple[str, dict, dict, int]] = {
+    "Qwen/Qwen2.5-VL-7B-Instruct": (
+        "qwen2_5_vl",
+        dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
+             num_key_value_heads=4, vocab_size=152064, max_position_embeddings=128000,
+             rope_parameters={"rope_type": "default", "mrope_section": [16, 24, 24], "rope_theta": 1e6}),
+        dict(depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16, out_hidden_size=3584, patch_size=14,
+             spatial_merge_size=2, temporal_patch_size=2, window_size=112, fullatt_block_indexes=[7, 15, 23, 31],
+             hidden_act="silu"),
+        12845056 // 28**2),
+    "Qwen/Qwen3-VL-8B-Instruct": (
+        "qwen3_vl",
+        dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
+             num_key_value_heads=8, head_dim=128, vocab_size=151936, max_position_embeddings=262144,
+             tie_word_embeddings=False, rope_parameters={"rope_type": "default", "mrope_section": [24, 20, 20],
+                                                         "mrope_interleaved": True, "rope_theta": 5e6}),
+        dict(depth=27, hidden_size=1152, intermediate_size=4304, num_heads=16, out_hidden_size=4096, patch_size=16,
+             spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=2304,
+             deepstack_visual_indexes=[8, 16, 24], hidden_act="gelu_pytorch_tanh"),
+        16777216 // 32**2),
+}
+
+
+def built_in_config(name: str):
+    """transformers' config of a VISION_MODELS entry (exact hub id), built without a download."""
+    from transformers import AutoConfig
+
+    model_type, text, vision, _ = VISION_MODELS[name]
+    return AutoConfig.for_model(model_type, text_config=text, vision_config=vision, tie_word_embeddings=False)
+
+
 def _local_config(model_cfg: ModelConfig) -> Optional[dict]:
     path = Path(model_cfg.name_or_path).expanduser() / "config.json"
     return json.loads(path.read_text()) if path.is_file() else None
@@ -49,7 +82,8 @@ def _hub_config(name: str, revision: Optional[str]) -> Optional[dict]:
     try:
         return AutoConfig.from_pretrained(name, revision=revision).to_dict()
     except (OSError, ValueError):
-        return None
+        known = {k.lower(): k for k in VISION_MODELS}.get(name.lower())  # offline: the built-in shapes
+        return built_in_config(known).to_dict() if known else None
 
 
 def load_processor(model_cfg: ModelConfig, tokenizer):
@@ -111,6 +145,24 @@ def vision_parameters(model) -> tuple[list[str], list[str]]:
     return tower, projector
 
 
+def sync_note(model) -> str:
+    """What weight syncs carry of a vision-language model's tower and projector: frozen ones go with the first sync
+    only (online/engine_link.py), trained ones with every sync."""
+    tower, projector = vision_parameters(model)
+    trains = {name for name, p in model.named_parameters() if p.requires_grad}
+    parts = [(what, bool(set(names) & trains)) for what, names in (("vision tower", tower), ("projector", projector))
+             if names]
+    frozen = [what for what, trained in parts if not trained]
+    trained = [what for what, trained in parts if trained]
+    said = []
+    if frozen:
+        said.append(f"the {' and '.join(frozen)} {'is' if len(frozen) == 1 else 'are'} frozen: sent with the first "
+                    "sync only")
+    if trained:
+        said.append(f"the {' and '.join(trained)} {'trains' if len(trained) == 1 else 'train'}: sent with every sync")
+    return "; ".join(said) or "the model has no vision tower or projector"
+
+
 def vision_modules_pattern(model) -> Optional[str]:
     """A regex (peft's exclude_modules) matching every module inside the vision tower or the projector; None for a
     model without them."""
@@ -137,6 +189,18 @@ def freeze_vision(model, tower: bool, projector: bool) -> list[str]:
     return chosen
 
 
+@functools.lru_cache(maxsize=1)
+def vllm_vision_problem() -> Optional[str]:
+    """Why vLLM cannot load a vision-language model in this environment, or None. vLLM 0.32's model code for them
+    imports transformers' image processors that need torchvision, which posttrain's CPU installs go without
+    (scripts/setup.sh: PyPI has no torchvision built for torch's CPU wheels)."""
+    try:
+        import torchvision.transforms.v2.functional  # noqa: F401
+    except Exception as e:  # a torchvision built for another torch fails with RuntimeError, not ImportError
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
 VISION_ALGORITHMS = ("sft", "dpo", "grpo")
 """What trains a vision-language model with images today; the others are refused before anything loads."""
 
@@ -151,6 +215,9 @@ def check_vision_recipe(recipe, algorithm) -> bool:
                 raise UserError(f"model.{option}: {model.name_or_path} is a text model (its config.json has no "
                                 "vision_config); drop the option")
         return False
+    gen = recipe.generation
+    local_vllm = algorithm.source_kind == "rollout" and gen.engine == "vllm" and gen.placement in ("colocated", "node")
+    vllm_problem = vllm_vision_problem() if local_vllm else None  # servers elsewhere: posttrain serve checks there
     refusals = (
         (algorithm.name not in VISION_ALGORITHMS, f"posttrain {algorithm.name}",
          f"posttrain trains vision-language models with {', '.join(VISION_ALGORITHMS)} only so far"),
@@ -161,10 +228,12 @@ def check_vision_recipe(recipe, algorithm) -> bool:
          "it regroups rows padding-free (packed), which would drop each row's 3-D rotary positions; leave it unset"),
         (recipe.train.sequence_parallel_size > 1, "train.sequence_parallel_size > 1",
          "it would split image tokens from their pixels across ranks; set it to 1"),
-        (algorithm.source_kind == "rollout" and (recipe.generation.placement, recipe.generation.engine)
-         != ("colocated", "hf"), f"generation.engine={recipe.generation.engine} "
-         f"(placement {recipe.generation.placement})", "posttrain generates from images with the hf engine only so "
-         "far (vLLM's multi-modal inputs are not wired yet); set generation.engine=hf, generation.placement=colocated"),
+        (vllm_problem is not None, f"generation.engine=vllm (placement {recipe.generation.placement})",
+         f"vLLM's code for vision-language models imports transformers' image processors, which need torchvision, and "
+         f"torchvision does not import here ({vllm_problem}); install the torchvision built for this torch, or set "
+         "generation.engine=hf"),
+        (algorithm.source_kind == "rollout" and gen.lora_sync == "adapter", "generation.lora_sync=adapter",
+         "adapter-only syncs into vLLM are not tested on a vision-language model; set generation.lora_sync=merged"),
         (recipe.agent.enabled, "agent.*", "posttrain runs multi-turn agents on text prompts only so far"),
     )
     for refused, what, why in refusals:

@@ -12,6 +12,8 @@ Sync policy: an engine holding its own copy of the weights (vllm, servers) gets 
 stepped `generation.sync_every` times since the last sync (always before the first, and when forced: evaluation, the
 run's end). A sync streams the backend's buckets to the engine, stamps the version (`engine.set_version`), checks an
 adapter-only sync by probing (generation.lora_sync=adapter), and makes every rank wait for a shared engine's sync.
+A vision-language policy's frozen vision tower / projector go with the first sync only (they never change after it);
+the first sync says which of them train.
 
 Seeded sampling: each engine call (`generation.batch_size` prompts) is seeded by (seed, global position of its first
 prompt), so resume and any accumulation split reproduce it; greedy calls (evaluation) take no seed.
@@ -29,6 +31,7 @@ import torch
 from posttrain.agents import AgentLoop
 from posttrain.generation import SamplingParams, make_engine
 from posttrain.generation.adapter_sync import check_delivery
+from posttrain.models.vision import PROJECTOR_NAMES, TOWER_NAMES, sync_note
 from posttrain.rewards import exact_match
 
 
@@ -182,8 +185,10 @@ class EngineLink:
         engine then takes with the prompts."""
         self.backend, self.policy, self.generation, self.seed = backend, policy, recipe.generation, recipe.seed
         self.engine = make_engine(recipe, backend, policy.model, tokenizer, servers)
+        self.vision_modules: tuple[str, ...] = ()  # a VLM's: their frozen tensors go with the first sync only
         if vision is not None:
             self.engine.take_images(vision)
+            self.vision_modules = TOWER_NAMES + PROJECTOR_NAMES
         self.agent: Optional[AgentLoop] = None  # agent.tools / agent.environment: multi-turn trajectories
         if recipe.agent.enabled:
             in_step = None
@@ -202,6 +207,7 @@ class EngineLink:
         link = cls.__new__(cls)
         link.backend, link.policy, link.generation, link.seed = backend, None, generation, seed
         link.engine, link.agent, link.synced_at, link.sync_seconds = engine, agent, None, 0.0
+        link.vision_modules = ()
         return link
 
     @property
@@ -219,7 +225,8 @@ class EngineLink:
         if not force and self.synced_at is not None and step - self.synced_at < gen.sync_every:
             return
         started = time.perf_counter()
-        buckets = self.backend.weight_buckets(self.policy.model, gen.sync_bucket_mb, engine.adapter_only)
+        buckets = self.backend.weight_buckets(self.policy.model, gen.sync_bucket_mb, engine.adapter_only,
+                                              self._frozen_out())
         engine.load_weights(buckets)  # one load, streamed bucket by bucket as the backend gathers them
         engine.set_version(step)
         if engine.adapter_only:  # generation.lora_sync=adapter: the syncing ranks probe their servers, all ranks check
@@ -229,6 +236,17 @@ class EngineLink:
             self.backend.barrier()
         self.synced_at = step
         self.sync_seconds += time.perf_counter() - started
+
+    def _frozen_out(self) -> tuple[str, ...]:
+        """The vision modules whose frozen tensors this sync leaves out: none at the first sync, which sends every
+        tensor (an engine started from other weights still ends up with the trainer's) and says which train."""
+        if not self.vision_modules:
+            return ()
+        if self.synced_at is None:
+            if self.backend.is_main:
+                print(f"posttrain: weight sync: {sync_note(self.backend.unwrap(self.policy.model))}", flush=True)
+            return ()
+        return self.vision_modules
 
     def sample(self, prompts: list[dict], positions: list[int], rows: Optional[list[int]] = None, group: int = 1,
                greedy: bool = False) -> Sample:

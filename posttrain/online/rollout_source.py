@@ -44,7 +44,7 @@ from typing import Callable
 import torch
 
 from posttrain.data.collate import collate_padded, pad_id
-from posttrain.data.images import ImageEncoder, with_images
+from posttrain.data.images import SAMPLE_IMAGES, ImageEncoder, image_names, with_images
 from posttrain.agents import Trajectory, agent_metrics
 from posttrain.ops.advantages import zero_std_fraction
 from posttrain.ops.logprobs import sequence_mean
@@ -350,18 +350,24 @@ class RolloutSource(Source):
         """Every logging step: a few prompt groups of rank 0, appended to output_dir/samples.jsonl (with what the
         reward functions logged through log_extra). Multi-turn: each record's `trajectory` holds every message after
         the opening ones (the model's text with its tool calls as written, each tool's output or error, the
-        environment's messages) and `stats` its counts. A completion no reward scored has reward null."""
+        environment's messages) and `stats` its counts. A completion no reward scored has reward null. A prompt with
+        images: `images` names their files (data.images.image_names)."""
         t, groups = self.recipe.train, self.recipe.algo.log_samples
         due = [s + 1 for s in range(step, step + self.iterations) if (s + 1) % t.logging_steps == 0]
         if not due or not groups:
             return
-        records = [{"step": due[0], "prompt": sample.prompts[i // self.group]["prompt"], "completion": sample.texts[i],
-                    "reward": float(sample.total[i]) if sample.scored[i] else None,
-                    "rewards": {k: (None if math.isnan(v[i]) else float(v[i])) for k, v in sample.per_function.items()},
-                    "advantage": float(advantages_B[i]), "truncated": bool(sample.truncated[i]),
-                    **({"extra": {k: v[i] for k, v in sample.extra.items()}} if sample.extra else {}),
-                    **(trajectory_record(sample.trajectories[i]) if sample.trajectories is not None else {})}
-                   for i in range(min(groups, len(sample.prompts)) * self.group)]
+        shown = Path(self.recipe.output_dir) / SAMPLE_IMAGES
+        records = []
+        for i in range(min(groups, len(sample.prompts)) * self.group):
+            prompt = sample.prompts[i // self.group]
+            records.append({
+                "step": due[0], "prompt": prompt["prompt"],
+                **({"images": image_names(prompt["images"], shown)} if prompt.get("images") else {}),
+                "completion": sample.texts[i], "reward": float(sample.total[i]) if sample.scored[i] else None,
+                "rewards": {k: (None if math.isnan(v[i]) else float(v[i])) for k, v in sample.per_function.items()},
+                "advantage": float(advantages_B[i]), "truncated": bool(sample.truncated[i]),
+                **({"extra": {k: v[i] for k, v in sample.extra.items()}} if sample.extra else {}),
+                **(trajectory_record(sample.trajectories[i]) if sample.trajectories is not None else {})})
         with (Path(self.recipe.output_dir) / "samples.jsonl").open("a") as f:
             f.writelines(json.dumps(r, default=str) + "\n" for r in records)
 

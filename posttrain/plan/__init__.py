@@ -20,7 +20,7 @@ import yaml
 
 from posttrain.errors import UserError
 from posttrain.models.vision import is_vision_model
-from posttrain.plan.estimate import ENGINES, GIB, Breakdown, estimate
+from posttrain.plan.estimate import ENGINES, GIB, Breakdown, estimate, image_tokens_per_row
 from posttrain.plan.recommend import format_table, launch_command, make_plan, to_json
 from posttrain.plan.shape import config_and_source, model_shape, read_config, shape_from_config
 from posttrain.plan.workload import algorithm_facts, workload_from_recipe
@@ -137,18 +137,33 @@ def micro_batch_words(command: str, recipe, mean_length: Optional[int]) -> str:
     return said + (f" over {w.sequence_parallel} SP ranks" if w.sequence_parallel > 1 else "")
 
 
+def image_words(shape, workload, told: Optional[int]) -> str:
+    """What the plan counts of a vision-language model's images."""
+    v = shape.vision
+    per_row = image_tokens_per_row(shape, workload)
+    why = "--image-tokens" if told is not None else (
+        f"the largest image the processor makes is {v.largest_image}" if v.largest_image else "none said")
+    return (f"images: {per_row} image tokens per row ({why}; at most the row), each {v.patches} patch(es) through "
+            f"the vision tower's {v.depth} blocks of {v.width}, which "
+            + ("trains: its activations are kept" if v.trains else "is frozen: its activations are not kept"))
+
+
 def _count(n: int) -> str:
     return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M"
 
 
 def run_plan(command: str, recipe, config: Optional[str], overrides: list[str], gpus: int, nodes: int,
-             gpu_memory: Optional[str], as_json: bool, mean_length: Optional[int] = None) -> str:
+             gpu_memory: Optional[str], as_json: bool, mean_length: Optional[int] = None,
+             image_tokens: Optional[int] = None) -> str:
     """The text (or JSON) `posttrain plan` prints. `mean_length`: the data's mean tokens per row (None: every row
-    as long as the recipe allows)."""
+    as long as the recipe allows); `image_tokens`: a vision-language model's image tokens per row (None: the largest
+    image its processor makes)."""
     if gpus < 1 or nodes < 1 or gpus % nodes:
         raise UserError(f"--gpus ({gpus}) must be a positive multiple of --nodes ({nodes})")
     if mean_length is not None and mean_length < 1:
         raise UserError(f"--mean-length ({mean_length}) must be a positive number of tokens")
+    if image_tokens is not None and (image_tokens < 0 or not is_vision_model(recipe.model)):
+        raise UserError(f"--image-tokens ({image_tokens}) needs a vision-language model and a count >= 0")
     sp = recipe.train.sequence_parallel_size
     if gpus % sp:
         raise UserError(f"train.sequence_parallel_size={sp} must divide --gpus ({gpus}): world = data x sequence ranks")
@@ -168,7 +183,8 @@ def run_plan(command: str, recipe, config: Optional[str], overrides: list[str], 
     # what LoRA would need (its frozen copies are counted as without it: an upper bound)
     lora_shape = None if recipe.model.lora.enabled else model_shape(with_lora, task)
     # (batch, length=None, *, sequence_parallel=None, budget=None) -> Workload
-    workload_for = functools.partial(workload_from_recipe, command, recipe, mean_length=mean_length)
+    workload_for = functools.partial(workload_from_recipe, command, recipe, mean_length=mean_length,
+                                     image_tokens=image_tokens)
     plan = make_plan(shape, workload_for, t.per_device_train_batch_size, t.gradient_accumulation_steps, gpus,
                      gpu_bytes, nodes, lora_shape, recipe.data.max_length, shortest_budget(command, recipe))
     if is_vision_model(recipe.model):  # a token budget packs rows, which a vision-language model refuses
@@ -186,6 +202,8 @@ def run_plan(command: str, recipe, config: Optional[str], overrides: list[str], 
              f"gradient_accumulation_steps={t.gradient_accumulation_steps}; {micro_batch_words(command, recipe, mean_length)}"
              f"), GiB; fits = peak <= 90% of the GPU:",
              format_table(plan)]
+    if shape.vision is not None:
+        lines.insert(1, image_words(shape, workload_for(t.per_device_train_batch_size), image_tokens))
     if plan.recommended is not None:
         r = plan.recommended
         parallel = f", train.sequence_parallel_size={r.sequence_parallel}" if r.sequence_parallel > 1 else ""

@@ -20,6 +20,22 @@ LINEAR_CHUNK = 2**25  # logits elements per chunk of ops.logprobs.linear_token_l
 
 
 @dataclass(frozen=True)
+class VisionShape:
+    """A vision-language model's encoder, for its activations: each image token is `patches` patches, each through
+    `depth` blocks of `width` (MLP `intermediate`)."""
+
+    width: int
+    intermediate: int
+    depth: int
+    patches: int
+    """Patches per image token (Qwen-VL's merger joins spatial_merge_size^2; a CLIP tower's projector 1)."""
+    trains: bool
+    """Its parameters get gradients: autograd keeps its activations (a frozen tower's forward keeps none)."""
+    largest_image: int = 0
+    """Image tokens of the largest image the processor makes (0: unknown): a row's image tokens unless told."""
+
+
+@dataclass(frozen=True)
 class ModelShape:
     """What memory depends on, read from config.json (see plan/shape.py)."""
 
@@ -40,6 +56,8 @@ class ModelShape:
     lean: frozenset = frozenset()
     """Which of the model's modules ('mlp', 'norm') keep fewer activations while it trains
     (models/lean_activations.py)."""
+    vision: Optional[VisionShape] = None
+    """A vision-language model's encoder (None: a text model)."""
 
     @property
     def head_dim(self) -> int:
@@ -77,6 +95,9 @@ class Workload:
     keeps its copy for the backward (plan/workload.py counts the rows)."""
     sequence_parallel: int = 1
     """train.sequence_parallel_size: N ranks each hold 1/N of every sequence's tokens (DeepSpeed Ulysses)."""
+    image_tokens: Optional[int] = None
+    """A vision-language model's image tokens per row (of sequence_length; None: the largest image the processor
+    makes, at most the row)."""
     weight_bytes: int = 4
     """Bytes per stored weight (model.dtype)."""
     compute_bytes: int = 4
@@ -232,6 +253,33 @@ def replicated_kv_elements(shape: ModelShape, sp: int, tokens: int) -> int:
     return 2 * shape.head_dim * (max(sp, shape.num_kv_heads) - shape.num_kv_heads) * tokens // sp
 
 
+def image_tokens_per_row(shape: ModelShape, w: Workload) -> int:
+    """A row's image tokens as the estimate counts them (0 for a text model)."""
+    if shape.vision is None:
+        return 0
+    told = w.image_tokens if w.image_tokens is not None else shape.vision.largest_image or w.sequence_length
+    return min(told, w.sequence_length)
+
+
+def vision_activation_bytes(shape: ModelShape, w: Workload) -> int:
+    """The vision encoder's activations for one micro-batch: every row's image tokens x patches per token, each
+    patch keeping a decoder layer's count (activation_elements_per_token, with a key / value per head) in every
+    block of a tower that trains; under gradient checkpointing each block's input and one recomputed block; a
+    frozen tower keeps nothing past the block running (one block's worth)."""
+    v = shape.vision
+    if v is None:
+        return 0
+    patches = w.sequences * image_tokens_per_row(shape, w) * v.patches
+    block = 13 * v.width + 4 * v.intermediate
+    if not v.trains:
+        elements = block
+    elif w.gradient_checkpointing:
+        elements = v.depth * v.width + block
+    else:
+        elements = v.depth * block
+    return patches * elements * w.compute_bytes
+
+
 def activation_bytes(shape: ModelShape, w: Workload) -> int:
     """All layers' saved activations for one micro-batch (plus one recomputed layer under checkpointing), on one rank.
 
@@ -330,7 +378,8 @@ def estimate(shape: ModelShape, w: Workload, engine: Engine, world_size: int = 1
     gathered = 2 * shape.layer_parameters * weight_bytes if engine.shards_parameters else 0
     optimizer_step = 0 if deepspeed or not w.foreach_optimizer else _share(t, n if engine.fsdp else 1) * 4
     return Breakdown(parameters=parameters, gradients=gradients, gradient_buffers=buffers, optimizer=optimizer,
-                     frozen_copies=frozen, activations=activation_bytes(shape, w), logits=logits_bytes(shape, w),
+                     frozen_copies=frozen, activations=activation_bytes(shape, w) + vision_activation_bytes(shape, w),
+                     logits=logits_bytes(shape, w),
                      gathered=gathered, optimizer_step=optimizer_step, vllm=vllm_bytes(shape, w, gpu_bytes),
                      generation=generation_bytes(shape, w, engine, n, weight_bytes), cpu_bytes=cpu,
                      gradients_in_forward=gradients if w.accumulation > 1 else 0,

@@ -4,11 +4,16 @@ The numbers are the published config.json values of each hub model (the fields t
 activation sizes). `posttrain plan` uses them only when the model is neither a local directory nor in the Hugging
 Face cache; tests/unit/test_plan_known_models.py builds each on the meta device and checks a handful against the
 parameter counts their model cards publish. Instruct / chat / -it / -pt variants share their base model's shape.
+Vision-language models (models/vision.VISION_MODELS, which is_vision_model reads offline too) have a text and a
+vision config, and the image tokens of the largest image their processor makes, which the planner takes as a row's
+image tokens unless told (`posttrain plan --image-tokens`).
 """
 
 from __future__ import annotations
 
 from typing import Optional
+
+from posttrain.models.vision import VISION_MODELS, built_in_config
 
 # hub id: (model_type, hidden_size, intermediate_size, num_hidden_layers, num_attention_heads, num_key_value_heads,
 #          head_dim, vocab_size, tie_word_embeddings)
@@ -74,13 +79,14 @@ ALIASES = {
     "Qwen/Qwen3-30B-A3B-Instruct-2507": "Qwen/Qwen3-30B-A3B", "Qwen/Qwen3-30B-A3B-Thinking-2507": "Qwen/Qwen3-30B-A3B",
     "Qwen/Qwen3-235B-A22B-Instruct-2507": "Qwen/Qwen3-235B-A22B",
     "Qwen/Qwen3-235B-A22B-Thinking-2507": "Qwen/Qwen3-235B-A22B",
+    "Qwen/Qwen3-VL-8B-Thinking": "Qwen/Qwen3-VL-8B-Instruct",
 }
 VARIANT_SUFFIXES = ("-instruct", "-base", "-chat", "-it", "-pt")  # -it/-pt: Gemma's names for instruct/pretrained
 
 
 def known_name(name: str) -> Optional[str]:
     """The table's hub id for `name` (any case; an instruct, chat or base variant of a listed model), or None."""
-    by_lower = {k.lower(): k for k in (*KNOWN_MODELS, *ALIASES)}
+    by_lower = {k.lower(): k for k in (*KNOWN_MODELS, *VISION_MODELS, *ALIASES)}
     wanted = name.strip().rstrip("/").lower()
     found = by_lower.get(wanted)
     if found is None:
@@ -93,6 +99,12 @@ def known_name(name: str) -> Optional[str]:
     return ALIASES.get(found, found) if found else None
 
 
+def known_image_tokens(name: str) -> Optional[int]:
+    """Image tokens of the largest image a built-in vision-language model's processor makes, or None."""
+    key = known_name(name)
+    return VISION_MODELS[key][3] if key in VISION_MODELS else None
+
+
 def known_config(name: str):
     """A transformers config with the published shape of `name`, or None when the table does not list it."""
     from transformers import AutoConfig
@@ -100,6 +112,8 @@ def known_config(name: str):
     key = known_name(name)
     if key is None:
         return None
+    if key in VISION_MODELS:
+        return built_in_config(key)
     model_type, hidden, intermediate, layers, heads, kv_heads, head_dim, vocab, tied = KNOWN_MODELS[key]
     return AutoConfig.for_model(model_type, hidden_size=hidden, intermediate_size=intermediate,
                                 num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,

@@ -6,6 +6,7 @@ allocated (a 70B config counts in seconds).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import re
 from typing import Optional
@@ -18,8 +19,8 @@ from posttrain.models.lean_activations import lean_kinds
 from posttrain.models.load import lora_targets
 from posttrain.config.schema import ALL_LINEAR, ModelConfig
 from posttrain.errors import UserError
-from posttrain.plan.estimate import ModelShape
-from posttrain.plan.known_models import known_config, known_name
+from posttrain.plan.estimate import ModelShape, VisionShape
+from posttrain.plan.known_models import known_config, known_image_tokens, known_name
 
 
 def read_config(model_cfg: ModelConfig):
@@ -95,11 +96,15 @@ def model_shape(model_cfg: ModelConfig, task: str = "causal_lm") -> ModelShape:
                         f"from its config.json ({e})") from e
     parameters = sum(p.numel() for p in model.parameters())
     trainable = parameters
+    encoder = None
     if vision:
         tower, projector = vision_parameters(model)
         sizes = dict((name, p.numel()) for name, p in model.named_parameters())
         frozen = (tower if model_cfg.freeze_vision_tower else []) + (projector if model_cfg.freeze_projector else [])
         trainable -= sum(sizes[name] for name in frozen)
+        tower_trains = not (model_cfg.freeze_vision_tower or model_cfg.lora.enabled)  # LoRA: the LM's adapters only
+        encoder = vision_shape(config.vision_config, trains=tower_trains,
+                               largest_image=largest_image_tokens(model_cfg, config.vision_config))
     if model_cfg.lora.enabled:
         targets = lora_targets(model_cfg.lora.target_modules, getattr(config, "model_type", ""))
         trainable = lora_parameters(model, {targets} if isinstance(targets, str) else set(targets), model_cfg.lora.r,
@@ -112,7 +117,42 @@ def model_shape(model_cfg: ModelConfig, task: str = "causal_lm") -> ModelShape:
         parameters += trainable
     layers = [m for m in model.modules() if type(m).__name__.endswith("DecoderLayer")]
     largest = max((sum(p.numel() for p in m.parameters()) for m in layers), default=0)
-    return shape_from_config(config, parameters, trainable, largest)
+    return dataclasses.replace(shape_from_config(config, parameters, trainable, largest), vision=encoder)
+
+
+def vision_shape(config, trains: bool, largest_image: int) -> VisionShape:
+    """The encoder's sizes from its vision_config (Qwen2-VL: embed_dim, mlp_ratio; Qwen2.5 / 3-VL: hidden_size,
+    intermediate_size, depth; CLIP: num_hidden_layers), image tokens of spatial_merge_size^2 patches (CLIP's: 1)."""
+    width = getattr(config, "embed_dim", None) or config.hidden_size
+    intermediate = getattr(config, "intermediate_size", None) or int(getattr(config, "mlp_ratio", 4) * width)
+    depth = getattr(config, "depth", None) or config.num_hidden_layers
+    return VisionShape(width=width, intermediate=intermediate, depth=depth,
+                       patches=getattr(config, "spatial_merge_size", 1) ** 2, trains=trains,
+                       largest_image=largest_image)
+
+
+def largest_image_tokens(model_cfg: ModelConfig, vision_config) -> int:
+    """Image tokens of the largest image the model's processor makes: a built-in model's (known_models.py), else
+    the saved image processor's max_pixels (or size.longest_edge) over (patch x merge)^2 pixels a token, or a
+    fixed-size tower's (image_size / patch_size)^2; 0 when none says."""
+    import json
+    from pathlib import Path
+
+    known = known_image_tokens(model_cfg.name_or_path)
+    if known:
+        return known
+    side = vision_config.patch_size * getattr(vision_config, "spatial_merge_size", 1)
+    folder = Path(model_cfg.name_or_path).expanduser()
+    for name, key in (("processor_config.json", "image_processor"), ("preprocessor_config.json", None)):
+        path = folder / name
+        if path.is_file():
+            saved = json.loads(path.read_text())
+            saved = saved.get(key, {}) if key else saved
+            most = saved.get("max_pixels") or (saved.get("size") or {}).get("longest_edge")
+            if isinstance(most, int) and "spatial_merge_size" in vision_config.to_dict():
+                return most // side**2
+    image_size = getattr(vision_config, "image_size", None)
+    return (image_size // vision_config.patch_size) ** 2 if isinstance(image_size, int) else 0
 
 
 def shape_from_config(config, parameters: int, trainable: int, largest_layer: int = 0) -> ModelShape:

@@ -65,13 +65,15 @@ def vllm_on_cpu(recipe: Recipe) -> tuple[int, int]:
 
 def workload_from_recipe(command: str, recipe: Recipe, per_device_batch: Optional[int] = None,
                          max_length: Optional[int] = None, on_gpu: bool = True, *, mean_length: Optional[int] = None,
-                         sequence_parallel: Optional[int] = None, budget: Optional[int] = None) -> Workload:
+                         sequence_parallel: Optional[int] = None, budget: Optional[int] = None,
+                         image_tokens: Optional[int] = None) -> Workload:
     """The recipe's micro-batch (or `per_device_batch`) at its lengths (or `max_length`) as a Workload; `on_gpu`
     False for a run on CPU (its AdamW steps tensor by tensor). `mean_length`: the data's mean row length in tokens
     (None: every row as long as the recipe allows, the worst case); `sequence_parallel`: another SP degree than the
     recipe's; `budget`: a token budget to plan with packing on (the recommender's search; packing is off under
     sequence parallelism, which refuses it) instead of the recipe's own (train.max_tokens_per_microbatch), which
-    applies at the recipe's lengths."""
+    applies at the recipe's lengths. `image_tokens`: a vision-language model's image tokens per row (None: the
+    largest image its processor makes)."""
     t, d, g = recipe.train, recipe.data, recipe.generation
     facts = algorithm_facts(command, recipe)
     batch = per_device_batch or t.per_device_train_batch_size
@@ -89,7 +91,7 @@ def workload_from_recipe(command: str, recipe: Recipe, per_device_batch: Optiona
                         gradient_checkpointing=t.gradient_checkpointing, frozen_copies=facts["frozen"],
                         lm_head=facts["task"] == "causal_lm", logprobs_only=facts["logprobs_only"],
                         eager_attention=recipe.model.attn_implementation == "eager",
-                        sequence_parallel=sequence_parallel or t.sequence_parallel_size)
+                        sequence_parallel=sequence_parallel or t.sequence_parallel_size, image_tokens=image_tokens)
     packed = workload.sequence_parallel == 1 and (d.packing or budget is not None)  # SP refuses packed rows
     # the recipe's budget cuts the step whatever its split into micro-batches, not at another max_length
     packing = (packed, budget) if budget is not None else (packed, t.max_tokens_per_microbatch if max_length is None

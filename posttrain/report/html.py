@@ -33,6 +33,8 @@ details { margin: 18px 0; } summary { cursor: pointer; font-weight: 600; font-si
 .chip { display: inline-block; width: 10px; height: 10px; border-radius: 2px; margin-right: 6px; }
 .note { color: #64748b; font-size: 12px; }
 table.samples { width: 100%; } table.samples pre { min-width: 16em; }
+img.thumb { max-width: 96px; max-height: 96px; margin: 4px 4px 0 0; border: 1px solid #e2e8f0;
+            image-rendering: pixelated; }
 .good { color: #15803d; } .bad { color: #b91c1c; }
 """
 PAGE = ("<!doctype html><html><head><meta charset='utf-8'>" + GENERATOR
@@ -41,6 +43,7 @@ PAGE = ("<!doctype html><html><head><meta charset='utf-8'>" + GENERATOR
 SAMPLE_STEPS = 4  # steps of samples.jsonl shown: the first, the last and evenly between
 SAMPLE_GROUPS = 2  # prompts shown per step
 SAMPLE_COMPLETIONS = 4  # completions shown per prompt: the best, the worst and between, by reward
+THUMBNAIL = 96  # pixels, the longer side of a sampled prompt's image in the report
 
 
 def page(title: str, body: str) -> str:
@@ -138,9 +141,10 @@ def samples_section(run) -> str:
     steps = sorted({s.get("step", 0) for s in run.samples})
     rows = []
     for step in spread(steps, SAMPLE_STEPS):
-        groups: dict[str, list] = {}
+        groups: dict[tuple[str, str], list] = {}  # one prompt: its text and its images (one question, many images)
         for sample in (s for s in run.samples if s.get("step", 0) == step):
-            groups.setdefault(prompt_text(sample.get("prompt", "")), []).append(sample)
+            key = (prompt_text(sample.get("prompt", "")), json.dumps(sample.get("images"), default=str))
+            groups.setdefault(key, []).append(sample)
         # the prompts whose completions disagree first: where the step had something to learn from
         disagreeing = sorted(groups.items(), key=lambda item: -len({_reward(s) for s in item[1]}))
         shown = [(prompt, spread(sorted(group, key=_reward, reverse=True), SAMPLE_COMPLETIONS))
@@ -149,7 +153,8 @@ def samples_section(run) -> str:
         for g, (prompt, group) in enumerate(shown):
             for i, sample in enumerate(group):
                 cells = [f"<td rowspan='{step_rows}'><b>{esc(step)}</b></td>" if g == 0 and i == 0 else "",
-                         f"<td rowspan='{len(group)}'><pre>{esc(prompt)}</pre></td>" if i == 0 else "",
+                         f"<td rowspan='{len(group)}'><pre>{esc(prompt[0])}</pre>{thumbnails(sample, run.path)}</td>"
+                         if i == 0 else "",
                          f"<td><pre>{esc(completion_text(sample))}</pre>"
                          + ("<span class='note'>cut at max length</span>" if sample.get("truncated") else "") + "</td>",
                          _number_cell(sample.get("reward"), reward=True)]
@@ -161,6 +166,34 @@ def samples_section(run) -> str:
             f"{SAMPLE_GROUPS} prompts each (those whose rewards differ first), each prompt's best, worst and middle "
             "completions by reward</p>"
             f"<table class='samples'>{head}{''.join(rows)}</table>")
+
+
+def thumbnails(sample, run_dir) -> str:
+    """The sample's images (samples.jsonl's `images`: paths, relative ones from the run directory) as small inline
+    PNGs; one that is missing or does not decode is named instead (the file may have been edited or moved)."""
+    names = sample.get("images")
+    if not isinstance(names, list):
+        return ""
+    return "".join(_thumbnail(str(name), run_dir) for name in names)
+
+
+def _thumbnail(name: str, run_dir) -> str:
+    import base64
+    import io
+    from pathlib import Path
+
+    from PIL import Image
+
+    path = Path(run_dir) / Path(name).expanduser()  # an absolute name stays itself
+    try:
+        with Image.open(path) as image:
+            image.thumbnail((THUMBNAIL, THUMBNAIL))
+            buffer = io.BytesIO()
+            image.convert("RGB").save(buffer, format="PNG")
+    except (OSError, ValueError, Image.DecompressionBombError) as e:  # PIL's UnidentifiedImageError is an OSError
+        return f"<div class='note'>image {esc(name)}: {esc(type(e).__name__)}</div>"
+    png = base64.b64encode(buffer.getvalue()).decode("ascii")
+    return f"<img class='thumb' alt='{esc(name)}' title='{esc(name)}' src='data:image/png;base64,{png}'>"
 
 
 def completion_text(sample) -> str:

@@ -26,7 +26,8 @@ from posttrain.rundir.resume import UNIVERSAL_DIR
 
 MARKER = ".posttrain-run"
 RUN_ARTIFACTS = ("config.yaml", "metrics.jsonl", "tensorboard", "checkpoints", "final", "final-critic", "report.html",
-                 "curves.png", "summary.json", "samples.jsonl", "ref_logprobs.safetensors", "mlflow.db", UNIVERSAL_DIR)
+                 "curves.png", "summary.json", "samples.jsonl", "sample_images", "ref_logprobs.safetensors", "mlflow.db",
+                 UNIVERSAL_DIR)
 FAILED_DIR = "failed-attempts"  # a failed attempt's files, moved here when the next run takes its place
 
 

@@ -111,12 +111,26 @@ def test_a_bad_image_exits_2_naming_the_row_before_any_model_loads(tiny_vlm_dir,
 
 def test_grpo_generates_and_trains_with_the_images(tiny_vlm_dir, shapes_dir, tmp_path):
     """The hf engine samples with each prompt's images and the trainer scores the completions with the same images:
-    their log-probs agree (sampler_logprob_gap ~ 0; either side without the pixels would be far off)."""
+    their log-probs agree (sampler_logprob_gap ~ 0; either side without the pixels would be far off). samples.jsonl
+    names each sample's images, and report.html shows them beside the completions."""
     out = tmp_path / "run"
     assert run_cli("grpo", *run_overrides(tiny_vlm_dir, shapes_dir / "grpo_train.jsonl", out, "train.max_steps=2",
                                          "train.per_device_train_batch_size=8", "algo.num_generations=4",
                                          "generation.max_completion_length=6", "data.max_length=64", "algo.beta=0.04",
-                                         "rewards=[{name: format, kwargs: {pattern: '.*e.*'}}]")) == 0
+                                         "rewards=[{name: format, kwargs: {pattern: '.*e.*'}}]",
+                                         "train.report=true")) == 0
+    rows = [json.loads(line) for line in (shapes_dir / "grpo_train.jsonl").read_text().splitlines()]
+    question = lambda prompt: prompt[0]["content"][-1]["text"]  # noqa: E731
+    images_of: dict[str, list] = {}  # a question's images, over the rows that ask it (3 questions, 24 images)
+    for row in rows:
+        images_of.setdefault(question(row["prompt"]), []).append([str((shapes_dir / name).resolve())
+                                                                  for name in row["images"]])
+    samples = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
+    assert len(samples) == 2 * 2 * 4  # 2 logging steps x algo.log_samples prompts x 4 completions
+    assert all(s["images"] in images_of[question(s["prompt"])] for s in samples)
+    assert all(samples[i]["images"] == samples[i - i % 4]["images"] for i in range(len(samples)))  # per group
+    report = (out / "report.html").read_text()
+    assert report.count("<img class='thumb'") == 2 * 2  # each shown prompt's image, once beside its completions
     rows = metrics(out)
     assert [r["step"] for r in rows] == [1, 2]
     assert all(r["sampler_logprob_gap"] < 1e-4 for r in rows), rows

@@ -189,3 +189,20 @@ def test_a_single_image_column(tmp_path, processor):
                                            "images": ["a.png"]}])
     with pytest.raises(UserError, match="has both an 'images' and an 'image' column"):
         RowImages.of(dataset, processor, source, "data.train")
+
+
+def test_samples_name_their_images_by_file(tmp_path):
+    """samples.jsonl names a file image by its absolute path, and writes an image given as bytes once into the run's
+    sample_images/ (by its content's hash), naming that file."""
+    from posttrain.data.images import ImageRef, image_names
+
+    image_file(tmp_path / "a.png")
+    buffer = io.BytesIO()
+    Image.new("RGB", (28, 28), (0, 200, 0)).save(buffer, format="PNG")
+    refs = [ImageRef(path=str(tmp_path / "a.png")), ImageRef(data=buffer.getvalue())]
+    names = image_names(refs, tmp_path / "run" / "sample_images")
+    assert names[0] == str((tmp_path / "a.png").resolve())
+    written = tmp_path / "run" / "sample_images"
+    assert [str(p.resolve()) for p in written.iterdir()] == [names[1]]
+    assert Image.open(names[1]).convert("RGB").tobytes() == refs[1].open().tobytes()
+    assert image_names(refs, written) == names  # the same bytes, the same file

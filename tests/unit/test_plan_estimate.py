@@ -1,6 +1,7 @@
 """posttrain.plan: byte counts worked out by hand for a small known shape, parameter counts from a 7B config.json
 (meta device, no weights), and the recommendation for that 7B model on 8 x 40 GB."""
 
+import dataclasses
 import functools
 import json
 from pathlib import Path
@@ -343,3 +344,22 @@ def test_online_fused_head_scores_the_completion_rows_only(config_7b):
     assert w.logprobs_only and w.scored_tokens == w.sequences * 32
     sp = workload_from_recipe("grpo", recipe, sequence_parallel=2)
     assert not sp.logprobs_only and sp.scored_tokens == 0
+
+
+def test_a_vision_towers_activations_by_hand():
+    """2 rows of 16 tokens, 10 of them image tokens (the largest image; told 20: at most the row, 16), 4 patches a
+    token: 80 patches through 3 blocks of width 4, MLP 8: a block keeps 13 x 4 + 4 x 8 = 84 elements a patch, in
+    bf16 (2 bytes). Trained: every block's; checkpointed: each block's input (4) and one block; frozen: one block."""
+    from posttrain.plan.estimate import VisionShape, vision_activation_bytes
+
+    tower = VisionShape(width=4, intermediate=8, depth=3, patches=4, trains=True, largest_image=10)
+    shape = dataclasses.replace(SHAPE, vision=tower)
+    w = Workload(algorithm="sft", sequences=2, sequence_length=16, compute_bytes=2)
+    assert vision_activation_bytes(shape, w) == 80 * 3 * 84 * 2
+    assert vision_activation_bytes(shape, dataclasses.replace(w, gradient_checkpointing=True)) == 80 * (3 * 4 + 84) * 2
+    frozen = dataclasses.replace(shape, vision=dataclasses.replace(tower, trains=False))
+    assert vision_activation_bytes(frozen, w) == 80 * 84 * 2
+    assert vision_activation_bytes(shape, dataclasses.replace(w, image_tokens=20)) == 2 * 16 * 4 * 3 * 84 * 2
+    assert vision_activation_bytes(SHAPE, w) == 0  # a text model
+    text = estimate(SHAPE, w, ENGINES["ddp"]).activations
+    assert estimate(shape, w, ENGINES["ddp"]).activations == text + 80 * 3 * 84 * 2

@@ -180,3 +180,28 @@ def test_two_runs_overlay_on_one_comparison_page(tmp_path, capsys):
 def test_report_of_a_folder_that_is_no_run_is_exit_2(tmp_path, capsys):
     assert run_command(["report", str(tmp_path)]) == 2
     assert "is not a run directory (no metrics.jsonl there)" in capsys.readouterr().err
+
+
+def test_sampled_prompts_show_their_images_as_thumbnails(tmp_path):
+    """samples.jsonl's `images` (data.images.image_names): each shown prompt's images as inline thumbnails, one
+    group per question and image (the same question about two images is two prompts); a missing file is named."""
+    import base64
+    import io
+
+    from PIL import Image
+
+    Image.new("RGB", (200, 100), (200, 30, 30)).save(tmp_path / "wide.png")
+    (tmp_path / "grpo").mkdir()
+    Image.new("RGB", (20, 20), (0, 0, 200)).save(tmp_path / "grpo" / "small.png")
+    question = [{"role": "user", "content": "What colour?"}]
+    samples = [{"step": 1, "prompt": question, "images": images, "completion": f"c{k}", "reward": float(k),
+                "advantage": 0.0} for images in ([str(tmp_path / "wide.png")], ["small.png", "gone.png"])
+               for k in range(2)]
+    page = render([load_run(write_run(tmp_path / "grpo", [{"step": 1, "loss": 1.0}], facts={"command": "grpo"},
+                                      samples=samples))])
+    table = page[page.index("<h2>Sampled completions</h2>"):]
+    thumbs = re.findall(r"<img class='thumb' alt='([^']*)' title='[^']*' src='data:image/png;base64,([^']+)'>", table)
+    assert [name for name, _ in thumbs] == [str(tmp_path / "wide.png"), "small.png"]  # relative: from the run dir
+    sizes = [Image.open(io.BytesIO(base64.b64decode(png))).size for _, png in thumbs]
+    assert sizes == [(96, 48), (20, 20)]  # the longer side at most 96 pixels, never enlarged
+    assert "image gone.png: FileNotFoundError" in table

@@ -72,9 +72,11 @@ def test_freezing_a_text_model_is_refused(tiny_model_dir):
     ("sft", "data.packing=true", "data.packing=true with the vision-language model"),
     ("sft", "train.max_tokens_per_microbatch=64", "train.max_tokens_per_microbatch with"),
     ("sft", "train.sequence_parallel_size=2", "train.sequence_parallel_size > 1 with"),
-    ("grpo", "generation.engine=vllm rewards=[{name: exact_match}]",
-     "generation.engine=vllm .placement colocated. with"),
     ("rm", "seed=1", "posttrain rm with the vision-language model"),
+    ("ppo", "seed=1 rewards=[{name: exact_match}]", "posttrain ppo with the vision-language model"),
+    ("distill", "algo.teacher_model_name_or_path=teacher/", "posttrain distill with the vision-language model"),
+    ("grpo", "agent.tools=[posttrain.demo.tools:calculator] rewards=[{name: exact_match}]",
+     "agent.[*] with the vision-language model .*multi-turn agents on text prompts only"),
 ])
 def test_what_is_not_done_is_refused(tiny_vlm_dir, command, override, message):
     from posttrain.config.load import load_recipe
@@ -83,6 +85,25 @@ def test_what_is_not_done_is_refused(tiny_vlm_dir, command, override, message):
                          ALGORITHMS[command][0])
     with pytest.raises(UserError, match=message):
         check_vision_recipe(recipe, ALGORITHMS[command][1](recipe))
+
+
+@pytest.mark.parametrize("command, data, extra", [
+    ("rm", "dpo_train.jsonl", ()), ("ppo", "grpo_train.jsonl", ("rewards=[{name: exact_match}]",)),
+    ("distill", "grpo_train.jsonl", ("algo.teacher_model_name_or_path={model}",)),
+])
+def test_a_refused_algorithm_exits_2_before_any_model_loads(tiny_vlm_dir, shapes_dir, tmp_path, monkeypatch, capsys,
+                                                            command, data, extra):
+    """The refusal is one message from the recipe checks (plan/preflight.RECIPE_CHECKS), ahead of every load (PPO's
+    own checks read the model's vocabulary first: a VLM's is its language model's)."""
+    import posttrain.run as run
+    from tests.integration.helpers import run_cli, run_overrides
+
+    monkeypatch.setattr(run, "load_policy", lambda *a: pytest.fail("a model loaded"))
+    monkeypatch.setattr(run, "load_tokenizer", lambda *a: pytest.fail("a tokenizer loaded"))
+    assert run_cli(command, *run_overrides(tiny_vlm_dir, shapes_dir / data, tmp_path / "out",
+                                           *(e.replace("{model}", str(tiny_vlm_dir)) for e in extra))) == 2
+    err = capsys.readouterr().err
+    assert f"posttrain {command} with the vision-language model" in err and "sft, dpo, grpo only so far" in err
 
 
 @pytest.mark.parametrize("arch", ["qwen2_vl", "llava"])
