@@ -47,8 +47,12 @@ NOTES = {"bf16": "TRL's field is None, made true unless fp16 (its `__post_init__
                                 "`[]` in a recipe",
          "max_tool_calling_iterations": "None: no turn limit (`agent.max_turns: null`); a trajectory ends when a turn "
                                         "calls no tool or its completion budget is used up",
+         "lmbda": "DistillationConfig has no such field: DistillationTrainer samples every completion (on-policy)",
          "vllm_importance_sampling_correction": "with `use_vllm` only", "vllm_importance_sampling_clip_max":
          "with `use_vllm` only", "report_to": "no trackers: `--report_to tensorboard` for TensorBoard's events"}
+# What a TRL trainer does that no field of its config says: DistillationConfig has no lmbda, and DistillationTrainer
+# samples every completion from the student (on-policy), which is lmbda 1 here (GKD's own lmbda is 0.5)
+TRAINER_BEHAVIOUR = {"distill": {"lmbda": 1.0}}
 UNSET_MEANS = {"eval_steps": "with `eval_strategy steps`, evaluate every `logging_steps` steps (here too: "
                              "`train.eval_steps` takes `train.logging_steps`); else posttrain's 0: at step 0 and the "
                              "end, when `data.eval` is given"}
@@ -77,7 +81,7 @@ def trl_defaults(command: str) -> dict[str, Any]:
             if f.name in RESOLVED_AFTER_INIT and cls is classes[1]:
                 value = getattr(instance, f.name)
             out[f.name] = value.value if isinstance(value, enum.Enum) else value
-    return out
+    return {**out, **TRAINER_BEHAVIOUR.get(command, {})}
 
 
 def same(a: Any, b: Any) -> bool:

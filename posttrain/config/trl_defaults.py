@@ -35,7 +35,8 @@ TRL_DEFAULTS = {'sft': {'learning_rate': 2e-05, 'max_length': 1024, 'assistant_o
  'distill': {'learning_rate': 1e-06,
              'max_completion_length': 512,
              'beta': 1.0,
-             'max_tool_calling_iterations': None}}
+             'max_tool_calling_iterations': None,
+             'lmbda': 1.0}}
 FLAG_KINDS = {'bool': 'activation_offloading assistant_only_loss auto_find_batch_size average_tokens_across_devices '
          'batch_eval_metrics bf16 bf16_full_eval cast_lm_head_to_fp32 completion_only_loss dataloader_drop_last '
          'dataloader_in_order dataloader_persistent_workers dataloader_pin_memory dataset_streaming '

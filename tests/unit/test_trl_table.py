@@ -175,3 +175,23 @@ def test_distillation_keys_of_trl_and_gkd_map_or_are_refused_saying_what_to_use(
     assert translate({"seq_kd": False, "teacher_model_init_kwargs": None}, "command line", algo_cls, "--") == []
     with pytest.raises(UserError, match="--lmbda: posttrain's algo.lmbda, which `posttrain sft` does not take"):
         translate({"lmbda": 0.5}, "command line", ALGORITHMS["sft"][0], "--")
+
+
+def test_a_distill_run_in_trls_words_samples_every_completion_as_trls_trainer():
+    """TRL 1.16's DistillationTrainer has no lmbda field and samples every completion from the student: a distill
+    run given in TRL's words without --lmbda is on-policy (lmbda 1), not posttrain's 0.5; --lmbda still wins."""
+    from posttrain.cli import command_line_overrides
+    from posttrain.config.load import resolve_recipe
+    from posttrain.config.trl_flags import split_trl_flags
+
+    algo_cls = ALGORITHMS["distill"][0]
+    lmbdas = []
+    for extra in ([], ["--lmbda", "0.25"]):
+        rest, flags = split_trl_flags(["distill", "--model_name_or_path", "m/", "--dataset_name", "d.jsonl",
+                                       "--teacher_model_name_or_path", "t/", *extra])
+        recipe, _ = resolve_recipe(None, command_line_overrides(rest[1:], flags, algo_cls), algo_cls, trl_flags=flags)
+        lmbdas.append(recipe.algo.lmbda)
+    import trl
+
+    assert "lmbda" not in {f.name for f in dataclasses.fields(trl.DistillationConfig)}
+    assert lmbdas == [1.0, 0.25]
