@@ -15,8 +15,9 @@ failed; the next row runs):
 3. plan sft 0.5b: `posttrain plan`'s estimate against the measured peak of the SFT row's own posttrain run
    (bench/plan_accuracy.py --from-run: the run logged both; no second run).
 Those fit 8 minutes with the setup (SETUP_S). Then, only while time is left (a row starts only when its budget fits,
-a prepare row only with its first row's too): the 1.5B rows with gradient checkpointing, and the planner's other
-rows (DPO / GRPO in one process, SFT / DPO / GRPO under ZeRO-2 / ZeRO-3), which a longer --minutes reaches.
+a prepare row only with its first row's too): one SFT step of the tiny Qwen2-VL on the shapes images
+(bench/vision_step.py), the 1.5B rows with gradient checkpointing, and the planner's other rows (DPO / GRPO in one
+process, SFT / DPO / GRPO under ZeRO-2 / ZeRO-3), which a longer --minutes reaches.
 
 Results: OUT/results.json, results.md and logs.tar.gz (OUT: --out; bench/gpu_suite.sh passes the device's $OUT),
 rewritten whole after every row, so a finished row is never lost to a later one or to a kill: device, versions,
@@ -55,7 +56,7 @@ class Row:
     name: str
     """The key in the results file; the same at every --size (the GPU shape it stands for)."""
     kind: str
-    """prepare | compare | plan."""
+    """prepare | compare | plan | vision."""
     shape: str
     """What actually runs at this --size, e.g. 'tiny 2x64'."""
     command: tuple[str, ...]
@@ -182,8 +183,16 @@ def plan_rows(size: str, work: Path, tools: str, model_dir: str | None = None) -
             needs = scale.needs + (("deepspeed",) if engine != "ddp1" else ())
             separate.append(Row(f"plan {algo} {CORE_MODEL} {engine}", "plan", scale.model[CORE_MODEL], command,
                                 round(budget), False, str(steps), needs, (f"prepare {CORE_MODEL}",)))
-    return [prepare(CORE_MODEL), *(r for r in compare if r.core), from_run,
+    vision = Row("sft vision tiny-qwen2-vl 1 step", "vision", "tiny qwen2-vl 4 rows",
+                 (py, "bench/vision_step.py", "--work", str(work / "vision"), "--json", "{figures}"),
+                 VISION_STEP_S[size], False, "1", scale.needs)
+    return [prepare(CORE_MODEL), *(r for r in compare if r.core), from_run, vision,
             prepare("1.5b"), *(r for r in compare if not r.core), *separate]
+
+
+VISION_STEP_S = {"gpu": 45, "tiny": 240}
+"""--size -> seconds of the vision row (bench/vision_step.py: make the tiny VLM and the shapes data, one SFT step),
+first of the rows for time left: the core rows' budgets are ceilings, and what they leave runs it."""
 
 
 SHARED_PREFIX = {"gpu": (16, 8, 384, 128, 4, 1, 150), "tiny": (8, 4, 48, 8, 3, 1, 300)}

@@ -109,6 +109,13 @@ def markdown(doc: dict) -> str:
                         if numbers else "- | - | -") + f" | {_status(r)} |")
     lines += ["", "measured: torch.cuda.max_memory_allocated on a GPU; on a CPU the allocator's peak (a separate run) "
               "or, for a row read from a finished run, its peak RSS, which is not comparable (docs/planning.md)."]
+    lines += ["", "## Vision-language SFT (bench/vision_step.py: the whole command's seconds over its steps)", "",
+              "| row | device | steps | loss | s/step | tokens/s | peak MB | status |", "|---" * 8 + "|"]
+    for r in (r for r in rows if r["kind"] == "vision"):
+        f = r.get("figures") or {}
+        lines.append(f"| {r['name']} | {f.get('device', '-')} | {f.get('steps', '-')} | "
+                     + " | ".join(f"{f[k]:.4g}" if isinstance(f.get(k), (int, float)) else "-"
+                                  for k in ("loss", "s/step", "tokens/s", "peak_memory_mb")) + f" | {_status(r)} |")
     lines += ["", "## Preparation", "", "| row | shape | status |", "|---|---|---|"]
     lines += [f"| {r['name']} | {r['shape']} | {_status(r)} |" for r in rows if r["kind"] == "prepare"]
     return "\n".join(lines) + "\n"

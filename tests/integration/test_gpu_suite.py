@@ -108,3 +108,22 @@ def test_the_sft_row_and_the_plan_read_from_its_run(tiny_model_dir, tmp_path):
     env = doc["environment"]
     assert env["device"]["cuda"] is False and env["commit"] == "abc123" and env["versions"]["torch"]
     assert "sft 0.5b bs8x1024" in (out / "results.md").read_text()
+
+
+def test_the_vision_row_runs_one_sft_step_of_the_tiny_vlm(tmp_path):
+    """--size tiny on this CPU: the row makes the tiny Qwen2-VL and the shapes images, trains one step, and its
+    figures reach results.json and results.md."""
+    suite = load_suite()
+    out = tmp_path / "out"
+    code = suite.main(["--size", "tiny", "--tools", "posttrain", "--work", str(tmp_path / "work"), "--out", str(out),
+                       "--rows", "sft vision tiny-qwen2-vl 1 step", "--commit", "abc123"])
+    assert code == 0
+    rows = {r["name"]: r for r in json.loads((out / "results.json").read_text())["rows"]}
+    vision = rows["sft vision tiny-qwen2-vl 1 step"]
+    assert vision["status"] == "passed", vision
+    f = vision["figures"]
+    assert f["exit"] == 0 and f["steps"] == 1 and f["loss"] > 0 and f["s/step"] > 0 and f["device"] == "cpu"
+    assert f["peak_memory_mb"] > 0
+    assert [r["status"] for r in rows.values() if r["name"] != vision["name"]] == ["not run"] * (len(rows) - 1)
+    table = (out / "results.md").read_text()
+    assert f"| sft vision tiny-qwen2-vl 1 step | cpu | 1 | {f['loss']:.4g} |" in table

@@ -46,8 +46,11 @@ def test_core_rows_come_in_order_and_fit_eight_minutes_with_the_setup(tmp_path):
     assert text.index(CORE_ORDER[-1]) < text.index("only while time is left") < text.index("sft 1.5b bs8x2048 gc")
 
     extra = [r for r in rows if not r.core]
-    assert [r.name for r in extra[:3]] == ["prepare 1.5b", "sft 1.5b bs8x2048 gc", "dpo 1.5b bs8x1024 gc"]
-    assert all("--gc" in r.command and r.command[r.command.index("--size") + 1] == "1.5b" for r in extra[1:3])
+    assert [r.name for r in extra[:4]] == ["sft vision tiny-qwen2-vl 1 step", "prepare 1.5b", "sft 1.5b bs8x2048 gc",
+                                           "dpo 1.5b bs8x1024 gc"]
+    assert all("--gc" in r.command and r.command[r.command.index("--size") + 1] == "1.5b" for r in extra[2:4])
+    # the vision row is the first the time left reaches: a core that ends 45 s inside its budgets runs it
+    assert extra[0].command[:2] == ("python", "bench/vision_step.py") and extra[0].budget_s == 45
     for row in rows:
         assert {"cuda", "bf16"} <= set(row.needs), row
         assert all(rows.index(next(r for r in rows if r.name == n)) < rows.index(row) for n in row.after + row.reads)
