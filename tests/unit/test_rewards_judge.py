@@ -99,8 +99,10 @@ def fake(tmp_path):
 
 
 def judge(fake, **kwargs):
-    """The fake's judge (it scores a completion's length: 0-100 declared); score_range=None: none declared."""
-    kwargs = {"url": fake.url, "prompt_template": fake.template, "request_timeout_s": 1.0, "retries": 1,
+    """The fake's judge (it scores a completion's length: 0-100 declared); score_range=None: none declared. Its
+    requests may take 5 s (a loaded CI machine answers a local request in more than 1 s at times); the deadline
+    tests give their own."""
+    kwargs = {"url": fake.url, "prompt_template": fake.template, "request_timeout_s": 5.0, "retries": 1,
               "score_range": [0, 100], **kwargs}
     return load_reward(RewardConfig(name="judge", kwargs={k: v for k, v in kwargs.items() if v is not None})).fn
 
@@ -142,7 +144,7 @@ def test_hostile_answers_fail_with_a_reason_and_in_time(fake, mode, error, messa
     fake.mode = mode
     started = time.monotonic()
     with pytest.raises(error, match=message):
-        judge(fake, model="m", max_answer_bytes=2**20)(["p"], ["abc"], answer=["a"])
+        judge(fake, model="m", max_answer_bytes=2**20, request_timeout_s=1.0)(["p"], ["abc"], answer=["a"])
     assert time.monotonic() - started < 4.0  # deadlines hold: at most 2 tries of 1 s and a back-off
     assert len(fake.requests) == (2 if mode in ("500", "slow", "drip") else 1)  # only what may help is tried again
 
