@@ -30,7 +30,7 @@ from posttrain.distributed import sequence_parallel
 from posttrain.distributed.wrappers import plain_class, unwrap_module
 from posttrain.models.lean_activations import lean_activations
 from posttrain.models.load import FP32_HEAD
-from posttrain.ops.logprobs import (entropy_BT, linear_next_token_logprobs, linear_next_token_logprobs_entropy,
+from posttrain.ops.logprobs import (entropy_BT, linear_next_token_logprobs_entropy,
                                    next_token_logprobs, next_tokens, shift_right, token_logprobs)
 from posttrain.ops.shared_prefix import predictions
 
@@ -112,12 +112,16 @@ def _unpacked(batch: Batch, values) -> torch.Tensor:
     return torch.cat([values_BT.new_zeros(values_BT.shape[0], 1), values_BT[:, 1:]], dim=1)
 
 
-def policy_logprobs(model, batch: Batch, temperature: float = 1.0) -> torch.Tensor:
+def policy_logprobs(model, batch: Batch, temperature: float = 1.0,
+                    mask_BT: torch.Tensor | None = None) -> torch.Tensor:
     """logprobs_BT aligned with input_ids_BT (position 0 is 0): log p(token t | tokens < t). A padding-free batch
     is scored packed (the logits never exist for padding) and unpacked: each row's position 0, which in the packed
-    row holds a prediction from the previous row's last token, is set back to 0."""
+    row holds a prediction from the previous row's last token, is set back to 0. `mask_BT`: the loss reads only
+    these tokens (SFT's and DPO's completion tokens), so a fusable head projects only the rows that predict them,
+    forward and backward, and the others are 0 (the prompt's rows skip the output layer, as GRPO's do)."""
     if batch.shares_prefix:
-        return _shared_logprobs(model, batch, temperature, batch.attention_mask_BT, with_entropy=False)[0]
+        want_BT = batch.attention_mask_BT if mask_BT is None else mask_BT
+        return _shared_logprobs(model, batch, temperature, want_BT, with_entropy=False)[0]
     sp = sequence_parallel.current()
     if sp is not None:
         next_BC = sp.shard(next_tokens(batch.input_ids_BT))
@@ -125,7 +129,9 @@ def policy_logprobs(model, batch: Batch, temperature: float = 1.0) -> torch.Tens
             logprobs_BC = _next_token_logprobs(model, sp.shard_inputs(batch.input_ids_BT), next_BC, temperature)
         return shift_right(sp.gather(logprobs_BC, batch.input_ids_BT.shape[1]))
     inputs = batch.model_inputs()
-    logprobs = shift_right(_next_token_logprobs(model, inputs, next_tokens(inputs["input_ids"]), temperature))
+    next_mask = None if mask_BT is None else next_tokens(batch.pack(mask_BT))
+    logprobs = shift_right(_next_token_logprobs(model, inputs, next_tokens(inputs["input_ids"]), temperature,
+                                                next_mask))
     return logprobs if not batch.padding_free else _unpacked(batch, logprobs)
 
 
@@ -168,15 +174,18 @@ def _shared_logprobs(model, batch: Batch, temperature: float, want_BT: torch.Ten
     return scatter(logprobs_1n), (scatter(entropy_1n.detach()) if with_entropy else None)
 
 
-def _next_token_logprobs(model, inputs: dict, next_ids_BT: torch.Tensor, temperature: float) -> torch.Tensor:
-    """log p(next_ids[t] | the tokens up to t) at each position of `inputs` (unshifted)."""
+def _next_token_logprobs(model, inputs: dict, next_ids_BT: torch.Tensor, temperature: float,
+                         next_mask_BT: torch.Tensor | None = None) -> torch.Tensor:
+    """log p(next_ids[t] | the tokens up to t) at each position of `inputs` (unshifted); with a fusable head and
+    `next_mask_BT`, only at the positions it marks (0 elsewhere: their rows skip the output layer)."""
     head = fusable_head(model)
     with lean_activations(model):
         if head is None:
             return next_token_logprobs(model(**inputs, use_cache=False).logits, next_ids_BT, temperature=temperature)
 
         def forward(hidden_BTH: torch.Tensor) -> torch.Tensor:
-            return linear_next_token_logprobs(hidden_BTH, head.weight, next_ids_BT, temperature)
+            return linear_next_token_logprobs_entropy(hidden_BTH, head.weight, next_ids_BT, temperature,
+                                                      with_entropy=False, next_mask_BT=next_mask_BT)[0]
 
         with _head_forward(head, forward):
             return model(**inputs, use_cache=False).logits
