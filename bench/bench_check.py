@@ -56,9 +56,10 @@ def machine() -> dict:
 
 
 def commit() -> str:
+    """The commit measured, +changes when the code that runs (posttrain/, bench/ but its baselines) differs from it."""
     done = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
-    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, capture_output=True,
-                           text=True).stdout.strip()
+    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", "posttrain", "bench",
+                            ":!bench/baselines"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
     return done.stdout.strip() + ("+changes" if dirty else "")
 
 
