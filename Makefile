@@ -4,7 +4,7 @@ export HF_HUB_OFFLINE ?= 1
 export TORCH_EXTENSIONS_DIR ?= $(HOME)/.cache/posttrain/torch_extensions
 
 EXTRAS ?= dev
-.PHONY: setup demo test test-fast test-distributed bench
+.PHONY: setup demo test test-fast test-distributed bench bench-check
 setup:
 	POSTTRAIN_EXTRAS=$(EXTRAS) bash scripts/setup.sh
 
@@ -21,3 +21,8 @@ test-fast: setup
 
 test-distributed: setup
 	.venv/bin/python -m pytest tests -q -m distributed
+
+# posttrain / TRL ratios (trained forward tokens, peak memory, CPU time) against bench/baselines/*.json: fails on one
+# more than 10% worse (bench/bench_check.py; `--write` measures new baselines)
+bench-check: setup
+	.venv/bin/python bench/bench_check.py

@@ -57,8 +57,11 @@ import threading
 import time
 from pathlib import Path
 
+from trl_shapes import TrainedTokens, apply_shape, grpo_rows, realistic_rows  # beside this file
+
 SIZES = {  # Llama shapes; vocab None keeps the locally trained tokenizer's vocabulary
     "tiny": dict(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128, vocab=None),
+    "5m": dict(hidden_size=256, num_layers=4, num_heads=4, num_kv_heads=2, intermediate_size=688, vocab=None),
     "vocab": dict(hidden_size=256, num_layers=4, num_heads=8, num_kv_heads=4, intermediate_size=688, vocab=151936),
     "20m": dict(hidden_size=512, num_layers=8, num_heads=8, num_kv_heads=4, intermediate_size=1408, vocab=None),
     "0.5b": dict(hidden_size=896, num_layers=24, num_heads=14, num_kv_heads=2, intermediate_size=4864, vocab=151936),
@@ -75,53 +78,56 @@ def length_reward(prompts, completions, **_):
 
 
 # ----------------------------------------------------------------------------------------------------- inputs
-def prepare(work: Path, size: str, seq: int, model: str | None = None, prompt: int = 12) -> None:
-    """The model (random weights, local tokenizer; none when `model` names a real one) and the data files, made once
-    per work directory (the data once per --seq: SFT rows must be longer than it)."""
+def prepare(a, work: Path) -> None:
+    """The model (random weights, local tokenizer; none when --model names a real one) and the data files, made once
+    per work directory (the data once per --seq: SFT rows must be longer than it; a realistic shape's once per shape
+    and tokenizer)."""
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     from posttrain.models.tiny import make_tiny_model
 
-    shape = dict(SIZES[size])
+    shape = dict(SIZES[a.size])
     vocab = shape.pop("vocab")
-    model_dir = work / "model"
-    if model is None and not (model_dir / "config.json").exists():
-        make_tiny_model(model_dir, max_position_embeddings=max(1024, 2 * seq), **shape)
+    generated = work / "model"
+    if a.model is None and not (generated / "config.json").exists():
+        make_tiny_model(generated, max_position_embeddings=max(1024, 2 * a.seq), **shape)
         if vocab is not None:  # real vocabulary size: the logits cost what they cost on the real model
-            config = AutoConfig.from_pretrained(model_dir)
+            config = AutoConfig.from_pretrained(generated)
             config.vocab_size = vocab
             torch.manual_seed(0)
-            AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(model_dir)
+            AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(generated)
     rng = random.Random(0)
     say = lambda n: " ".join(rng.choice(VOCAB_WORDS) for _ in range(n))  # noqa: E731
+    if a.shape == "realistic":  # sized in the model's tokens; the other algorithms' files are not needed
+        path = data_file(a, work)
+        if not path.exists():
+            rows = realistic_rows(a.algo, AutoTokenizer.from_pretrained(model_dir(a, work)), say, a)
+            path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        return
     files = {
-        "sft": [{"prompt": say(16), "completion": say(2 * seq)} for _ in range(2000)],
-        "dpo": [{"prompt": say(seq // 8), "chosen": say(seq // 3), "rejected": say(seq // 3)} for _ in range(2000)],
-        "grpo": grpo_rows(rng, say, prompt),
+        "sft": [{"prompt": say(16), "completion": say(2 * a.seq)} for _ in range(2000)],
+        "dpo": [{"prompt": say(a.seq // 8), "chosen": say(a.seq // 3), "rejected": say(a.seq // 3)}
+                for _ in range(2000)],
+        "grpo": grpo_rows(say, a.prompt),
         "distill": [{"messages": [{"role": "user", "content": say(16)},  # short enough for TRL's GKD collator
-                                  {"role": "assistant", "content": say(seq // 4)}]} for _ in range(2000)],
+                                  {"role": "assistant", "content": say(a.seq // 4)}]} for _ in range(2000)],
     }
     for name, rows in files.items():
-        path = data_file(work, name, seq, prompt)
+        path = data_file(a, work, name)
         if not path.exists():
             path.write_text("".join(json.dumps(r) + "\n" for r in rows))
 
 
-def grpo_rows(rng, say, prompt: int) -> list[dict]:
-    """GRPO prompts of about `prompt` tokens: one system prompt shared by all (three quarters, when long) and a
-    question of their own, as chat messages; 12 keeps the historical short plain-text prompts."""
-    if prompt <= 12:
-        return [{"prompt": say(prompt), "answer": "yes"} for _ in range(2000)]
-    system = say(prompt * 3 // 4)
-    return [{"prompt": [{"role": "system", "content": system}, {"role": "user", "content": say(prompt // 4)}],
-             "answer": "yes"} for _ in range(2000)]
-
-
-def data_file(work: Path, algo: str, seq: int, prompt: int = 12) -> Path:
-    if algo == "grpo" and prompt != 12:
-        return work / f"grpo-prompt{prompt}.jsonl"
-    return work / f"{algo}-{seq}.jsonl"
+def data_file(a, work: Path, algo: str | None = None) -> Path:
+    """The data file of `algo` (default --algo) at the run's --seq / --prompt / --shape."""
+    algo = algo or a.algo
+    if a.shape == "realistic":
+        size = a.seq if algo == "dpo" else a.prompt
+        return work / f"{algo}-realistic-{size}-{Path(a.model or a.size).name}.jsonl"
+    if algo == "grpo" and a.prompt != 12:
+        return work / f"grpo-prompt{a.prompt}.jsonl"
+    return work / f"{algo}-{a.seq}.jsonl"
 
 
 def model_dir(a, work: Path) -> Path:
@@ -181,7 +187,7 @@ def run_posttrain(a, work: Path, started: float) -> dict:
         "train.learning_rate=1e-6", "train.lr_scheduler_type=constant", "train.save_final_model=false",
         "train.report=false", "train.tensorboard=false", "train.save_steps=0",
         f"train.gradient_checkpointing={str(a.gc).lower()}", f"train.mixed_precision={a.precision_value}",
-        f"data.train={data_file(work, a.algo, a.seq, a.prompt)}", "seed=0",
+        f"data.train={data_file(a, work)}", "seed=0",
         f"train.shared_prefix={'false' if a.tool == 'posttrain-plain' else 'auto'}",
     ]
     if a.algo == "sft":
@@ -192,7 +198,8 @@ def run_posttrain(a, work: Path, started: float) -> dict:
         overrides += [f"data.max_length={a.seq}", f"algo.teacher_model_name_or_path={a.teacher or model_dir(a, work)}",
                       "algo.lmbda=0.0", "algo.beta=0.5", "algo.temperature=1.0"]
     else:
-        prompt_tokens = max(128, 2 * a.prompt)
+        # room for every prompt: a realistic one is sized in tokens (+ its template's), a plain one in words
+        prompt_tokens = max(128, a.prompt * 5 // 4 if a.shape == "realistic" else 2 * a.prompt)
         overrides += [f"data.max_length={prompt_tokens + a.completion}", f"data.max_prompt_length={prompt_tokens}",
                       f"algo.num_generations={a.gens}",
                       f"generation.max_completion_length={a.completion}", "algo.beta=0.0",
@@ -213,7 +220,7 @@ def run_posttrain(a, work: Path, started: float) -> dict:
 
     watcher = threading.Thread(target=watch, daemon=True)
     watcher.start()
-    code = posttrain_main([a.algo, *overrides])
+    code = posttrain_main(["grpo" if a.algo == "agents" else a.algo, *overrides])
     done.set()
     watcher.join()
     if code:
@@ -245,7 +252,7 @@ def run_trl(a, work: Path, started: float) -> dict:
                   learning_rate=1e-6, lr_scheduler_type="constant", logging_steps=1, save_strategy="no",
                   report_to="none", bf16=a.precision == "bf16", gradient_checkpointing=a.gc, dataloader_num_workers=0,
                   disable_tqdm=True, seed=0, use_cpu=not torch.cuda.is_available())
-    data = load_dataset("json", data_files=str(data_file(work, a.algo, a.seq, a.prompt)), split="train")
+    data = load_dataset("json", data_files=str(data_file(a, work)), split="train")
     if a.algo == "sft":
         from trl import SFTConfig, SFTTrainer
 
@@ -289,8 +296,9 @@ def child(a) -> None:
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
     started = float(os.environ["COMPARE_STARTED"])
-    raw = (run_trl if a.tool == "trl" else run_posttrain)(a, Path(a.work), started)
-    print("RESULT " + json.dumps(raw), flush=True)
+    with TrainedTokens() as trained:
+        raw = (run_trl if a.tool == "trl" else run_posttrain)(a, Path(a.work), started)
+    print("RESULT " + json.dumps({**raw, "trained_tokens": trained.count / a.steps}), flush=True)
 
 
 # ----------------------------------------------------------------------------------------------------- figures
@@ -307,8 +315,8 @@ def figures(raw: dict, a, work: Path, probe: float, on_cuda: bool) -> dict:
     cpu = (raw["cpu"][-1] - raw["cpu"][k]) / len(gaps)
     out = {"s/step": sec, "CPU s/step": cpu, "tokens/s": step_tokens / sec if step_tokens and sec > 0 else None,
            "peak GB": raw["peak"] / 2**30, "start-up s": ends[0] - raw["started"], "first loss": raw["loss"][0],
-           "forwarded/step": raw.get("forwarded")}
-    if out["tokens/s"] and a.algo != "grpo":  # none when steps ended within one poll of metrics.jsonl
+           "forwarded/step": raw.get("forwarded"), "trained forward tokens/step": raw.get("trained_tokens")}
+    if out["tokens/s"] and a.algo not in ("grpo", "agents"):  # none when steps ended within one poll of metrics.jsonl
         params, layers, hidden = parameters_and_dims(model_dir(a, work))
         seq = a.seq if a.algo == "sft" else step_tokens / (2 * a.bs)
         achieved = out["tokens/s"] * (6 * params + 12 * layers * hidden * seq)
@@ -335,7 +343,10 @@ def check_args(p: argparse.ArgumentParser, a) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--algo", choices=["sft", "dpo", "grpo", "distill"], default="sft")
+    p.add_argument("--algo", choices=["sft", "dpo", "grpo", "agents", "distill"], default="sft",
+                   help="agents: GRPO with tools' schemas in the prompt (bench/trl_shapes.py)")
+    p.add_argument("--shape", choices=["small", "realistic"], default="small",
+                   help="realistic: the algorithm's shape of bench/trl_shapes.REALISTIC (replaces its flags)")
     p.add_argument("--model", help="a real model directory (or smollm2) instead of a generated --size")
     p.add_argument("--teacher", help="--algo distill: the teacher's directory (default: the model itself)")
     p.add_argument("--size", choices=list(SIZES), default="tiny")
@@ -359,6 +370,7 @@ def main() -> None:
     p.add_argument("--startup", action="store_true", help="only the cold start of each tool's own command line")
     p.add_argument("--posttrain-path", help="--startup: another posttrain checkout to time as well (before/after)")
     a = p.parse_args()
+    apply_shape(a)
     check_args(p, a)
     if a.startup:
         from compare_startup import startup_side_by_side  # beside this file
@@ -373,7 +385,7 @@ def main() -> None:
     if a.prepare_only:
         if not a.work:
             sys.exit("--prepare-only needs --work DIR (where the model and data are kept)")
-        return prepare(Path(a.work), a.size, a.seq, a.model, a.prompt)
+        return prepare(a, Path(a.work))
     on_cuda = torch.cuda.is_available()
     device = torch.cuda.get_device_name() if on_cuda else f"CPU, {torch.get_num_threads()} threads"
     asked = a.tools.split(",")
@@ -384,7 +396,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(a.work or tmp)
         work.mkdir(parents=True, exist_ok=True)
-        prepare(work, a.size, a.seq, a.model, a.prompt)
+        prepare(a, work)
         probe = matmul_probe("cuda" if on_cuda else "cpu", a.precision)
         params = parameters_and_dims(model_dir(a, work))[0]
         for r in range(a.repeats):
@@ -410,7 +422,8 @@ def main() -> None:
     print(f"\n{a.algo} | {a.model or 'size ' + a.size} ({params / 1e6:.1f}M params) | bs {a.bs} | seq {a.seq}"
           f" | {a.precision} | gc {a.gc} | packing {a.packing} | {device} | torch {torch.__version__} | best of "
           f"{a.repeats}")
-    keys = ["s/step", "CPU s/step", "tokens/s", "forwarded/step", "peak GB", "MFU", "start-up s", "first loss"]
+    keys = ["s/step", "CPU s/step", "tokens/s", "trained forward tokens/step", "peak GB", "MFU", "start-up s",
+            "first loss"]
     print("| tool | " + " | ".join(keys) + " |\n" + "|---" * (len(keys) + 1) + "|")
     for tool, row in best.items():
         print(f"| {tool} | " + " | ".join(_fmt(k, row.get(k)) for k in keys) + " |")
@@ -419,6 +432,7 @@ def main() -> None:
             ours, theirs = best[ours_name], best["trl"]
             print(f"{ours_name} / TRL: speed {theirs['s/step'] / ours['s/step']:.2f}x (CPU time "
                   f"{ours['CPU s/step'] / theirs['CPU s/step']:.2f}x), memory {ours['peak GB'] / theirs['peak GB']:.2f}x, "
+                  f"trained forward tokens {_ratio(ours, theirs, 'trained forward tokens/step')}, "
                   f"start-up {ours['start-up s'] / theirs['start-up s']:.2f}x")
     if "posttrain" in best and "posttrain-plain" in best:  # what sharing the prefixes bought
         shared, plain = best["posttrain"], best["posttrain-plain"]
@@ -457,12 +471,16 @@ def _trl_missing() -> str | None:
     return None
 
 
+def _ratio(ours: dict, theirs: dict, key: str) -> str:
+    return f"{ours[key] / theirs[key]:.2f}x" if ours.get(key) and theirs.get(key) else "-"
+
+
 def _fmt(key: str, value) -> str:
     if value is None:
         return "-"
     if key == "MFU":
         return f"{value:.1%}"
-    if key in ("tokens/s", "forwarded/step"):
+    if key in ("tokens/s", "forwarded/step", "trained forward tokens/step"):
         return f"{value:,.0f}"
     return f"{value:.3f}" if key in ("s/step", "CPU s/step", "first loss") else f"{value:.2f}"
 

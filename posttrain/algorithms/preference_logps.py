@@ -40,8 +40,8 @@ def split_pairs(x_B: torch.Tensor, num_pairs: int) -> tuple[torch.Tensor, torch.
 
 def sequence_logps(model, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
     """One forward over all 2P rows -> (sum of completion-token log-probs per row, completion tokens per row)."""
-    logprobs_BT = policy_logprobs(model, batch)
     mask_BT = batch.completion_mask_BT
+    logprobs_BT = policy_logprobs(model, batch, mask_BT=mask_BT)  # the prompts' rows skip the output layer
     return sequence_sum(logprobs_BT, mask_BT), mask_BT.sum(-1)
 
 

@@ -33,8 +33,8 @@ class SFT(Algorithm):
         return batch.completion_mask_BT.sum()
 
     def loss(self, model, batch: Batch, normaliser: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        logprobs_BT, top1_BT = policy_logprobs_top1(model, batch)
         mask_BT = batch.completion_mask_BT
+        logprobs_BT, top1_BT = policy_logprobs_top1(model, batch, mask_BT=mask_BT)  # the output layer on the loss's rows
         loss = sft_loss_sum(logprobs_BT, mask_BT) / normaliser
         n = mask_BT.sum().clamp(min=1)
         metrics = {"mean_token_logprob": (logprobs_BT.detach() * mask_BT).sum() / n,

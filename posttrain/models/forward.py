@@ -112,26 +112,32 @@ def _unpacked(batch: Batch, values) -> torch.Tensor:
     return torch.cat([values_BT.new_zeros(values_BT.shape[0], 1), values_BT[:, 1:]], dim=1)
 
 
-def policy_logprobs(model, batch: Batch, temperature: float = 1.0) -> torch.Tensor:
+def policy_logprobs(model, batch: Batch, temperature: float = 1.0,
+                    mask_BT: torch.Tensor | None = None) -> torch.Tensor:
     """logprobs_BT aligned with input_ids_BT (position 0 is 0): log p(token t | tokens < t). A padding-free batch
     is scored packed (the logits never exist for padding) and unpacked: each row's position 0, which in the packed
-    row holds a prediction from the previous row's last token, is set back to 0."""
+    row holds a prediction from the previous row's last token, is set back to 0. `mask_BT`: the loss reads only
+    these tokens (SFT's and DPO's completion tokens), so a fusable head projects only the rows that predict them,
+    forward and backward, and the others are 0 (the prompt's rows skip the output layer, as GRPO's do)."""
     if batch.shares_prefix:
-        return _shared_logprobs(model, batch, temperature, batch.attention_mask_BT, with_entropy=False)[0]
-    return _logprobs_top1(model, batch, temperature, with_top1=False)[0]
+        want_BT = batch.attention_mask_BT if mask_BT is None else mask_BT
+        return _shared_logprobs(model, batch, temperature, want_BT, with_entropy=False)[0]
+    return _logprobs_top1(model, batch, temperature, with_top1=False, mask_BT=mask_BT)[0]
 
 
-def policy_logprobs_top1(model, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+def policy_logprobs_top1(model, batch: Batch, mask_BT: torch.Tensor | None = None
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
     """policy_logprobs (temperature 1) and top1_BT: whether token t is the argmax of the distribution that predicts
     it (bool; position 0 False), TRL's is_top1, whose mean over the loss tokens is SFT's mean_token_accuracy. One
     forward; with a fusable head the argmax comes from the same logits chunks as the log-probs, so no (B, T, V) tensor
-    exists, as for policy_logprobs. Batches without shared prefixes (SFT's)."""
+    exists, as for policy_logprobs (and with `mask_BT` only the rows that predict its tokens are projected). Batches
+    without shared prefixes (SFT's)."""
     if batch.shares_prefix:
         raise ValueError("policy_logprobs_top1 scores batches without shared prefixes")
-    return _logprobs_top1(model, batch, 1.0, with_top1=True)
+    return _logprobs_top1(model, batch, 1.0, with_top1=True, mask_BT=mask_BT)
 
 
-def _logprobs_top1(model, batch: Batch, temperature: float, with_top1: bool):
+def _logprobs_top1(model, batch: Batch, temperature: float, with_top1: bool, mask_BT: torch.Tensor | None = None):
     """(logprobs_BT, top1_BT or None) of a batch without shared prefixes (see policy_logprobs)."""
     sp = sequence_parallel.current()
     if sp is not None:
@@ -143,7 +149,9 @@ def _logprobs_top1(model, batch: Batch, temperature: float, with_top1: bool):
         logprobs = shift_right(sp.gather(logprobs_BC, length))
         return logprobs, (shift_right(sp.gather(top1_BC.float(), length)).bool() if with_top1 else None)
     inputs = batch.model_inputs()
-    logprobs, top1 = _next_token_logprobs(model, inputs, next_tokens(inputs["input_ids"]), temperature, with_top1)
+    next_mask = None if mask_BT is None else next_tokens(batch.pack(mask_BT))
+    logprobs, top1 = _next_token_logprobs(model, inputs, next_tokens(inputs["input_ids"]), temperature, with_top1,
+                                          next_mask)
     if not batch.padding_free:
         return shift_right(logprobs), (shift_right(top1) if with_top1 else None)
     return (_unpacked(batch, shift_right(logprobs)),
@@ -190,9 +198,11 @@ def _shared_logprobs(model, batch: Batch, temperature: float, want_BT: torch.Ten
 
 
 def _next_token_logprobs(model, inputs: dict, next_ids_BT: torch.Tensor, temperature: float,
-                         with_top1: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+                         with_top1: bool = False, next_mask_BT: torch.Tensor | None = None
+                         ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log p(next_ids[t] | the tokens up to t) at each position of `inputs` (unshifted), and with `with_top1` whether
-    next_ids[t] is the argmax there (else None)."""
+    next_ids[t] is the argmax there (else None); with a fusable head and `next_mask_BT`, only at the positions it marks
+    (0 / False elsewhere: their rows skip the output layer)."""
     head = fusable_head(model)
     with lean_activations(model):
         if head is None:
@@ -203,7 +213,7 @@ def _next_token_logprobs(model, inputs: dict, next_ids_BT: torch.Tensor, tempera
 
         def forward(hidden_BTH: torch.Tensor) -> torch.Tensor:
             logprobs, _, top1 = linear_next_token_stats(hidden_BTH, head.weight, next_ids_BT, temperature,
-                                                        with_top1=with_top1)
+                                                        with_top1=with_top1, next_mask_BT=next_mask_BT)
             top1s.append(top1)
             return logprobs
 
