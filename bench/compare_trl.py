@@ -47,7 +47,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
 import resource
 import shutil
 import subprocess
@@ -57,18 +56,9 @@ import threading
 import time
 from pathlib import Path
 
-from trl_shapes import TrainedTokens, apply_shape, grpo_rows, realistic_rows  # beside this file
+from compare_report import print_summary  # beside this file
+from trl_shapes import SIZES, TrainedTokens, apply_shape, data_file, model_dir, prepare
 
-SIZES = {  # Llama shapes; vocab None keeps the locally trained tokenizer's vocabulary
-    "tiny": dict(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128, vocab=None),
-    "5m": dict(hidden_size=256, num_layers=4, num_heads=4, num_kv_heads=2, intermediate_size=688, vocab=None),
-    "vocab": dict(hidden_size=256, num_layers=4, num_heads=8, num_kv_heads=4, intermediate_size=688, vocab=151936),
-    "20m": dict(hidden_size=512, num_layers=8, num_heads=8, num_kv_heads=4, intermediate_size=1408, vocab=None),
-    "0.5b": dict(hidden_size=896, num_layers=24, num_heads=14, num_kv_heads=2, intermediate_size=4864, vocab=151936),
-    "1.5b": dict(hidden_size=1536, num_layers=28, num_heads=12, num_kv_heads=2, intermediate_size=8960, vocab=151936),
-}
-VOCAB_WORDS = ("one two three four five six seven eight nine ten the a cat dog tree house road river sky sun moon "
-               "star red blue green small big fast slow is was runs sees likes eats good bad yes no").split()
 H100_BF16_PEAK = 989e12
 
 
@@ -78,67 +68,6 @@ def length_reward(prompts, completions, **_):
 
 
 # ----------------------------------------------------------------------------------------------------- inputs
-def prepare(a, work: Path) -> None:
-    """The model (random weights, local tokenizer; none when --model names a real one) and the data files, made once
-    per work directory (the data once per --seq: SFT rows must be longer than it; a realistic shape's once per shape
-    and tokenizer)."""
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-
-    from posttrain.models.tiny import make_tiny_model
-
-    shape = dict(SIZES[a.size])
-    vocab = shape.pop("vocab")
-    generated = work / "model"
-    if a.model is None and not (generated / "config.json").exists():
-        make_tiny_model(generated, max_position_embeddings=max(1024, 2 * a.seq), **shape)
-        if vocab is not None:  # real vocabulary size: the logits cost what they cost on the real model
-            config = AutoConfig.from_pretrained(generated)
-            config.vocab_size = vocab
-            torch.manual_seed(0)
-            AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(generated)
-    rng = random.Random(0)
-    say = lambda n: " ".join(rng.choice(VOCAB_WORDS) for _ in range(n))  # noqa: E731
-    if a.shape == "realistic":  # sized in the model's tokens; the other algorithms' files are not needed
-        path = data_file(a, work)
-        if not path.exists():
-            rows = realistic_rows(a.algo, AutoTokenizer.from_pretrained(model_dir(a, work)), say, a)
-            path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-        return
-    files = {
-        "sft": [{"prompt": say(16), "completion": say(2 * a.seq)} for _ in range(2000)],
-        "dpo": [{"prompt": say(a.seq // 8), "chosen": say(a.seq // 3), "rejected": say(a.seq // 3)}
-                for _ in range(2000)],
-        "grpo": grpo_rows(say, a.prompt),
-        "distill": [{"messages": [{"role": "user", "content": say(16)},  # short enough for TRL's GKD collator
-                                  {"role": "assistant", "content": say(a.seq // 4)}]} for _ in range(2000)],
-    }
-    for name, rows in files.items():
-        path = data_file(a, work, name)
-        if not path.exists():
-            path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-
-
-def data_file(a, work: Path, algo: str | None = None) -> Path:
-    """The data file of `algo` (default --algo) at the run's --seq / --prompt / --shape."""
-    algo = algo or a.algo
-    if a.shape == "realistic":
-        size = a.seq if algo == "dpo" else a.prompt
-        return work / f"{algo}-realistic-{size}-{Path(a.model or a.size).name}.jsonl"
-    if algo == "grpo" and a.prompt != 12:
-        return work / f"grpo-prompt{a.prompt}.jsonl"
-    return work / f"{algo}-{a.seq}.jsonl"
-
-
-def model_dir(a, work: Path) -> Path:
-    """The trained model: --model (smollm2: bench/real_model.py's directory), else the one prepare() generated."""
-    if a.model == "smollm2":
-        from real_model import smollm2_dir
-
-        return smollm2_dir()
-    return Path(a.model).expanduser() if a.model else work / "model"
-
-
 def parameters_and_dims(model_dir: Path) -> tuple[int, int, int]:
     config = json.loads((model_dir / "config.json").read_text())
     h, layers, inter, vocab = (config["hidden_size"], config["num_hidden_layers"], config["intermediate_size"],
@@ -419,30 +348,7 @@ def main() -> None:
                 if a.json:
                     Path(a.json).write_text(json.dumps({"device": device, "params": params, "tools": best,
                                                         "errors": errors}, indent=1))
-    print(f"\n{a.algo} | {a.model or 'size ' + a.size} ({params / 1e6:.1f}M params) | bs {a.bs} | seq {a.seq}"
-          f" | {a.precision} | gc {a.gc} | packing {a.packing} | {device} | torch {torch.__version__} | best of "
-          f"{a.repeats}")
-    keys = ["s/step", "CPU s/step", "tokens/s", "trained forward tokens/step", "peak GB", "MFU", "start-up s",
-            "first loss"]
-    print("| tool | " + " | ".join(keys) + " |\n" + "|---" * (len(keys) + 1) + "|")
-    for tool, row in best.items():
-        print(f"| {tool} | " + " | ".join(_fmt(k, row.get(k)) for k in keys) + " |")
-    for ours_name in ("posttrain", "posttrain-plain"):
-        if ours_name in best and "trl" in best:
-            ours, theirs = best[ours_name], best["trl"]
-            print(f"{ours_name} / TRL: speed {theirs['s/step'] / ours['s/step']:.2f}x (CPU time "
-                  f"{ours['CPU s/step'] / theirs['CPU s/step']:.2f}x), memory {ours['peak GB'] / theirs['peak GB']:.2f}x, "
-                  f"trained forward tokens {_ratio(ours, theirs, 'trained forward tokens/step')}, "
-                  f"start-up {ours['start-up s'] / theirs['start-up s']:.2f}x")
-    if "posttrain" in best and "posttrain-plain" in best:  # what sharing the prefixes bought
-        shared, plain = best["posttrain"], best["posttrain-plain"]
-        print(f"shared / plain prefixes: speed {plain['s/step'] / shared['s/step']:.2f}x, memory "
-              f"{shared['peak GB'] / plain['peak GB']:.2f}x")
-    if "posttrain" in best and "trl" in best:
-        ours, theirs = best["posttrain"], best["trl"]
-        print("\n| run | posttrain / TRL step time | posttrain / TRL peak memory |\n|---|---|---|\n"
-              f"| {a.algo}, {a.model or a.size}, bs {a.bs}, {a.steps} steps, {a.precision} | "
-              f"{ours['s/step'] / theirs['s/step']:.2f} | {ours['peak GB'] / theirs['peak GB']:.2f} |")
+    print_summary(a, best, f"{params / 1e6:.1f}M params", f"{device} | torch {torch.__version__}")
     for tool, error in errors.items():
         print(f"{tool}: not measured: {error.splitlines()[-1] if error.strip() else error}")
     if any(tool in errors for tool in tools):
@@ -469,20 +375,6 @@ def _trl_missing() -> str | None:
     except Exception as e:  # noqa: BLE001 - an installed TRL that breaks on import (a transformers it does not fit)
         return f"trl fails to import: {type(e).__name__}: {e}"
     return None
-
-
-def _ratio(ours: dict, theirs: dict, key: str) -> str:
-    return f"{ours[key] / theirs[key]:.2f}x" if ours.get(key) and theirs.get(key) else "-"
-
-
-def _fmt(key: str, value) -> str:
-    if value is None:
-        return "-"
-    if key == "MFU":
-        return f"{value:.1%}"
-    if key in ("tokens/s", "forwarded/step", "trained forward tokens/step"):
-        return f"{value:,.0f}"
-    return f"{value:.3f}" if key in ("s/step", "CPU s/step", "first loss") else f"{value:.2f}"
 
 
 if __name__ == "__main__":

@@ -24,7 +24,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from compare_trl import SIZES, VOCAB_WORDS  # noqa: E402  the generated shapes every bench shares
+from trl_shapes import SIZES, VOCAB_WORDS  # noqa: E402  the generated shapes every bench shares
 
 ROOT = Path(__file__).resolve().parents[1]
 

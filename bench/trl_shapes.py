@@ -20,9 +20,22 @@ repeated per row count as computed, which is what they cost. It patches torch.nn
 from __future__ import annotations
 
 import json
+import random
+from pathlib import Path
 from typing import Callable
 
 import torch
+
+SIZES = {  # Llama shapes; vocab None keeps the locally trained tokenizer's vocabulary
+    "tiny": dict(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128, vocab=None),
+    "5m": dict(hidden_size=256, num_layers=4, num_heads=4, num_kv_heads=2, intermediate_size=688, vocab=None),
+    "vocab": dict(hidden_size=256, num_layers=4, num_heads=8, num_kv_heads=4, intermediate_size=688, vocab=151936),
+    "20m": dict(hidden_size=512, num_layers=8, num_heads=8, num_kv_heads=4, intermediate_size=1408, vocab=None),
+    "0.5b": dict(hidden_size=896, num_layers=24, num_heads=14, num_kv_heads=2, intermediate_size=4864, vocab=151936),
+    "1.5b": dict(hidden_size=1536, num_layers=28, num_heads=12, num_kv_heads=2, intermediate_size=8960, vocab=151936),
+}
+VOCAB_WORDS = ("one two three four five six seven eight nine ten the a cat dog tree house road river sky sun moon "
+               "star red blue green small big fast slow is was runs sees likes eats good bad yes no").split()
 
 REALISTIC = {
     "grpo": dict(prompt=384, gens=8, completion=128, bs=16),
@@ -139,6 +152,67 @@ def realistic_rows(algo: str, tokenizer, say: Callable[[int], str], a) -> list[d
     question = a.prompt - tokens(system)
     return [{"prompt": [{"role": "system", "content": system}, {"role": "user", "content": words(max(question, 16))}],
              "answer": "yes"} for _ in range(2000)]
+
+
+def prepare(a, work: Path) -> None:
+    """The model (random weights, local tokenizer; none when --model names a real one) and the data files, made once
+    per work directory (the data once per --seq: SFT rows must be longer than it; a realistic shape's once per shape
+    and tokenizer)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    from posttrain.models.tiny import make_tiny_model
+
+    shape = dict(SIZES[a.size])
+    vocab = shape.pop("vocab")
+    generated = work / "model"
+    if a.model is None and not (generated / "config.json").exists():
+        make_tiny_model(generated, max_position_embeddings=max(1024, 2 * a.seq), **shape)
+        if vocab is not None:  # real vocabulary size: the logits cost what they cost on the real model
+            config = AutoConfig.from_pretrained(generated)
+            config.vocab_size = vocab
+            torch.manual_seed(0)
+            AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(generated)
+    rng = random.Random(0)
+    say = lambda n: " ".join(rng.choice(VOCAB_WORDS) for _ in range(n))  # noqa: E731
+    if a.shape == "realistic":  # sized in the model's tokens; the other algorithms' files are not needed
+        path = data_file(a, work)
+        if not path.exists():
+            rows = realistic_rows(a.algo, AutoTokenizer.from_pretrained(model_dir(a, work)), say, a)
+            path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        return
+    files = {
+        "sft": [{"prompt": say(16), "completion": say(2 * a.seq)} for _ in range(2000)],
+        "dpo": [{"prompt": say(a.seq // 8), "chosen": say(a.seq // 3), "rejected": say(a.seq // 3)}
+                for _ in range(2000)],
+        "grpo": grpo_rows(say, a.prompt),
+        "distill": [{"messages": [{"role": "user", "content": say(16)},  # short enough for TRL's GKD collator
+                                  {"role": "assistant", "content": say(a.seq // 4)}]} for _ in range(2000)],
+    }
+    for name, rows in files.items():
+        path = data_file(a, work, name)
+        if not path.exists():
+            path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def data_file(a, work: Path, algo: str | None = None) -> Path:
+    """The data file of `algo` (default --algo) at the run's --seq / --prompt / --shape."""
+    algo = algo or a.algo
+    if a.shape == "realistic":
+        size = a.seq if algo == "dpo" else a.prompt
+        return work / f"{algo}-realistic-{size}-{Path(a.model or a.size).name}.jsonl"
+    if algo == "grpo" and a.prompt != 12:
+        return work / f"grpo-prompt{a.prompt}.jsonl"
+    return work / f"{algo}-{a.seq}.jsonl"
+
+
+def model_dir(a, work: Path) -> Path:
+    """The trained model: --model (smollm2: bench/real_model.py's directory), else the one prepare() generated."""
+    if a.model == "smollm2":
+        from real_model import smollm2_dir
+
+        return smollm2_dir()
+    return Path(a.model).expanduser() if a.model else work / "model"
 
 
 class TrainedTokens:
