@@ -217,6 +217,9 @@ class VLLMConfig:
     """Free the engine's GPU memory while training (GPU only; a no-op on a CPU)."""
     kv_cache_gb: Optional[int] = None
     """CPU only: whole GiB for the KV cache (VLLM_CPU_KVCACHE_SPACE; None: vLLM's default)."""
+    enable_prefix_caching: Optional[bool] = None
+    """Reuse the keys and values of prompt blocks computed before (vLLM's prefix caching), emptied at every weight
+    sync. None: off in-process; vLLM's default in a server the run starts (on on a GPU, off on a CPU)."""
 
 
 @dataclass(frozen=True)
