@@ -101,6 +101,8 @@ class VLLMEngine(GenerationEngine):
                        **({"limit_mm_per_prompt": {"video": 0}} if vision else {}),
                        **({} if self.on_gpu else {"enable_chunked_prefill": False}))
         self._asleep = False
+        self.prefix_caching = bool(cfg.enable_prefix_caching)
+        self._prompt_tokens = self._cached_tokens = 0  # since prefix_cache_hits last read them
 
     # --- GenerationEngine ---
 
@@ -121,11 +123,19 @@ class VLLMEngine(GenerationEngine):
         outputs = self.llm.generate(prompts, vparams, use_tqdm=False)
         if images is not None:
             check_widened(prompt_ids, [out.prompt_token_ids for out in outputs])
+        self._prompt_tokens += sum(len(out.prompt_token_ids) for out in outputs)
+        self._cached_tokens += sum(out.num_cached_tokens or 0 for out in outputs)
         samples = [out.outputs[0] for out in outputs]
         ids = [list(s.token_ids) for s in samples]
         logprobs = [[float(step[t].logprob) for step, t in zip(s.logprobs, tokens)] for s, tokens in zip(samples, ids)]
         truncated = [vllm_truncated(s.finish_reason, tokens, self.stop_ids) for s, tokens in zip(samples, ids)]
         return Completions(ids, logprobs, truncated)
+
+    def prefix_cache_hits(self) -> Optional[tuple[int, int]]:
+        if not self.prefix_caching:
+            return None
+        hits, self._prompt_tokens, self._cached_tokens = (self._cached_tokens, self._prompt_tokens), 0, 0
+        return hits
 
     def load_weights(self, buckets: Iterable[list[tuple[str, torch.Tensor]]]) -> None:
         """Load the whole sync (`Backend.weight_buckets`: full tensors named as in the plain transformers model) in

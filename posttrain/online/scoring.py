@@ -89,6 +89,8 @@ class RankFigures:
     """Multi-turn runs: each trajectory's stats (agents.Trajectory.stats); None for single-turn sampling."""
     untemplated: list[bool] = field(default_factory=list)
     """Per prompt: plain text tokenised as it is for a tokenizer with a chat template (rundir/health.py)."""
+    versions: list[tuple[int, int, int, bool]] = field(default_factory=list)
+    """Versions spanned, tokens older than the row's latest version, tokens, dropped (online/partial.py)."""
 
     @classmethod
     def of(cls, sample, logged: dict[str, list[float]], lags: list[int]) -> "RankFigures":
@@ -98,4 +100,5 @@ class RankFigures:
                    skipped=sample.skipped, logged=logged, lengths=[len(ids) for ids in sample.completion_ids],
                    truncated=sample.truncated, lags=lags,
                    agent=[t.stats() for t in sample.trajectories] if sample.trajectories is not None else None,
-                   untemplated=[bool(p.get("untemplated")) for p in sample.prompts])
+                   untemplated=[bool(p.get("untemplated")) for p in sample.prompts],
+                   versions=sample.version_figures())
