@@ -180,3 +180,17 @@ def test_settings_that_cannot_act_are_refused_before_any_model_loads(overrides, 
     with pytest.raises(UserError, match=message):
         load_recipe(None, ["data.train=x.jsonl", "rewards=[{name: exact_match}]", "generation.engine=vllm",
                            *overrides], GRPOAlgoConfig)
+
+
+def test_partial_rollouts_of_a_vision_language_model_are_refused(tiny_vlm_dir):
+    """A chunk continues from the prompt's tokens alone: its images would be lost."""
+    from posttrain.algorithms import ALGORITHMS
+    from posttrain.models.vision import check_vision_recipe
+
+    recipe = load_recipe(None, [f"model.name_or_path={tiny_vlm_dir}", "data.train=x.jsonl",
+                                "rewards=[{name: exact_match}]", "generation.engine=vllm",
+                                "generation.placement=servers", "generation.servers=[http://127.0.0.1:1]",
+                                "generation.max_staleness=1", "generation.partial_rollouts=true"], GRPOAlgoConfig)
+    with pytest.raises(UserError, match="generation.partial_rollouts=true with the vision-language model .*without "
+                                        "its images"):
+        check_vision_recipe(recipe, ALGORITHMS["grpo"][1](recipe))
