@@ -47,9 +47,8 @@ import torch
 from posttrain.data.collate import collate_padded, pad_id
 from posttrain.data.images import SAMPLE_IMAGES, ImageEncoder, image_names, with_images
 from posttrain.agents import Trajectory, agent_metrics
-from posttrain.ops.advantages import zero_std_fraction
 from posttrain.ops.logprobs import sequence_mean
-from posttrain.rewards import reward_metrics, trainer_state
+from posttrain.rewards import trainer_state
 from posttrain.config.schema import total_steps
 from posttrain.batch import Batch, share_prefixes
 from posttrain.online.dynamic_sampling import DynamicSampler
@@ -57,9 +56,8 @@ from posttrain.online.engine_link import EngineLink, Sample
 from posttrain.online.in_flight import InFlight, lag_metrics, policy_lag
 from posttrain.online.mismatch import engine_mismatch
 from posttrain.online.partial import PartialInFlight, partial_metrics
-from posttrain.online.scoring import RankFigures, UnscoredSteps, score
+from posttrain.online.scoring import RankFigures, UnscoredSteps, score, step_metrics
 from posttrain.train.sources import SampleOrder, Source
-from posttrain.usercode import UserCodeError
 
 logger = logging.getLogger(__name__)
 
@@ -385,33 +383,3 @@ def sequence_advantages(batches: list[Batch]) -> torch.Tensor:
     """One advantage per completion, for the samples file: the sequence's own, or its per-token mean."""
     return torch.cat([b.advantages_B if b.advantages_B is not None
                       else sequence_mean(b.advantages_BT, b.completion_mask_BT) for b in batches]).cpu()
-
-
-def step_metrics(everyone: list[RankFigures], total_B: torch.Tensor, scored_B: torch.Tensor, group: int) -> dict[str, float]:
-    """Reward, length and truncation figures of the whole step from every rank's gathered numbers. reward/* and
-    frac_reward_zero_std are over the scored completions only (TRL's nanmean); rewards/unscored counts the others."""
-    per_function = {name: torch.tensor([r for part in everyone for r in part.per_function[name]])
-                    for name in everyone[0].per_function}
-    lengths = torch.tensor([n for part in everyone for n in part.lengths], dtype=torch.float32)
-    truncated = torch.tensor([c for part in everyone for c in part.truncated], dtype=torch.float32)
-    scored_total_B = total_B[scored_B]
-    metrics = {"reward/mean": scored_total_B.mean(), "reward/std": scored_total_B.std(unbiased=False),
-               "rewards/unscored": (~scored_B).sum(),
-               "completion_length/mean": lengths.mean(), "completion_length/max": lengths.max(),
-               "completion_length/min": lengths.min(), "truncated_fraction": truncated.mean(),
-               **reward_metrics(per_function)}
-    untemplated = [u for part in everyone for u in part.untemplated]
-    if any(untemplated):  # plain-text prompts for a chat model (rundir/health.py)
-        metrics["prompts/untemplated_fraction"] = sum(untemplated) / len(untemplated)
-    if group > 1:  # samples of one prompt: how many groups carry no signal
-        metrics["frac_reward_zero_std"] = zero_std_fraction(total_B, group, scored_B)
-    logged: dict[str, list[float]] = {}  # the reward functions' log_metric values, averaged over the step
-    for part in everyone:
-        for name, values in part.logged.items():
-            logged.setdefault(name, []).extend(values)
-    clash = sorted(set(logged) & set(metrics))
-    if clash:  # the trainer's figure would be replaced by the user's
-        raise UserCodeError(f"a reward function called log_metric({clash[0]!r}, ...), a metric the trainer logs "
-                            "itself; give yours a name of its own")
-    return {**{k: float(v) for k, v in metrics.items()}, **{k: sum(v) / len(v) for k, v in logged.items()},
-            "rewards/skipped": float(sum(p.skipped for p in everyone))}

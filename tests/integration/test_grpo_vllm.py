@@ -141,6 +141,7 @@ def test_partial_rollouts_continue_across_syncs_and_resume_bit_for_bit(tiny_vllm
     assert all(r["partial/stale_completion_fraction"] > 0.5 and r["partial/versions_per_completion_max"] == 2
                for r in a[1:]), a
     assert sum(r["partial/chunks_on_the_spot"] for r in a) == 3 and all(r["partial/dropped"] == 0 for r in a)
+    assert all(0 <= r["generation/prefix_cache_hit_fraction"] <= 1 for r in a)  # the cache on, and counted
     records = [json.loads(line) for line in (full / "samples.jsonl").read_text().splitlines()]
     assert {tuple(r["token_versions"]) for r in records if r["step"] == 3} >= {(1, 1, 1, 1, 2, 2, 2, 2)}
 
