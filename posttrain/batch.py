@@ -115,6 +115,9 @@ class Batch:
     sampler_logprobs_BT: Optional[torch.Tensor] = None
     """Log-probs the generation engine reported for the completion tokens, aligned with input_ids_BT (0 elsewhere);
     a vllm / server engine samples from a copy of the policy, so they can differ from the trainer's."""
+    sampled_by_BT: Optional[torch.Tensor] = None
+    """The policy version (optimiser step) that sampled each completion token, aligned with input_ids_BT (int64, -1
+    elsewhere and for the policy itself); partial rollouts (generation.partial_rollouts) give one row several."""
     truncated_B: Optional[torch.Tensor] = None
     """bool: completion hit max_completion_length without end of sequence."""
     routed_experts_BTLK: Optional[torch.Tensor] = None

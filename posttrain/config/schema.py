@@ -217,6 +217,9 @@ class VLLMConfig:
     """Free the engine's GPU memory while training (GPU only; a no-op on a CPU)."""
     kv_cache_gb: Optional[int] = None
     """CPU only: whole GiB for the KV cache (VLLM_CPU_KVCACHE_SPACE; None: vLLM's default)."""
+    enable_prefix_caching: Optional[bool] = None
+    """Reuse the keys and values of prompt blocks computed before (vLLM's prefix caching), emptied at every weight
+    sync. None: off in-process; vLLM's default in a server the run starts (on on a GPU, off on a CPU)."""
 
 
 @dataclass(frozen=True)
@@ -247,6 +250,18 @@ class GenerationConfig:
     """Generation batches sampled ahead while training goes on (vllm, server; 0: none), each by the policy current
     when it was submitted, so at most this many batches older (policy_lag logs it, algo.vllm_is_correction weights
     it); checkpoints carry them. The earlier `generation.async: true` is 1."""
+    partial_rollouts: bool = False
+    """With max_staleness >= 1: batches ahead are sampled in chunks of tokens and a weight sync lands between chunks;
+    a completion still running then goes on under the new weights from its tokens so far, each token stamped with
+    the version that sampled it (docs/generation.md)."""
+    partial_chunk_tokens: Optional[int] = None
+    """partial_rollouts: new tokens per completion per engine call (None: a quarter of max_completion_length)."""
+    partial_chunks_per_batch: Optional[int] = None
+    """partial_rollouts: chunk rounds the engine samples ahead per generation batch trained, a fixed pace that makes a
+    run reproducible (None: enough for one whole batch, max_completion_length / partial_chunk_tokens rounded up)."""
+    partial_max_versions: int = 0
+    """partial_rollouts: most policy versions one completion may span; one that would span more stops where it is,
+    is left out of the loss and counted in partial/dropped (0: no cap)."""
     vllm: VLLMConfig = field(default_factory=VLLMConfig)
     """In-process vLLM engine settings (generation.vllm.*)."""
     servers: tuple[str, ...] = ()
@@ -421,3 +436,11 @@ def trackers(train: TrainConfig) -> tuple[str, ...]:
 def global_batch_size(train: TrainConfig, world_size: int) -> int:
     """Sequences per optimiser step across all processes."""
     return train.per_device_train_batch_size * train.gradient_accumulation_steps * world_size
+
+
+def partial_chunk(generation: GenerationConfig) -> tuple[int, int]:
+    """generation.partial_rollouts: (new tokens per completion per engine call, chunk rounds sampled ahead per
+    generation batch trained), their None defaults resolved: a quarter of max_completion_length, and enough rounds
+    for one whole batch."""
+    tokens = generation.partial_chunk_tokens or max(1, generation.max_completion_length // 4)
+    return tokens, generation.partial_chunks_per_batch or -(-generation.max_completion_length // tokens)

@@ -10,7 +10,7 @@ import math
 import os
 from urllib.parse import urlsplit
 
-from posttrain.config.schema import ALL_LINEAR, Recipe, trackers
+from posttrain.config.schema import ALL_LINEAR, Recipe, partial_chunk, trackers
 from posttrain.errors import UserError, overflows_float32
 
 CHOICES = {
@@ -117,6 +117,7 @@ def validate(recipe: Recipe) -> None:
         raise UserError(f"generation.max_staleness={g.max_staleness} (generation.async) keeps the engine generating "
                         "during training, so generation.vllm.enable_sleep_mode (free its memory while training) "
                         "cannot apply; drop one")
+    check_partial_rollouts(recipe)
     for i, r in enumerate(recipe.rewards):
         if not r.name:
             raise UserError(f"rewards[{i}].name is empty: name a built-in reward or an import path module:function")
@@ -137,6 +138,39 @@ def validate(recipe: Recipe) -> None:
                         "give it alone or list module names")
     if recipe.model.router_aux_loss_coef is not None and recipe.model.router_aux_loss_coef < 0:
         raise UserError(f"model.router_aux_loss_coef must be >= 0, got {recipe.model.router_aux_loss_coef}")
+
+
+def check_partial_rollouts(recipe: Recipe) -> None:
+    """generation.partial_rollouts and its settings, before any model loads: it continues the batches sampled ahead
+    across syncs, so it needs some (max_staleness >= 1, which the hf engine refuses: it samples with the policy
+    itself, never synced); its settings cannot act without it."""
+    g = recipe.generation
+    settings = {"partial_chunk_tokens": g.partial_chunk_tokens, "partial_chunks_per_batch": g.partial_chunks_per_batch,
+                "partial_max_versions": g.partial_max_versions or None}
+    if not g.partial_rollouts:
+        given = [f"generation.{k}={v}" for k, v in settings.items() if v is not None]
+        if given:
+            raise UserError(f"{given[0]} shapes partial rollouts, which are off: set generation.partial_rollouts=true, "
+                            "or drop it")
+        return
+    if g.max_staleness < 1:
+        raise UserError("generation.partial_rollouts=true continues generations sampled ahead of training across a "
+                        "weight sync, and generation.max_staleness=0 samples none ahead: set "
+                        "generation.max_staleness=1 (or more), or generation.partial_rollouts=false")
+    if recipe.agent.enabled:
+        raise UserError("generation.partial_rollouts=true is not built for multi-turn rollouts (agent.tools / "
+                        "agent.environment): a trajectory's turns are sampled whole; set generation.partial_rollouts="
+                        "false")
+    for key in ("partial_chunk_tokens", "partial_chunks_per_batch"):
+        if settings[key] is not None and settings[key] < 1:
+            raise UserError(f"generation.{key} must be >= 1 (or null), got {settings[key]}")
+    chunk, _ = partial_chunk(g)
+    if chunk >= g.max_completion_length:
+        raise UserError(f"generation.partial_chunk_tokens={chunk} samples every completion in one chunk "
+                        f"(generation.max_completion_length={g.max_completion_length}), so none can continue across a "
+                        "sync: lower it (or raise max_completion_length)")
+    if g.partial_max_versions < 0:
+        raise UserError(f"generation.partial_max_versions must be >= 0 (0: no cap), got {g.partial_max_versions}")
 
 
 def check_overlong_reaches(recipe: Recipe, i: int) -> None:

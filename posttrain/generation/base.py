@@ -168,6 +168,11 @@ class GenerationEngine:
         (posttrain.generation.adapter_sync.DeliveryProbe), for every rank to check; [] elsewhere."""
         return []
 
+    def prefix_cache_hits(self) -> Optional[tuple[int, int]]:
+        """(prompt tokens read from its prefix cache, prompt tokens) since the last call; None: it keeps no prefix
+        cache it can count (off, or a server)."""
+        return None
+
     def sleep(self) -> None:
         """Release what the engine holds on the accelerator between generations (KV cache, weights)."""
 

@@ -139,10 +139,22 @@ class ServerEngine(GenerationEngine):
         adapter = {} if self._names is None else {"adapter_name": self._names.current,
                                                    "adapter_config": self._adapter_config}
         self._transfer.send_weights(adapter)
-        for url in self.servers:  # prefixes cached before the sync hold keys and values of the old weights
-            self._rpc(url, "/reset_prefix_cache", {}, phase="finish")
+        for url in self.servers:
+            self._reset_prefix_cache(url)
         if self.vision is not None:
             self._reset_image_caches()
+
+    def _reset_prefix_cache(self, url: str) -> None:
+        """After a sync: prefixes the server cached hold keys and values of the old weights, which a later prompt
+        sharing their first blocks would reuse (vLLM's prefix caching: on by default on a GPU). vLLM answers
+        success false while a request holds blocks (another rank still generating), and the stale blocks then stay:
+        the run stops rather than sample from them."""
+        answer = self._rpc(url, "/reset_prefix_cache", {}, phase="finish")
+        if isinstance(answer, dict) and answer.get("success") is False:
+            raise RunStopped(f"{self.name(url)} could not reset its prefix cache after a weight sync (a request still "
+                             "held cache blocks), so it would serve keys and values of the old weights; start it "
+                             "with --no-enable-prefix-caching (posttrain serve ... -- --no-enable-prefix-caching)",
+                             shared=False)
 
     def _reset_image_caches(self) -> None:
         """After a sync: each server's encoder cache holds image embeddings computed with the old vision weights, its

@@ -46,6 +46,8 @@ def serve_args(recipe, tensor_parallel_size: int) -> list[str]:
         args += ["--dtype", vllm.dtype]
     if vllm.enforce_eager:
         args.append("--enforce-eager")
+    if vllm.enable_prefix_caching is not None:
+        args.append("--enable-prefix-caching" if vllm.enable_prefix_caching else "--no-enable-prefix-caching")
     if model.revision:
         args += ["--revision", model.revision]
     if model.tokenizer_name_or_path:

@@ -27,7 +27,7 @@ from typing import Iterable, Optional
 
 import torch
 
-from posttrain.errors import UserError
+from posttrain.errors import RunStopped, UserError
 from posttrain.generation.base import Completions, GenerationEngine, SamplingParams, check_prompts, vllm_sampling, vllm_truncated
 from posttrain.models.facts import stop_ids
 
@@ -96,11 +96,13 @@ class VLLMEngine(GenerationEngine):
                        tensor_parallel_size=cfg.tensor_parallel_size, max_model_len=cfg.max_model_len or max_model_len,
                        enforce_eager=cfg.enforce_eager, enable_sleep_mode=self.sleep_mode,
                        logprobs_mode="processed_logprobs",
-                       enable_prefix_caching=False,  # cached prefixes would outlive a weight sync
+                       enable_prefix_caching=bool(cfg.enable_prefix_caching),  # reset at every sync
                        **({"hf_overrides": {"head_dtype": "float32"}} if fp32_head else {}),
                        **({"limit_mm_per_prompt": {"video": 0}} if vision else {}),
                        **({} if self.on_gpu else {"enable_chunked_prefill": False}))
         self._asleep = False
+        self.prefix_caching = bool(cfg.enable_prefix_caching)
+        self._prompt_tokens = self._cached_tokens = 0  # since prefix_cache_hits last read them
 
     # --- GenerationEngine ---
 
@@ -121,11 +123,19 @@ class VLLMEngine(GenerationEngine):
         outputs = self.llm.generate(prompts, vparams, use_tqdm=False)
         if images is not None:
             check_widened(prompt_ids, [out.prompt_token_ids for out in outputs])
+        self._prompt_tokens += sum(len(out.prompt_token_ids) for out in outputs)
+        self._cached_tokens += sum(out.num_cached_tokens or 0 for out in outputs)
         samples = [out.outputs[0] for out in outputs]
         ids = [list(s.token_ids) for s in samples]
         logprobs = [[float(step[t].logprob) for step, t in zip(s.logprobs, tokens)] for s, tokens in zip(samples, ids)]
         truncated = [vllm_truncated(s.finish_reason, tokens, self.stop_ids) for s, tokens in zip(samples, ids)]
         return Completions(ids, logprobs, truncated)
+
+    def prefix_cache_hits(self) -> Optional[tuple[int, int]]:
+        if not self.prefix_caching:
+            return None
+        hits, self._prompt_tokens, self._cached_tokens = (self._cached_tokens, self._prompt_tokens), 0, 0
+        return hits
 
     def load_weights(self, buckets: Iterable[list[tuple[str, torch.Tensor]]]) -> None:
         """Load the whole sync (`Backend.weight_buckets`: full tensors named as in the plain transformers model) in
@@ -133,9 +143,19 @@ class VLLMEngine(GenerationEngine):
         be reloaded from half new, half old weights. The buckets stream into the worker as they come."""
         self.wake()
         self.llm.collective_rpc(_load_into_worker, args=(((n, t.detach()) for bucket in buckets for n, t in bucket),))
-        self.llm.reset_prefix_cache()
+        self.reset_prefix_cache()
         if self.vision is not None:
             self._reset_image_caches()
+
+    def reset_prefix_cache(self) -> None:
+        """After a sync: vLLM's prefix cache (generation.vllm.enable_prefix_caching) holds the keys and values of
+        prompts computed with the old weights, which a later prompt sharing their first blocks would reuse as they are
+        (measured: 0.34 nats off the new policy's log-probs on the tiny model). vLLM refuses while a request holds
+        blocks; nothing generates during a sync, so a refusal means stale keys would be served: the run stops."""
+        if not self.llm.reset_prefix_cache():
+            raise RunStopped("the in-process vLLM engine could not reset its prefix cache after a weight sync (a "
+                             "request still held cache blocks), so it would serve keys and values of the old weights; "
+                             "set generation.vllm.enable_prefix_caching=false", shared=False)
 
     def _prompt(self, ids: list[int], refs: list) -> dict:
         """vLLM's prompt: the token ids, and with images one placeholder per image plus the decoded images."""

@@ -235,6 +235,8 @@ def check_vision_recipe(recipe, algorithm) -> bool:
         (algorithm.source_kind == "rollout" and gen.lora_sync == "adapter", "generation.lora_sync=adapter",
          "adapter-only syncs into vLLM are not tested on a vision-language model; set generation.lora_sync=merged"),
         (recipe.agent.enabled, "agent.*", "posttrain runs multi-turn agents on text prompts only so far"),
+        (gen.partial_rollouts, "generation.partial_rollouts=true",
+         "a chunk continues from the prompt's tokens alone, without its images; set generation.partial_rollouts=false"),
     )
     for refused, what, why in refusals:
         if refused:

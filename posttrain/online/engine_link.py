@@ -62,7 +62,12 @@ class Sample:
     trajectories: Optional[list] = None
     """Multi-turn runs: each row's agents.Trajectory (messages, tool figures); None for single-turn sampling."""
     sampled_by: list[Optional[int]] = field(default_factory=list)
-    """Each row's policy version (optimiser step) the engine's weights were from; None: the policy itself (hf)."""
+    """Each row's policy version (optimiser step) the engine's weights were from, its first token's where a partial
+    rollout spans several (the oldest); None: the policy itself (hf)."""
+    token_versions: list[list[Optional[int]]] = field(default_factory=list)
+    """The policy version that sampled each completion token (generation.partial_rollouts: several per row)."""
+    dropped: list[bool] = field(default_factory=list)
+    """The row passed generation.partial_max_versions and was stopped there: left out of the loss."""
     # the prompts asked, one per prompt (the rollout source's `asked`)
     prompts: list[dict] = field(default_factory=list)
     """The tokenised examples ({"prompt_ids", "prompt", "columns"})."""
@@ -96,13 +101,33 @@ class Sample:
 
     def completion_masks(self) -> list[list[int]]:
         """1 at the tokens the model produced (trained), 0 at tokens appended by tools or an environment and at every
-        token of a filler row."""
+        token of a filler or dropped row."""
         if self.trajectories is not None:
             masks = [t.completion_mask for t in self.trajectories]
         else:
             masks = [[1] * len(ids) for ids in self.completion_ids]
-        fillers = self.filler or [False] * len(masks)
-        return [[0] * len(m) if filler else m for m, filler in zip(masks, fillers)]
+        fillers, dropped = self.filler or [False] * len(masks), self.dropped or [False] * len(masks)
+        return [[0] * len(m) if filler or gone else m for m, filler, gone in zip(masks, fillers, dropped)]
+
+    def version_figures(self) -> list[tuple[int, int, int, bool]]:
+        """Per row: (versions its tokens span, tokens sampled by a version older than its latest, tokens, dropped),
+        for the partial/* figures (online/partial.py)."""
+        figures = []
+        for versions, dropped in zip(self.token_versions, self.dropped or [False] * len(self.token_versions)):
+            known = [v for v in versions if v is not None]
+            latest = max(known, default=None)
+            figures.append((len(set(known)), sum(v < latest for v in known), len(versions), bool(dropped)))
+        return figures
+
+    def aligned(self, values: list[list], start: int, stop: int, shape_BT: tuple[int, int], fill=0,
+                dtype=torch.float32) -> torch.Tensor:
+        """A per-completion-token field (`logprobs`, `token_versions`) of rows [start, stop) as a [B, T] tensor
+        aligned with their prompt + completion rows, `fill` elsewhere (None values too)."""
+        out_BT = torch.full(shape_BT, fill, dtype=dtype)
+        for row, (p, row_values) in enumerate(zip(self.prompt_ids[start:stop], values[start:stop])):
+            out_BT[row, len(p) : len(p) + len(row_values)] = torch.tensor(
+                [fill if v is None else v for v in row_values], dtype=dtype)
+        return out_BT
 
     def completion_texts(self, tokenizer) -> list[str]:
         """What rewards score as each row's completion: the model's last turn, or the decoded completion."""
@@ -225,6 +250,8 @@ class EngineLink:
         if not force and self.synced_at is not None and step - self.synced_at < gen.sync_every:
             return
         started = time.perf_counter()
+        if engine.shared:  # servers: every rank's own generations (a batch sampled ahead) end before the sync lands
+            self.backend.barrier()
         buckets = self.backend.weight_buckets(self.policy.model, gen.sync_bucket_mb, engine.adapter_only,
                                               self._frozen_out())
         engine.load_weights(buckets)  # one load, streamed bucket by bucket as the backend gathers them
@@ -281,7 +308,15 @@ class EngineLink:
             out.logprobs += logprobs
             out.truncated += truncated
         out.sampled_by = [self.synced_at] * len(out.completion_ids)
+        out.token_versions = [[self.synced_at] * len(ids) for ids in out.completion_ids]
+        out.dropped = [False] * len(out.completion_ids)
         return out
+
+    def figures(self) -> dict[str, float]:
+        """This rank's engine figures since the last call: generation/prefix_cache_hit_fraction (the share of prompt
+        tokens its prefix cache served, where the engine counts them: in-process, generation.vllm.enable_prefix_caching)."""
+        hits = self.engine.prefix_cache_hits()
+        return {} if hits is None else {"generation/prefix_cache_hit_fraction": hits[0] / max(hits[1], 1)}
 
     def sleep(self) -> None:
         """Training gets the engine's accelerator memory back (vLLM sleep mode on a GPU)."""

@@ -2,8 +2,8 @@
 
     queue = InFlight(max_staleness=2, steps_per_rollout=1)
     taken, refused = queue.take(index, step)         # batch `index`, if it was sampled ahead and its lag fits
-    for j in queue.wanted(index):                     # what to submit so batches index+1 .. index+k are in flight
-        queue.push(Sampled(j, positions, submitted_at=step, future=pool.submit(link.sample, ...)))
+    sample = queue.complete(taken, link, step)        # its Sample (waiting for it)
+    queue.refill(index, step, prompts_of, link, group, pool)   # batches index+1 .. index+k in flight, in one thread
     queue.save(checkpoint_dir, rank)                  # every rank: rollouts_in_flight_<rank>.json
     queue.load(checkpoint_dir, positions_of)          # on resume: the same batches, whatever the world size now
 
@@ -15,7 +15,8 @@ longer (a checkpoint written with a larger k, resumed with a smaller one): it is
 Exact resume: what the engine returned for each batch in flight, its data positions and versions go into the step-N
 checkpoint, one JSON file per rank (floats round-trip exactly, no pickle), so a resumed run trains on the very tokens
 and log-probs the uninterrupted run trained on. Loading gathers rows by data position from every rank's file, so a
-checkpoint resumes under another world size too.
+checkpoint resumes under another world size too. Partial rollouts (online/partial.py) keep their batches here too,
+with their rows so far, which rows ended and the rounds sampled.
 """
 
 from __future__ import annotations
@@ -32,9 +33,14 @@ from posttrain.online.engine_link import Sample
 
 FILE = "rollouts_in_flight_{rank}.json"
 FORMAT = 1
-FIELDS = ("prompt_ids", "completion_ids", "logprobs", "truncated", "trajectories", "sampled_by")
+FIELDS = ("prompt_ids", "completion_ids", "logprobs", "truncated", "trajectories", "sampled_by", "token_versions",
+          "dropped")
 """The per-row fields of a Sample kept in the file (trajectories: None but multi-turn; sampled_by: one version for the
-whole batch in files written before versions were kept per row, still read)."""
+whole batch in files written before versions were kept per row, still read; token_versions and dropped: absent from
+earlier files, read as the row's version and False)."""
+LATER = ("token_versions", "dropped")
+PARTIAL_ROWS = "ended"
+"""A partial rollout's rows that have ended (online/partial.py); absent: the batch was saved whole."""
 
 
 def files_problem(directory: Path) -> Optional[str]:
@@ -61,7 +67,7 @@ def _whole(value, least: int = 0) -> bool:
 def _record_problem(record) -> str:
     if not isinstance(record, dict):
         return "not an object"
-    missing = [k for k in ("index", "positions", "submitted_at", *FIELDS) if k not in record]
+    missing = [k for k in ("index", "positions", "submitted_at", *FIELDS) if k not in record and k not in LATER]
     if missing:
         return f"no {', '.join(missing)}"
     positions, rows = record["positions"], record["prompt_ids"]
@@ -73,7 +79,9 @@ def _record_problem(record) -> str:
         return "a prompt position is listed twice"
     if not isinstance(rows, list) or not rows or len(rows) % len(positions):
         return f"{len(rows) if isinstance(rows, list) else rows!r:.40} rows for {len(positions)} prompt positions"
-    for key in FIELDS:
+    for key in (*FIELDS, PARTIAL_ROWS):
+        if key not in record:
+            continue
         value = record[key]
         if (value is None and key != "prompt_ids") or (key == "sampled_by" and _whole(value)):
             continue
@@ -81,6 +89,12 @@ def _record_problem(record) -> str:
             return f"{key} must be a list of {len(rows)} rows"
     if record["trajectories"] is not None and not all(isinstance(t, dict) for t in record["trajectories"]):
         return "trajectories must be objects"
+    versions, completions = record.get("token_versions", []), record["completion_ids"]
+    if versions is None or (versions and not all(isinstance(v, list) and isinstance(c, list) and len(v) == len(c)
+                                                 for v, c in zip(versions, completions))):
+        return "token_versions must hold one version per completion token"
+    if "rounds" in record and not _whole(record["rounds"]):
+        return "rounds must be a whole number >= 0"
     return ""
 
 
@@ -170,16 +184,44 @@ class InFlight:
         for batch in self.batches:
             batch.wait()
 
+    def complete(self, batch: Sampled, link, step: int) -> Sample:
+        """The Sample of a batch taken (waiting for it: whole batches finish under the weights they started with)."""
+        return batch.wait()
+
+    def refill(self, index: int, step: int, prompts_of: Callable, link, group: int, pool) -> None:
+        """Once batch `index` is taken and the engine synced to the policy of `step`: submit the batches up to
+        index + max_staleness to `pool`, each sampled whole by `link`; `prompts_of(j)`: batch j's positions, dataset
+        rows and prompts."""
+        for ahead in self.wanted(index):
+            positions, rows, prompts = prompts_of(ahead)
+            self.push(Sampled(ahead, positions, step, pool.submit(link.sample, prompts, positions, rows, group)))
+
+    def metrics(self) -> dict[str, float]:
+        """This rank's figures of the batches ahead since the last call (partial rollouts have some)."""
+        return {}
+
+    def record(self, batch) -> tuple[Sample, dict]:
+        """What the checkpoint keeps of a batch: its Sample, and the extra fields of a partial one."""
+        return batch.wait(), {}
+
+    def restore(self, index: int, positions: list[int], meta: dict, sample: Sample, ended: Optional[list]):
+        """A batch from the checkpoint, or why it cannot be restored here (a partial one with rows still running)."""
+        if ended is not None and not all(ended):
+            return "it holds partial completions (generation.partial_rollouts), which this run does not continue"
+        return Sampled(index, positions, meta["submitted_at"], result=sample)
+
     # --- the checkpoint ----------------------------------------------------------------------------------------
 
     def save(self, directory: Path, rank: int) -> Path:
         """Write this rank's batches in flight (waiting for them) to `directory`/rollouts_in_flight_<rank>.json."""
         self.settle()
-        records = [{"index": b.index, "positions": b.positions, "submitted_at": b.submitted_at,
-                    **{k: getattr(b.result, k) for k in FIELDS},
-                    "trajectories": None if b.result.trajectories is None
-                    else [dataclasses.asdict(t) for t in b.result.trajectories]}
-                   for b in self.batches]
+        records = []
+        for b in self.batches:
+            sample, extra = self.record(b)
+            records.append({"index": b.index, "positions": b.positions, "submitted_at": b.submitted_at,
+                            **{k: getattr(sample, k) for k in FIELDS}, **extra,
+                            "trajectories": None if sample.trajectories is None
+                            else [dataclasses.asdict(t) for t in sample.trajectories]})
         path = Path(directory) / FILE.format(rank=rank)
         path.write_text(json.dumps({"format": FORMAT, "rank": rank, "batches": records}))
         return path
@@ -200,13 +242,13 @@ class InFlight:
                 raise UserError(f"{path} is not a file of generation batches in flight of format {FORMAT} (written "
                                 "by another posttrain release?): resume from an earlier checkpoint")
             for record in data["batches"]:
-                if not isinstance(record["sampled_by"], list):  # one version for the batch (an earlier file)
-                    record["sampled_by"] = [record["sampled_by"]] * len(record["prompt_ids"])
+                upgrade(record)
                 batch = saved.setdefault(record["index"], {"meta": record, "rows": {}})
                 group = len(record["prompt_ids"]) // max(len(record["positions"]), 1)
                 for i, position in enumerate(record["positions"]):
                     rows = slice(i * group, (i + 1) * group)
-                    batch["rows"][position] = {k: (record[k][rows] if record[k] is not None else None) for k in FIELDS}
+                    batch["rows"][position] = {k: (record[k][rows] if record.get(k) is not None else None)
+                                               for k in (*FIELDS, PARTIAL_ROWS)}
         self.batches = []
         for index in sorted(saved):
             meta, rows = saved[index]["meta"], saved[index]["rows"]
@@ -216,13 +258,27 @@ class InFlight:
                 return [f"generation batch {index}: the rows of prompt positions {missing[:4]} are not in "
                         f"{directory}"]
             columns = {k: [v for p in positions for v in rows[p][k]] if rows[positions[0]][k] is not None else None
-                       for k in FIELDS}
+                       for k in (*FIELDS, PARTIAL_ROWS)}
+            ended = columns.pop(PARTIAL_ROWS)
             if columns["trajectories"] is not None:
                 try:
                     columns["trajectories"] = [trajectory(**t) for t in columns["trajectories"]]
                 except TypeError as e:  # fields another release (or an editor) wrote
                     raise UserError(f"{directory}: a saved trajectory of generation batch {index} cannot be "
                                     f"rebuilt ({e}): resume from an earlier checkpoint") from None
-            self.batches.append(Sampled(index, positions, meta["submitted_at"],
-                                        result=Sample(**columns)))
+            batch = self.restore(index, positions, meta, Sample(**columns), ended)
+            if isinstance(batch, str):
+                return [f"generation batch {index}: {batch}"]
+            self.batches.append(batch)
         return []
+
+
+def upgrade(record: dict) -> None:
+    """A record of an earlier file with the per-row fields of now: one version for the batch as each row's, each
+    token's version its row's, nothing dropped."""
+    rows = len(record["prompt_ids"])
+    if not isinstance(record["sampled_by"], list):
+        record["sampled_by"] = [record["sampled_by"]] * rows
+    if "token_versions" not in record:
+        record["token_versions"] = [[v] * len(c) for v, c in zip(record["sampled_by"], record["completion_ids"])]
+    record.setdefault("dropped", [False] * rows)

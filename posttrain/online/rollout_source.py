@@ -13,7 +13,8 @@ made in phases:
   2. generate: G completions per prompt, `generation.batch_size` prompts per engine call, each call seeded by (seed,
      global position of its first prompt): resume reproduces it, and so does any accumulation split (any world size
      too with generation.batch_size=1). With generation.max_staleness k > 0 the batch was sampled in a thread during
-     the training of up to k earlier batches (train/in_flight.py; a checkpoint carries the batches in flight);
+     the training of up to k earlier batches (online/in_flight.py; a checkpoint carries the batches in flight), with
+     generation.partial_rollouts in chunks across syncs (online/partial.py);
   3. score: the RewardSet on this rank's completions; the step's total rewards are gathered from all ranks (one
      small all_gather) so advantages and the metrics are computed on the whole step, identically on every rank;
   4. batches: prompt + completion rows, right padded, split into micro-batches; old / reference log-probs and critic
@@ -23,11 +24,11 @@ made in phases:
 last_metrics (whole step, all ranks): reward/mean|std (scored completions only), rewards/<name>/mean|std,
 rewards/skipped, rewards/unscored (completions no reward scored), frac_reward_zero_std, completion_length/mean|max|min,
 truncated_fraction, policy_lag and rollout/policy_lag_mean|max (optimiser steps from the sampling policy to the
-trained one), mismatch/* where an engine samples apart (online/mismatch.py), prompts/untemplated_fraction where
-plain-text prompts meet a chat template; and this rank's seconds per phase: time/generate (with max_staleness: the
-wait for the batch sampled ahead), time/sync, time/score (with the gather), time/ref (log-probs, values,
-advantages), time/train (from handing the micro-batches over to the loop reading the metrics), and under launcher:
-ray time/role/<role> for each role served apart from the policy (its calls, transfer included).
+trained one), mismatch/* where an engine samples apart (online/mismatch.py), partial/* with partial rollouts
+(online/partial.py), prompts/untemplated_fraction where plain-text prompts meet a chat template; and this rank's
+seconds per phase: time/generate (with max_staleness: the wait for the batch sampled ahead), time/sync, time/score
+(with the gather), time/ref (log-probs, values, advantages), time/train (from handing the micro-batches over to the
+loop reading the metrics), and under launcher: ray time/role/<role> for each role served apart from the policy.
 """
 
 from __future__ import annotations
@@ -46,18 +47,17 @@ import torch
 from posttrain.data.collate import collate_padded, pad_id
 from posttrain.data.images import SAMPLE_IMAGES, ImageEncoder, image_names, with_images
 from posttrain.agents import Trajectory, agent_metrics
-from posttrain.ops.advantages import zero_std_fraction
 from posttrain.ops.logprobs import sequence_mean
-from posttrain.rewards import reward_metrics, trainer_state
+from posttrain.rewards import trainer_state
 from posttrain.config.schema import total_steps
 from posttrain.batch import Batch, share_prefixes
 from posttrain.online.dynamic_sampling import DynamicSampler
 from posttrain.online.engine_link import EngineLink, Sample
-from posttrain.online.in_flight import InFlight, Sampled, lag_metrics, policy_lag
+from posttrain.online.in_flight import InFlight, lag_metrics, policy_lag
 from posttrain.online.mismatch import engine_mismatch
-from posttrain.online.scoring import RankFigures, UnscoredSteps, score
+from posttrain.online.partial import PartialInFlight, partial_metrics
+from posttrain.online.scoring import RankFigures, UnscoredSteps, score, step_metrics
 from posttrain.train.sources import SampleOrder, Source
-from posttrain.usercode import UserCodeError
 
 logger = logging.getLogger(__name__)
 
@@ -127,7 +127,8 @@ class RolloutSource(Source):
         self._unscored = UnscoredSteps()  # a run whose rewards score nothing stops
         self._trained_through = 0  # optimiser steps the policy has taken (as far as this source knows)
         # generation.max_staleness: up to k generation batches sampled ahead, in one thread, while this one trains
-        self._ahead = InFlight(recipe.generation.max_staleness, self.iterations)
+        self._ahead = (PartialInFlight(recipe.generation, self.iterations) if recipe.generation.partial_rollouts
+                       else InFlight(recipe.generation.max_staleness, self.iterations))
         self._pool = (ThreadPoolExecutor(max_workers=1, thread_name_prefix="posttrain-async")
                       if recipe.generation.max_staleness else None)
         # algo.dynamic_sampling: prompts drawn until enough groups vary (train/dynamic_sampling.py)
@@ -273,7 +274,9 @@ class RolloutSource(Source):
         metrics.update({"time/generate": self._seconds["generate"], "time/score": self._seconds["score"],
                         "time/ref": prepared - scored, "time/sync": self.link.sync_seconds,
                         **lag_metrics([lag for part in everyone for lag in part.lags]), **advantage_metrics,
-                        **dynamic_metrics})
+                        **dynamic_metrics, **self._ahead.metrics(), **self.link.figures()})
+        if self.recipe.generation.partial_rollouts:
+            metrics.update(partial_metrics([v for part in everyone for v in part.versions]))
         for name in ("reference", "reward_model", "critic"):  # roles served apart: their calls' seconds
             role = getattr(self.models, name)
             seconds = role.seconds() if role is not None else None
@@ -297,18 +300,15 @@ class RolloutSource(Source):
         if refused:
             logger.warning("step %d: %s; it is sampled again from the current policy", step, refused)
         if ahead is not None:
-            sample = ahead.wait()
+            sample = self._ahead.complete(ahead, link, step)
         else:
             link.sync(step)
             sample = link.sample(prompts, positions, dataset_index, group)
-        self._ahead.settle()  # the batches ahead finish first: no sync ever lands under a generation in flight
+        self._ahead.settle()  # no sync ever lands under a generation (or a chunk) in flight
         generated, synced = time.perf_counter(), link.sync_seconds - synced_before
-        if self._pool is not None:  # up to k batches ahead, each from the policy current now
+        if self._pool is not None:  # up to k batches ahead, started by the policy current now
             link.sync(step)
-            for ahead_index in self._ahead.wanted(draw):
-                ahead_positions, ahead_rows, ahead_prompts = self._prompts(ahead_index)
-                future = self._pool.submit(link.sample, ahead_prompts, ahead_positions, ahead_rows, group)
-                self._ahead.push(Sampled(ahead_index, ahead_positions, step, future))
+            self._ahead.refill(draw, step, self._prompts, link, group, self._pool)
         else:
             link.sleep()
         score_started = time.perf_counter()
@@ -336,10 +336,10 @@ class RolloutSource(Source):
             if self.processor is not None:  # each completion row sees its prompt's images
                 images = [self.examples[i].get("images", []) for i in dataset_index[start:stop]]
                 batch = with_images(batch, images, self.processor)
-            sampler_BT = torch.zeros(batch.input_ids_BT.shape, dtype=torch.float32)
-            for row, (p, lps) in enumerate(zip(sample.prompt_ids[start:stop], sample.logprobs[start:stop])):
-                sampler_BT[row, len(p) : len(p) + len(lps)] = torch.tensor(lps, dtype=torch.float32)
-            batch = replace(batch, rewards_B=rewards_B[start:stop], sampler_logprobs_BT=sampler_BT,
+            shape_BT = tuple(batch.input_ids_BT.shape)
+            batch = replace(batch, rewards_B=rewards_B[start:stop],
+                            sampler_logprobs_BT=sample.aligned(sample.logprobs, start, stop, shape_BT),
+                            sampled_by_BT=sample.aligned(sample.token_versions, start, stop, shape_BT, -1, torch.long),
                             truncated_B=torch.tensor(sample.truncated[start:stop], dtype=torch.bool),
                             example_index_B=torch.tensor(dataset_index[start:stop]),
                             padding_free=self.recipe.data.packing)
@@ -366,6 +366,8 @@ class RolloutSource(Source):
                 "completion": sample.texts[i], "reward": float(sample.total[i]) if sample.scored[i] else None,
                 "rewards": {k: (None if math.isnan(v[i]) else float(v[i])) for k, v in sample.per_function.items()},
                 "advantage": float(advantages_B[i]), "truncated": bool(sample.truncated[i]),
+                **({"token_versions": sample.token_versions[i], "dropped": sample.dropped[i]}
+                   if self.recipe.generation.partial_rollouts else {}),
                 **({"extra": {k: v[i] for k, v in sample.extra.items()}} if sample.extra else {}),
                 **(trajectory_record(sample.trajectories[i]) if sample.trajectories is not None else {})})
         with (Path(self.recipe.output_dir) / "samples.jsonl").open("a") as f:
@@ -381,33 +383,3 @@ def sequence_advantages(batches: list[Batch]) -> torch.Tensor:
     """One advantage per completion, for the samples file: the sequence's own, or its per-token mean."""
     return torch.cat([b.advantages_B if b.advantages_B is not None
                       else sequence_mean(b.advantages_BT, b.completion_mask_BT) for b in batches]).cpu()
-
-
-def step_metrics(everyone: list[RankFigures], total_B: torch.Tensor, scored_B: torch.Tensor, group: int) -> dict[str, float]:
-    """Reward, length and truncation figures of the whole step from every rank's gathered numbers. reward/* and
-    frac_reward_zero_std are over the scored completions only (TRL's nanmean); rewards/unscored counts the others."""
-    per_function = {name: torch.tensor([r for part in everyone for r in part.per_function[name]])
-                    for name in everyone[0].per_function}
-    lengths = torch.tensor([n for part in everyone for n in part.lengths], dtype=torch.float32)
-    truncated = torch.tensor([c for part in everyone for c in part.truncated], dtype=torch.float32)
-    scored_total_B = total_B[scored_B]
-    metrics = {"reward/mean": scored_total_B.mean(), "reward/std": scored_total_B.std(unbiased=False),
-               "rewards/unscored": (~scored_B).sum(),
-               "completion_length/mean": lengths.mean(), "completion_length/max": lengths.max(),
-               "completion_length/min": lengths.min(), "truncated_fraction": truncated.mean(),
-               **reward_metrics(per_function)}
-    untemplated = [u for part in everyone for u in part.untemplated]
-    if any(untemplated):  # plain-text prompts for a chat model (rundir/health.py)
-        metrics["prompts/untemplated_fraction"] = sum(untemplated) / len(untemplated)
-    if group > 1:  # samples of one prompt: how many groups carry no signal
-        metrics["frac_reward_zero_std"] = zero_std_fraction(total_B, group, scored_B)
-    logged: dict[str, list[float]] = {}  # the reward functions' log_metric values, averaged over the step
-    for part in everyone:
-        for name, values in part.logged.items():
-            logged.setdefault(name, []).extend(values)
-    clash = sorted(set(logged) & set(metrics))
-    if clash:  # the trainer's figure would be replaced by the user's
-        raise UserCodeError(f"a reward function called log_metric({clash[0]!r}, ...), a metric the trainer logs "
-                            "itself; give yours a name of its own")
-    return {**{k: float(v) for k, v in metrics.items()}, **{k: sum(v) / len(v) for k, v in logged.items()},
-            "rewards/skipped": float(sum(p.skipped for p in everyone))}

@@ -3,6 +3,7 @@
     texts, scores = score(rewards, prompts, sample, tokenizer, link.with_environment, trainer_state)
     scores.total_B, scores.scored_B, scores.per_function, scores.skipped, scores.logged   # a rewards.Scores
     figures = RankFigures.of(sample.take_scores(texts, scores), logged, lags)   # this rank's share of a step's figures
+    metrics = step_metrics(every_ranks_figures, total_B, scored_B, group)      # the whole step's reward figures
 
 Each reward function is called on TRL's contract (rewards/combine.py): one prompt per completion (a prompt's G
 samples repeat it), the completions in the dataset's shape (a multi-turn run: every message after the prompt, with
@@ -19,7 +20,9 @@ import torch
 
 from posttrain.agents import score_trajectories
 from posttrain.errors import RunStopped
-from posttrain.rewards import Scores, as_completions
+from posttrain.ops.advantages import zero_std_fraction
+from posttrain.rewards import Scores, as_completions, reward_metrics
+from posttrain.usercode import UserCodeError
 
 
 def score(rewards, prompts: list[dict], sample, tokenizer, with_environment: bool = False,
@@ -89,6 +92,8 @@ class RankFigures:
     """Multi-turn runs: each trajectory's stats (agents.Trajectory.stats); None for single-turn sampling."""
     untemplated: list[bool] = field(default_factory=list)
     """Per prompt: plain text tokenised as it is for a tokenizer with a chat template (rundir/health.py)."""
+    versions: list[tuple[int, int, int, bool]] = field(default_factory=list)
+    """Versions spanned, tokens older than the row's latest version, tokens, dropped (online/partial.py)."""
 
     @classmethod
     def of(cls, sample, logged: dict[str, list[float]], lags: list[int]) -> "RankFigures":
@@ -98,4 +103,35 @@ class RankFigures:
                    skipped=sample.skipped, logged=logged, lengths=[len(ids) for ids in sample.completion_ids],
                    truncated=sample.truncated, lags=lags,
                    agent=[t.stats() for t in sample.trajectories] if sample.trajectories is not None else None,
-                   untemplated=[bool(p.get("untemplated")) for p in sample.prompts])
+                   untemplated=[bool(p.get("untemplated")) for p in sample.prompts],
+                   versions=sample.version_figures())
+
+
+def step_metrics(everyone: list[RankFigures], total_B: torch.Tensor, scored_B: torch.Tensor, group: int) -> dict[str, float]:
+    """Reward, length and truncation figures of the whole step from every rank's gathered numbers. reward/* and
+    frac_reward_zero_std are over the scored completions only (TRL's nanmean); rewards/unscored counts the others."""
+    per_function = {name: torch.tensor([r for part in everyone for r in part.per_function[name]])
+                    for name in everyone[0].per_function}
+    lengths = torch.tensor([n for part in everyone for n in part.lengths], dtype=torch.float32)
+    truncated = torch.tensor([c for part in everyone for c in part.truncated], dtype=torch.float32)
+    scored_total_B = total_B[scored_B]
+    metrics = {"reward/mean": scored_total_B.mean(), "reward/std": scored_total_B.std(unbiased=False),
+               "rewards/unscored": (~scored_B).sum(),
+               "completion_length/mean": lengths.mean(), "completion_length/max": lengths.max(),
+               "completion_length/min": lengths.min(), "truncated_fraction": truncated.mean(),
+               **reward_metrics(per_function)}
+    untemplated = [u for part in everyone for u in part.untemplated]
+    if any(untemplated):  # plain-text prompts for a chat model (rundir/health.py)
+        metrics["prompts/untemplated_fraction"] = sum(untemplated) / len(untemplated)
+    if group > 1:  # samples of one prompt: how many groups carry no signal
+        metrics["frac_reward_zero_std"] = zero_std_fraction(total_B, group, scored_B)
+    logged: dict[str, list[float]] = {}  # the reward functions' log_metric values, averaged over the step
+    for part in everyone:
+        for name, values in part.logged.items():
+            logged.setdefault(name, []).extend(values)
+    clash = sorted(set(logged) & set(metrics))
+    if clash:  # the trainer's figure would be replaced by the user's
+        raise UserCodeError(f"a reward function called log_metric({clash[0]!r}, ...), a metric the trainer logs "
+                            "itself; give yours a name of its own")
+    return {**{k: float(v) for k, v in metrics.items()}, **{k: sum(v) / len(v) for k, v in logged.items()},
+            "rewards/skipped": float(sum(p.skipped for p in everyone))}

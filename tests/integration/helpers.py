@@ -33,6 +33,17 @@ def metrics(output_dir: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+def unclocked_metrics(output_dir: Path) -> list[dict]:
+    """metrics.jsonl without the figures of time and memory: what a resumed run must equal exactly."""
+    clocks = ("time/", "tokens_per_second", "peak_memory_mb", "estimated_peak_memory_mb")
+    return [{k: v for k, v in r.items() if not k.startswith(clocks)} for r in metrics(output_dir)]
+
+
+def assert_same_final_weights(a: Path, b: Path) -> None:
+    weights_a, weights_b = final_weights(a), final_weights(b)
+    assert weights_a.keys() == weights_b.keys() and all(torch.equal(weights_a[k], weights_b[k]) for k in weights_a)
+
+
 def step_losses(output_dir: Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in metrics(output_dir) if "loss" in r}
 

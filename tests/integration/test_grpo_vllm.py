@@ -13,11 +13,10 @@ import subprocess
 import sys
 
 import pytest
-import torch
 
 from posttrain.generation.vllm_engine import vllm_available
 from posttrain.demo.tasks import write_example_data
-from tests.integration.helpers import final_weights, metrics, run_overrides
+from tests.integration.helpers import assert_same_final_weights, metrics, run_overrides, unclocked_metrics
 
 pytestmark = [pytest.mark.vllm,
               pytest.mark.skipif(not vllm_available(), reason="vLLM is not installed (make setup EXTRAS=dev,vllm)")]
@@ -79,6 +78,19 @@ def test_vllm_engine_async_multi_turn_samples_the_next_batch_during_training(tin
     assert all((r["turns/mean"], r["tools/calls"], r["tools/errors"]) == (3, 16, 0) for r in rows), rows
 
 
+def full_and_resumed(model_dir, data, tmp_path, *common: str) -> tuple:
+    """One 4-step run uninterrupted (tmp_path/full) and stopped after step 2 then resumed (tmp_path/split), with the
+    correction on and a checkpoint at step 2; both succeed, and the resumed run samples nothing again."""
+    common = (*common, "algo.vllm_is_correction=true", "train.max_steps=4", "train.save_steps=2")
+    full, split = tmp_path / "full", tmp_path / "split"
+    for out, extra in ((full, []), (split, ["train.max_steps_per_run=2"]),
+                       (split, ["train.resume_from_checkpoint=auto"])):
+        run = run_grpo(model_dir, data, out, *common, *extra)
+        assert run.returncode == 0, run.stderr[-3000:]
+    assert "sampled again" not in run.stderr, run.stderr[-3000:]
+    return full, split
+
+
 DYNAMIC = ("algo.dynamic_sampling.enabled=true", "algo.dynamic_sampling.metric=reward",
            "algo.dynamic_sampling.max_batches=0", "rewards=[{name: 'tests.integration.test_dynamic_sampling:"
            "first_letter_reward'}]")
@@ -91,19 +103,11 @@ def test_max_staleness_2_resumes_bit_for_bit(tiny_vllm_model_dir, data, tmp_path
     manifest), and resumed it trains on them: every logged figure but the clocks, and the final weights, equal the
     uninterrupted run's exactly. With DAPO's dynamic sampling too: the draws ahead are the prompt order's next
     generation batches, and the checkpoint says where the order stands."""
-    common = ("generation.max_staleness=2", "algo.vllm_is_correction=true", "train.max_steps=4", "train.save_steps=2",
-              *dynamic)
-    full, split = tmp_path / "full", tmp_path / "split"
-    for out, extra in ((full, []), (split, ["train.max_steps_per_run=2"]),
-                       (split, ["train.resume_from_checkpoint=auto"])):
-        run = run_grpo(tiny_vllm_model_dir, data, out, *common, *extra)
-        assert run.returncode == 0, run.stderr[-3000:]
-    assert "sampled again" not in run.stderr, run.stderr[-3000:]
+    full, split = full_and_resumed(tiny_vllm_model_dir, data, tmp_path, "generation.max_staleness=2", *dynamic)
     saved = json.loads((split / "checkpoints" / "step-2" / "manifest.json").read_text())["files"]
     assert "rollouts_in_flight_0.json" in saved
     in_flight = json.loads((split / "checkpoints" / "step-2" / "rollouts_in_flight_0.json").read_text())["batches"]
-    clocks = ("time/", "tokens_per_second", "peak_memory_mb", "estimated_peak_memory_mb")
-    a, b = ([{k: v for k, v in r.items() if not k.startswith(clocks)} for r in metrics(out)] for out in (full, split))
+    a, b = unclocked_metrics(full), unclocked_metrics(split)
     if not dynamic:
         assert [(b["index"], b["submitted_at"], set(b["sampled_by"])) for b in in_flight] == [(2, 0, {0}), (3, 1, {1})]
         assert [r["policy_lag"] for r in a] == [0, 1, 2, 2] and [r["rollout/policy_lag_max"] for r in a] == [0, 1, 2, 2]
@@ -113,8 +117,33 @@ def test_max_staleness_2_resumes_bit_for_bit(tiny_vllm_model_dir, data, tmp_path
         assert sum(r["dynamic_sampling/batches"] for r in a) > 4 and all(r["frac_reward_zero_std"] == 0 for r in a)
         assert max(r["rollout/policy_lag_max"] for r in a) <= 2
     assert b == a
-    weights_a, weights_b = final_weights(full), final_weights(split)
-    assert weights_a.keys() == weights_b.keys() and all(torch.equal(weights_a[k], weights_b[k]) for k in weights_a)
+    assert_same_final_weights(full, split)
+
+
+def test_partial_rollouts_continue_across_syncs_and_resume_bit_for_bit(tiny_vllm_model_dir, data, tmp_path):
+    """generation.partial_rollouts with max_staleness=2, chunks of 4 of the 8 tokens, one round per batch: each batch
+    ahead gets its first chunk from the policy one step older and the rest after the sync, from its tokens so far (the
+    in-process engine, prefix caching on). A run stopped after step 2 carries batch 2 half sampled, and resumed it
+    equals the uninterrupted run in every logged figure but the clocks and in the final weights."""
+    full, split = full_and_resumed(tiny_vllm_model_dir, data, tmp_path, "generation.max_staleness=2",
+                                   "generation.partial_rollouts=true", "generation.partial_chunk_tokens=4",
+                                   "generation.partial_chunks_per_batch=1",
+                                   "generation.vllm.enable_prefix_caching=true")
+    in_flight = json.loads((split / "checkpoints" / "step-2" / "rollouts_in_flight_0.json").read_text())["batches"]
+    half = in_flight[0]  # batch 2: its first chunk, by the policy of step 1; batch 3 not started
+    assert [(b["index"], b["rounds"]) for b in in_flight] == [(2, 1), (3, 0)]
+    assert not any(half["ended"]) and all(v == [1] * 4 for v in half["token_versions"])
+    a = unclocked_metrics(full)
+    assert unclocked_metrics(split) == a
+    assert_same_final_weights(full, split)
+    # every completion that ran past its first chunk straddled a sync (fails if the chunks stop continuing)
+    assert [r["policy_lag"] for r in a] == [0, 1, 1, 1] and a[0]["partial/stale_completion_fraction"] == 0
+    assert all(r["partial/stale_completion_fraction"] > 0.5 and r["partial/versions_per_completion_max"] == 2
+               for r in a[1:]), a
+    assert sum(r["partial/chunks_on_the_spot"] for r in a) == 3 and all(r["partial/dropped"] == 0 for r in a)
+    assert all(0 <= r["generation/prefix_cache_hit_fraction"] <= 1 for r in a)  # the cache on, and counted
+    records = [json.loads(line) for line in (full / "samples.jsonl").read_text().splitlines()]
+    assert {tuple(r["token_versions"]) for r in records if r["step"] == 3} >= {(1, 1, 1, 1, 2, 2, 2, 2)}
 
 
 def test_vllm_engine_samples_from_a_synced_moe_policy(tiny_moe_model_dir, data, tmp_path):

@@ -6,6 +6,7 @@ samples what final/ does; a corrupted adapter stops the run); a server that dies
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -22,7 +23,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from posttrain.generation.vllm_engine import vllm_available
 from posttrain.demo.tasks import write_example_data
-from tests.integration.helpers import metrics, run_cli, run_overrides
+from tests.integration.helpers import assert_same_final_weights, metrics, run_cli, run_overrides, unclocked_metrics
 
 pytestmark = [pytest.mark.vllm,
               pytest.mark.skipif(not vllm_available(), reason="vLLM is not installed (make setup EXTRAS=dev,vllm)")]
@@ -255,6 +256,43 @@ def test_async_grpo_samples_one_step_behind_and_the_server_ends_on_final(vllm_se
                 "eval/completion_length": sum(map(len, ids)) / len(ids)}
     for key in ("eval/reward", "eval/completion_length"):
         assert evaluated[0][key] == pytest.approx(expected[key], abs=1e-6), (key, evaluated[0], expected)
+
+
+def test_partial_rollouts_on_a_server_continue_across_syncs_and_a_sigterm_resumes_them(vllm_server, data, tmp_path):
+    """generation.partial_rollouts on the server, chunks of 4 of the 8 tokens, one round per batch: every batch ahead
+    gets its first chunk from the policy one step older and the rest, from its tokens so far, after the sync. A run
+    stopped by SIGTERM saves its checkpoint with a batch half sampled, and resumed it ends as the uninterrupted run
+    did: the same logged figures but the clocks, the same final weights."""
+    args = ("train.max_steps=4", "train.save_steps=1", "generation.max_staleness=2", "generation.partial_rollouts=true",
+            "generation.partial_chunk_tokens=4", "generation.partial_chunks_per_batch=1",
+            "algo.vllm_is_correction=true")
+    full, stopped = tmp_path / "full", tmp_path / "stopped"
+    run = start_grpo(overrides(vllm_server.url, vllm_server.model_dir, data, full, *args))
+    _, stderr = run.communicate(timeout=600)
+    assert run.returncode == 0, stderr[-3000:]
+    rows = metrics(full)
+    assert [r["policy_lag"] for r in rows] == [0, 1, 1, 1] and rows[0]["partial/stale_completion_fraction"] == 0
+    assert all(r["partial/stale_completion_fraction"] > 0.5 for r in rows[1:]), rows  # fails if chunks stop continuing
+    records = [json.loads(line) for line in (full / "samples.jsonl").read_text().splitlines()]
+    assert {tuple(r["token_versions"]) for r in records if r["step"] == 4} >= {(2, 2, 2, 2, 3, 3, 3, 3)}
+
+    run = start_grpo(overrides(vllm_server.url, vllm_server.model_dir, data, stopped, *args))
+    deadline = time.monotonic() + 300
+    while not (stopped / "metrics.jsonl").exists() or len(metrics(stopped)) < 2:
+        assert run.poll() is None and time.monotonic() < deadline, run.communicate()[1][-3000:]
+        time.sleep(0.2)
+    run.send_signal(signal.SIGTERM)
+    _, stderr = run.communicate(timeout=300)
+    assert run.returncode == 143 and "SIGTERM at step" in stderr, stderr[-3000:]
+    saved = sorted((stopped / "checkpoints").glob("step-*"))[-1]
+    half = json.loads((saved / "rollouts_in_flight_0.json").read_text())["batches"][0]
+    assert half["rounds"] == 1 and not all(half["ended"]), half  # its first chunk only, in the checkpoint
+    run = start_grpo(overrides(vllm_server.url, vllm_server.model_dir, data, stopped, *args,
+                               "train.resume_from_checkpoint=auto"))
+    _, stderr = run.communicate(timeout=600)
+    assert run.returncode == 0, stderr[-3000:]
+    assert unclocked_metrics(stopped) == unclocked_metrics(full)
+    assert_same_final_weights(full, stopped)
 
 
 def test_a_server_dying_mid_run_stops_the_run_naming_it(vllm_server, data, tmp_path):

@@ -15,7 +15,7 @@ from posttrain.config import DataConfig
 from posttrain.data import tokenize_prompts
 from posttrain.errors import UserError
 from posttrain.online.scoring import RankFigures
-from posttrain.online.rollout_source import step_metrics
+from posttrain.online.scoring import step_metrics
 from posttrain.rundir.health import CHECKS, PATIENCE, diagnose
 from posttrain.rundir.metrics import MetricsLogger
 from tests.unit.test_data_tokenizers import CONVERSATION, chatml_tokenizer, rows

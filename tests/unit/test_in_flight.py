@@ -20,7 +20,8 @@ def answer(index: int, positions: list[int], group: int = 2, sampled_by: int = 2
     rows = [(index, p, g) for p in positions for g in range(group)]
     return Sample([[p] for _, p, _ in rows], [[index, p, g] for index, p, g in rows],
                   [[-0.1 * (index + 1), math.nextafter(-1 / 3, 0)] for _ in rows], [g == 1 for _, _, g in rows],
-                  sampled_by=[sampled_by] * len(rows))
+                  sampled_by=[sampled_by] * len(rows), token_versions=[[sampled_by] * 3 for _ in rows],
+                  dropped=[False] * len(rows))
 
 
 def drive(queue: InFlight, batches: int, iterations: int = 1) -> list[tuple[int, int, str]]:
@@ -118,6 +119,14 @@ def test_checkpoint_files_restore_every_value_exactly_under_any_world_size(tmp_p
     assert lost.load(tmp_path, lambda index: [12], Trajectory) == [
         f"generation batch 4: the rows of prompt positions [12] are not in {tmp_path}"]
     assert len(lost) == 0
+    data = json.loads((tmp_path / "rollouts_in_flight_0.json").read_text())
+    for record in data["batches"]:  # a file written before versions were kept per token
+        del record["token_versions"], record["dropped"]
+    (tmp_path / "rollouts_in_flight_0.json").write_text(json.dumps(data))
+    earlier = InFlight(2, 1)
+    assert earlier.load(tmp_path, lambda index: [8 + 10 * (index - 4)], Trajectory) == []
+    restored = earlier.batches[0].wait()
+    assert restored.token_versions == [[2, 2, 2]] * 2 and restored.dropped == [False] * 2
     (tmp_path / "rollouts_in_flight_1.json").write_text('{"format": 99, "batches": []}')
     with pytest.raises(UserError, match="rollouts_in_flight_1.json is not a file of generation batches in flight"):
         InFlight(2, 1).load(tmp_path, lambda index: [12])
@@ -131,6 +140,8 @@ def test_checkpoint_files_restore_every_value_exactly_under_any_world_size(tmp_p
     (lambda b: b.pop("completion_ids"), "no completion_ids"),
     (lambda b: b.update(index="4"), "index and submitted_at must be whole numbers"),
     (lambda b: b.update(trajectories=[1, 2, 3, 4]), "trajectories must be objects"),
+    (lambda b: b["token_versions"][1].pop(), "token_versions must hold one version per completion token"),
+    (lambda b: b.update(rounds=-1), "rounds must be a whole number"),
 ])
 def test_an_edited_in_flight_file_is_named_before_anything_loads(tmp_path, edit, problem):
     """A file edited with its manifest recomputed: IndexError / KeyError deep in the resume before."""

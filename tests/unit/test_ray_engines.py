@@ -50,6 +50,9 @@ def test_serve_options_come_from_the_recipe():
     assert args[args.index("--max-model-len") + 1] == "4096"
     assert {"--dtype", "bfloat16", "--revision", "v1", "--trust-remote-code"} <= set(args)
     assert "--enforce-eager" not in args
+    assert "--enable-prefix-caching" not in args and "--no-enable-prefix-caching" not in args  # vLLM's default
+    for choice, flag in (("true", "--enable-prefix-caching"), ("false", "--no-enable-prefix-caching")):
+        assert flag in serve_args(recipe(f"generation.vllm.enable_prefix_caching={choice}"), 1)
 
 
 def test_the_ranks_generate_on_the_engines_with_their_token():

@@ -36,14 +36,15 @@ _VLLM: dict = {}
 
 
 def vllm_engine(model_dir, tokenizer=None, **kwargs) -> GenerationEngine:
-    """One vLLM engine per test session (start-up and memory); a different tokenizer only changes the stop ids."""
+    """One vLLM engine per test session (start-up and memory); a different tokenizer only changes the stop ids. Its
+    prefix cache is on: every test below holds with it, and a weight sync must empty it."""
     from posttrain.config.schema import VLLMConfig
     from posttrain.generation.vllm_engine import VLLMEngine
 
     key = str(model_dir)
     if key not in _VLLM:
         _VLLM[key] = VLLMEngine(model_dir, AutoTokenizer.from_pretrained(model_dir),
-                                VLLMConfig(kv_cache_gb=1, max_model_len=256), seed=0)
+                                VLLMConfig(kv_cache_gb=1, max_model_len=512, enable_prefix_caching=True), seed=0)
     engine = copy.copy(_VLLM[key])
     if tokenizer is not None:
         engine.stop_ids = stop_ids(tokenizer)
@@ -216,12 +217,19 @@ def test_stops_at_eos_and_flags_truncation(make, tokenizer, prompt_ids):
 
 def test_greedy_equals_hf_before_and_after_a_weight_sync(make, reference, tokenizer, prompt_ids):
     """Any engine's greedy text is HF's, token for token; after `load_weights` of new weights (named and built by the
-    trainer's sync iterator), it is HF's on the new weights."""
+    trainer's sync iterator), it is HF's on the new weights. A prompt of two cache blocks and more (vLLM's CPU blocks
+    hold 128 tokens) is cached by the in-process engine before the sync: without the sync's reset its log-probs after
+    it would come from the old weights' keys and values (0.34 nats off on the tiny model)."""
     from posttrain.distributed.weight_sync import sync_units
 
+    long_prompt = tokenizer("the quick brown fox jumps over the lazy dog " * 40)["input_ids"][:300]
+    prompt_ids = [*prompt_ids, long_prompt]
     params = SamplingParams(max_new_tokens=12, temperature=0)
     engine, hf = make(), HFEngine(copy.deepcopy(reference), tokenizer)
     assert engine.generate(prompt_ids, params).completion_ids == hf.generate(prompt_ids, params).completion_ids
+    if engine.prefix_cache_hits() is not None:  # the in-process engine: the long prompt's first blocks are cached
+        engine.generate([long_prompt], params)
+        assert engine.prefix_cache_hits() == (256, len(long_prompt))
     g = torch.Generator().manual_seed(1)
     with torch.no_grad():
         for p in hf.model.parameters():

@@ -303,6 +303,8 @@ def test_a_sync_runs_vllms_four_phases_and_the_bytes_arrive_bit_for_bit(fake):
         elif route == "/update_weights":
             received.extend([[(name, t.clone()) for name, t in bucket] for bucket in receive_buckets(worker["group"])])
             answer = {}
+        elif route == "/reset_prefix_cache":  # vLLM answers success false while a request holds cache blocks
+            answer = {"success": worker.get("reset", True)}
         else:
             answer = {}
         send(handler, json.dumps(answer).encode())
@@ -320,11 +322,14 @@ def test_a_sync_runs_vllms_four_phases_and_the_bytes_arrive_bit_for_bit(fake):
         for name, tensor in tensors:
             assert arrived[name].dtype == tensor.dtype and torch.equal(arrived[name], tensor), name
         received.clear()
-    sync.close()
-    worker["group"].close()
     one_sync = ["/start_weight_update", "/update_weights", "/finish_weight_update", "/reset_prefix_cache"]
     # /collective_rpc: an update a dead trainer left open is ended first (posttrain_end_abandoned_update)
     assert phases == ["/get_world_size", "/collective_rpc", "/init_weight_transfer_engine"] + one_sync * 2
+    worker["reset"] = False  # a prefix cache that stays holds the old weights' keys and values: the run stops
+    with pytest.raises(RunStopped, match=f"generation server {server.url} could not reset its prefix cache"):
+        sync.load_weights(iter([tensors]))
+    sync.close()
+    worker["group"].close()
 
 
 def test_the_request_carries_every_stop_id_and_a_completion_ending_on_one_is_finished(fake, eos_ids_model_dir):

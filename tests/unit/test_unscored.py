@@ -12,7 +12,7 @@ from posttrain.rewards import RewardSet
 from posttrain.online.engine_link import Sample
 from posttrain.online.dynamic_sampling import varied_groups
 from posttrain.online.scoring import RankFigures
-from posttrain.online.rollout_source import step_metrics
+from posttrain.online.scoring import step_metrics
 
 NAN = math.nan
 G = 4

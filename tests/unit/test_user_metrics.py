@@ -7,7 +7,7 @@ import torch
 
 from posttrain.errors import UserError
 from posttrain.online.scoring import RankFigures
-from posttrain.online.rollout_source import step_metrics
+from posttrain.online.scoring import step_metrics
 from posttrain.rewards.combine import Reward, RewardSet
 from posttrain.rewards.contract import UserLog
 from posttrain.train.loop import source_metrics
