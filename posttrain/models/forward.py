@@ -80,7 +80,7 @@ def policy_logprobs_entropy(model, batch: Batch, temperature: float = 1.0) -> tu
     logits chunks, only of the rows that predict a completion token (0 elsewhere), so the (B, T, V) logits never
     exist and the output layer skips the prompts and the padding; otherwise from the logits, at every position."""
     if batch.shares_prefix:
-        return _shared_logprobs(model, batch, temperature, batch.completion_mask_BT, with_entropy=True)
+        return _shared_logprobs(model, batch, temperature, batch.completion_mask_BT, with_entropy=True)[:2]
     head = fusable_head(model)
     if head is None or sequence_parallel.current() is not None:
         logits_BTV = policy_logits(model, batch)
@@ -130,10 +130,12 @@ def policy_logprobs_top1(model, batch: Batch, mask_BT: torch.Tensor | None = Non
     """policy_logprobs (temperature 1) and top1_BT: whether token t is the argmax of the distribution that predicts
     it (bool; position 0 False), TRL's is_top1, whose mean over the loss tokens is SFT's mean_token_accuracy. One
     forward; with a fusable head the argmax comes from the same logits chunks as the log-probs, so no (B, T, V) tensor
-    exists, as for policy_logprobs (and with `mask_BT` only the rows that predict its tokens are projected). Batches
-    without shared prefixes (SFT's)."""
+    exists, as for policy_logprobs (and with `mask_BT` only the rows that predict its tokens are projected; a
+    shared-prefix batch, SFT rows that start alike, scores the tokens `mask_BT` marks, all of them without one)."""
     if batch.shares_prefix:
-        raise ValueError("policy_logprobs_top1 scores batches without shared prefixes")
+        want_BT = batch.attention_mask_BT if mask_BT is None else mask_BT
+        logprobs_BT, _, top1_BT = _shared_logprobs(model, batch, 1.0, want_BT, with_entropy=False, with_top1=True)
+        return logprobs_BT, top1_BT
     return _logprobs_top1(model, batch, 1.0, with_top1=True, mask_BT=mask_BT)
 
 
@@ -158,10 +160,11 @@ def _logprobs_top1(model, batch: Batch, temperature: float, with_top1: bool, mas
             _unpacked(batch, shift_right(top1.float())).bool() if with_top1 else None)
 
 
-def _shared_logprobs(model, batch: Batch, temperature: float, want_BT: torch.Tensor,
-                     with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(logprobs_BT, entropy_BT or None) of a shared-prefix batch at the tokens `want_BT` marks (0 elsewhere): one
-    forward over its packed rows, the output layer on each distinct (predicting slot, token) pair once."""
+def _shared_logprobs(model, batch: Batch, temperature: float, want_BT: torch.Tensor, with_entropy: bool,
+                     with_top1: bool = False) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """(logprobs_BT, entropy_BT or None, top1_BT or None) of a shared-prefix batch at the tokens `want_BT` marks (0 /
+    False elsewhere): one forward over its packed rows, the output layer on each distinct (predicting slot, token)
+    pair once."""
     inputs, slot_BT = batch.model_inputs(), batch.prefix_layout().slot_BT
     want_BT = want_BT.bool() & (slot_BT >= 0)
     want_BT[:, 0] = False  # nothing predicts a row's first token
@@ -172,29 +175,31 @@ def _shared_logprobs(model, batch: Batch, temperature: float, want_BT: torch.Ten
             logits_NV = model(**inputs, use_cache=False).logits
             logits_1nV = logits_NV.reshape(-1, logits_NV.shape[-1])[slot_n][None]
             logprobs_1n = next_token_logprobs(logits_1nV, target_n[None], temperature=temperature)
+            top1_1n = logits_1nV.detach().argmax(-1) == target_n[None] if with_top1 else None
             entropy_1n = None
             if with_entropy:  # entropy_BT scores the row before each position: one dummy row in front
                 with torch.no_grad():
                     padded = torch.cat([logits_1nV[:, :1], logits_1nV], dim=1).detach()
                     entropy_1n = entropy_BT(padded, temperature=temperature)[:, 1:]
         else:
-            entropies = []
+            stats = []
 
             def forward(hidden_RWH: torch.Tensor) -> torch.Tensor:
                 hidden_1nH = hidden_RWH.reshape(-1, hidden_RWH.shape[-1])[slot_n][None]
-                logprobs, entropy = linear_next_token_logprobs_entropy(hidden_1nH, head.weight, target_n[None],
-                                                                       temperature, with_entropy=with_entropy)
-                entropies.append(entropy)
+                logprobs, entropy, top1 = linear_next_token_stats(hidden_1nH, head.weight, target_n[None], temperature,
+                                                                  with_entropy=with_entropy, with_top1=with_top1)
+                stats.append((entropy, top1))
                 return logprobs
 
             with _head_forward(head, forward):
                 logprobs_1n = model(**inputs, use_cache=False).logits
-            entropy_1n = entropies[0]
+            entropy_1n, top1_1n = stats[0]
 
     def scatter(values_1n: torch.Tensor) -> torch.Tensor:
         return values_1n.new_zeros(want_BT.shape).index_put((want_BT,), values_1n[0][inverse_m])
 
-    return scatter(logprobs_1n), (scatter(entropy_1n.detach()) if with_entropy else None)
+    return (scatter(logprobs_1n), scatter(entropy_1n.detach()) if with_entropy else None,
+            scatter(top1_1n) if with_top1 else None)
 
 
 def _next_token_logprobs(model, inputs: dict, next_ids_BT: torch.Tensor, temperature: float,

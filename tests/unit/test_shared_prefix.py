@@ -258,3 +258,39 @@ def test_models_whose_attention_the_mask_cannot_keep_exact_turn_auto_off():
     llama = {**config().to_dict(), "model_type": "llama"}
     assert blocker(recipe, llama) is None and _probe(json.dumps(llama, sort_keys=True)) is True  # the probe ran
 
+
+
+def every_other_completion_token_the_models_argmax(model, batch):
+    """The batch with each even completion position set to the model's greedy choice there (a prediction depends on
+    the tokens before it only), so a random model's accuracy is neither 0 nor 1."""
+    ids, completion = batch.input_ids_BT.clone(), batch.completion_mask_BT.bool()
+    for t in range(2, ids.shape[1], 2):
+        if completion[:, t].any():
+            with torch.no_grad():
+                logits_BV = model(input_ids=ids[:, :t], attention_mask=batch.attention_mask_BT[:, :t]).logits[:, -1]
+            ids[:, t] = torch.where(completion[:, t], logits_BV.argmax(-1), ids[:, t])
+    return dataclasses.replace(batch, input_ids_BT=ids)
+
+
+def test_sft_accuracy_of_rows_that_start_alike_equals_the_plain_forward():
+    """SFT rows that start alike become a shared-prefix batch under train.shared_prefix auto: its log-probs and
+    TRL's is_top1 (mean_token_accuracy's numerator) equal the plain batch's at the loss tokens, with the fused head
+    (untied) and with full logits (tied); policy_logprobs_top1 used to refuse a shared batch, stopping such a run."""
+    from posttrain.algorithms.sft import SFT
+    from posttrain.config.schema import SFTAlgoConfig
+    from posttrain.models.forward import policy_logprobs_top1
+
+    for tied in (False, True):
+        model = LlamaForCausalLM(config(tie_word_embeddings=tied)).float()
+        plain = every_other_completion_token_the_models_argmax(model, collate_padded(rows(SHAPES), PAD))
+        shared = share_prefixes(plain)
+        completion = plain.completion_mask_BT.bool()
+        (lp_s, top_s), (lp_p, top_p) = (policy_logprobs_top1(model, b, mask_BT=b.completion_mask_BT)
+                                        for b in (shared, plain))
+        assert_close(lp_s[completion], lp_p[completion])
+        assert torch.equal(top_s[completion], top_p[completion]) and not top_s[~completion].any()
+        assert 0 < int(top_p[completion].sum()) < int(completion.sum())  # a real mix of right and wrong
+        sft = SFT(SimpleNamespace(algo=SFTAlgoConfig()))
+        (loss_s, m_s), (loss_p, m_p) = (sft.loss(model, b, completion.sum()) for b in (shared, plain))
+        assert_close(loss_s, loss_p)
+        assert_close(m_s["mean_token_accuracy"], m_p["mean_token_accuracy"])
