@@ -223,7 +223,8 @@ def test_trl_reward_file_through_reward_funcs(tiny_model_dir, data, tmp_path, ca
     overrides = [o for o in base(tiny_model_dir, data, out, "train.max_steps=2") if not o.startswith("rewards=")]
     assert run_cli("grpo", *flags, *overrides) == 0
     header = capsys.readouterr().out  # a run in TRL's words: TRL's GRPO defaults for what it leaves out, said
-    assert "TRL 1.16.0 GRPOConfig defaults for what this run in TRL's words leaves out: num_train_epochs=3.0" in header
+    said = header.split("TRL 1.16.0 GRPOConfig defaults for what this run in TRL's words leaves out: ", 1)[1]
+    assert "num_train_epochs=3.0" in said.splitlines()[0]
     assert "| defaults=TRL 1.16.0 GRPOConfig" in header and "lora_dropout" not in header
     rows = metrics(out)
     assert [r["step"] for r in rows] == [1, 2]
