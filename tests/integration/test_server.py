@@ -262,7 +262,8 @@ def test_partial_rollouts_on_a_server_continue_across_syncs_and_a_sigterm_resume
     """generation.partial_rollouts on the server, chunks of 4 of the 8 tokens, one round per batch: every batch ahead
     gets its first chunk from the policy one step older and the rest, from its tokens so far, after the sync. A run
     stopped by SIGTERM saves its checkpoint with a batch half sampled, and resumed it ends as the uninterrupted run
-    did: the same logged figures but the clocks, the same final weights."""
+    did: the same logged figures but the clocks, the same final weights; so does one killed with SIGKILL once a
+    checkpoint with a batch half sampled is complete."""
     args = ("train.max_steps=4", "train.save_steps=1", "generation.max_staleness=2", "generation.partial_rollouts=true",
             "generation.partial_chunk_tokens=4", "generation.partial_chunks_per_batch=1",
             "algo.vllm_is_correction=true")
@@ -293,6 +294,26 @@ def test_partial_rollouts_on_a_server_continue_across_syncs_and_a_sigterm_resume
     assert run.returncode == 0, stderr[-3000:]
     assert unclocked_metrics(stopped) == unclocked_metrics(full)
     assert_same_final_weights(full, stopped)
+
+    # kill -9 once the step-2 checkpoint (a batch half sampled in it) is complete: resumed, the same run again
+    killed = tmp_path / "killed"
+    run = start_grpo(overrides(vllm_server.url, vllm_server.model_dir, data, killed, *args), start_new_session=True)
+    deadline = time.monotonic() + 300
+    while not (killed / "checkpoints" / "step-2" / "manifest.json").exists():
+        assert run.poll() is None and time.monotonic() < deadline, run.communicate()[1][-3000:]
+        time.sleep(0.05)
+    os.killpg(run.pid, signal.SIGKILL)
+    run.communicate(timeout=60)
+    assert run.returncode == -signal.SIGKILL
+    saved = sorted((killed / "checkpoints").glob("step-*/manifest.json"))[-1].parent
+    half = json.loads((saved / "rollouts_in_flight_0.json").read_text())["batches"][0]
+    assert half["rounds"] == 1 and not all(half["ended"]), half
+    run = start_grpo(overrides(vllm_server.url, vllm_server.model_dir, data, killed, *args,
+                               "train.resume_from_checkpoint=auto"))
+    _, stderr = run.communicate(timeout=600)
+    assert run.returncode == 0, stderr[-3000:]
+    assert unclocked_metrics(killed) == unclocked_metrics(full)
+    assert_same_final_weights(full, killed)
 
 
 def test_a_server_dying_mid_run_stops_the_run_naming_it(vllm_server, data, tmp_path):
