@@ -12,15 +12,20 @@ The spec: `reasoning_gym:` then the task names (reasoning_gym.factory.DATASETS),
 optional `*weight` (several tasks make reasoning-gym's composite dataset, drawn by weight), then an optional query:
 `size` (rows, default 1000), `seed` (default 0; a task is the same rows for the same seed), `prompt` (which of
 reasoning-gym's SYSTEM_PROMPTS opens each conversation, default `default`; every one asks for the answer between
-<answer> tags) and the task's own options (`min_terms=2`; with several tasks `task.option=value`), read as YAML
+<answer> tags), `examples` (default 0: how many solved training rows open every conversation, as user / assistant
+turns answering `<answer>...</answer>`; a small model follows an example of the format where it ignores the
+instruction) and the task's own options (`min_terms=2`; with several tasks `task.option=value`), read as YAML
 values.
 
 Held out: an eval spec with no task names takes the training spec's tasks and options. Without a seed of its own the
 eval rows start where the training indices end (reasoning-gym draws row i from seed + i, so seed + size is the first
 row the training set never drew), and any eval row whose question is also a training question is dropped and
-counted, so the two never overlap. Each row: `prompt` (system + user messages), `answer` (the reference), `task`
-(the row's own task, for per-task metrics), and `rg_dataset` / `rg_index`, which the reward uses to rebuild the row's
-entry and call that dataset's `score_answer`. Needs the `envs` extra (pip install 'posttrain[envs]').
+counted, so the two never overlap; it takes the training spec's `prompt` and `examples` unless it gives its own. The
+examples are the training spec's first rows, which it then does not ask again. A "+" in the query is a plus sign
+(`operators=["+","-"]`), not a URL's space. Each row: `prompt` (the system message, the examples, the question),
+`answer` (the reference), `task` (the row's own task, for per-task metrics), and `rg_dataset` / `rg_index`, which the
+reward uses to rebuild the row's entry and call that dataset's `score_answer`. Needs the `envs` extra
+(pip install 'posttrain[envs]').
 """
 
 from __future__ import annotations
@@ -39,7 +44,7 @@ from posttrain.errors import UserError, require_package
 logger = logging.getLogger(__name__)
 
 PREFIX = "reasoning_gym:"
-RESERVED = ("size", "seed", "prompt")
+RESERVED = ("size", "seed", "prompt", "examples")
 
 
 @dataclass(frozen=True)
@@ -49,8 +54,15 @@ class TaskSpec:
     size: int = 1000
     seed: int = 0
     prompt: str = "default"
-    seeded: bool = False
-    """The spec gave a seed (else a held-out spec takes its rows after the training ones)."""
+    examples: int = 0
+    """Solved rows (the training spec's first ones) shown before each question."""
+    given: tuple[str, ...] = ()
+    """The query keys of RESERVED the spec gave (a held-out spec takes the others from the training spec)."""
+
+    @property
+    def seeded(self) -> bool:
+        """The spec gave a seed (else a held-out spec takes its rows after the training ones)."""
+        return "seed" in self.given
 
     def key(self) -> str:
         """A canonical text that rebuilds the same dataset (the rows' `rg_dataset` column)."""
@@ -81,15 +93,17 @@ def parse_spec(source: str, what: str) -> TaskSpec:
         if not weight_value > 0:
             raise UserError(f"{what}: task '{name}' needs a weight > 0, got {weight}")
         tasks.append([name.strip(), weight_value, {}])
-    fields = {"size": 1000, "seed": 0, "prompt": "default"}
-    seeded = False
-    for key, text in urllib.parse.parse_qsl(query, keep_blank_values=True, strict_parsing=False):
+    fields = {"size": 1000, "seed": 0, "prompt": "default", "examples": 0}
+    given = []
+    # "+" stands for itself (operators=["+","-"]), not for a space as in a URL
+    for key, text in urllib.parse.parse_qsl(query.replace("+", "%2B"), keep_blank_values=True, strict_parsing=False):
         try:
             value = yaml.safe_load(text) if text else None
         except yaml.YAMLError:
             value = text
         if key in RESERVED:
-            fields[key], seeded = value, seeded or key == "seed"
+            fields[key] = value
+            given.append(key)
             continue
         task, dot, option = key.rpartition(".")
         owners = [t for t in tasks if t[0] == task] if dot else tasks[:1] if len(tasks) == 1 else []
@@ -98,12 +112,15 @@ def parse_spec(source: str, what: str) -> TaskSpec:
                 "with several tasks name the task: 'task.option=value'"
             raise UserError(f"{what}: option '{key}' in {source!r}: {where}")
         owners[0][2][option] = value
-    for key in ("size", "seed"):
+    for key in ("size", "seed", "examples"):
         if isinstance(fields[key], bool) or not isinstance(fields[key], int) or fields[key] < (key == "size"):
             raise UserError(f"{what}: {key}={fields[key]!r} in {source!r} must be a whole number"
                             f"{' >= 1' if key == 'size' else ' >= 0'}")
+    if fields["examples"] > fields["size"]:
+        raise UserError(f"{what}: examples={fields['examples']} in {source!r} is more than its size={fields['size']} "
+                        "(the examples are the first training rows)")
     return TaskSpec(tuple((n, w, tuple(sorted(o.items()))) for n, w, o in tasks), fields["size"], fields["seed"],
-                    str(fields["prompt"]), seeded)
+                    str(fields["prompt"]), fields["examples"], tuple(given))
 
 
 @functools.lru_cache(maxsize=16)
@@ -153,24 +170,26 @@ def task_rows(source: str, what: str, held_out_from: str | None = None) -> datas
     spec = parse_spec(source, what)
     train = parse_spec(held_out_from, "data.train") if is_task_spec(held_out_from) else None
     if train is not None and not spec.tasks:
-        spec = replace(spec, tasks=train.tasks)
+        spec = replace(spec, tasks=train.tasks, **{k: getattr(train, k) for k in ("prompt", "examples")
+                                                   if k not in spec.given})
     if train is not None and not spec.seeded:
         spec = replace(spec, seed=train.seed + train.size)
     dataset = build(spec, what)
+    training = build(train, "data.train") if train is not None else dataset
     from reasoning_gym.utils import SYSTEM_PROMPTS
 
-    seen = set()
-    if train is not None:
-        training = build(train, "data.train")
-        seen = {training[i]["question"] for i in range(len(training))}
+    seen = {training[i]["question"] for i in range(len(training))} if train is not None else set()
+    opening = [{"role": "system", "content": SYSTEM_PROMPTS[spec.prompt]}]
+    for i in range(spec.examples):  # training rows, so never a held-out question
+        opening += [{"role": "user", "content": training[i]["question"]},
+                    {"role": "assistant", "content": f"<answer>{training[i]['answer']}</answer>"}]
     rows, dropped = [], 0
-    for i in range(len(dataset)):
+    for i in range(spec.examples if train is None else 0, len(dataset)):  # an example is not asked again
         entry = dataset[i]
         if entry["question"] in seen:
             dropped += 1
             continue
-        rows.append({"prompt": [{"role": "system", "content": SYSTEM_PROMPTS[spec.prompt]},
-                                {"role": "user", "content": entry["question"]}],
+        rows.append({"prompt": opening + [{"role": "user", "content": entry["question"]}],
                      "answer": str(entry["answer"]), "task": entry["metadata"].get("source_dataset", spec.tasks[0][0]),
                      "rg_dataset": spec.key(), "rg_index": i})
     if dropped:

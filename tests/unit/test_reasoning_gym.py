@@ -24,6 +24,8 @@ def test_the_spec_reads_tasks_weights_and_options():
     assert spec.tasks == (("chain_sum", 3.0, (("max_terms", 3),)), ("basic_arithmetic", 1.0, ()))
     assert (spec.size, spec.seed, spec.prompt, spec.seeded) == (10, 4, "direct", True)
     assert parse_spec("reasoning_gym:leg_counting", "data.train").seed == 0  # reproducible by default
+    plus = parse_spec('reasoning_gym:basic_arithmetic?operators=["+","-"]&examples=1', "data.train")
+    assert plus.tasks[0][2] == (("operators", ["+", "-"]),) and plus.examples == 1  # "+" is a plus, not a space
 
 
 @pytest.mark.parametrize("source, message", [
@@ -34,6 +36,7 @@ def test_the_spec_reads_tasks_weights_and_options():
     ("reasoning_gym:basic_arithmetic?prompt=mine", "prompt='mine' is not one of reasoning-gym's system prompts"),
     ("reasoning_gym:basic_arithmetic?min_terms=9&max_terms=2", "reasoning-gym refused the options"),
     ("reasoning_gym:basic_arithmetic?no_such_option=1", "reasoning-gym refused the options"),
+    ("reasoning_gym:basic_arithmetic?examples=-1", "examples=-1 .* must be a whole number >= 0"),
 ])
 def test_a_bad_spec_is_named(source, message):
     with pytest.raises(UserError, match=f"data.train: .*{message}"):
@@ -53,6 +56,31 @@ def test_rows_the_held_out_split_and_a_composite():
     mixed = load_rows("reasoning_gym:basic_arithmetic*3,chain_sum?size=200&seed=2", what="data.train")
     counts = collections.Counter(mixed["task"])
     assert set(counts) == {"basic_arithmetic", "chain_sum"} and 2 < counts["basic_arithmetic"] / counts["chain_sum"] < 4.5
+
+
+def test_solved_examples_open_every_conversation_and_the_held_out_split_keeps_them():
+    """examples=K: the training spec's first K rows, answered in tags, before each question (and not asked again);
+    the held-out rows take the training prompt and examples, and never ask an example's question."""
+    import reasoning_gym
+
+    train_spec = "reasoning_gym:chain_sum?size=30&seed=7&max_terms=2&max_digits=2&prompt=direct&examples=2"
+    train = load_rows(train_spec, what="data.train")
+    held_out = load_rows("reasoning_gym:?size=20", what="data.eval", held_out_from=train_spec)
+    own = reasoning_gym.create_dataset("chain_sum", size=30, seed=7, max_terms=2, max_digits=2)
+    opening = [{"role": "system", "content": reasoning_gym.utils.SYSTEM_PROMPTS["direct"]}]
+    for i in (0, 1):
+        opening += [{"role": "user", "content": own[i]["question"]},
+                    {"role": "assistant", "content": f"<answer>{own[i]['answer']}</answer>"}]
+    assert len(train) == 28 and train["rg_index"] == list(range(2, 30))
+    assert all(p[:-1] == opening and p[-1]["role"] == "user" for p in list(train["prompt"]) + list(held_out["prompt"]))
+    assert [p[-1]["content"] for p in train["prompt"]] == [own[i]["question"] for i in range(2, 30)]
+    asked = {p[-1]["content"] for p in held_out["prompt"]}
+    assert len(held_out) > 0 and not asked & {own[i]["question"] for i in range(30)}
+    plain = load_rows("reasoning_gym:?size=20&prompt=simple&examples=0", what="data.eval", held_out_from=train_spec)
+    assert [m["role"] for m in plain["prompt"][0]] == ["system", "user"]  # its own prompt and examples win
+    assert plain["prompt"][0][0]["content"] == reasoning_gym.utils.SYSTEM_PROMPTS["simple"]
+    with pytest.raises(UserError, match="examples=5 .* is more than its size=4"):
+        load_rows("reasoning_gym:chain_sum?size=4&examples=5", what="data.train")
 
 
 def test_the_reward_is_the_tasks_own_scorer_on_the_answer_tags():
